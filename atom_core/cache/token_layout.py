@@ -7,3 +7,186 @@ Everything an attention backend needs follows from those (see ``StepLayout``).
 
 Legend: B = rows, T = tokens this step (sum of query_lens), P = padded pages per row.
 """
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import numpy as np
+import torch
+
+from atom_core.cache.page_table import (
+    INT32_MAX,
+    PAD_BLOCK_ID,
+    as_int_vector,
+    check_block_size,
+    check_pages_cover_context,
+    padded_block_table,
+)
+
+NO_SLOT = -1  # slot_mapping value for a token whose K/V is not written (padding rows)
+
+
+@dataclass(frozen=True, eq=False)
+class StepLayout:
+    """Where one step's tokens go; what every attention backend reads. CPU tensors from
+    ``build_step_layout``; ``to(device)`` moves them.
+
+    Rows are in input order, then padding rows (if any). Query tokens of row r are the last
+    ``query_lens[r]`` of its ``context_lens[r]``-token context (causal mask aligned bottom-right).
+
+    Attributes:
+        positions: int64 [T], position of each token in its own sequence (``cached_lens[r] + i``).
+        slot_mapping: int64 [T], pool slot each token's K/V is written to,
+            ``block_tables[r, pos // block_size] * block_size + pos % block_size``; -1 = write nothing.
+        cu_seqlens_q: int32 [B+1], prefix sums of the query lengths (row r's tokens are
+            ``cu_seqlens_q[r]:cu_seqlens_q[r+1]``).
+        cu_seqlens_k: int32 [B+1], prefix sums of ``context_lens``.
+        max_seqlen_q: int, longest query (0 for an empty batch).
+        max_seqlen_k: int, longest context (0 for an empty batch).
+        context_lens: int32 [B], tokens of the row in the pool once this step is written.
+        block_tables: int32 [B, P], pool block of each page, padded with -1.
+        logits_indices: int64 [B], index in [0, T) of each row's last token.
+        is_prefill: bool [B], False only for plain decode rows (query 1 on a cached context)
+            and for padding rows.
+        num_prefill_rows: int, rows with ``is_prefill``.
+        num_decode_rows: int, the other rows (padding rows included).
+    """
+
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    context_lens: torch.Tensor
+    block_tables: torch.Tensor
+    logits_indices: torch.Tensor
+    is_prefill: torch.Tensor
+    num_prefill_rows: int
+    num_decode_rows: int
+
+    @property
+    def num_rows(self) -> int:
+        """B, padding rows included."""
+        return int(self.context_lens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        """T, padding tokens included."""
+        return int(self.positions.shape[0])
+
+    def to(self, device, non_blocking: bool = False) -> StepLayout:
+        """A copy with every tensor moved to ``device`` (ints stay as they are)."""
+        moved = {
+            f.name: value.to(device, non_blocking=non_blocking)
+            for f in fields(self)
+            if isinstance(value := getattr(self, f.name), torch.Tensor)
+        }
+        return replace(self, **moved)
+
+
+def _check_lengths(query: np.ndarray, cached: np.ndarray) -> None:
+    if query.size != cached.size:
+        raise ValueError(f"query_lens has {query.size} rows but cached_lens has {cached.size}")
+    if (cached < 0).any():
+        r = int(np.flatnonzero(cached < 0)[0])
+        raise ValueError(f"cached_lens[{r}] = {int(cached[r])} is negative")
+    if (query < 1).any():
+        r = int(np.flatnonzero(query < 1)[0])
+        raise ValueError(f"query_lens[{r}] = {int(query[r])}; every row computes at least one token")
+
+
+def build_step_layout(
+    query_lens,
+    cached_lens,
+    block_tables,
+    block_size: int,
+    *,
+    pad_rows_to: int | None = None,
+    pad_pages_to: int | None = None,
+) -> StepLayout:
+    """The step's token layout from per-row lengths and block tables.
+
+    Args:
+        query_lens: int [B], tokens computed this step per row (>= 1): a whole prompt, a
+            chunk of one, the tail after a prefix-cache hit, 1 for decode, k for k-token
+            (speculative) decode.
+        cached_lens: int [B], tokens of the row already in the pool (>= 0).
+        block_tables: ragged list of per-row block-id lists, or int [B, P] padded with -1.
+            Row r needs at least ``ceil((cached_lens[r] + query_lens[r]) / block_size)`` blocks.
+        block_size: tokens per block, any int >= 1.
+        pad_rows_to: pad the batch to this many rows (CUDA-graph buckets). Each padding row
+            has one token (position 0, slot -1), context 0, a block-table row of -1, and is
+            not prefill. Must be >= B.
+        pad_pages_to: width P of the returned block table; must be >= the longest row's blocks.
+
+    Lengths accept sequences of ints, 1-D integer numpy arrays or tensors. Raises ValueError
+    (TypeError for non-integer input) naming the bad argument.
+    """
+    block_size = check_block_size(block_size)
+    query = as_int_vector("query_lens", query_lens)
+    cached = as_int_vector("cached_lens", cached_lens)
+    _check_lengths(query, cached)
+    num_real_rows = query.size
+    table, num_pages = padded_block_table(block_tables, num_rows=num_real_rows)
+    context = cached + query
+    check_pages_cover_context(num_pages, context, block_size)
+
+    num_pad_rows = 0
+    if pad_rows_to is not None:
+        if pad_rows_to < num_real_rows:
+            raise ValueError(f"pad_rows_to={pad_rows_to} is smaller than the batch of {num_real_rows} rows")
+        num_pad_rows = int(pad_rows_to) - num_real_rows
+    width = table.shape[1]
+    if pad_pages_to is not None:
+        if pad_pages_to < width:
+            raise ValueError(f"pad_pages_to={pad_pages_to} is smaller than the {width} blocks of the longest row")
+        width = int(pad_pages_to)
+
+    # Padding rows: one token each, nothing cached, nothing in the pool.
+    all_query = np.concatenate([query, np.ones(num_pad_rows, dtype=np.int64)])
+    all_context = np.concatenate([context, np.zeros(num_pad_rows, dtype=np.int64)])
+    num_rows = all_query.size
+
+    cu_seqlens_q = np.zeros(num_rows + 1, dtype=np.int64)
+    np.cumsum(all_query, out=cu_seqlens_q[1:])
+    cu_seqlens_k = np.zeros(num_rows + 1, dtype=np.int64)
+    np.cumsum(all_context, out=cu_seqlens_k[1:])
+    if cu_seqlens_k[-1] > INT32_MAX:  # cu_seqlens_k >= cu_seqlens_q elementwise for real rows
+        raise ValueError(f"the batch's {int(cu_seqlens_k[-1])} context tokens do not fit int32 cu_seqlens_k")
+    num_tokens = int(cu_seqlens_q[-1])
+    num_real_tokens = int(cu_seqlens_q[num_real_rows])
+
+    # Token t of row r is query token i = t - cu_seqlens_q[r]; its position is cached[r] + i.
+    token_row = np.repeat(np.arange(num_real_rows), query)
+    positions = np.zeros(num_tokens, dtype=np.int64)  # padding tokens keep position 0
+    positions[:num_real_tokens] = np.arange(num_real_tokens) - cu_seqlens_q[token_row] + cached[token_row]
+
+    # slot = block * block_size + offset, in int64: block ids near 2**31 / block_size overflow int32.
+    slot_mapping = np.full(num_tokens, NO_SLOT, dtype=np.int64)
+    real_positions = positions[:num_real_tokens]
+    block_of_token = table[token_row, real_positions // block_size]
+    slot_mapping[:num_real_tokens] = block_of_token * block_size + real_positions % block_size
+
+    padded_table = np.full((num_rows, width), PAD_BLOCK_ID, dtype=np.int32)
+    padded_table[:num_real_rows, : table.shape[1]] = table
+
+    is_prefill = np.zeros(num_rows, dtype=bool)
+    is_prefill[:num_real_rows] = ~((query == 1) & (cached > 0))
+    num_prefill_rows = int(is_prefill.sum())
+
+    return StepLayout(
+        positions=torch.from_numpy(positions),
+        slot_mapping=torch.from_numpy(slot_mapping),
+        cu_seqlens_q=torch.from_numpy(cu_seqlens_q.astype(np.int32)),
+        cu_seqlens_k=torch.from_numpy(cu_seqlens_k.astype(np.int32)),
+        max_seqlen_q=int(all_query.max()) if num_rows else 0,
+        max_seqlen_k=int(all_context.max()) if num_rows else 0,
+        context_lens=torch.from_numpy(all_context.astype(np.int32)),
+        block_tables=torch.from_numpy(padded_table),
+        logits_indices=torch.from_numpy(cu_seqlens_q[1:] - 1),
+        is_prefill=torch.from_numpy(is_prefill),
+        num_prefill_rows=num_prefill_rows,
+        num_decode_rows=num_rows - num_prefill_rows,
+    )
