@@ -1,0 +1,358 @@
+"""Block manager: ref-counted KV-pool blocks with a prefix cache.
+
+The KV pool is ``num_blocks`` blocks of ``block_size`` token slots each. A sequence owns a
+*block table*: the list of pool block ids holding its tokens in order (token at position
+``pos`` lives in block ``table[pos // block_size]``, slot ``pos % block_size``).
+
+Prefix cache. Once a step has computed the KV of a full block, ``publish`` gives the block a
+chained hash (see ``prefix_hash``) and records it in an index ``hash -> block id``. A later
+``allocate`` whose prompt starts with the same full blocks takes those blocks (incrementing
+their ref count) instead of recomputing them. Freed blocks keep their hash and content until
+they are handed out for something else, so a finished or preempted sequence's prefix stays
+reusable for a while.
+
+Free list. Blocks with ref count 0 sit in one ordered list; new blocks are taken from its
+head. A freed block without a hash holds nothing reusable and goes to the head; a freed
+block with a hash goes to the tail, so hashed content is evicted least-recently-freed first.
+A sequence's blocks are freed tail first, so its tail is evicted before its head (a cached
+head is useful on its own, a cached tail is not). A hit on a free block removes it from the
+list in O(1) (an ``OrderedDict`` keyed by block id).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from atom_core.cache.prefix_hash import ROOT_PARENT_HASH, hash_block_tokens
+
+__all__ = ["BlockManager", "PrefixCacheStats"]
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    """Prefix-cache counters since construction or the last ``reset_stats``.
+
+    ``queries``: full prompt blocks looked up (those eligible to be served from the cache:
+    ``(len(prompt) - 1) // block_size`` per successful ``allocate``); ``hits``: of those, blocks
+    served from the cache. ``query_tokens`` / ``hit_tokens`` are the same in tokens
+    (``hit_tokens`` = the sum of ``allocate``'s return values). ``allocate`` calls that return
+    None count nothing.
+    """
+
+    queries: int = 0
+    hits: int = 0
+    query_tokens: int = 0
+    hit_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """hits / queries, 0.0 when nothing was queried."""
+        return self.hits / self.queries if self.queries else 0.0
+
+
+@dataclass
+class _SeqBlocks:
+    """Per-sequence state: its block table and the chained hashes of its leading known blocks."""
+
+    block_ids: list[int]
+    # Hashes of blocks 0 .. len(block_hashes)-1, whose KV is known to be in the pool (served
+    # from the cache or published). Kept even when the block itself is not in the index
+    # (duplicate content), because the next block's hash chains on it.
+    block_hashes: list[int]
+
+
+def _blocks_for(num_tokens: int, block_size: int) -> int:
+    """ceil(num_tokens / block_size)."""
+    return -(-num_tokens // block_size)
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+
+
+def _as_token_array(name: str, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Token ids as a 1-D int64 array (accepts lists, tuples, numpy arrays, CPU tensors)."""
+    tokens = np.asarray(token_ids)
+    if tokens.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tokens.shape}")
+    if tokens.size and not np.issubdtype(tokens.dtype, np.integer):
+        raise TypeError(f"{name} must hold integers, got dtype {tokens.dtype}")
+    return tokens.astype(np.int64, copy=False)
+
+
+class BlockManager:
+    """Hands out KV-pool blocks to sequences; shares full prefix blocks through a hash index.
+
+    Args:
+        num_blocks: blocks in the pool (ids ``0 .. num_blocks-1``).
+        block_size: token slots per block.
+        enable_prefix_caching: when False no block is ever hashed or shared.
+
+    Sequences are named by any hashable ``seq_id``. Every method that cannot be served
+    leaves the manager unchanged (``allocate`` returns None, ``append_slots`` False).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        _check_positive_int("num_blocks", num_blocks)
+        _check_positive_int("block_size", block_size)
+        self._num_blocks = int(num_blocks)
+        self._block_size = int(block_size)
+        self.enable_prefix_caching = bool(enable_prefix_caching)
+
+        self._ref_counts = [0] * self._num_blocks
+        # Published content of each block: (hash, parent hash, token ids); None = nothing reusable.
+        self._block_hash: list[int | None] = [None] * self._num_blocks
+        self._block_key: list[tuple[int, tuple[int, ...]] | None] = [None] * self._num_blocks
+        self._hash_to_block: dict[int, int] = {}
+        # Ref-0 blocks in hand-out order (head first); values unused.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(self._num_blocks))
+        self._seqs: dict[Hashable, _SeqBlocks] = {}
+
+        self._queries = self._hits = self._query_tokens = self._hit_tokens = 0
+
+    # ---------------------------------------------------------------- properties
+
+    @property
+    def num_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with ref count 0 (hashed or not): what new allocations can take."""
+        return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks currently in the hash index (in use or free)."""
+        return len(self._hash_to_block)
+
+    @property
+    def stats(self) -> PrefixCacheStats:
+        return PrefixCacheStats(self._queries, self._hits, self._query_tokens, self._hit_tokens)
+
+    def reset_stats(self) -> None:
+        self._queries = self._hits = self._query_tokens = self._hit_tokens = 0
+
+    def __contains__(self, seq_id: Hashable) -> bool:
+        """True while ``seq_id`` holds blocks (between ``allocate`` and ``free``)."""
+        return seq_id in self._seqs
+
+    def block_table(self, seq_id: Hashable) -> list[int]:
+        """A copy of the sequence's block table (pool block ids, in token order)."""
+        return list(self._get_seq(seq_id).block_ids)
+
+    def can_allocate(self, num_tokens: int) -> bool:
+        """Whether ``num_tokens`` tokens fit in free blocks, not counting prefix-cache hits."""
+        return _blocks_for(num_tokens, self._block_size) <= len(self._free)
+
+    # ---------------------------------------------------------------- allocation
+
+    def allocate(self, seq_id: Hashable, prompt_token_ids: Sequence[int] | np.ndarray) -> int | None:
+        """Reserve blocks for every prompt token, taking cached full prefix blocks where possible.
+
+        Args:
+            seq_id: a name not currently allocated.
+            prompt_token_ids: the tokens to hold, 1-D ints, at least one (after a preemption:
+                the prompt plus the tokens generated so far).
+
+        Returns:
+            The number of leading prompt tokens whose KV is already in the pool (a multiple of
+            ``block_size``, always < len(prompt): the last prompt block is never served from the
+            cache, so at least one token runs and produces logits), or None if the blocks do not
+            fit; then nothing changed.
+        """
+        if seq_id in self._seqs:
+            raise ValueError(f"seq_id {seq_id!r} is already allocated; free it first")
+        tokens = _as_token_array("prompt_token_ids", prompt_token_ids)
+        num_tokens = len(tokens)
+        if num_tokens == 0:
+            raise ValueError("prompt_token_ids is empty; a prompt needs at least one token")
+        bs = self._block_size
+
+        # Full blocks that may be served: all but the block holding the last prompt token.
+        num_eligible = (num_tokens - 1) // bs if self.enable_prefix_caching else 0
+        hit_blocks: list[int] = []
+        hit_hashes: list[int] = []
+        hit_set: set[int] = set()
+        parent = ROOT_PARENT_HASH
+        for i in range(num_eligible):
+            block_tokens = tokens[i * bs : (i + 1) * bs]
+            block_hash = hash_block_tokens(parent, block_tokens)
+            block_id = self._hash_to_block.get(block_hash)
+            # Collision guard: the stored parent and token ids must equal the request's.
+            if block_id is None or self._block_key[block_id] != (parent, tuple(block_tokens.tolist())):
+                break
+            if block_id in hit_set:  # only after a 64-bit collision of two chains
+                break
+            hit_blocks.append(block_id)
+            hit_set.add(block_id)
+            hit_hashes.append(block_hash)
+            parent = block_hash
+
+        num_hit_free = sum(1 for b in hit_blocks if self._ref_counts[b] == 0)
+        num_new = _blocks_for(num_tokens, bs) - len(hit_blocks)
+        if num_new > len(self._free) - num_hit_free:
+            return None
+
+        for block_id in hit_blocks:
+            if self._ref_counts[block_id] == 0:
+                del self._free[block_id]
+            self._ref_counts[block_id] += 1
+        block_ids = hit_blocks + [self._take_free_block() for _ in range(num_new)]
+        self._seqs[seq_id] = _SeqBlocks(block_ids, hit_hashes)
+
+        num_cached_tokens = len(hit_blocks) * bs
+        self._queries += num_eligible
+        self._hits += len(hit_blocks)
+        self._query_tokens += num_eligible * bs
+        self._hit_tokens += num_cached_tokens
+        return num_cached_tokens
+
+    def append_slots(self, seq_id: Hashable, num_tokens_total: int) -> bool:
+        """Grow the sequence's table to hold ``num_tokens_total`` tokens in all.
+
+        Returns False (nothing changed) when the free blocks do not suffice. A total the table
+        already holds is a no-op returning True; tables never shrink here.
+        """
+        seq = self._get_seq(seq_id)
+        if num_tokens_total < 0:
+            raise ValueError(f"num_tokens_total must be >= 0, got {num_tokens_total}")
+        num_new = _blocks_for(num_tokens_total, self._block_size) - len(seq.block_ids)
+        if num_new <= 0:
+            return True
+        if num_new > len(self._free):
+            return False
+        seq.block_ids.extend(self._take_free_block() for _ in range(num_new))
+        return True
+
+    def publish(
+        self, seq_id: Hashable, token_ids: Sequence[int] | np.ndarray, num_computed_tokens: int
+    ) -> None:
+        """Make the sequence's newly computed full blocks reusable by later prompts.
+
+        Call after the step that wrote their KV ran. Args: ``token_ids``, the sequence's tokens
+        (at least its first ``num_computed_tokens``); ``num_computed_tokens``, how many leading
+        tokens now have KV in the pool. Every full block inside that range not yet hashed gets
+        its chained hash; it enters the index unless an equal block is already there.
+        """
+        seq = self._get_seq(seq_id)
+        if not 0 <= num_computed_tokens <= len(token_ids):
+            raise ValueError(
+                f"num_computed_tokens={num_computed_tokens} must be in [0, len(token_ids)="
+                f"{len(token_ids)}]"
+            )
+        capacity = len(seq.block_ids) * self._block_size
+        if num_computed_tokens > capacity:
+            raise ValueError(
+                f"num_computed_tokens={num_computed_tokens} exceeds the {capacity} slots of "
+                f"seq_id {seq_id!r}'s blocks"
+            )
+        if not self.enable_prefix_caching:
+            return
+        bs = self._block_size
+        num_full = num_computed_tokens // bs
+        first = len(seq.block_hashes)
+        if num_full <= first:
+            return
+        tokens = _as_token_array("token_ids", token_ids[first * bs : num_full * bs])
+        parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_PARENT_HASH
+        for i in range(first, num_full):
+            block_tokens = tokens[(i - first) * bs : (i - first + 1) * bs]
+            block_hash = hash_block_tokens(parent, block_tokens)
+            seq.block_hashes.append(block_hash)
+            if block_hash not in self._hash_to_block:
+                block_id = seq.block_ids[i]
+                self._hash_to_block[block_hash] = block_id
+                self._block_hash[block_id] = block_hash
+                self._block_key[block_id] = (parent, tuple(block_tokens.tolist()))
+            parent = block_hash
+
+    def free(self, seq_id: Hashable) -> None:
+        """Release the sequence's blocks, tail first; hashed ones stay reusable until reused."""
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            raise ValueError(f"seq_id {seq_id!r} has no blocks allocated")
+        for block_id in reversed(seq.block_ids):
+            self._ref_counts[block_id] -= 1
+            if self._ref_counts[block_id] == 0:
+                self._free[block_id] = None
+                if self._block_hash[block_id] is None:
+                    self._free.move_to_end(block_id, last=False)
+
+    # ---------------------------------------------------------------- internals
+
+    def _get_seq(self, seq_id: Hashable) -> _SeqBlocks:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise ValueError(f"seq_id {seq_id!r} has no blocks allocated")
+        return seq
+
+    def _take_free_block(self) -> int:
+        """Pop the head of the free list; its old content (if any) leaves the index."""
+        block_id, _ = self._free.popitem(last=False)
+        old_hash = self._block_hash[block_id]
+        if old_hash is not None:
+            del self._hash_to_block[old_hash]
+            self._block_hash[block_id] = None
+            self._block_key[block_id] = None
+        self._ref_counts[block_id] = 1
+        return block_id
+
+    # ---------------------------------------------------------------- checking
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError naming the first broken invariant (for tests and debugging)."""
+        n = self._num_blocks
+        references = [0] * n
+        for seq_id, seq in self._seqs.items():
+            ids = seq.block_ids
+            assert all(0 <= b < n for b in ids), f"seq {seq_id!r}: block id out of range in {ids}"
+            assert len(set(ids)) == len(ids), f"seq {seq_id!r}: a block appears twice in {ids}"
+            assert len(seq.block_hashes) <= len(ids), (
+                f"seq {seq_id!r}: {len(seq.block_hashes)} known hashes for {len(ids)} blocks"
+            )
+            for i, block_id in enumerate(ids):
+                references[block_id] += 1
+                stored = self._block_hash[block_id]
+                if i < len(seq.block_hashes) and stored is not None:
+                    assert stored == seq.block_hashes[i], (
+                        f"seq {seq_id!r}: block {block_id} at index {i} holds hash {stored}, "
+                        f"the sequence's chain says {seq.block_hashes[i]}"
+                    )
+        for block_id in range(n):
+            assert self._ref_counts[block_id] == references[block_id], (
+                f"block {block_id}: ref count {self._ref_counts[block_id]} but "
+                f"{references[block_id]} block-table references"
+            )
+            is_free = block_id in self._free
+            assert is_free == (references[block_id] == 0), (
+                f"block {block_id}: in free list={is_free} with ref count {references[block_id]}"
+            )
+        assert len(self._free) + sum(1 for r in references if r > 0) == n, "free ∪ used != all blocks"
+        for block_hash, block_id in self._hash_to_block.items():
+            assert self._block_hash[block_id] == block_hash, (
+                f"index maps hash {block_hash} to block {block_id}, which holds "
+                f"{self._block_hash[block_id]}"
+            )
+            key = self._block_key[block_id]
+            assert key is not None and hash_block_tokens(key[0], key[1]) == block_hash, (
+                f"block {block_id}: stored parent/tokens do not hash to {block_hash}"
+            )
+        for block_id in range(n):
+            stored = self._block_hash[block_id]
+            assert (stored is None) == (self._block_key[block_id] is None), (
+                f"block {block_id}: hash and stored tokens disagree on being set"
+            )
+            assert stored is None or self._hash_to_block.get(stored) == block_id, (
+                f"block {block_id} holds hash {stored} that the index does not map to it"
+            )
