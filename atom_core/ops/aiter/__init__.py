@@ -1,0 +1,1 @@
+"""Adapters onto AMD's AITER kernels (ROCm). Imported lazily by the dispatcher, only when `aiter` imports."""

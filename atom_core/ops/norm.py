@@ -1,0 +1,137 @@
+"""Normalisation ops: ``rms_norm`` and ``layer_norm``, each with an optional fused residual add.
+
+Legend: T = tokens (rows), D = hidden size.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from atom_core.ops import reference
+from atom_core.ops.dispatch import Op
+from atom_core.ops.validation import FLOAT_DTYPES, check_out, check_shape, check_tensor
+
+RMS_NORM = Op("rms_norm")
+LAYER_NORM = Op("layer_norm")
+
+
+def _torch_rms_norm(x, weight, eps, residual, gemma, out, residual_out):
+    result = reference.rms_norm(x, weight, eps, residual, gemma)
+    _copy_results(result, out, residual_out)
+
+
+def _torch_layer_norm(x, weight, bias, eps, residual, out, residual_out):
+    result = reference.layer_norm(x, weight, bias, eps, residual)
+    _copy_results(result, out, residual_out)
+
+
+def _copy_results(result, out, residual_out):
+    if residual_out is None:
+        out.copy_(result)
+    else:
+        out.copy_(result[0])
+        residual_out.copy_(result[1])
+
+
+def _triton_supports(x, weight, *rest) -> str | None:
+    tensors = [t for t in (x, weight, *rest) if isinstance(t, Tensor)]
+    if any(t.stride(-1) != 1 for t in tensors):
+        return "triton norm kernels need the last dim contiguous"
+    if x.shape[-1] > 65536:
+        return f"hidden size {x.shape[-1]} exceeds one row per program (65536)"
+    return None
+
+
+def _aiter_rms_supports(x, weight, eps, residual, gemma, out, residual_out) -> str | None:
+    if gemma:
+        return "aiter rmsnorm has no (1 + w) weight variant"
+    if not all(t.is_contiguous() for t in (x, weight, out) if t is not None):
+        return "aiter rmsnorm needs contiguous tensors"
+    return None
+
+
+def _aiter_ln_supports(x, weight, bias, eps, residual, out, residual_out) -> str | None:
+    if bias is None:
+        return "aiter layernorm2d_fwd needs a bias"
+    return None if x.is_contiguous() else "aiter layernorm needs contiguous tensors"
+
+
+RMS_NORM.register("torch", _torch_rms_norm)
+RMS_NORM.register("triton", "atom_core.ops.triton.norm:rms_norm", _triton_supports)
+RMS_NORM.register("aiter", "atom_core.ops.aiter.norm:rms_norm", _aiter_rms_supports)
+LAYER_NORM.register("torch", _torch_layer_norm)
+LAYER_NORM.register("triton", "atom_core.ops.triton.norm:layer_norm", _triton_supports)
+LAYER_NORM.register("aiter", "atom_core.ops.aiter.norm:layer_norm", _aiter_ln_supports)
+
+
+@torch.library.custom_op("atom_core::rms_norm", mutates_args=("out", "residual_out"))
+def _rms_norm_op(x: Tensor, weight: Tensor, eps: float, residual: Optional[Tensor], gemma: bool,
+                 out: Tensor, residual_out: Optional[Tensor], backend: Optional[str]) -> None:
+    RMS_NORM(x, weight, eps, residual, gemma, out, residual_out, backend=backend)
+
+
+@_rms_norm_op.register_fake
+def _(x, weight, eps, residual, gemma, out, residual_out, backend) -> None:
+    return None
+
+
+@torch.library.custom_op("atom_core::layer_norm", mutates_args=("out", "residual_out"))
+def _layer_norm_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], eps: float, residual: Optional[Tensor],
+                   out: Tensor, residual_out: Optional[Tensor], backend: Optional[str]) -> None:
+    LAYER_NORM(x, weight, bias, eps, residual, out, residual_out, backend=backend)
+
+
+@_layer_norm_op.register_fake
+def _(x, weight, bias, eps, residual, out, residual_out, backend) -> None:
+    return None
+
+
+def _check_norm_args(x, weight, bias, residual, out, residual_out):
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    d = x.shape[-1]
+    check_tensor("weight", weight, ndim=1)
+    check_shape("weight", weight, (d,))
+    if bias is not None:
+        check_tensor("bias", bias, ndim=1)
+        check_shape("bias", bias, (d,))
+    if residual is not None:
+        check_tensor("residual", residual, dtypes=(x.dtype,))
+        check_shape("residual", residual, tuple(x.shape))
+    elif residual_out is not None:
+        raise ValueError("residual_out given without residual")
+    check_out("out", out, x.shape, x.dtype, x.device)
+    check_out("residual_out", residual_out, x.shape, x.dtype, x.device)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, *, residual: Tensor | None = None, gemma: bool = False,
+             out: Tensor | None = None, residual_out: Tensor | None = None, backend: str | None = None):
+    """RMSNorm of the rows of ``x``, optionally after adding ``residual``.
+
+    x: [T, D] fp32/fp16/bf16; weight: [D]; residual: [T, D] like x or None.
+    gemma=True scales by ``1 + weight`` (Gemma's convention).
+    Returns out [T, D] (x's dtype); with a residual, ``(out, residual_out)`` where
+    ``residual_out = x + residual`` (the new residual stream) and ``out = norm(residual_out)``.
+    """
+    _check_norm_args(x, weight, None, residual, out, residual_out)
+    out = torch.empty_like(x) if out is None else out
+    if residual is not None and residual_out is None:
+        residual_out = torch.empty_like(x)
+    torch.ops.atom_core.rms_norm(x, weight, float(eps), residual, bool(gemma), out, residual_out, backend)
+    return out if residual is None else (out, residual_out)
+
+
+def layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float = 1e-5, *, residual: Tensor | None = None,
+               out: Tensor | None = None, residual_out: Tensor | None = None, backend: str | None = None):
+    """LayerNorm of the rows of ``x`` (weight [D], bias [D] or None), optionally after adding ``residual``.
+
+    Shapes and the residual convention as in :func:`rms_norm`.
+    """
+    _check_norm_args(x, weight, bias, residual, out, residual_out)
+    out = torch.empty_like(x) if out is None else out
+    if residual is not None and residual_out is None:
+        residual_out = torch.empty_like(x)
+    torch.ops.atom_core.layer_norm(x, weight, bias, float(eps), residual, out, residual_out, backend)
+    return out if residual is None else (out, residual_out)

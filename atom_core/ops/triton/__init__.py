@@ -1,0 +1,1 @@
+"""Triton kernels. Imported lazily by the dispatcher; importing this package needs Triton."""

@@ -1,0 +1,63 @@
+"""Triton RMSNorm / LayerNorm: one program per row, the whole row in registers, fp32 math."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _norm_kernel(
+    x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr,
+    D, stride_x, stride_res, stride_out, stride_res_out, eps,
+    HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, IS_RMS: tl.constexpr, GEMMA: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < D
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        # Round the sum to the input dtype, as a model adding in its own dtype would.
+        r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
+    h = x.to(tl.float32)
+    if IS_RMS:
+        var = tl.sum(h * h, axis=0) / D
+        y = h * tl.rsqrt(var + eps)
+    else:
+        mean = tl.sum(h, axis=0) / D
+        centred = tl.where(mask, h - mean, 0.0)
+        var = tl.sum(centred * centred, axis=0) / D
+        y = centred * tl.rsqrt(var + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if GEMMA:
+        w = w + 1.0
+    y = y * w
+    if HAS_BIAS:
+        y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch(x, residual, weight, bias, out, residual_out, eps, is_rms, gemma):
+    rows, d = x.shape
+    if rows == 0:
+        return
+    block_d = triton.next_power_of_2(d)
+    num_warps = min(max(block_d // 256, 1), 16)
+    _norm_kernel[(rows,)](
+        x, residual, weight, bias, out, residual_out,
+        d, x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
+        residual_out.stride(0) if residual_out is not None else 0, eps,
+        HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, IS_RMS=is_rms, GEMMA=gemma,
+        BLOCK_D=block_d, num_warps=num_warps,
+    )
+
+
+def rms_norm(x, weight, eps, residual, gemma, out, residual_out):
+    _launch(x, residual, weight, None, out, residual_out, eps, True, gemma)
+
+
+def layer_norm(x, weight, bias, eps, residual, out, residual_out):
+    _launch(x, residual, weight, bias, out, residual_out, eps, False, False)
