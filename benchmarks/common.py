@@ -1,0 +1,64 @@
+"""Timing helpers shared by the benchmark scripts: medians of timed runs, copy bandwidth, tables."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+
+def bench(fn: Callable[[], object], *, warmup: int = 5, iters: int = 50, device: str = "cuda") -> float:
+    """Median milliseconds of ``fn()``. CUDA: events around each call, L2 not flushed (steady state)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    else:
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbs(device: str = "cuda", nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth in GB/s, counting bytes read + written (the practical HBM ceiling)."""
+    n = nbytes // 4
+    src = torch.empty(n, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src), warmup=3, iters=20, device=device)
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def print_table(rows: list[dict], columns: list[str] | None = None) -> None:
+    if not rows:
+        print("(no rows)")
+        return
+    columns = columns or list(rows[0])
+    cells = [[_fmt(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+    for row in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
+
+
+def write_json(rows: list[dict], path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
