@@ -1,0 +1,363 @@
+"""ModelConfig: the fields of a Hugging Face ``config.json`` that the models read, parsed without transformers.
+
+Common fields become typed attributes; every other key is kept in ``extra`` and is also
+readable as an attribute (``cfg.moe_intermediate_size`` falls back to
+``cfg.extra["moe_intermediate_size"]``).
+
+Rotary embedding parameters come in two spellings, both accepted and normalised to the same
+result:
+
+- published checkpoints: ``rope_theta`` plus ``rope_scaling`` (``{"type": "linear", ...}`` in
+  older files, ``{"rope_type": ...}`` in newer ones);
+- transformers 5: ``rope_parameters = {"rope_type": ..., "rope_theta": ..., ...}``, or one such
+  dict per attention layer type (``{"full_attention": {...}, "sliding_attention": {...}}``).
+
+Normalised: ``rope_theta`` (float) and ``rope_scaling`` (a dict with ``rope_type`` and the
+scaling keys, without ``rope_theta``; ``None`` for plain RoPE), plus ``rope_by_layer_type``
+(``{layer_type: {"rope_theta": float, "rope_scaling": dict | None}}``) when the file gives
+per-layer-type parameters. ``rope_params(layer_type)`` returns the pair for a layer type.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Defaults for keys a config.json may leave out, by model_type. Values follow the published
+# checkpoints of each family (every Qwen3 checkpoint uses rope_theta 1e6).
+GENERIC_DEFAULTS: dict[str, Any] = {
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "hidden_act": "silu",
+}
+ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"rope_theta": 10000.0, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6},
+    "mistral": {"rope_theta": 10000.0, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6},
+    "qwen2": {"rope_theta": 1e6, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+              "attention_bias": True},
+    "qwen3": {"rope_theta": 1e6, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6},
+    "qwen3_moe": {"rope_theta": 1e6, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6},
+}
+# Architecture to assume when config.json has no "architectures" list (e.g. a bare
+# PretrainedConfig.save_pretrained output).
+ARCH_FOR_MODEL_TYPE: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+_LAYER_TYPE_KEYS = ("full_attention", "sliding_attention", "chunked_attention", "linear_attention")
+
+
+def parse_dtype(value: Any, *, what: str = "dtype") -> torch.dtype | None:
+    """``"bfloat16"``, ``"torch.float16"``, a ``torch.dtype`` or None -> ``torch.dtype | None``."""
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str):
+        key = value.removeprefix("torch.").lower()
+        if key in _DTYPES:
+            return _DTYPES[key]
+        if key == "auto":
+            return None
+    raise ValueError(f"{what}: unsupported dtype {value!r}; expected one of {sorted(_DTYPES)}")
+
+
+def normalize_rope_scaling(scaling: dict | None, *, what: str = "rope_scaling") -> tuple[float | None, dict | None]:
+    """Split a rope dict into ``(rope_theta or None, scaling dict or None)``.
+
+    The old key ``type`` becomes ``rope_type``; a dict that only says ``rope_type: default``
+    becomes None (plain RoPE).
+    """
+    if scaling is None:
+        return None, None
+    if not isinstance(scaling, dict):
+        raise ValueError(f"{what} must be a dict or null, got {type(scaling).__name__}")
+    out = dict(scaling)
+    theta = out.pop("rope_theta", None)
+    old_type = out.pop("type", None)
+    if "rope_type" not in out and old_type is not None:
+        out["rope_type"] = old_type
+    out.setdefault("rope_type", "default")
+    if out["rope_type"] == "mrope":  # older Qwen2-VL spelling of plain RoPE with sections
+        out["rope_type"] = "default"
+    if theta is not None:
+        theta = _as_float(theta, f"{what}.rope_theta")
+    if out == {"rope_type": "default"}:
+        out = None
+    return theta, out
+
+
+def _as_float(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{what} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _as_int(value: Any, what: str, *, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{what} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _as_bool(value: Any, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{what} must be true or false, got {value!r}")
+    return value
+
+
+@dataclass
+class ModelConfig:
+    """Architecture hyper-parameters of a checkpoint. Build with ``from_dict`` or ``from_file``."""
+
+    architectures: list[str]
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int | None
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    hidden_act: str
+    sliding_window: int | None
+    layer_types: list[str]
+    bos_token_id: int | None
+    eos_token_id: list[int]
+    torch_dtype: torch.dtype | None
+    rope_by_layer_type: dict[str, dict] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called when normal lookup fails: fall back to the keys kept in ``extra``.
+        if name.startswith("__") or name == "extra":
+            raise AttributeError(name)
+        extra = self.__dict__.get("extra", {})
+        if name in extra:
+            return extra[name]
+        raise AttributeError(f"ModelConfig has no field or extra key {name!r}")
+
+    def get(self, name: str, default: Any = None) -> Any:
+        """A field or an ``extra`` key, or ``default`` when neither exists."""
+        try:
+            return getattr(self, name)
+        except AttributeError:
+            return default
+
+    def rope_params(self, layer_type: str | None = None) -> tuple[float, dict | None]:
+        """``(rope_theta, rope_scaling)`` for a layer type (the global pair when not per-type)."""
+        if layer_type is not None and self.rope_by_layer_type and layer_type in self.rope_by_layer_type:
+            entry = self.rope_by_layer_type[layer_type]
+            return entry["rope_theta"], entry["rope_scaling"]
+        return self.rope_theta, self.rope_scaling
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "ModelConfig":
+        """Parse a ``config.json`` file (or a folder holding one)."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"model config not found: {path}")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from e
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+        try:
+            return cls.from_dict(data)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{path}: {e}") from e
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        """Parse a config dict (the contents of config.json); unknown keys go to ``extra``."""
+        if not isinstance(d, dict):
+            raise TypeError(f"config must be a dict, got {type(d).__name__}")
+        d = dict(d)
+        used: set[str] = set()
+
+        def take(key: str, default: Any = None) -> Any:
+            used.add(key)
+            return d.get(key, default)
+
+        model_type = take("model_type") or ""
+        if not isinstance(model_type, str):
+            raise ValueError(f"model_type must be a string, got {model_type!r}")
+        defaults = {**GENERIC_DEFAULTS, **ARCH_DEFAULTS.get(model_type, {})}
+
+        def take_or_default(key: str) -> Any:
+            value = take(key)
+            return defaults[key] if value is None else value
+
+        architectures = take("architectures") or []
+        if isinstance(architectures, str):
+            architectures = [architectures]
+        if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
+            raise ValueError(f"architectures must be a list of strings, got {architectures!r}")
+        if not architectures and model_type in ARCH_FOR_MODEL_TYPE:
+            architectures = [ARCH_FOR_MODEL_TYPE[model_type]]
+
+        for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
+            if d.get(key) is None:
+                raise ValueError(f"config is missing required key {key!r}")
+        vocab_size = _as_int(take("vocab_size"), "vocab_size")
+        hidden_size = _as_int(take("hidden_size"), "hidden_size")
+        num_layers = _as_int(take("num_hidden_layers"), "num_hidden_layers")
+        num_heads = _as_int(take("num_attention_heads"), "num_attention_heads")
+        num_kv_heads = take("num_key_value_heads")
+        num_kv_heads = num_heads if num_kv_heads is None else _as_int(num_kv_heads, "num_key_value_heads")
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}"
+            )
+        head_dim = take("head_dim")
+        if head_dim is None:
+            if hidden_size % num_heads != 0:
+                raise ValueError(
+                    f"head_dim is absent and hidden_size={hidden_size} is not divisible by "
+                    f"num_attention_heads={num_heads}"
+                )
+            head_dim = hidden_size // num_heads
+        head_dim = _as_int(head_dim, "head_dim")
+        intermediate_size = take("intermediate_size")
+        if intermediate_size is not None:
+            intermediate_size = _as_int(intermediate_size, "intermediate_size")
+
+        rope_theta, rope_scaling, rope_by_layer_type = cls._parse_rope(d, used, defaults)
+
+        use_sliding_window = take("use_sliding_window")
+        sliding_window = take("sliding_window")
+        # Qwen2/Qwen3 configs carry a sliding_window value that only applies when use_sliding_window is true.
+        if use_sliding_window is False:
+            sliding_window = None
+        if sliding_window is not None:
+            sliding_window = _as_int(sliding_window, "sliding_window")
+        layer_types = take("layer_types")
+        if layer_types is None:
+            max_window_layers = d.get("max_window_layers")
+            if sliding_window is None:
+                layer_types = ["full_attention"] * num_layers
+            elif max_window_layers is not None:
+                # Qwen2 rule: layers from max_window_layers on use the sliding window.
+                layer_types = ["sliding_attention" if i >= max_window_layers else "full_attention"
+                               for i in range(num_layers)]
+            else:
+                layer_types = ["sliding_attention"] * num_layers
+        if (not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types)
+                or len(layer_types) < num_layers):
+            raise ValueError(
+                f"layer_types must be a list of at least num_hidden_layers={num_layers} strings, got {layer_types!r}"
+            )
+
+        eos = take("eos_token_id")
+        if eos is None:
+            eos = []
+        elif isinstance(eos, int) and not isinstance(eos, bool):
+            eos = [eos]
+        if not isinstance(eos, list) or not all(isinstance(e, int) and not isinstance(e, bool) for e in eos):
+            raise ValueError(f"eos_token_id must be an int or a list of ints, got {eos!r}")
+        bos = take("bos_token_id")
+        if bos is not None:
+            bos = _as_int(bos, "bos_token_id", minimum=0)
+
+        dtype_value = take("torch_dtype")
+        dtype_value = take("dtype") if dtype_value is None else dtype_value  # transformers 5 writes "dtype"
+
+        hidden_act = take_or_default("hidden_act")
+        if not isinstance(hidden_act, str):
+            raise ValueError(f"hidden_act must be a string, got {hidden_act!r}")
+
+        cfg = cls(
+            architectures=list(architectures),
+            model_type=model_type,
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=head_dim,
+            max_position_embeddings=_as_int(take_or_default("max_position_embeddings"), "max_position_embeddings"),
+            rms_norm_eps=_as_float(take_or_default("rms_norm_eps"), "rms_norm_eps"),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=_as_bool(take_or_default("tie_word_embeddings"), "tie_word_embeddings"),
+            attention_bias=_as_bool(take_or_default("attention_bias"), "attention_bias"),
+            mlp_bias=_as_bool(take_or_default("mlp_bias"), "mlp_bias"),
+            hidden_act=hidden_act,
+            sliding_window=sliding_window,
+            layer_types=list(layer_types),
+            bos_token_id=bos,
+            eos_token_id=list(eos),
+            torch_dtype=parse_dtype(dtype_value, what="torch_dtype"),
+            rope_by_layer_type=rope_by_layer_type,
+        )
+        cfg.extra = {k: v for k, v in d.items() if k not in used}
+        # transformers 5 moves partial_rotary_factor into the rope dict; keep it top-level like older files.
+        for entry in [cfg.rope_scaling] + [e["rope_scaling"] for e in (rope_by_layer_type or {}).values()]:
+            if entry is not None and "partial_rotary_factor" in entry:
+                cfg.extra.setdefault("partial_rotary_factor", entry.pop("partial_rotary_factor"))
+        if cfg.rope_scaling == {"rope_type": "default"}:
+            cfg.rope_scaling = None
+        for entry in (rope_by_layer_type or {}).values():
+            if entry["rope_scaling"] == {"rope_type": "default"}:
+                entry["rope_scaling"] = None
+        if use_sliding_window is not None:
+            cfg.extra["use_sliding_window"] = use_sliding_window
+        return cfg
+
+    @staticmethod
+    def _parse_rope(d: dict, used: set[str], defaults: dict) -> tuple[float, dict | None, dict | None]:
+        """Normalise ``rope_theta``/``rope_scaling`` and ``rope_parameters`` (see the module docstring)."""
+        used.update(("rope_theta", "rope_scaling", "rope_parameters"))
+        top_theta = d.get("rope_theta")
+        top_theta = None if top_theta is None else _as_float(top_theta, "rope_theta")
+        theta_s, scaling = normalize_rope_scaling(d.get("rope_scaling"), what="rope_scaling")
+        params = d.get("rope_parameters")
+        by_type = None
+        if params is not None:
+            if not isinstance(params, dict):
+                raise ValueError(f"rope_parameters must be a dict, got {type(params).__name__}")
+            if params and all(isinstance(v, dict) for v in params.values()) and (
+                    set(params) & set(_LAYER_TYPE_KEYS)):
+                by_type = {}
+                for layer_type, entry in params.items():
+                    t, s = normalize_rope_scaling(entry, what=f"rope_parameters.{layer_type}")
+                    if t is None:
+                        t = top_theta if top_theta is not None else float(defaults["rope_theta"])
+                    by_type[layer_type] = {"rope_theta": t, "rope_scaling": s}
+                main = by_type.get("full_attention") or next(iter(by_type.values()))
+                theta_p = main["rope_theta"]
+                scaling_p = None if main["rope_scaling"] is None else dict(main["rope_scaling"])
+            else:
+                theta_p, scaling_p = normalize_rope_scaling(params, what="rope_parameters")
+            # rope_parameters is the newer spelling and authoritative when present.
+            theta_s, scaling = theta_p, scaling_p
+        theta = theta_s if theta_s is not None else top_theta
+        if theta is None:
+            theta = float(defaults["rope_theta"])
+        return theta, scaling, by_type

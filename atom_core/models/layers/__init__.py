@@ -1,0 +1,1 @@
+"""Building blocks of the model files: tensor-parallel linears, embeddings, norms, rotary, attention, MLP."""

@@ -1,0 +1,82 @@
+"""Model classes keyed by the Hugging Face ``architectures`` name of ``config.json``.
+
+Architecture modules are imported lazily: ``MODEL_MODULES`` names where each class lives, and
+the module is imported the first time the class is asked for, so ``import atom_core.models``
+does not import every model file. A class defined elsewhere (a user's own model) registers
+itself with ``@register_model("MyArchForCausalLM")``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterable
+
+# "Architecture": "module:ClassName" for the architectures shipped with atom_core.
+MODEL_MODULES: dict[str, str] = {
+    "LlamaForCausalLM": "atom_core.models.llama:LlamaForCausalLM",
+    "Qwen3ForCausalLM": "atom_core.models.qwen3:Qwen3ForCausalLM",
+}
+
+_registered: dict[str, type] = {}
+
+
+def register_model(arch_name: str) -> Callable[[type], type]:
+    """Class decorator: make ``get_model_class(arch_name)`` return the class.
+
+    Registering a different class under a taken name raises ValueError (re-registering the same
+    class, e.g. on module reload, is allowed).
+    """
+    if not isinstance(arch_name, str) or not arch_name:
+        raise ValueError(f"arch_name must be a non-empty string, got {arch_name!r}")
+
+    def decorator(cls: type) -> type:
+        old = _registered.get(arch_name)
+        if old is not None and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
+            raise ValueError(
+                f"architecture {arch_name!r} is already registered to {old.__module__}.{old.__qualname__}"
+            )
+        _registered[arch_name] = cls
+        return cls
+
+    return decorator
+
+
+def supported_architectures() -> list[str]:
+    """Sorted names that ``get_model_class`` accepts (shipped and registered)."""
+    return sorted(set(MODEL_MODULES) | set(_registered))
+
+
+def get_model_class(arch: str) -> type:
+    """The model class for an ``architectures`` name; ValueError listing the supported ones if unknown."""
+    if arch in _registered:
+        return _registered[arch]
+    target = MODEL_MODULES.get(arch)
+    if target is None:
+        raise ValueError(
+            f"unsupported architecture {arch!r}; supported: {', '.join(supported_architectures())}"
+        )
+    module_name, _, class_name = target.partition(":")
+    module = importlib.import_module(module_name)
+    try:
+        cls = getattr(module, class_name)
+    except AttributeError as e:
+        raise ImportError(f"{module_name} defines no {class_name} (listed for architecture {arch!r})") from e
+    _registered.setdefault(arch, cls)
+    return cls
+
+
+def resolve_architecture(architectures: Iterable[str]) -> tuple[str, type]:
+    """First name in ``architectures`` that is supported, with its class; ValueError if none is."""
+    names = list(architectures)
+    for name in names:
+        if name in _registered or name in MODEL_MODULES:
+            return name, get_model_class(name)
+    if not names:
+        raise ValueError(
+            f"config names no architecture ('architectures' is empty and model_type is not known); "
+            f"supported: {', '.join(supported_architectures())}"
+        )
+    raise ValueError(
+        f"unsupported architecture {names[0] if len(names) == 1 else names!r}; "
+        f"supported: {', '.join(supported_architectures())}"
+    )
