@@ -1,0 +1,333 @@
+"""Load ``*.safetensors`` checkpoints into a model through its parameters' ``weight_loader``s.
+
+``load_weights(model, folder)`` reads each shard memory-mapped (``safetensors.safe_open``),
+maps every checkpoint tensor name to the parameter(s) it fills and hands the full tensor to
+``param.weight_loader(param, tensor[, shard_id])``, which cuts out the tensor-parallel shard.
+
+Name mapping, in order:
+
+1. ``model.checkpoint_renames(name)`` if the model defines it (returning None skips the tensor).
+2. Skipped: rotary caches of old checkpoints (``*.rotary_emb.inv_freq`` and the like), and
+   ``*.layers.{i}.*`` with ``i >= config.num_hidden_layers`` (extra layers such as MTP heads)
+   unless ``load_extra_layers=True``.
+3. ``*.weight_scale_inv`` -> ``*.weight_scale`` (block-FP8 checkpoints store inverse-named scales).
+4. ``lm_head.weight`` with ``config.tie_word_embeddings`` and no separate ``lm_head.weight``
+   parameter is skipped (the head shares the embedding).
+5. ``model.packed_modules_mapping``, matched on whole dotted name components:
+
+   - ``{"q_proj": ("qkv_proj", "q")}``: the checkpoint's separate ``...q_proj.weight`` goes into
+     the fused parameter ``...qkv_proj.weight`` with ``shard_id="q"``. A fused parameter counts
+     as loaded once every shard id the mapping lists for it has arrived (or one tensor loaded
+     it whole with ``shard_id=None``).
+   - ``{"qkv": [("q_proj", 2048), ("k_proj", 512), ("v_proj", 512)]}`` (a list): the checkpoint
+     holds one fused tensor that the model keeps as several parameters; it is cut along dim 0
+     into consecutive blocks of those (full, unsharded) row counts and block i is loaded,
+     whole, into ``...<target_i>.<suffix>``. Sizes depend on the config, so a model using this
+     sets ``packed_modules_mapping`` per instance.
+
+Parameters that no checkpoint tensor filled raise ValueError (``strict``) unless they match
+one of ``model.expected_missing`` (``fnmatch`` patterns on the parameter name); checkpoint
+tensors that fill nothing are logged and listed in the returned ``LoadReport``. Afterwards
+``process_weights_after_loading()`` runs on every module that defines it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import logging
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from atom_core.models.layers.linear import default_weight_loader
+
+logger = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+_MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit on the JSON header
+_ROTARY_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+@dataclass
+class LoadReport:
+    """What ``load_weights`` did; names are parameter names (``model.named_parameters``) or checkpoint names."""
+
+    loaded: list[str] = field(default_factory=list)            # parameters fully loaded
+    missing: list[str] = field(default_factory=list)           # parameters not (fully) loaded, not expected
+    expected_missing: list[str] = field(default_factory=list)  # not loaded, matched by model.expected_missing
+    unused: list[str] = field(default_factory=list)            # checkpoint tensors that matched no parameter
+    skipped: dict[str, str] = field(default_factory=dict)      # checkpoint tensor -> why it was not loaded
+    files_read: list[str] = field(default_factory=list)        # shard files whose tensor data was read
+
+
+@dataclass(frozen=True)
+class _Target:
+    param_name: str
+    shard_id: Any = None
+    rows: tuple[int, int] | None = None  # (start, size) along dim 0 of the checkpoint tensor
+
+
+def read_safetensors_header(path: str | Path) -> dict[str, dict]:
+    """Tensor entries of a ``.safetensors`` file's JSON header (name -> {dtype, shape, data_offsets}).
+
+    Reads only the 8-byte length and the header, never the tensor data.
+    """
+    path = Path(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{path}: too short to be a safetensors file")
+        n = int.from_bytes(head, "little")
+        size = os.fstat(f.fileno()).st_size
+        if n > min(size - 8, _MAX_HEADER_BYTES):
+            raise ValueError(f"{path}: corrupt safetensors header (length {n}, file size {size})")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: corrupt safetensors header ({e})") from e
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: corrupt safetensors header (not a JSON object)")
+    header.pop("__metadata__", None)
+    return header
+
+
+def _inside(folder: Path, file_name: str) -> Path:
+    """``folder / file_name`` after refusing names that leave the folder (absolute, ``..``, symlinks out)."""
+    if not isinstance(file_name, str) or not file_name:
+        raise ValueError(f"{INDEX_FILE}: bad file entry {file_name!r}")
+    if os.path.isabs(file_name):
+        raise ValueError(f"{INDEX_FILE}: refusing absolute shard path {file_name!r}")
+    root = folder.resolve()
+    resolved = (folder / file_name).resolve()
+    if resolved != root and root not in resolved.parents:
+        raise ValueError(f"{INDEX_FILE}: refusing shard path {file_name!r} that resolves outside {folder}")
+    return resolved
+
+
+def checkpoint_files(folder: str | Path) -> dict[Path, list[str] | None]:
+    """Shard files of a checkpoint folder -> tensor names the index assigns to them.
+
+    With ``model.safetensors.index.json``: the files its ``weight_map`` names (each checked to
+    lie inside the folder), with their names; a tensor listed twice keeps its first entry.
+    Without an index: every ``*.safetensors`` file in the folder, sorted, with ``None``
+    (names come from the headers).
+    """
+    folder = Path(folder)
+    index_path = folder / INDEX_FILE
+    if not index_path.is_file():
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors files in {folder}")
+        return {f.resolve(): None for f in files}
+
+    def first_wins(pairs: list[tuple[str, Any]]) -> dict:
+        out: dict = {}
+        for key, value in pairs:
+            if key in out:
+                logger.warning("%s: duplicate entry %r ignored", index_path, key)
+                continue
+            out[key] = value
+        return out
+
+    try:
+        index = json.loads(index_path.read_text(), object_pairs_hook=first_wins)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{index_path}: not valid JSON ({e})") from e
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index_path}: no 'weight_map' object")
+    files: dict[Path, list[str]] = {}
+    for name, file_name in weight_map.items():
+        path = _inside(folder, file_name)
+        files.setdefault(path, []).append(name)
+    for path in files:
+        if not path.is_file():
+            raise FileNotFoundError(f"{index_path} names {path.name}, which does not exist")
+    return files
+
+
+class _NameMapper:
+    """Checkpoint tensor name -> the parameter targets it fills, or a reason to skip it."""
+
+    def __init__(self, model: nn.Module, params: dict[str, nn.Parameter], load_extra_layers: bool) -> None:
+        self.params = params
+        self.renames = getattr(model, "checkpoint_renames", None)
+        config = getattr(model, "config", None)
+        self.num_layers = None if load_extra_layers else getattr(config, "num_hidden_layers", None)
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        self.packed = dict(getattr(model, "packed_modules_mapping", None) or {})
+        self.patterns = {key: re.compile(rf"(?:^|\.)({re.escape(key)})(?:\.|$)") for key in self.packed}
+        # Fused module name -> shard ids its parameters need before they count as loaded.
+        self.required_shards: dict[str, set] = {}
+        for key, value in self.packed.items():
+            if isinstance(value, tuple):
+                if len(value) != 2:
+                    raise ValueError(f"packed_modules_mapping[{key!r}] must be (target, shard_id), got {value!r}")
+                self.required_shards.setdefault(value[0], set()).add(value[1])
+            elif not isinstance(value, list):
+                raise ValueError(
+                    f"packed_modules_mapping[{key!r}] must be a (target, shard_id) tuple or a list of "
+                    f"(target, rows) pairs, got {value!r}"
+                )
+
+    def map(self, name: str) -> list[_Target] | str:
+        if self.renames is not None:
+            renamed = self.renames(name)
+            if renamed is None:
+                return "dropped by checkpoint_renames"
+            name = renamed
+        if name.endswith(_ROTARY_SUFFIXES):
+            return "rotary cache (recomputed by the model)"
+        m = _LAYER_INDEX.search(name)
+        if m is not None and self.num_layers is not None and int(m.group(1)) >= self.num_layers:
+            return f"layer {m.group(1)} >= num_hidden_layers={self.num_layers}"
+        if name.endswith(".weight_scale_inv"):
+            name = name[: -len("_inv")]
+        if self.tied and name == "lm_head.weight" and name not in self.params:
+            return "tied to the input embedding"
+        for key, value in self.packed.items():
+            m = self.patterns[key].search(name)
+            if m is None:
+                continue
+            if isinstance(value, tuple):
+                target = name[: m.start(1)] + value[0] + name[m.end(1):]
+                if target not in self.params and name in self.params:
+                    break  # this module is not fused in the model: load by its own name
+                return [_Target(target, value[1])]
+            targets, start = [], 0
+            for sub_name, rows in value:
+                targets.append(_Target(name[: m.start(1)] + sub_name + name[m.end(1):], None, (start, rows)))
+                start += rows
+            return targets
+        return [_Target(name)]
+
+    def required(self, param_name: str) -> set:
+        """Shard ids a fused parameter needs (empty for a plain parameter)."""
+        for module_name, shard_ids in self.required_shards.items():
+            if re.search(rf"(?:^|\.){re.escape(module_name)}\.", param_name):
+                return shard_ids
+        return set()
+
+
+_WHOLE = object()  # marker: a parameter loaded in one piece (shard_id None)
+
+
+def _load_one(param: nn.Parameter, tensor: torch.Tensor, target: _Target, ckpt_name: str, file: Path) -> None:
+    if target.rows is not None:
+        start, size = target.rows
+        if tensor.shape[0] < start + size:
+            raise ValueError(
+                f"checkpoint tensor {ckpt_name!r} in {file.name}: shape {tuple(tensor.shape)} has fewer than "
+                f"{start + size} rows to split into {target.param_name!r}"
+            )
+        tensor = tensor.narrow(0, start, size)
+    loader = getattr(param, "weight_loader", default_weight_loader)
+    try:
+        if target.shard_id is None:
+            loader(param, tensor)
+        else:
+            loader(param, tensor, target.shard_id)
+    except ValueError as e:
+        raise ValueError(
+            f"checkpoint tensor {ckpt_name!r} in {file.name} -> parameter {target.param_name!r} "
+            f"(shape {tuple(param.shape)}): {e}"
+        ) from e
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Call ``process_weights_after_loading()`` on every module of ``model`` that defines it."""
+    for module in model.modules():
+        fn = getattr(module, "process_weights_after_loading", None)
+        if callable(fn):
+            fn()
+
+
+def _matches(name: str, patterns: Iterable[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def load_weights(model: nn.Module, path: str | Path, *, strict: bool = True,
+                 load_extra_layers: bool = False) -> LoadReport:
+    """Fill ``model``'s parameters from the ``*.safetensors`` files in folder ``path``.
+
+    Only shards that hold at least one wanted tensor are opened for data (the others' headers
+    are read and nothing more). Each tensor is cast to its parameter's dtype and device by the
+    parameter's ``weight_loader``. Raises ValueError on a shape mismatch (naming the checkpoint
+    tensor and both shapes), on an index entry outside the folder, and, when ``strict``, on
+    parameters left unloaded. Returns a ``LoadReport``.
+    """
+    folder = Path(path)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"checkpoint folder not found: {folder}")
+    params = dict(model.named_parameters())
+    mapper = _NameMapper(model, params, load_extra_layers)
+    report = LoadReport()
+
+    # Plan from the headers: which tensor comes from which file, into which parameters.
+    plan: dict[Path, list[tuple[str, list[_Target]]]] = {}
+    seen: set[str] = set()
+    for file, index_names in checkpoint_files(folder).items():
+        header_names = list(read_safetensors_header(file))
+        names = header_names if index_names is None else index_names
+        if index_names is not None:
+            absent = sorted(set(index_names) - set(header_names))
+            if absent:
+                raise ValueError(f"{INDEX_FILE} lists tensors that {file.name} does not hold: {absent[:5]}")
+        for name in names:
+            if name in seen:
+                logger.warning("tensor %r appears in more than one shard; keeping the first (%s skipped)",
+                               name, file.name)
+                continue
+            seen.add(name)
+            mapped = mapper.map(name)
+            if isinstance(mapped, str):
+                report.skipped[name] = mapped
+                continue
+            if not all(t.param_name in params for t in mapped):
+                report.unused.append(name)
+                continue
+            plan.setdefault(file, []).append((name, mapped))
+
+    loaded: dict[str, set] = {}
+    for file, entries in plan.items():
+        report.files_read.append(str(file))
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name, targets in entries:
+                tensor = f.get_tensor(name)
+                for target in targets:
+                    _load_one(params[target.param_name], tensor, target, name, file)
+                    loaded.setdefault(target.param_name, set()).add(
+                        _WHOLE if target.shard_id is None else target.shard_id)
+
+    expected = getattr(model, "expected_missing", None) or set()
+    for pname in params:
+        got = loaded.get(pname, set())
+        needed = mapper.required(pname)
+        if _WHOLE in got or (got and needed and needed <= got):
+            report.loaded.append(pname)
+        elif _matches(pname, expected):
+            report.expected_missing.append(pname)
+        elif got:
+            report.missing.append(f"{pname} (shards {sorted(map(str, needed - got))} missing)")
+        else:
+            report.missing.append(pname)
+
+    if report.unused:
+        logger.warning("%d checkpoint tensors matched no parameter and were not loaded: %s%s",
+                       len(report.unused), ", ".join(report.unused[:10]),
+                       " ..." if len(report.unused) > 10 else "")
+    if report.missing and strict:
+        shown = ", ".join(report.missing[:20])
+        more = f" (and {len(report.missing) - 20} more)" if len(report.missing) > 20 else ""
+        raise ValueError(f"{len(report.missing)} parameters not found in checkpoint {folder}: {shown}{more}")
+    process_weights_after_loading(model)
+    return report
