@@ -1,0 +1,189 @@
+"""Shared body of decoder-only causal LMs: the ``model.*`` trunk, the LM head, the model contract.
+
+Legend: T = tokens this step, D = hidden size, V = vocabulary, N = rows whose logits are
+wanted, L = layers.
+
+An architecture file supplies only its decoder layer (``CausalLM.make_layer``); this module
+provides the rest of the contract every model follows:
+
+- ``Cls(config, *, dtype, device)``;
+- ``forward(input_ids [T] int64, positions [T] int64, batch: StepLayout) -> hidden [T, D]``
+  (final norm applied);
+- ``compute_logits(hidden [N, D]) -> logits [N, V]`` float32;
+- ``kv_cache_spec() -> KVCacheSpec`` and ``bind_kv_cache([(k_cache, v_cache)] * L)``;
+- ``packed_modules_mapping`` for the loader.
+
+Parameter names mirror Hugging Face's (``model.embed_tokens``, ``model.layers.{i}...``,
+``model.norm``, ``lm_head``) so checkpoints load with the packed mapping alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from atom_core.cache.pool_sizing import KVCacheSpec
+from atom_core.cache.token_layout import StepLayout
+from atom_core.models.config import ModelConfig
+from atom_core.models.layers.attention import PagedAttention
+from atom_core.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from atom_core.models.layers.norm import RMSNorm
+from atom_core.models.layers.rotary import RotaryEmbedding
+
+# Checkpoint module name -> (fused module in the model, shard id it fills).
+DEFAULT_PACKED_MODULES_MAPPING: dict[str, tuple[str, str | int]] = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class PreNormDecoderLayer(nn.Module):
+    """``x + attn(norm1(x))``, then ``+ mlp(norm2(.))``; the residual adds are fused into the norms.
+
+    ``self_attn.forward(positions, hidden, batch)`` and ``mlp.forward(hidden)`` both map
+    [T, D] -> [T, D]. The residual stream travels between layers beside the hidden states
+    (see ``layers.norm``): ``forward`` returns ``(hidden, residual)`` with
+    ``hidden + residual`` equal to the layer's output in the unfused formulation.
+    """
+
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, input_layernorm: RMSNorm,
+                 post_attention_layernorm: RMSNorm) -> None:
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = input_layernorm
+        self.post_attention_layernorm = post_attention_layernorm
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                batch: StepLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] int64, hidden [T, D], residual [T, D] or None (first layer) -> (hidden, residual)."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, batch)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderModel(nn.Module):
+    """HF's ``model.*``: ``embed_tokens``, ``layers``, ``norm``. Layers are built by the caller."""
+
+    def __init__(self, config: ModelConfig, layers: list[nn.Module], *, dtype: torch.dtype,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
+                                                   tp_rank=tp_rank, tp_size=tp_size, dtype=dtype)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: StepLayout) -> torch.Tensor:
+        """input_ids [T], positions [T] int64 -> hidden [T, D] after the final norm."""
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, batch)
+        if residual is None:  # no layers
+            return self.norm(hidden)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class CausalLM(nn.Module):
+    """Base of the ``*ForCausalLM`` classes: ``model`` (a ``DecoderModel``) and ``lm_head``.
+
+    Subclasses implement ``make_layer(layer_idx) -> nn.Module`` (a layer with
+    ``forward(positions, hidden, residual, batch) -> (hidden, residual)`` holding one
+    ``PagedAttention``); ``rotary_embedding(head_dim, layer_type)`` gives them one rotary table
+    per distinct (head_dim, layer type), shared by the layers that use it.
+
+    ``dtype`` is the parameters' dtype (default: torch's default dtype); ``device`` where they
+    are created. ``tp_rank``/``tp_size`` split heads, MLP and vocabulary across ranks.
+    """
+
+    packed_modules_mapping: dict[str, tuple[str, str | int]] = DEFAULT_PACKED_MODULES_MAPPING
+
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        if not isinstance(config, ModelConfig):
+            raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
+        if config.intermediate_size is None:
+            raise ValueError(f"{type(self).__name__} needs intermediate_size in the config")
+        self.config = config
+        self.dtype = dtype or torch.get_default_dtype()
+        self._build_device = None if device is None else torch.device(device)
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self._rotary: dict[tuple[int, str | None], RotaryEmbedding] = {}
+        placement = torch.device(device) if device is not None else contextlib.nullcontext()
+        with placement:
+            layers = [self.make_layer(i) for i in range(config.num_hidden_layers)]
+            self.model = DecoderModel(config, layers, dtype=self.dtype, tp_rank=tp_rank, tp_size=tp_size)
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size,
+                                          tp_rank=tp_rank, tp_size=tp_size, dtype=self.dtype)
+        if config.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+        del self._rotary  # only needed while building
+        self._attention_layers = [m for m in self.model.layers.modules() if isinstance(m, PagedAttention)]
+
+    def make_layer(self, layer_idx: int) -> nn.Module:
+        raise NotImplementedError
+
+    def rotary_embedding(self, head_dim: int, layer_type: str | None = None) -> RotaryEmbedding:
+        """The rotary embedding for heads of ``head_dim`` in layers of ``layer_type``, built once."""
+        theta, scaling = self.config.rope_params(layer_type)
+        key_type = layer_type if self.config.rope_by_layer_type else None
+        key = (head_dim, key_type)
+        if key not in self._rotary:
+            self._rotary[key] = RotaryEmbedding.from_config(self.config, head_dim, layer_type=key_type,
+                                                            device=self._build_device)
+        return self._rotary[key]
+
+    def sliding_window_of(self, layer_idx: int) -> int | None:
+        """``config.sliding_window`` for layers whose ``layer_types`` entry is ``sliding_attention``."""
+        if self.config.layer_types[layer_idx] == "sliding_attention":
+            return self.config.sliding_window
+        return None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: StepLayout) -> torch.Tensor:
+        """input_ids [T] int64, positions [T] int64, batch: the step's layout (on the model's device).
+
+        Returns hidden [T, D] in the model's dtype, final norm applied.
+        """
+        if input_ids.dim() != 1:
+            raise ValueError(f"input_ids must be 1-D [T], got shape {tuple(input_ids.shape)}")
+        if positions.shape != input_ids.shape:
+            raise ValueError(f"positions must have input_ids' shape {tuple(input_ids.shape)}, "
+                             f"got {tuple(positions.shape)}")
+        if batch.num_tokens != input_ids.shape[0]:
+            raise ValueError(f"batch describes {batch.num_tokens} tokens but input_ids has {input_ids.shape[0]}")
+        return self.model(input_ids, positions, batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, D] -> logits [N, V] float32 (the matmul runs in the model's dtype)."""
+        return self.lm_head(hidden).float()
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """Per-rank KV pool needs: one K and one V of ``[NB, BS, Hk, D]`` per attention layer, model dtype."""
+        first = self._attention_layers[0]
+        return KVCacheSpec(num_layers=len(self._attention_layers), num_kv_heads=first.num_kv_heads,
+                           head_dim=first.head_dim, dtype=self.dtype)
+
+    def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Give each attention layer its pool tensors: ``kv_caches[i] = (k_cache, v_cache)``, each
+        ``[num_blocks, block_size, num_kv_heads, head_dim]``, one entry per layer in order."""
+        if len(kv_caches) != len(self._attention_layers):
+            raise ValueError(
+                f"kv_caches has {len(kv_caches)} entries, the model has {len(self._attention_layers)} attention layers"
+            )
+        for i, (attn, entry) in enumerate(zip(self._attention_layers, kv_caches)):
+            if not isinstance(entry, (tuple, list)) or len(entry) != 2:
+                raise ValueError(f"kv_caches[{i}] must be a (k_cache, v_cache) pair")
+            attn.bind_kv_cache(*entry)

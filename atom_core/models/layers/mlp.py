@@ -1,0 +1,57 @@
+"""Gated MLP: ``down(act(gate(x)) * up(x))`` with gate and up fused into one matmul.
+
+Legend: T = tokens, D = hidden size, I = intermediate size, R = tensor-parallel ranks.
+
+``gate_up_proj`` (column-parallel) computes ``[T, 2 * I / R]`` = this rank's ``[gate | up]``;
+the activation op folds the product into ``[T, I / R]``; ``down_proj`` (row-parallel) sums the
+ranks' partial products back to ``[T, D]``. The checkpoint's ``gate_proj`` / ``up_proj`` load
+into ``gate_up_proj`` as shards 0 / 1 (``packed_modules_mapping``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from atom_core import ops
+from atom_core.models.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+
+# HF ``hidden_act`` names -> (op, extra keyword arguments).
+_GATED_ACTIVATIONS = {
+    "silu": ("silu_and_mul", {}),
+    "swish": ("silu_and_mul", {}),
+    "gelu": ("gelu_and_mul", {"approximate": "none"}),
+    "gelu_pytorch_tanh": ("gelu_and_mul", {"approximate": "tanh"}),
+    "gelu_new": ("gelu_and_mul", {"approximate": "tanh"}),
+}
+
+
+class GatedMLP(nn.Module):
+    """x [T, D] -> [T, D]; parameters ``gate_up_proj`` and ``down_proj`` (HF's names, gate/up fused).
+
+    ``hidden_act``: one of ``silu`` (SwiGLU), ``gelu`` (exact GeGLU), ``gelu_pytorch_tanh`` /
+    ``gelu_new`` (tanh-approximated GeGLU).
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu", *,
+                 bias: bool = False, tp_rank: int = 0, tp_size: int = 1,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        if hidden_act not in _GATED_ACTIVATIONS:
+            raise ValueError(f"hidden_act {hidden_act!r} is not supported; choose one of {sorted(_GATED_ACTIVATIONS)}")
+        self.hidden_act = hidden_act
+        op_name, self._act_kwargs = _GATED_ACTIVATIONS[hidden_act]
+        self._act = getattr(ops, op_name)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size], bias,
+                                                       tp_rank=tp_rank, tp_size=tp_size, dtype=dtype)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias,
+                                           tp_rank=tp_rank, tp_size=tp_size, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, D] -> [T, D] in the weights' dtype."""
+        gate_up = self.gate_up_proj(x)                    # [T, 2 * I / R] = [gate | up]
+        hidden = self._act(gate_up, **self._act_kwargs)   # [T, I / R] = act(gate) * up
+        return self.down_proj(hidden)
+
+    def extra_repr(self) -> str:
+        return f"hidden_act={self.hidden_act}"

@@ -1,0 +1,102 @@
+"""Llama (``LlamaForCausalLM``): pre-norm decoder with GQA, RoPE and a SwiGLU MLP.
+
+Legend: T = tokens, D = hidden size, H / Hk = query / KV heads on this rank, Dh = head dim.
+
+Covers the Llama 1-3.x family and look-alikes saved under this name: optional explicit
+``head_dim`` (``!= D / heads``), ``attention_bias`` (q, k, v and o), ``mlp_bias``, RoPE scaling
+(``linear``, ``llama3``, ``yarn``) and ``partial_rotary_factor``, and per-layer sliding windows
+from ``layer_types`` (``"sliding_attention"`` layers attend over the last
+``config.sliding_window`` positions, as Ministral does).
+
+Parameter names follow the HF checkpoint, with q/k/v fused into ``qkv_proj`` and gate/up
+into ``gate_up_proj`` (see ``base.DEFAULT_PACKED_MODULES_MAPPING``)::
+
+    model.embed_tokens.weight
+    model.layers.{i}.input_layernorm.weight
+    model.layers.{i}.self_attn.qkv_proj.weight   (+ .bias with attention_bias)
+    model.layers.{i}.self_attn.o_proj.weight     (+ .bias with attention_bias)
+    model.layers.{i}.post_attention_layernorm.weight
+    model.layers.{i}.mlp.gate_up_proj.weight     (+ .bias with mlp_bias)
+    model.layers.{i}.mlp.down_proj.weight        (+ .bias with mlp_bias)
+    model.norm.weight
+    lm_head.weight                               (shared with embed_tokens when tied)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from atom_core.cache.token_layout import StepLayout
+from atom_core.models.base import CausalLM, PreNormDecoderLayer
+from atom_core.models.config import ModelConfig
+from atom_core.models.layers.attention import PagedAttention
+from atom_core.models.layers.linear import QKVParallelLinear, RowParallelLinear
+from atom_core.models.layers.mlp import GatedMLP
+from atom_core.models.layers.norm import RMSNorm
+from atom_core.models.layers.rotary import RotaryEmbedding
+from atom_core.models.registry import register_model
+
+
+class LlamaAttention(nn.Module):
+    """qkv_proj -> split heads -> (``qk_transform``) -> RoPE -> paged attention -> o_proj.
+
+    ``qk_transform`` is the hook subclasses override to touch q and k before RoPE (Qwen3's
+    per-head RMSNorm); here it returns them unchanged.
+    """
+
+    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, *, sliding_window: int | None,
+                 dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        head_dim = config.head_dim
+        self.head_dim = head_dim
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
+                                          config.num_key_value_heads, config.attention_bias,
+                                          tp_rank=tp_rank, tp_size=tp_size, dtype=dtype)
+        self.num_heads = self.qkv_proj.num_heads          # H on this rank
+        self.num_kv_heads = self.qkv_proj.num_kv_heads    # Hk on this rank
+        self.q_size = self.qkv_proj.q_size                # H * Dh
+        self.kv_size = self.qkv_proj.kv_size              # Hk * Dh
+        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size,
+                                        config.attention_bias, tp_rank=tp_rank, tp_size=tp_size, dtype=dtype)
+        self.rotary_emb = rotary_emb
+        self.attn = PagedAttention(self.num_heads, head_dim, self.num_kv_heads,
+                                   scale=head_dim ** -0.5, sliding_window=sliding_window)
+
+    def qk_transform(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, H, Dh], k [T, Hk, Dh] -> the same, before RoPE. Identity for Llama."""
+        return q, k
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: StepLayout) -> torch.Tensor:
+        """positions [T] int64, hidden [T, D] -> [T, D]."""
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)                                             # [T, (H + 2 Hk) Dh]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.qk_transform(q, k)
+        q, k = self.rotary_emb(positions, q, k)                                 # in place
+        out = self.attn(q, k, v, batch)                                         # [T, H, Dh]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+@register_model("LlamaForCausalLM")
+class LlamaForCausalLM(CausalLM):
+    """Llama decoder-only LM. See the module docstring for what the config may turn on."""
+
+    attention_cls: type[LlamaAttention] = LlamaAttention
+
+    def make_layer(self, layer_idx: int) -> nn.Module:
+        config = self.config
+        layer_type = config.layer_types[layer_idx]
+        tp = {"tp_rank": self.tp_rank, "tp_size": self.tp_size, "dtype": self.dtype}
+        self_attn = self.attention_cls(config, self.rotary_embedding(config.head_dim, layer_type),
+                                       sliding_window=self.sliding_window_of(layer_idx), **tp)
+        mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
+                       bias=config.mlp_bias, **tp)
+        return PreNormDecoderLayer(
+            self_attn, mlp,
+            input_layernorm=RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=self.dtype),
+            post_attention_layernorm=RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=self.dtype),
+        )
