@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from atom_core.models.config import ModelConfig
+from atom_core.models.config import ModelConfig, parse_dtype
 from atom_core.models.dummy_weights import initialize_dummy_weights, initialize_zero_weights
 from atom_core.models.loader import LoadReport, load_weights, process_weights_after_loading
 from atom_core.models.registry import (
@@ -48,8 +48,6 @@ def _default_dtype(config: ModelConfig, dtype: torch.dtype | str | None, device:
     """Explicit dtype > (on a GPU) the checkpoint's torch_dtype, else bfloat16 > (on CPU) float32."""
     if dtype is not None:
         if isinstance(dtype, str):
-            from atom_core.models.config import parse_dtype
-
             dtype = parse_dtype(dtype, what="dtype")
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype or a name like 'bfloat16', got {dtype!r}")

@@ -50,7 +50,8 @@ class VocabParallelEmbedding(nn.Module):
         if shard_id is not None:
             raise ValueError(f"{param.label} is not fused; got shard_id={shard_id!r}")
         check_shape(param.label, loaded_weight, (self.num_embeddings, *param.shape[1:]))
-        copy_into(param.data[: self.real_rows], loaded_weight.narrow(0, self.vocab_start, self.real_rows))
+        if self.real_rows > 0:  # a rank may hold only padding rows (tiny vocab, many ranks)
+            copy_into(param.data[: self.real_rows], loaded_weight.narrow(0, self.vocab_start, self.real_rows))
         with torch.no_grad():
             param.data[self.real_rows:] = 0
 
