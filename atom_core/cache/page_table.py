@@ -83,7 +83,8 @@ def padded_block_table(block_tables, num_rows: int | None = None) -> tuple[np.nd
     elif isinstance(block_tables, Sequence):
         table = _ragged_to_padded(block_tables)
     else:
-        raise TypeError(f"block_tables must be a list of lists or a 2-D array/tensor, got {type(block_tables).__name__}")
+        kind = type(block_tables).__name__
+        raise TypeError(f"block_tables must be a list of lists or a 2-D array/tensor, got {kind}")
     if num_rows is not None and table.shape[0] != num_rows:
         raise ValueError(f"block_tables has {table.shape[0]} rows, expected {num_rows}")
 

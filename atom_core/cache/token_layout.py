@@ -122,7 +122,9 @@ def build_step_layout(
         pad_pages_to: width P of the returned block table; must be >= the longest row's blocks.
 
     Lengths accept sequences of ints, 1-D integer numpy arrays or tensors. Raises ValueError
-    (TypeError for non-integer input) naming the bad argument.
+    (TypeError for non-integer input) naming the bad argument. A caller that keeps its block
+    tables in a persistent 2-D array skips the ragged-list conversion (the costliest host step
+    for large decode batches: one Python int read per block id).
     """
     block_size = check_block_size(block_size)
     query = as_int_vector("query_lens", query_lens)

@@ -14,7 +14,8 @@ PROPERTY_SETTINGS = settings(max_examples=80, deadline=None, suppress_health_che
 
 def padded_array(block_tables, extra_columns=0) -> np.ndarray:
     width = max((len(row) for row in block_tables), default=0) + extra_columns
-    return np.array([row + [-1] * (width - len(row)) for row in block_tables], dtype=np.int32).reshape(len(block_tables), width)
+    rows = [row + [-1] * (width - len(row)) for row in block_tables]
+    return np.array(rows, dtype=np.int32).reshape(len(block_tables), width)
 
 
 # --- anchors --------------------------------------------------------------------------------------
