@@ -1,0 +1,102 @@
+"""Triton KV-cache write: each program scatters BLOCK_T tokens' K and V rows into their pool slots.
+
+Slot s goes to block s // BS, offset s % BS; s < 0 (padding) is masked out, so its rows are not even
+read. All offsets are int64 (block * block stride passes 2**31 on large pools). For an fp8 cache the
+value ``clamp(x / scale, -448, 448)`` is rounded to the e4m3 grid in fp32 first (round to nearest
+even), so the final cast is exact and every Triton target, the CPU interpreter included, stores the
+same bits as ``torch.Tensor.to(torch.float8_e4m3fn)``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from atom_core.ops.reference.kv_cache import FP8_DTYPE
+
+_TILE = 2048  # elements of K (and of V) per program
+_FP8_MAX = tl.constexpr(448.0)
+_E4M3_MIN_NORMAL = tl.constexpr(0.015625)  # 2**-6
+_E4M3_SUBNORMAL_STEPS = tl.constexpr(512.0)  # subnormal spacing is 2**-9
+
+
+@triton.jit
+def _round_to_e4m3(y):
+    """Round fp32 y (|y| <= 448) to the nearest float8_e4m3fn value, ties to even; fp32 out."""
+    a = tl.abs(y)
+    # Normal range: keep 3 of fp32's 23 mantissa bits. Adding 0x7FFFF plus the lowest kept bit,
+    # then clearing the 20 dropped bits, rounds the bit pattern to nearest even.
+    bits = a.to(tl.int32, bitcast=True)
+    kept_lsb = (bits >> 20) & 1
+    rounded = ((bits + 0x7FFFF + kept_lsb) & -1048576).to(tl.float32, bitcast=True)  # -1048576 = 0xFFF00000
+    # Subnormal range (|y| < 2**-6): multiples of 2**-9, ties to even.
+    steps = a * _E4M3_SUBNORMAL_STEPS
+    low = tl.floor(steps)
+    frac = steps - low
+    low_is_odd = (low - 2.0 * tl.floor(low * 0.5)) == 1.0
+    round_up = (frac > 0.5) | ((frac == 0.5) & low_is_odd)
+    subnormal = tl.where(round_up, low + 1.0, low) / _E4M3_SUBNORMAL_STEPS
+    magnitude = tl.where(a < _E4M3_MIN_NORMAL, subnormal, rounded)
+    negative = y.to(tl.int32, bitcast=True) < 0  # the sign bit, so -0.0 stays -0.0
+    return tl.where(negative, -magnitude, magnitude)
+
+
+@triton.jit
+def _store_rows(src_ptr, dst_ptr, scale_ptr, stride_t, stride_h, stride_b, stride_s, stride_hc,
+                tokens, blocks, offsets, valid, num_heads, head_size,
+                FP8: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    dims = tl.arange(0, BLOCK_D)
+    src_base = tokens[:, None, None] * stride_t
+    dst_base = blocks[:, None, None] * stride_b + offsets[:, None, None] * stride_s
+    if FP8:
+        scale = tl.load(scale_ptr).to(tl.float32)
+    for h0 in range(0, num_heads, BLOCK_H):
+        heads = (h0 + tl.arange(0, BLOCK_H)).to(tl.int64)
+        mask = valid[:, None, None] & (heads < num_heads)[None, :, None] & (dims < head_size)[None, None, :]
+        x = tl.load(src_ptr + src_base + heads[None, :, None] * stride_h + dims[None, None, :], mask=mask)
+        if FP8:
+            y = tl.minimum(tl.maximum(x.to(tl.float32) / scale, -_FP8_MAX), _FP8_MAX)
+            x = _round_to_e4m3(y)
+        tl.store(dst_ptr + dst_base + heads[None, :, None] * stride_hc + dims[None, None, :],
+                 x.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
+    num_tokens, num_heads, head_size, block_size,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+    FP8: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    tokens = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    in_range = tokens < num_tokens
+    slots = tl.load(slot_ptr + tokens, mask=in_range, other=-1).to(tl.int64)
+    valid = in_range & (slots >= 0)
+    slots = tl.where(valid, slots, 0)
+    blocks = slots // block_size
+    offsets = slots % block_size
+    _store_rows(k_ptr, k_cache_ptr, k_scale_ptr, stride_kt, stride_kh, stride_kcb, stride_kcs, stride_kch,
+                tokens, blocks, offsets, valid, num_heads, head_size, FP8, BLOCK_H, BLOCK_D)
+    _store_rows(v_ptr, v_cache_ptr, v_scale_ptr, stride_vt, stride_vh, stride_vcb, stride_vcs, stride_vch,
+                tokens, blocks, offsets, valid, num_heads, head_size, FP8, BLOCK_H, BLOCK_D)
+
+
+def store_kv_(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale):
+    num_tokens, num_heads, head_size = k.shape
+    if num_tokens == 0:
+        return
+    fp8 = k_cache.dtype == FP8_DTYPE
+    block_d = triton.next_power_of_2(head_size)
+    block_h = min(triton.next_power_of_2(num_heads), max(1, _TILE // block_d))
+    block_t = max(1, min(_TILE // (block_h * block_d), triton.next_power_of_2(num_tokens)))
+    tile = block_t * block_h * block_d
+    _store_kv_kernel[(triton.cdiv(num_tokens, block_t),)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k_scale if fp8 else slot_mapping, v_scale if fp8 else slot_mapping,  # unread unless FP8
+        num_tokens, num_heads, head_size, k_cache.shape[1],
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        FP8=fp8, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4 if tile <= 1024 else 8,
+    )
