@@ -1,0 +1,180 @@
+"""ModelConfig parsing: rope spellings, defaults, eos lists, extra keys, clear errors on bad files."""
+
+import copy
+import json
+
+import pytest
+import torch
+
+from atom_core.models.config import ModelConfig
+
+BASE = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128, hidden_size=64,
+            intermediate_size=96, num_hidden_layers=3, num_attention_heads=4)
+
+LLAMA3_SCALING = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+
+
+def parse(**overrides):
+    return ModelConfig.from_dict({**BASE, **overrides})
+
+
+@pytest.mark.parametrize(
+    "old,new",
+    [
+        (dict(rope_theta=5e5, rope_scaling={"rope_type": "llama3", **LLAMA3_SCALING}),
+         dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, **LLAMA3_SCALING})),
+        (dict(rope_theta=1e4, rope_scaling={"type": "linear", "factor": 2.0}),  # old "type" key
+         dict(rope_parameters={"type": "linear", "rope_type": "linear", "factor": 2.0, "rope_theta": 1e4})),
+        (dict(rope_theta=1e6), dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+        (dict(rope_theta=1e4, rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}),
+         dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                               "rope_theta": 1e4})),
+    ],
+)
+def test_both_rope_spellings_normalise_alike(old, new):
+    a, b = parse(**old), parse(**new)
+    assert (a.rope_theta, a.rope_scaling) == (b.rope_theta, b.rope_scaling)
+    assert isinstance(a.rope_theta, float)
+    old_scaling = old.get("rope_scaling")
+    if old_scaling is None:
+        assert a.rope_scaling is None
+    else:
+        assert "type" not in a.rope_scaling and "rope_theta" not in a.rope_scaling
+        assert a.rope_scaling["rope_type"] == old_scaling.get("rope_type", old_scaling.get("type"))
+
+
+def test_rope_parameters_per_layer_type_keeps_both():
+    cfg = parse(model_type="gemma3_text", rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+    })
+    assert cfg.rope_params("sliding_attention") == (1e4, None)
+    assert cfg.rope_params("full_attention") == (1e6, {"rope_type": "linear", "factor": 8.0})
+    assert (cfg.rope_theta, cfg.rope_scaling) == (1e6, {"rope_type": "linear", "factor": 8.0})  # global = full
+
+
+def test_partial_rotary_factor_moves_out_of_the_rope_dict():
+    new = parse(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5})
+    old = parse(rope_theta=1e4, partial_rotary_factor=0.5)
+    assert new.rope_scaling is None and old.rope_scaling is None
+    assert new.partial_rotary_factor == old.partial_rotary_factor == 0.5
+
+
+def test_defaults_per_architecture():
+    llama = parse()
+    qwen3 = parse(architectures=["Qwen3ForCausalLM"], model_type="qwen3")
+    assert llama.rope_theta == 10000.0 and qwen3.rope_theta == 1e6
+    assert llama.num_key_value_heads == 4  # = num_attention_heads
+    assert llama.head_dim == 16            # 64 hidden / 4 heads
+    assert llama.tie_word_embeddings is False and llama.attention_bias is False
+    assert llama.layer_types == ["full_attention"] * 3
+    assert llama.sliding_window is None and llama.torch_dtype is None
+
+
+def test_architecture_inferred_from_model_type_when_absent():
+    d = {k: v for k, v in BASE.items() if k != "architectures"}
+    assert ModelConfig.from_dict({**d, "model_type": "qwen3"}).architectures == ["Qwen3ForCausalLM"]
+
+
+@pytest.mark.parametrize("eos,expected", [(2, [2]), ([1, 7], [1, 7]), (None, [])])
+def test_eos_token_id_is_a_list(eos, expected):
+    assert parse(eos_token_id=eos).eos_token_id == expected
+
+
+@pytest.mark.parametrize("key,value,expected", [("torch_dtype", "bfloat16", torch.bfloat16),
+                                                ("dtype", "float16", torch.float16),
+                                                ("torch_dtype", "torch.float32", torch.float32)])
+def test_dtype_spellings(key, value, expected):
+    assert parse(**{key: value}).torch_dtype == expected
+
+
+def test_extra_keys_readable_as_attributes_and_copyable():
+    cfg = parse(moe_intermediate_size=32, num_experts=8)
+    assert cfg.extra == {"moe_intermediate_size": 32, "num_experts": 8}
+    assert cfg.moe_intermediate_size == 32 and cfg.get("num_experts") == 8 and cfg.get("nothing", 5) == 5
+    with pytest.raises(AttributeError, match="nothing"):
+        cfg.nothing
+    clone = copy.deepcopy(cfg)
+    assert clone == cfg and clone.num_experts == 8
+
+
+def test_sliding_window_rules():
+    assert parse(sliding_window=4096, use_sliding_window=False).sliding_window is None
+    assert parse(sliding_window=16).layer_types == ["sliding_attention"] * 3
+    qwen2 = parse(sliding_window=16, use_sliding_window=True, max_window_layers=1)
+    assert qwen2.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
+    given = ["sliding_attention", "full_attention", "sliding_attention"]
+    assert parse(sliding_window=8, layer_types=given).layer_types == given
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        ({"hidden_size": None}, "missing required key 'hidden_size'"),
+        ({"vocab_size": "big"}, "vocab_size must be an int"),
+        ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads=3"),
+        ({"hidden_size": 66}, "head_dim is absent"),
+        ({"torch_dtype": "float13"}, "unsupported dtype 'float13'"),
+        ({"layer_types": ["full_attention"]}, "layer_types"),
+        ({"eos_token_id": "x"}, "eos_token_id"),
+        ({"rope_scaling": [1, 2]}, "rope_scaling must be a dict"),
+        ({"rope_theta": "fast"}, "rope_theta must be a finite number"),
+        ({"tie_word_embeddings": "yes"}, "tie_word_embeddings must be true or false"),
+    ],
+)
+def test_bad_values_raise_naming_the_key(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        parse(**overrides)
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="model config not found"):
+        ModelConfig.from_file(tmp_path / "config.json")
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"config.json: not valid JSON"):
+        ModelConfig.from_file(tmp_path)
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="expected a JSON object"):
+        ModelConfig.from_file(tmp_path / "config.json")
+    (tmp_path / "config.json").write_text(json.dumps({**BASE, "num_hidden_layers": 0}))
+    with pytest.raises(ValueError, match=r"config.json: num_hidden_layers must be an int >= 1"):
+        ModelConfig.from_file(tmp_path)
+
+
+def test_shipped_benchmark_config_parses():
+    cfg = ModelConfig.from_file("benchmarks/configs/qwen3-0.6b.json")
+    assert (cfg.num_key_value_heads, cfg.head_dim, cfg.rope_theta, cfg.eos_token_id) == (8, 128, 1e6, [151645])
+    assert cfg.tie_word_embeddings and cfg.torch_dtype == torch.bfloat16
+
+
+# --- configs written by transformers (test-only dependency) --------------------------------
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("kind", ["llama3", "qwen3", "qwen2-sliding"])
+def test_transformers_saved_config_parses(tmp_path, kind):
+    small = dict(vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                 num_attention_heads=4, num_key_value_heads=2)
+    if kind == "llama3":
+        hf = transformers.LlamaConfig(**small, max_position_embeddings=16384, rope_theta=5e5,
+                                      rope_scaling={"rope_type": "llama3", **LLAMA3_SCALING}, eos_token_id=[5, 6])
+    elif kind == "qwen3":
+        hf = transformers.Qwen3Config(**small, head_dim=16, rope_theta=1e6, tie_word_embeddings=True)
+    else:
+        hf = transformers.Qwen2Config(**small, use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    hf.save_pretrained(tmp_path)
+    cfg = ModelConfig.from_file(tmp_path / "config.json")
+    for key in small:
+        assert getattr(cfg, key) == getattr(hf, key)
+    assert cfg.head_dim == (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
+    assert cfg.tie_word_embeddings == hf.tie_word_embeddings
+    assert cfg.layer_types == list(getattr(hf, "layer_types", None) or ["full_attention"] * 3)
+    assert cfg.rope_theta == hf.rope_parameters["rope_theta"]
+    if kind == "llama3":
+        assert cfg.rope_scaling == {"rope_type": "llama3", **LLAMA3_SCALING}
+        assert cfg.eos_token_id == [5, 6]
+    else:
+        assert cfg.rope_scaling is None
+    if kind == "qwen2-sliding":
+        assert cfg.sliding_window == 8
