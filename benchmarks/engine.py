@@ -1,0 +1,224 @@
+"""Engine benchmarks: offline throughput vs HF transformers, decode latency, host overhead per step.
+
+    python -m benchmarks.engine --section throughput   # GPU: the nano-vllm workload, Qwen3-0.6B shapes
+    python -m benchmarks.engine --section latency      # GPU: ms per token at bs 1 / 64, Qwen3-0.6B and Llama-3-8B shapes
+    python -m benchmarks.engine --section host         # CPU: schedule + prepare + postprocess per decode step
+
+Weights are dummy (random) with the real shapes from benchmarks/configs/; the shapes set the cost.
+The nano-vllm workload: seed 0, 256 sequences, prompt and output lengths uniform in [100, 1024],
+random token ids < 10000, EOS ignored, one warm-up; throughput = output tokens / wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import copy_bandwidth_gbs, print_table, write_json
+
+CONFIGS = Path(__file__).resolve().parent / "configs"
+
+
+def load_config(name: str) -> dict:
+    return json.loads((CONFIGS / f"{name}.json").read_text())
+
+
+def nano_vllm_workload(num_seqs=256, min_len=100, max_len=1024, vocab=10000, seed=0):
+    rng = random.Random(seed)
+    prompts = [[rng.randint(0, vocab - 1) for _ in range(rng.randint(min_len, max_len))] for _ in range(num_seqs)]
+    output_lens = [rng.randint(min_len, max_len) for _ in range(num_seqs)]
+    return prompts, output_lens
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------------------------------- throughput
+
+def atom_core_throughput(model_dir: Path, prompts, output_lens, **engine_args) -> dict:
+    from atom_core.engine import Engine, SamplingParams
+
+    engine = Engine.from_pretrained(model_dir, device="cuda", **engine_args)
+    engine.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in output_lens]
+    _sync()
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, params, use_tqdm=False)
+    _sync()
+    elapsed = time.perf_counter() - t0
+    tokens = sum(len(o.token_ids) for o in outs)
+    del engine
+    torch.cuda.empty_cache()
+    return {"system": "atom_core" + (" (eager)" if engine_args.get("enforce_eager") else ""),
+            "seqs": len(prompts), "output_tokens": tokens, "seconds": elapsed, "tok_per_s": tokens / elapsed}
+
+
+def hf_throughput(hf_model, prompts, output_lens, mode: str) -> dict:
+    """HF transformers on the same workload: ``generate_batch`` (continuous batching) or padded
+    ``generate`` with a static cache, in batches."""
+    from transformers import GenerationConfig
+
+    tokens = 0
+    t0 = time.perf_counter()
+    if mode == "generate_batch":
+        # One max_new_tokens for all (EOS never fires on random weights); every generated token counts.
+        gen = GenerationConfig(max_new_tokens=max(output_lens), do_sample=False, eos_token_id=-1, pad_token_id=0)
+        results = hf_model.generate_batch(inputs=prompts, generation_config=gen, progress_bar=False)
+        tokens = sum(len(r.generated_tokens) for r in results.values())
+    else:
+        batch = 64
+        for i in range(0, len(prompts), batch):
+            chunk, lens = prompts[i:i + batch], output_lens[i:i + batch]
+            width = max(map(len, chunk))
+            ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk], device="cuda")
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device="cuda")
+            out = hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(lens), do_sample=False,
+                                    eos_token_id=None, pad_token_id=0, cache_implementation="static")
+            tokens += (out.shape[1] - width) * len(chunk)  # every generated token counts
+            del out
+    _sync()
+    elapsed = time.perf_counter() - t0
+    return {"system": f"HF transformers {mode}", "seqs": len(prompts), "output_tokens": tokens, "seconds": elapsed,
+            "tok_per_s": tokens / elapsed}
+
+
+def section_throughput(args) -> list[dict]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = load_config(args.model)
+    prompts, output_lens = nano_vllm_workload(num_seqs=args.num_seqs)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_config = AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"})
+        torch.manual_seed(0)
+        hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).cuda().eval()
+        hf_model.save_pretrained(tmp)  # atom_core loads the very same weights
+        rows.append(atom_core_throughput(Path(tmp), prompts, output_lens))
+        rows[-1]["model"] = args.model
+        n_hf = args.hf_seqs
+        for mode in ("generate_batch", "generate_static"):
+            try:
+                r = hf_throughput(hf_model, prompts[:n_hf], output_lens[:n_hf], mode)
+            except Exception as e:  # an HF path missing in this version is reported, not fatal
+                r = {"system": f"HF transformers {mode}", "error": f"{type(e).__name__}: {e}"[:200]}
+            r["model"] = args.model
+            rows.append(r)
+    best_hf = max((r.get("tok_per_s", 0) for r in rows[1:]), default=0)
+    if best_hf:
+        rows[0]["vs_best_hf"] = rows[0]["tok_per_s"] / best_hf
+    return rows
+
+
+# ---------------------------------------------------------------------------------------- latency
+
+def section_latency(args) -> list[dict]:
+    from atom_core.engine import Engine, SamplingParams
+    from atom_core.models import build_model
+
+    copy_gbs = copy_bandwidth_gbs()
+    rows = []
+    for name in args.latency_models:
+        cfg = load_config(name)
+        model = build_model(cfg, dtype=torch.bfloat16, device="cuda")
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        # (tied embeddings are one parameter: counted once, read once per step by the LM head)
+        for eager in (False, True):
+            engine = Engine(model, None, device="cuda", max_num_seqs=64, max_model_len=4096,
+                            num_kv_blocks=64 * 4096 // 16 + 64, enforce_eager=eager)
+            for bs in (1, 64):
+                prompt_len, steps = 512, 64
+                for i in range(bs):
+                    engine.add_request(list(range(i, i + prompt_len)),
+                                       SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
+                engine.step()  # prefill
+                for _ in range(3):
+                    engine.step()
+                _sync()
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    engine.step()
+                _sync()
+                ms = (time.perf_counter() - t0) / steps * 1e3
+                while engine.has_unfinished_requests():
+                    engine.step()
+                spec = model.kv_cache_spec()
+                context = prompt_len + 3 + steps // 2
+                kv_bytes = bs * context * spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 2
+                gbs = (weight_bytes + kv_bytes) / (ms * 1e-3) / 1e9
+                rows.append({"model": name, "bs": bs, "cuda_graphs": not eager, "ms_per_step": ms,
+                             "tok_per_s": bs / ms * 1e3, "GB/s": gbs, "%copy_bw": 100 * gbs / copy_gbs})
+            del engine
+            torch.cuda.empty_cache()
+        del model
+        torch.cuda.empty_cache()
+    return rows
+
+
+# ---------------------------------------------------------------------------------------- host overhead
+
+def section_host(args) -> list[dict]:
+    """Per decode step on CPU: schedule + prepare inputs + postprocess, the model replaced by a stub."""
+    from atom_core.engine import Engine, SamplingParams
+    from atom_core.engine.runner import StepResult
+    from atom_core.models import build_model
+
+    cfg = load_config("qwen3-0.6b") | {"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 64,
+                                       "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+                                       "vocab_size": 1000}
+    model = build_model(cfg, dtype=torch.float32, device="cpu")
+    rows = []
+    for running in (1, 64, 256):
+        engine = Engine(model, None, device="cpu", max_num_seqs=256, max_model_len=2048,
+                        num_kv_blocks=256 * 2048 // 16)
+        timings = {"prepare": 0.0}
+        runner = engine.runner
+
+        def stub_execute(requests, query_lens, block_tables, want_logprobs):
+            t = time.perf_counter()
+            runner.prepare(requests, query_lens, block_tables)
+            timings["prepare"] += time.perf_counter() - t
+            return StepResult([5] * len(requests), None)
+
+        runner.execute = stub_execute
+        rng = random.Random(0)
+        for _ in range(running):
+            engine.add_request([rng.randint(0, 999) for _ in range(rng.randint(100, 1024))],
+                               SamplingParams(temperature=0.6, max_tokens=1000, ignore_eos=True))
+        engine.step()  # prefill all
+        steps = 200
+        timings["prepare"] = 0.0
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        total = (time.perf_counter() - t0) / steps * 1e6
+        prepare = timings["prepare"] / steps * 1e6
+        rows.append({"running": running, "us_per_step": total, "prepare_us": prepare,
+                     "schedule+postprocess_us": total - prepare})
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--section", choices=["throughput", "latency", "host"], required=True)
+    parser.add_argument("--model", default="qwen3-0.6b")
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--hf-seqs", type=int, default=64, help="sequences of the workload HF runs (it is slow)")
+    parser.add_argument("--latency-models", nargs="+", default=["qwen3-0.6b", "llama-3-8b"])
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    rows = {"throughput": section_throughput, "latency": section_latency, "host": section_host}[args.section](args)
+    print_table(rows)
+    if args.json:
+        write_json(rows, args.json)
+
+
+if __name__ == "__main__":
+    main()
