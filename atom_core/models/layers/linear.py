@@ -150,9 +150,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
                  tp_rank: int = 0, tp_size: int = 1, dtype: torch.dtype | None = None) -> None:
         if isinstance(output_sizes, (int, str)) or len(output_sizes) == 0:
             raise ValueError(f"output_sizes must be a non-empty list of ints, got {output_sizes!r}")
+        check_tp(tp_rank, tp_size)
         for i, size in enumerate(output_sizes):
             _check_positive(**{f"output_sizes[{i}]": size})
-            check_tp(tp_rank, tp_size)
             divide(size, tp_size, what=f"output_sizes[{i}]")
         self.output_sizes = list(output_sizes)
         super().__init__(input_size, sum(self.output_sizes), bias,
@@ -203,8 +203,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.q_size = shard.q_size
         self.kv_size = shard.kv_size
         self.input_size = hidden_size
-        # Rows summed over ranks (KV rows counted once per replica).
-        self.output_size = (self.q_size + 2 * self.kv_size) * tp_size
+        # Rows of the full fused checkpoint tensor [q; k; v].
+        self.output_size = (num_heads + 2 * num_kv_heads) * head_dim
         _Linear.__init__(self, hidden_size, self.q_size + 2 * self.kv_size, bias,
                          self.q_size + 2 * self.kv_size, dtype, tp_rank, tp_size)
         self.output_size_per_rank = self.q_size + 2 * self.kv_size
