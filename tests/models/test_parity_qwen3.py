@@ -1,0 +1,115 @@
+"""Qwen3ForCausalLM against transformers' Qwen3ForCausalLM.
+
+Tiny random configs vary the GQA ratio, head_dim (always explicit in Qwen3, here != hidden /
+heads), tied embeddings, attention biases, yarn RoPE and sliding-window layers
+(``use_sliding_window`` + ``max_window_layers``). fp32 on CPU with the torch backend must match
+HF's logits within parity_harness.FP32_TOL; the GPU variant runs bf16 with the Triton backend.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from atom_core import ops  # noqa: E402
+from atom_core.ops.dispatch import backend_available  # noqa: E402
+from tests.models.parity_harness import (  # noqa: E402,F401  (single_thread_torch is an autouse fixture)
+    BF16_ARGMAX_MARGIN,
+    BF16_TOL,
+    ParityCase,
+    backends_used,
+    build_pair,
+    check_chunked_and_prefix,
+    check_decode,
+    check_parameter_names,
+    check_ragged_prefill,
+    run_all_checks,
+    single_thread_torch,
+)
+
+QWEN3 = "Qwen3ForCausalLM"
+
+CASES = [
+    ParityCase("gqa2_head_dim32", "qwen3", QWEN3,
+               {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}),
+    ParityCase("mha_tied", "qwen3", QWEN3,
+               {"num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 16, "tie_word_embeddings": True}),
+    ParityCase("mqa_odd_sizes", "qwen3", QWEN3,
+               {"hidden_size": 48, "intermediate_size": 100, "num_attention_heads": 4,
+                "num_key_value_heads": 1, "head_dim": 24}),
+    ParityCase("gqa4_bias_yarn", "qwen3", QWEN3,
+               {"num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 16, "attention_bias": True,
+                "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                                    "rope_theta": 1000000.0}}),
+    # Layer 0 full attention, layer 1 a window of 5 (layers >= max_window_layers slide).
+    ParityCase("sliding_window", "qwen3", QWEN3,
+               {"head_dim": 16, "use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1}),
+]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[c.name for c in CASES])
+def pair(request, tmp_path_factory):
+    return build_pair(request.param, tmp_path_factory.mktemp(request.param.name))
+
+
+@pytest.fixture(scope="module")
+def model(pair):
+    return pair.load_atom(dtype=torch.float32, device="cpu")
+
+
+def test_parameter_names_mirror_hf(pair, model):
+    check_parameter_names(pair, model)
+
+
+def test_ragged_prefill_matches_hf(pair, model):
+    with ops.use_backend("torch"):
+        check_ragged_prefill(pair, model)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_decode_through_paged_cache_matches_hf(pair, model, block_size):
+    with ops.use_backend("torch"):
+        check_decode(pair, model, block_size)
+
+
+def test_chunked_prefill_and_prefix_hit_match_hf(pair, model):
+    with ops.use_backend("torch"):
+        check_chunked_and_prefix(pair, model)
+
+
+def test_sliding_window_reaches_the_layers(tmp_path):
+    """The config's sliding layers get the window, the others none (else the parity above is vacuous)."""
+    pair = build_pair(CASES[-1], tmp_path)
+    model = pair.load_atom()
+    windows = [layer.self_attn.attn.sliding_window for layer in model.model.layers]
+    assert windows == [None, 5]
+
+
+def test_tied_head_shares_the_embedding(tmp_path):
+    pair = build_pair(CASES[1], tmp_path)
+    model = pair.load_atom()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+@pytest.mark.skipif(not backend_available("triton"), reason="triton not installed (or no GPU and no interpreter)")
+def test_triton_backend_matches_hf_small(tmp_path):
+    pair = build_pair(CASES[0], tmp_path)
+    model = pair.load_atom()
+
+    def run():
+        with ops.use_backend("triton"):
+            check_ragged_prefill(pair, model, lengths=(1, 6), block_size=4)
+            check_decode(pair, model, 4, num_decode_steps=2, pad_rows=0)
+
+    used = backends_used(run)
+    assert ("paged_attention", "triton") in used, f"triton did not serve paged_attention: {sorted(used)}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_bf16_triton_matches_hf_fp32(pair):
+    model = pair.load_atom(dtype=torch.bfloat16, device="cuda")
+    with ops.use_backend("triton"):
+        run_all_checks(pair, model, device="cuda", tol=BF16_TOL, argmax_margin=BF16_ARGMAX_MARGIN)
