@@ -42,23 +42,27 @@ class LlamaAttention(nn.Module):
     """qkv_proj -> split heads -> (``qk_transform``) -> RoPE -> paged attention -> o_proj.
 
     ``qk_transform`` is the hook subclasses override to touch q and k before RoPE (Qwen3's
-    per-head RMSNorm); here it returns them unchanged.
+    per-head RMSNorm); here it returns them unchanged. ``qkv_bias`` / ``o_bias`` default to
+    ``config.attention_bias``; architectures that bias only q, k, v (Qwen2) pass them explicitly.
     """
 
     def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, *, sliding_window: int | None,
-                 dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1) -> None:
+                 dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1,
+                 qkv_bias: bool | None = None, o_bias: bool | None = None) -> None:
         super().__init__()
         head_dim = config.head_dim
         self.head_dim = head_dim
+        qkv_bias = config.attention_bias if qkv_bias is None else qkv_bias
+        o_bias = config.attention_bias if o_bias is None else o_bias
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
-                                          config.num_key_value_heads, config.attention_bias,
+                                          config.num_key_value_heads, qkv_bias,
                                           tp_rank=tp_rank, tp_size=tp_size, dtype=dtype)
         self.num_heads = self.qkv_proj.num_heads          # H on this rank
         self.num_kv_heads = self.qkv_proj.num_kv_heads    # Hk on this rank
         self.q_size = self.qkv_proj.q_size                # H * Dh
         self.kv_size = self.qkv_proj.kv_size              # Hk * Dh
         self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size,
-                                        config.attention_bias, tp_rank=tp_rank, tp_size=tp_size, dtype=dtype)
+                                        o_bias, tp_rank=tp_rank, tp_size=tp_size, dtype=dtype)
         self.rotary_emb = rotary_emb
         self.attn = PagedAttention(self.num_heads, head_dim, self.num_kv_heads,
                                    scale=head_dim ** -0.5, sliding_window=sliding_window)

@@ -57,6 +57,7 @@ BASE_CONFIG = {
 # sliding windows; its checkpoints are Llama's tensor for tensor.
 _HF_CLASSES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "ministral": ("MinistralConfig", "MinistralForCausalLM"),
 }
