@@ -1,0 +1,186 @@
+"""Memory-bound ops at Llama-8B-like sizes: rms_norm (+ residual), silu_and_mul, apply_rope_, store_kv_.
+
+For each op and token count: median time of the op's kernel backend, bandwidth achieved (bytes read +
+written, counted by hand below), that bandwidth as a share of a device-to-device copy measured in the
+same run, and the speedup over the plain-torch twin, eager and under ``torch.compile``.
+
+    python -m benchmarks.ops_elementwise [--device cuda] [--json out.json] [--smoke]
+
+``--smoke`` runs tiny sizes (and no torch.compile) so the script can be checked on a CPU, where the
+kernels run in Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+TOKENS = [1, 64, 4096, 16384]
+HIDDEN = 4096
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_SIZE = 32, 8, 128
+MAX_POSITION = 8192
+BLOCK_SIZE = 16
+SMOKE = dict(tokens=[1, 8], hidden=64, q_heads=4, kv_heads=2, head_size=16)
+
+
+@dataclass
+class Case:
+    op: str
+    tokens: int
+    shape: str
+    nbytes: int  # bytes read + written by one call
+    run: Callable[[], object]  # the op through atom_core's dispatch
+    twin: Callable[[], object]  # the reference twin, same inputs
+
+
+def _rms_norm_case(tokens, hidden, dtype, device, backend):
+    from atom_core.ops import reference
+    from atom_core.ops.norm import rms_norm
+
+    x = torch.randn(tokens, hidden, dtype=dtype, device=device)
+    residual = torch.randn_like(x)
+    weight = torch.randn(hidden, dtype=dtype, device=device)
+    out, residual_out = torch.empty_like(x), torch.empty_like(x)
+    elt = x.element_size()
+    # read x, residual, weight; write out, residual_out
+    nbytes = (4 * tokens * hidden + hidden) * elt
+    return Case("rms_norm+residual", tokens, f"[{tokens}, {hidden}]", nbytes,
+                lambda: rms_norm(x, weight, 1e-6, residual=residual, out=out, residual_out=residual_out,
+                                 backend=backend),
+                lambda: reference.rms_norm(x, weight, 1e-6, residual))
+
+
+def _silu_and_mul_case(tokens, hidden, dtype, device, backend):
+    from atom_core.ops.activation import silu_and_mul
+    from atom_core.ops.reference import activation as reference
+
+    x = torch.randn(tokens, 2 * hidden, dtype=dtype, device=device)
+    out = torch.empty(tokens, hidden, dtype=dtype, device=device)
+    nbytes = 3 * tokens * hidden * x.element_size()  # read gate and up, write out
+    return Case("silu_and_mul", tokens, f"[{tokens}, {2 * hidden}] -> [{tokens}, {hidden}]", nbytes,
+                lambda: silu_and_mul(x, out=out, backend=backend),
+                lambda: reference.silu_and_mul(x))
+
+
+def _fused_qkv(tokens, q_heads, kv_heads, head_size, dtype, device):
+    """q, k, v as head views into one [T, (Hq + 2 Hk) D] buffer, as a model's fused projection gives them."""
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_size, dtype=dtype, device=device)
+    q = qkv[:, : q_heads * head_size].view(tokens, q_heads, head_size)
+    k = qkv[:, q_heads * head_size: (q_heads + kv_heads) * head_size].view(tokens, kv_heads, head_size)
+    v = qkv[:, (q_heads + kv_heads) * head_size:].view(tokens, kv_heads, head_size)
+    return q, k, v
+
+
+def _rope_case(tokens, q_heads, kv_heads, head_size, dtype, device, backend):
+    from atom_core.ops.reference import rope as reference
+    from atom_core.ops.rope import apply_rope_, rope_cos_sin_cache
+
+    q, k, _ = _fused_qkv(tokens, q_heads, kv_heads, head_size, dtype, device)
+    cache, _ = rope_cos_sin_cache(head_size, MAX_POSITION, 500000.0, device=device)
+    positions = torch.randint(0, MAX_POSITION, (tokens,), device=device)
+    elt = q.element_size()
+    # read + write every rotated q/k element; read positions (int64) and one fp32 cos/sin row per token
+    nbytes = 2 * tokens * (q_heads + kv_heads) * head_size * elt + tokens * 8 + tokens * head_size * 4
+    return Case("apply_rope_", tokens, f"q [{tokens}, {q_heads}, {head_size}] k [{tokens}, {kv_heads}, {head_size}]",
+                nbytes,
+                lambda: apply_rope_(q, k, positions, cache, backend=backend),
+                lambda: reference.apply_rope_(q, k, positions, cache))
+
+
+def _store_kv_case(tokens, q_heads, kv_heads, head_size, dtype, device, backend):
+    from atom_core.ops.kv_cache import store_kv_
+    from atom_core.ops.reference import kv_cache as reference
+
+    _, k, v = _fused_qkv(tokens, q_heads, kv_heads, head_size, dtype, device)
+    num_blocks = 2 * (tokens // BLOCK_SIZE + 1)
+    k_cache = torch.zeros(num_blocks, BLOCK_SIZE, kv_heads, head_size, dtype=dtype, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    # Tokens fill whole blocks in order; the blocks themselves are scattered over the pool.
+    blocks = torch.randperm(num_blocks, device=device)[: tokens // BLOCK_SIZE + 1]
+    t = torch.arange(tokens, device=device)
+    slot_mapping = blocks[t // BLOCK_SIZE] * BLOCK_SIZE + t % BLOCK_SIZE
+    # read k and v, write them to the caches; read slot_mapping
+    nbytes = 4 * tokens * kv_heads * head_size * k.element_size() + tokens * 8
+    return Case("store_kv_", tokens, f"k, v [{tokens}, {kv_heads}, {head_size}] -> NHD pages of {BLOCK_SIZE}",
+                nbytes,
+                lambda: store_kv_(k, v, k_cache, v_cache, slot_mapping, backend=backend),
+                lambda: reference.store_kv_(k, v, k_cache, v_cache, slot_mapping))
+
+
+def _cases(device, smoke, backend, dtype):
+    sizes = SMOKE if smoke else dict(tokens=TOKENS, hidden=HIDDEN, q_heads=NUM_Q_HEADS, kv_heads=NUM_KV_HEADS,
+                                     head_size=HEAD_SIZE)
+    for tokens in sizes["tokens"]:
+        yield _rms_norm_case(tokens, sizes["hidden"], dtype, device, backend)
+        yield _silu_and_mul_case(tokens, sizes["hidden"], dtype, device, backend)
+        yield _rope_case(tokens, sizes["q_heads"], sizes["kv_heads"], sizes["head_size"], dtype, device, backend)
+        yield _store_kv_case(tokens, sizes["q_heads"], sizes["kv_heads"], sizes["head_size"], dtype, device, backend)
+
+
+def _time_compiled(fn, timer):
+    try:
+        compiled = torch.compile(fn)
+        return timer(compiled)
+    except Exception as e:  # noqa: BLE001 - a twin that does not compile is reported, not fatal
+        print(f"torch.compile failed: {type(e).__name__}: {e}")
+        return None
+
+
+def run(device: str = "cuda", smoke: bool = False) -> list[dict]:
+    """One row per (op, token count). Times in ms; bandwidth in GB/s (1e9 bytes/s)."""
+    from atom_core.ops.dispatch import backend_available
+    from benchmarks.common import bench, copy_bandwidth_gbs
+
+    backend = "triton" if backend_available("triton") else "torch"
+    dtype = torch.bfloat16
+    iters = dict(warmup=1, iters=3) if smoke else dict(warmup=10, iters=100)
+
+    def timer(fn):
+        return bench(fn, device=device, **iters)
+
+    copy_gbs = copy_bandwidth_gbs(device, nbytes=1 << 20 if smoke else 2 << 30)
+    rows = []
+    for case in _cases(device, smoke, backend, dtype):
+        ms = timer(case.run)
+        eager_ms = timer(case.twin)
+        compile_ms = None if smoke else _time_compiled(case.twin, timer)
+        gbs = case.nbytes / (ms * 1e-3) / 1e9
+        rows.append({
+            "op": case.op,
+            "tokens": case.tokens,
+            "shape": case.shape,
+            "backend": backend,
+            "ms": ms,
+            "GB/s": gbs,
+            "%copy": 100 * gbs / copy_gbs,
+            "eager_ms": eager_ms,
+            "x_eager": eager_ms / ms,
+            "compile_ms": compile_ms,
+            "x_compile": None if compile_ms is None else compile_ms / ms,
+        })
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--json", help="write the rows to this path")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, no torch.compile (CPU check)")
+    args = parser.parse_args()
+    if args.device == "cpu":
+        # Triton kernels run on CPU tensors only in the interpreter; set before any kernel is defined.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from benchmarks.common import print_table, write_json
+
+    rows = run(args.device, smoke=args.smoke)
+    print_table(rows, ["op", "tokens", "backend", "ms", "GB/s", "%copy", "x_eager", "x_compile", "shape"])
+    if args.json:
+        write_json(rows, args.json)
+
+
+if __name__ == "__main__":
+    main()
