@@ -124,7 +124,10 @@ def _check_row_param(name: str, t, rows: int, dtypes, optional: bool = False) ->
 
 
 def _check_values_on_cpu(temperature, top_p, min_p) -> None:
-    """Range checks, only for CPU tensors (a GPU check would be a device-to-host sync)."""
+    """Range checks, only for CPU tensors (a GPU check would be a device-to-host sync) and not while
+    torch.compile traces (a data-dependent branch would break the graph)."""
+    if torch.compiler.is_compiling():
+        return
     if temperature.device.type == "cpu" and bool((temperature < 0).any() | temperature.isnan().any()):
         raise ValueError("temperature must be >= 0 (0 = greedy)")
     if top_p is not None and top_p.device.type == "cpu" and not bool(((top_p > 0) & (top_p <= 1)).all()):

@@ -36,7 +36,7 @@ from atom_core.ops.reference.sampling import filter_cutoff
 
 GPU_QUARTER = 1024  # block = 4096 logits per row and step on a GPU (16 KiB of fp32)
 _MIN_BLOCKS_PER_SPLIT = 4  # a split streams at least 4 blocks
-_INTERPRETER_ROWS = 64  # rows per program under the CPU interpreter
+_INTERPRETER_ROWS = 256  # rows per program under the CPU interpreter
 
 
 @triton.jit
@@ -91,10 +91,11 @@ def _sample_kernel(
             bits = tl.reshape(tl.join(tl.join(w0, w1), tl.join(w2, w3)), (ROWS, BLOCK))
             # u in (0, 1); E = -log(1 - u) ~ Exp(1), taken from the small-u end where fp32 is
             # fine-grained (small E decides the winner): u + u^2/2 + u^3/3 below 0.01 (error < u^4/4),
-            # -log(1 - u) above; capped at 64 (u rounded to 1.0) so the score stays finite.
+            # -log(1 - u) above, with 1 - u floored at 1e-30 (u rounds to 1.0) so E stays finite.
             u = (bits.to(tl.float32) + 0.5) * 2.3283064365386963e-10
-            e = tl.where(u < 0.01, u * (1.0 + u * (0.5 + u * 0.3333333333333333)), -tl.log(1.0 - u))
-            noisy = tl.where(x >= cutoff[:, None], x * inv_t[:, None] - tl.log(tl.minimum(e, 64.0)), float("-inf"))
+            series = u * (1.0 + u * (0.5 + u * 0.3333333333333333))
+            e = tl.where(u < 0.01, series, -tl.log(tl.maximum(1.0 - u, 1e-30)))
+            noisy = tl.where(x >= cutoff[:, None], x * inv_t[:, None] - tl.log(e), float("-inf"))
             score = tl.where(sampled[:, None], noisy, x)
         else:
             score = x
