@@ -1,0 +1,201 @@
+"""Attention over the paged KV pool: ``paged_attention`` and ``paged_attention_from_layout``.
+
+One op serves prefill, chunked prefill on a cached prefix, decode, multi-token decode and mixed
+batches: the query tokens of row r are the last ``q_len`` tokens of its ``context_lens[r]``-token
+context, already written into the pool by ``store_kv_``; the causal mask is aligned bottom-right.
+The exact semantics (mask inequalities, softcap, sinks, fp8 scales) are stated in
+``atom_core.ops.reference.attention``, the definition of correct.
+
+Backends: ``torch`` (the reference twin), ``triton`` (a unified flash-attention kernel for
+prefill and mixed batches, a split-K flash-decoding kernel for decode batches; the choice depends
+only on shapes and on ``max_seqlen_q``), ``aiter`` (AITER's paged decode and varlen flash kernels).
+Nothing here reads tensor contents on the host, so the op can be captured in a CUDA graph; the
+launch grid and the number of KV splits follow from shapes and the ``max_seqlen_*`` ints.
+
+Legend: T = query tokens of the step, B = rows, Hq / Hk = query / kv heads, D = head dim,
+NB = pool blocks, BS = tokens per block, P = pages per row.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from atom_core.ops.dispatch import Op
+from atom_core.ops.reference import attention as reference_attention
+from atom_core.ops.validation import FLOAT_DTYPES, check_out, check_same_device, check_shape, check_tensor
+
+PAGED_ATTENTION = Op("paged_attention")
+
+FP8_KV_DTYPES = (torch.float8_e4m3fn,)
+# The Triton kernels keep one head (padded to a power of two) in registers per row.
+TRITON_MAX_HEAD_DIM = 256
+# A batch whose queries are this short takes the split-K decode kernel (all query tokens of a row
+# and all q heads of a kv group share one program, up to this many rows of the q tile).
+DECODE_MAX_QLEN = 8
+DECODE_MAX_TILE_ROWS = 128
+
+
+def _torch_paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k,
+                           scale, sliding_window, logit_softcap, sinks, k_scale, v_scale, out):
+    out.copy_(reference_attention.paged_attention(
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k, scale=scale,
+        sliding_window=sliding_window, logit_softcap=logit_softcap, sinks=sinks, k_scale=k_scale, v_scale=v_scale))
+
+
+def uses_split_k_decode(max_seqlen_q: int, num_heads: int, num_kv_heads: int) -> bool:
+    """Whether the Triton backend runs the split-K decode kernel (else the unified kernel).
+
+    Depends only on ints fixed for a CUDA-graph bucket: short queries whose q tile (all query
+    tokens of a row times the q heads of one kv head) stays small.
+    """
+    group = num_heads // num_kv_heads
+    return 0 < max_seqlen_q <= DECODE_MAX_QLEN and max_seqlen_q * group <= DECODE_MAX_TILE_ROWS
+
+
+def _triton_paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k,
+                            scale, sliding_window, logit_softcap, sinks, k_scale, v_scale, out):
+    if uses_split_k_decode(max_seqlen_q, q.shape[1], k_cache.shape[2]):
+        kernel = importlib.import_module("atom_core.ops.triton.attention_decode").paged_attention_decode
+    else:
+        kernel = importlib.import_module("atom_core.ops.triton.attention_prefill").paged_attention_unified
+    kernel(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k, scale,
+           sliding_window, logit_softcap, sinks, k_scale, v_scale, out)
+
+
+def _triton_supports(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k,
+                     scale, sliding_window, logit_softcap, sinks, k_scale, v_scale, out) -> str | None:
+    if any(t.stride(-1) != 1 for t in (q, k_cache, v_cache, out)):
+        return "triton attention needs the head dim (last dim) of q, out and the caches contiguous"
+    if q.shape[-1] > TRITON_MAX_HEAD_DIM:
+        return f"head dim {q.shape[-1]} exceeds {TRITON_MAX_HEAD_DIM}"
+    if k_cache.dtype in FP8_KV_DTYPES and q.is_cuda and torch.cuda.get_device_capability(q.device) < (8, 9):
+        return "fp8 (e4m3) caches need a GPU of compute capability 8.9 or newer"
+    return None
+
+
+def _aiter_supports(*args) -> str | None:
+    return importlib.import_module("atom_core.ops.aiter.attention").supports(*args)
+
+
+PAGED_ATTENTION.register("torch", _torch_paged_attention)
+PAGED_ATTENTION.register("triton", _triton_paged_attention, _triton_supports)
+PAGED_ATTENTION.register("aiter", "atom_core.ops.aiter.attention:paged_attention", _aiter_supports)
+
+
+@torch.library.custom_op("atom_core::paged_attention", mutates_args=("out",))
+def _paged_attention_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, cu_seqlens_q: Tensor,
+                        context_lens: Tensor, max_seqlen_q: int, max_seqlen_k: int, scale: float,
+                        sliding_window: Optional[int], logit_softcap: float, sinks: Optional[Tensor],
+                        k_scale: Optional[Tensor], v_scale: Optional[Tensor], out: Tensor,
+                        backend: Optional[str]) -> None:
+    PAGED_ATTENTION(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k, scale,
+                    sliding_window, logit_softcap, sinks, k_scale, v_scale, out, backend=backend)
+
+
+@_paged_attention_op.register_fake
+def _(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k, scale,
+      sliding_window, logit_softcap, sinks, k_scale, v_scale, out, backend) -> None:
+    return None
+
+
+def _check_int(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _check_scale_tensor(name: str, t: Tensor | None) -> None:
+    if t is None:
+        return
+    check_tensor(name, t, dtypes=(torch.float32,))
+    if t.numel() != 1:
+        raise ValueError(f"{name} must hold one value (shape [1]), got shape {tuple(t.shape)}")
+
+
+def _check_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k, scale,
+                sliding_window, logit_softcap, sinks, k_scale, v_scale, out) -> None:
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
+    _, num_heads, head_dim = q.shape
+    check_tensor("k_cache", k_cache, ndim=4, dtypes=(q.dtype, *FP8_KV_DTYPES))
+    check_tensor("v_cache", v_cache, ndim=4, dtypes=(k_cache.dtype,))
+    check_shape("v_cache", v_cache, tuple(k_cache.shape))
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"k_cache head dim {k_cache.shape[3]} differs from q's {head_dim}")
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise ValueError(f"q heads ({num_heads}) must be a multiple of k_cache heads ({num_kv_heads})")
+    check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,))
+    num_rows = block_tables.shape[0]
+    check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32,))
+    check_shape("cu_seqlens_q", cu_seqlens_q, (num_rows + 1,))
+    check_tensor("context_lens", context_lens, ndim=1, dtypes=(torch.int32,))
+    check_shape("context_lens", context_lens, (num_rows,))
+    _check_int("max_seqlen_q", max_seqlen_q, 0)
+    _check_int("max_seqlen_k", max_seqlen_k, 0)
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        raise TypeError(f"scale must be a float, got {type(scale).__name__}")
+    if sliding_window is not None:
+        _check_int("sliding_window", sliding_window, 1)
+    if not isinstance(logit_softcap, (int, float)) or logit_softcap < 0:
+        raise ValueError(f"logit_softcap must be a float >= 0, got {logit_softcap!r}")
+    if sinks is not None:
+        check_tensor("sinks", sinks, ndim=1, dtypes=(torch.float32,))
+        check_shape("sinks", sinks, (num_heads,))
+    _check_scale_tensor("k_scale", k_scale)
+    _check_scale_tensor("v_scale", v_scale)
+    check_out("out", out, q.shape, q.dtype, q.device)
+    check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, cu_seqlens_q=cu_seqlens_q,
+                      context_lens=context_lens, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+
+
+def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, cu_seqlens_q: Tensor,
+                    context_lens: Tensor, max_seqlen_q: int, max_seqlen_k: int, *, scale: float,
+                    sliding_window: int | None = None, logit_softcap: float = 0.0, sinks: Tensor | None = None,
+                    k_scale: Tensor | None = None, v_scale: Tensor | None = None, out: Tensor | None = None,
+                    backend: str | None = None) -> Tensor:
+    """Causal attention of each row's query tokens over its context in the paged KV pool.
+
+    q: [T, Hq, D] fp32/fp16/bf16 (any strides with the last dim contiguous for Triton, e.g. a view
+        of a fused qkv projection); row r's tokens are ``q[cu_seqlens_q[r]:cu_seqlens_q[r+1]]``.
+    k_cache, v_cache: [NB, BS, Hk, D] in q's dtype, or float8_e4m3fn holding ``k / k_scale``.
+    block_tables: int32 [B, P], pool block of each page of a row, -1 past its last page.
+    cu_seqlens_q: int32 [B+1], prefix sums of the query lengths.
+    context_lens: int32 [B], tokens of each row in the pool (cached + this step's); 0 = padding row.
+    max_seqlen_q, max_seqlen_k: ints, upper bounds of the query lengths and of ``context_lens``
+        (a CUDA-graph bucket passes fixed bounds); they size the launch, never a result.
+    scale: softmax scale applied to q.k (usually D ** -0.5).
+    sliding_window: W or None; query at position p sees keys p-W+1 .. p (``j > p - W``, as in
+        transformers' sliding-window mask).
+    logit_softcap: c > 0 maps logits s to ``c * tanh(s / c)`` before masking (Gemma 2); 0 = off.
+    sinks: fp32 [Hq] or None, one extra logit per head in the softmax denominator (GPT-OSS).
+    k_scale, v_scale: fp32 [1] or None, dequantisation scales applied to the cached keys / values.
+    out: [T, Hq, D] in q's dtype, written and returned; allocated when None.
+
+    Query i of row r sits at position ``p = context_lens[r] - q_len + i`` and sees keys
+    ``j <= p`` (bottom-right causal). GQA / MQA: query head h reads kv head ``h // (Hq // Hk)``.
+    Rows with ``context_lens == 0`` get zeros. Returns out.
+    """
+    _check_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k, scale,
+                sliding_window, logit_softcap, sinks, k_scale, v_scale, out)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+    torch.ops.atom_core.paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+                                        int(max_seqlen_q), int(max_seqlen_k), float(scale), sliding_window,
+                                        float(logit_softcap), sinks, k_scale, v_scale, out, backend)
+    return out
+
+
+def paged_attention_from_layout(q: Tensor, k_cache: Tensor, v_cache: Tensor, layout, **kwargs) -> Tensor:
+    """:func:`paged_attention` with the step's metadata taken from ``layout``.
+
+    layout: an ``atom_core.cache.StepLayout`` on q's device (or any object with ``block_tables``,
+    ``cu_seqlens_q``, ``context_lens``, ``max_seqlen_q`` and ``max_seqlen_k``); kwargs as in
+    :func:`paged_attention` (``scale`` is required).
+    """
+    return paged_attention(q, k_cache, v_cache, layout.block_tables, layout.cu_seqlens_q, layout.context_lens,
+                           layout.max_seqlen_q, layout.max_seqlen_k, **kwargs)

@@ -1,0 +1,219 @@
+"""Triton split-K paged attention for decode batches (flash-decoding).
+
+A decode step has few query tokens per row (1, or k for multi-token / speculative decode) over
+long contexts, so one program per (row, kv head) would leave most of the GPU idle when the batch
+is small. The context of each row is cut into ``NUM_SPLITS`` chunks of whole ``BLOCK_N``-key tiles:
+
+1. ``_decode_split_kernel``, one program per (row, kv head, split): the q tile holds all query
+   tokens of the row times the ``GROUP = Hq // Hk`` q heads of the kv head (row m = token
+   ``m // GROUP``, head ``m % GROUP``), padded to at least 16 rows so ``tl.dot`` applies; each K/V
+   page is read once per kv head. It writes the chunk's unnormalised output and its base-2
+   running max and sum (fp32), or, with one split, the final output directly.
+2. ``_decode_reduce_kernel``, one program per (token, q head): rescales the chunks to a common
+   max, adds the sink to the denominator, normalises and writes the output.
+
+The number of splits depends only on B, Hk, ``max_seqlen_k`` and the SM count, never on tensor
+contents, so a CUDA graph captured for a batch bucket replays with any lengths: each row divides
+its own context among the splits, and a split past the row's end writes an empty chunk.
+
+Legend: T = query tokens, B = rows, Hq / Hk = query / kv heads, D = head dim, S = splits.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from atom_core.ops.dispatch import triton_interpret
+from atom_core.ops.triton.attention_unified import attend_key_range, dot_precision
+
+# Programs wanted per SM; fewer programs than this leave HBM bandwidth unused.
+PROGRAMS_PER_SM = 2
+# A split shorter than this many keys costs more in partial writes than it gains.
+MIN_KEYS_PER_SPLIT = 128
+MAX_SPLITS = 64
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
+    block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    num_heads, scale, softcap, sliding_window,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, GROUP: tl.constexpr, MAX_QLEN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    HAS_K_SCALE: tl.constexpr, HAS_V_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    q_start = tl.load(cu_seqlens_q_ptr + row)
+    q_len = tl.load(cu_seqlens_q_ptr + row + 1) - q_start
+    context_len = tl.load(context_lens_ptr + row)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    token = offs_m // GROUP
+    head = kv_head * GROUP + offs_m % GROUP
+    row_ok = (offs_m < MAX_QLEN * GROUP) & (token < q_len)
+    d_ok = offs_d < HEAD_DIM
+    pos = context_len - q_len + token
+    q_rows = (q_start + token).to(tl.int64) * stride_qt + head * stride_qh
+    q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    # This split's share of the keys any query of the row can see, in whole tiles.
+    kv_start = 0
+    if HAS_WINDOW:
+        kv_start = tl.maximum(context_len - q_len - sliding_window + 1, 0)
+    num_tiles = tl.maximum(tl.cdiv(context_len - kv_start, BLOCK_N), 0)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    split_start = kv_start + split * tiles_per_split * BLOCK_N
+    split_end = tl.minimum(split_start + tiles_per_split * BLOCK_N, context_len)
+
+    qk_scale = scale
+    if HAS_K_SCALE:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
+    if HAS_SINKS and NUM_SPLITS == 1:
+        # One split: start the softmax state at the sink, the extra logit of the denominator.
+        m_i = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    acc, m_i, l_i = attend_key_range(
+        acc, m_i, l_i, q, pos, split_start, split_end,
+        k_cache_ptr, v_cache_ptr, block_tables_ptr + row.to(tl.int64) * stride_bt, kv_head,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        qk_scale, softcap, sliding_window,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, PAGE_SIZE, HAS_WINDOW, HAS_SOFTCAP, DOT_PRECISION,
+    )
+
+    t = (q_start + token).to(tl.int64)
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        if HAS_V_SCALE:
+            out = out * tl.load(v_scale_ptr)
+        out_rows = t * stride_ot + head * stride_oh
+        tl.store(out_ptr + out_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        # Partials are [T, Hq, S] (max, sum) and [T, Hq, S, D] (output), contiguous.
+        part = (t * num_heads + head) * NUM_SPLITS + split
+        tl.store(part_max_ptr + part, m_i, mask=row_ok)
+        tl.store(part_sum_ptr + part, l_i, mask=row_ok)
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, sinks_ptr, v_scale_ptr,
+    stride_ot, stride_oh, num_heads,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HAS_SINKS: tl.constexpr, HAS_V_SCALE: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    s_ok = offs_s < NUM_SPLITS
+    d_ok = offs_d < HEAD_DIM
+    part = (t * num_heads + head) * NUM_SPLITS + offs_s
+    m_s = tl.load(part_max_ptr + part, mask=s_ok, other=float("-inf"))
+    l_s = tl.load(part_sum_ptr + part, mask=s_ok, other=0.0)
+    m_all = tl.max(m_s, axis=0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        m_all = tl.maximum(m_all, sink)
+    m_shift = tl.where(m_all == float("-inf"), 0.0, m_all)
+    weight = tl.exp2(m_s - m_shift)  # chunk s rescaled from its own max to the common one; empty: 0
+    total = tl.sum(l_s * weight, axis=0)
+    if HAS_SINKS:
+        total += tl.exp2(sink - m_shift)
+    acc = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
+                  other=0.0)
+    out = tl.sum(acc * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    if HAS_V_SCALE:
+        out = out * tl.load(v_scale_ptr)
+    tl.store(out_ptr + t * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_num_splits(num_rows: int, num_kv_heads: int, max_seqlen_k: int, device: torch.device) -> int:
+    """Splits per row so that B * Hk * splits reaches ``PROGRAMS_PER_SM`` programs per SM.
+
+    Depends on shapes, ``max_seqlen_k`` and the device only (fixed inside a CUDA-graph bucket);
+    capped so that a split holds at least ``MIN_KEYS_PER_SPLIT`` keys of the longest context.
+    """
+    if device.type != "cuda":
+        return 1
+    programs = max(num_rows * num_kv_heads, 1)
+    wanted = triton.cdiv(PROGRAMS_PER_SM * _sm_count(device.index or 0), programs)
+    useful = triton.cdiv(max(max_seqlen_k, 1), MIN_KEYS_PER_SPLIT)
+    return max(1, min(wanted, useful, MAX_SPLITS))
+
+
+def _decode_config(head_dim_pad: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) for the split kernel."""
+    # Chosen from sm90 builds: no register spills, several programs resident per SM.
+    if triton_interpret():
+        return 16, 4, 1
+    if dtype == torch.float32:
+        return (16, 4, 2) if head_dim_pad <= 128 else (16, 8, 1)
+    if head_dim_pad > 128:
+        return 32, 4, 3
+    return 64, 4, 3
+
+
+def paged_attention_decode(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k,
+                           scale, sliding_window, logit_softcap, sinks, k_scale, v_scale, out, num_splits=None):
+    """Fill out [T, Hq, D] (arguments as ``atom_core.ops.paged_attention``) for batches whose query
+    lengths are all <= ``max_seqlen_q`` (small). ``num_splits`` overrides the heuristic (tests)."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_rows = block_tables.shape[0]
+    if num_tokens == 0 or num_rows == 0:
+        return
+    num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    head_dim_pad = max(triton.next_power_of_2(head_dim), 16)
+    block_m = max(16, triton.next_power_of_2(max_seqlen_q * group))
+    block_n, warps, stages = _decode_config(head_dim_pad, q.dtype)
+    if num_splits is None:
+        num_splits = choose_num_splits(num_rows, num_kv_heads, max_seqlen_k, q.device)
+    if num_splits > 1:
+        part_out = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        part_max = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=q.device)
+        part_sum = torch.empty_like(part_max)
+    else:
+        part_out = part_max = part_sum = None
+    _decode_split_kernel[(num_rows, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, out, part_out, part_max, part_sum,
+        block_tables, cu_seqlens_q, context_lens, sinks, k_scale, v_scale,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        num_heads, float(scale), float(logit_softcap), int(sliding_window or 0),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, GROUP=group, MAX_QLEN=max_seqlen_q, BLOCK_M=block_m,
+        BLOCK_N=block_n, PAGE_SIZE=page_size, NUM_SPLITS=num_splits,
+        HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_softcap > 0, HAS_SINKS=sinks is not None,
+        HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None, DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=warps, num_stages=stages,
+    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(num_tokens, num_heads)](
+            out, part_out, part_max, part_sum, sinks, v_scale,
+            out.stride(0), out.stride(1), num_heads,
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits), HAS_SINKS=sinks is not None,
+            HAS_V_SCALE=v_scale is not None, num_warps=4 if head_dim_pad >= 128 else 2,
+        )
