@@ -67,6 +67,7 @@ class Engine:
         self._requests: dict[int, Request] = {}
         self._next_id = 0
         self._seed_source = random.Random()
+        self.num_preemptions = 0  # requests sent back to recompute because the pool ran dry
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, *, dtype=None, device=None, load_format: str = "auto",
@@ -101,10 +102,7 @@ class Engine:
         if total > self.max_model_len:
             raise ValueError(f"prompt of {len(token_ids)} tokens + max_tokens={params.max_tokens} = {total} "
                              f"exceeds max_model_len={self.max_model_len}")
-        bm = self.block_manager
-        if -(-total // bm.block_size) > bm.num_blocks:
-            raise ValueError(f"a request of {total} tokens needs {-(-total // bm.block_size)} blocks of "
-                             f"{bm.block_size}, but the KV pool has only {bm.num_blocks}")
+        # (The pool always holds one request of max_model_len: plan_kv_pool refuses smaller pools.)
         vocab = self.model.config.vocab_size
         if any(not 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
@@ -148,6 +146,7 @@ class Engine:
                 raise RuntimeError("the scheduler could not run any request: the pool is too small for the "
                                    "waiting requests")
             return []
+        self.num_preemptions += len(scheduled.preempted)
         bm = self.block_manager
         tables = [bm.block_table(r.request_id) for r in scheduled.requests]
         want_logprobs = any(r.logprobs is not None for r in scheduled.requests)

@@ -1,0 +1,40 @@
+"""Tiny random HF checkpoints for engine tests (transformers is the reference)."""
+
+import pytest
+import torch
+
+
+def _save(tmp_path_factory, name, hf_cls, config):
+    torch.manual_seed(0)
+    model = hf_cls(config).eval()
+    folder = tmp_path_factory.mktemp(name)
+    model.save_pretrained(folder)
+    return folder, model
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    # A large init range makes greedy continuations vary from token to token.
+    config = Qwen3Config(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=True,
+                         initializer_range=0.3, eos_token_id=95, bos_token_id=0)
+    return _save(tmp_path_factory, "qwen3", Qwen3ForCausalLM, config)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=80, hidden_size=48, intermediate_size=100, num_hidden_layers=2, num_attention_heads=6,
+                         num_key_value_heads=3, max_position_embeddings=256, tie_word_embeddings=False,
+                         initializer_range=0.3, eos_token_id=79, bos_token_id=0)
+    return _save(tmp_path_factory, "llama", LlamaForCausalLM, config)
+
+
+def hf_greedy(hf_model, prompt, max_new_tokens):
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                                do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()

@@ -1,0 +1,175 @@
+"""Greedy tokens through the engine equal HF ``generate`` (fp32, CPU) in every scheduling regime."""
+
+import random
+
+import pytest
+import torch
+
+from atom_core import ops
+from atom_core.engine import Engine, SamplingParams
+from tests.engine.conftest import hf_greedy
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def prompts_for(vocab, lengths, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(1, vocab - 1) for _ in range(n)] for n in lengths]
+
+
+def checked_generate(engine, prompts, params):
+    """generate() step by step, checking the block manager's invariants after every step."""
+    ids = [engine.add_request(p, params) for p in prompts]
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        engine.block_manager.check_integrity()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks  # nothing leaked
+    return [done[i] for i in ids]
+
+
+@pytest.fixture(params=["tiny_qwen3", "tiny_llama"])
+def checkpoint(request):
+    return request.getfixturevalue(request.param)
+
+
+REGIMES = {
+    "plain": dict(block_size=16),
+    "chunked_prefill": dict(block_size=4, max_num_batched_tokens=5),
+    "tiny_pool_preemption": dict(block_size=2, num_kv_blocks=24, max_model_len=48),
+    "block_size_1": dict(block_size=1, max_num_batched_tokens=9),
+}
+
+
+@pytest.mark.parametrize("regime", list(REGIMES))
+def test_greedy_equals_hf_generate(checkpoint, regime):
+    folder, hf_model = checkpoint
+    vocab = hf_model.config.vocab_size
+    prompts = prompts_for(vocab, [7, 1, 13, 20, 3])
+    with ops.use_backend("torch"):
+        engine = Engine.from_pretrained(folder, device="cpu", dtype=torch.float32, **REGIMES[regime])
+        outs = checked_generate(engine, prompts, GREEDY)
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(hf_model, prompt, GREEDY.max_tokens), prompt
+        assert out.finish_reason == "length"
+    if regime == "tiny_pool_preemption":
+        assert engine.num_preemptions > 0
+
+
+def test_preemption_really_happens_and_output_unchanged(tiny_qwen3):
+    folder, hf_model = tiny_qwen3
+    prompts = prompts_for(hf_model.config.vocab_size, [10, 10, 10, 10], seed=3)
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    with ops.use_backend("torch"):
+        # 16 blocks of 2 = 32 slots; four requests of 24 tokens each cannot all stay resident.
+        engine = Engine.from_pretrained(folder, device="cpu", dtype=torch.float32, block_size=2, num_kv_blocks=16,
+                                        max_model_len=32,
+                                        enable_prefix_caching=False)
+        ids = [engine.add_request(p, params) for p in prompts]
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+            engine.block_manager.check_integrity()
+    assert engine.num_preemptions > 0
+    for rid, prompt in zip(ids, prompts):
+        assert done[rid].token_ids == hf_greedy(hf_model, prompt, 14)
+
+
+def test_prefix_hits_give_same_tokens(tiny_qwen3):
+    folder, hf_model = tiny_qwen3
+    shared = prompts_for(hf_model.config.vocab_size, [16], seed=5)[0]
+    prompts = [shared + [3, 4], shared + [5], shared]
+    with ops.use_backend("torch"):
+        engine = Engine.from_pretrained(folder, device="cpu", dtype=torch.float32, block_size=4)
+        first = checked_generate(engine, prompts[:1], GREEDY)  # fills the prefix cache
+        rest = checked_generate(engine, prompts[1:], GREEDY)
+    assert engine.block_manager.stats.hits > 0
+    for prompt, out in zip(prompts, first + rest):
+        assert out.token_ids == hf_greedy(hf_model, prompt, GREEDY.max_tokens)
+
+
+def test_batch_invariance_and_seeded_sampling(tiny_llama):
+    folder, hf_model = tiny_llama
+    prompts = prompts_for(hf_model.config.vocab_size, [5, 9, 2, 11], seed=7)
+    sampled = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=10, seed=1234, ignore_eos=True)
+    with ops.use_backend("torch"):
+        engine = Engine.from_pretrained(folder, device="cpu", dtype=torch.float32, block_size=4)
+        alone = engine.generate([prompts[0]], [sampled], use_tqdm=False)[0].token_ids
+        alone_greedy = engine.generate([prompts[1]], GREEDY, use_tqdm=False)[0].token_ids
+        mixed = engine.generate(prompts, [sampled, GREEDY, GREEDY, sampled], use_tqdm=False)
+        again = engine.generate([prompts[0]], [sampled], use_tqdm=False)[0].token_ids
+    assert mixed[0].token_ids == alone == again
+    assert mixed[1].token_ids == alone_greedy
+    other_seed = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=10, seed=99, ignore_eos=True)
+    with ops.use_backend("torch"):
+        assert engine.generate([prompts[0]], [other_seed], use_tqdm=False)[0].token_ids != alone
+
+
+def test_stop_conditions(tiny_qwen3):
+    folder, hf_model = tiny_qwen3
+    prompt = prompts_for(hf_model.config.vocab_size, [6], seed=11)[0]
+    reference = hf_greedy(hf_model, prompt, 12)
+    with ops.use_backend("torch"):
+        engine = Engine.from_pretrained(folder, device="cpu", dtype=torch.float32)
+        stop_at = reference[4]
+        out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_at]),
+                              use_tqdm=False)[0]
+        assert out.token_ids == reference[: reference.index(stop_at) + 1] and out.finish_reason == "stop"
+        out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]
+        assert len(out.token_ids) <= 3
+        # EOS stops unless ignored: make the model's 3rd greedy token the EOS id.
+        engine.eos_token_ids = frozenset({reference[2]})
+        out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
+        assert out.token_ids == reference[: reference.index(reference[2]) + 1] and out.finish_reason == "stop"
+
+
+def test_logprobs_match_hf(tiny_llama):
+    folder, hf_model = tiny_llama
+    prompt = prompts_for(hf_model.config.vocab_size, [8], seed=13)[0]
+    with ops.use_backend("torch"):
+        engine = Engine.from_pretrained(folder, device="cpu", dtype=torch.float32)
+        out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=4, logprobs=0, ignore_eos=True),
+                              use_tqdm=False)[0]
+    ids = torch.tensor([prompt + out.token_ids])
+    with torch.no_grad():
+        logits = hf_model(ids).logits[0].float()
+    want = torch.log_softmax(logits, -1)[len(prompt) - 1:-1].gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(out.logprobs), want, atol=1e-4, rtol=1e-4)
+
+
+def test_abort_mid_generation_frees_everything(tiny_qwen3):
+    folder, hf_model = tiny_qwen3
+    with ops.use_backend("torch"):
+        engine = Engine.from_pretrained(folder, device="cpu", dtype=torch.float32, block_size=4)
+        a = engine.add_request([1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=50, ignore_eos=True))
+        b = engine.add_request([7, 8, 9], SamplingParams(max_tokens=50, ignore_eos=True))
+        for _ in range(3):
+            engine.step()
+        engine.abort(a)
+        engine.block_manager.check_integrity()
+        engine.abort(b)
+        engine.abort(12345)  # unknown ids are ignored
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    engine.block_manager.check_integrity()
+
+
+def test_requests_that_can_never_fit_are_rejected(tiny_qwen3):
+    folder, _ = tiny_qwen3
+    engine = Engine.from_pretrained(folder, device="cpu", dtype=torch.float32, block_size=4, num_kv_blocks=64,
+                                    max_model_len=200)
+    with pytest.raises(ValueError, match="exceeds max_model_len=200"):
+        engine.add_request(list(range(1, 90)) * 2, SamplingParams(max_tokens=30))
+    # A pool that cannot hold one request of max_model_len is refused when the engine is built.
+    with pytest.raises(ValueError, match="smallest budget that works"):
+        Engine.from_pretrained(folder, device="cpu", dtype=torch.float32, block_size=4, num_kv_blocks=49,
+                               max_model_len=200)
+    with pytest.raises(ValueError, match="string prompts need a tokenizer"):
+        engine.add_request("hello")
+    with pytest.raises(ValueError, match="empty prompt"):
+        engine.add_request([])
+    with pytest.raises(ValueError, match="token ids must be in"):
+        engine.add_request([1, 5000])
+    assert not engine.has_unfinished_requests()
