@@ -33,11 +33,12 @@ from atom_core.cache import build_step_layout
 FP32_TOL = {"atol": 1e-4, "rtol": 1e-4}
 
 # bf16 on a GPU against HF in fp32 on the same weights: bf16 keeps 8 significant bits
-# (relative step 2**-8 = 0.4%) and rounds after every op of every layer; logits of these
-# models are O(1)-O(5). 0.1 absolute + 5% relative bounds the accumulated rounding of two
-# layers; argmax must agree wherever HF's top-2 margin exceeds BF16_ARGMAX_MARGIN.
-BF16_TOL = {"atol": 1e-1, "rtol": 5e-2}
-BF16_ARGMAX_MARGIN = 0.25
+# (relative step 2**-8 = 0.4%) and rounds after every op, so over two layers the logits drift
+# by ~1% of their scale (measured: <= 1.2% of max |logit| for these models in bf16 on CPU).
+# "scaled": atol is multiplied by s = max(1, max |reference logit|) of the compared block, and
+# argmax must agree wherever HF's top-2 margin exceeds BF16_ARGMAX_MARGIN * s.
+BF16_TOL = {"atol": 3e-2, "rtol": 5e-2, "scaled": True}
+BF16_ARGMAX_MARGIN = 0.1
 
 # Defaults shared by every tiny config; a case overrides what it varies.
 BASE_CONFIG = {
@@ -226,12 +227,14 @@ def random_tokens(n: int, vocab_size: int, seed: int) -> list[int]:
 
 def assert_logits_match(actual: torch.Tensor, expected: torch.Tensor, what: str, *, tol: dict = FP32_TOL,
                         argmax_margin: float | None = None) -> None:
-    """Logits [L, V] agree within ``tol``; with ``argmax_margin``, also the argmax wherever the
-    reference's top-2 margin exceeds it."""
-    torch.testing.assert_close(actual, expected, **tol, msg=lambda m: f"{what}: {m}")
+    """Logits [L, V] agree within ``tol`` (atol times the logit scale when ``tol["scaled"]``); with
+    ``argmax_margin``, also the argmax wherever the reference's top-2 margin exceeds it (times the scale)."""
+    scale = max(1.0, expected.abs().max().item()) if tol.get("scaled") else 1.0
+    torch.testing.assert_close(actual, expected, atol=tol["atol"] * scale, rtol=tol["rtol"],
+                               msg=lambda m: f"{what}: {m}")
     if argmax_margin is not None:
         top2 = expected.topk(2, dim=-1).values
-        clear = (top2[:, 0] - top2[:, 1]) > argmax_margin
+        clear = (top2[:, 0] - top2[:, 1]) > argmax_margin * scale
         disagree = (actual.argmax(-1) != expected.argmax(-1)) & clear
         assert not disagree.any(), f"{what}: argmax differs at positions {disagree.nonzero().flatten().tolist()}"
 
