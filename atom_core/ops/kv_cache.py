@@ -38,6 +38,8 @@ def _aiter_supports(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> s
     # AITER's reshape_and_cache_flash takes only a token stride for k/v (heads packed), a block
     # stride for the caches (each block packed [BS, Hk, D], the same stride for K and V), all int32.
     _, num_heads, head_size = k.shape
+    if not slot_mapping.is_contiguous():
+        return "aiter store_kv_ reads slot_mapping as a packed array"
     if k.dtype not in (torch.float16, torch.bfloat16):
         return f"aiter store_kv_ is used for fp16/bf16 k/v only, got {k.dtype}"
     for name, x in (("k", k), ("v", v)):

@@ -81,6 +81,15 @@ def test_triton_matches_twin(name, dtype, rows, inter):
 
 @needs_triton
 @pytest.mark.parametrize("name", list(ACTIVATIONS))
+def test_triton_wide_rows_split_over_programs(name):
+    # I = 2500 spans three column tiles of 1024, the last one partial.
+    call, twin = ACTIVATIONS[name]
+    x = rand(3, 5000, generator=torch.Generator().manual_seed(2)) * 4
+    torch.testing.assert_close(call(x, backend="triton"), twin(x), **tolerance(torch.float32))
+
+
+@needs_triton
+@pytest.mark.parametrize("name", list(ACTIVATIONS))
 def test_triton_strided_rows_and_out_given(name):
     call, twin = ACTIVATIONS[name]
     x = non_contiguous_rows(rand(19, 222))

@@ -87,7 +87,8 @@ def _boundary_slot_mapping(num_tokens, num_blocks, block_size, generator):
 
 
 # (tokens, kv heads, head size, block size, blocks)
-SHAPES = [(1, 1, 64, 16, 2), (19, 2, 111, 4, 9), (99, 3, 128, 16, 8)]
+# The last CPU shape has more heads than one tile holds at D = 128, so the head loop runs twice.
+SHAPES = [(1, 1, 64, 16, 2), (19, 2, 111, 4, 9), (99, 3, 128, 16, 8), (7, 20, 128, 4, 3)]
 if ON_GPU:
     SHAPES += [(989, 8, 128, 16, 80), (4096, 8, 128, 16, 300), (700, 1, 256, 1, 800), (333, 4, 64, 32, 12)]
 
@@ -115,14 +116,16 @@ def test_triton_matches_twin_on_fused_qkv_views(dtype, shape):
 @needs_triton
 def test_triton_strided_pool_and_heads():
     # K and V caches carved from one pool [NB, 2, BS, Hk, D + 3] (block stride covers both, head
-    # stride D + 3), and k with strided heads: every stride the kernel takes differs from packed.
+    # stride D + 3), k with strided heads and a strided slot_mapping: every stride the kernel takes
+    # differs from packed.
     g = torch.Generator().manual_seed(7)
     num_blocks, block_size, heads, head_size = 5, 8, 3, 24
     pool = torch.full((num_blocks, 2, block_size, heads, head_size + 3), SENTINEL, device=DEVICE)
     got_k, got_v = pool[:, 0, ..., :head_size], pool[:, 1, ..., :head_size]
     k = rand(10, heads, head_size + 6, generator=g)[..., :head_size]
     v = rand(10, heads, head_size, generator=g)
-    slot_mapping = torch.tensor([0, 7, 8, 39, -1, 15, 16, 31, -1, 20], device=DEVICE)
+    slots = [0, 7, 8, 39, -1, 15, 16, 31, -1, 20]
+    slot_mapping = torch.tensor([[s, 1] for s in slots], device=DEVICE)[:, 0]  # stride 2
     want = pool.clone()
     reference.store_kv_(k, v, want[:, 0, ..., :head_size], want[:, 1, ..., :head_size], slot_mapping)
     store_kv_(k, v, got_k, got_v, slot_mapping, backend="triton")
@@ -302,6 +305,7 @@ def test_aiter_refuses_layouts_it_cannot_index(monkeypatch):
     supports = kv_cache_module._aiter_supports
     assert supports(k, k, *caches, slots, None, None) is None
     assert "fp16/bf16" in supports(k.float(), k.float(), *caches, slots, None, None)
+    assert "slot_mapping as a packed array" in supports(k, k, *caches, torch.arange(6)[::2], None, None)
     strided_heads = torch.randn(3, 2, 10).bfloat16()[..., :8]
     assert "heads of each token of k packed" in supports(strided_heads, k, *caches, slots, None, None)
     pool = torch.zeros(2, 2, 4, 2, 8).bfloat16()  # [NB, K|V, BS, Hk, D]: block stride 2 BS Hk D

@@ -12,9 +12,10 @@ Mapping from atom_core's arguments:
 - cos_sin_cache [P, R] (contiguous) holds cos(p) and sin(p) side by side in row p. Viewed flat as
   rows of R/2 values, cos(p) is half-row 2p and sin(p) is half-row 2p + 1. The kernel reads its
   tables through the raw pointer with row length = their last dim, so ``cos`` is the flat view
-  [2P, 1, 1, R/2] and ``sin`` the same view shifted by R/2 values ([2P - 1, 1, 1, R/2]); both are
-  indexed by ``2 * positions``. No copy of the table is made, so the cache can stay fp32 (AITER
-  dispatches on the input and table dtypes separately).
+  without its last half-row and ``sin`` the flat view without its first one, both
+  [2P - 1, 1, 1, R/2] and indexed by ``2 * positions`` (row 2p of each is cos(p), resp. sin(p)).
+  No copy of the table is made, so the cache can stay fp32 (AITER dispatches on the input and
+  table dtypes separately).
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ def apply_rope_(q, k, positions, cos_sin_cache, is_neox):
     rotary_dim = cos_sin_cache.shape[1]
     half = rotary_dim // 2
     flat = cos_sin_cache.view(-1)
-    cos = flat.view(-1, 1, 1, half)  # half-row 2p = cos(p)
-    sin = flat[half:].view(-1, 1, 1, half)  # half-row 2p of the shifted view = sin(p)
+    cos = flat[:-half].view(-1, 1, 1, half)  # row 2p = cos(p)
+    sin = flat[half:].view(-1, 1, 1, half)  # row 2p = sin(p): the same rows shifted by R/2 values
     rows = (positions * 2).view(1, num_tokens)
     aiter.rope_cached_positions_2c_fwd_inplace(
         q[..., :rotary_dim].unsqueeze(0),

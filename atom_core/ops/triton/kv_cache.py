@@ -64,14 +64,14 @@ def _store_rows(src_ptr, dst_ptr, scale_ptr, stride_t, stride_h, stride_b, strid
 @triton.jit
 def _store_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
-    num_tokens, num_heads, head_size, block_size,
+    num_tokens, num_heads, head_size, block_size, stride_slot,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     FP8: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     tokens = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_range = tokens < num_tokens
-    slots = tl.load(slot_ptr + tokens, mask=in_range, other=-1).to(tl.int64)
+    slots = tl.load(slot_ptr + tokens * stride_slot, mask=in_range, other=-1).to(tl.int64)
     valid = in_range & (slots >= 0)
     slots = tl.where(valid, slots, 0)
     blocks = slots // block_size
@@ -94,7 +94,7 @@ def store_kv_(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale):
     _store_kv_kernel[(triton.cdiv(num_tokens, block_t),)](
         k, v, k_cache, v_cache, slot_mapping,
         k_scale if fp8 else slot_mapping, v_scale if fp8 else slot_mapping,  # unread unless FP8
-        num_tokens, num_heads, head_size, k_cache.shape[1],
+        num_tokens, num_heads, head_size, k_cache.shape[1], slot_mapping.stride(0),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

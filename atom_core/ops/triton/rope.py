@@ -41,13 +41,13 @@ def _rotate_heads(x_ptr, stride_t, stride_h, num_heads, tokens, t_mask, cos, sin
 def _apply_rope_kernel(
     q_ptr, k_ptr, pos_ptr, cache_ptr,
     num_tokens, num_q_heads, num_k_heads, num_positions,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_cache,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_pos, stride_cache,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, IS_NEOX: tl.constexpr,
 ):
     tokens = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = tokens < num_tokens
-    pos = tl.load(pos_ptr + tokens, mask=t_mask, other=0).to(tl.int64)
+    pos = tl.load(pos_ptr + tokens * stride_pos, mask=t_mask, other=0).to(tl.int64)
     # A position outside the table is not read (its rows rotate by cos = sin = 0) rather than
     # faulting; the public function documents positions in [0, P).
     row_ok = t_mask & (pos >= 0) & (pos < num_positions)
@@ -78,7 +78,7 @@ def apply_rope_(q, k, positions, cos_sin_cache, is_neox):
     _apply_rope_kernel[(triton.cdiv(num_tokens, block_t),)](
         q, k, positions, cos_sin_cache,
         num_tokens, num_q_heads, num_k_heads, cos_sin_cache.shape[0],
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), positions.stride(0), cos_sin_cache.stride(0),
         HALF=half, BLOCK_HALF=block_half, BLOCK_T=block_t, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
         IS_NEOX=bool(is_neox), num_warps=4 if tile <= 1024 else 8,
     )
