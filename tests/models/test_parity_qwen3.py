@@ -4,6 +4,7 @@ Tiny random configs vary the GQA ratio, head_dim (always explicit in Qwen3, here
 heads), tied embeddings, attention biases, yarn RoPE and sliding-window layers
 (``use_sliding_window`` + ``max_window_layers``). fp32 on CPU with the torch backend must match
 HF's logits within parity_harness.FP32_TOL; the GPU variant runs bf16 with the Triton backend.
+(The Triton interpreter case lives in test_parity_llama.py: it exercises the same kernels.)
 """
 
 from __future__ import annotations
@@ -14,12 +15,10 @@ import torch
 pytest.importorskip("transformers")
 
 from atom_core import ops  # noqa: E402
-from atom_core.ops.dispatch import backend_available  # noqa: E402
 from tests.models.parity_harness import (  # noqa: E402,F401  (single_thread_torch is an autouse fixture)
     BF16_ARGMAX_MARGIN,
     BF16_TOL,
     ParityCase,
-    backends_used,
     build_pair,
     check_chunked_and_prefix,
     check_decode,
@@ -91,20 +90,6 @@ def test_tied_head_shares_the_embedding(tmp_path):
     pair = build_pair(CASES[1], tmp_path)
     model = pair.load_atom()
     assert model.lm_head.weight is model.model.embed_tokens.weight
-
-
-@pytest.mark.skipif(not backend_available("triton"), reason="triton not installed (or no GPU and no interpreter)")
-def test_triton_backend_matches_hf_small(tmp_path):
-    pair = build_pair(CASES[0], tmp_path)
-    model = pair.load_atom()
-
-    def run():
-        with ops.use_backend("triton"):
-            check_ragged_prefill(pair, model, lengths=(1, 6), block_size=4)
-            check_decode(pair, model, 4, num_decode_steps=2, pad_rows=0)
-
-    used = backends_used(run)
-    assert ("paged_attention", "triton") in used, f"triton did not serve paged_attention: {sorted(used)}"
 
 
 @pytest.mark.gpu
