@@ -1,7 +1,13 @@
 """Functional ops: tensors in, tensors out. Each has a reference twin (``atom_core.ops.reference``),
-a Triton kernel and an AITER adapter, and is registered as ``torch.ops.atom_core.<name>``."""
+a Triton kernel and an AITER adapter, and is registered as ``torch.ops.atom_core.<name>``.
+
+Backend choice per call: ``backend=`` argument > ``use_backend()`` context > ``ATOM_CORE_BACKEND``
+> auto (aiter on ROCm, triton on a GPU, torch otherwise). See docs/ops.md.
+"""
 
 from atom_core.ops import reference
+from atom_core.ops.activation import gelu_and_mul, silu_and_mul, swiglu_clamped
+from atom_core.ops.attention import paged_attention, paged_attention_from_layout
 from atom_core.ops.dispatch import (
     BackendUnavailable,
     available_backends,
@@ -9,15 +15,28 @@ from atom_core.ops.dispatch import (
     trace_backends,
     use_backend,
 )
+from atom_core.ops.kv_cache import store_kv_
 from atom_core.ops.norm import layer_norm, rms_norm
+from atom_core.ops.rope import apply_rope_, rope_cos_sin_cache
+from atom_core.ops.sampling import rejection_sample_greedy, sample
 
 __all__ = [
     "BackendUnavailable",
+    "apply_rope_",
     "available_backends",
     "backend_available",
+    "gelu_and_mul",
     "layer_norm",
+    "paged_attention",
+    "paged_attention_from_layout",
     "reference",
+    "rejection_sample_greedy",
     "rms_norm",
+    "rope_cos_sin_cache",
+    "sample",
+    "silu_and_mul",
+    "store_kv_",
+    "swiglu_clamped",
     "trace_backends",
     "use_backend",
 ]

@@ -1,5 +1,27 @@
-"""Reference twins: plain-torch definitions of every op, written for clarity. They are the spec."""
+"""Reference twins: plain-torch definitions of every op, written for clarity. They are the spec.
 
+Each group lives in its own module (``norm``, ``rope``, ``activation``, ``kv_cache``, ``attention``,
+``sampling``, ``moe``); the most used twins are also importable from here.
+"""
+
+from atom_core.ops.reference.activation import gelu_and_mul, silu_and_mul, swiglu_clamped
+from atom_core.ops.reference.attention import naive_attention, paged_attention
+from atom_core.ops.reference.kv_cache import store_kv_
 from atom_core.ops.reference.norm import layer_norm, rms_norm
+from atom_core.ops.reference.rope import apply_rope_, rope_cos_sin_cache
+from atom_core.ops.reference.sampling import rejection_sample_greedy, sample
 
-__all__ = ["layer_norm", "rms_norm"]
+__all__ = [
+    "apply_rope_",
+    "gelu_and_mul",
+    "layer_norm",
+    "naive_attention",
+    "paged_attention",
+    "rejection_sample_greedy",
+    "rms_norm",
+    "rope_cos_sin_cache",
+    "sample",
+    "silu_and_mul",
+    "store_kv_",
+    "swiglu_clamped",
+]
