@@ -156,9 +156,9 @@ def test_triton_backend_matches_hf_small(gqa_pair, gqa_model):
     model = gqa_model
 
     def run():
-        # Steps: a two-row prefill, then one mixed step (two decode rows and a prefill row).
+        # Steps: a two-row prefill, a mixed step (two decode rows and a prefill row), a pure decode step.
         with ops.use_backend("triton"):
-            check_decode(gqa_pair, model, 4, num_decode_steps=1, pad_rows=0)
+            check_decode(gqa_pair, model, 4, num_decode_steps=2, pad_rows=0)
 
     used = backends_used(run)
     assert ("paged_attention", "triton") in used, f"triton did not serve paged_attention: {sorted(used)}"
