@@ -61,7 +61,7 @@ def _triton_paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
     if uses_split_k_decode(max_seqlen_q, q.shape[1], k_cache.shape[2]):
         kernel = importlib.import_module("atom_core.ops.triton.attention_decode").paged_attention_decode
     else:
-        kernel = importlib.import_module("atom_core.ops.triton.attention_prefill").paged_attention_unified
+        kernel = importlib.import_module("atom_core.ops.triton.attention_unified").paged_attention_unified
     kernel(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k, scale,
            sliding_window, logit_softcap, sinks, k_scale, v_scale, out)
 
@@ -123,13 +123,13 @@ def _check_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, m
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     _, num_heads, head_dim = q.shape
     check_tensor("k_cache", k_cache, ndim=4, dtypes=(q.dtype, *FP8_KV_DTYPES))
-    check_tensor("v_cache", v_cache, ndim=4, dtypes=(k_cache.dtype,))
-    check_shape("v_cache", v_cache, tuple(k_cache.shape))
     num_kv_heads = k_cache.shape[2]
     if k_cache.shape[3] != head_dim:
         raise ValueError(f"k_cache head dim {k_cache.shape[3]} differs from q's {head_dim}")
     if num_kv_heads == 0 or num_heads % num_kv_heads:
         raise ValueError(f"q heads ({num_heads}) must be a multiple of k_cache heads ({num_kv_heads})")
+    check_tensor("v_cache", v_cache, ndim=4, dtypes=(k_cache.dtype,))
+    check_shape("v_cache", v_cache, tuple(k_cache.shape))
     check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,))
     num_rows = block_tables.shape[0]
     check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32,))

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from atom_core.ops.dispatch import triton_interpret
-from atom_core.ops.triton.attention_unified import attend_key_range, dot_precision
+from atom_core.ops.triton.attention_unified import attend_key_range, dot_options
 
 # Programs wanted per SM; fewer programs than this leave HBM bandwidth unused.
 PROGRAMS_PER_SM = 2
@@ -47,7 +47,7 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, GROUP: tl.constexpr, MAX_QLEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
-    HAS_K_SCALE: tl.constexpr, HAS_V_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_K_SCALE: tl.constexpr, HAS_V_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -92,7 +92,7 @@ def _decode_split_kernel(
         k_cache_ptr, v_cache_ptr, block_tables_ptr + row.to(tl.int64) * stride_bt, kv_head,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
         qk_scale, softcap, sliding_window,
-        HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, PAGE_SIZE, HAS_WINDOW, HAS_SOFTCAP, DOT_PRECISION,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, PAGE_SIZE, HAS_WINDOW, HAS_SOFTCAP, DOT_PRECISION, DOT_UPCAST,
     )
 
     t = (q_start + token).to(tl.int64)
@@ -206,7 +206,7 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, cu_seqlens_q, cont
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, GROUP=group, MAX_QLEN=max_seqlen_q, BLOCK_M=block_m,
         BLOCK_N=block_n, PAGE_SIZE=page_size, NUM_SPLITS=num_splits,
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_softcap > 0, HAS_SINKS=sinks is not None,
-        HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None, DOT_PRECISION=dot_precision(q.dtype),
+        HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None, **dot_options(q.dtype),
         num_warps=warps, num_stages=stages,
     )
     if num_splits > 1:

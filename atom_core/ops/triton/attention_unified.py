@@ -41,7 +41,7 @@ def attend_key_range(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     qk_scale, softcap, sliding_window,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
     """Fold keys ``kv_start .. kv_end - 1`` of one row into the online softmax state.
 
@@ -59,7 +59,10 @@ def attend_key_range(
         k_rows = block * stride_kb + slot * stride_ks + kv_head * stride_kh  # [N]
         kt = tl.load(k_cache_ptr + k_rows[None, :] + offs_d[:, None], mask=d_ok[:, None] & key_ok[None, :],
                      other=0.0)  # K^T [D_PAD, N]
-        s = tl.dot(q, kt.to(q.dtype), input_precision=DOT_PRECISION)  # [M, N] fp32
+        if DOT_UPCAST:
+            s = tl.dot(q.to(tl.float32), kt.to(tl.float32))  # [M, N] fp32
+        else:
+            s = tl.dot(q, kt.to(q.dtype), input_precision=DOT_PRECISION)
         if HAS_SOFTCAP:
             s = softcap * _tanh(s * qk_scale / softcap) * 1.4426950408889634
         else:
@@ -77,7 +80,11 @@ def attend_key_range(
         v_rows = block * stride_vb + slot * stride_vs + kv_head * stride_vh
         v = tl.load(v_cache_ptr + v_rows[:, None] + offs_d[None, :], mask=key_ok[:, None] & d_ok[None, :],
                     other=0.0)  # [N, D_PAD]
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+        if DOT_UPCAST:
+            pv = tl.dot(p, v.to(tl.float32))
+        else:
+            pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
     return acc, m_i, l_i
 
@@ -92,7 +99,7 @@ def _unified_attention_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
-    HAS_K_SCALE: tl.constexpr, HAS_V_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_K_SCALE: tl.constexpr, HAS_V_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -150,7 +157,7 @@ def _unified_attention_kernel(
         k_cache_ptr, v_cache_ptr, block_tables_ptr + row.to(tl.int64) * stride_bt, kv_head,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
         qk_scale, softcap, sliding_window,
-        HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, PAGE_SIZE, HAS_WINDOW, HAS_SOFTCAP, DOT_PRECISION,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, PAGE_SIZE, HAS_WINDOW, HAS_SOFTCAP, DOT_PRECISION, DOT_UPCAST,
     )
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l = 0: no key and no sink, acc is 0
@@ -161,9 +168,14 @@ def _unified_attention_kernel(
              mask=row_ok[:, None] & d_ok[None, :])
 
 
-def dot_precision(dtype: torch.dtype) -> str:
-    """fp32 inputs keep full precision in tl.dot (TF32 would miss the fp32 tolerance)."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+def dot_options(dtype: torch.dtype) -> dict:
+    """Constexprs for the kernels' tl.dot calls on inputs of ``dtype``.
+
+    DOT_PRECISION: fp32 inputs keep full precision ("ieee"; TF32 would miss the fp32 tolerance).
+    DOT_UPCAST: the CPU interpreter multiplies bf16 tiles wrongly, so there the tiles go to fp32.
+    """
+    return dict(DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+                DOT_UPCAST=triton_interpret() and dtype == torch.bfloat16)
 
 
 def _unified_config(head_dim_pad: int, dtype: torch.dtype, group: int) -> tuple[int, int, int, int]:
@@ -203,6 +215,6 @@ def paged_attention_unified(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m,
         BLOCK_N=block_n, PAGE_SIZE=page_size,
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_softcap > 0, HAS_SINKS=sinks is not None,
-        HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None, DOT_PRECISION=dot_precision(q.dtype),
+        HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None, **dot_options(q.dtype),
         num_warps=warps, num_stages=stages,
     )
