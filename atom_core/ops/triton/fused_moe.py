@@ -1,0 +1,266 @@
+"""Triton fused experts: sort the choices by expert (``moe_align``), then two grouped GEMMs and a sum.
+
+1. ``moe_align`` — choices sorted by expert, each expert's run padded to BLOCK_M rows.
+2. gate/up GEMM — program (block, n-tile) multiplies BLOCK_M rows of one expert by the gate rows
+   AND the matching up rows of w13 (two accumulators), adds the biases and applies the activation
+   in the epilogue: act [N, I] in hidden's dtype, one row per choice (N = T * K).
+3. down GEMM — act rows by w2 of the same expert, plus bias, times the choice's routing weight:
+   y [N, H] fp32.
+4. sum over the K choices of each token in fp32 (dropped choices, ids outside [0, E), skipped).
+
+The grid is sized by the worst case of the routing (``align_sizes``), never by E x T; programs past
+the used blocks return at once, so a decode step with most experts idle launches few programs.
+Block sizes come from :func:`block_config`, keyed by tokens per expert.
+"""
+
+# T tokens, E experts, K top-k, H hidden, I intermediate
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from atom_core.ops.dispatch import triton_interpret
+from atom_core.ops.triton.moe_align import align_sizes, moe_align
+
+SILU = tl.constexpr(0)
+SWIGLU_CLAMPED = tl.constexpr(1)
+SWIGLU_ALPHA = 1.702
+SWIGLU_LIMIT = 7.0
+
+
+@dataclass(frozen=True)
+class BlockConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
+def block_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype) -> BlockConfig:
+    """Tile sizes by the mean rows per expert, m = T * K / E.
+
+    | m         | BLOCK_M | BLOCK_N | BLOCK_K | GROUP_M | warps | stages | regime                          |
+    |-----------|---------|---------|---------|---------|-------|--------|---------------------------------|
+    | <= 16     | 16      | 64      | 128     | 1       | 4     | 3      | decode: weight-bandwidth bound  |
+    | <= 64     | 32      | 64      | 64      | 4       | 4     | 4      | small batches                   |
+    | <= 512    | 64      | 64      | 64      | 8       | 4     | 3      | prefill                         |
+    | > 512     | 128     | 64      | 64      | 8       | 8     | 3      | long prefill                    |
+
+    BLOCK_M is the padding unit of an expert's rows: small when experts see few rows (decode pads
+    each hit expert to 16 rows, the smallest tensor-core tile), large when they see many (fewer
+    reloads of the weights). GROUP_M > 1 walks several M blocks over one N stripe for L2 reuse.
+    The gate/up kernel holds two [BLOCK_M, BLOCK_N] accumulators, hence BLOCK_N = 64 throughout.
+    fp32 (full-precision dot, twice the bytes per element) halves BLOCK_K.
+    """
+    rows_per_expert = num_tokens * top_k / max(num_experts, 1)
+    if rows_per_expert <= 16:
+        config = BlockConfig(16, 64, 128, 1, 4, 3)
+    elif rows_per_expert <= 64:
+        config = BlockConfig(32, 64, 64, 4, 4, 4)
+    elif rows_per_expert <= 512:
+        config = BlockConfig(64, 64, 64, 8, 4, 3)
+    else:
+        config = BlockConfig(128, 64, 64, 8, 8, 3)
+    if dtype == torch.float32:
+        config = BlockConfig(config.block_m, config.block_n, config.block_k // 2, config.group_m,
+                             config.num_warps, config.num_stages)
+    return config
+
+
+@triton.jit
+def _tile_of(pid, num_blocks, num_n_tiles, GROUP_M: tl.constexpr):
+    """Program id → (M block, N tile), GROUP_M blocks at a time over each N stripe."""
+    per_group = GROUP_M * num_n_tiles
+    first_block = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_blocks - first_block, GROUP_M)
+    return first_block + (pid % per_group) % group_rows, (pid % per_group) // group_rows
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, w_ptr, b_ptr, act_ptr, sorted_ptr, block_experts_ptr, num_padded_ptr,
+    num_entries, hidden, inter, num_blocks, gate_row_step, up_row_offset, alpha, limit,
+    stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_be, stride_bn, stride_an,
+    TOP_K: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    """act[entry, j] = act(x[entry // K] · w13[e, gate_row(j)] + b, x · w13[e, up_row(j)] + b).
+
+    gate_row(j) = j * gate_row_step, up_row(j) = gate_row(j) + up_row_offset:
+    silu (halves) step 1, offset I; swiglu_clamped (interleaved) step 2, offset 1.
+    """
+    pid_m, pid_n = _tile_of(tl.program_id(0), num_blocks, tl.cdiv(inter, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+    entry = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = entry < num_entries
+    token = (entry // TOP_K).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < inter
+    gate_rows = cols.to(tl.int64) * gate_row_step
+    k = tl.arange(0, BLOCK_K)
+
+    x_ptrs = x_ptr + token[:, None] * stride_xt + k[None, :] * stride_xh
+    w_expert = w_ptr + expert * stride_we
+    gate_ptrs = w_expert + gate_rows[None, :] * stride_wn + k[:, None] * stride_wh
+    up_ptrs = gate_ptrs + up_row_offset * stride_wn
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for step in range(0, tl.cdiv(hidden, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+            w_gate = tl.load(gate_ptrs, mask=col_ok[None, :], other=0.0)
+            w_up = tl.load(up_ptrs, mask=col_ok[None, :], other=0.0)
+        else:
+            k_ok = k < hidden - step * BLOCK_K
+            a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w_gate = tl.load(gate_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            w_up = tl.load(up_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if UPCAST_DOT:
+            a, w_gate, w_up = a.to(tl.float32), w_gate.to(tl.float32), w_up.to(tl.float32)
+        acc_gate = tl.dot(a, w_gate, acc_gate, input_precision=DOT_PRECISION)
+        acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K * stride_xh
+        gate_ptrs += BLOCK_K * stride_wh
+        up_ptrs += BLOCK_K * stride_wh
+
+    if HAS_BIAS:
+        b_expert = b_ptr + expert * stride_be + gate_rows * stride_bn
+        acc_gate += tl.load(b_expert, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        acc_up += tl.load(b_expert + up_row_offset * stride_bn, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if ACT == SILU:
+        act = acc_gate * tl.sigmoid(acc_gate) * acc_up
+    else:
+        gate = tl.minimum(acc_gate, limit)
+        up = tl.minimum(tl.maximum(acc_up, -limit), limit)
+        act = (up + 1.0) * gate * tl.sigmoid(alpha * gate)
+    out_ptrs = act_ptr + entry.to(tl.int64)[:, None] * stride_an + cols[None, :]
+    tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    act_ptr, w_ptr, b_ptr, topk_weights_ptr, y_ptr, sorted_ptr, block_experts_ptr, num_padded_ptr,
+    num_entries, hidden, inter, num_blocks,
+    stride_an, stride_we, stride_wn, stride_wi, stride_be, stride_bn, stride_tw_t, stride_tw_k, stride_yn,
+    TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    """y[entry, h] = topk_weight[entry] * (act[entry] · w2[e, h] + b2[e, h])."""
+    pid_m, pid_n = _tile_of(tl.program_id(0), num_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+    entry = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = entry < num_entries
+    entry = entry.to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
+    k = tl.arange(0, BLOCK_K)
+
+    a_ptrs = act_ptr + entry[:, None] * stride_an + k[None, :]
+    w_ptrs = w_ptr + expert * stride_we + cols.to(tl.int64)[None, :] * stride_wn + k[:, None] * stride_wi
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for step in range(0, tl.cdiv(inter, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=col_ok[None, :], other=0.0)
+        else:
+            k_ok = k < inter - step * BLOCK_K
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if UPCAST_DOT:
+            a, w = a.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wi
+
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + expert * stride_be + cols * stride_bn, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    route = tl.load(topk_weights_ptr + (entry // TOP_K) * stride_tw_t + (entry % TOP_K) * stride_tw_k,
+                    mask=row_ok, other=0.0).to(tl.float32)
+    acc = acc * route[:, None]
+    tl.store(y_ptr + entry[:, None] * stride_yn + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _sum_choices_kernel(
+    y_ptr, ids_ptr, out_ptr, hidden, num_experts, stride_yn, stride_it, stride_ik, stride_ot, stride_oh,
+    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """out[t] = sum over the token's valid choices k of y[t * K + k], in fp32."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    col_ok = cols < hidden
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        expert = tl.load(ids_ptr + t * stride_it + k * stride_ik)
+        # a dropped choice reads no column: its row of y was never written
+        width = tl.where((expert >= 0) & (expert < num_experts), hidden, 0)
+        acc += tl.load(y_ptr + (t * TOP_K + k) * stride_yn + cols, mask=cols < width, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + cols * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+def fused_experts(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, out, config=None):
+    """Backend entry (shapes checked by the public op); ``config`` overrides :func:`block_config`."""
+    num_tokens, hidden_size = hidden.shape
+    num_experts, two_inter, _ = w13.shape
+    inter = two_inter // 2
+    top_k = topk_ids.shape[1]
+    if num_tokens == 0:
+        return
+    num_entries = num_tokens * top_k
+    cfg = config or block_config(num_tokens, top_k, num_experts, hidden.dtype)
+    # fp32 operands: full-precision dot, not TF32; 16-bit operands: the target's default.
+    precision = "ieee" if hidden.dtype == torch.float32 else None
+    # Triton's CPU interpreter multiplies bf16 dot operands wrongly: there (only) they go up to fp32.
+    upcast = triton_interpret() and hidden.dtype == torch.bfloat16
+    sorted_entries, block_experts, num_padded = moe_align(topk_ids, num_experts, cfg.block_m)
+    _, num_blocks = align_sizes(num_entries, num_experts, cfg.block_m)
+
+    act = torch.empty(num_entries, inter, dtype=hidden.dtype, device=hidden.device)
+    swiglu = activation == "swiglu_clamped"
+    b13 = w13_bias if w13_bias is not None else w13  # any pointer; never read without HAS_BIAS
+    grid = (num_blocks * triton.cdiv(inter, cfg.block_n),)
+    _gate_up_kernel[grid](
+        hidden, w13, b13, act, sorted_entries, block_experts, num_padded,
+        num_entries, hidden_size, inter, num_blocks, 2 if swiglu else 1, 1 if swiglu else inter,
+        SWIGLU_ALPHA, SWIGLU_LIMIT,
+        hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
+        b13.stride(0) if w13_bias is not None else 0, b13.stride(1) if w13_bias is not None else 0, act.stride(0),
+        TOP_K=top_k, ACT=SWIGLU_CLAMPED if swiglu else SILU, HAS_BIAS=w13_bias is not None,
+        EVEN_K=hidden_size % cfg.block_k == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m, DOT_PRECISION=precision, UPCAST_DOT=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+    # fp32 rows: the sum over K is rounded once, as in the twin (costs 2x the bytes of a 16-bit y,
+    # a few % of a prefill, nothing at decode).
+    y = torch.empty(num_entries, hidden_size, dtype=torch.float32, device=hidden.device)
+    b2 = w2_bias if w2_bias is not None else w2
+    grid = (num_blocks * triton.cdiv(hidden_size, cfg.block_n),)
+    _down_kernel[grid](
+        act, w2, b2, topk_weights, y, sorted_entries, block_experts, num_padded,
+        num_entries, hidden_size, inter, num_blocks,
+        act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2),
+        b2.stride(0) if w2_bias is not None else 0, b2.stride(1) if w2_bias is not None else 0,
+        topk_weights.stride(0), topk_weights.stride(1), y.stride(0),
+        TOP_K=top_k, HAS_BIAS=w2_bias is not None, EVEN_K=inter % cfg.block_k == 0,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        DOT_PRECISION=precision, UPCAST_DOT=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+    block_h = min(triton.next_power_of_2(hidden_size), 1024)
+    _sum_choices_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
+        y, topk_ids, out, hidden_size, num_experts, y.stride(0), topk_ids.stride(0), topk_ids.stride(1),
+        out.stride(0), out.stride(1), TOP_K=top_k, BLOCK_H=block_h, num_warps=4,
+    )

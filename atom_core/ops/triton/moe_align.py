@@ -1,0 +1,106 @@
+"""Sort the (token, slot) choices of a routing by expert and pad each expert's list to a multiple of
+BLOCK_M, so a grouped GEMM can give every program BLOCK_M rows of ONE expert.
+
+All on the device in one single-program kernel — no host sync, so the MoE is CUDA-graph capturable —
+into buffers whose sizes depend only on the shapes:
+
+* ``sorted_entries`` int32 [max_padded]: flat choice indices ``t * K + k``, expert by expert, each
+  expert's run padded with ``T * K`` (the "no row" sentinel) to a multiple of BLOCK_M;
+* ``block_experts`` int32 [max_blocks]: the expert of each BLOCK_M block, -1 past the end;
+* ``num_padded`` int32 [1]: the used length of ``sorted_entries``.
+
+``max_padded = N + min(E, N) * (BLOCK_M - 1)`` with N = T * K: at most min(E, N) experts are hit and
+each wastes fewer than BLOCK_M slots. Within an expert the order of entries is unspecified (slots are
+claimed with atomics); each row of the GEMM is computed on its own, so the order changes no result.
+Ids outside [0, E) are left out: they reach no expert.
+"""
+
+# T tokens, E experts, K top-k, H hidden, I intermediate
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_CHUNK = 1024  # entries handled per loop step
+_BLOCK_ROWS = 32  # blocks labelled per loop step
+
+
+def align_sizes(num_entries: int, num_experts: int, block_m: int) -> tuple[int, int]:
+    """(max_padded, max_blocks) for N = ``num_entries`` choices: the static buffer sizes."""
+    max_padded = num_entries + min(num_experts, num_entries) * (block_m - 1)
+    return max_padded, triton.cdiv(max_padded, block_m)
+
+
+@triton.jit
+def _moe_align_kernel(
+    ids_ptr, sorted_ptr, block_experts_ptr, num_padded_ptr, cursor_ptr,
+    num_entries, num_experts, max_padded, max_blocks,
+    BLOCK_M: tl.constexpr, EXPERTS_P2: tl.constexpr, CHUNK: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+):
+    experts = tl.arange(0, EXPERTS_P2)
+    expert_ok = experts < num_experts
+    chunk = tl.arange(0, CHUNK)
+
+    # 1. count the choices of each expert
+    tl.store(cursor_ptr + experts, tl.zeros([EXPERTS_P2], dtype=tl.int32), mask=expert_ok)
+    tl.debug_barrier()
+    for start in range(0, num_entries, CHUNK):
+        entry = start + chunk
+        ids = tl.load(ids_ptr + entry, mask=entry < num_entries, other=-1)
+        hit = (entry < num_entries) & (ids >= 0) & (ids < num_experts)
+        tl.atomic_add(cursor_ptr + ids, 1, mask=hit)
+    tl.debug_barrier()
+
+    # 2. padded run of each expert: [starts[e], ends[e])
+    counts = tl.load(cursor_ptr + experts, mask=expert_ok, other=0, volatile=True)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    total = tl.sum(padded, axis=0)
+    tl.store(num_padded_ptr, total)
+    tl.debug_barrier()  # every thread has read the counts before they become cursors
+    tl.store(cursor_ptr + experts, starts, mask=expert_ok)
+
+    # 3. the expert of block b is the number of experts whose run ends at or before b * BLOCK_M
+    #    (empty runs before it included); blocks past `total` get -1.
+    for first in range(0, max_blocks, BLOCK_ROWS):
+        block = first + tl.arange(0, BLOCK_ROWS)
+        row = block * BLOCK_M
+        before = (ends[None, :] <= row[:, None]) & expert_ok[None, :]
+        owner = tl.sum(before.to(tl.int32), axis=1)
+        tl.store(block_experts_ptr + block, tl.where(row < total, owner, -1), mask=block < max_blocks)
+
+    # 4. padding everywhere, then each choice claims the next slot of its expert's run
+    for start in range(0, max_padded, CHUNK):
+        slot = start + chunk
+        tl.store(sorted_ptr + slot, tl.full([CHUNK], 0, tl.int32) + num_entries, mask=slot < max_padded)
+    tl.debug_barrier()
+    for start in range(0, num_entries, CHUNK):
+        entry = start + chunk
+        ids = tl.load(ids_ptr + entry, mask=entry < num_entries, other=-1)
+        hit = (entry < num_entries) & (ids >= 0) & (ids < num_experts)
+        slot = tl.atomic_add(cursor_ptr + ids, 1, mask=hit)
+        tl.store(sorted_ptr + slot, entry, mask=hit)
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """topk_ids [T, K] int32/int64 → ``(sorted_entries [max_padded], block_experts [max_blocks],
+    num_padded [1])``, all int32 on topk_ids' device (see the module docstring)."""
+    ids = topk_ids.reshape(-1)  # flat choice index t * K + k
+    num_entries = ids.numel()
+    max_padded, max_blocks = align_sizes(num_entries, num_experts, block_m)
+    device = topk_ids.device
+    sorted_entries = torch.empty(max_padded, dtype=torch.int32, device=device)
+    block_experts = torch.empty(max_blocks, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    cursor = torch.empty(num_experts, dtype=torch.int32, device=device)
+    experts_p2 = triton.next_power_of_2(num_experts)
+    _moe_align_kernel[(1,)](
+        ids, sorted_entries, block_experts, num_padded, cursor,
+        num_entries, num_experts, max_padded, max_blocks,
+        BLOCK_M=block_m, EXPERTS_P2=experts_p2, CHUNK=_CHUNK, BLOCK_ROWS=max(1, min(_BLOCK_ROWS, 8192 // experts_p2)),
+        num_warps=8 if num_entries > 4096 else 4,
+    )
+    return sorted_entries, block_experts, num_padded
