@@ -27,8 +27,9 @@ from atom_core.cache import build_step_layout
 
 # fp32 on CPU: both sides compute the same math in fp32, differing only in summation order
 # (fused QKV/gate-up matmuls, per-row attention, the norm kernels). Observed: max |diff| of
-# 1.5e-6 .. 7.6e-6 over all cases (the larger ones where tied heads give logits up to 18); 1e-4 absolute + 1e-4 relative leaves room for other BLAS builds while staying far
-# below the effect of any real mistake (a wrong position, slot or mask moves logits by O(0.1)).
+# 1.5e-6 .. 7.6e-6 over all cases (the larger where tied heads give logits up to 18).
+# 1e-4 absolute + 1e-4 relative leaves room for other BLAS builds while staying far below the
+# effect of any real mistake (a wrong position, slot or mask moves logits by O(0.1)).
 FP32_TOL = {"atol": 1e-4, "rtol": 1e-4}
 
 # bf16 on a GPU against HF in fp32 on the same weights: bf16 keeps 8 significant bits
@@ -344,4 +345,5 @@ def check_parameter_names(pair: ModelPair, model) -> None:
             name = name.replace(f".{ckpt_module}.", f".{fused}.")
         expected.add(name)
     actual = {name for name, _ in model.named_parameters()}
-    assert actual == expected, f"only in atom_core: {sorted(actual - expected)}; only in HF: {sorted(expected - actual)}"
+    assert actual == expected, (
+        f"only in atom_core: {sorted(actual - expected)}; only in HF: {sorted(expected - actual)}")
