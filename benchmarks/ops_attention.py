@@ -1,0 +1,240 @@
+"""Paged attention (``atom_core.ops.paged_attention``) at Llama-3-8B head shapes: Hq 32, Hk 8, D 128, bf16,
+block size 16, blocks scattered over the pool.
+
+Decode (one query token per row; batch 1/64/256 x context 512/4096/32768): median time, bytes moved
+(K and V of every context token read once, q read, out written), that bandwidth as a share of a
+device-to-device copy measured in the same run (target: >= 75% at batch 64 x 4096), and speedups over
+
+* ``sdpa``: torch ``scaled_dot_product_attention`` on K/V already gathered out of the pool into dense
+  [B, Hk, S, D] tensors (gather time excluded),
+* ``sdpa+gather``: the same with the gather inside the timed call (gather time included),
+* ``twin``: the reference twin (per-row gather + dense attention), eager and under ``torch.compile``.
+
+Prefill (causal; 1 x 4096 and 4 x 2048 tokens, empty cache): TFLOP/s, counting 4 * Hq * D flops per
+(query, visible key) pair (two matmuls), against SDPA with the flash backend on dense inputs
+(K/V heads already repeated to Hq, so no gather and no GQA handling is timed there).
+
+    python -m benchmarks.ops_attention [--device cuda] [--json out.json] [--smoke]
+
+``--smoke`` runs tiny sizes without torch.compile so the script can be checked on a CPU, where the
+Triton kernels run in the interpreter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+FULL = dict(q_heads=32, kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16,
+            decode=[(b, s) for b in (1, 64, 256) for s in (512, 4096, 32768)], prefill=[(1, 4096), (4, 2048)])
+SMOKE = dict(q_heads=4, kv_heads=2, head_dim=32, block_size=4, dtype=torch.float32,
+             decode=[(1, 16), (2, 40)], prefill=[(1, 24), (2, 12)])
+
+
+@dataclass
+class Problem:
+    """A batch of rows with equal context, its pool and layout tensors (on the device)."""
+
+    q: torch.Tensor  # [T, Hq, D]
+    k_cache: torch.Tensor  # [NB, BS, Hk, D]
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor  # int32 [B, P]
+    cu_seqlens_q: torch.Tensor  # int32 [B + 1]
+    context_lens: torch.Tensor  # int32 [B]
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+    def args(self):
+        return (self.q, self.k_cache, self.v_cache, self.block_tables, self.cu_seqlens_q, self.context_lens,
+                self.max_seqlen_q, self.max_seqlen_k)
+
+
+def make_problem(rows, query_len, context, sizes, device) -> Problem:
+    block_size, kv_heads, head_dim, dtype = sizes["block_size"], sizes["kv_heads"], sizes["head_dim"], sizes["dtype"]
+    pages = math.ceil(context / block_size)
+    num_blocks = rows * pages
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device)
+    v_cache = torch.randn_like(k_cache)
+    block_tables = torch.randperm(num_blocks, device=device).to(torch.int32).view(rows, pages)
+    q = torch.randn(rows * query_len, sizes["q_heads"], head_dim, dtype=dtype, device=device)
+    cu_seqlens_q = torch.arange(0, rows * query_len + 1, query_len, dtype=torch.int32, device=device)
+    context_lens = torch.full((rows,), context, dtype=torch.int32, device=device)
+    return Problem(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, query_len, context)
+
+
+def gather_dense(problem: Problem, cache: torch.Tensor) -> torch.Tensor:
+    """[B, Hk, S, D]: every row's context copied out of the pool (rows have equal context S)."""
+    rows, pages = problem.block_tables.shape
+    pages_kv = cache[problem.block_tables.long()]  # [B, P, BS, Hk, D]
+    return pages_kv.reshape(rows, pages * cache.shape[1], *cache.shape[2:])[:, : problem.max_seqlen_k].transpose(1, 2)
+
+
+def _sdpa(q, k, v, scale, causal):
+    """q [B, Hq, L, D]; k, v [B, Hk, S, D]; GQA through enable_gqa, else by repeating kv heads."""
+    try:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)
+    except (RuntimeError, TypeError):
+        group = q.shape[1] // k.shape[1]
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
+                                              is_causal=causal, scale=scale)
+
+
+def _timer(device, smoke):
+    from benchmarks.common import bench
+
+    def timed(fn):
+        """Median ms; slow baselines get fewer iterations (about 0.5 s of timing each)."""
+        if smoke:
+            return bench(fn, warmup=1, iters=2, device=device)
+        first = bench(fn, warmup=1, iters=1, device=device)
+        iters = int(min(100, max(3, 500 / max(first, 1e-3))))
+        return bench(fn, warmup=min(10, iters), iters=iters, device=device)
+
+    return timed
+
+
+def _guarded(timed, make_fn):
+    """Time ``make_fn()``'s callable; None when it does not fit in memory or does not compile."""
+    try:
+        return timed(make_fn())
+    except Exception as e:  # noqa: BLE001 - a baseline that fails is reported, not fatal
+        print(f"baseline skipped: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return None
+
+
+def _ratio(base_ms, ms):
+    return None if base_ms is None else base_ms / ms
+
+
+def _decode_row(rows, context, sizes, device, smoke, timed, copy_gbs):
+    from atom_core.ops.attention import paged_attention, uses_split_k_decode
+    from atom_core.ops.dispatch import backend_available
+    from atom_core.ops.reference import attention as twin
+    from atom_core.ops.triton.attention_decode import choose_num_splits
+
+    backend = "triton" if backend_available("triton") else "torch"
+    p = make_problem(rows, 1, context, sizes, device)
+    scale = sizes["head_dim"] ** -0.5
+    out = torch.empty_like(p.q)
+    ms = timed(lambda: paged_attention(*p.args(), scale=scale, out=out, backend=backend))
+    elt = p.q.element_size()
+    kv_bytes = 2 * rows * context * sizes["kv_heads"] * sizes["head_dim"] * p.k_cache.element_size()
+    nbytes = kv_bytes + 2 * p.q.numel() * elt  # K and V read once; q read, out written
+    gbs = nbytes / (ms * 1e-3) / 1e9
+
+    q4 = p.q.view(rows, 1, sizes["q_heads"], sizes["head_dim"]).transpose(1, 2)  # [B, Hq, 1, D]
+    dense = {}
+
+    def pre_gathered():
+        dense["k"], dense["v"] = gather_dense(p, p.k_cache), gather_dense(p, p.v_cache)
+        return lambda: _sdpa(q4, dense["k"], dense["v"], scale, False)
+
+    sdpa_ms = _guarded(timed, pre_gathered)
+    dense.clear()
+    sdpa_gather_ms = _guarded(timed, lambda: lambda: _sdpa(q4, gather_dense(p, p.k_cache), gather_dense(p, p.v_cache),
+                                                           scale, False))
+    twin_ms = _guarded(timed, lambda: lambda: twin.paged_attention(*p.args(), scale=scale))
+    compile_ms = None if smoke else _guarded(
+        timed, lambda: (lambda f: lambda: f(*p.args(), scale=scale))(torch.compile(twin.paged_attention)))
+    split_k = uses_split_k_decode(1, sizes["q_heads"], sizes["kv_heads"])
+    return {
+        "case": "decode", "batch": rows, "context": context, "backend": backend,
+        "path": "split-k" if split_k else "unified",
+        "splits": choose_num_splits(rows, sizes["kv_heads"], context, torch.device(device)) if split_k else 1,
+        "ms": ms, "GB/s": gbs, "%copy": 100 * gbs / copy_gbs, "TFLOP/s": None,
+        "sdpa_ms": sdpa_ms, "x_sdpa": _ratio(sdpa_ms, ms),
+        "sdpa+gather_ms": sdpa_gather_ms, "x_sdpa+gather": _ratio(sdpa_gather_ms, ms),
+        "twin_ms": twin_ms, "x_twin": _ratio(twin_ms, ms), "compile_ms": compile_ms, "x_compile": _ratio(compile_ms, ms),
+    }
+
+
+def _flash_backend(device):
+    if not str(device).startswith("cuda"):
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.FLASH_ATTENTION)
+
+
+def _prefill_row(rows, length, sizes, device, smoke, timed, copy_gbs):
+    from atom_core.ops.attention import paged_attention
+    from atom_core.ops.dispatch import backend_available
+    from atom_core.ops.reference import attention as twin
+
+    backend = "triton" if backend_available("triton") else "torch"
+    p = make_problem(rows, length, length, sizes, device)
+    scale = sizes["head_dim"] ** -0.5
+    out = torch.empty_like(p.q)
+    ms = timed(lambda: paged_attention(*p.args(), scale=scale, out=out, backend=backend))
+    pairs = rows * length * (length + 1) // 2  # (query, visible key) pairs under the causal mask
+    flops = 4 * pairs * sizes["q_heads"] * sizes["head_dim"]
+    group = sizes["q_heads"] // sizes["kv_heads"]
+    q4 = p.q.view(rows, length, sizes["q_heads"], sizes["head_dim"]).transpose(1, 2).contiguous()
+    k4 = gather_dense(p, p.k_cache).repeat_interleave(group, 1).contiguous()
+    v4 = gather_dense(p, p.v_cache).repeat_interleave(group, 1).contiguous()
+
+    def flash():
+        with _flash_backend(device):
+            return F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale)
+
+    sdpa_ms = _guarded(timed, lambda: flash)
+    twin_ms = _guarded(timed, lambda: lambda: twin.paged_attention(*p.args(), scale=scale))
+    compile_ms = None if smoke else _guarded(
+        timed, lambda: (lambda f: lambda: f(*p.args(), scale=scale))(torch.compile(twin.paged_attention)))
+    return {
+        "case": "prefill", "batch": rows, "context": length, "backend": backend, "path": "unified", "splits": 1,
+        "ms": ms, "GB/s": None, "%copy": None, "TFLOP/s": flops / (ms * 1e-3) / 1e12,
+        "sdpa_ms": sdpa_ms, "x_sdpa": _ratio(sdpa_ms, ms),
+        "sdpa_TFLOP/s": None if sdpa_ms is None else flops / (sdpa_ms * 1e-3) / 1e12,
+        "twin_ms": twin_ms, "x_twin": _ratio(twin_ms, ms), "compile_ms": compile_ms, "x_compile": _ratio(compile_ms, ms),
+    }
+
+
+def run(device: str = "cuda", smoke: bool = False) -> list[dict]:
+    """One row per case. Times in ms; bandwidth in GB/s (1e9 bytes/s); TFLOP/s = 1e12 flop/s."""
+    from benchmarks.common import copy_bandwidth_gbs
+
+    sizes = SMOKE if smoke else FULL
+    timed = _timer(device, smoke)
+    copy_gbs = copy_bandwidth_gbs(device, nbytes=1 << 20 if smoke else 2 << 30)
+    rows = []
+    for batch, context in sizes["decode"]:
+        rows.append(_decode_row(batch, context, sizes, device, smoke, timed, copy_gbs))
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    for batch, length in sizes["prefill"]:
+        rows.append(_prefill_row(batch, length, sizes, device, smoke, timed, copy_gbs))
+    return rows
+
+
+COLUMNS = ["case", "batch", "context", "backend", "path", "splits", "ms", "GB/s", "%copy", "TFLOP/s", "x_sdpa",
+           "x_sdpa+gather", "sdpa_TFLOP/s", "x_twin", "x_compile"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--json", help="write the rows to this path")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, no torch.compile (CPU check)")
+    args = parser.parse_args()
+    if args.device == "cpu":
+        # Triton kernels run on CPU tensors only in the interpreter; set before any kernel is defined.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from benchmarks.common import print_table, write_json
+
+    rows = run(args.device, smoke=args.smoke)
+    print_table(rows, COLUMNS)
+    if args.json:
+        write_json(rows, args.json)
+
+
+if __name__ == "__main__":
+    main()
