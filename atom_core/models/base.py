@@ -134,11 +134,11 @@ class CausalLM(nn.Module):
         self._attention_layers = [m for m in self.model.layers.modules() if isinstance(m, PagedAttention)]
 
     def make_layer(self, layer_idx: int) -> nn.Module:
-        raise NotImplementedError
+        """Layer ``layer_idx``: ``forward(positions, hidden, residual, batch) -> (hidden, residual)``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement make_layer")
 
     def rotary_embedding(self, head_dim: int, layer_type: str | None = None) -> RotaryEmbedding:
         """The rotary embedding for heads of ``head_dim`` in layers of ``layer_type``, built once."""
-        theta, scaling = self.config.rope_params(layer_type)
         key_type = layer_type if self.config.rope_by_layer_type else None
         key = (head_dim, key_type)
         if key not in self._rotary:
