@@ -13,7 +13,7 @@ from atom_core.ops.reference import sampling as reference
 from atom_core.ops.sampling import rejection_sample_greedy, sample
 from atom_core.ops.tolerances import ATTENTION, tolerance
 from tests.ops import fake_aiter
-from tests.ops.conftest import DEVICE, ON_GPU, needs_triton, non_contiguous_rows
+from tests.ops.conftest import DEVICE, ON_GPU, ROWS, needs_gpu, needs_triton, non_contiguous_rows
 
 BACKENDS = ["torch", pytest.param("triton", marks=needs_triton)]
 # Log-probs are log-sum-exps over a whole row, computed in fp32 from any logits dtype.
@@ -141,9 +141,10 @@ def test_draws_follow_the_filtered_distribution(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_greedy_is_argmax_lowest_index_on_ties(backend, dtype):
-    logits = torch.randn(19, 1000, generator=torch.Generator().manual_seed(3)).to(DEVICE, dtype)
-    logits[0, [5, 17, 900]] = 50.0  # a three-way tie for the max
+@pytest.mark.parametrize("vocab", [1000, 9000])
+def test_greedy_is_argmax_lowest_index_on_ties(backend, dtype, vocab):
+    logits = torch.randn(19, vocab, generator=torch.Generator().manual_seed(3)).to(DEVICE, dtype)
+    logits[0, [5, 17, vocab - 100]] = 50.0  # a three-way tie for the max (in different blocks at V = 9000)
     t, k, p, m, s, o = params(19, temperature=0.0, top_k=3, top_p=0.5)
     tokens = sample(logits, t, k, p, m, s, o, backend=backend)
     assert tokens[0].item() == 5
@@ -231,6 +232,37 @@ def test_triton_split_rows_draw_the_same_tokens():
         results.append((tokens, logprobs))
     assert torch.equal(results[0][0], results[1][0])
     torch.testing.assert_close(results[0][1], results[1][1], **LOGPROB_TOL)
+
+
+QWEN3_VOCAB = 151936
+
+
+@needs_gpu
+@pytest.mark.parametrize("rows", ROWS)
+def test_gpu_qwen_vocab_matches_argmax_and_log_softmax(rows):
+    logits, temperature, top_k, top_p, min_p, seeds, offsets = mixed_batch(rows=rows, vocab=QWEN3_VOCAB)
+    tokens, logprobs = sample(logits, temperature, top_k, top_p, min_p, seeds, offsets, return_logprobs=True,
+                              backend="triton")
+    greedy = temperature == 0
+    assert torch.equal(tokens[greedy], logits.argmax(-1)[greedy])
+    want = torch.log_softmax(logits.double(), dim=-1).gather(1, tokens[:, None])[:, 0]
+    torch.testing.assert_close(logprobs.double(), want, **LOGPROB_TOL)
+    # One row alone runs split over many programs; in a big batch it runs in one or two.
+    big = [a.repeat(max(1, 256 // rows), *([1] * (a.dim() - 1))) for a in (logits, temperature, top_k, top_p,
+                                                                          min_p, seeds, offsets)]
+    assert torch.equal(sample(*big, backend="triton")[:rows], tokens)
+    assert sample(*[a[:1] for a in big], backend="triton").item() == tokens[0].item()
+
+
+@needs_gpu
+def test_gpu_top_k_top_p_draws_at_qwen_vocab():
+    n, config = 4096, (0.8, 50, 0.9, 0.0)
+    row = (1.5 * torch.randn(QWEN3_VOCAB, generator=torch.Generator().manual_seed(8))).tolist()
+    tokens = sample(rows_of(row).expand(n, QWEN3_VOCAB), *params(n, *config), backend="triton").cpu()
+    want = torch.tensor(naive_filtered_probs(row, *config), dtype=torch.float64)
+    freq = torch.bincount(tokens, minlength=QWEN3_VOCAB).double() / n
+    assert set(tokens.tolist()) <= set(torch.nonzero(want).flatten().tolist())
+    assert torch.nn.functional.cosine_similarity(freq, want, dim=0) > 0.99
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
