@@ -47,7 +47,7 @@ def block_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dty
 
     | m         | BLOCK_M | BLOCK_N | BLOCK_K | GROUP_M | warps | stages | regime                          |
     |-----------|---------|---------|---------|---------|-------|--------|---------------------------------|
-    | <= 16     | 16      | 64      | 128     | 1       | 4     | 3      | decode: weight-bandwidth bound  |
+    | <= 16     | 16      | 32      | 128     | 1       | 4     | 3      | decode: weight-bandwidth bound  |
     | <= 64     | 32      | 64      | 64      | 4       | 4     | 4      | small batches                   |
     | <= 512    | 64      | 64      | 64      | 8       | 4     | 3      | prefill                         |
     | > 512     | 128     | 64      | 64      | 8       | 8     | 3      | long prefill                    |
@@ -55,12 +55,14 @@ def block_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dty
     BLOCK_M is the padding unit of an expert's rows: small when experts see few rows (decode pads
     each hit expert to 16 rows, the smallest tensor-core tile), large when they see many (fewer
     reloads of the weights). GROUP_M > 1 walks several M blocks over one N stripe for L2 reuse.
-    The gate/up kernel holds two [BLOCK_M, BLOCK_N] accumulators, hence BLOCK_N = 64 throughout.
+    Decode reads each hit expert's weights once and does little math, so it wants many programs in
+    flight: BLOCK_N = 32 gives 2 x the programs of 64 (T = 1, K = 8, I = 768: 8 x 24 gate/up programs).
+    The gate/up kernel holds two [BLOCK_M, BLOCK_N] accumulators, hence BLOCK_N <= 64 throughout.
     fp32 (full-precision dot, twice the bytes per element) halves BLOCK_K.
     """
     rows_per_expert = num_tokens * top_k / max(num_experts, 1)
     if rows_per_expert <= 16:
-        config = BlockConfig(16, 64, 128, 1, 4, 3)
+        config = BlockConfig(16, 32, 128, 1, 4, 3)
     elif rows_per_expert <= 64:
         config = BlockConfig(32, 64, 64, 4, 4, 4)
     elif rows_per_expert <= 512:

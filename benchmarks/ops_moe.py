@@ -1,0 +1,190 @@
+"""One Qwen3-30B-A3B MoE layer (``benchmarks/configs/qwen3-30b-a3b.json``: E 128, K 8, H 2048,
+I 768, bf16) at T = 1, 8, 64, 512, 4096 tokens: ``fused_experts`` and its routing, ``topk_softmax``.
+
+For ``fused_experts``: median time of the op through atom_core's dispatch, and on a GPU of a CUDA
+graph replaying it (what a decode step pays: no Python or launch overhead); the bytes of expert
+weights the step must read, ``experts hit x 3 x H x I x bytes per element`` (the distinct experts in
+topk_ids: each needs its gate, up and down matrices once), over the better of those times, as GB/s
+and as a share of a device-to-device copy measured in the same run (target: >= 50% at 1-64 tokens,
+where reading the weights is the whole cost); speedup over the expert-loop twin, eager and under
+``torch.compile`` (its per-expert token lists have data-dependent sizes, so the compiled twin runs
+in pieces between graph breaks). Routing rows give the time and the speedup over the twin.
+
+    python -m benchmarks.ops_moe [--device cuda] [--json out.json] [--smoke] [--no-compile]
+
+``--smoke`` runs tiny sizes (and no torch.compile) so the script can be checked on a CPU, where the
+Triton kernels run in the interpreter.
+"""
+
+# T tokens, E experts, K top-k, H hidden, I intermediate
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+
+CONFIG = Path(__file__).with_name("configs") / "qwen3-30b-a3b.json"
+TOKENS = [1, 8, 64, 512, 4096]
+SMOKE = dict(num_experts=8, top_k=2, hidden=64, inter=32, tokens=[1, 8], dtype=torch.float32)
+
+
+def layer_sizes(smoke: bool) -> dict:
+    if smoke:
+        return SMOKE
+    cfg = json.loads(CONFIG.read_text())
+    return dict(num_experts=cfg["num_experts"], top_k=cfg["num_experts_per_tok"], hidden=cfg["hidden_size"],
+                inter=cfg["moe_intermediate_size"], tokens=TOKENS, dtype=torch.bfloat16)
+
+
+def _timer(device, smoke):
+    from benchmarks.common import bench
+
+    def timed(fn):
+        """Median ms; slow baselines get fewer iterations (about 0.5 s of timing each)."""
+        if smoke:
+            return bench(fn, warmup=1, iters=2, device=device)
+        first = bench(fn, warmup=1, iters=1, device=device)
+        iters = int(min(100, max(3, 500 / max(first, 1e-3))))
+        return bench(fn, warmup=min(10, iters), iters=iters, device=device)
+
+    return timed
+
+
+def _guarded(timed, make_fn):
+    """Time ``make_fn()``'s callable; None when it fails (out of memory, does not compile)."""
+    try:
+        return timed(make_fn())
+    except Exception as e:  # noqa: BLE001 - a baseline that fails is reported, not fatal
+        print(f"baseline skipped: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return None
+
+
+def _ratio(base_ms, ms):
+    return None if base_ms is None or ms is None else base_ms / ms
+
+
+def _graph_replay(fn, device):
+    """A callable replaying ``fn`` captured in a CUDA graph (None off CUDA)."""
+    if not str(device).startswith("cuda"):
+        return None
+    fn()  # compile and warm up outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def make_layer(tokens: int, sizes: dict, device, seed: int = 0) -> dict:
+    """Inputs of one MoE layer: hidden [T, H], w13 [E, 2I, H], w2 [E, H, I], router logits [T, E]."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    e, h, i, dtype = sizes["num_experts"], sizes["hidden"], sizes["inter"], sizes["dtype"]
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device=device) * scale).to(dtype)
+
+    return dict(hidden=randn(tokens, h), w13=randn(e, 2 * i, h, scale=h ** -0.5), w2=randn(e, h, i, scale=i ** -0.5),
+                router_logits=torch.randn(tokens, e, generator=g, device=device))
+
+
+def _moe_row(tokens, sizes, device, smoke, compile_twin, timed, copy_gbs, backend):
+    from atom_core.ops.fused_moe import fused_experts
+    from atom_core.ops.moe_routing import topk_softmax
+    from atom_core.ops.reference import moe as twin
+
+    layer = make_layer(tokens, sizes, device)
+    weights, ids = topk_softmax(layer["router_logits"], sizes["top_k"], renormalize=True)
+    args = (layer["hidden"], layer["w13"], layer["w2"], weights, ids)
+    out = torch.empty_like(layer["hidden"])
+
+    def call():
+        return fused_experts(*args, out=out, backend=backend)
+
+    ms = timed(call)
+    replay = _graph_replay(call, device)
+    graph_ms = None if replay is None else timed(replay)
+    best_ms = ms if graph_ms is None else min(ms, graph_ms)
+
+    experts_hit = int(torch.unique(ids).numel())
+    weight_bytes = experts_hit * 3 * sizes["hidden"] * sizes["inter"] * layer["w13"].element_size()
+    gbs = weight_bytes / (best_ms * 1e-3) / 1e9
+    twin_ms = _guarded(timed, lambda: lambda: twin.fused_experts(*args))
+    compile_ms = None
+    if compile_twin and not smoke:
+        compile_ms = _guarded(timed, lambda: (lambda f: lambda: f(*args))(torch.compile(twin.fused_experts,
+                                                                                          dynamic=True)))
+    return {
+        "op": "fused_experts", "tokens": tokens, "backend": backend, "experts_hit": experts_hit,
+        "weight_MB": weight_bytes / 1e6, "ms": ms, "graph_ms": graph_ms, "GB/s": gbs, "%copy": 100 * gbs / copy_gbs,
+        "twin_ms": twin_ms, "x_twin": _ratio(twin_ms, best_ms),
+        "compile_ms": compile_ms, "x_compile": _ratio(compile_ms, best_ms),
+    }
+
+
+def _routing_row(tokens, sizes, device, timed, backend):
+    from atom_core.ops.moe_routing import topk_softmax
+    from atom_core.ops.reference import moe as twin
+
+    logits = make_layer(tokens, sizes, device)["router_logits"]
+    ms = timed(lambda: topk_softmax(logits, sizes["top_k"], renormalize=True, backend=backend))
+    replay = _graph_replay(lambda: topk_softmax(logits, sizes["top_k"], renormalize=True, backend=backend), device)
+    graph_ms = None if replay is None else timed(replay)
+    twin_ms = _guarded(timed, lambda: lambda: twin.topk_softmax(logits, sizes["top_k"], True))
+    best_ms = ms if graph_ms is None else min(ms, graph_ms)
+    return {"op": "topk_softmax", "tokens": tokens, "backend": backend, "ms": ms, "graph_ms": graph_ms,
+            "twin_ms": twin_ms, "x_twin": _ratio(twin_ms, best_ms)}
+
+
+def run(device: str = "cuda", smoke: bool = False, compile_twin: bool = True) -> list[dict]:
+    """One row per (op, token count). Times in ms; bandwidth in GB/s (1e9 bytes/s)."""
+    from atom_core.ops.dispatch import backend_available
+    from benchmarks.common import copy_bandwidth_gbs
+
+    sizes = layer_sizes(smoke)
+    timed = _timer(device, smoke)
+    copy_gbs = copy_bandwidth_gbs(device, nbytes=1 << 20 if smoke else 2 << 30)
+    backend = "triton" if backend_available("triton") else "torch"
+    rows = []
+    for tokens in sizes["tokens"]:
+        rows.append(_moe_row(tokens, sizes, device, smoke, compile_twin, timed, copy_gbs, backend))
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    for tokens in sizes["tokens"]:
+        rows.append(_routing_row(tokens, sizes, device, timed, backend))
+    return rows
+
+
+COLUMNS = ["op", "tokens", "backend", "experts_hit", "weight_MB", "ms", "graph_ms", "GB/s", "%copy", "twin_ms",
+           "x_twin", "compile_ms", "x_compile"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--json", help="write the rows to this path")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, no torch.compile (CPU check)")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    args = parser.parse_args()
+    if args.device == "cpu":
+        # Triton kernels run on CPU tensors only in the interpreter; set before any kernel is defined.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from benchmarks.common import print_table, write_json
+
+    rows = run(args.device, smoke=args.smoke, compile_twin=not args.no_compile)
+    print_table(rows, COLUMNS)
+    if args.json:
+        write_json(rows, args.json)
+
+
+if __name__ == "__main__":
+    main()
