@@ -1,0 +1,139 @@
+"""Sampling at the Qwen3 vocabulary: ``sample`` (with and without top-k/top-p) and ``rejection_sample_greedy``.
+
+For each case and batch size: median time of the op's kernel backend, bandwidth achieved counting the
+logits read (the only large traffic: one fp32 row of V per sampled row), that bandwidth as a share of
+a device-to-device copy measured in the same run, and the speedup over the plain-torch twin, eager
+and under ``torch.compile``. Cases:
+
+* ``temperature``: T = 0.7 per row, no filters (``top_k = top_p = min_p = None``) — the fused pass alone;
+* ``top_k+top_p``: T = 0.7, top_k = 50, top_p = 0.9 per row — adds the torch sort for the cut-off;
+* ``greedy``: T = 0 (the argmax pass, no noise);
+* ``rejection K=4``: greedy acceptance of 4 draft tokens, logits of B * 5 target rows.
+
+    python -m benchmarks.ops_sampling [--device cuda] [--json out.json] [--smoke]
+
+``--smoke`` runs tiny sizes (and no torch.compile) so the script can be checked on a CPU, where the
+kernels run in Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+VOCAB = 151936  # Qwen3
+BATCHES = [1, 64, 256]
+DRAFT_TOKENS = 4
+SMOKE = dict(vocab=1000, batches=[1, 4])
+
+
+@dataclass
+class Case:
+    op: str
+    rows: int
+    nbytes: int  # logits bytes read by one call
+    run: Callable[[], object]  # the op through atom_core's dispatch
+    twin: Callable[[], object]  # the reference twin, same inputs
+
+
+def _sample_case(name, rows, vocab, device, backend, *, temperature, top_k=None, top_p=None):
+    from atom_core.ops.reference import sampling as reference
+    from atom_core.ops.sampling import sample
+
+    logits = torch.randn(rows, vocab, dtype=torch.float32, device=device)
+
+    def per_row(value, dtype):
+        return None if value is None else torch.full((rows,), value, dtype=dtype, device=device)
+
+    args = (logits, per_row(temperature, torch.float32), per_row(top_k, torch.int32), per_row(top_p, torch.float32),
+            None, torch.randint(0, 2**62, (rows,), device=device), torch.arange(rows, device=device))
+    return Case(f"sample {name}", rows, logits.numel() * logits.element_size(),
+                lambda: sample(*args, backend=backend), lambda: reference.sample(*args))
+
+
+def _rejection_case(rows, vocab, device, backend):
+    from atom_core.ops.reference import sampling as reference
+    from atom_core.ops.sampling import rejection_sample_greedy
+
+    target_logits = torch.randn(rows * (DRAFT_TOKENS + 1), vocab, dtype=torch.float32, device=device)
+    draft = target_logits.argmax(-1).view(rows, DRAFT_TOKENS + 1)[:, :DRAFT_TOKENS].contiguous()
+    draft[:, DRAFT_TOKENS // 2:] = 0  # accept about half, as speculative decoding typically does
+    return Case(f"rejection K={DRAFT_TOKENS}", rows, target_logits.numel() * target_logits.element_size(),
+                lambda: rejection_sample_greedy(draft, target_logits, backend=backend),
+                lambda: reference.rejection_sample_greedy(draft, target_logits))
+
+
+def _cases(device, smoke, backend):
+    vocab = SMOKE["vocab"] if smoke else VOCAB
+    for rows in SMOKE["batches"] if smoke else BATCHES:
+        yield _sample_case("temperature", rows, vocab, device, backend, temperature=0.7)
+        yield _sample_case("top_k+top_p", rows, vocab, device, backend, temperature=0.7, top_k=50, top_p=0.9)
+        yield _sample_case("greedy", rows, vocab, device, backend, temperature=0.0)
+        yield _rejection_case(rows, vocab, device, backend)
+
+
+def _time_compiled(fn, timer):
+    try:
+        return timer(torch.compile(fn))
+    except Exception as e:  # noqa: BLE001 - a twin that does not compile is reported, not fatal
+        print(f"torch.compile failed: {type(e).__name__}: {e}")
+        return None
+
+
+def run(device: str = "cuda", smoke: bool = False) -> list[dict]:
+    """One row per (case, batch size). Times in ms; bandwidth in GB/s (1e9 bytes/s) of logits read."""
+    from atom_core.ops.dispatch import backend_available
+    from benchmarks.common import bench, copy_bandwidth_gbs
+
+    backend = "triton" if backend_available("triton") else "torch"
+    iters = dict(warmup=1, iters=3) if smoke else dict(warmup=10, iters=100)
+
+    def timer(fn):
+        return bench(fn, device=device, **iters)
+
+    copy_gbs = copy_bandwidth_gbs(device, nbytes=1 << 20 if smoke else 2 << 30)
+    rows = []
+    for case in _cases(device, smoke, backend):
+        ms = timer(case.run)
+        eager_ms = timer(case.twin)
+        compile_ms = None if smoke else _time_compiled(case.twin, timer)
+        gbs = case.nbytes / (ms * 1e-3) / 1e9
+        rows.append({
+            "op": case.op,
+            "rows": case.rows,
+            "vocab": SMOKE["vocab"] if smoke else VOCAB,
+            "backend": backend,
+            "ms": ms,
+            "GB/s": gbs,
+            "%copy": 100 * gbs / copy_gbs,
+            "eager_ms": eager_ms,
+            "x_eager": eager_ms / ms,
+            "compile_ms": compile_ms,
+            "x_compile": None if compile_ms is None else compile_ms / ms,
+        })
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--json", help="write the rows to this path")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, no torch.compile (CPU check)")
+    args = parser.parse_args()
+    if args.device == "cpu":
+        # Triton kernels run on CPU tensors only in the interpreter; set before any kernel is defined.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from benchmarks.common import print_table, write_json
+
+    rows = run(args.device, smoke=args.smoke)
+    print_table(rows, ["op", "rows", "vocab", "backend", "ms", "GB/s", "%copy", "x_eager", "x_compile"])
+    if args.json:
+        write_json(rows, args.json)
+
+
+if __name__ == "__main__":
+    main()
