@@ -103,7 +103,8 @@ def _(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_
 
 
 def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    # torch.SymInt: an int made symbolic by torch.compile (dynamic shapes).
+    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
@@ -185,7 +186,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
                 sliding_window, logit_softcap, sinks, k_scale, v_scale, out)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     torch.ops.atom_core.paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
-                                        int(max_seqlen_q), int(max_seqlen_k), float(scale), sliding_window,
+                                        max_seqlen_q, max_seqlen_k, float(scale), sliding_window,
                                         float(logit_softcap), sinks, k_scale, v_scale, out, backend)
     return out
 

@@ -286,6 +286,16 @@ def test_custom_op_passes_opcheck():
                           test_utils=("test_schema", "test_faketensor"))
 
 
+def test_traces_whole_under_torch_compile():
+    batch = PagedBatch([2, 1], [3, 5], seed=1)
+
+    def step(*args):
+        return 2 * paged_attention(*args, scale=SCALE, sliding_window=4, backend="torch")
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")  # graph break = error
+    torch.testing.assert_close(compiled(*batch.args()), 2 * batch.twin(sliding_window=4))
+
+
 def _bad(**changes):
     batch = PagedBatch([2], [1], seed=0)
     q, k, v, bt, cu, ctx, mq, mk = batch.args()

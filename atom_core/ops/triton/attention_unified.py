@@ -25,8 +25,6 @@ import triton.language as tl
 
 from atom_core.ops.dispatch import triton_interpret
 
-LOG2E = 1.4426950408889634
-
 
 @triton.jit
 def _tanh(x):
