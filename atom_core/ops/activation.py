@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from atom_core.ops.dispatch import Op
+from atom_core.ops.dispatch import Op, call_op, custom_op
 from atom_core.ops.reference import activation as reference_activation
 from atom_core.ops.validation import FLOAT_DTYPES, check_out, check_tensor
 
@@ -60,7 +60,7 @@ SWIGLU_CLAMPED.register("torch", _torch_swiglu_clamped)
 SWIGLU_CLAMPED.register("triton", "atom_core.ops.triton.activation:swiglu_clamped", _triton_supports)
 
 
-@torch.library.custom_op("atom_core::silu_and_mul", mutates_args=("out",))
+@custom_op("silu_and_mul", mutates_args=("out",))
 def _silu_and_mul_op(x: Tensor, out: Tensor, backend: str | None) -> None:
     SILU_AND_MUL(x, out, backend=backend)
 
@@ -70,7 +70,7 @@ def _(x, out, backend) -> None:
     return None
 
 
-@torch.library.custom_op("atom_core::gelu_and_mul", mutates_args=("out",))
+@custom_op("gelu_and_mul", mutates_args=("out",))
 def _gelu_and_mul_op(x: Tensor, approximate: str, out: Tensor, backend: str | None) -> None:
     GELU_AND_MUL(x, approximate, out, backend=backend)
 
@@ -80,7 +80,7 @@ def _(x, approximate, out, backend) -> None:
     return None
 
 
-@torch.library.custom_op("atom_core::swiglu_clamped", mutates_args=("out",))
+@custom_op("swiglu_clamped", mutates_args=("out",))
 def _swiglu_clamped_op(x: Tensor, alpha: float, limit: float, out: Tensor, backend: str | None) -> None:
     SWIGLU_CLAMPED(x, alpha, limit, out, backend=backend)
 
@@ -102,7 +102,7 @@ def _check_and_allocate(x: Tensor, out: Tensor | None) -> Tensor:
 def silu_and_mul(x: Tensor, *, out: Tensor | None = None, backend: str | None = None) -> Tensor:
     """``silu(x[:, :I]) * x[:, I:]``: x [T, 2I] fp32/fp16/bf16 → out [T, I] in x's dtype (fp32 math)."""
     out = _check_and_allocate(x, out)
-    torch.ops.atom_core.silu_and_mul(x, out, backend)
+    call_op("silu_and_mul", x, out, backend)
     return out
 
 
@@ -115,7 +115,7 @@ def gelu_and_mul(x: Tensor, *, approximate: str = "none", out: Tensor | None = N
     if approximate not in GELU_APPROXIMATIONS:
         raise ValueError(f"approximate must be one of {GELU_APPROXIMATIONS}, got {approximate!r}")
     out = _check_and_allocate(x, out)
-    torch.ops.atom_core.gelu_and_mul(x, approximate, out, backend)
+    call_op("gelu_and_mul", x, approximate, out, backend)
     return out
 
 
@@ -128,5 +128,5 @@ def swiglu_clamped(x: Tensor, *, alpha: float = 1.702, limit: float = 7.0, out: 
     if not limit > 0:
         raise ValueError(f"limit must be > 0, got {limit!r}")
     out = _check_and_allocate(x, out)
-    torch.ops.atom_core.swiglu_clamped(x, float(alpha), float(limit), out, backend)
+    call_op("swiglu_clamped", x, float(alpha), float(limit), out, backend)
     return out

@@ -29,6 +29,7 @@ import torch
 BACKENDS = ("aiter", "triton", "torch")  # auto order: most specialised first
 ENV_VAR = "ATOM_CORE_BACKEND"
 
+_CUDA_AVAILABLE = torch.cuda.is_available()  # read once: the call is not free and the answer does not change
 _preferred: contextvars.ContextVar[str | None] = contextvars.ContextVar("atom_core_backend", default=None)
 _trace: contextvars.ContextVar[list | None] = contextvars.ContextVar("atom_core_backend_trace", default=None)
 
@@ -71,7 +72,7 @@ def backend_available(name: str) -> bool:
     if name == "torch":
         return True
     if name == "triton":
-        return _has_module("triton") and (torch.cuda.is_available() or triton_interpret())
+        return _has_module("triton") and (_CUDA_AVAILABLE or triton_interpret())
     return _aiter_imports()
 
 
@@ -172,3 +173,28 @@ class Op:
         if calls is not None:
             calls.append((self.name, chosen))
         return self._impls[chosen].load()(*args, **kwargs)
+
+
+_EAGER_BODIES: dict[str, Callable] = {}
+
+
+def custom_op(name: str, *, mutates_args):
+    """Register ``fn`` as ``torch.ops.atom_core.<name>`` and remember the plain function.
+
+    ``call_op`` goes through the registered op only while ``torch.compile`` traces (where the op
+    must stay one opaque node); eagerly it calls the function itself, because the custom-op
+    wrapper costs tens of microseconds per call, as much as a small kernel. CUDA-graph capture
+    records the kernels either way.
+    """
+
+    def register(fn):
+        _EAGER_BODIES[name] = fn
+        return torch.library.custom_op(f"atom_core::{name}", mutates_args=mutates_args)(fn)
+
+    return register
+
+
+def call_op(name: str, *args):
+    if torch.compiler.is_compiling():
+        return getattr(torch.ops.atom_core, name)(*args)
+    return _EAGER_BODIES[name](*args)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from atom_core.ops.dispatch import Op
+from atom_core.ops.dispatch import Op, call_op, custom_op
 from atom_core.ops.reference import kv_cache as reference_kv_cache
 from atom_core.ops.reference.kv_cache import FP8_DTYPE
 from atom_core.ops.validation import FLOAT_DTYPES, check_same_device, check_shape, check_tensor
@@ -61,7 +61,7 @@ STORE_KV.register("triton", "atom_core.ops.triton.kv_cache:store_kv_", _triton_s
 STORE_KV.register("aiter", "atom_core.ops.aiter.kv_cache:store_kv_", _aiter_supports)
 
 
-@torch.library.custom_op("atom_core::store_kv_", mutates_args=("k_cache", "v_cache"))
+@custom_op("store_kv_", mutates_args=("k_cache", "v_cache"))
 def _store_kv_op(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
                  k_scale: Tensor | None, v_scale: Tensor | None, backend: str | None) -> None:
     STORE_KV(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, backend=backend)
@@ -113,4 +113,4 @@ def store_kv_(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappi
     _check_store_kv_args(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     if k_cache.dtype != FP8_DTYPE:
         k_scale = v_scale = None
-    torch.ops.atom_core.store_kv_(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, backend)
+    call_op("store_kv_", k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, backend)

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from atom_core.ops import reference
-from atom_core.ops.dispatch import Op
+from atom_core.ops.dispatch import Op, call_op, custom_op
 from atom_core.ops.validation import FLOAT_DTYPES, check_out, check_shape, check_tensor
 
 RMS_NORM = Op("rms_norm")
@@ -67,7 +67,7 @@ LAYER_NORM.register("triton", "atom_core.ops.triton.norm:layer_norm", _triton_su
 LAYER_NORM.register("aiter", "atom_core.ops.aiter.norm:layer_norm", _aiter_ln_supports)
 
 
-@torch.library.custom_op("atom_core::rms_norm", mutates_args=("out", "residual_out"))
+@custom_op("rms_norm", mutates_args=("out", "residual_out"))
 def _rms_norm_op(x: Tensor, weight: Tensor, eps: float, residual: Optional[Tensor], gemma: bool,
                  out: Tensor, residual_out: Optional[Tensor], backend: Optional[str]) -> None:
     RMS_NORM(x, weight, eps, residual, gemma, out, residual_out, backend=backend)
@@ -78,7 +78,7 @@ def _(x, weight, eps, residual, gemma, out, residual_out, backend) -> None:
     return None
 
 
-@torch.library.custom_op("atom_core::layer_norm", mutates_args=("out", "residual_out"))
+@custom_op("layer_norm", mutates_args=("out", "residual_out"))
 def _layer_norm_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], eps: float, residual: Optional[Tensor],
                    out: Tensor, residual_out: Optional[Tensor], backend: Optional[str]) -> None:
     LAYER_NORM(x, weight, bias, eps, residual, out, residual_out, backend=backend)
@@ -119,7 +119,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, *, residual: Tensor |
     out = torch.empty_like(x) if out is None else out
     if residual is not None and residual_out is None:
         residual_out = torch.empty_like(x)
-    torch.ops.atom_core.rms_norm(x, weight, float(eps), residual, bool(gemma), out, residual_out, backend)
+    call_op("rms_norm", x, weight, float(eps), residual, bool(gemma), out, residual_out, backend)
     return out if residual is None else (out, residual_out)
 
 
@@ -133,5 +133,5 @@ def layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float = 1e-5
     out = torch.empty_like(x) if out is None else out
     if residual is not None and residual_out is None:
         residual_out = torch.empty_like(x)
-    torch.ops.atom_core.layer_norm(x, weight, bias, float(eps), residual, out, residual_out, backend)
+    call_op("layer_norm", x, weight, bias, float(eps), residual, out, residual_out, backend)
     return out if residual is None else (out, residual_out)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from atom_core.ops.dispatch import Op
+from atom_core.ops.dispatch import Op, call_op, custom_op
 from atom_core.ops.reference import rope as reference_rope
 from atom_core.ops.validation import FLOAT_DTYPES, check_same_device, check_shape, check_tensor
 
@@ -52,7 +52,7 @@ APPLY_ROPE.register("triton", "atom_core.ops.triton.rope:apply_rope_", _triton_s
 APPLY_ROPE.register("aiter", "atom_core.ops.aiter.rope:apply_rope_", _aiter_supports)
 
 
-@torch.library.custom_op("atom_core::apply_rope_", mutates_args=("q", "k"))
+@custom_op("apply_rope_", mutates_args=("q", "k"))
 def _apply_rope_op(q: Tensor, k: Tensor, positions: Tensor, cos_sin_cache: Tensor, is_neox: bool,
                    backend: str | None) -> None:
     APPLY_ROPE(q, k, positions, cos_sin_cache, is_neox, backend=backend)
@@ -90,7 +90,7 @@ def apply_rope_(q: Tensor, k: Tensor, positions: Tensor, cos_sin_cache: Tensor, 
     2i + 1 (GPT-J). Each pair (a, b) becomes ``(a cos - b sin, b cos + a sin)``, computed in fp32.
     """
     _check_rope_args(q, k, positions, cos_sin_cache)
-    torch.ops.atom_core.apply_rope_(q, k, positions, cos_sin_cache, bool(is_neox), backend)
+    call_op("apply_rope_", q, k, positions, cos_sin_cache, bool(is_neox), backend)
 
 
 def rope_cos_sin_cache(rotary_dim: int, max_position: int, base: float, scaling: dict | None = None, *,
