@@ -9,14 +9,15 @@ with each row's experts in descending order of preference:
 * :func:`gpt_oss_topk` — top-K logits, softmax over those K (GPT-OSS).
 
 Ties go to the lower expert index on every backend (the twin sorts stably; HF's ``torch.topk``
-leaves ties unspecified, so the two agree whenever the K-th best entry is not tied). Rows holding
-NaN get unspecified, but in-range and distinct, experts.
+leaves ties unspecified, so the two agree whenever the K-th best entry is not tied). On the torch
+and triton backends a row holding NaN gets unspecified, but in-range and distinct, experts.
 """
 
 # T tokens, E experts, K top-k, H hidden, I intermediate
 
 from __future__ import annotations
 
+import operator
 from typing import Optional
 
 import torch
@@ -120,11 +121,16 @@ def _(router_logits, topk_weights, topk_ids, backend) -> None:
     return None
 
 
+def _as_int(name: str, value) -> int:
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    return operator.index(value)
+
+
 def _check_logits_and_allocate(router_logits: Tensor, top_k) -> tuple[Tensor, Tensor]:
     check_tensor("router_logits", router_logits, ndim=2, dtypes=FLOAT_DTYPES)
     num_experts = router_logits.shape[1]
-    if isinstance(top_k, bool) or not isinstance(top_k, int):
-        raise TypeError(f"top_k must be an int, got {type(top_k).__name__}")
+    top_k = _as_int("top_k", top_k)
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k must be in [1, E={num_experts}], got {top_k}")
     shape = (router_logits.shape[0], top_k)
@@ -160,9 +166,8 @@ def grouped_topk(router_logits: Tensor, top_k: int, *, num_expert_group: int, to
     """
     topk_weights, topk_ids = _check_logits_and_allocate(router_logits, top_k)
     num_experts = router_logits.shape[1]
-    for name, value in (("num_expert_group", num_expert_group), ("topk_group", topk_group)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    num_expert_group = _as_int("num_expert_group", num_expert_group)
+    topk_group = _as_int("topk_group", topk_group)
     if num_expert_group < 1 or num_experts % num_expert_group:
         raise ValueError(f"num_expert_group must be >= 1 and divide E={num_experts}, got {num_expert_group}")
     if not 1 <= topk_group <= num_expert_group:

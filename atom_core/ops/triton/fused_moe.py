@@ -59,6 +59,7 @@ def block_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dty
     flight: BLOCK_N = 32 gives 2 x the programs of 64 (T = 1, K = 8, I = 768: 8 x 24 gate/up programs).
     The gate/up kernel holds two [BLOCK_M, BLOCK_N] accumulators, hence BLOCK_N <= 64 throughout.
     fp32 (full-precision dot, twice the bytes per element) halves BLOCK_K.
+    These are starting values; ``benchmarks/ops_moe.py`` measures them on the target GPU.
     """
     rows_per_expert = num_tokens * top_k / max(num_experts, 1)
     if rows_per_expert <= 16:

@@ -53,8 +53,9 @@ def _routing_kernel(
     g = tl.arange(0, GROUPS_P2)
     j = tl.arange(0, GROUP_SIZE_P2)
     valid = (g[:, None] < num_groups) & (j[None, :] < group_size)
-    expert = tl.where(valid, g[:, None] * group_size + j[None, :], _NONE)  # flat expert index
-    logits = tl.load(logits_ptr + t * stride_lt + expert * stride_le, mask=valid, other=float("-inf"))
+    flat = g[:, None] * group_size + j[None, :]
+    expert = tl.where(valid, flat, _NONE)  # the expert of each lane; padding lanes name none
+    logits = tl.load(logits_ptr + t * stride_lt + flat * stride_le, mask=valid, other=float("-inf"))
     logits = logits.to(tl.float32)
 
     if SIGMOID:
@@ -64,7 +65,7 @@ def _routing_kernel(
         scores = p / tl.sum(tl.sum(p, axis=1), axis=0)
     if HAS_BIAS:
         # The bias moves the choice only; the weights stay the unbiased scores.
-        choice = scores + tl.load(bias_ptr + expert, mask=valid, other=0.0).to(tl.float32)
+        choice = scores + tl.load(bias_ptr + flat, mask=valid, other=0.0).to(tl.float32)
     else:
         choice = logits  # same order as the scores (both scorings increase with the logit), exact
     available = valid
