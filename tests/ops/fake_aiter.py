@@ -72,6 +72,10 @@ def install(monkeypatch, behaviours: dict[str, Callable]) -> FakeAiter:
     monkeypatch.setitem(sys.modules, "aiter", fake)
     monkeypatch.setitem(sys.modules, "aiter.fused_moe", fake.fused_moe_module)
     monkeypatch.setitem(sys.modules, "aiter.mla", fake.mla)
+    import atom_core.ops.aiter as adapters
+
     for mod in [m for m in sys.modules if m.startswith("atom_core.ops.aiter.")]:
         monkeypatch.delitem(sys.modules, mod)
+        # `from atom_core.ops.aiter import x` reads the package attribute: drop it too.
+        monkeypatch.delattr(adapters, mod.rsplit(".", 1)[1], raising=False)
     return fake
