@@ -40,13 +40,24 @@ _INTERPRETER_ROWS = 256  # rows per program under the CPU interpreter
 
 
 @triton.jit
+def _log2(x, FAST: tl.constexpr):
+    """log2; FAST uses the GPU's approximate instruction (NVIDIA lg2.approx, relative error ~2**-22),
+    where tl.log2 would be a ~20-instruction polynomial. The noise needs two logs per logit."""
+    if FAST:
+        return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    else:
+        return tl.log2(x)
+
+
+@triton.jit
 def _sample_kernel(
     logits_ptr, stride_row, B, V, chunk,
     temperature_ptr, cutoff_ptr, seeds_ptr, offsets_ptr,
     token_ids_ptr, logprobs_ptr,
     part_score_ptr, part_idx_ptr, part_m_ptr, part_l_ptr, num_splits,
     ALL_GREEDY: tl.constexpr, HAS_CUTOFF: tl.constexpr, RETURN_LOGPROBS: tl.constexpr,
-    SPLIT: tl.constexpr, ROWS: tl.constexpr, QUARTER: tl.constexpr,
+    SPLIT: tl.constexpr, ROWS: tl.constexpr, QUARTER: tl.constexpr, FAST_LOG2: tl.constexpr,
 ):
     BLOCK: tl.constexpr = 4 * QUARTER
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [R]
@@ -55,13 +66,13 @@ def _sample_kernel(
     row_ptr = logits_ptr + rows * stride_row  # [R]
     if ALL_GREEDY:
         sampled = tl.zeros((ROWS,), tl.int1)
-        inv_t = tl.full((ROWS,), 1.0, tl.float32)
+        log2e_over_t = tl.full((ROWS,), 1.0, tl.float32)
         seed = tl.zeros((ROWS,), tl.int64)
         offset = tl.zeros((ROWS,), tl.int64)
     else:
         temperature = tl.load(temperature_ptr + rows, mask=row_ok, other=0.0)
         sampled = temperature > 0.0  # temperature <= 0: greedy
-        inv_t = tl.where(sampled, 1.0 / tl.where(sampled, temperature, 1.0), 1.0)
+        log2e_over_t = tl.where(sampled, 1.4426950408889634 / tl.where(sampled, temperature, 1.0), 1.0)
         seed = tl.load(seeds_ptr + rows, mask=row_ok, other=0)
         offset = tl.load(offsets_ptr + rows, mask=row_ok, other=0)
     cutoff = tl.full((ROWS,), float("-inf"), tl.float32)
@@ -88,14 +99,18 @@ def _sample_kernel(
             # Column v takes word v % 4 of philox(seed; v // 4, offset_lo, offset_hi, 0).
             group = zero_words + (start // 4 + tl.arange(0, QUARTER)).to(tl.uint32)[None, :]
             w0, w1, w2, w3 = tl.philox(seed_tile, group, offset_lo, offset_hi, zero_words)
-            bits = tl.reshape(tl.join(tl.join(w0, w1), tl.join(w2, w3)), (ROWS, BLOCK))
+            word = tl.arange(0, 4)[None, None, :]  # [R, QUARTER, 4] -> [R, BLOCK] keeps columns in order
+            bits = tl.where(word == 0, w0[:, :, None], tl.where(word == 1, w1[:, :, None],
+                                                                tl.where(word == 2, w2[:, :, None], w3[:, :, None])))
+            bits = tl.reshape(bits, (ROWS, BLOCK))
             # u in (0, 1); E = -log(1 - u) ~ Exp(1), taken from the small-u end where fp32 is
             # fine-grained (small E decides the winner): u + u^2/2 + u^3/3 below 0.01 (error < u^4/4),
             # -log(1 - u) above, with 1 - u floored at 1e-30 (u rounds to 1.0) so E stays finite.
             u = (bits.to(tl.float32) + 0.5) * 2.3283064365386963e-10
             series = u * (1.0 + u * (0.5 + u * 0.3333333333333333))
-            e = tl.where(u < 0.01, series, -tl.log(tl.maximum(1.0 - u, 1e-30)))
-            noisy = tl.where(x >= cutoff[:, None], x * inv_t[:, None] - tl.log(e), float("-inf"))
+            e = tl.where(u < 0.01, series, -0.6931471805599453 * _log2(tl.maximum(1.0 - u, 1e-30), FAST_LOG2))
+            # The score in log2 units, (x / T - log E) / ln 2: same argmax, one multiply less.
+            noisy = tl.where(x >= cutoff[:, None], x * log2e_over_t[:, None] - _log2(e, FAST_LOG2), float("-inf"))
             score = tl.where(sampled[:, None], noisy, x)
         else:
             score = x
@@ -158,6 +173,11 @@ def _accept_kernel(draft_ptr, stride_draft, target_argmax_ptr, out_ptr, stride_o
     tl.store(num_accepted_ptr + row, num_accepted.to(tl.int32))
 
 
+def _has_fast_log2(device: torch.device) -> bool:
+    # NVIDIA only: on ROCm tl.log2 already lowers to the native v_log_f32; the interpreter has no asm.
+    return device.type == "cuda" and torch.version.hip is None
+
+
 @functools.lru_cache(maxsize=None)
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -201,7 +221,7 @@ def _row_pass(logits, temperature, cutoff, seeds, offsets, token_ids, logprobs, 
         token_ids, logprobs if return_logprobs else unused,
         part_score, part_idx, part_m, part_l, splits,
         ALL_GREEDY=all_greedy, HAS_CUTOFF=cutoff is not None, RETURN_LOGPROBS=return_logprobs,
-        SPLIT=split, ROWS=rows_per_program, QUARTER=quarter, num_warps=8,
+        SPLIT=split, ROWS=rows_per_program, QUARTER=quarter, FAST_LOG2=_has_fast_log2(logits.device), num_warps=8,
     )
     if split:
         _combine_kernel[(rows,)](
