@@ -71,7 +71,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     # -------------------------------------------------------------- rules
 
-    @rule(prompt=st.lists(token_ids, min_size=1, max_size=64), num_blocks=st.integers(0, 3), tail=st.integers(1, 16))
+    @rule(
+        prompt=st.lists(token_ids, min_size=1, max_size=64),
+        num_blocks=st.integers(0, 3),
+        tail=st.integers(1, 16),
+    )
     def allocate_new(self, prompt, num_blocks, tail):
         # num_blocks full blocks plus 1..block_size tokens.
         self._new_seq(prompt[: num_blocks * self.bm.block_size + min(tail, self.bm.block_size)])
@@ -176,5 +180,5 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert self.bm.num_free_blocks == self.bm.num_blocks, "a block leaked"
 
 
-BlockManagerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+BlockManagerMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
 test_block_manager_matches_model = BlockManagerMachine.TestCase
