@@ -291,6 +291,16 @@ def test_compiles_in_one_graph():
         torch.testing.assert_close(got, want)
 
 
+def test_custom_ops_pass_opcheck():
+    t, _, p, _, s, o = (a.cpu() for a in params(4, temperature=0.5, top_p=0.9))
+    outputs = (torch.empty(4, dtype=torch.int64), torch.empty(4))
+    torch.library.opcheck(torch.ops.atom_core.sample.default,
+                          (torch.randn(4, 100), t, None, p, None, s, o, *outputs, "torch"))
+    outputs = (torch.empty(2, 3, dtype=torch.int64), torch.empty(2, dtype=torch.int32))
+    torch.library.opcheck(torch.ops.atom_core.rejection_sample_greedy.default,
+                          (torch.tensor([[1, 2], [3, 4]]), torch.randn(6, 10), *outputs, "torch"))
+
+
 @pytest.mark.parametrize(
     "change, match",
     [
