@@ -1,14 +1,15 @@
 """One Qwen3-30B-A3B MoE layer (``benchmarks/configs/qwen3-30b-a3b.json``: E 128, K 8, H 2048,
 I 768, bf16) at T = 1, 8, 64, 512, 4096 tokens: ``fused_experts`` and its routing, ``topk_softmax``.
 
-For ``fused_experts``: median time of the op through atom_core's dispatch, and on a GPU of a CUDA
-graph replaying it (what a decode step pays: no Python or launch overhead); the bytes of expert
-weights the step must read, ``experts hit x 3 x H x I x bytes per element`` (the distinct experts in
-topk_ids: each needs its gate, up and down matrices once), over the better of those times, as GB/s
-and as a share of a device-to-device copy measured in the same run (target: >= 50% at 1-64 tokens,
-where reading the weights is the whole cost); speedup over the expert-loop twin, eager and under
-``torch.compile`` (its per-expert token lists have data-dependent sizes, so the compiled twin runs
-in pieces between graph breaks). Routing rows give the time and the speedup over the twin.
+For ``fused_experts``: median time of the op through atom_core's dispatch — on a GPU, of CUDA-graph
+replays (``ms``: what a decode step captured in a graph pays) and of eager calls (``eager_ms``:
+Python and launch overhead included); the bytes of expert weights the step must read,
+``experts hit x 3 x H x I x bytes per element`` (the distinct experts in topk_ids: each needs its
+gate, up and down matrices once), over ``ms``, as GB/s and as a share of a device-to-device copy
+measured in the same run (target: >= 50% at 1-64 tokens, where reading the weights is the whole
+cost); speedup over the expert-loop twin, eager and under ``torch.compile`` (its per-expert token
+lists have data-dependent sizes, so the compiled twin runs in pieces between graph breaks, and
+neither can be captured in a CUDA graph). Routing rows give the time and the speedup over the twin.
 
     python -m benchmarks.ops_moe [--device cuda] [--json out.json] [--smoke] [--no-compile]
 
@@ -43,13 +44,15 @@ def layer_sizes(smoke: bool) -> dict:
 def _timer(device, smoke):
     from benchmarks.common import bench
 
-    def timed(fn):
-        """Median ms; slow baselines get fewer iterations (about 0.5 s of timing each)."""
+    def timed(fn, graph=True):
+        """Median ms (on CUDA, ``graph=True`` times replays of a CUDA graph of ``fn``: GPU time only,
+        what a decode step captured in a graph pays; ``bench`` falls back to eager calls when ``fn``
+        cannot be captured). Slow baselines get fewer iterations (about 0.5 s of timing each)."""
         if smoke:
-            return bench(fn, warmup=1, iters=2, device=device)
-        first = bench(fn, warmup=1, iters=1, device=device)
+            return bench(fn, warmup=1, iters=2, device=device, graph=graph)
+        first = bench(fn, warmup=1, iters=1, device=device, graph=False)
         iters = int(min(100, max(3, 500 / max(first, 1e-3))))
-        return bench(fn, warmup=min(10, iters), iters=iters, device=device)
+        return bench(fn, warmup=min(10, iters), iters=iters, device=device, graph=graph)
 
     return timed
 
@@ -67,22 +70,6 @@ def _guarded(timed, make_fn):
 
 def _ratio(base_ms, ms):
     return None if base_ms is None or ms is None else base_ms / ms
-
-
-def _graph_replay(fn, device):
-    """A callable replaying ``fn`` captured in a CUDA graph (None off CUDA)."""
-    if not str(device).startswith("cuda"):
-        return None
-    fn()  # compile and warm up outside the capture
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def make_layer(tokens: int, sizes: dict, device, seed: int = 0) -> dict:
@@ -111,13 +98,11 @@ def _moe_row(tokens, sizes, device, smoke, compile_twin, timed, copy_gbs, backen
         return fused_experts(*args, out=out, backend=backend)
 
     ms = timed(call)
-    replay = _graph_replay(call, device)
-    graph_ms = None if replay is None else timed(replay)
-    best_ms = ms if graph_ms is None else min(ms, graph_ms)
+    eager_ms = timed(call, graph=False) if str(device).startswith("cuda") else ms
 
     experts_hit = int(torch.unique(ids).numel())
     weight_bytes = experts_hit * 3 * sizes["hidden"] * sizes["inter"] * layer["w13"].element_size()
-    gbs = weight_bytes / (best_ms * 1e-3) / 1e9
+    gbs = weight_bytes / (ms * 1e-3) / 1e9
     twin_ms = _guarded(timed, lambda: lambda: twin.fused_experts(*args))
     compile_ms = None
     if compile_twin and not smoke:
@@ -125,9 +110,9 @@ def _moe_row(tokens, sizes, device, smoke, compile_twin, timed, copy_gbs, backen
                                                                                           dynamic=True)))
     return {
         "op": "fused_experts", "tokens": tokens, "backend": backend, "experts_hit": experts_hit,
-        "weight_MB": weight_bytes / 1e6, "ms": ms, "graph_ms": graph_ms, "GB/s": gbs, "%copy": 100 * gbs / copy_gbs,
-        "twin_ms": twin_ms, "x_twin": _ratio(twin_ms, best_ms),
-        "compile_ms": compile_ms, "x_compile": _ratio(compile_ms, best_ms),
+        "weight_MB": weight_bytes / 1e6, "ms": ms, "eager_ms": eager_ms, "GB/s": gbs, "%copy": 100 * gbs / copy_gbs,
+        "twin_ms": twin_ms, "x_twin": _ratio(twin_ms, ms),
+        "compile_ms": compile_ms, "x_compile": _ratio(compile_ms, ms),
     }
 
 
@@ -137,12 +122,9 @@ def _routing_row(tokens, sizes, device, timed, backend):
 
     logits = make_layer(tokens, sizes, device)["router_logits"]
     ms = timed(lambda: topk_softmax(logits, sizes["top_k"], renormalize=True, backend=backend))
-    replay = _graph_replay(lambda: topk_softmax(logits, sizes["top_k"], renormalize=True, backend=backend), device)
-    graph_ms = None if replay is None else timed(replay)
     twin_ms = _guarded(timed, lambda: lambda: twin.topk_softmax(logits, sizes["top_k"], True))
-    best_ms = ms if graph_ms is None else min(ms, graph_ms)
-    return {"op": "topk_softmax", "tokens": tokens, "backend": backend, "ms": ms, "graph_ms": graph_ms,
-            "twin_ms": twin_ms, "x_twin": _ratio(twin_ms, best_ms)}
+    return {"op": "topk_softmax", "tokens": tokens, "backend": backend, "ms": ms, "twin_ms": twin_ms,
+            "x_twin": _ratio(twin_ms, ms)}
 
 
 def run(device: str = "cuda", smoke: bool = False, compile_twin: bool = True) -> list[dict]:
@@ -164,7 +146,7 @@ def run(device: str = "cuda", smoke: bool = False, compile_twin: bool = True) ->
     return rows
 
 
-COLUMNS = ["op", "tokens", "backend", "experts_hit", "weight_MB", "ms", "graph_ms", "GB/s", "%copy", "twin_ms",
+COLUMNS = ["op", "tokens", "backend", "experts_hit", "weight_MB", "ms", "eager_ms", "GB/s", "%copy", "twin_ms",
            "x_twin", "compile_ms", "x_compile"]
 
 

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from atom_core.ops.dispatch import Op
+from atom_core.ops.dispatch import Op, call_op, custom_op
 from atom_core.ops.reference import moe as reference_moe
 from atom_core.ops.validation import FLOAT_DTYPES, check_out, check_same_device, check_shape, check_tensor
 
@@ -47,7 +47,7 @@ FUSED_EXPERTS.register("triton", "atom_core.ops.triton.fused_moe:fused_experts")
 FUSED_EXPERTS.register("aiter", "atom_core.ops.aiter.moe:fused_experts", _aiter_supports)
 
 
-@torch.library.custom_op("atom_core::fused_experts", mutates_args=("out",))
+@custom_op("fused_experts", mutates_args=("out",))
 def _fused_experts_op(hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
                       activation: str, w13_bias: Optional[Tensor], w2_bias: Optional[Tensor], out: Tensor,
                       backend: Optional[str]) -> None:
@@ -108,6 +108,5 @@ def fused_experts(hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor,
     """
     _check_fused_experts_args(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, out)
     out = torch.empty_like(hidden) if out is None else out
-    torch.ops.atom_core.fused_experts(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, out,
-                                      backend)
+    call_op("fused_experts", hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, out, backend)
     return out

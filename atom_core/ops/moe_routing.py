@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from atom_core.ops.dispatch import Op
+from atom_core.ops.dispatch import Op, call_op, custom_op
 from atom_core.ops.reference import moe as reference_moe
 from atom_core.ops.validation import FLOAT_DTYPES, check_same_device, check_shape, check_tensor
 
@@ -58,7 +58,8 @@ def _torch_gpt_oss_topk(router_logits, topk_weights, topk_ids):
 
 def _triton_supports(router_logits, *rest) -> str | None:
     if router_logits.shape[1] > TRITON_MAX_EXPERTS:
-        return f"triton routing holds a token's logits in one program: E={router_logits.shape[1]} > {TRITON_MAX_EXPERTS}"
+        return (f"triton routing holds a token's logits in one program: "
+                f"E={router_logits.shape[1]} > {TRITON_MAX_EXPERTS}")
     return None
 
 
@@ -86,7 +87,7 @@ GPT_OSS_TOPK.register("triton", "atom_core.ops.triton.moe_routing:gpt_oss_topk",
 GPT_OSS_TOPK.register("aiter", "atom_core.ops.aiter.moe:gpt_oss_topk", _aiter_contiguous)
 
 
-@torch.library.custom_op("atom_core::topk_softmax", mutates_args=("topk_weights", "topk_ids"))
+@custom_op("topk_softmax", mutates_args=("topk_weights", "topk_ids"))
 def _topk_softmax_op(router_logits: Tensor, renormalize: bool, topk_weights: Tensor, topk_ids: Tensor,
                      backend: Optional[str]) -> None:
     TOPK_SOFTMAX(router_logits, renormalize, topk_weights, topk_ids, backend=backend)
@@ -97,7 +98,7 @@ def _(router_logits, renormalize, topk_weights, topk_ids, backend) -> None:
     return None
 
 
-@torch.library.custom_op("atom_core::grouped_topk", mutates_args=("topk_weights", "topk_ids"))
+@custom_op("grouped_topk", mutates_args=("topk_weights", "topk_ids"))
 def _grouped_topk_op(router_logits: Tensor, num_expert_group: int, topk_group: int, renormalize: bool, scoring: str,
                      e_score_correction_bias: Optional[Tensor], routed_scaling_factor: float, topk_weights: Tensor,
                      topk_ids: Tensor, backend: Optional[str]) -> None:
@@ -111,7 +112,7 @@ def _(router_logits, num_expert_group, topk_group, renormalize, scoring, e_score
     return None
 
 
-@torch.library.custom_op("atom_core::gpt_oss_topk", mutates_args=("topk_weights", "topk_ids"))
+@custom_op("gpt_oss_topk", mutates_args=("topk_weights", "topk_ids"))
 def _gpt_oss_topk_op(router_logits: Tensor, topk_weights: Tensor, topk_ids: Tensor, backend: Optional[str]) -> None:
     GPT_OSS_TOPK(router_logits, topk_weights, topk_ids, backend=backend)
 
@@ -147,7 +148,7 @@ def topk_softmax(router_logits: Tensor, top_k: int, *, renormalize: bool, backen
     topk_ids [T, K] int32)``, most probable first, ties to the lower expert index.
     """
     topk_weights, topk_ids = _check_logits_and_allocate(router_logits, top_k)
-    torch.ops.atom_core.topk_softmax(router_logits, bool(renormalize), topk_weights, topk_ids, backend)
+    call_op("topk_softmax", router_logits, bool(renormalize), topk_weights, topk_ids, backend)
     return topk_weights, topk_ids
 
 
@@ -185,9 +186,8 @@ def grouped_topk(router_logits: Tensor, top_k: int, *, num_expert_group: int, to
         if num_expert_group > 1 and group_size < 2:
             raise ValueError("a correction bias scores groups by their two best experts: "
                              f"groups need >= 2 experts, got E / num_expert_group = {group_size}")
-    torch.ops.atom_core.grouped_topk(router_logits, num_expert_group, topk_group, bool(renormalize), scoring,
-                                     e_score_correction_bias, float(routed_scaling_factor), topk_weights, topk_ids,
-                                     backend)
+    call_op("grouped_topk", router_logits, num_expert_group, topk_group, bool(renormalize), scoring,
+            e_score_correction_bias, float(routed_scaling_factor), topk_weights, topk_ids, backend)
     return topk_weights, topk_ids
 
 
@@ -198,5 +198,5 @@ def gpt_oss_topk(router_logits: Tensor, top_k: int, *, backend: str | None = Non
     ``(topk_weights [T, K] fp32, topk_ids [T, K] int32)``, largest logit first, ties to the lower index.
     """
     topk_weights, topk_ids = _check_logits_and_allocate(router_logits, top_k)
-    torch.ops.atom_core.gpt_oss_topk(router_logits, topk_weights, topk_ids, backend)
+    call_op("gpt_oss_topk", router_logits, topk_weights, topk_ids, backend)
     return topk_weights, topk_ids

@@ -16,7 +16,7 @@ from atom_core.ops.fused_moe import fused_experts
 from atom_core.ops.reference import moe as reference
 from atom_core.ops.tolerances import ELEMENTWISE
 from tests.ops import fake_aiter
-from tests.ops.conftest import DEVICE, ON_GPU, needs_gpu, needs_triton, non_contiguous_rows, rand
+from tests.ops.conftest import DEVICE, needs_gpu, needs_triton, non_contiguous_rows, rand
 
 BACKENDS = ["torch", pytest.param("triton", marks=needs_triton)]
 # 16-bit dtypes round the activation between the two GEMMs (the twin does too). A different fp32
@@ -182,7 +182,8 @@ def test_triton_other_tile_configs(block_m, group_m):
     out = torch.empty_like(x)
     config = triton_moe.BlockConfig(block_m, 16, 32, group_m, 4, 2)
     triton_moe.fused_experts(x, w13, w2, weights, ids, "silu", b13, b2, out, config=config)
-    torch.testing.assert_close(out, reference.fused_experts(x, w13, w2, weights, ids, "silu", b13, b2), **tol(torch.float32))
+    want = reference.fused_experts(x, w13, w2, weights, ids, "silu", b13, b2)
+    torch.testing.assert_close(out, want, **tol(torch.float32))
 
 
 @needs_triton

@@ -243,7 +243,8 @@ def fused_experts(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias,
         b13.stride(0) if w13_bias is not None else 0, b13.stride(1) if w13_bias is not None else 0, act.stride(0),
         TOP_K=top_k, ACT=SWIGLU_CLAMPED if swiglu else SILU, HAS_BIAS=w13_bias is not None,
         EVEN_K=hidden_size % cfg.block_k == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, DOT_PRECISION=precision, UPCAST_DOT=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        GROUP_M=cfg.group_m, DOT_PRECISION=precision, UPCAST_DOT=upcast,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
     # fp32 rows: the sum over K is rounded once, as in the twin (costs 2x the bytes of a 16-bit y,
