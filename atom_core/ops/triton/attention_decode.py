@@ -163,16 +163,18 @@ def choose_num_splits(num_rows: int, num_kv_heads: int, max_seqlen_k: int, devic
     return max(1, min(wanted, useful, MAX_SPLITS))
 
 
-def _decode_config(head_dim_pad: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) for the split kernel."""
-    # Chosen from sm90 builds: no register spills, several programs resident per SM.
+def _decode_config(head_dim_pad: int, dtype: torch.dtype, block_m: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) for the split kernel.
+
+    Chosen from sm90 builds: no register spills, several programs resident per SM; q tiles
+    larger than 64 x 128 (many q heads per kv head, or multi-token decode) need 8 warps.
+    """
     if triton_interpret():
         return 16, 4, 1
     if dtype == torch.float32:
-        return (16, 4, 2) if head_dim_pad <= 128 else (16, 8, 1)
-    if head_dim_pad > 128:
-        return 32, 4, 3
-    return 64, 4, 3
+        return (16, 4, 2) if head_dim_pad <= 128 and block_m <= 16 else (16, 8, 1)
+    warps = 4 if block_m * head_dim_pad <= 64 * 128 else 8
+    return (64 if head_dim_pad <= 128 else 32), warps, 3
 
 
 def paged_attention_decode(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k,
@@ -187,7 +189,7 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, cu_seqlens_q, cont
     group = num_heads // num_kv_heads
     head_dim_pad = max(triton.next_power_of_2(head_dim), 16)
     block_m = max(16, triton.next_power_of_2(max_seqlen_q * group))
-    block_n, warps, stages = _decode_config(head_dim_pad, q.dtype)
+    block_n, warps, stages = _decode_config(head_dim_pad, q.dtype, block_m)
     if num_splits is None:
         num_splits = choose_num_splits(num_rows, num_kv_heads, max_seqlen_k, q.device)
     if num_splits > 1:

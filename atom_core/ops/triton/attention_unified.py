@@ -177,17 +177,19 @@ def dot_options(dtype: torch.dtype) -> dict:
 
 
 def _unified_config(head_dim_pad: int, dtype: torch.dtype, group: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the unified kernel."""
-    # Chosen from sm90 builds: the largest tiles that compile without register spills.
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the unified kernel.
+
+    Chosen from sm90 builds: the largest tiles that compile without register spills. BLOCK_M
+    grows to hold all q heads of a kv group when the group is larger.
+    """
     if triton_interpret():
-        block_m, block_n, warps, stages = 16, 16, 4, 1
-    elif dtype == torch.float32:  # no tensor-core path for full-precision fp32 dots
-        block_m, block_n, warps, stages = 32, 32 if head_dim_pad <= 128 else 16, 8, 1
-    elif head_dim_pad > 128:
-        block_m, block_n, warps, stages = 64, 64, 8, 2
-    else:
-        block_m, block_n, warps, stages = 128, 64, 8, 2
-    return max(block_m, triton.next_power_of_2(group)), block_n, warps, stages
+        return max(16, triton.next_power_of_2(group)), 16, 4, 1
+    if dtype == torch.float32:  # no tensor-core path for full-precision fp32 dots
+        block_m = max(32, triton.next_power_of_2(group))
+        return block_m, 32 if head_dim_pad <= 128 and block_m == 32 else 16, 8, 1
+    if head_dim_pad > 128:
+        return max(64, triton.next_power_of_2(group)), 64 if group <= 64 else 32, 8, 2
+    return max(128, triton.next_power_of_2(group)), 64 if group <= 128 else 32, 8, 2
 
 
 def paged_attention_unified(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k,
