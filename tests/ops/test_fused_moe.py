@@ -254,6 +254,12 @@ def test_compiles_in_one_graph():
     torch.testing.assert_close(torch.compile(moe, fullgraph=True, backend="aot_eager")(x), moe(x))
 
 
+def test_custom_op_passes_opcheck():
+    x, w13, w2, weights, ids, b13, b2 = make_moe(5, 4, 2, 16, 8, torch.float32, biases=True, device="cpu")
+    torch.library.opcheck(torch.ops.atom_core.fused_experts.default,
+                          (x, w13, w2, weights, ids, "silu", b13, b2, torch.empty_like(x), "torch"))
+
+
 def test_aiter_adapter_argument_mapping(monkeypatch):
     def aiter_fused_moe(hidden_states, w1, w2, topk_weight, topk_ids, bias1, bias2, **defaults):
         assert bias1 is None and bias2 is None

@@ -301,6 +301,18 @@ def test_compiles_in_one_graph():
         torch.testing.assert_close(got, want)
 
 
+def test_custom_ops_pass_opcheck():
+    logits, bias = torch.randn(5, 8), torch.randn(8)
+
+    def outputs():
+        return torch.empty(5, 2), torch.empty(5, 2, dtype=torch.int32)
+
+    torch.library.opcheck(torch.ops.atom_core.topk_softmax.default, (logits, True, *outputs(), "torch"))
+    torch.library.opcheck(torch.ops.atom_core.grouped_topk.default,
+                          (logits, 2, 1, True, "sigmoid", bias, 2.5, *outputs(), "torch"))
+    torch.library.opcheck(torch.ops.atom_core.gpt_oss_topk.default, (logits, *outputs(), "torch"))
+
+
 def _aiter_topk_softmax(topk_weights, topk_indices, token_expert_indices, gating_output, need_renorm):
     w, i = reference.topk_softmax(gating_output, topk_weights.shape[1], need_renorm)
     topk_weights.copy_(w)
