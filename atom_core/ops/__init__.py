@@ -15,7 +15,9 @@ from atom_core.ops.dispatch import (
     trace_backends,
     use_backend,
 )
+from atom_core.ops.fused_moe import fused_experts
 from atom_core.ops.kv_cache import store_kv_
+from atom_core.ops.moe_routing import gpt_oss_topk, grouped_topk, topk_softmax
 from atom_core.ops.norm import layer_norm, rms_norm
 from atom_core.ops.rope import apply_rope_, rope_cos_sin_cache
 from atom_core.ops.sampling import rejection_sample_greedy, sample
@@ -25,7 +27,10 @@ __all__ = [
     "apply_rope_",
     "available_backends",
     "backend_available",
+    "fused_experts",
     "gelu_and_mul",
+    "gpt_oss_topk",
+    "grouped_topk",
     "layer_norm",
     "paged_attention",
     "paged_attention_from_layout",
@@ -37,6 +42,7 @@ __all__ = [
     "silu_and_mul",
     "store_kv_",
     "swiglu_clamped",
+    "topk_softmax",
     "trace_backends",
     "use_backend",
 ]

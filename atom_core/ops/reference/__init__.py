@@ -7,13 +7,17 @@ Each group lives in its own module (``norm``, ``rope``, ``activation``, ``kv_cac
 from atom_core.ops.reference.activation import gelu_and_mul, silu_and_mul, swiglu_clamped
 from atom_core.ops.reference.attention import naive_attention, paged_attention
 from atom_core.ops.reference.kv_cache import store_kv_
+from atom_core.ops.reference.moe import fused_experts, gpt_oss_topk, grouped_topk, topk_softmax
 from atom_core.ops.reference.norm import layer_norm, rms_norm
 from atom_core.ops.reference.rope import apply_rope_, rope_cos_sin_cache
 from atom_core.ops.reference.sampling import rejection_sample_greedy, sample
 
 __all__ = [
     "apply_rope_",
+    "fused_experts",
     "gelu_and_mul",
+    "gpt_oss_topk",
+    "grouped_topk",
     "layer_norm",
     "naive_attention",
     "paged_attention",
@@ -24,4 +28,5 @@ __all__ = [
     "silu_and_mul",
     "store_kv_",
     "swiglu_clamped",
+    "topk_softmax",
 ]
