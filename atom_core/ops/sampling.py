@@ -37,7 +37,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from atom_core.ops.dispatch import Op
+from atom_core.ops.dispatch import Op, call_op, custom_op
 from atom_core.ops.reference import sampling as reference_sampling
 from atom_core.ops.validation import FLOAT_DTYPES, check_same_device, check_shape, check_tensor
 
@@ -93,7 +93,7 @@ REJECTION_SAMPLE_GREEDY.register("aiter", "atom_core.ops.aiter.sampling:rejectio
                                  _aiter_rejection_supports)
 
 
-@torch.library.custom_op("atom_core::sample", mutates_args=("token_ids", "logprobs"))
+@custom_op("sample", mutates_args=("token_ids", "logprobs"))
 def _sample_op(logits: Tensor, temperature: Tensor, top_k: Optional[Tensor], top_p: Optional[Tensor],
                min_p: Optional[Tensor], seeds: Tensor, offsets: Tensor, token_ids: Tensor,
                logprobs: Optional[Tensor], backend: Optional[str]) -> None:
@@ -105,7 +105,7 @@ def _(logits, temperature, top_k, top_p, min_p, seeds, offsets, token_ids, logpr
     return None
 
 
-@torch.library.custom_op("atom_core::rejection_sample_greedy", mutates_args=("output_token_ids", "num_accepted"))
+@custom_op("rejection_sample_greedy", mutates_args=("output_token_ids", "num_accepted"))
 def _rejection_op(draft_token_ids: Tensor, target_logits: Tensor, output_token_ids: Tensor, num_accepted: Tensor,
                   backend: Optional[str]) -> None:
     REJECTION_SAMPLE_GREEDY(draft_token_ids, target_logits, output_token_ids, num_accepted, backend=backend)
@@ -172,8 +172,7 @@ def sample(logits: Tensor, temperature: Tensor, top_k: Tensor | None, top_p: Ten
     rows = logits.shape[0]
     token_ids = torch.empty(rows, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device) if return_logprobs else None
-    torch.ops.atom_core.sample(logits, temperature, top_k, top_p, min_p, seeds, offsets, token_ids, logprobs,
-                               backend)
+    call_op("sample", logits, temperature, top_k, top_p, min_p, seeds, offsets, token_ids, logprobs, backend)
     return (token_ids, logprobs) if return_logprobs else token_ids
 
 
@@ -197,7 +196,6 @@ def rejection_sample_greedy(draft_token_ids: Tensor, target_logits: Tensor, *, b
     check_same_device(draft_token_ids=draft_token_ids, target_logits=target_logits)
     output_token_ids = torch.empty(rows, k + 1, dtype=torch.int64, device=target_logits.device)
     num_accepted = torch.empty(rows, dtype=torch.int32, device=target_logits.device)
-    torch.ops.atom_core.rejection_sample_greedy(draft_token_ids, target_logits, output_token_ids, num_accepted,
-                                                backend)
+    call_op("rejection_sample_greedy", draft_token_ids, target_logits, output_token_ids, num_accepted, backend)
     return output_token_ids, num_accepted
 
