@@ -265,6 +265,22 @@ def test_gpu_top_k_top_p_draws_at_qwen_vocab():
     assert torch.nn.functional.cosine_similarity(freq, want, dim=0) > 0.99
 
 
+@needs_gpu
+def test_gpu_cuda_graph_replay_draws_like_eager():
+    args = mixed_batch(rows=8, vocab=QWEN3_VOCAB)
+    want = sample(*args, return_logprobs=True, backend="triton")
+    sample(*args, return_logprobs=True, backend="triton")  # warm up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = sample(*args, return_logprobs=True, backend="triton")
+    graph.replay()
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])
+    args[6].add_(1)  # the next step's offsets, written into the captured input buffer
+    graph.replay()
+    assert torch.equal(got[0], sample(*args, backend="triton"))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_empty_batch(backend):
     tokens, logprobs = sample(torch.empty(0, 10, device=DEVICE), *params(0), return_logprobs=True, backend=backend)
