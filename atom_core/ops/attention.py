@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from atom_core.ops.dispatch import Op
+from atom_core.ops.dispatch import Op, call_op, custom_op
 from atom_core.ops.reference import attention as reference_attention
 from atom_core.ops.validation import FLOAT_DTYPES, check_out, check_same_device, check_shape, check_tensor
 
@@ -86,7 +86,7 @@ PAGED_ATTENTION.register("triton", _triton_paged_attention, _triton_supports)
 PAGED_ATTENTION.register("aiter", "atom_core.ops.aiter.attention:paged_attention", _aiter_supports)
 
 
-@torch.library.custom_op("atom_core::paged_attention", mutates_args=("out",))
+@custom_op("paged_attention", mutates_args=("out",))
 def _paged_attention_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, cu_seqlens_q: Tensor,
                         context_lens: Tensor, max_seqlen_q: int, max_seqlen_k: int, scale: float,
                         sliding_window: Optional[int], logit_softcap: float, sinks: Optional[Tensor],
@@ -185,9 +185,8 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
     _check_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k, scale,
                 sliding_window, logit_softcap, sinks, k_scale, v_scale, out)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
-    torch.ops.atom_core.paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
-                                        max_seqlen_q, max_seqlen_k, float(scale), sliding_window,
-                                        float(logit_softcap), sinks, k_scale, v_scale, out, backend)
+    call_op("paged_attention", q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q,
+            max_seqlen_k, float(scale), sliding_window, float(logit_softcap), sinks, k_scale, v_scale, out, backend)
     return out
 
 
