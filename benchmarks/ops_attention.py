@@ -1,6 +1,9 @@
 """Paged attention (``atom_core.ops.paged_attention``) at Llama-3-8B head shapes: Hq 32, Hk 8, D 128, bf16,
 block size 16, blocks scattered over the pool.
 
+Times are GPU time of CUDA-graph replays (no Python launch overhead) except for the twin, which
+syncs with the host and is timed eagerly.
+
 Decode (one query token per row; batch 1/64/256 x context 512/4096/32768): median time, bytes moved
 (K and V of every context token read once, q read, out written), that bandwidth as a share of a
 device-to-device copy measured in the same run (target: >= 75% at batch 64 x 4096), and speedups over
@@ -88,21 +91,22 @@ def _sdpa(q, k, v, scale, causal):
 def _timer(device, smoke):
     from benchmarks.common import bench
 
-    def timed(fn):
-        """Median ms; slow baselines get fewer iterations (about 0.5 s of timing each)."""
+    def timed(fn, graph=True):
+        """Median ms (GPU time of CUDA-graph replays when ``graph``; eager calls for code that syncs
+        with the host, like the twin). Slow baselines get fewer iterations (about 0.5 s each)."""
         if smoke:
-            return bench(fn, warmup=1, iters=2, device=device)
-        first = bench(fn, warmup=1, iters=1, device=device)
+            return bench(fn, warmup=1, iters=2, device=device, graph=graph)
+        first = bench(fn, warmup=1, iters=1, device=device, graph=False)
         iters = int(min(100, max(3, 500 / max(first, 1e-3))))
-        return bench(fn, warmup=min(10, iters), iters=iters, device=device)
+        return bench(fn, warmup=min(10, iters), iters=iters, device=device, graph=graph)
 
     return timed
 
 
-def _guarded(timed, make_fn):
+def _guarded(timed, make_fn, graph=True):
     """Time ``make_fn()``'s callable; None when it does not fit in memory or does not compile."""
     try:
-        return timed(make_fn())
+        return timed(make_fn(), graph=graph)
     except Exception as e:  # noqa: BLE001 - a baseline that fails is reported, not fatal
         print(f"baseline skipped: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
         if torch.cuda.is_available():
@@ -141,9 +145,9 @@ def _decode_row(rows, context, sizes, device, smoke, timed, copy_gbs):
     dense.clear()
     sdpa_gather_ms = _guarded(timed, lambda: lambda: _sdpa(q4, gather_dense(p, p.k_cache), gather_dense(p, p.v_cache),
                                                            scale, False))
-    twin_ms = _guarded(timed, lambda: lambda: twin.paged_attention(*p.args(), scale=scale))
+    twin_ms = _guarded(timed, lambda: lambda: twin.paged_attention(*p.args(), scale=scale), graph=False)
     compile_ms = None if smoke else _guarded(
-        timed, lambda: (lambda f: lambda: f(*p.args(), scale=scale))(torch.compile(twin.paged_attention)))
+        timed, lambda: (lambda f: lambda: f(*p.args(), scale=scale))(torch.compile(twin.paged_attention)), graph=False)
     split_k = uses_split_k_decode(1, sizes["q_heads"], sizes["kv_heads"])
     return {
         "case": "decode", "batch": rows, "context": context, "backend": backend,
@@ -187,9 +191,9 @@ def _prefill_row(rows, length, sizes, device, smoke, timed, copy_gbs):
             return F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale)
 
     sdpa_ms = _guarded(timed, lambda: flash)
-    twin_ms = _guarded(timed, lambda: lambda: twin.paged_attention(*p.args(), scale=scale))
+    twin_ms = _guarded(timed, lambda: lambda: twin.paged_attention(*p.args(), scale=scale), graph=False)
     compile_ms = None if smoke else _guarded(
-        timed, lambda: (lambda f: lambda: f(*p.args(), scale=scale))(torch.compile(twin.paged_attention)))
+        timed, lambda: (lambda f: lambda: f(*p.args(), scale=scale))(torch.compile(twin.paged_attention)), graph=False)
     return {
         "case": "prefill", "batch": rows, "context": length, "backend": backend, "path": "unified", "splits": 1,
         "ms": ms, "GB/s": None, "%copy": None, "TFLOP/s": flops / (ms * 1e-3) / 1e12,
