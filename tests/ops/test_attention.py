@@ -452,3 +452,27 @@ def test_gpu_full_prefill_and_features(context, dtype):
     decode = PagedBatch([1] * 9, [context] * 9, block_size=16, num_heads=16, num_kv_heads=2, head_dim=128,
                         dtype=dtype, fp8=True, seed=context)
     check_triton(decode, sliding_window=128, sinks=sinks_for(16))
+
+
+@needs_gpu
+@pytest.mark.parametrize("query_len", [1, 16], ids=["split_k", "unified"])
+def test_cuda_graph_replay_reads_lengths_from_the_device(query_len):
+    # Capture with other context lengths and bucket bounds for max_seqlen_*, then replay with the
+    # real lengths: the launch must not have baked in anything read from the tensors.
+    batch = PagedBatch([query_len] * 6, [40, 700, 3, 1200, 90, 16], block_size=16, num_heads=8, num_kv_heads=2,
+                       head_dim=128, dtype=torch.bfloat16, pad_rows_to=8, seed=31)
+    context = batch.layout.context_lens.clone()
+    batch.layout.context_lens.copy_(torch.where(context > 0, torch.clamp(context // 2, min=query_len), 0))
+    out = torch.empty_like(batch.q)
+
+    def step():
+        paged_attention(*batch.args()[:6], query_len, 2048, scale=SCALE, out=out, backend="triton")
+
+    step()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    batch.layout.context_lens.copy_(context)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, batch.twin(), **tolerance(torch.bfloat16, ATTENTION))
