@@ -13,7 +13,13 @@ Name mapping, in order:
 3. ``*.weight_scale_inv`` -> ``*.weight_scale`` (block-FP8 checkpoints store inverse-named scales).
 4. ``lm_head.weight`` with ``config.tie_word_embeddings`` and no separate ``lm_head.weight``
    parameter is skipped (the head shares the embedding).
-5. ``model.packed_modules_mapping``, matched on whole dotted name components:
+5. ``model.expert_params_mapping`` (MoE models), a list of ``(checkpoint suffix, parameter
+   suffix, shard_id)`` matched on whole dotted components at the end of the name:
+   ``("experts.3.gate_proj.weight", "experts.w13_weight", (3, "w1"))`` loads
+   ``...mlp.experts.3.gate_proj.weight`` into ``...mlp.experts.w13_weight`` with that shard id
+   (see ``layers.moe``). A parameter counts as loaded once every non-None shard id the mapping
+   lists for its suffix has arrived (or one tensor loaded it whole with ``shard_id=None``).
+6. ``model.packed_modules_mapping``, matched on whole dotted name components:
 
    - ``{"q_proj": ("qkv_proj", "q")}``: the checkpoint's separate ``...q_proj.weight`` goes into
      the fused parameter ``...qkv_proj.weight`` with ``shard_id="q"``. A fused parameter counts
@@ -166,6 +172,19 @@ class _NameMapper:
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         self.packed = dict(getattr(model, "packed_modules_mapping", None) or {})
         self.patterns = {key: re.compile(rf"(?:^|\.)({re.escape(key)})(?:\.|$)") for key in self.packed}
+        # Checkpoint name suffix -> (parameter suffix, shard id); parameter suffix -> shard ids it needs.
+        self.experts: dict[str, tuple[str, Any]] = {}
+        self.expert_required: dict[str, set] = {}
+        for entry in getattr(model, "expert_params_mapping", None) or []:
+            if not (isinstance(entry, (tuple, list)) and len(entry) == 3
+                    and isinstance(entry[0], str) and isinstance(entry[1], str)):
+                raise ValueError(f"expert_params_mapping entries must be (checkpoint suffix, parameter suffix, "
+                                 f"shard_id), got {entry!r}")
+            ckpt_suffix, param_suffix, shard_id = entry
+            self.experts[ckpt_suffix] = (param_suffix, shard_id)
+            needed = self.expert_required.setdefault(param_suffix, set())
+            if shard_id is not None:
+                needed.add(shard_id)
         # Fused module name -> shard ids its parameters need before they count as loaded.
         self.required_shards: dict[str, set] = {}
         for key, value in self.packed.items():
@@ -194,6 +213,12 @@ class _NameMapper:
             name = name[: -len("_inv")]
         if self.tied and name == "lm_head.weight" and name not in self.params:
             return "tied to the input embedding"
+        if self.experts:
+            parts = name.split(".")
+            for i in range(len(parts)):
+                hit = self.experts.get(".".join(parts[i:]))
+                if hit is not None:
+                    return [_Target(".".join(parts[:i] + [hit[0]]), hit[1])]
         for key, value in self.packed.items():
             m = self.patterns[key].search(name)
             if m is None:
@@ -212,6 +237,9 @@ class _NameMapper:
 
     def required(self, param_name: str) -> set:
         """Shard ids a fused parameter needs (empty for a plain parameter)."""
+        for param_suffix, shard_ids in self.expert_required.items():
+            if param_name == param_suffix or param_name.endswith("." + param_suffix):
+                return shard_ids
         for module_name, shard_ids in self.required_shards.items():
             if re.search(rf"(?:^|\.){re.escape(module_name)}\.", param_name):
                 return shard_ids

@@ -15,6 +15,10 @@ from collections.abc import Callable, Iterable
 MODEL_MODULES: dict[str, str] = {
     "LlamaForCausalLM": "atom_core.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "atom_core.models.qwen3:Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM": "atom_core.models.qwen3_moe:Qwen3MoeForCausalLM",
+    "MixtralForCausalLM": "atom_core.models.mixtral:MixtralForCausalLM",
+    "Glm4MoeForCausalLM": "atom_core.models.glm4_moe:Glm4MoeForCausalLM",
+    "GptOssForCausalLM": "atom_core.models.gpt_oss:GptOssForCausalLM",
 }
 
 _registered: dict[str, type] = {}

@@ -1,0 +1,272 @@
+"""Mixture-of-experts as a module: stacked expert weights, their sharding, their checkpoint mapping.
+
+``FusedMoE`` holds every expert of one layer as two stacked tensors, as ``ops.fused_experts``
+wants them (the rows ``nn.Linear`` would store, one block per expert):
+
+    w13_weight [E_r, 2 I_r, H]    gate and up projections
+    w2_weight  [E_r, H, I_r]      down projection
+    w13_bias   [E_r, 2 I_r]       optional (GPT-OSS)
+    w2_bias    [E_r, H]           optional (GPT-OSS)
+
+The gate/up rows come in one of two layouts, fixed by the activation:
+``"silu"`` keeps halves (rows ``[0, I)`` gate, ``[I, 2I)`` up, like ``silu_and_mul``);
+``"swiglu_clamped"`` interleaves them (row ``2j`` gate j, row ``2j + 1`` up j, GPT-OSS's layout).
+
+Routing is not part of the module: the architecture's MoE block computes
+``(topk_weights [T, K], topk_ids [T, K])`` with an ``ops`` routing function and calls
+``experts(hidden, topk_weights, topk_ids)``.
+
+**Sharding** (``moe_shard``). ``tp_size`` ranks split every expert's intermediate dim I (rank t
+holds ``I_r = I / tp_size`` consecutive units, like the column/row-parallel MLP), and
+``ep_size`` ranks split the experts (rank p holds ``E_r = E / ep_size`` consecutive experts).
+Both may be > 1; every rank then returns a partial sum over its experts and its I-slice, and the
+sum over all ``tp_size * ep_size`` ranks is the layer's output (``torch.distributed.all_reduce``
+over the default group when ``reduce_results``). A token's choice of an expert held elsewhere
+becomes id -1 locally (``fused_experts`` skips it). ``w2_bias`` is added by TP rank 0 only, so it
+appears once per expert in the sum.
+
+**Checkpoint mapping** (``expert_params_mapping``, ``fused_expert_params_mapping``). The loader
+maps checkpoint tensors onto these parameters with triples ``(checkpoint suffix, parameter
+suffix, shard_id)``; the parameter's ``weight_loader(param, tensor, shard_id)`` takes the FULL
+tensor and cuts this rank's piece. Shard ids:
+
+- ``(e, "w1")`` / ``(e, "w3")`` / ``(e, "w2")``: expert e's gate ``[I, H]`` / up ``[I, H]`` /
+  down ``[H, I]`` as ``nn.Linear`` stores them (biases: ``[I]``, ``[I]``, ``[H]``); experts
+  another EP rank holds are ignored;
+- ``None``: the whole stack in this module's own layout (``[E, 2I, H]``, ``[E, H, I]``,
+  ``[E, 2I]``, ``[E, H]``);
+- ``"transposed"``: the whole weight stack with its last two dims swapped (``[E, H, 2I]``,
+  ``[E, I, H]``: GPT-OSS's ``x @ W`` layout).
+"""
+
+# T tokens, E experts, K top-k, H hidden, I intermediate
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from atom_core import ops
+from atom_core.models.layers.linear import check_shape, copy_into
+from atom_core.models.layers.sharding import check_tp, divide
+
+ACTIVATION_LAYOUTS = {"silu": "halves", "swiglu_clamped": "interleaved"}
+EXPERT_PROJECTIONS = ("w1", "w3", "w2")  # gate, up, down (Mixtral's names, used as shard ids everywhere)
+
+
+@dataclass(frozen=True)
+class MoEShard:
+    """One rank's part of a MoE layer: which experts, which slice of each expert's intermediate dim."""
+
+    expert_start: int         # first global expert id held here
+    num_local_experts: int    # E_r
+    intermediate_start: int   # first intermediate unit held here
+    intermediate_size: int    # I_r
+
+    def holds_expert(self, expert_id: int) -> bool:
+        return self.expert_start <= expert_id < self.expert_start + self.num_local_experts
+
+
+def moe_shard(num_experts: int, intermediate_size: int, *, tp_rank: int = 0, tp_size: int = 1,
+              ep_rank: int = 0, ep_size: int = 1) -> MoEShard:
+    """The experts ``[p E/P, (p+1) E/P)`` of EP rank p and the intermediate units ``[t I/R, (t+1) I/R)``
+    of TP rank t. Raises ValueError when E is not divisible by ``ep_size`` or I by ``tp_size``."""
+    for name, value in (("num_experts", num_experts), ("intermediate_size", intermediate_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    check_tp(tp_rank, tp_size)
+    if not isinstance(ep_size, int) or isinstance(ep_size, bool) or ep_size < 1:
+        raise ValueError(f"ep_size must be an int >= 1, got {ep_size!r}")
+    if not isinstance(ep_rank, int) or isinstance(ep_rank, bool) or not 0 <= ep_rank < ep_size:
+        raise ValueError(f"ep_rank must be an int in [0, {ep_size}), got {ep_rank!r}")
+    if num_experts % ep_size:
+        raise ValueError(f"num_experts={num_experts} is not divisible by ep_size={ep_size}")
+    experts_per_rank = num_experts // ep_size
+    inter_per_rank = divide(intermediate_size, tp_size, what="intermediate_size")
+    return MoEShard(expert_start=ep_rank * experts_per_rank, num_local_experts=experts_per_rank,
+                    intermediate_start=tp_rank * inter_per_rank, intermediate_size=inter_per_rank)
+
+
+def expert_params_mapping(num_experts: int, *, gate: str = "gate_proj", up: str = "up_proj",
+                          down: str = "down_proj", prefix: str = "experts",
+                          bias: bool = False) -> list[tuple[str, str, Any]]:
+    """Loader triples for checkpoints with one tensor per expert and projection.
+
+    ``prefix.{e}.{gate}.weight -> prefix.w13_weight, shard (e, "w1")``, up -> ``(e, "w3")``,
+    down -> ``prefix.w2_weight, (e, "w2")``; with ``bias`` the ``.bias`` tensors likewise.
+    Qwen3-MoE / GLM-4-MoE: the defaults; Mixtral: ``gate="w1", up="w3", down="w2"``.
+    """
+    suffixes = ("weight", "bias") if bias else ("weight",)
+    mapping = []
+    for e in range(num_experts):
+        for ckpt_name, fused, proj in ((gate, "w13", "w1"), (up, "w13", "w3"), (down, "w2", "w2")):
+            for suffix in suffixes:
+                mapping.append((f"{prefix}.{e}.{ckpt_name}.{suffix}", f"{prefix}.{fused}_{suffix}", (e, proj)))
+    return mapping
+
+
+def fused_expert_params_mapping(*, prefix: str = "experts", gate_up: str = "gate_up_proj",
+                                down: str = "down_proj", transposed: bool = True,
+                                bias: bool = False) -> list[tuple[str, str, Any]]:
+    """Loader triples for checkpoints that already stack the experts (GPT-OSS: ``gate_up_proj``
+    ``[E, H, 2I]`` interleaved, ``down_proj`` ``[E, I, H]``, biases ``gate_up_proj_bias`` ``[E, 2I]``,
+    ``down_proj_bias`` ``[E, H]``). ``transposed=False``: weights in this module's own layout."""
+    weight_shard = "transposed" if transposed else None
+    mapping = [(f"{prefix}.{gate_up}", f"{prefix}.w13_weight", weight_shard),
+               (f"{prefix}.{down}", f"{prefix}.w2_weight", weight_shard)]
+    if bias:
+        mapping += [(f"{prefix}.{gate_up}_bias", f"{prefix}.w13_bias", None),
+                    (f"{prefix}.{down}_bias", f"{prefix}.w2_bias", None)]
+    return mapping
+
+
+class FusedMoE(nn.Module):
+    """``out[t] = sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden[t])`` over this rank's experts.
+
+    Args:
+        num_experts: E, all experts of the layer (global).
+        hidden_size: H.
+        intermediate_size: I, each expert's full intermediate size.
+        activation: ``"silu"`` (SwiGLU, gate/up halves) or ``"swiglu_clamped"`` (GPT-OSS, interleaved).
+        bias: create ``w13_bias`` and ``w2_bias``.
+        tp_rank, tp_size: split of I; ep_rank, ep_size: split of the experts (see the module docstring).
+        reduce_results: all-reduce the partial sums when more than one rank holds the layer.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *,
+                 activation: str = "silu", bias: bool = False, tp_rank: int = 0, tp_size: int = 1,
+                 ep_rank: int = 0, ep_size: int = 1, reduce_results: bool = True,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        if activation not in ACTIVATION_LAYOUTS:
+            raise ValueError(f"activation must be one of {sorted(ACTIVATION_LAYOUTS)}, got {activation!r}")
+        if not isinstance(hidden_size, int) or isinstance(hidden_size, bool) or hidden_size < 1:
+            raise ValueError(f"hidden_size must be an int >= 1, got {hidden_size!r}")
+        self.shard = moe_shard(num_experts, intermediate_size, tp_rank=tp_rank, tp_size=tp_size,
+                               ep_rank=ep_rank, ep_size=ep_size)
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.activation = activation
+        self.layout = ACTIVATION_LAYOUTS[activation]
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.ep_rank, self.ep_size = ep_rank, ep_size
+        self.reduce_results = reduce_results
+        dtype = dtype or torch.get_default_dtype()
+        e_r, i_r = self.shard.num_local_experts, self.shard.intermediate_size
+        self.w13_weight = self._param((e_r, 2 * i_r, hidden_size), dtype, "w13_weight")
+        self.w2_weight = self._param((e_r, hidden_size, i_r), dtype, "w2_weight")
+        if bias:
+            self.w13_bias = self._param((e_r, 2 * i_r), dtype, "w13_bias")
+            self.w2_bias = self._param((e_r, hidden_size), dtype, "w2_bias")
+        else:
+            self.register_parameter("w13_bias", None)
+            self.register_parameter("w2_bias", None)
+
+    def _param(self, shape: tuple[int, ...], dtype: torch.dtype, name: str) -> nn.Parameter:
+        param = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+        param.label = f"FusedMoE.{name}"
+        param.weight_loader = self.weight_loader
+        param.moe_role = name  # which of the four tensors: the loader below dispatches on it
+        return param
+
+    # ---- loading --------------------------------------------------------------------------
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+        """Copy this rank's piece of a checkpoint tensor into ``param`` (see the module docstring for shard ids)."""
+        role = param.moe_role
+        if shard_id is None or shard_id == "transposed":
+            if shard_id == "transposed":
+                if not role.endswith("_weight"):
+                    raise ValueError(f"{param.label}: shard_id 'transposed' applies to weights, not biases")
+                if loaded_weight.dim() != 3:
+                    raise ValueError(f"{param.label}: a transposed stack must be 3-D, got shape "
+                                     f"{tuple(loaded_weight.shape)}")
+                loaded_weight = loaded_weight.transpose(1, 2)
+            self._load_stack(param, loaded_weight)
+            return
+        if (not isinstance(shard_id, tuple) or len(shard_id) != 2 or isinstance(shard_id[0], bool)
+                or not isinstance(shard_id[0], int) or shard_id[1] not in EXPERT_PROJECTIONS):
+            raise ValueError(f"{param.label}: shard_id must be None, 'transposed' or (expert, 'w1'|'w3'|'w2'), "
+                             f"got {shard_id!r}")
+        expert, proj = shard_id
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"{param.label}: expert {expert} out of range [0, {self.num_experts})")
+        if (proj == "w2") != role.startswith("w2"):
+            raise ValueError(f"{param.label}: shard_id {shard_id!r} does not fill this tensor")
+        if not self.shard.holds_expert(expert):
+            return  # another EP rank's expert
+        self._load_expert(param, loaded_weight, expert - self.shard.expert_start, proj)
+
+    def _gate_up_rows(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's gate/up rows (dim 1) of a full ``[E_r, 2I, ...]`` stack, in this module's layout."""
+        start, size, inter = self.shard.intermediate_start, self.shard.intermediate_size, self.intermediate_size
+        if self.layout == "interleaved":  # unit j is rows 2j, 2j + 1: a TP slice is contiguous
+            return full.narrow(1, 2 * start, 2 * size)
+        return torch.cat([full.narrow(1, start, size), full.narrow(1, inter + start, size)], dim=1)
+
+    def _load_stack(self, param: nn.Parameter, full: torch.Tensor) -> None:
+        e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
+        expected = {"w13_weight": (e, 2 * i, h), "w2_weight": (e, h, i), "w13_bias": (e, 2 * i),
+                    "w2_bias": (e, h)}[param.moe_role]
+        check_shape(param.label, full, expected)
+        mine = full.narrow(0, self.shard.expert_start, self.shard.num_local_experts)
+        if param.moe_role.startswith("w13"):
+            mine = self._gate_up_rows(mine)
+        elif param.moe_role == "w2_weight":
+            mine = mine.narrow(2, self.shard.intermediate_start, self.shard.intermediate_size)
+        copy_into(param.data, mine)
+
+    def _load_expert(self, param: nn.Parameter, loaded: torch.Tensor, local: int, proj: str) -> None:
+        h, i = self.hidden_size, self.intermediate_size
+        start, size = self.shard.intermediate_start, self.shard.intermediate_size
+        role = param.moe_role
+        label = f"{param.label}[expert {self.shard.expert_start + local}, {proj}]"
+        if role == "w2_bias":
+            check_shape(label, loaded, (h,))
+            copy_into(param.data[local], loaded)
+            return
+        if role == "w2_weight":
+            check_shape(label, loaded, (h, i))
+            copy_into(param.data[local], loaded.narrow(1, start, size))
+            return
+        check_shape(label, loaded, (i, h) if role == "w13_weight" else (i,))
+        piece = loaded.narrow(0, start, size)
+        up = proj == "w3"
+        if self.layout == "interleaved":
+            dst = param.data[local, int(up)::2]
+        else:
+            dst = param.data[local].narrow(0, size if up else 0, size)
+        copy_into(dst, piece)
+
+    # ---- forward --------------------------------------------------------------------------
+
+    def local_topk_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """Global expert ids [T, K] -> this rank's local ids, -1 where another EP rank holds the expert."""
+        if self.ep_size == 1:
+            return topk_ids
+        local = topk_ids - self.shard.expert_start
+        held = (local >= 0) & (local < self.shard.num_local_experts)
+        return torch.where(held, local, torch.full_like(local, -1))
+
+    def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """hidden [T, H]; topk_weights [T, K] fp32; topk_ids [T, K] int32 global expert ids -> [T, H].
+
+        With several ranks and ``reduce_results=False`` the result is this rank's partial sum.
+        """
+        out = ops.fused_experts(hidden, self.w13_weight, self.w2_weight, topk_weights, self.local_topk_ids(topk_ids),
+                                activation=self.activation, w13_bias=self.w13_bias,
+                                w2_bias=self.w2_bias if self.tp_rank == 0 else None)
+        if self.reduce_results and self.tp_size * self.ep_size > 1:
+            dist.all_reduce(out)
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, local_experts={self.shard.num_local_experts}, "
+                f"hidden_size={self.hidden_size}, intermediate_per_rank={self.shard.intermediate_size}, "
+                f"activation={self.activation}, bias={self.w13_bias is not None}, "
+                f"tp={self.tp_rank}/{self.tp_size}, ep={self.ep_rank}/{self.ep_size}")

@@ -1,0 +1,116 @@
+"""What the MoE parity tests add to ``parity_harness``: the HF MoE families, persistent buffers
+randomised too, a parameter-name check against the checkpoint's tensor names, an engine check.
+
+Expected parameter names are derived here by explicit renaming rules on the tensor names HF
+saved (per-expert tensors stacked, q/k/v and gate/up fused), not by the loader's mapping.
+"""
+
+# T tokens, E experts, K top-k, H hidden, I intermediate
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from tests.models import parity_harness
+from tests.models.parity_harness import ModelPair, ParityCase, build_pair, random_tokens
+
+# family -> (transformers config class, model class), added to the harness's table.
+HF_MOE_CLASSES = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
+}
+for _family, _classes in HF_MOE_CLASSES.items():
+    parity_harness._HF_CLASSES.setdefault(_family, _classes)
+
+
+def build_moe_pair(case: ParityCase, folder: Path, *, seed: int = 0) -> ModelPair:
+    """``build_pair``, then persistent float buffers (GLM-4-MoE's ``e_score_correction_bias``, which
+    HF keeps as a buffer and saves) set to 0.2 N(0, 1) as well, and the model saved again."""
+    pair = build_pair(case, folder, seed=seed)
+    hf_model = pair.hf_model
+    persistent = set(hf_model.state_dict())
+    gen = torch.Generator().manual_seed(seed + 1)
+    changed = False
+    with torch.no_grad():
+        for name, buf in hf_model.named_buffers():
+            if name in persistent and buf.is_floating_point():
+                buf.copy_(0.2 * torch.randn(buf.shape, generator=gen))
+                changed = True
+    if changed:
+        hf_model.save_pretrained(folder)
+        config_path = Path(folder) / "config.json"
+        saved = json.loads(config_path.read_text())
+        saved["architectures"] = [case.architecture]
+        config_path.write_text(json.dumps(saved, indent=2))
+    return pair
+
+
+def checkpoint_tensor_names(folder: Path) -> set[str]:
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for file in Path(folder).glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as f:
+            names.update(f.keys())
+    return names
+
+
+# (pattern, replacement) applied in order to every checkpoint tensor name.
+_RENAMES = [
+    (r"\.block_sparse_moe\.", ".mlp."),                                   # Mixtral's block name
+    (r"\.experts\.\d+\.(gate_proj|up_proj|w1|w3)\.(weight|bias)$", r".experts.w13_\2"),  # per-expert
+    (r"\.experts\.\d+\.(down_proj|w2)\.(weight|bias)$", r".experts.w2_\2"),
+    (r"\.experts\.gate_up_proj$", ".experts.w13_weight"),                # already stacked (GPT-OSS)
+    (r"\.experts\.gate_up_proj_bias$", ".experts.w13_bias"),
+    (r"\.experts\.down_proj$", ".experts.w2_weight"),
+    (r"\.experts\.down_proj_bias$", ".experts.w2_bias"),
+    (r"\.(q_proj|k_proj|v_proj)\.", ".qkv_proj."),                        # fused attention input
+    (r"\.(gate_proj|up_proj)\.", ".gate_up_proj."),                       # fused dense / shared MLP
+]
+
+
+def check_moe_parameter_names(pair: ModelPair, model) -> None:
+    """atom_core's parameter names are the checkpoint's after stacking experts and fusing q/k/v, gate/up."""
+    expected = set()
+    for name in checkpoint_tensor_names(pair.path):
+        for pattern, replacement in _RENAMES:
+            name = re.sub(pattern, replacement, name)
+        expected.add(name)
+    if pair.hf_model.config.tie_word_embeddings:
+        expected.discard("lm_head.weight")  # the head is the embedding, listed once under its name
+    actual = {name for name, _ in model.named_parameters()}
+    assert actual == expected, (
+        f"only in atom_core: {sorted(actual - expected)}; only in the checkpoint: {sorted(expected - actual)}")
+
+
+def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """HF ``generate``, greedy. The explicit all-ones mask keeps HF from masking prompt tokens that
+    equal the pad id."""
+    input_ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf_model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+                                min_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def check_engine_greedy(pair: ModelPair, *, lengths=(6, 1, 11), max_tokens: int = 6) -> None:
+    """Greedy tokens through ``Engine`` (CPU, fp32, torch backend; chunked prefill, small blocks) equal HF
+    ``generate`` for each prompt."""
+    from atom_core import ops
+    from atom_core.engine import Engine, SamplingParams
+
+    vocab = pair.hf_model.config.vocab_size
+    prompts = [random_tokens(n, vocab, seed=40 + i) for i, n in enumerate(lengths)]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    with ops.use_backend("torch"):
+        engine = Engine.from_pretrained(pair.path, device="cpu", dtype=torch.float32, block_size=4,
+                                        max_num_batched_tokens=8)
+        outs = engine.generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(pair.hf_model, prompt, max_tokens), f"prompt of {len(prompt)} tokens"

@@ -1,0 +1,112 @@
+"""Qwen3MoeForCausalLM against transformers' Qwen3MoeForCausalLM.
+
+Tiny random configs vary the expert count and top-k, ``norm_topk_prob``, dense layers mixed in
+(``mlp_only_layers``, ``decoder_sparse_step``), GQA with an explicit head_dim, tied embeddings
+and sliding-window attention. fp32 on CPU with the torch backend must match HF's logits within
+parity_harness.FP32_TOL; the GPU variant runs bf16 with the Triton backend. HF saves the experts
+one tensor per expert (``mlp.experts.{e}.gate_proj.weight``), as the published checkpoints do.
+"""
+
+# T tokens, E experts, K top-k, H hidden, I intermediate
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from atom_core import ops  # noqa: E402
+from atom_core.models.layers.moe import FusedMoE  # noqa: E402
+from atom_core.models.layers.mlp import GatedMLP  # noqa: E402
+from tests.models.parity_harness import (  # noqa: E402,F401  (single_thread_torch is an autouse fixture)
+    BF16_ARGMAX_MARGIN,
+    BF16_TOL,
+    ParityCase,
+    check_chunked_and_prefix,
+    check_decode,
+    check_ragged_prefill,
+    run_all_checks,
+    single_thread_torch,
+)
+from tests.models.moe_parity import build_moe_pair, check_engine_greedy, check_moe_parameter_names  # noqa: E402
+
+ARCH = "Qwen3MoeForCausalLM"
+MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 24, "head_dim": 16}
+
+CASES = [
+    ParityCase("e8_k2_renorm", "qwen3_moe", ARCH, {**MOE, "norm_topk_prob": True}),
+    # Layer 0 dense (mlp_only_layers), layers 1..2 sparse; top-3 of 6 without renormalisation; tied head.
+    ParityCase("dense_layer_k3_tied", "qwen3_moe", ARCH,
+               {**MOE, "num_experts": 6, "num_experts_per_tok": 3, "num_hidden_layers": 3, "mlp_only_layers": [0],
+                "tie_word_embeddings": True, "norm_topk_prob": False}),
+    # decoder_sparse_step 2: layers 1 and 3 sparse, 0 and 2 dense; every layer slides over 5 positions.
+    ParityCase("sparse_step2_sliding", "qwen3_moe", ARCH,
+               {**MOE, "num_hidden_layers": 4, "decoder_sparse_step": 2, "num_key_value_heads": 1,
+                "use_sliding_window": True, "sliding_window": 5, "norm_topk_prob": True}),
+]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[c.name for c in CASES])
+def pair(request, tmp_path_factory):
+    return build_moe_pair(request.param, tmp_path_factory.mktemp(request.param.name))
+
+
+@pytest.fixture(scope="module")
+def model(pair):
+    return pair.load_atom(dtype=torch.float32, device="cpu")
+
+
+def test_parameter_names_mirror_the_checkpoint(pair, model):
+    check_moe_parameter_names(pair, model)
+
+
+def test_ragged_prefill_matches_hf(pair, model):
+    with ops.use_backend("torch"):
+        check_ragged_prefill(pair, model)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_decode_through_paged_cache_matches_hf(pair, model, block_size):
+    with ops.use_backend("torch"):
+        check_decode(pair, model, block_size)
+
+
+def test_chunked_prefill_and_prefix_hit_match_hf(pair, model):
+    with ops.use_backend("torch"):
+        check_chunked_and_prefix(pair, model)
+
+
+def test_dense_and_sparse_layers_where_hf_has_them(pair, model):
+    """Each layer's MLP kind matches HF's (else a case meant to mix them would test nothing)."""
+    for hf_layer, layer in zip(pair.hf_model.model.layers, model.model.layers):
+        hf_sparse = hasattr(hf_layer.mlp, "experts")
+        assert isinstance(getattr(layer.mlp, "experts", None), FusedMoE) == hf_sparse
+        assert isinstance(layer.mlp, GatedMLP) == (not hf_sparse)
+
+
+def test_sliding_window_reaches_every_layer(tmp_path):
+    pair = build_moe_pair(CASES[-1], tmp_path)
+    windows = [layer.self_attn.attn.sliding_window for layer in pair.load_atom().model.layers]
+    assert windows == [5, 5, 5, 5]
+
+
+def test_experts_are_routed_differently_per_token(pair):
+    """The tiny models really route: tokens of one prompt pick different experts (HF's own router)."""
+    hf_layer = next(l for l in pair.hf_model.model.layers if hasattr(l.mlp, "experts"))
+    hidden = torch.randn(32, pair.hf_model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        _, _, ids = hf_layer.mlp.gate(hidden)
+    assert len(set(ids[:, 0].tolist())) > 1
+
+
+def test_engine_greedy_equals_hf_generate(pair):
+    check_engine_greedy(pair)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_bf16_triton_matches_hf_fp32(pair):
+    model = pair.load_atom(dtype=torch.bfloat16, device="cuda")
+    with ops.use_backend("triton"):
+        run_all_checks(pair, model, device="cuda", tol=BF16_TOL, argmax_margin=BF16_ARGMAX_MARGIN)
