@@ -23,7 +23,7 @@ def test_cuda_graphs_on_off_same_tokens(request, fixture):
     outs = {}
     for eager in (True, False):
         engine = Engine.from_pretrained(folder, device="cuda", dtype=torch.bfloat16, block_size=16, max_num_seqs=64,
-                                        enforce_eager=eager)
+                                        num_kv_blocks=512, enforce_eager=eager)
         assert (engine.runner.graphs is None) == eager
         outs[eager] = [o.token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
     assert outs[True] == outs[False]
@@ -34,7 +34,7 @@ def test_bf16_greedy_matches_hf_allowing_ties(request, fixture):
     folder, hf_model = request.getfixturevalue(fixture)
     hf = hf_model.to("cuda", torch.float32)
     prompts = _prompts(hf_model.config.vocab_size, 8, seed=1)
-    engine = Engine.from_pretrained(folder, device="cuda", dtype=torch.bfloat16)
+    engine = Engine.from_pretrained(folder, device="cuda", dtype=torch.bfloat16, num_kv_blocks=512)
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         # Compare token by token on the engine's own path: each engine token must be (near-)argmax of HF's logits.

@@ -99,7 +99,7 @@ def test_triton_strided_rows_and_out_given(name):
 
 
 def test_non_contiguous_last_dim_falls_back_to_torch_unless_triton_named():
-    x = torch.randn(64, 6).t()  # [6, 64], last-dim stride 6
+    x = torch.randn(64, 6, device=DEVICE).t()  # [6, 64], last-dim stride 6
     with trace_backends() as calls:
         got = silu_and_mul(x)
     assert calls == [("silu_and_mul", "torch")]

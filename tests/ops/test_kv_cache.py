@@ -207,15 +207,16 @@ def test_scales_are_ignored_for_a_plain_cache():
 
 
 def test_non_contiguous_head_dim_falls_back_to_torch_unless_triton_named():
-    k = torch.randn(3, 1, 8)[..., ::2]
-    k_cache, v_cache = filled_caches(2, 2, 1, 4, torch.float32, "cpu")
+    k = torch.randn(3, 1, 8, device=DEVICE)[..., ::2]
+    k_cache, v_cache = filled_caches(2, 2, 1, 4, torch.float32, DEVICE)
+    slots = torch.tensor([0, 3, -1], device=DEVICE)
     with trace_backends() as calls:
-        store_kv_(k, k, k_cache, v_cache, torch.tensor([0, 3, -1]))
+        store_kv_(k, k, k_cache, v_cache, slots)
     assert calls == [("store_kv_", "torch")]
     torch.testing.assert_close(k_cache[1, 1], k[1])
     if backend_available("triton"):
         with pytest.raises(BackendUnavailable, match="head dim of k, v and the caches contiguous"):
-            store_kv_(k, k, k_cache, v_cache, torch.tensor([0, 3, -1]), backend="triton")
+            store_kv_(k, k, k_cache, v_cache, slots, backend="triton")
 
 
 def test_compiles_with_fullgraph():

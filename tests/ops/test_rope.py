@@ -227,10 +227,10 @@ def test_empty_batch_is_a_no_op():
 
 
 def test_non_contiguous_head_dim_falls_back_to_torch_unless_triton_named():
-    cache, _ = rope_cos_sin_cache(8, 4, 10000.0)
-    q = torch.randn(3, 2, 16)[..., ::2]  # head dim stride 2
-    k = torch.randn(3, 1, 8)
-    positions = torch.tensor([0, 1, 3])
+    cache, _ = rope_cos_sin_cache(8, 4, 10000.0, device=DEVICE)
+    q = torch.randn(3, 2, 16, device=DEVICE)[..., ::2]  # head dim stride 2
+    k = torch.randn(3, 1, 8, device=DEVICE)
+    positions = torch.tensor([0, 1, 3], device=DEVICE)
     want_q, want_k = q.clone(), k.clone()
     reference.apply_rope_(want_q, want_k, positions, cache)
     with trace_backends() as calls:

@@ -118,7 +118,7 @@ def naive_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_len
     group = q.shape[1] // num_kv_heads
     k_mult = 1.0 if k_scale is None else float(k_scale.reshape(()))
     v_mult = 1.0 if v_scale is None else float(v_scale.reshape(()))
-    out = torch.zeros(q.shape, dtype=torch.float64)
+    out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
     starts = cu_seqlens_q.tolist()
     tables = block_tables.tolist()
     for row, context_len in enumerate(context_lens.tolist()):
