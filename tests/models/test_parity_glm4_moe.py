@@ -1,0 +1,107 @@
+"""Glm4MoeForCausalLM against transformers' Glm4MoeForCausalLM.
+
+Tiny random configs vary the routing (groups kept of groups, top-k, renormalisation, the scaling
+factor, a random ``e_score_correction_bias``), shared experts, dense layers before
+``first_k_dense_replace``, attention biases, the optional QK norm, partial RoPE and tied
+embeddings. fp32 on CPU with the torch backend must match HF's logits within
+parity_harness.FP32_TOL; the GPU variant runs bf16 with the Triton backend.
+"""
+
+# T tokens, E experts, K top-k, H hidden, I intermediate
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from atom_core import ops  # noqa: E402
+from atom_core.models.layers.mlp import GatedMLP  # noqa: E402
+from tests.models.moe_parity import build_moe_pair, check_engine_greedy, check_moe_parameter_names  # noqa: E402
+from tests.models.parity_harness import (  # noqa: E402,F401  (single_thread_torch is an autouse fixture)
+    BF16_ARGMAX_MARGIN,
+    BF16_TOL,
+    ParityCase,
+    check_chunked_and_prefix,
+    check_decode,
+    check_ragged_prefill,
+    run_all_checks,
+    single_thread_torch,
+)
+
+ARCH = "Glm4MoeForCausalLM"
+MOE = {"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 24, "head_dim": 16,
+       "n_shared_experts": 1, "first_k_dense_replace": 1}
+
+CASES = [
+    # Layer 0 dense, layer 1 sparse; 2 groups of 4, 1 kept; scaling 2.5; q/k/v biases; RoPE on half of Dh.
+    ParityCase("groups2_bias_scaled", "glm4_moe", ARCH,
+               {**MOE, "n_group": 2, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+                "attention_bias": True,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}),
+    # Every layer sparse, QK norm, two shared experts, no renormalisation, RoPE on a quarter of Dh = 32, tied.
+    ParityCase("qk_norm_all_sparse_tied", "glm4_moe", ARCH,
+               {**MOE, "first_k_dense_replace": 0, "n_shared_experts": 2, "use_qk_norm": True, "head_dim": 32,
+                "norm_topk_prob": False, "tie_word_embeddings": True,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}}),
+    # 16 experts in 4 groups, 2 kept, top-4; 3 layers (first dense); MQA.
+    ParityCase("e16_groups4_k4", "glm4_moe", ARCH,
+               {**MOE, "n_routed_experts": 16, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2,
+                "num_hidden_layers": 3, "num_key_value_heads": 1, "routed_scaling_factor": 1.5}),
+]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[c.name for c in CASES])
+def pair(request, tmp_path_factory):
+    return build_moe_pair(request.param, tmp_path_factory.mktemp(request.param.name))
+
+
+@pytest.fixture(scope="module")
+def model(pair):
+    return pair.load_atom(dtype=torch.float32, device="cpu")
+
+
+def test_parameter_names_mirror_the_checkpoint(pair, model):
+    check_moe_parameter_names(pair, model)
+
+
+def test_ragged_prefill_matches_hf(pair, model):
+    with ops.use_backend("torch"):
+        check_ragged_prefill(pair, model)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_decode_through_paged_cache_matches_hf(pair, model, block_size):
+    with ops.use_backend("torch"):
+        check_decode(pair, model, block_size)
+
+
+def test_chunked_prefill_and_prefix_hit_match_hf(pair, model):
+    with ops.use_backend("torch"):
+        check_chunked_and_prefix(pair, model)
+
+
+def test_structure_follows_the_config(pair, model):
+    """Dense layers, partial rotary dims and the correction bias are really there (else the parity is vacuous)."""
+    hf_config = pair.hf_model.config
+    first_sparse = hf_config.first_k_dense_replace
+    for i, layer in enumerate(model.model.layers):
+        assert isinstance(layer.mlp, GatedMLP) == (i < first_sparse)
+        rotary = layer.self_attn.rotary_emb
+        factor = hf_config.rope_parameters["partial_rotary_factor"]
+        assert rotary.rotary_dim == int(hf_config.head_dim * factor) < rotary.head_dim
+    bias = model.model.layers[first_sparse].mlp.gate.e_score_correction_bias
+    assert bias.abs().max() > 0  # loaded from the checkpoint, randomised by build_moe_pair
+
+
+def test_engine_greedy_equals_hf_generate(pair):
+    check_engine_greedy(pair)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_bf16_triton_matches_hf_fp32(pair):
+    model = pair.load_atom(dtype=torch.bfloat16, device="cuda")
+    with ops.use_backend("triton"):
+        run_all_checks(pair, model, device="cuda", tol=BF16_TOL, argmax_margin=BF16_ARGMAX_MARGIN)
