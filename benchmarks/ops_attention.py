@@ -118,7 +118,7 @@ def _ratio(base_ms, ms):
     return None if base_ms is None else base_ms / ms
 
 
-def _decode_row(rows, context, sizes, device, smoke, timed, copy_gbs):
+def _decode_row(rows, context, sizes, device, smoke, timed, copy_gbs, twin_baselines=True):
     from atom_core.ops.attention import paged_attention, uses_split_k_decode
     from atom_core.ops.dispatch import backend_available
     from atom_core.ops.reference import attention as twin
@@ -145,8 +145,9 @@ def _decode_row(rows, context, sizes, device, smoke, timed, copy_gbs):
     dense.clear()
     sdpa_gather_ms = _guarded(timed, lambda: lambda: _sdpa(q4, gather_dense(p, p.k_cache), gather_dense(p, p.v_cache),
                                                            scale, False))
-    twin_ms = _guarded(timed, lambda: lambda: twin.paged_attention(*p.args(), scale=scale), graph=False)
-    compile_ms = None if smoke else _guarded(
+    twin_ms = None if not twin_baselines else _guarded(
+        timed, lambda: lambda: twin.paged_attention(*p.args(), scale=scale), graph=False)
+    compile_ms = None if smoke or not twin_baselines else _guarded(
         timed, lambda: (lambda f: lambda: f(*p.args(), scale=scale))(torch.compile(twin.paged_attention)), graph=False)
     split_k = uses_split_k_decode(1, sizes["q_heads"], sizes["kv_heads"])
     return {
@@ -169,7 +170,7 @@ def _flash_backend(device):
     return sdpa_kernel(SDPBackend.FLASH_ATTENTION)
 
 
-def _prefill_row(rows, length, sizes, device, smoke, timed, copy_gbs):
+def _prefill_row(rows, length, sizes, device, smoke, timed, copy_gbs, twin_baselines=True):
     from atom_core.ops.attention import paged_attention
     from atom_core.ops.dispatch import backend_available
     from atom_core.ops.reference import attention as twin
@@ -191,8 +192,9 @@ def _prefill_row(rows, length, sizes, device, smoke, timed, copy_gbs):
             return F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale)
 
     sdpa_ms = _guarded(timed, lambda: flash)
-    twin_ms = _guarded(timed, lambda: lambda: twin.paged_attention(*p.args(), scale=scale), graph=False)
-    compile_ms = None if smoke else _guarded(
+    twin_ms = None if not twin_baselines else _guarded(
+        timed, lambda: lambda: twin.paged_attention(*p.args(), scale=scale), graph=False)
+    compile_ms = None if smoke or not twin_baselines else _guarded(
         timed, lambda: (lambda f: lambda: f(*p.args(), scale=scale))(torch.compile(twin.paged_attention)), graph=False)
     return {
         "case": "prefill", "batch": rows, "context": length, "backend": backend, "path": "unified", "splits": 1,
@@ -204,7 +206,7 @@ def _prefill_row(rows, length, sizes, device, smoke, timed, copy_gbs):
     }
 
 
-def run(device: str = "cuda", smoke: bool = False) -> list[dict]:
+def run(device: str = "cuda", smoke: bool = False, twin_baselines: bool = True) -> list[dict]:
     """One row per case. Times in ms; bandwidth in GB/s (1e9 bytes/s); TFLOP/s = 1e12 flop/s."""
     from benchmarks.common import copy_bandwidth_gbs
 
@@ -213,11 +215,13 @@ def run(device: str = "cuda", smoke: bool = False) -> list[dict]:
     copy_gbs = copy_bandwidth_gbs(device, nbytes=1 << 20 if smoke else 2 << 30)
     rows = []
     for batch, context in sizes["decode"]:
-        rows.append(_decode_row(batch, context, sizes, device, smoke, timed, copy_gbs))
+        rows.append(_decode_row(batch, context, sizes, device, smoke, timed, copy_gbs, twin_baselines))
+        print(rows[-1], flush=True)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     for batch, length in sizes["prefill"]:
-        rows.append(_prefill_row(batch, length, sizes, device, smoke, timed, copy_gbs))
+        rows.append(_prefill_row(batch, length, sizes, device, smoke, timed, copy_gbs, twin_baselines))
+        print(rows[-1], flush=True)
     return rows
 
 
@@ -230,13 +234,15 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", help="write the rows to this path")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, no torch.compile (CPU check)")
+    parser.add_argument("--sdpa-only", action="store_true",
+                        help="baselines: SDPA only (skip the slow twin and its torch.compile)")
     args = parser.parse_args()
     if args.device == "cpu":
         # Triton kernels run on CPU tensors only in the interpreter; set before any kernel is defined.
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from benchmarks.common import print_table, write_json
 
-    rows = run(args.device, smoke=args.smoke)
+    rows = run(args.device, smoke=args.smoke, twin_baselines=not args.sdpa_only)
     print_table(rows, COLUMNS)
     if args.json:
         write_json(rows, args.json)
