@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Every H200 figure in docs/benchmarks.md, in one go (about 9 minutes).
+#   bash benchmarks/run_h200.sh OUT_DIR        (from the repository root, on the GPU machine)
+set -u
+out=${1:?usage: run_h200.sh OUT_DIR}
+mkdir -p "$out"
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+run() {  # run NAME SECONDS MODULE ARGS...
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name"
+    timeout "$limit" python -m "$@" 2>&1 | grep -vE "Warning|warnings.warn|^$" | tee "$out/$name.log" | tail -30
+}
+echo "=== GPU engine tests"
+timeout 90 python -m pytest tests/engine/test_engine_gpu.py -q -p no:cacheprovider 2>&1 | tail -5
+run engine_throughput 180 benchmarks.engine --section throughput --hf-seqs 64 --json "$out/engine_throughput.json"
+run engine_latency 110 benchmarks.engine --section latency --json "$out/engine_latency.json"
+run ops_attention 130 benchmarks.ops_attention --sdpa-only --json "$out/ops_attention.json"
+run ops_elementwise 70 benchmarks.ops_elementwise --json "$out/ops_elementwise.json"
