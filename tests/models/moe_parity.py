@@ -9,6 +9,8 @@ saved (per-expert tensors stacked, q/k/v and gate/up fused), not by the loader's
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -30,9 +32,16 @@ for _family, _classes in HF_MOE_CLASSES.items():
 
 
 def build_moe_pair(case: ParityCase, folder: Path, *, seed: int = 0) -> ModelPair:
-    """``build_pair``, then persistent float buffers (GLM-4-MoE's ``e_score_correction_bias``, which
-    HF keeps as a buffer and saves) set to 0.2 N(0, 1) as well, and the model saved again."""
-    pair = build_pair(case, folder, seed=seed)
+    """``build_pair`` on a deep copy of the case's config, then persistent float buffers (GLM-4-MoE's
+    ``e_score_correction_bias``, which HF keeps as a buffer and saves) set to 0.2 N(0, 1) as well,
+    and the model saved again.
+
+    The copy matters: ``Glm4MoeConfig`` writes ``partial_rotary_factor`` into the
+    ``rope_parameters`` dict it is given, which would otherwise be the harness's shared
+    ``BASE_CONFIG`` entry and change every model built after it in the session.
+    """
+    isolated = dataclasses.replace(case, overrides=copy.deepcopy(case.hf_config_kwargs()))
+    pair = build_pair(isolated, folder, seed=seed)
     hf_model = pair.hf_model
     persistent = set(hf_model.state_dict())
     gen = torch.Generator().manual_seed(seed + 1)
@@ -49,6 +58,25 @@ def build_moe_pair(case: ParityCase, folder: Path, *, seed: int = 0) -> ModelPai
         saved["architectures"] = [case.architecture]
         config_path.write_text(json.dumps(saved, indent=2))
     return pair
+
+
+_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def every_expert_case(case: ParityCase) -> ParityCase:
+    """``case`` with every token routed to every expert (K = E; with groups, every group kept).
+
+    For bf16 against HF's fp32: wherever two router logits lie within bf16 rounding of each other
+    (a few percent of tokens), the two sides can choose different experts and that token's output
+    jumps by O(1), so a tolerance check fails for reasons that are no bug. With K = E the choice is
+    fixed and the bf16 error stays continuous; the choice itself is pinned by the fp32 cases.
+    """
+    overrides = dict(case.overrides)
+    num_experts = next(overrides[k] for k in _EXPERT_COUNT_KEYS if k in overrides)
+    overrides["num_experts_per_tok"] = num_experts
+    if "n_group" in overrides:
+        overrides["topk_group"] = overrides["n_group"]
+    return dataclasses.replace(case, name=f"{case.name}_all_experts", overrides=overrides)
 
 
 def checkpoint_tensor_names(folder: Path) -> set[str]:

@@ -4,7 +4,8 @@ Tiny random configs vary the routing (groups kept of groups, top-k, renormalisat
 factor, a random ``e_score_correction_bias``), shared experts, dense layers before
 ``first_k_dense_replace``, attention biases, the optional QK norm, partial RoPE and tied
 embeddings. fp32 on CPU with the torch backend must match HF's logits within
-parity_harness.FP32_TOL; the GPU variant runs bf16 with the Triton backend.
+parity_harness.FP32_TOL; the GPU variant runs bf16 with the Triton backend on the same configs
+with every expert chosen (``moe_parity.every_expert_case`` says why).
 """
 
 # T tokens, E experts, K top-k, H hidden, I intermediate
@@ -18,7 +19,12 @@ pytest.importorskip("transformers")
 
 from atom_core import ops  # noqa: E402
 from atom_core.models.layers.mlp import GatedMLP  # noqa: E402
-from tests.models.moe_parity import build_moe_pair, check_engine_greedy, check_moe_parameter_names  # noqa: E402
+from tests.models.moe_parity import (  # noqa: E402
+    build_moe_pair,
+    check_engine_greedy,
+    check_moe_parameter_names,
+    every_expert_case,
+)
 from tests.models.parity_harness import (  # noqa: E402,F401  (single_thread_torch is an autouse fixture)
     BF16_ARGMAX_MARGIN,
     BF16_TOL,
@@ -50,6 +56,10 @@ CASES = [
                {**MOE, "n_routed_experts": 16, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2,
                 "num_hidden_layers": 3, "num_key_value_heads": 1, "routed_scaling_factor": 1.5}),
 ]
+
+
+# bf16 on a GPU: the same configs with every expert chosen (see moe_parity.every_expert_case).
+GPU_CASES = [every_expert_case(c) for c in CASES]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[c.name for c in CASES])
@@ -101,7 +111,9 @@ def test_engine_greedy_equals_hf_generate(pair):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_bf16_triton_matches_hf_fp32(pair):
+@pytest.mark.parametrize("case", GPU_CASES, ids=[c.name for c in GPU_CASES])
+def test_gpu_bf16_triton_matches_hf_fp32(case, tmp_path):
+    pair = build_moe_pair(case, tmp_path)
     model = pair.load_atom(dtype=torch.bfloat16, device="cuda")
     with ops.use_backend("triton"):
         run_all_checks(pair, model, device="cuda", tol=BF16_TOL, argmax_margin=BF16_ARGMAX_MARGIN)

@@ -5,7 +5,9 @@ yarn RoPE (``truncate: false`` as released), GQA / MQA / MHA, odd intermediate s
 embeddings; every case has attention sinks, q/k/v/o biases, a biased router and expert biases,
 all randomised. The checkpoint holds the stacked, transposed, gate/up-interleaved expert tensors
 GPT-OSS ships. fp32 on CPU with the torch backend must match HF's logits within
-parity_harness.FP32_TOL; the GPU variant runs bf16 with the Triton backend.
+parity_harness.FP32_TOL; one small case runs the Triton kernels in the interpreter; the GPU
+variant runs bf16 with the Triton backend on the same configs with every expert chosen
+(``moe_parity.every_expert_case`` says why).
 """
 
 # T tokens, E experts, K top-k, H hidden, I intermediate
@@ -18,11 +20,18 @@ import torch
 pytest.importorskip("transformers")
 
 from atom_core import ops  # noqa: E402
-from tests.models.moe_parity import build_moe_pair, check_engine_greedy, check_moe_parameter_names  # noqa: E402
+from atom_core.ops.dispatch import backend_available  # noqa: E402
+from tests.models.moe_parity import (  # noqa: E402
+    build_moe_pair,
+    check_engine_greedy,
+    check_moe_parameter_names,
+    every_expert_case,
+)
 from tests.models.parity_harness import (  # noqa: E402,F401  (single_thread_torch is an autouse fixture)
     BF16_ARGMAX_MARGIN,
     BF16_TOL,
     ParityCase,
+    backends_used,
     check_chunked_and_prefix,
     check_decode,
     check_ragged_prefill,
@@ -50,6 +59,10 @@ CASES = [
                 "num_key_value_heads": 4, "tie_word_embeddings": True,
                 "layer_types": ["full_attention", "full_attention"]}),
 ]
+
+
+# bf16 on a GPU: the same configs with every expert chosen (see moe_parity.every_expert_case).
+GPU_CASES = [every_expert_case(c) for c in CASES]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[c.name for c in CASES])
@@ -110,7 +123,9 @@ def test_engine_greedy_equals_hf_generate(pair):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_bf16_triton_matches_hf_fp32(pair):
+@pytest.mark.parametrize("case", GPU_CASES, ids=[c.name for c in GPU_CASES])
+def test_gpu_bf16_triton_matches_hf_fp32(case, tmp_path):
+    pair = build_moe_pair(case, tmp_path)
     model = pair.load_atom(dtype=torch.bfloat16, device="cuda")
     with ops.use_backend("triton"):
         run_all_checks(pair, model, device="cuda", tol=BF16_TOL, argmax_margin=BF16_ARGMAX_MARGIN)
@@ -129,3 +144,21 @@ def test_moe_block_matches_hf_where_the_clamp_bites(pair, model):
         with ops.use_backend("torch"):
             actual = model.model.layers[0].mlp(x)
     torch.testing.assert_close(actual, expected[0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not backend_available("triton") or torch.cuda.is_available(),
+                    reason="CPU interpreter case (the GPU variant covers Triton on a GPU)")
+def test_triton_backend_matches_hf_small(tmp_path):
+    """Sinks, the biased top-K and the clamped interleaved experts through the Triton kernels
+    (interpreter): a two-row prefill, a mixed step and a decode step, every op served by Triton."""
+    pair = build_moe_pair(CASES[0], tmp_path)
+    model = pair.load_atom(dtype=torch.float32, device="cpu")
+
+    def run():
+        with ops.use_backend("triton"):
+            check_decode(pair, model, 4, num_decode_steps=2, pad_rows=0)
+
+    used = backends_used(run)
+    not_triton = sorted(op for op, backend in used if backend != "triton")
+    assert not not_triton, f"ops not served by triton: {not_triton} (all: {sorted(used)})"
+    assert {"gpt_oss_topk", "fused_experts", "paged_attention"} <= {op for op, _ in used}

@@ -4,7 +4,8 @@ Tiny random configs vary the expert count and top-k (the weights of the K chosen
 renormalised), GQA / MQA, odd sizes, tied embeddings and the every-layer sliding window. HF saves
 the checkpoint as Mixtral's published files are laid out (``block_sparse_moe.experts.{e}.w1/w2/w3``).
 fp32 on CPU with the torch backend must match HF's logits within parity_harness.FP32_TOL; the GPU
-variant runs bf16 with the Triton backend.
+variant runs bf16 with the Triton backend on the same configs with every expert chosen
+(``moe_parity.every_expert_case`` says why).
 """
 
 # T tokens, E experts, K top-k, H hidden, I intermediate
@@ -22,6 +23,7 @@ from tests.models.moe_parity import (  # noqa: E402
     check_engine_greedy,
     check_moe_parameter_names,
     checkpoint_tensor_names,
+    every_expert_case,
 )
 from tests.models.parity_harness import (  # noqa: E402,F401  (single_thread_torch is an autouse fixture)
     BF16_ARGMAX_MARGIN,
@@ -48,6 +50,10 @@ CASES = [
                {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32, "head_dim": 16,
                 "sliding_window": 5}),
 ]
+
+
+# bf16 on a GPU: the same configs with every expert chosen (see moe_parity.every_expert_case).
+GPU_CASES = [every_expert_case(c) for c in CASES]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[c.name for c in CASES])
@@ -98,7 +104,9 @@ def test_engine_greedy_equals_hf_generate(pair):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_bf16_triton_matches_hf_fp32(pair):
+@pytest.mark.parametrize("case", GPU_CASES, ids=[c.name for c in GPU_CASES])
+def test_gpu_bf16_triton_matches_hf_fp32(case, tmp_path):
+    pair = build_moe_pair(case, tmp_path)
     model = pair.load_atom(dtype=torch.bfloat16, device="cuda")
     with ops.use_backend("triton"):
         run_all_checks(pair, model, device="cuda", tol=BF16_TOL, argmax_margin=BF16_ARGMAX_MARGIN)

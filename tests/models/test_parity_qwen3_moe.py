@@ -2,9 +2,11 @@
 
 Tiny random configs vary the expert count and top-k, ``norm_topk_prob``, dense layers mixed in
 (``mlp_only_layers``, ``decoder_sparse_step``), GQA with an explicit head_dim, tied embeddings
-and sliding-window attention. fp32 on CPU with the torch backend must match HF's logits within
-parity_harness.FP32_TOL; the GPU variant runs bf16 with the Triton backend. HF saves the experts
-one tensor per expert (``mlp.experts.{e}.gate_proj.weight``), as the published checkpoints do.
+and sliding-window attention. HF saves the experts one tensor per expert
+(``mlp.experts.{e}.gate_proj.weight``), as the published checkpoints do. fp32 on CPU with the
+torch backend must match HF's logits within parity_harness.FP32_TOL; one small case runs the
+Triton kernels in the interpreter; the GPU variant runs bf16 with the Triton backend on the same
+configs with every expert chosen (``moe_parity.every_expert_case`` says why).
 """
 
 # T tokens, E experts, K top-k, H hidden, I intermediate
@@ -17,19 +19,26 @@ import torch
 pytest.importorskip("transformers")
 
 from atom_core import ops  # noqa: E402
+from atom_core.ops.dispatch import backend_available  # noqa: E402
 from atom_core.models.layers.moe import FusedMoE  # noqa: E402
 from atom_core.models.layers.mlp import GatedMLP  # noqa: E402
 from tests.models.parity_harness import (  # noqa: E402,F401  (single_thread_torch is an autouse fixture)
     BF16_ARGMAX_MARGIN,
     BF16_TOL,
     ParityCase,
+    backends_used,
     check_chunked_and_prefix,
     check_decode,
     check_ragged_prefill,
     run_all_checks,
     single_thread_torch,
 )
-from tests.models.moe_parity import build_moe_pair, check_engine_greedy, check_moe_parameter_names  # noqa: E402
+from tests.models.moe_parity import (  # noqa: E402
+    build_moe_pair,
+    check_engine_greedy,
+    check_moe_parameter_names,
+    every_expert_case,
+)
 
 ARCH = "Qwen3MoeForCausalLM"
 MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 24, "head_dim": 16}
@@ -45,6 +54,10 @@ CASES = [
                {**MOE, "num_hidden_layers": 4, "decoder_sparse_step": 2, "num_key_value_heads": 1,
                 "use_sliding_window": True, "sliding_window": 5, "norm_topk_prob": True}),
 ]
+
+
+# bf16 on a GPU: the same configs with every expert chosen (see moe_parity.every_expert_case).
+GPU_CASES = [every_expert_case(c) for c in CASES]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[c.name for c in CASES])
@@ -106,7 +119,27 @@ def test_engine_greedy_equals_hf_generate(pair):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_bf16_triton_matches_hf_fp32(pair):
+@pytest.mark.parametrize("case", GPU_CASES, ids=[c.name for c in GPU_CASES])
+def test_gpu_bf16_triton_matches_hf_fp32(case, tmp_path):
+    pair = build_moe_pair(case, tmp_path)
     model = pair.load_atom(dtype=torch.bfloat16, device="cuda")
     with ops.use_backend("triton"):
         run_all_checks(pair, model, device="cuda", tol=BF16_TOL, argmax_margin=BF16_ARGMAX_MARGIN)
+
+
+@pytest.mark.skipif(not backend_available("triton") or torch.cuda.is_available(),
+                    reason="CPU interpreter case (the GPU variant covers Triton on a GPU)")
+def test_triton_backend_matches_hf_small(tmp_path):
+    """Routing and grouped expert GEMMs through the Triton kernels (interpreter): a two-row prefill,
+    a mixed step and a decode step of the first case, every op served by Triton."""
+    pair = build_moe_pair(CASES[0], tmp_path)
+    model = pair.load_atom(dtype=torch.float32, device="cpu")
+
+    def run():
+        with ops.use_backend("triton"):
+            check_decode(pair, model, 4, num_decode_steps=2, pad_rows=0)
+
+    used = backends_used(run)
+    not_triton = sorted(op for op, backend in used if backend != "triton")
+    assert not not_triton, f"ops not served by triton: {not_triton} (all: {sorted(used)})"
+    assert {"topk_softmax", "fused_experts", "paged_attention"} <= {op for op, _ in used}
