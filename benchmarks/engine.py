@@ -14,10 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import signal
 import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from benchmarks.common import copy_bandwidth_gbs, print_table, write_json
@@ -90,7 +92,12 @@ def hf_throughput(hf_model, prompts, output_lens, mode: str) -> dict:
             "tok_per_s": tokens / elapsed}
 
 
+def _timeout(signum, frame):
+    raise TimeoutError("time box exceeded")
+
+
 def section_throughput(args) -> list[dict]:
+    signal.signal(signal.SIGALRM, _timeout)
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = load_config(args.model)
@@ -104,11 +111,14 @@ def section_throughput(args) -> list[dict]:
         rows.append(atom_core_throughput(Path(tmp), prompts, output_lens))
         rows[-1]["model"] = args.model
         n_hf = args.hf_seqs
-        for mode in ("generate_batch", "generate_static"):
+        for mode in ("generate_static", "generate_batch"):
+            signal.alarm(args.hf_timeout)  # time-boxed: a path slower than this is reported as such
             try:
                 r = hf_throughput(hf_model, prompts[:n_hf], output_lens[:n_hf], mode)
-            except Exception as e:  # an HF path missing in this version is reported, not fatal
+            except Exception as e:  # an HF path missing in this version (or too slow) is reported, not fatal
                 r = {"system": f"HF transformers {mode}", "error": f"{type(e).__name__}: {e}"[:200]}
+            finally:
+                signal.alarm(0)
             r["model"] = args.model
             rows.append(r)
     best_hf = max((r.get("tok_per_s", 0) for r in rows[1:]), default=0)
@@ -165,7 +175,10 @@ def section_latency(args) -> list[dict]:
 # ---------------------------------------------------------------------------------------- host overhead
 
 def section_host(args) -> list[dict]:
-    """Per decode step on CPU: schedule + prepare inputs + postprocess, the model replaced by a stub."""
+    """Per decode step on CPU: schedule + prepare inputs (layout, input ids, sampling parameters) +
+    postprocess (tokens, prefix-cache publish, stop checks, outputs); the device side of the runner
+    (model and sampling kernel) is replaced by a stub that returns a fixed token. ``read_outputs_us``
+    is the step plus reading every output's ``new_token_ids`` (what a streaming consumer pays)."""
     from atom_core.engine import Engine, SamplingParams
     from atom_core.engine.runner import StepResult
     from atom_core.models import build_model
@@ -178,16 +191,18 @@ def section_host(args) -> list[dict]:
     for running in (1, 64, 256):
         engine = Engine(model, None, device="cpu", max_num_seqs=256, max_model_len=2048,
                         num_kv_blocks=256 * 2048 // 16)
-        timings = {"prepare": 0.0}
         runner = engine.runner
+        timings = {"prepare": 0.0}
+        prepare = runner.prepare
 
-        def stub_execute(requests, query_lens, block_tables, want_logprobs):
+        def timed_prepare(step, batch):
             t = time.perf_counter()
-            runner.prepare(requests, query_lens, block_tables)
+            inputs = prepare(step, batch)
             timings["prepare"] += time.perf_counter() - t
-            return StepResult([5] * len(requests), None)
+            return inputs
 
-        runner.execute = stub_execute
+        runner.prepare = timed_prepare
+        runner.run = lambda inputs, want_logprobs: StepResult(np.full(inputs.num_rows, 5, dtype=np.int64), None)
         rng = random.Random(0)
         for _ in range(running):
             engine.add_request([rng.randint(0, 999) for _ in range(rng.randint(100, 1024))],
@@ -201,9 +216,14 @@ def section_host(args) -> list[dict]:
         for _ in range(steps):
             engine.step()
         total = (time.perf_counter() - t0) / steps * 1e6
-        prepare = timings["prepare"] / steps * 1e6
-        rows.append({"running": running, "us_per_step": total, "prepare_us": prepare,
-                     "schedule+postprocess_us": total - prepare})
+        prepare_us = timings["prepare"] / steps * 1e6
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            for out in engine.step():
+                out.new_token_ids
+        read_outputs = (time.perf_counter() - t0) / steps * 1e6
+        rows.append({"running": running, "us_per_step": total, "prepare_us": prepare_us,
+                     "schedule+postprocess_us": total - prepare_us, "read_outputs_us": read_outputs})
     return rows
 
 
@@ -213,6 +233,7 @@ def main():
     parser.add_argument("--model", default="qwen3-0.6b")
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--hf-seqs", type=int, default=64, help="sequences of the workload HF runs (it is slow)")
+    parser.add_argument("--hf-timeout", type=int, default=45, help="seconds each HF path may take")
     parser.add_argument("--latency-models", nargs="+", default=["qwen3-0.6b", "llama-3-8b"])
     parser.add_argument("--json", default=None)
     args = parser.parse_args()

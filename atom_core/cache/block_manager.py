@@ -147,9 +147,14 @@ class BlockManager:
         """True while ``seq_id`` holds blocks (between ``allocate`` and ``free``)."""
         return seq_id in self._seqs
 
-    def block_table(self, seq_id: Hashable) -> list[int]:
-        """A copy of the sequence's block table (pool block ids, in token order)."""
-        return list(self._get_seq(seq_id).block_ids)
+    def block_table(self, seq_id: Hashable, start: int = 0) -> list[int]:
+        """A copy of the sequence's block table (pool block ids, in token order) from page ``start`` on.
+
+        ``start`` lets a caller that mirrors the table fetch only the blocks ``append_slots`` added.
+        """
+        if start < 0:
+            raise ValueError(f"start must be >= 0, got {start}")
+        return self._get_seq(seq_id).block_ids[start:]
 
     def can_allocate(self, num_tokens: int) -> bool:
         """Whether ``num_tokens`` tokens fit in free blocks, not counting prefix-cache hits."""
@@ -277,6 +282,70 @@ class BlockManager:
                 self._block_key[block_id] = (parent, tuple(block_tokens.tolist()))
             parent = block_hash
 
+    # ---------------------------------------------------------------- bulk forms for decode steps
+
+    def append_block_each(self, seq_ids: Sequence[Hashable]) -> list[int]:
+        """Give each sequence one more block, in order, while free blocks last.
+
+        The bulk form of ``append_slots`` for a decode step, where each sequence whose next token
+        starts a new block needs exactly one more. Returns the new block ids, ``result[i]`` going
+        to ``seq_ids[i]``; shorter than ``seq_ids`` when the pool ran dry (the sequences after that
+        got nothing). An unknown or repeated seq_id raises ValueError before anything changes.
+        """
+        seqs = self._get_distinct_seqs(seq_ids)
+        new_block_ids = []
+        for seq in seqs[: len(self._free)]:
+            block_id = self._take_free_block()
+            seq.block_ids.append(block_id)
+            new_block_ids.append(block_id)
+        return new_block_ids
+
+    def publish_next_blocks(
+        self, seq_ids: Sequence[Hashable], block_indices: Sequence[int], block_token_ids: np.ndarray
+    ) -> None:
+        """Publish one more full block of each sequence (the bulk form of ``publish`` for a decode
+        step, where a sequence fills at most one block).
+
+        Args:
+            seq_ids: the sequences, each once.
+            block_indices: int [N], the block of ``seq_ids[i]`` whose KV is now computed; it must be
+                the sequence's first block not yet published (``publish`` covered those before).
+            block_token_ids: int [N, block_size], the tokens of those blocks.
+
+        Same effect as ``publish(seq_ids[i], tokens, (block_indices[i] + 1) * block_size)`` for each
+        i in order. Raises ValueError (nothing changed) for a bad shape or a block that is not the
+        next one of its sequence.
+        """
+        bs = self._block_size
+        array = np.asarray(block_token_ids)
+        if array.shape != (len(seq_ids), bs) or len(block_indices) != len(seq_ids):
+            raise ValueError(
+                f"block_token_ids must be [{len(seq_ids)}, {bs}] and block_indices [{len(seq_ids)}] for "
+                f"{len(seq_ids)} seq_ids, got {array.shape} and {len(block_indices)}"
+            )
+        if array.size and array.dtype.kind not in "iu":
+            raise TypeError(f"block_token_ids must hold integers, got dtype {array.dtype}")
+        seqs = self._get_distinct_seqs(seq_ids)
+        if not self.enable_prefix_caching:
+            return  # nothing is ever published (as in ``publish``)
+        indices = [int(i) for i in block_indices]
+        for seq_id, seq, index in zip(seq_ids, seqs, indices):
+            if index != len(seq.block_hashes) or index >= len(seq.block_ids):
+                raise ValueError(
+                    f"block {index} of seq_id {seq_id!r} is not its next block to publish: "
+                    f"{len(seq.block_hashes)} published of {len(seq.block_ids)} blocks"
+                )
+        tokens = array.astype(np.int64)
+        for seq, index, block_tokens, token_list in zip(seqs, indices, tokens, tokens.tolist()):
+            parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_PARENT_HASH
+            block_hash = hash_block_tokens(parent, block_tokens)
+            seq.block_hashes.append(block_hash)
+            if block_hash not in self._hash_to_block:
+                block_id = seq.block_ids[index]
+                self._hash_to_block[block_hash] = block_id
+                self._block_hash[block_id] = block_hash
+                self._block_key[block_id] = (parent, tuple(token_list))
+
     def free(self, seq_id: Hashable) -> None:
         """Release the sequence's blocks, tail first; hashed ones stay reusable until reused."""
         seq = self._seqs.pop(seq_id, None)
@@ -296,6 +365,16 @@ class BlockManager:
         if seq is None:
             raise ValueError(f"seq_id {seq_id!r} has no blocks allocated")
         return seq
+
+    def _get_distinct_seqs(self, seq_ids: Sequence[Hashable]) -> list[_SeqBlocks]:
+        """The sequences named by ``seq_ids``; ValueError for an unknown or repeated one."""
+        try:
+            seqs = [self._seqs[seq_id] for seq_id in seq_ids]
+        except KeyError as e:
+            raise ValueError(f"seq_id {e.args[0]!r} has no blocks allocated") from None
+        if len(set(seq_ids)) != len(seqs):
+            raise ValueError("seq_ids must not repeat a sequence")
+        return seqs
 
     def _take_free_block(self) -> int:
         """Pop the head of the free list; its old content (if any) leaves the index."""

@@ -29,6 +29,8 @@ def as_int_vector(name: str, values) -> np.ndarray:
 
     Raises TypeError for a non-integer dtype and ValueError for a shape other than 1-D.
     """
+    if type(values) is np.ndarray and values.dtype == np.int64 and values.ndim == 1:
+        return values  # the common case, checked first: this runs every step
     if isinstance(values, torch.Tensor):
         values = values.detach().cpu().numpy()
     array = np.asarray(values)
@@ -43,6 +45,8 @@ def as_int_vector(name: str, values) -> np.ndarray:
 
 def check_block_size(block_size) -> int:
     """``block_size`` as a Python int >= 1 (TypeError if not an integer, ValueError if < 1)."""
+    if type(block_size) is int and block_size >= 1:
+        return block_size  # the common case, checked first: this runs every step
     if isinstance(block_size, bool) or not isinstance(block_size, Integral):
         raise TypeError(f"block_size must be an int, got {type(block_size).__name__}")
     if block_size < 1:

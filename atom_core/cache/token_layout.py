@@ -192,3 +192,101 @@ def build_step_layout(
         num_prefill_rows=num_prefill_rows,
         num_decode_rows=num_rows - num_prefill_rows,
     )
+
+
+def build_decode_layout(
+    cached_lens,
+    block_tables,
+    block_size: int,
+    *,
+    pad_rows_to: int | None = None,
+    pad_pages_to: int | None = None,
+) -> StepLayout:
+    """``build_step_layout`` for a batch where every row computes one token (``query_lens == 1``).
+
+    The fast path of a pure-decode step: no per-token expansion (token r is row r) and no
+    entry-by-entry validation of the table, which a caller keeping persistent block tables in
+    a 2-D array already holds well formed.
+
+    Args:
+        cached_lens: int [B], tokens of the row already in the pool (>= 0); the row's token is
+            written at position ``cached_lens[r]``.
+        block_tables: int [B, P] numpy array or tensor, padded with -1, taken as given: P is its
+            width (no trailing padding column is dropped) and only the page each token writes
+            to, ``cached_lens[r] // block_size``, is checked to hold a block.
+        block_size, pad_rows_to, pad_pages_to: as in ``build_step_layout``.
+
+    Returns the layout ``build_step_layout([1] * B, cached_lens, block_tables, block_size, ...)``
+    returns for a table without trailing all-padding columns.
+    """
+    block_size = check_block_size(block_size)
+    cached = as_int_vector("cached_lens", cached_lens)
+    if isinstance(block_tables, torch.Tensor):
+        block_tables = block_tables.detach().cpu().numpy()
+    if not isinstance(block_tables, np.ndarray) or block_tables.ndim != 2:
+        raise ValueError("block_tables must be a 2-D [B, P] array or tensor padded with -1")
+    if block_tables.size and block_tables.dtype.kind not in "iu":
+        raise TypeError(f"block_tables must hold integers, got dtype {block_tables.dtype}")
+    num_real_rows, width = block_tables.shape
+    if num_real_rows != cached.size:
+        raise ValueError(f"block_tables has {num_real_rows} rows but cached_lens has {cached.size}")
+    num_rows = num_real_rows if pad_rows_to is None else int(pad_rows_to)
+    if num_rows < num_real_rows:
+        raise ValueError(f"pad_rows_to={pad_rows_to} is smaller than the batch of {num_real_rows} rows")
+    padded_width = width if pad_pages_to is None else int(pad_pages_to)
+    if padded_width < width:
+        raise ValueError(f"pad_pages_to={pad_pages_to} is smaller than the {width} columns of block_tables")
+
+    # The token of row r is at position cached[r], on page cached[r] // block_size; its slot is
+    # block * block_size + cached % block_size = (block - page) * block_size + cached.
+    # (Plain numpy methods and ufuncs here: this runs every decode step.)
+    page = cached // block_size
+    if num_real_rows:
+        if cached.min() < 0:
+            r = int((cached < 0).nonzero()[0][0])
+            raise ValueError(f"cached_lens[{r}] = {int(cached[r])} is negative")
+        if page.max() >= width:
+            r = int((page >= width).nonzero()[0][0])
+            raise ValueError(f"block_tables row {r} has {width} columns but position {int(cached[r])} "
+                             f"is on page {int(page[r])}")
+    block = block_tables[np.arange(num_real_rows), page].astype(np.int64, copy=False)
+    if num_real_rows and block.min() < 0:
+        r = int((block < 0).nonzero()[0][0])
+        raise ValueError(f"block_tables row {r} has no block on page {int(page[r])} (position {int(cached[r])})")
+    real_slots = (block - page) * block_size + cached  # int64: block ids near 2**31 / block_size overflow int32
+
+    if num_rows == num_real_rows and padded_width == width:
+        positions, slot_mapping, context = cached.copy(), real_slots, cached + 1
+        table = block_tables.astype(np.int32)  # a copy: the layout never aliases the caller's table
+    else:  # padding rows: position 0, slot -1, context 0, no blocks
+        positions = np.zeros(num_rows, dtype=np.int64)
+        positions[:num_real_rows] = cached
+        slot_mapping = np.full(num_rows, NO_SLOT, dtype=np.int64)
+        slot_mapping[:num_real_rows] = real_slots
+        context = np.zeros(num_rows, dtype=np.int64)
+        context[:num_real_rows] = cached + 1
+        table = np.full((num_rows, padded_width), PAD_BLOCK_ID, dtype=np.int32)
+        table[:num_real_rows, :width] = block_tables
+    cu_seqlens_k = np.zeros(num_rows + 1, dtype=np.int64)
+    np.add.accumulate(context, out=cu_seqlens_k[1:])
+    if cu_seqlens_k[-1] > INT32_MAX:
+        raise ValueError(f"the batch's {int(cu_seqlens_k[-1])} context tokens do not fit int32 cu_seqlens_k")
+    is_prefill = positions == 0  # one token with nothing cached is a (tiny) prefill
+    is_prefill[num_real_rows:] = False
+    num_prefill_rows = int(np.count_nonzero(is_prefill))
+    row_index = np.arange(num_rows + 1, dtype=np.int64)
+
+    return StepLayout(
+        positions=torch.from_numpy(positions),
+        slot_mapping=torch.from_numpy(slot_mapping),
+        cu_seqlens_q=torch.from_numpy(row_index.astype(np.int32)),
+        cu_seqlens_k=torch.from_numpy(cu_seqlens_k.astype(np.int32)),
+        max_seqlen_q=1 if num_rows else 0,
+        max_seqlen_k=int(context.max()) if num_rows else 0,
+        context_lens=torch.from_numpy(context.astype(np.int32)),
+        block_tables=torch.from_numpy(table),
+        logits_indices=torch.from_numpy(row_index[:-1]),
+        is_prefill=torch.from_numpy(is_prefill),
+        num_prefill_rows=num_prefill_rows,
+        num_decode_rows=num_rows - num_prefill_rows,
+    )

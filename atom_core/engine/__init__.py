@@ -1,8 +1,8 @@
 """The step-based engine: requests, scheduler, runner (inputs, CUDA graphs), ``Engine``."""
 
 from atom_core.engine.engine import Engine
-from atom_core.engine.outputs import RequestOutput
+from atom_core.engine.outputs import RequestOutput, StepOutputs
 from atom_core.engine.sampling_params import SamplingParams
 from atom_core.engine.scheduler import ScheduledStep, Scheduler
 
-__all__ = ["Engine", "RequestOutput", "SamplingParams", "ScheduledStep", "Scheduler"]
+__all__ = ["Engine", "RequestOutput", "SamplingParams", "ScheduledStep", "Scheduler", "StepOutputs"]

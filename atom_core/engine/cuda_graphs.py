@@ -69,14 +69,21 @@ class DecodeGraphs:
         return self._graphs[size]
 
     def run(self, input_ids: np.ndarray, layout: StepLayout) -> torch.Tensor:
-        """Logits [size, V] for a decode step already padded (``build_step_layout(...,
-        pad_rows_to=size_for(B), pad_pages_to=max_pages)``); rows past B are padding."""
+        """Logits [size, V] for a decode step already padded to a captured size
+        (``build_decode_layout(..., pad_rows_to=size_for(B))``); rows past B are padding.
+
+        The layout's block table may be narrower than ``max_pages``: only its columns are copied.
+        The static table's other columns keep ids of earlier steps, which attention never reads
+        (a row reads only the pages of its ``context_lens`` tokens; padding rows read none).
+        """
         size = layout.num_rows
         graph, static, ids, logits = self._graphs.get(size) or self._capture(size)
         ids.copy_(torch.from_numpy(input_ids), non_blocking=True)
-        for name in ("positions", "slot_mapping", "cu_seqlens_q", "cu_seqlens_k", "context_lens", "block_tables",
-                     "logits_indices"):
+        for name in ("positions", "slot_mapping", "cu_seqlens_q", "cu_seqlens_k", "context_lens", "logits_indices"):
             getattr(static, name).copy_(getattr(layout, name), non_blocking=True)
+        width = layout.block_tables.shape[1]
+        if width > self.max_pages:
+            raise ValueError(f"the step's block table has {width} pages, more than max_pages={self.max_pages}")
+        static.block_tables[:, :width].copy_(layout.block_tables, non_blocking=True)
         graph.replay()
         return logits
-

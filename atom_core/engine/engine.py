@@ -12,11 +12,12 @@ import random
 from pathlib import Path
 from typing import Iterable, Sequence
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from atom_core.cache import BlockManager, budget_from_memory, plan_kv_pool
-from atom_core.engine.outputs import RequestOutput
+from atom_core.engine.outputs import RequestOutput, StepOutputs
 from atom_core.engine.request import Request
 from atom_core.engine.runner import ModelRunner
 from atom_core.engine.sampling_params import SamplingParams
@@ -48,7 +49,7 @@ class Engine:
         if max_model_len is not None and max_model_len > limit:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}")
         self.max_model_len = max_model_len or limit
-        self.eos_token_ids = frozenset(config.eos_token_id)
+        self.eos_token_ids = config.eos_token_id
         spec = model.kv_cache_spec()
         sizing = dict(block_size=block_size, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len)
         if num_kv_blocks is None and self.device.type != "cuda":
@@ -61,7 +62,7 @@ class Engine:
         logger.info("KV pool: %d blocks of %d tokens (%.2f GiB)", plan.num_blocks, block_size, plan.kv_bytes / 2**30)
         self.block_manager = BlockManager(plan.num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
-                                   max_num_batched_tokens=max_num_batched_tokens)
+                                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len)
         self.runner = ModelRunner(model, plan, device=self.device, max_num_seqs=max_num_seqs,
                                   max_model_len=self.max_model_len, enforce_eager=enforce_eager)
         self._requests: dict[int, Request] = {}
@@ -138,36 +139,60 @@ class Engine:
 
     # ------------------------------------------------------------------ stepping
 
-    def step(self) -> list[RequestOutput]:
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self._eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, token_ids) -> None:
+        self._eos_token_ids = frozenset(token_ids)
+        self._eos_array = np.array(sorted(self._eos_token_ids), dtype=np.int64)
+
+    def step(self) -> StepOutputs:
         """Run one step; returns an output for every request that got a new token this step."""
         scheduled = self.scheduler.schedule()
         if not scheduled:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler could not run any request: the pool is too small for the "
                                    "waiting requests")
-            return []
+            return StepOutputs([], np.zeros(0, dtype=np.int64), {})
         self.num_preemptions += len(scheduled.preempted)
-        bm = self.block_manager
-        tables = [bm.block_table(r.request_id) for r in scheduled.requests]
-        want_logprobs = any(r.logprobs is not None for r in scheduled.requests)
-        result = self.runner.execute(scheduled.requests, scheduled.query_lens, tables, want_logprobs)
+        batch = self.scheduler.batch
+        want_logprobs = bool(batch.wants_logprobs[scheduled.rows].any())
+        result = self.runner.execute(scheduled, batch, want_logprobs)
+        produced = self.scheduler.update(scheduled, result.token_ids)
+        return self._check_stops(scheduled, produced, result)
 
-        outputs = []
-        for i, (request, q) in enumerate(zip(scheduled.requests, scheduled.query_lens)):
-            request.num_computed_tokens += q
-            bm.publish(request.request_id, request.token_ids, request.num_computed_tokens)
-            if request.num_computed_tokens < request.num_tokens:
-                continue  # a prompt chunk: its sampled token is not the next one yet
-            token = result.token_ids[i]
-            request.token_ids.append(token)
+    def _check_stops(self, scheduled, produced: np.ndarray, result) -> StepOutputs:
+        """Finish the rows whose new token ends them; the step's outputs.
+
+        EOS and length are checked for all rows at once; only rows that may stop, and rows with
+        stop strings, stop token ids or logprobs, are looked at in Python.
+        """
+        batch = self.scheduler.batch
+        if len(produced) == len(scheduled):  # every row got a token (always so in a decode step)
+            rows, requests, tokens = scheduled.rows, scheduled.requests, result.token_ids
+        else:
+            rows = scheduled.slots[produced]
+            requests = [scheduled.requests[i] for i in produced.tolist()]
+            tokens = result.token_ids[produced]
+        num_tokens = batch.num_tokens[rows]
+        maybe_done = (num_tokens >= batch.stop_len[rows]) | batch.checked_per_row[rows]
+        if batch.num_stopping_at_eos and self._eos_array.size:
+            maybe_done |= batch.stops_at_eos[rows] & (tokens[:, None] == self._eos_array).any(axis=1)
+        num_output_tokens = num_tokens - batch.num_prompt_tokens[rows]
+
+        finish_reasons = {}
+        for i in maybe_done.nonzero()[0].tolist():
+            request = requests[i]
             if request.logprobs is not None:
-                request.logprobs.append(result.logprobs[i])
-            reason = self._stop_reason(request, token)
+                request.logprobs.append(float(result.logprobs[produced[i]]))
+            reason = self._stop_reason(request, int(tokens[i]))
             if reason is not None:
                 self.scheduler.finish(request, reason)
                 del self._requests[request.request_id]
-            outputs.append(self._output(request, [token]))
-        return outputs
+                finish_reasons[i] = reason
+        return StepOutputs(requests, num_output_tokens, finish_reasons)
 
     def _stop_reason(self, request: Request, token: int) -> str | None:
         """Why the request stops after ``token`` (setting its final text), or None."""
@@ -179,7 +204,7 @@ class Engine:
             if hits:
                 request.text = text[: min(hits)]  # the stop string is not part of the text
                 return "stop"
-        if (not params.ignore_eos and token in self.eos_token_ids) or token in (params.stop_token_ids or ()):
+        if (not params.ignore_eos and token in self._eos_token_ids) or token in (params.stop_token_ids or ()):
             reason = "stop"
         elif request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
             reason = "length"
@@ -188,12 +213,6 @@ class Engine:
         if self.tokenizer is not None:
             request.text = text if text is not None else self.tokenizer.decode(request.output_token_ids)
         return reason
-
-    def _output(self, request: Request, new_token_ids: list[int]) -> RequestOutput:
-        """``text`` is the decoded output once the request has finished ("" before)."""
-        return RequestOutput(request.request_id, request.prompt_token_ids, request.output_token_ids, new_token_ids,
-                             request.text, request.finished, request.finish_reason,
-                             None if request.logprobs is None else list(request.logprobs))
 
     # ------------------------------------------------------------------ offline
 
@@ -212,8 +231,8 @@ class Engine:
         finished: dict[int, RequestOutput] = {}
         with tqdm(total=len(ids), desc="generate", disable=not use_tqdm) as bar:
             while self.has_unfinished_requests():
-                for out in self.step():
-                    if out.finished and out.request_id in order:
+                for out in self.step().finished():
+                    if out.request_id in order:
                         finished[out.request_id] = out
                         bar.update(1)
         return [finished[rid] for rid in sorted(finished, key=order.__getitem__)]

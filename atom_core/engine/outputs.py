@@ -1,24 +1,106 @@
-"""What the engine hands back: one ``RequestOutput`` per request per step (and at the end)."""
+"""What the engine hands back: one ``RequestOutput`` per request that got a token in a step.
+
+A step's outputs come as ``StepOutputs``, a sequence that builds each ``RequestOutput`` when it is
+read: a step of 256 decode rows costs no Python objects for outputs nobody looks at. An output
+holds its request and how many tokens the request had generated at that step; ``token_ids`` and
+``logprobs`` are read from the request then, so streaming ``new_token_ids`` never copies the
+whole output.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+
+import numpy as np
+
+from atom_core.engine.request import Request
 
 
-@dataclass
 class RequestOutput:
-    """A request's generated part so far.
+    """A request's generated part as of one step.
 
-    ``token_ids`` and ``text`` hold everything generated (the prompt excluded);
-    ``new_token_ids`` what this step added. ``finish_reason`` is None while running, else one of
-    "stop" (EOS, a stop token or a stop string), "length" (max_tokens or max_model_len), "abort".
+    Attributes:
+        request_id: the id ``add_request`` returned.
+        finish_reason: None while running, else "stop" (EOS, a stop token or a stop string),
+            "length" (max_tokens or max_model_len) or "abort".
+        finished: ``finish_reason is not None``.
+        text: the decoded output once finished ("" before, or without a tokenizer).
+        num_output_tokens: tokens generated up to and including this step.
+
+    ``token_ids`` (everything generated, the prompt excluded), ``new_token_ids`` (what this step
+    added) and ``logprobs`` are new lists taken from the request when read.
     """
 
-    request_id: int
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    new_token_ids: list[int]
-    text: str
-    finished: bool
-    finish_reason: str | None
-    logprobs: list[float] | None = field(default=None)
+    __slots__ = ("_request", "num_output_tokens", "finish_reason", "text")
+
+    def __init__(self, request: Request, num_output_tokens: int, finish_reason: str | None = None):
+        self._request = request
+        self.num_output_tokens = num_output_tokens
+        self.finish_reason = finish_reason
+        self.text = request.text if finish_reason is not None else ""
+
+    @property
+    def request_id(self) -> int:
+        return self._request.request_id
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self._request.prompt_token_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def token_ids(self) -> list[int]:
+        start = self._request.num_prompt_tokens
+        return self._request.token_ids[start:start + self.num_output_tokens]
+
+    @property
+    def new_token_ids(self) -> list[int]:
+        end = self._request.num_prompt_tokens + self.num_output_tokens
+        return self._request.token_ids[end - 1:end]  # one token per step
+
+    @property
+    def logprobs(self) -> list[float] | None:
+        logprobs = self._request.logprobs
+        return None if logprobs is None else logprobs[:self.num_output_tokens]
+
+    def __repr__(self) -> str:
+        return (f"RequestOutput(request_id={self.request_id}, num_output_tokens={self.num_output_tokens}, "
+                f"finish_reason={self.finish_reason!r})")
+
+
+class StepOutputs(Sequence):
+    """The outputs of one step, built on access: ``outputs[i]`` is a ``RequestOutput``.
+
+    Args:
+        requests: the requests that got a token this step.
+        num_output_tokens: int [N], each one's generated-token count after this step.
+        finish_reasons: index into ``requests`` -> reason, for those that finished this step.
+    """
+
+    __slots__ = ("_requests", "_num_output_tokens", "_finish_reasons")
+
+    def __init__(self, requests: list[Request], num_output_tokens: np.ndarray, finish_reasons: dict[int, str]):
+        if len(requests) != len(num_output_tokens):
+            raise ValueError(f"{len(requests)} requests but {len(num_output_tokens)} output counts")
+        self._requests = requests
+        self._num_output_tokens = num_output_tokens
+        self._finish_reasons = finish_reasons
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        i = range(len(self))[index]  # normalizes negative indices, raises IndexError past the end
+        return RequestOutput(self._requests[i], int(self._num_output_tokens[i]), self._finish_reasons.get(i))
+
+    def finished(self) -> list[RequestOutput]:
+        """Outputs of the requests that finished this step (built without touching the others)."""
+        return [self[i] for i in sorted(self._finish_reasons)]
+
+    def __repr__(self) -> str:
+        return f"StepOutputs({len(self)} outputs, {len(self._finish_reasons)} finished)"

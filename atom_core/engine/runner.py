@@ -1,8 +1,10 @@
 """The model runner: one step's tensors in, sampled tokens out.
 
-It owns the KV pool and the device buffers. Per step it builds the token layout with
-``atom_core.cache.build_step_layout``, runs the model (eagerly, or by replaying a CUDA graph
-captured for pure-decode batches of a padded size), and samples with ``atom_core.ops.sample``.
+It owns the KV pool and the device buffers. ``prepare`` is the host side of a step: it reads the
+scheduled rows from the running batch (numpy, by slot) and builds the input ids, the token layout
+(``build_decode_layout`` when every row computes one token, else ``build_step_layout``) and the
+sampling parameters. ``run`` is the device side: the model (eagerly, or by replaying a CUDA graph
+captured for pure-decode batches of a padded size) and ``atom_core.ops.sample``.
 
 Legend: B = rows, T = tokens this step, V = vocabulary.
 """
@@ -11,25 +13,54 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from itertools import chain
 
 import numpy as np
 import torch
 
 from atom_core.cache import PoolPlan, StepLayout, build_step_layout
+from atom_core.cache.token_layout import build_decode_layout
 from atom_core.engine.cuda_graphs import DecodeGraphs
-from atom_core.engine.request import Request
+from atom_core.engine.running_batch import RunningBatch
+from atom_core.engine.scheduler import ScheduledStep
 from atom_core.ops.sampling import sample
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
+class SamplingInputs:
+    """Per-row parameters of ``ops.sample`` (CPU tensors, [B]); top_k / top_p / min_p are None
+    when off in every row (the op then skips that filter)."""
+
+    temperature: torch.Tensor  # float32
+    top_k: torch.Tensor | None  # int32
+    top_p: torch.Tensor | None  # float32
+    min_p: torch.Tensor | None  # float32
+    seeds: torch.Tensor  # int64
+    offsets: torch.Tensor  # int64, the row's output tokens so far (its draw index)
+
+
+@dataclass
+class StepInputs:
+    """Everything the device needs for one step, on the host.
+
+    ``input_ids`` int64 [T] and ``layout`` cover the padded batch when ``graph_size`` is set (a
+    pure-decode step replayed in the CUDA graph of that many rows); ``num_rows`` = B real rows.
+    """
+
+    input_ids: np.ndarray
+    layout: StepLayout
+    sampling: SamplingInputs
+    num_rows: int
+    graph_size: int | None
+
+
+@dataclass
 class StepResult:
     """Sampled token per row (meaningful only for rows that completed their prompt) and logprobs."""
 
-    token_ids: list[int]
-    logprobs: list[float] | None
+    token_ids: np.ndarray  # int64 [B]
+    logprobs: np.ndarray | None  # float32 [B]
 
 
 class ModelRunner:
@@ -53,52 +84,67 @@ class ModelRunner:
         hidden = self.model(input_ids, layout.positions, layout)
         return self.model.compute_logits(hidden[layout.logits_indices])
 
-    def prepare(self, requests: list[Request], query_lens: list[int], block_tables: list[list[int]],
-                pad_rows_to: int | None = None) -> tuple[np.ndarray, StepLayout]:
-        """Input ids [T] and the step layout (CPU) for rows ``requests[i]`` computing ``query_lens[i]``
-        tokens, the row's pool pages being ``block_tables[i]``. With ``pad_rows_to`` the batch is
-        padded for a CUDA graph (one id-0 token per padding row, tables ``max_pages`` wide)."""
-        cached = [r.num_computed_tokens for r in requests]
-        num_tokens = sum(query_lens)
-        num_pad = 0 if pad_rows_to is None else pad_rows_to - len(requests)
-        input_ids = np.zeros(num_tokens + num_pad, dtype=np.int64)
-        input_ids[:num_tokens] = np.fromiter(
-            chain.from_iterable(r.token_ids[c:c + q] for r, c, q in zip(requests, cached, query_lens)),
-            dtype=np.int64, count=num_tokens)
-        layout = build_step_layout(query_lens, cached, block_tables, self.block_size, pad_rows_to=pad_rows_to,
-                                   pad_pages_to=None if pad_rows_to is None else self.max_pages)
-        return input_ids, layout
+    def execute(self, step: ScheduledStep, batch: RunningBatch, want_logprobs: bool) -> StepResult:
+        return self.run(self.prepare(step, batch), want_logprobs)
+
+    # ------------------------------------------------------------------ host
+
+    def prepare(self, step: ScheduledStep, batch: RunningBatch) -> StepInputs:
+        """Input ids, layout and sampling parameters of the scheduled rows (CPU)."""
+        rows, num_rows = step.rows, len(step)
+        cached = batch.num_computed_tokens[rows]
+        # The rows' pages; the width is the longest table (what ragged tables would give).
+        tables = batch.block_table[rows, :int(batch.num_pages[rows].max())]
+        graph_size = None
+        if step.num_tokens == num_rows:  # every row computes one token: decode (or 1-token prompts)
+            if self.graphs is not None and self.graphs.fits(num_rows):
+                graph_size = self.graphs.size_for(num_rows)
+            layout = build_decode_layout(cached, tables, self.block_size, pad_rows_to=graph_size)
+            input_ids = np.zeros(layout.num_tokens, dtype=np.int64)
+            input_ids[:num_rows] = batch.token_ids[step.slots, cached]
+        else:
+            layout = build_step_layout(step.query_lens, cached, tables, self.block_size)
+            token_slots = np.repeat(step.slots, step.query_lens)
+            input_ids = batch.token_ids[token_slots, layout.positions.numpy()].astype(np.int64)
+        return StepInputs(input_ids, layout, self.sampling_inputs(step, batch), num_rows, graph_size)
+
+    @staticmethod
+    def sampling_inputs(step: ScheduledStep, batch: RunningBatch) -> SamplingInputs:
+        """The rows' sampling parameters. For a dense step they are views of the batch's arrays
+        (valid until the batch changes)."""
+        rows = step.rows
+
+        def filter_param(array, num_using):  # None = off in every row: the op skips the filter
+            return torch.from_numpy(array[rows]) if num_using else None
+
+        return SamplingInputs(
+            temperature=torch.from_numpy(batch.temperature[rows]),
+            top_k=filter_param(batch.top_k, batch.num_using_top_k),
+            top_p=filter_param(batch.top_p, batch.num_using_top_p),
+            min_p=filter_param(batch.min_p, batch.num_using_min_p),
+            seeds=torch.from_numpy(batch.seed[rows]),
+            offsets=torch.from_numpy(batch.num_tokens[rows] - batch.num_prompt_tokens[rows]),
+        )
+
+    # ------------------------------------------------------------------ device
 
     @torch.inference_mode()
-    def execute(self, requests: list[Request], query_lens: list[int], block_tables: list[list[int]],
-                want_logprobs: bool) -> StepResult:
-        num_rows = len(requests)
-        if self.graphs is not None and max(query_lens) == 1 and self.graphs.fits(num_rows):
-            size = self.graphs.size_for(num_rows)
-            input_ids, layout = self.prepare(requests, query_lens, block_tables, pad_rows_to=size)
-            logits = self.graphs.run(input_ids, layout)
+    def run(self, inputs: StepInputs, want_logprobs: bool) -> StepResult:
+        """Run the model on ``inputs`` and sample one token per real row."""
+        dev = self.device
+        if inputs.graph_size is not None:
+            logits = self.graphs.run(inputs.input_ids, inputs.layout)
         else:
-            input_ids, layout = self.prepare(requests, query_lens, block_tables)
-            dev_layout = layout.to(self.device, non_blocking=True)
-            ids = torch.from_numpy(input_ids).to(self.device, non_blocking=True)
-            logits = self._forward_logits(ids, dev_layout)
-        return self.sample(logits[:num_rows], requests, want_logprobs)
+            ids = torch.from_numpy(inputs.input_ids).to(dev, non_blocking=True)
+            logits = self._forward_logits(ids, inputs.layout.to(dev, non_blocking=True))
+        s = inputs.sampling
 
-    def sample(self, logits: torch.Tensor, requests: list[Request], want_logprobs: bool) -> StepResult:
-        # Per-row parameters in one array: temperature, top_k, top_p, min_p.
-        params = np.array([(r.params.temperature, r.params.top_k, r.params.top_p, r.params.min_p) for r in requests],
-                          dtype=np.float64).reshape(-1, 4)
-        seeds = np.fromiter((r.seed for r in requests), dtype=np.int64, count=len(requests))
-        offsets = np.fromiter((r.num_output_tokens for r in requests), dtype=np.int64, count=len(requests))
-        dev = logits.device
+        def put(t):
+            return None if t is None else t.to(dev, non_blocking=True)
 
-        def put(a, dtype):
-            return torch.from_numpy(np.ascontiguousarray(a)).to(dev, dtype=dtype, non_blocking=True)
-
-        result = sample(logits, put(params[:, 0], torch.float32), put(params[:, 1], torch.int32),
-                        put(params[:, 2], torch.float32), put(params[:, 3], torch.float32),
-                        put(seeds, torch.int64), put(offsets, torch.int64), return_logprobs=want_logprobs)
+        result = sample(logits[:inputs.num_rows], put(s.temperature), put(s.top_k), put(s.top_p), put(s.min_p),
+                        put(s.seeds), put(s.offsets), return_logprobs=want_logprobs)
         if want_logprobs:
             tokens, logprobs = result
-            return StepResult(tokens.tolist(), logprobs.tolist())
-        return StepResult(result.tolist(), None)
+            return StepResult(tokens.cpu().numpy(), logprobs.cpu().numpy())
+        return StepResult(result.cpu().numpy(), None)

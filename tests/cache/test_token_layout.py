@@ -1,4 +1,7 @@
-"""build_step_layout: hand-computed anchors, property tests against the naive twin, errors."""
+"""build_step_layout and its decode fast path build_decode_layout: hand-computed anchors, property tests
+against the naive twin, errors."""
+
+import random
 
 import numpy as np
 import pytest
@@ -6,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from atom_core.cache.token_layout import StepLayout, build_step_layout
+from atom_core.cache.token_layout import StepLayout, build_decode_layout, build_step_layout
 from tests.cache.layout_twins import BLOCK_SIZES, Batch, batches, twin_pages_used, twin_step_layout
 
 PROPERTY_SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -345,3 +348,109 @@ def test_two_dimensional_lengths_are_rejected():
 def test_malformed_block_tables_are_rejected(tables, match):
     with pytest.raises(ValueError, match=match):
         build_step_layout([1], [0], tables, 16)
+
+
+# --- build_decode_layout: the pure-decode fast path ----------------------------------------------
+
+
+@st.composite
+def decode_batches(draw):
+    """A batch where every row computes one token, mostly on a cached context (decode), sometimes
+    from scratch (a one-token prompt), as a padded table without trailing all-padding columns."""
+    block_size = draw(st.sampled_from(BLOCK_SIZES))
+    num_rows = draw(st.integers(0, 6))
+    cached = [draw(st.integers(0, 3) | st.integers(0, 5000)) for _ in range(num_rows)]
+    pages = [twin_pages_used(c + 1, block_size) + draw(st.integers(0, 2)) for c in cached]
+    total = sum(pages)
+    base = draw(st.sampled_from([0, 2**31 // block_size + 1 if block_size > 1 else 2**31 - 2 * total - 2]))
+    ids = random.Random(draw(st.integers(0, 2**32 - 1))).sample(range(base, base + 2 * total + 2), total)
+    tables, start = [], 0
+    for n in pages:
+        tables.append(ids[start : start + n])
+        start += n
+    return Batch([1] * num_rows, cached, tables, block_size)
+
+
+def padded_table(batch: Batch, dtype=np.int32) -> np.ndarray:
+    width = max((len(row) for row in batch.block_tables), default=0)
+    rows = [row + [-1] * (width - len(row)) for row in batch.block_tables]
+    return np.array(rows, dtype=dtype).reshape(len(rows), width)
+
+
+@PROPERTY_SETTINGS
+@given(batch=decode_batches(), extra_rows=st.none() | st.integers(0, 4), extra_pages=st.none() | st.integers(0, 3),
+       as_tensor=st.booleans())
+def test_decode_layout_matches_the_general_layout_and_the_twin(batch, extra_rows, extra_pages, as_tensor):
+    table = padded_table(batch)
+    pad_rows_to = None if extra_rows is None else len(batch.cached_lens) + extra_rows
+    pad_pages_to = None if extra_pages is None else table.shape[1] + extra_pages
+    cached = np.array(batch.cached_lens, dtype=np.int64)
+    layout = build_decode_layout(torch.from_numpy(cached) if as_tensor else cached,
+                                 torch.from_numpy(table) if as_tensor else table, batch.block_size,
+                                 pad_rows_to=pad_rows_to, pad_pages_to=pad_pages_to)
+    general = build_step_layout(batch.query_lens, batch.cached_lens, batch.block_tables, batch.block_size,
+                                pad_rows_to=pad_rows_to, pad_pages_to=pad_pages_to)
+    expected = twin_step_layout(batch.query_lens, batch.cached_lens, batch.block_tables, batch.block_size,
+                                pad_rows_to, pad_pages_to)
+    assert_layout_equals(layout, expected)
+    for name in TENSOR_FIELDS:
+        assert torch.equal(getattr(layout, name), getattr(general, name)), name
+
+
+def test_decode_layout_anchor():
+    # block size 16. row 0: cached 47 on [5, 6, 7] -> page 47 // 16 = 2 (block 7), offset 15, slot 7*16+15 = 127.
+    # row 1: cached 16 on [3, 9] -> page 1 (block 9), offset 0, slot 9*16 = 144. row 2: a 1-token prompt on [4]
+    # -> slot 4*16 = 64, a prefill row. context = [48, 17, 1]; cu_seqlens_k = [0, 48, 65, 66].
+    layout = build_decode_layout(np.array([47, 16, 0]), np.array([[5, 6, 7], [3, 9, -1], [4, -1, -1]]), 16)
+    assert layout.positions.tolist() == [47, 16, 0]
+    assert layout.slot_mapping.tolist() == [127, 144, 64]
+    assert layout.context_lens.tolist() == [48, 17, 1]
+    assert layout.cu_seqlens_k.tolist() == [0, 48, 65, 66]
+    assert layout.cu_seqlens_q.tolist() == [0, 1, 2, 3] and layout.logits_indices.tolist() == [0, 1, 2]
+    assert layout.is_prefill.tolist() == [False, False, True]
+    assert (layout.max_seqlen_q, layout.max_seqlen_k, layout.num_prefill_rows) == (1, 48, 1)
+
+
+def test_decode_layout_keeps_the_given_width_and_does_not_alias_the_table():
+    table = np.array([[2, -1, -1]], dtype=np.int32)  # a trailing all-padding column is kept
+    layout = build_decode_layout([3], table, 4)
+    assert layout.block_tables.tolist() == [[2, -1, -1]]
+    table[0, 0] = 99
+    assert layout.block_tables.tolist() == [[2, -1, -1]]
+
+
+def test_decode_layout_empty_and_padded_only():
+    layout = build_decode_layout(np.zeros(0, dtype=np.int64), np.zeros((0, 0), dtype=np.int32), 16, pad_rows_to=2,
+                                 pad_pages_to=3)
+    assert layout.positions.tolist() == [0, 0] and layout.slot_mapping.tolist() == [-1, -1]
+    assert layout.block_tables.tolist() == [[-1] * 3] * 2
+    assert (layout.max_seqlen_q, layout.max_seqlen_k, layout.num_decode_rows) == (1, 0, 2)
+    empty = build_decode_layout([], np.zeros((0, 0), dtype=np.int32), 16)
+    assert (empty.num_rows, empty.max_seqlen_q, empty.max_seqlen_k) == (0, 0, 0)
+
+
+@pytest.mark.parametrize(
+    "cached, table, match",
+    [
+        ([-1], [[0]], "cached_lens\\[0\\] = -1 is negative"),
+        ([1, 16], [[0, -1], [1, -1]], "row 1 has no block on page 1"),
+        ([0, 32], [[0, -1], [1, 2]], "row 1 has 2 columns but position 32 is on page 2"),
+        ([3], [[0], [1]], "block_tables has 2 rows but cached_lens has 1"),
+    ],
+)
+def test_decode_layout_rejects_tables_without_the_written_block(cached, table, match):
+    with pytest.raises(ValueError, match=match):
+        build_decode_layout(cached, np.array(table), 16)
+
+
+def test_decode_layout_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="2-D"):
+        build_decode_layout([1], [[0]], 16)  # a list of lists is the general path's input
+    with pytest.raises(TypeError, match="integers"):
+        build_decode_layout([1], np.zeros((1, 1)), 16)
+    with pytest.raises(ValueError, match="pad_rows_to=0"):
+        build_decode_layout([1], np.zeros((1, 1), dtype=np.int32), 16, pad_rows_to=0)
+    with pytest.raises(ValueError, match="pad_pages_to=0"):
+        build_decode_layout([1], np.zeros((1, 1), dtype=np.int32), 16, pad_pages_to=0)
+    with pytest.raises(TypeError, match="block_size"):
+        build_decode_layout([1], np.zeros((1, 1), dtype=np.int32), 1.5)

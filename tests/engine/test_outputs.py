@@ -1,0 +1,81 @@
+"""RequestOutput / StepOutputs: built on access, snapshots of their step, streaming adds up."""
+
+import numpy as np
+import pytest
+import torch
+
+from atom_core import ops
+from atom_core.engine import Engine, RequestOutput, SamplingParams, StepOutputs
+from atom_core.engine.request import Request
+from atom_core.engine.running_batch import RunningBatch
+
+
+def running_request(batch, rid, prompt, **params):
+    request = Request(rid, prompt, SamplingParams(**params), seed=rid)
+    batch.add(request, list(range(rid * 8, rid * 8 + 8)), len(prompt))
+    return request
+
+
+def append_token(batch, request, token):
+    slot = request.slot
+    batch.token_ids[slot, batch.num_tokens[slot]] = token
+    batch.num_tokens[slot] += 1
+
+
+def test_outputs_are_snapshots_of_their_step():
+    batch = RunningBatch(max_num_seqs=2, max_model_len=64, block_size=4)
+    a = running_request(batch, 0, [1, 2, 3], logprobs=0)
+    b = running_request(batch, 1, [9])
+    append_token(batch, a, 50)
+    append_token(batch, b, 60)
+    a.logprobs.append(-0.5)
+    first = StepOutputs([a, b], np.array([1, 1]), {1: "length"})
+    append_token(batch, a, 51)
+    a.logprobs.append(-0.25)
+    second = StepOutputs([a], np.array([2]), {})
+
+    assert len(first) == 2 and len(second) == 1
+    out_a, out_b = first
+    assert isinstance(out_a, RequestOutput)
+    # the first step's outputs still show that step, although a has generated more since
+    assert out_a.token_ids == [50] and out_a.new_token_ids == [50] and out_a.logprobs == [-0.5]
+    assert not out_a.finished and out_a.finish_reason is None and out_a.text == ""
+    assert out_b.finished and out_b.finish_reason == "length" and out_b.token_ids == [60]
+    assert out_a.prompt_token_ids == [1, 2, 3] and out_a.request_id == 0 and out_b.new_token_ids == [60]
+    assert second[0].token_ids == [50, 51] and second[0].new_token_ids == [51] and second[0].logprobs == [-0.5, -0.25]
+    assert out_b.logprobs is None
+
+
+def test_sequence_protocol():
+    batch = RunningBatch(max_num_seqs=3, max_model_len=32, block_size=4)
+    requests = [running_request(batch, rid, [rid + 1]) for rid in range(3)]
+    for r in requests:
+        append_token(batch, r, 7)
+    outs = StepOutputs(requests, np.array([1, 1, 1]), {0: "stop", 2: "length"})
+    assert [o.request_id for o in outs] == [0, 1, 2]
+    assert outs[-1].request_id == 2 and [o.request_id for o in outs[1:]] == [1, 2]
+    assert [(o.request_id, o.finish_reason) for o in outs.finished()] == [(0, "stop"), (2, "length")]
+    with pytest.raises(IndexError):
+        outs[3]
+    with pytest.raises(ValueError, match="3 requests but 2 output counts"):
+        StepOutputs(requests, np.array([1, 1]), {})
+    assert len(StepOutputs([], np.zeros(0, dtype=np.int64), {})) == 0
+
+
+def test_streamed_new_tokens_add_up_to_the_final_output(tiny_qwen3):
+    folder, _ = tiny_qwen3
+    with ops.use_backend("torch"):
+        engine = Engine.from_pretrained(folder, device="cpu", dtype=torch.float32, block_size=4)
+        params = [SamplingParams(temperature=0.8, seed=s, max_tokens=n, ignore_eos=True) for s, n in ((1, 9), (2, 5))]
+        ids = [engine.add_request(p, sp) for p, sp in zip([[1, 2, 3], [4, 5, 6, 7, 8]], params)]
+        streamed = {rid: [] for rid in ids}
+        final = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                streamed[out.request_id] += out.new_token_ids
+                assert out.token_ids == streamed[out.request_id]
+                if out.finished:
+                    final[out.request_id] = out
+    for rid, n in zip(ids, (9, 5)):
+        assert len(final[rid].token_ids) == n and final[rid].token_ids == streamed[rid]
+        assert final[rid].finish_reason == "length"
