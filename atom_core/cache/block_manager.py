@@ -25,6 +25,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import xxhash
 
 from atom_core.cache.prefix_hash import ROOT_PARENT_HASH, hash_block_tokens
 
@@ -282,7 +283,7 @@ class BlockManager:
                 self._block_key[block_id] = (parent, tuple(block_tokens.tolist()))
             parent = block_hash
 
-    # ---------------------------------------------------------------- bulk forms for decode steps
+    # ---------------------------------------------------------------- bulk forms for the engine's steps
 
     def append_block_each(self, seq_ids: Sequence[Hashable]) -> list[int]:
         """Give each sequence one more block, in order, while free blocks last.
@@ -300,21 +301,19 @@ class BlockManager:
             new_block_ids.append(block_id)
         return new_block_ids
 
-    def publish_next_blocks(
+    def publish_blocks(
         self, seq_ids: Sequence[Hashable], block_indices: Sequence[int], block_token_ids: np.ndarray
     ) -> None:
-        """Publish one more full block of each sequence (the bulk form of ``publish`` for a decode
-        step, where a sequence fills at most one block).
+        """Publish many full blocks of many sequences in one call (the bulk form of ``publish``).
 
         Args:
-            seq_ids: the sequences, each once.
-            block_indices: int [N], the block of ``seq_ids[i]`` whose KV is now computed; it must be
-                the sequence's first block not yet published (``publish`` covered those before).
-            block_token_ids: int [N, block_size], the tokens of those blocks.
+            seq_ids: int [N] or any hashables, the sequence of each block; a sequence may repeat.
+            block_indices: int [N], which block of its sequence each one is. A sequence's blocks
+                come in order, the first being its first block not yet published.
+            block_token_ids: int [N, block_size], the tokens of those blocks (whose KV is computed).
 
         Same effect as ``publish(seq_ids[i], tokens, (block_indices[i] + 1) * block_size)`` for each
-        i in order. Raises ValueError (nothing changed) for a bad shape or a block that is not the
-        next one of its sequence.
+        i in order. Raises ValueError (nothing changed) for a bad shape or a block out of order.
         """
         bs = self._block_size
         array = np.asarray(block_token_ids)
@@ -325,20 +324,31 @@ class BlockManager:
             )
         if array.size and array.dtype.kind not in "iu":
             raise TypeError(f"block_token_ids must hold integers, got dtype {array.dtype}")
-        seqs = self._get_distinct_seqs(seq_ids)
+        try:
+            seqs = [self._seqs[seq_id] for seq_id in seq_ids]
+        except KeyError as e:
+            raise ValueError(f"seq_id {e.args[0]!r} has no blocks allocated") from None
         if not self.enable_prefix_caching:
             return  # nothing is ever published (as in ``publish``)
         indices = [int(i) for i in block_indices]
+        next_index: dict[Hashable, int] = {}
         for seq_id, seq, index in zip(seq_ids, seqs, indices):
-            if index != len(seq.block_hashes) or index >= len(seq.block_ids):
+            expected = next_index.get(seq_id, len(seq.block_hashes))
+            if index != expected or index >= len(seq.block_ids):
                 raise ValueError(
-                    f"block {index} of seq_id {seq_id!r} is not its next block to publish: "
-                    f"{len(seq.block_hashes)} published of {len(seq.block_ids)} blocks"
+                    f"block {index} of seq_id {seq_id!r} is out of order: its next block to publish is "
+                    f"{expected} of {len(seq.block_ids)}"
                 )
-        tokens = array.astype(np.int64)
-        for seq, index, block_tokens, token_list in zip(seqs, indices, tokens, tokens.tolist()):
+            next_index[seq_id] = index + 1
+        # hash_block_tokens's bytes, laid out once for all blocks: the parent hash as 8 little-endian
+        # bytes, then the block's tokens as little-endian int64.
+        token_bytes = array.astype("<i8").tobytes()
+        row_bytes = 8 * bs
+        for k, (seq, index, token_list) in enumerate(zip(seqs, indices, array.tolist())):
             parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_PARENT_HASH
-            block_hash = hash_block_tokens(parent, block_tokens)
+            block_hash = xxhash.xxh64_intdigest(
+                parent.to_bytes(8, "little") + token_bytes[k * row_bytes : (k + 1) * row_bytes]
+            )
             seq.block_hashes.append(block_hash)
             if block_hash not in self._hash_to_block:
                 block_id = seq.block_ids[index]

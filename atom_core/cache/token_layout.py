@@ -239,16 +239,16 @@ def build_decode_layout(
 
     # The token of row r is at position cached[r], on page cached[r] // block_size; its slot is
     # block * block_size + cached % block_size = (block - page) * block_size + cached.
-    # (Plain numpy methods and ufuncs here: this runs every decode step.)
+    # (Few, plain numpy calls here: this runs every decode step.)
+    max_cached = int(cached.max()) if num_real_rows else -1
+    if num_real_rows and cached.min() < 0:
+        r = int((cached < 0).nonzero()[0][0])
+        raise ValueError(f"cached_lens[{r}] = {int(cached[r])} is negative")
+    if max_cached // block_size >= width:
+        r = int((cached // block_size >= width).nonzero()[0][0])
+        raise ValueError(f"block_tables row {r} has {width} columns but position {int(cached[r])} "
+                         f"is on page {int(cached[r]) // block_size}")
     page = cached // block_size
-    if num_real_rows:
-        if cached.min() < 0:
-            r = int((cached < 0).nonzero()[0][0])
-            raise ValueError(f"cached_lens[{r}] = {int(cached[r])} is negative")
-        if page.max() >= width:
-            r = int((page >= width).nonzero()[0][0])
-            raise ValueError(f"block_tables row {r} has {width} columns but position {int(cached[r])} "
-                             f"is on page {int(page[r])}")
     block = block_tables[np.arange(num_real_rows), page].astype(np.int64, copy=False)
     if num_real_rows and block.min() < 0:
         r = int((block < 0).nonzero()[0][0])
@@ -258,7 +258,8 @@ def build_decode_layout(
     if num_rows == num_real_rows and padded_width == width:
         positions, slot_mapping, context = cached.copy(), real_slots, cached + 1
         table = block_tables.astype(np.int32)  # a copy: the layout never aliases the caller's table
-    else:  # padding rows: position 0, slot -1, context 0, no blocks
+        is_prefill = cached == 0  # one token with nothing cached is a (tiny) prefill
+    else:  # padding rows: position 0, slot -1, context 0, no blocks, not prefill
         positions = np.zeros(num_rows, dtype=np.int64)
         positions[:num_real_rows] = cached
         slot_mapping = np.full(num_rows, NO_SLOT, dtype=np.int64)
@@ -267,25 +268,24 @@ def build_decode_layout(
         context[:num_real_rows] = cached + 1
         table = np.full((num_rows, padded_width), PAD_BLOCK_ID, dtype=np.int32)
         table[:num_real_rows, :width] = block_tables
+        is_prefill = np.zeros(num_rows, dtype=bool)
+        is_prefill[:num_real_rows] = cached == 0
     cu_seqlens_k = np.zeros(num_rows + 1, dtype=np.int64)
     np.add.accumulate(context, out=cu_seqlens_k[1:])
     if cu_seqlens_k[-1] > INT32_MAX:
         raise ValueError(f"the batch's {int(cu_seqlens_k[-1])} context tokens do not fit int32 cu_seqlens_k")
-    is_prefill = positions == 0  # one token with nothing cached is a (tiny) prefill
-    is_prefill[num_real_rows:] = False
     num_prefill_rows = int(np.count_nonzero(is_prefill))
-    row_index = np.arange(num_rows + 1, dtype=np.int64)
 
     return StepLayout(
         positions=torch.from_numpy(positions),
         slot_mapping=torch.from_numpy(slot_mapping),
-        cu_seqlens_q=torch.from_numpy(row_index.astype(np.int32)),
+        cu_seqlens_q=torch.from_numpy(np.arange(num_rows + 1, dtype=np.int32)),
         cu_seqlens_k=torch.from_numpy(cu_seqlens_k.astype(np.int32)),
         max_seqlen_q=1 if num_rows else 0,
-        max_seqlen_k=int(context.max()) if num_rows else 0,
+        max_seqlen_k=max_cached + 1 if num_real_rows else 0,
         context_lens=torch.from_numpy(context.astype(np.int32)),
         block_tables=torch.from_numpy(table),
-        logits_indices=torch.from_numpy(row_index[:-1]),
+        logits_indices=torch.from_numpy(np.arange(num_rows, dtype=np.int64)),
         is_prefill=torch.from_numpy(is_prefill),
         num_prefill_rows=num_prefill_rows,
         num_decode_rows=num_rows - num_prefill_rows,

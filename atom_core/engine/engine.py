@@ -158,7 +158,7 @@ class Engine:
             return StepOutputs([], np.zeros(0, dtype=np.int64), {})
         self.num_preemptions += len(scheduled.preempted)
         batch = self.scheduler.batch
-        want_logprobs = bool(batch.wants_logprobs[scheduled.rows].any())
+        want_logprobs = bool(batch.num_wanting_logprobs and batch.wants_logprobs[scheduled.rows].any())
         result = self.runner.execute(scheduled, batch, want_logprobs)
         produced = self.scheduler.update(scheduled, result.token_ids)
         return self._check_stops(scheduled, produced, result)

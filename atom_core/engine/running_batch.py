@@ -32,6 +32,8 @@ class RunningBatch:
         block_table: int32 [S, P], the pool blocks of the request's pages, -1 after ``num_pages``
             (and in free slots).
         num_pages: int64 [S], blocks the request holds.
+        num_published_blocks: int64 [S], leading blocks the prefix cache knows (served by it at
+            admission, or published since).
         admission_order: int64 [S], increases with each admission (a re-admitted request is newest).
         temperature: float32 [S]; top_k: int32 [S]; top_p: float32 [S]; min_p: float32 [S];
         seed: int64 [S]: sampling parameters, in the dtypes ``ops.sample`` takes.
@@ -41,8 +43,9 @@ class RunningBatch:
         wants_logprobs: bool [S].
         checked_per_row: bool [S], the request has stop strings, stop token ids or logprobs: the
             engine looks at each of its tokens in Python (other rows are checked vectorized).
-        num_using_top_k, num_using_top_p, num_using_min_p, num_stopping_at_eos: used slots with
-            that filter on / that stop on EOS (0 lets a step skip the work for every row).
+        num_using_top_k, num_using_top_p, num_using_min_p, num_stopping_at_eos,
+        num_wanting_logprobs: used slots with that filter on / that stop on EOS / that want
+            logprobs (0 lets a step skip that work for every row).
     """
 
     def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int):
@@ -60,6 +63,7 @@ class RunningBatch:
         self.num_computed_tokens = np.zeros(slots, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(slots, dtype=np.int64)
         self.num_pages = np.zeros(slots, dtype=np.int64)
+        self.num_published_blocks = np.zeros(slots, dtype=np.int64)
         self.admission_order = np.zeros(slots, dtype=np.int64)
         self.temperature = np.zeros(slots, dtype=np.float32)
         self.top_k = np.zeros(slots, dtype=np.int32)
@@ -72,9 +76,10 @@ class RunningBatch:
         self.checked_per_row = np.zeros(slots, dtype=bool)
         # The arrays a slot's state lives in (besides token_ids and block_table rows).
         self._slot_arrays = (self.num_tokens, self.num_computed_tokens, self.num_prompt_tokens, self.num_pages,
-                             self.admission_order, self.temperature, self.top_k, self.top_p, self.min_p, self.seed,
+                             self.num_published_blocks, self.admission_order, self.temperature, self.top_k, self.top_p, self.min_p, self.seed,
                              self.stop_len, self.stops_at_eos, self.wants_logprobs, self.checked_per_row)
-        self.num_using_top_k = self.num_using_top_p = self.num_using_min_p = self.num_stopping_at_eos = 0
+        self.num_using_top_k = self.num_using_top_p = self.num_using_min_p = 0
+        self.num_stopping_at_eos = self.num_wanting_logprobs = 0
         self._num_admitted = 0
 
     @property
@@ -107,6 +112,7 @@ class RunningBatch:
         self.num_computed_tokens[slot] = num_computed_tokens
         self.num_prompt_tokens[slot] = request.num_prompt_tokens
         self.num_pages[slot] = num_pages
+        self.num_published_blocks[slot] = num_computed_tokens // self.block_size  # prefix-cache hits
         self.admission_order[slot] = self._num_admitted
         self._num_admitted += 1
         params = request.params
@@ -119,7 +125,7 @@ class RunningBatch:
         self.stops_at_eos[slot] = not params.ignore_eos
         self.wants_logprobs[slot] = request.logprobs is not None
         self.checked_per_row[slot] = bool(params.stop_strings or params.stop_token_ids or request.logprobs is not None)
-        self._count_params(params, +1)
+        self._count_params(request, +1)
         request.attach(self, slot)
         return slot
 
@@ -141,7 +147,7 @@ class RunningBatch:
         if slot is None or request.running_batch is not self:
             raise ValueError(f"request {request.request_id} holds no slot of this batch")
         request.detach()
-        self._count_params(request.params, -1)
+        self._count_params(request, -1)
         last = len(self.requests) - 1
         moved = self.requests.pop()
         if slot != last:
@@ -158,7 +164,9 @@ class RunningBatch:
         """The slot's tokens from index ``start`` on, as Python ints."""
         return self.token_ids[slot, start:int(self.num_tokens[slot])].tolist()
 
-    def _count_params(self, params, sign: int) -> None:
+    def _count_params(self, request: Request, sign: int) -> None:
+        params = request.params
+        self.num_wanting_logprobs += sign * (request.logprobs is not None)
         self.num_using_top_k += sign * (params.top_k > 0)
         self.num_using_top_p += sign * (params.top_p < 1)
         self.num_using_min_p += sign * (params.min_p > 0)

@@ -103,6 +103,8 @@ class Scheduler:
         # Admit waiting requests, unless this step had to preempt (the pool is already too tight).
         # They take the next slots, so a dense step stays dense.
         admitted_lens = []
+        if self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            self.publish_computed_blocks()  # admission reads the prefix cache
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             request = self.waiting[0]
             q = self._admit(request, budget)
@@ -196,7 +198,8 @@ class Scheduler:
 
     def update(self, step: ScheduledStep, sampled_token_ids: np.ndarray) -> np.ndarray:
         """Record a step that ran: each row computed its query tokens; a row that reached its last
-        token appends its sampled token; blocks that became full are published to the prefix cache.
+        token appends its sampled token. (The blocks it filled are published later, in bulk: see
+        ``publish_computed_blocks``.)
 
         Args:
             step: what ``schedule`` returned.
@@ -218,34 +221,47 @@ class Scheduler:
         batch.token_ids[produced_slots, batch.num_tokens[produced_rows]] = tokens
         batch.num_tokens[produced_rows] += 1
 
-        if self.block_manager.enable_prefix_caching:
-            self._publish_filled_blocks(step, new_computed)
         return produced
 
-    def _publish_filled_blocks(self, step: ScheduledStep, new_computed: np.ndarray) -> None:
-        """Publish the blocks the step filled (``new_computed``: int64 [B], each row's computed
-        tokens after the step) to the prefix cache."""
-        batch, bm, query_lens = self.batch, self.block_manager, step.query_lens
-        block_size = bm.block_size
-        filled = (new_computed // block_size > (new_computed - query_lens) // block_size).nonzero()[0]
-        if len(filled) == 0:
+    # ------------------------------------------------------------------ prefix cache
+
+    def publish_computed_blocks(self) -> None:
+        """Publish to the prefix cache every full block the running requests have computed.
+
+        Publishing is batched: a step only counts what it computed, and the blocks are hashed here,
+        all in one call, right before the cache is read (admission) — or in ``_stop_running``
+        before a request's blocks are freed. The allocator sees the same index as if each step
+        had published its blocks, at a fraction of the per-step cost.
+        """
+        bm, batch = self.block_manager, self.batch
+        if not bm.enable_prefix_caching:
             return
-        if step.num_tokens == len(step):  # one token per row: each filled row filled one block
-            first_token = new_computed[filled] - block_size
-            block_tokens = batch.token_ids[step.slots[filled, None], first_token[:, None] + np.arange(block_size)]
-            bm.publish_next_blocks([step.requests[i].request_id for i in filled.tolist()],
-                                   (first_token // block_size).tolist(), block_tokens)
-        else:
-            for i in filled.tolist():
-                request, num_computed = step.requests[i], int(new_computed[i])
-                bm.publish(request.request_id, batch.token_ids[request.slot, :num_computed], num_computed)
+        n, block_size = batch.num_rows, bm.block_size
+        full = batch.num_computed_tokens[:n] // block_size
+        first = batch.num_published_blocks[:n]
+        rows = (full > first).nonzero()[0]
+        if len(rows) == 0:
+            return
+        # Row rows[j] publishes blocks first[j] .. full[j]-1: one entry per block, row by row.
+        counts = full[rows] - first[rows]
+        block_row = np.repeat(rows, counts)
+        starts = np.repeat(np.cumsum(counts) - counts, counts)
+        block_index = np.repeat(first[rows], counts) + np.arange(len(block_row)) - starts
+        token_ids = batch.token_ids[block_row[:, None], block_index[:, None] * block_size + np.arange(block_size)]
+        bm.publish_blocks([batch.requests[r].request_id for r in block_row.tolist()], block_index.tolist(),
+                          token_ids)
+        batch.num_published_blocks[rows] = full[rows]
 
     # ------------------------------------------------------------------ leaving the batch
 
     def _stop_running(self, request: Request) -> None:
+        bm, batch, slot = self.block_manager, self.batch, request.slot
+        if bm.enable_prefix_caching:  # its computed blocks stay reusable after they are freed
+            num_computed = int(batch.num_computed_tokens[slot])
+            bm.publish(request.request_id, batch.token_ids[slot, :num_computed], num_computed)
         self.running.remove(request)
-        self.block_manager.free(request.request_id)
-        self.batch.remove(request)
+        bm.free(request.request_id)
+        batch.remove(request)
 
     def _preempt(self, request: Request) -> None:
         self._stop_running(request)

@@ -1,5 +1,5 @@
-"""The bulk forms for decode steps (append_block_each, publish_next_blocks) equal the one-sequence
-calls they replace; block_table(start=...)."""
+"""The bulk forms (append_block_each, publish_blocks) equal the one-sequence calls they replace;
+block_table(start=...)."""
 
 import numpy as np
 import pytest
@@ -52,9 +52,35 @@ def test_append_block_each_equals_append_slots_in_order(prompts, spare, data):
 
 @SETTINGS
 @given(prompts=prompt_lists, caching=st.booleans(), data=st.data())
-def test_publish_next_blocks_equals_publish(prompts, caching, data):
-    one, bulk = twin_managers(prompts, 64, enable_prefix_caching=caching)
-    # Every sequence computes one more full block: its tokens so far plus the next block's.
+def test_publish_blocks_equals_publish(prompts, caching, data):
+    one, bulk = twin_managers(prompts, 128, enable_prefix_caching=caching)
+    # Every sequence computes 0-2 more full blocks; the bulk call lists them interleaved across
+    # sequences (each sequence's in order), publish takes them sequence by sequence.
+    new_blocks = {seq_id: data.draw(st.lists(st.lists(st.integers(0, 5), min_size=BS, max_size=BS), max_size=2))
+                  for seq_id in range(len(prompts))}
+    full = {seq_id: prompts[seq_id][: len(prompts[seq_id]) // BS * BS] for seq_id in new_blocks}
+    entries = [(seq_id, len(full[seq_id]) // BS + j, block) for seq_id, blocks in new_blocks.items()
+               for j, block in enumerate(blocks)]
+    entries.sort(key=lambda e: (e[1], data.draw(st.integers(0, 3))))  # interleave, keep each sequence's order
+    for bm in (one, bulk):
+        for seq_id, blocks in new_blocks.items():
+            assert bm.append_slots(seq_id, len(full[seq_id]) + BS * len(blocks))
+    for seq_id, blocks in new_blocks.items():
+        tokens = full[seq_id] + [t for block in blocks for t in block]
+        one.publish(seq_id, tokens, len(tokens))
+    bulk.publish_blocks([e[0] for e in entries], [e[1] for e in entries],
+                        np.array([e[2] for e in entries], dtype=np.int32).reshape(len(entries), BS))
+    # the index may name another block for a duplicate content (interleaving changes which is
+    # first), but every sequence's hashes are the same
+    assert {s: h for s, (_, h) in state(bulk)[0].items()} == {s: h for s, (_, h) in state(one)[0].items()}
+    assert sorted(state(bulk)[2]) == sorted(state(one)[2])
+    bulk.check_integrity()
+
+
+@SETTINGS
+@given(prompts=prompt_lists, data=st.data())
+def test_publish_blocks_one_per_sequence_leaves_the_same_index(prompts, data):
+    one, bulk = twin_managers(prompts, 64)
     order = data.draw(st.permutations(range(len(prompts))))
     new_blocks = {seq_id: data.draw(st.lists(st.integers(0, 5), min_size=BS, max_size=BS)) for seq_id in order}
     for bm in (one, bulk):
@@ -64,16 +90,15 @@ def test_publish_next_blocks_equals_publish(prompts, caching, data):
         tokens = prompts[seq_id][: len(prompts[seq_id]) // BS * BS] + new_blocks[seq_id]
         one.publish(seq_id, tokens, len(tokens))
     indices = [len(prompts[seq_id]) // BS for seq_id in order]
-    bulk.publish_next_blocks(order, indices, np.array([new_blocks[s] for s in order], dtype=np.int32))
+    bulk.publish_blocks(order, indices, np.array([new_blocks[s] for s in order], dtype=np.int32))
     assert state(bulk) == state(one)
-    bulk.check_integrity()
 
 
-def test_publish_next_blocks_serves_later_prompts():
+def test_publish_blocks_serves_later_prompts():
     bm = BlockManager(16, BS)
     bm.allocate("a", [1, 2, 3, 4, 5])  # block 0 = [1, 2, 3, 4] (published below), block 1 holds 5
     bm.publish("a", [1, 2, 3, 4, 5], 4)
-    bm.publish_next_blocks(["a"], [1], np.array([[5, 6, 7, 8]]))
+    bm.publish_blocks(["a"], [1], np.array([[5, 6, 7, 8]]))
     # a prompt starting with both blocks: 2 blocks = 8 tokens from the cache
     assert bm.allocate("b", [1, 2, 3, 4, 5, 6, 7, 8, 9]) == 8
 
@@ -88,13 +113,17 @@ def test_bulk_errors_change_nothing():
     with pytest.raises(ValueError, match="repeat"):
         bm.append_block_each(["a", "a"])
     with pytest.raises(ValueError, match="must be \\[2, 4\\]"):
-        bm.publish_next_blocks(["a", "b"], [1, 1], np.zeros((2, 3), dtype=np.int64))
+        bm.publish_blocks(["a", "b"], [1, 1], np.zeros((2, 3), dtype=np.int64))
     with pytest.raises(TypeError, match="integers"):
-        bm.publish_next_blocks(["a"], [1], np.zeros((1, BS)))
-    with pytest.raises(ValueError, match="block 1 of seq_id 'b' is not its next block"):
-        bm.publish_next_blocks(["a", "b"], [0, 1], np.zeros((2, BS), dtype=np.int64))  # b has 0 published
+        bm.publish_blocks(["a"], [1], np.zeros((1, BS)))
+    with pytest.raises(ValueError, match="block 1 of seq_id 'b' is out of order: its next block to publish is 0"):
+        bm.publish_blocks(["a", "b"], [0, 1], np.zeros((2, BS), dtype=np.int64))  # b has 0 published
+    with pytest.raises(ValueError, match="block 0 of seq_id 'a' is out of order: .* is 1"):
+        bm.publish_blocks(["a", "a"], [0, 0], np.zeros((2, BS), dtype=np.int64))
     with pytest.raises(ValueError, match="block 2 of seq_id 'a'"):
-        bm.publish_next_blocks(["a"], [2], np.zeros((1, BS), dtype=np.int64))
+        bm.publish_blocks(["a"], [2], np.zeros((1, BS), dtype=np.int64))  # a holds 2 blocks
+    with pytest.raises(ValueError, match="'zzz' has no blocks"):
+        bm.publish_blocks(["zzz"], [0], np.zeros((1, BS), dtype=np.int64))
     assert state(bm) == before
     assert bm.append_block_each([]) == []
 
