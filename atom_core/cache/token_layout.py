@@ -240,8 +240,8 @@ def build_decode_layout(
     # The token of row r is at position cached[r], on page cached[r] // block_size; its slot is
     # block * block_size + cached % block_size = (block - page) * block_size + cached.
     # (Few, plain numpy calls here: this runs every decode step.)
-    max_cached = int(cached.max()) if num_real_rows else -1
-    if num_real_rows and cached.min() < 0:
+    min_cached, max_cached = (int(cached.min()), int(cached.max())) if num_real_rows else (1, -1)
+    if min_cached < 0:
         r = int((cached < 0).nonzero()[0][0])
         raise ValueError(f"cached_lens[{r}] = {int(cached[r])} is negative")
     if max_cached // block_size >= width:
@@ -249,7 +249,9 @@ def build_decode_layout(
         raise ValueError(f"block_tables row {r} has {width} columns but position {int(cached[r])} "
                          f"is on page {int(cached[r]) // block_size}")
     page = cached // block_size
-    block = block_tables[np.arange(num_real_rows), page].astype(np.int64, copy=False)
+    block = block_tables[np.arange(num_real_rows), page]
+    if block.dtype.kind == "u":
+        block = block.astype(np.int64)  # unsigned minus int64 would give floats
     if num_real_rows and block.min() < 0:
         r = int((block < 0).nonzero()[0][0])
         raise ValueError(f"block_tables row {r} has no block on page {int(page[r])} (position {int(cached[r])})")
@@ -258,7 +260,6 @@ def build_decode_layout(
     if num_rows == num_real_rows and padded_width == width:
         positions, slot_mapping, context = cached.copy(), real_slots, cached + 1
         table = block_tables.astype(np.int32)  # a copy: the layout never aliases the caller's table
-        is_prefill = cached == 0  # one token with nothing cached is a (tiny) prefill
     else:  # padding rows: position 0, slot -1, context 0, no blocks, not prefill
         positions = np.zeros(num_rows, dtype=np.int64)
         positions[:num_real_rows] = cached
@@ -268,13 +269,15 @@ def build_decode_layout(
         context[:num_real_rows] = cached + 1
         table = np.full((num_rows, padded_width), PAD_BLOCK_ID, dtype=np.int32)
         table[:num_real_rows, :width] = block_tables
-        is_prefill = np.zeros(num_rows, dtype=bool)
+    # One token with nothing cached is a (tiny) prefill; padding rows are not.
+    is_prefill = np.zeros(num_rows, dtype=bool)
+    if min_cached == 0:
         is_prefill[:num_real_rows] = cached == 0
+    num_prefill_rows = int(np.count_nonzero(is_prefill)) if min_cached == 0 else 0
     cu_seqlens_k = np.zeros(num_rows + 1, dtype=np.int64)
     np.add.accumulate(context, out=cu_seqlens_k[1:])
     if cu_seqlens_k[-1] > INT32_MAX:
         raise ValueError(f"the batch's {int(cu_seqlens_k[-1])} context tokens do not fit int32 cu_seqlens_k")
-    num_prefill_rows = int(np.count_nonzero(is_prefill))
 
     return StepLayout(
         positions=torch.from_numpy(positions),

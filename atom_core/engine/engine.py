@@ -176,11 +176,12 @@ class Engine:
             rows = scheduled.slots[produced]
             requests = [scheduled.requests[i] for i in produced.tolist()]
             tokens = result.token_ids[produced]
-        num_tokens = batch.num_tokens[rows]
-        maybe_done = (num_tokens >= batch.stop_len[rows]) | batch.checked_per_row[rows]
-        if batch.num_stopping_at_eos and self._eos_array.size:
-            maybe_done |= batch.stops_at_eos[rows] & (tokens[:, None] == self._eos_array).any(axis=1)
-        num_output_tokens = num_tokens - batch.num_prompt_tokens[rows]
+        num_tokens = batch.num_tokens[rows].copy()  # a snapshot for the outputs
+        maybe_done = num_tokens >= batch.check_from_len[rows]
+        if batch.num_stopping_at_eos:
+            eos = self._eos_array
+            is_eos = tokens == eos[0] if len(eos) == 1 else (tokens[:, None] == eos).any(axis=1)
+            maybe_done |= is_eos & batch.stops_at_eos[rows]
 
         finish_reasons = {}
         for i in maybe_done.nonzero()[0].tolist():
@@ -192,7 +193,7 @@ class Engine:
                 self.scheduler.finish(request, reason)
                 del self._requests[request.request_id]
                 finish_reasons[i] = reason
-        return StepOutputs(requests, num_output_tokens, finish_reasons)
+        return StepOutputs(requests, num_tokens, finish_reasons)
 
     def _stop_reason(self, request: Request, token: int) -> str | None:
         """Why the request stops after ``token`` (setting its final text), or None."""

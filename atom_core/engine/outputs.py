@@ -76,17 +76,17 @@ class StepOutputs(Sequence):
 
     Args:
         requests: the requests that got a token this step.
-        num_output_tokens: int [N], each one's generated-token count after this step.
+        num_tokens: int [N], each one's token count (prompt + generated) after this step.
         finish_reasons: index into ``requests`` -> reason, for those that finished this step.
     """
 
-    __slots__ = ("_requests", "_num_output_tokens", "_finish_reasons")
+    __slots__ = ("_requests", "_num_tokens", "_finish_reasons")
 
-    def __init__(self, requests: list[Request], num_output_tokens: np.ndarray, finish_reasons: dict[int, str]):
-        if len(requests) != len(num_output_tokens):
-            raise ValueError(f"{len(requests)} requests but {len(num_output_tokens)} output counts")
+    def __init__(self, requests: list[Request], num_tokens: np.ndarray, finish_reasons: dict[int, str]):
+        if len(requests) != len(num_tokens):
+            raise ValueError(f"{len(requests)} requests but {len(num_tokens)} token counts")
         self._requests = requests
-        self._num_output_tokens = num_output_tokens
+        self._num_tokens = num_tokens
         self._finish_reasons = finish_reasons
 
     def __len__(self) -> int:
@@ -96,7 +96,9 @@ class StepOutputs(Sequence):
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
         i = range(len(self))[index]  # normalizes negative indices, raises IndexError past the end
-        return RequestOutput(self._requests[i], int(self._num_output_tokens[i]), self._finish_reasons.get(i))
+        request = self._requests[i]
+        return RequestOutput(request, int(self._num_tokens[i]) - request.num_prompt_tokens,
+                             self._finish_reasons.get(i))
 
     def finished(self) -> list[RequestOutput]:
         """Outputs of the requests that finished this step (built without touching the others)."""

@@ -27,7 +27,7 @@ from atom_core.ops.sampling import sample
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(slots=True)
 class SamplingInputs:
     """Per-row parameters of ``ops.sample`` (CPU tensors, [B]); top_k / top_p / min_p are None
     when off in every row (the op then skips that filter)."""
@@ -40,7 +40,7 @@ class SamplingInputs:
     offsets: torch.Tensor  # int64, the row's output tokens so far (its draw index)
 
 
-@dataclass
+@dataclass(slots=True)
 class StepInputs:
     """Everything the device needs for one step, on the host.
 
@@ -55,7 +55,7 @@ class StepInputs:
     graph_size: int | None
 
 
-@dataclass
+@dataclass(slots=True)
 class StepResult:
     """Sampled token per row (meaningful only for rows that completed their prompt) and logprobs."""
 
@@ -100,8 +100,9 @@ class ModelRunner:
             if self.graphs is not None and self.graphs.fits(num_rows):
                 graph_size = self.graphs.size_for(num_rows)
             layout = build_decode_layout(cached, tables, self.block_size, pad_rows_to=graph_size)
-            input_ids = np.zeros(layout.num_tokens, dtype=np.int64)
-            input_ids[:num_rows] = batch.token_ids[step.slots, cached]
+            input_ids = batch.token_ids[step.slots, cached].astype(np.int64)
+            if graph_size is not None:  # one id-0 token per padding row
+                input_ids = np.concatenate([input_ids, np.zeros(graph_size - num_rows, dtype=np.int64)])
         else:
             layout = build_step_layout(step.query_lens, cached, tables, self.block_size)
             token_slots = np.repeat(step.slots, step.query_lens)

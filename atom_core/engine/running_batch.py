@@ -37,12 +37,12 @@ class RunningBatch:
         admission_order: int64 [S], increases with each admission (a re-admitted request is newest).
         temperature: float32 [S]; top_k: int32 [S]; top_p: float32 [S]; min_p: float32 [S];
         seed: int64 [S]: sampling parameters, in the dtypes ``ops.sample`` takes.
-        stop_len: int64 [S], ``num_tokens`` at which the request stops for length:
-            ``min(num_prompt_tokens + max_tokens, max_model_len)``.
+        check_from_len: int64 [S], ``num_tokens`` from which the engine checks the request's stop
+            conditions in Python: ``min(num_prompt_tokens + max_tokens, max_model_len)`` (where it
+            stops for length), or 0 (every token) when it has stop strings, stop token ids or
+            logprobs. (EOS is checked for all rows at once.)
         stops_at_eos: bool [S], ``not ignore_eos``.
         wants_logprobs: bool [S].
-        checked_per_row: bool [S], the request has stop strings, stop token ids or logprobs: the
-            engine looks at each of its tokens in Python (other rows are checked vectorized).
         num_using_top_k, num_using_top_p, num_using_min_p, num_stopping_at_eos,
         num_wanting_logprobs: used slots with that filter on / that stop on EOS / that want
             logprobs (0 lets a step skip that work for every row).
@@ -70,14 +70,13 @@ class RunningBatch:
         self.top_p = np.ones(slots, dtype=np.float32)
         self.min_p = np.zeros(slots, dtype=np.float32)
         self.seed = np.zeros(slots, dtype=np.int64)
-        self.stop_len = np.zeros(slots, dtype=np.int64)
+        self.check_from_len = np.zeros(slots, dtype=np.int64)
         self.stops_at_eos = np.zeros(slots, dtype=bool)
         self.wants_logprobs = np.zeros(slots, dtype=bool)
-        self.checked_per_row = np.zeros(slots, dtype=bool)
         # The arrays a slot's state lives in (besides token_ids and block_table rows).
         self._slot_arrays = (self.num_tokens, self.num_computed_tokens, self.num_prompt_tokens, self.num_pages,
                              self.num_published_blocks, self.admission_order, self.temperature, self.top_k, self.top_p, self.min_p, self.seed,
-                             self.stop_len, self.stops_at_eos, self.wants_logprobs, self.checked_per_row)
+                             self.check_from_len, self.stops_at_eos, self.wants_logprobs)
         self.num_using_top_k = self.num_using_top_p = self.num_using_min_p = 0
         self.num_stopping_at_eos = self.num_wanting_logprobs = 0
         self._num_admitted = 0
@@ -121,10 +120,11 @@ class RunningBatch:
         self.top_p[slot] = params.top_p
         self.min_p[slot] = params.min_p
         self.seed[slot] = request.seed
-        self.stop_len[slot] = min(request.num_prompt_tokens + params.max_tokens, self.max_model_len)
+        checked_every_token = params.stop_strings or params.stop_token_ids or request.logprobs is not None
+        self.check_from_len[slot] = 0 if checked_every_token else min(request.num_prompt_tokens + params.max_tokens,
+                                                                       self.max_model_len)
         self.stops_at_eos[slot] = not params.ignore_eos
         self.wants_logprobs[slot] = request.logprobs is not None
-        self.checked_per_row[slot] = bool(params.stop_strings or params.stop_token_ids or request.logprobs is not None)
         self._count_params(request, +1)
         request.attach(self, slot)
         return slot

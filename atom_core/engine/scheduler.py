@@ -26,7 +26,7 @@ from atom_core.engine.request import Request, Status
 from atom_core.engine.running_batch import RunningBatch
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledStep:
     """Rows of one step: ``requests[i]`` (in slot ``slots[i]`` of the running batch) computes
     ``query_lens[i]`` tokens starting at its ``num_computed_tokens``.
@@ -35,14 +35,16 @@ class ScheduledStep:
         requests: the rows' requests.
         slots: int64 [B], their running-batch slots.
         query_lens: int64 [B], tokens each row computes this step (>= 1).
+        num_tokens: int, ``sum(query_lens)``.
         preempted: requests sent back to waiting by this step.
         dense: the rows are slots ``0 .. B-1`` in order (``slots == arange(B)``), so per-slot
             arrays are read through views: ``array[step.rows]``.
     """
 
-    requests: list[Request] = field(default_factory=list)
-    slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    query_lens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    requests: list[Request]
+    slots: np.ndarray
+    query_lens: np.ndarray
+    num_tokens: int
     preempted: list[Request] = field(default_factory=list)
     dense: bool = False
 
@@ -50,10 +52,6 @@ class ScheduledStep:
     def rows(self) -> slice | np.ndarray:
         """Index of the rows into a per-slot array: a slice (a view) when dense, else ``slots``."""
         return slice(0, len(self.requests)) if self.dense else self.slots
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.query_lens.sum())
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -77,6 +75,10 @@ class Scheduler:
         self.batch = RunningBatch(max_num_seqs, max_model_len, block_manager.block_size)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order (the batch keeps them in slot order)
+        # Read-only 1s and 0..S-1: a dense step's query lengths and slots are views of them.
+        self._ones = np.ones(max_num_seqs, dtype=np.int64)
+        self._slot_numbers = np.arange(max_num_seqs, dtype=np.int64)
+        self._ones.flags.writeable = self._slot_numbers.flags.writeable = False
 
     def add(self, request: Request) -> None:
         request.status = Status.WAITING
@@ -94,11 +96,13 @@ class Scheduler:
         if dense:  # rows in slot order: every running request, one token each
             self._grow_decode_rows(preempted)
             requests = list(self.batch.requests)
-            query_lens = np.ones(len(requests), dtype=np.int64)
+            query_lens = self._ones[:len(requests)]
+            num_tokens = len(requests)
         else:  # rows in admission order, under the budget
             requests, running_lens = self._schedule_running_rows(budget, preempted)
             query_lens = np.array(running_lens, dtype=np.int64)
-        budget -= len(requests) if dense else sum(running_lens)
+            num_tokens = sum(running_lens)
+        budget -= num_tokens
 
         # Admit waiting requests, unless this step had to preempt (the pool is already too tight).
         # They take the next slots, so a dense step stays dense.
@@ -115,11 +119,12 @@ class Scheduler:
             budget -= q
         if admitted_lens:
             query_lens = np.concatenate([query_lens, np.array(admitted_lens, dtype=np.int64)])
+            num_tokens += sum(admitted_lens)
         if dense:
-            slots = np.arange(len(requests), dtype=np.int64)
+            slots = self._slot_numbers[:len(requests)]
         else:  # read after every preemption: a preemption moves the last slot's request
             slots = np.fromiter((r.slot for r in requests), dtype=np.int64, count=len(requests))
-        return ScheduledStep(requests, slots, query_lens, preempted, dense)
+        return ScheduledStep(requests, slots, query_lens, num_tokens, preempted, dense)
 
     def _all_running_decode(self, budget: int) -> bool:
         """Every running request computes exactly one token (its last sampled one) and all fit the budget."""
@@ -209,10 +214,9 @@ class Scheduler:
         Returns:
             int64 [N], indices into the step's rows of the rows that got a new token.
         """
-        batch, rows, query_lens = self.batch, step.rows, step.query_lens
-        new_computed = batch.num_computed_tokens[rows] + query_lens
-        batch.num_computed_tokens[rows] = new_computed
-        produced = (new_computed == batch.num_tokens[rows]).nonzero()[0]
+        batch, rows = self.batch, step.rows
+        batch.num_computed_tokens[rows] += step.query_lens
+        produced = (batch.num_computed_tokens[rows] == batch.num_tokens[rows]).nonzero()[0]
         if len(produced) == len(step):  # every row (always so in a decode step)
             produced_rows, produced_slots, tokens = rows, step.slots, sampled_token_ids
         else:

@@ -21,18 +21,22 @@ def test_add_writes_tokens_table_and_parameters():
     assert batch.block_table[0, :3].tolist() == [11, 12, -1]
     assert (batch.num_tokens[0], batch.num_computed_tokens[0], batch.num_prompt_tokens[0]) == (5, 4, 5)
     assert batch.temperature[0] == np.float32(0.5) and batch.top_k[0] == 3 and batch.seed[0] == 100
-    assert batch.stop_len[0] == 5 + 7  # prompt + max_tokens, under max_model_len 32
-    assert not batch.stops_at_eos[0] and batch.wants_logprobs[0] and batch.checked_per_row[0]
+    assert batch.check_from_len[0] == 0  # logprobs: every token is looked at
+    assert not batch.stops_at_eos[0] and batch.wants_logprobs[0]
     assert (batch.num_using_top_k, batch.num_using_top_p, batch.num_using_min_p, batch.num_stopping_at_eos) == (1, 1, 1, 0)
     # the request reads its progress from the slot
     batch.num_computed_tokens[0] = 5
     assert r.num_computed_tokens == 5 and r.num_tokens == 5
 
 
-def test_stop_len_is_capped_by_max_model_len():
-    batch = RunningBatch(max_num_seqs=1, max_model_len=10, block_size=4)
+def test_rows_are_checked_from_their_length_limit_or_every_token():
+    batch = RunningBatch(max_num_seqs=4, max_model_len=10, block_size=4)
     batch.add(make(0, [1] * 6, max_tokens=20), [0, 1], 0)
-    assert batch.stop_len[0] == 10  # min(6 + 20, 10)
+    batch.add(make(1, [1] * 2, max_tokens=3), [2], 0)
+    batch.add(make(2, [1] * 2, stop="x"), [3], 0)
+    batch.add(make(3, [1] * 2, stop_token_ids=[4]), [4], 0)
+    # min(6 + 20, max_model_len 10) = 10; 2 + 3 = 5; stop strings / stop tokens: 0 (every token)
+    assert batch.check_from_len[:4].tolist() == [10, 5, 0, 0]
 
 
 def test_tokens_written_to_the_slot_reach_the_request_and_stay_after_remove():
