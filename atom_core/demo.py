@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     prompts = args.prompt or DEFAULT_PROMPTS
     params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                              seed=args.seed + i) for i in range(len(prompts))]
+    engine.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up: one-time set-up costs
     start = time.perf_counter()
     outputs = engine.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
