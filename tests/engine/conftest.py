@@ -1,4 +1,4 @@
-"""Tiny random HF checkpoints for engine tests (transformers is the reference)."""
+"""Tiny random HF checkpoints for engine tests (transformers is the reference), and shared checks."""
 
 import pytest
 import torch
@@ -38,3 +38,15 @@ def hf_greedy(hf_model, prompt, max_new_tokens):
         out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
                                 do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+def assert_batch_mirrors_block_manager(sched):
+    """The running batch's tables are the block manager's, slot by slot, and its slots are dense."""
+    batch = sched.batch
+    assert sorted(r.request_id for r in batch.requests) == sorted(r.request_id for r in sched.running)
+    for slot, request in enumerate(batch.requests):
+        assert request.slot == slot
+        n = int(batch.num_pages[slot])
+        assert batch.block_table[slot, :n].tolist() == sched.block_manager.block_table(request.request_id)
+        assert (batch.block_table[slot, n:] == -1).all()
+    assert (batch.block_table[batch.num_rows:] == -1).all()

@@ -7,7 +7,7 @@ import torch
 
 from atom_core import ops
 from atom_core.engine import Engine, SamplingParams
-from tests.engine.conftest import hf_greedy
+from tests.engine.conftest import assert_batch_mirrors_block_manager, hf_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -26,6 +26,7 @@ def checked_generate(engine, prompts, params):
             if out.finished:
                 done[out.request_id] = out
         engine.block_manager.check_integrity()
+        assert_batch_mirrors_block_manager(engine.scheduler)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks  # nothing leaked
     return [done[i] for i in ids]
 

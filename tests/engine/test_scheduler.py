@@ -7,6 +7,7 @@ from atom_core.cache import BlockManager
 from atom_core.engine.request import Request, Status
 from atom_core.engine.sampling_params import SamplingParams
 from atom_core.engine.scheduler import Scheduler
+from tests.engine.conftest import assert_batch_mirrors_block_manager
 
 
 def make(rid, n_prompt, first_token=0):
@@ -153,6 +154,7 @@ def drive(sched, prompts, max_tokens, force_general: bool, admit_every: int):
         for request in done:
             sched.finish(request, "length")
         sched.block_manager.check_integrity()
+        assert_batch_mirrors_block_manager(sched)
     assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
     return trace, {rid: r.output_token_ids for rid, r in requests.items()}, num_dense
 
