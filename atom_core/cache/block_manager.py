@@ -294,9 +294,16 @@ class BlockManager:
         got nothing). An unknown or repeated seq_id raises ValueError before anything changes.
         """
         seqs = self._get_distinct_seqs(seq_ids)
+        free, block_hashes, ref_counts = self._free, self._block_hash, self._ref_counts
         new_block_ids = []
-        for seq in seqs[: len(self._free)]:
-            block_id = self._take_free_block()
+        for seq in seqs[: len(free)]:  # _take_free_block, inlined: this runs every decode step
+            block_id, _ = free.popitem(last=False)
+            old_hash = block_hashes[block_id]
+            if old_hash is not None:  # its old content leaves the index
+                del self._hash_to_block[old_hash]
+                block_hashes[block_id] = None
+                self._block_key[block_id] = None
+            ref_counts[block_id] = 1
             seq.block_ids.append(block_id)
             new_block_ids.append(block_id)
         return new_block_ids
