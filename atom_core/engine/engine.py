@@ -155,7 +155,7 @@ class Engine:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler could not run any request: the pool is too small for the "
                                    "waiting requests")
-            return StepOutputs([], np.zeros(0, dtype=np.int64), {})
+            return StepOutputs([], np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), {})
         self.num_preemptions += len(scheduled.preempted)
         batch = self.scheduler.batch
         want_logprobs = bool(batch.num_wanting_logprobs and batch.wants_logprobs[scheduled.rows].any())
@@ -193,7 +193,7 @@ class Engine:
                 self.scheduler.finish(request, reason)
                 del self._requests[request.request_id]
                 finish_reasons[i] = reason
-        return StepOutputs(requests, num_tokens, finish_reasons)
+        return StepOutputs(requests, tokens, num_tokens, finish_reasons)
 
     def _stop_reason(self, request: Request, token: int) -> str | None:
         """Why the request stops after ``token`` (setting its final text), or None."""

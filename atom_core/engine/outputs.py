@@ -27,15 +27,19 @@ class RequestOutput:
         text: the decoded output once finished ("" before, or without a tokenizer).
         num_output_tokens: tokens generated up to and including this step.
 
-    ``token_ids`` (everything generated, the prompt excluded), ``new_token_ids`` (what this step
-    added) and ``logprobs`` are new lists taken from the request when read.
+        new_token_ids: the tokens this step added.
+
+    ``token_ids`` (everything generated, the prompt excluded) and ``logprobs`` are new lists taken
+    from the request when read.
     """
 
-    __slots__ = ("_request", "num_output_tokens", "finish_reason", "text")
+    __slots__ = ("_request", "num_output_tokens", "finish_reason", "text", "new_token_ids")
 
-    def __init__(self, request: Request, num_output_tokens: int, finish_reason: str | None = None):
+    def __init__(self, request: Request, num_output_tokens: int, new_token_ids: list[int],
+                 finish_reason: str | None = None):
         self._request = request
         self.num_output_tokens = num_output_tokens
+        self.new_token_ids = new_token_ids
         self.finish_reason = finish_reason
         self.text = request.text if finish_reason is not None else ""
 
@@ -57,11 +61,6 @@ class RequestOutput:
         return self._request.token_ids[start:start + self.num_output_tokens]
 
     @property
-    def new_token_ids(self) -> list[int]:
-        end = self._request.num_prompt_tokens + self.num_output_tokens
-        return self._request.token_ids[end - 1:end]  # one token per step
-
-    @property
     def logprobs(self) -> list[float] | None:
         logprobs = self._request.logprobs
         return None if logprobs is None else logprobs[:self.num_output_tokens]
@@ -76,18 +75,23 @@ class StepOutputs(Sequence):
 
     Args:
         requests: the requests that got a token this step.
+        new_token_ids: int [N], the token each one got.
         num_tokens: int [N], each one's token count (prompt + generated) after this step.
         finish_reasons: index into ``requests`` -> reason, for those that finished this step.
     """
 
-    __slots__ = ("_requests", "_num_tokens", "_finish_reasons")
+    __slots__ = ("_requests", "_new_token_ids", "_num_tokens", "_finish_reasons", "_new_token_list")
 
-    def __init__(self, requests: list[Request], num_tokens: np.ndarray, finish_reasons: dict[int, str]):
-        if len(requests) != len(num_tokens):
-            raise ValueError(f"{len(requests)} requests but {len(num_tokens)} token counts")
+    def __init__(self, requests: list[Request], new_token_ids: np.ndarray, num_tokens: np.ndarray,
+                 finish_reasons: dict[int, str]):
+        if not len(requests) == len(new_token_ids) == len(num_tokens):
+            raise ValueError(f"{len(requests)} requests but {len(new_token_ids)} new tokens and "
+                             f"{len(num_tokens)} token counts")
         self._requests = requests
+        self._new_token_ids = new_token_ids
         self._num_tokens = num_tokens
         self._finish_reasons = finish_reasons
+        self._new_token_list: list[int] | None = None  # new_token_ids as Python ints, made on first access
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -96,9 +100,11 @@ class StepOutputs(Sequence):
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
         i = range(len(self))[index]  # normalizes negative indices, raises IndexError past the end
+        if self._new_token_list is None:
+            self._new_token_list = self._new_token_ids.tolist()
         request = self._requests[i]
         return RequestOutput(request, int(self._num_tokens[i]) - request.num_prompt_tokens,
-                             self._finish_reasons.get(i))
+                             [self._new_token_list[i]], self._finish_reasons.get(i))
 
     def finished(self) -> list[RequestOutput]:
         """Outputs of the requests that finished this step (built without touching the others)."""

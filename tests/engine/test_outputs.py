@@ -29,10 +29,10 @@ def test_outputs_are_snapshots_of_their_step():
     append_token(batch, a, 50)
     append_token(batch, b, 60)
     a.logprobs.append(-0.5)
-    first = StepOutputs([a, b], np.array([4, 2]), {1: "length"})  # a: 3 prompt + 1, b: 1 + 1 tokens
+    first = StepOutputs([a, b], np.array([50, 60]), np.array([4, 2]), {1: "length"})  # a: 3 prompt + 1, b: 1 + 1
     append_token(batch, a, 51)
     a.logprobs.append(-0.25)
-    second = StepOutputs([a], np.array([5]), {})
+    second = StepOutputs([a], np.array([51]), np.array([5]), {})
 
     assert len(first) == 2 and len(second) == 1
     out_a, out_b = first
@@ -51,15 +51,16 @@ def test_sequence_protocol():
     requests = [running_request(batch, rid, [rid + 1]) for rid in range(3)]
     for r in requests:
         append_token(batch, r, 7)
-    outs = StepOutputs(requests, np.array([2, 2, 2]), {0: "stop", 2: "length"})  # 1-token prompts + 1
+    outs = StepOutputs(requests, np.array([7, 7, 7]), np.array([2, 2, 2]), {0: "stop", 2: "length"})  # 1-token prompts + 1
     assert [o.request_id for o in outs] == [0, 1, 2]
     assert outs[-1].request_id == 2 and [o.request_id for o in outs[1:]] == [1, 2]
     assert [(o.request_id, o.finish_reason) for o in outs.finished()] == [(0, "stop"), (2, "length")]
     with pytest.raises(IndexError):
         outs[3]
-    with pytest.raises(ValueError, match="3 requests but 2 token counts"):
-        StepOutputs(requests, np.array([2, 2]), {})
-    assert len(StepOutputs([], np.zeros(0, dtype=np.int64), {})) == 0
+    with pytest.raises(ValueError, match="3 requests but 3 new tokens and 2 token counts"):
+        StepOutputs(requests, np.array([7, 7, 7]), np.array([2, 2]), {})
+    assert len(StepOutputs([], np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), {})) == 0
+    assert [o.new_token_ids for o in outs] == [[7], [7], [7]]
 
 
 def test_streamed_new_tokens_add_up_to_the_final_output(tiny_qwen3):
