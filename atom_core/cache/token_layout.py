@@ -4,6 +4,8 @@ A step's batch is described per row (one row = one sequence's slice of tokens in
 by three things: ``cached_lens[r]`` (tokens of the row already in the KV pool), ``query_lens[r]``
 (tokens computed this step) and ``block_tables[r]`` (pool blocks holding the row's pages).
 Everything an attention backend needs follows from those (see ``StepLayout``).
+``build_step_layout`` takes any batch; ``build_decode_layout`` is its fast path for a batch of one
+token per row on a padded 2-D table (the common decode step), pinned to it by the tests.
 
 Legend: B = rows, T = tokens this step (sum of query_lens), P = padded pages per row.
 """

@@ -2,9 +2,9 @@
 
 A step's outputs come as ``StepOutputs``, a sequence that builds each ``RequestOutput`` when it is
 read: a step of 256 decode rows costs no Python objects for outputs nobody looks at. An output
-holds its request and how many tokens the request had generated at that step; ``token_ids`` and
-``logprobs`` are read from the request then, so streaming ``new_token_ids`` never copies the
-whole output.
+carries the step's new tokens, and its request with how many tokens the request had generated
+at that step: ``token_ids`` and ``logprobs`` are sliced from the request only when read, so
+streaming ``new_token_ids`` never copies the whole output.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ class RequestOutput:
         finished: ``finish_reason is not None``.
         text: the decoded output once finished ("" before, or without a tokenizer).
         num_output_tokens: tokens generated up to and including this step.
-
         new_token_ids: the tokens this step added.
 
     ``token_ids`` (everything generated, the prompt excluded) and ``logprobs`` are new lists taken

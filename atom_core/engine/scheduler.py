@@ -145,10 +145,10 @@ class Scheduler:
             return
         if short.size > bm.num_free_blocks:  # some must preempt: serve the oldest first
             short = short[np.argsort(batch.admission_order[short])]
-        requests = [batch.requests[i] for i in short.tolist()]
+        requests = [batch.requests[i] for i in short.tolist()]  # before any preemption moves slots
         new_block_ids = bm.append_block_each([r.request_id for r in requests])
         batch.append_block_each(short[:len(new_block_ids)], new_block_ids)
-        for request in requests[len(new_block_ids):]:
+        for request in requests[len(new_block_ids):]:  # the pool ran dry
             if request.slot is None:
                 continue  # preempted for an older row
             if not self._grow_or_preempt(request, int(batch.num_tokens[request.slot]), preempted):
