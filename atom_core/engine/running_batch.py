@@ -76,8 +76,9 @@ class RunningBatch:
         self.wants_logprobs = np.zeros(slots, dtype=bool)
         # The arrays a slot's state lives in (besides token_ids and block_table rows).
         self._slot_arrays = (self.num_tokens, self.num_computed_tokens, self.num_prompt_tokens, self.num_pages,
-                             self.num_published_blocks, self.admission_order, self.temperature, self.top_k, self.top_p, self.min_p, self.seed,
-                             self.check_from_len, self.stops_at_eos, self.wants_logprobs)
+                             self.num_published_blocks, self.admission_order, self.temperature, self.top_k,
+                             self.top_p, self.min_p, self.seed, self.check_from_len, self.stops_at_eos,
+                             self.wants_logprobs)
         self.num_using_top_k = self.num_using_top_p = self.num_using_min_p = 0
         self.num_stopping_at_eos = self.num_wanting_logprobs = 0
         self._num_admitted = 0

@@ -51,7 +51,8 @@ def test_sequence_protocol():
     requests = [running_request(batch, rid, [rid + 1]) for rid in range(3)]
     for r in requests:
         append_token(batch, r, 7)
-    outs = StepOutputs(requests, np.array([7, 7, 7]), np.array([2, 2, 2]), {0: "stop", 2: "length"})  # 1-token prompts + 1
+    # 1-token prompts, one token each
+    outs = StepOutputs(requests, np.array([7, 7, 7]), np.array([2, 2, 2]), {0: "stop", 2: "length"})
     assert [o.request_id for o in outs] == [0, 1, 2]
     assert outs[-1].request_id == 2 and [o.request_id for o in outs[1:]] == [1, 2]
     assert [(o.request_id, o.finish_reason) for o in outs.finished()] == [(0, "stop"), (2, "length")]

@@ -23,7 +23,8 @@ def test_add_writes_tokens_table_and_parameters():
     assert batch.temperature[0] == np.float32(0.5) and batch.top_k[0] == 3 and batch.seed[0] == 100
     assert batch.check_from_len[0] == 0  # logprobs: every token is looked at
     assert not batch.stops_at_eos[0] and batch.wants_logprobs[0]
-    assert (batch.num_using_top_k, batch.num_using_top_p, batch.num_using_min_p, batch.num_stopping_at_eos) == (1, 1, 1, 0)
+    counts = (batch.num_using_top_k, batch.num_using_top_p, batch.num_using_min_p, batch.num_stopping_at_eos)
+    assert counts == (1, 1, 1, 0)
     # the request reads its progress from the slot
     batch.num_computed_tokens[0] = 5
     assert r.num_computed_tokens == 5 and r.num_tokens == 5
