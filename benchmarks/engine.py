@@ -73,6 +73,13 @@ def hf_throughput(hf_model, prompts, output_lens, mode: str) -> dict:
     tokens = 0
     t0 = time.perf_counter()
     if mode == "generate_batch":
+        # Continuous batching needs a paged attention implementation; its name varies by version.
+        for impl in ("paged|sdpa", "sdpa_paged", "paged_attention"):
+            try:
+                hf_model.set_attn_implementation(impl)
+                break
+            except Exception:  # noqa: BLE001 - not this version's name
+                continue
         # One max_new_tokens for all (EOS never fires on random weights); every generated token counts.
         gen = GenerationConfig(max_new_tokens=max(output_lens), do_sample=False, eos_token_id=-1, pad_token_id=0)
         results = hf_model.generate_batch(inputs=prompts, generation_config=gen, progress_bar=False)
@@ -110,7 +117,8 @@ def section_throughput(args) -> list[dict]:
         torch.manual_seed(0)
         hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).cuda().eval()
         hf_model.save_pretrained(tmp)  # atom_core loads the very same weights
-        rows.append(atom_core_throughput(Path(tmp), prompts, output_lens))
+        # Half the GPU for atom_core's pool, so HF (run after it in this process) has room.
+        rows.append(atom_core_throughput(Path(tmp), prompts, output_lens, gpu_memory_utilization=0.5))
         rows[-1]["model"] = args.model
         n_hf = args.hf_seqs
         for mode in ("generate_static", "generate_batch"):
@@ -285,9 +293,44 @@ def section_host(args) -> list[dict]:
     return rows
 
 
+def section_profile(args) -> list[dict]:
+    """Where a decode step's time goes at 256 running requests (Qwen3-0.6B shapes): torch.profiler
+    over 10 steps; rows are the kernels with the most GPU time, plus the step's wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from atom_core.engine import Engine, SamplingParams
+    from atom_core.models import build_model
+
+    model = build_model(load_config(args.model), dtype=torch.bfloat16, device="cuda")
+    engine = Engine(model, None, device="cuda", max_num_seqs=256, max_model_len=2048, gpu_memory_utilization=0.5)
+    rng = random.Random(0)
+    for _ in range(256):
+        engine.add_request([rng.randint(0, 9999) for _ in range(rng.randint(100, 1024))],
+                           SamplingParams(temperature=0.6, max_tokens=900, ignore_eos=True))
+    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_tokens - 1 for r in engine.scheduler.running):
+        engine.step()
+    for _ in range(5):
+        engine.step()
+    _sync()
+    steps = 10
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        _sync()
+        wall_ms = (time.perf_counter() - t0) / steps * 1e3
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu_total = sum(e.self_device_time_total for e in events) / steps / 1e3
+    rows = [{"name": "STEP (wall)", "ms_per_step": wall_ms}, {"name": "all GPU kernels", "ms_per_step": gpu_total}]
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:12]:
+        rows.append({"name": e.key[:60], "ms_per_step": e.self_device_time_total / steps / 1e3,
+                     "calls_per_step": e.count / steps})
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--section", choices=["throughput", "latency", "host"], required=True)
+    parser.add_argument("--section", choices=["throughput", "latency", "host", "profile"], required=True)
     parser.add_argument("--model", default="qwen3-0.6b")
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--hf-seqs", type=int, default=64, help="sequences of the workload HF runs (it is slow)")
@@ -295,7 +338,8 @@ def main():
     parser.add_argument("--latency-models", nargs="+", default=["qwen3-0.6b", "llama-3-8b"])
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    rows = {"throughput": section_throughput, "latency": section_latency, "host": section_host}[args.section](args)
+    rows = {"throughput": section_throughput, "latency": section_latency, "host": section_host,
+            "profile": section_profile}[args.section](args)
     print_table(rows)
     if args.json:
         write_json(rows, args.json)
