@@ -7,7 +7,7 @@ from atom_core.cache.block_manager import BlockManager, PrefixCacheStats
 from atom_core.cache.page_table import block_table_to_csr, csr_to_block_table
 from atom_core.cache.pool_sizing import KVCacheSpec, PoolPlan, budget_from_memory, plan_kv_pool
 from atom_core.cache.prefix_hash import hash_block_tokens
-from atom_core.cache.token_layout import StepLayout, build_step_layout
+from atom_core.cache.token_layout import StepLayout, build_decode_layout, build_step_layout
 
 __all__ = [
     "BlockManager",
@@ -17,6 +17,7 @@ __all__ = [
     "StepLayout",
     "block_table_to_csr",
     "budget_from_memory",
+    "build_decode_layout",
     "build_step_layout",
     "csr_to_block_table",
     "hash_block_tokens",
