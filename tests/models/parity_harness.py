@@ -347,3 +347,24 @@ def check_parameter_names(pair: ModelPair, model) -> None:
     actual = {name for name, _ in model.named_parameters()}
     assert actual == expected, (
         f"only in atom_core: {sorted(actual - expected)}; only in HF: {sorted(expected - actual)}")
+
+
+class HFParityChecks:
+    """The checks every architecture's parity file runs against HF, in fp32 on the torch backend.
+
+    A test file subclasses it (``class TestHFParity(HFParityChecks)``) and provides the ``pair``
+    (checkpoint + HF model) and ``model`` (atom_core model loaded from it) fixtures.
+    """
+
+    def test_ragged_prefill_matches_hf(self, pair, model):
+        with ops.use_backend("torch"):
+            check_ragged_prefill(pair, model)
+
+    @pytest.mark.parametrize("block_size", [1, 4, 16])
+    def test_decode_through_paged_cache_matches_hf(self, pair, model, block_size):
+        with ops.use_backend("torch"):
+            check_decode(pair, model, block_size)
+
+    def test_chunked_prefill_and_prefix_hit_match_hf(self, pair, model):
+        with ops.use_backend("torch"):
+            check_chunked_and_prefix(pair, model)

@@ -25,7 +25,8 @@ from tests.models.moe_parity import (  # noqa: E402
     checkpoint_tensor_names,
     every_expert_case,
 )
-from tests.models.parity_harness import (  # noqa: E402,F401  (single_thread_torch is an autouse fixture)
+from tests.models.parity_harness import (
+    HFParityChecks,  # noqa: E402,F401  (single_thread_torch is an autouse fixture)
     BF16_ARGMAX_MARGIN,
     BF16_TOL,
     ParityCase,
@@ -70,20 +71,8 @@ def test_parameter_names_mirror_the_checkpoint(pair, model):
     check_moe_parameter_names(pair, model)
 
 
-def test_ragged_prefill_matches_hf(pair, model):
-    with ops.use_backend("torch"):
-        check_ragged_prefill(pair, model)
-
-
-@pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_decode_through_paged_cache_matches_hf(pair, model, block_size):
-    with ops.use_backend("torch"):
-        check_decode(pair, model, block_size)
-
-
-def test_chunked_prefill_and_prefix_hit_match_hf(pair, model):
-    with ops.use_backend("torch"):
-        check_chunked_and_prefix(pair, model)
+class TestHFParity(HFParityChecks):
+    """Ragged prefill, paged decode, chunked prefill and prefix resumption against HF."""
 
 
 def test_sliding_window_reaches_every_layer(pair, model):

@@ -22,7 +22,8 @@ from atom_core import ops  # noqa: E402
 from atom_core.ops.dispatch import backend_available  # noqa: E402
 from atom_core.models.layers.moe import FusedMoE  # noqa: E402
 from atom_core.models.layers.mlp import GatedMLP  # noqa: E402
-from tests.models.parity_harness import (  # noqa: E402,F401  (single_thread_torch is an autouse fixture)
+from tests.models.parity_harness import (
+    HFParityChecks,  # noqa: E402,F401  (single_thread_torch is an autouse fixture)
     BF16_ARGMAX_MARGIN,
     BF16_TOL,
     ParityCase,
@@ -74,20 +75,8 @@ def test_parameter_names_mirror_the_checkpoint(pair, model):
     check_moe_parameter_names(pair, model)
 
 
-def test_ragged_prefill_matches_hf(pair, model):
-    with ops.use_backend("torch"):
-        check_ragged_prefill(pair, model)
-
-
-@pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_decode_through_paged_cache_matches_hf(pair, model, block_size):
-    with ops.use_backend("torch"):
-        check_decode(pair, model, block_size)
-
-
-def test_chunked_prefill_and_prefix_hit_match_hf(pair, model):
-    with ops.use_backend("torch"):
-        check_chunked_and_prefix(pair, model)
+class TestHFParity(HFParityChecks):
+    """Ragged prefill, paged decode, chunked prefill and prefix resumption against HF."""
 
 
 def test_dense_and_sparse_layers_where_hf_has_them(pair, model):
