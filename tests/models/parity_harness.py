@@ -13,6 +13,7 @@ Legend: T = tokens in a step, V = vocabulary, L = sequence length.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import random
@@ -74,7 +75,10 @@ class ParityCase:
     overrides: dict = field(default_factory=dict)
 
     def hf_config_kwargs(self) -> dict:
-        return {**BASE_CONFIG, **self.overrides}
+        # A deep copy: some transformers configs write into the dicts they are given (e.g.
+        # Glm4MoeConfig adds partial_rotary_factor to rope_parameters), which would leak into
+        # every later case.
+        return copy.deepcopy({**BASE_CONFIG, **self.overrides})
 
 
 @dataclass
