@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import statistics
 import time
 from typing import Callable
@@ -80,3 +82,28 @@ def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
     return str(v)
+
+
+def op_bench_args(description: str, add_flags: Callable[[argparse.ArgumentParser], None] | None = None):
+    """Parse the flags every op benchmark takes (--device, --json, --smoke) plus ``add_flags``'.
+
+    On the CPU the Triton kernels run in Triton's interpreter, which must be switched on before any
+    kernel is defined: the benchmark scripts import the kernels only after this returns.
+    """
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--json", help="write the rows to this path")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, no torch.compile (CPU check)")
+    if add_flags is not None:
+        add_flags(parser)
+    args = parser.parse_args()
+    if args.device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    return args
+
+
+def report(rows: list[dict], columns: list[str], json_path: str | None) -> None:
+    """Print the table; write the rows as JSON when a path is given."""
+    print_table(rows, columns)
+    if json_path:
+        write_json(rows, json_path)

@@ -25,10 +25,8 @@ Triton kernels run in the interpreter.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -230,22 +228,11 @@ COLUMNS = ["case", "batch", "context", "backend", "path", "splits", "ms", "GB/s"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--json", help="write the rows to this path")
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, no torch.compile (CPU check)")
-    parser.add_argument("--sdpa-only", action="store_true",
-                        help="baselines: SDPA only (skip the slow twin and its torch.compile)")
-    args = parser.parse_args()
-    if args.device == "cpu":
-        # Triton kernels run on CPU tensors only in the interpreter; set before any kernel is defined.
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    from benchmarks.common import print_table, write_json
+    from benchmarks.common import op_bench_args, report
 
-    rows = run(args.device, smoke=args.smoke, twin_baselines=not args.sdpa_only)
-    print_table(rows, COLUMNS)
-    if args.json:
-        write_json(rows, args.json)
+    args = op_bench_args(__doc__.splitlines()[0], lambda p: p.add_argument("--sdpa-only", action="store_true",
+                                    help="baselines: SDPA only (skip the slow twin and its torch.compile)"))
+    report(run(args.device, smoke=args.smoke, twin_baselines=not args.sdpa_only), COLUMNS, args.json)
 
 
 if __name__ == "__main__":

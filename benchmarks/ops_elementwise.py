@@ -12,8 +12,6 @@ kernels run in Triton's interpreter.
 
 from __future__ import annotations
 
-import argparse
-import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -168,20 +166,10 @@ def run(device: str = "cuda", smoke: bool = False) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--json", help="write the rows to this path")
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, no torch.compile (CPU check)")
-    args = parser.parse_args()
-    if args.device == "cpu":
-        # Triton kernels run on CPU tensors only in the interpreter; set before any kernel is defined.
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    from benchmarks.common import print_table, write_json
+    from benchmarks.common import op_bench_args, report
 
-    rows = run(args.device, smoke=args.smoke)
-    print_table(rows, ["op", "tokens", "backend", "ms", "GB/s", "%copy", "x_eager", "x_compile", "shape"])
-    if args.json:
-        write_json(rows, args.json)
+    args = op_bench_args(__doc__.splitlines()[0])
+    report(run(args.device, smoke=args.smoke), ["op", "tokens", "backend", "ms", "GB/s", "%copy", "x_eager", "x_compile", "shape"], args.json)
 
 
 if __name__ == "__main__":

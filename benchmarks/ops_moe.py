@@ -21,9 +21,7 @@ Triton kernels run in the interpreter.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -151,21 +149,11 @@ COLUMNS = ["op", "tokens", "backend", "experts_hit", "weight_MB", "ms", "eager_m
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--json", help="write the rows to this path")
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, no torch.compile (CPU check)")
-    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
-    args = parser.parse_args()
-    if args.device == "cpu":
-        # Triton kernels run on CPU tensors only in the interpreter; set before any kernel is defined.
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    from benchmarks.common import print_table, write_json
+    from benchmarks.common import op_bench_args, report
 
-    rows = run(args.device, smoke=args.smoke, compile_twin=not args.no_compile)
-    print_table(rows, COLUMNS)
-    if args.json:
-        write_json(rows, args.json)
+    args = op_bench_args(__doc__.splitlines()[0], lambda p: p.add_argument("--no-compile", action="store_true",
+                                    help="skip the torch.compile baseline"))
+    report(run(args.device, smoke=args.smoke, compile_twin=not args.no_compile), COLUMNS, args.json)
 
 
 if __name__ == "__main__":
