@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from tests.models import parity_harness
-from tests.models.parity_harness import ModelPair, ParityCase, build_pair, random_tokens
+from tests.models.parity_harness import HFParityChecks, ModelPair, ParityCase, build_pair, random_tokens
 
 # family -> (transformers config class, model class), added to the harness's table.
 HF_MOE_CLASSES = {
@@ -142,3 +142,10 @@ def check_engine_greedy(pair: ModelPair, *, lengths=(6, 1, 11), max_tokens: int 
         outs = engine.generate(prompts, params, use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == hf_greedy(pair.hf_model, prompt, max_tokens), f"prompt of {len(prompt)} tokens"
+
+
+class MoEParityChecks(HFParityChecks):
+    """The shared HF checks plus parameter names derived from the checkpoint's own tensor names."""
+
+    def test_parameter_names_mirror_the_checkpoint(self, pair, model):
+        check_moe_parameter_names(pair, model)

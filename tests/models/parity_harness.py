@@ -372,3 +372,15 @@ class HFParityChecks:
     def test_chunked_prefill_and_prefix_hit_match_hf(self, pair, model):
         with ops.use_backend("torch"):
             check_chunked_and_prefix(pair, model)
+
+
+def parity_pair_fixture(cases: list[ParityCase], build=None):
+    """A module-scoped ``pair`` fixture over ``cases``: each case's checkpoint built once
+    (``build(case, folder)``, default ``build_pair``). Its ``model`` comes from tests/models/conftest.py."""
+    build = build or build_pair
+
+    @pytest.fixture(scope="module", params=cases, ids=[c.name for c in cases], name="pair")
+    def pair(request, tmp_path_factory):
+        return build(request.param, tmp_path_factory.mktemp(request.param.name))
+
+    return pair

@@ -22,20 +22,18 @@ pytest.importorskip("transformers")
 from atom_core import ops  # noqa: E402
 from atom_core.ops.dispatch import backend_available  # noqa: E402
 from tests.models.moe_parity import (  # noqa: E402
+    MoEParityChecks,
     build_moe_pair,
     check_engine_greedy,
-    check_moe_parameter_names,
     every_expert_case,
 )
-from tests.models.parity_harness import (
-    HFParityChecks,  # noqa: E402,F401  (single_thread_torch is an autouse fixture)
+from tests.models.parity_harness import (  # noqa: E402,F401  (single_thread_torch is an autouse fixture)
     BF16_ARGMAX_MARGIN,
     BF16_TOL,
     ParityCase,
     backends_used,
-    check_chunked_and_prefix,
     check_decode,
-    check_ragged_prefill,
+    parity_pair_fixture,
     run_all_checks,
     single_thread_torch,
 )
@@ -66,22 +64,11 @@ CASES = [
 GPU_CASES = [every_expert_case(c) for c in CASES]
 
 
-@pytest.fixture(scope="module", params=CASES, ids=[c.name for c in CASES])
-def pair(request, tmp_path_factory):
-    return build_moe_pair(request.param, tmp_path_factory.mktemp(request.param.name))
+pair = parity_pair_fixture(CASES, build_moe_pair)
 
 
-@pytest.fixture(scope="module")
-def model(pair):
-    return pair.load_atom(dtype=torch.float32, device="cpu")
-
-
-def test_parameter_names_mirror_the_checkpoint(pair, model):
-    check_moe_parameter_names(pair, model)
-
-
-class TestHFParity(HFParityChecks):
-    """Ragged prefill, paged decode, chunked prefill and prefix resumption against HF."""
+class TestHFParity(MoEParityChecks):
+    """Parameter names, ragged prefill, paged decode, chunked prefill and prefix resumption against HF."""
 
 
 def test_windows_and_sinks_reach_the_layers(pair, model):

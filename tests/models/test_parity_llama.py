@@ -17,19 +17,18 @@ from hypothesis import given, settings, strategies as st  # noqa: E402
 
 from atom_core import ops  # noqa: E402
 from atom_core.ops.dispatch import backend_available  # noqa: E402
-from tests.models.parity_harness import (
-    HFParityChecks,  # noqa: E402,F401  (single_thread_torch is an autouse fixture)
+from tests.models.parity_harness import (  # noqa: E402,F401  (single_thread_torch is an autouse fixture)
     BF16_ARGMAX_MARGIN,
     BF16_TOL,
-    ParityCase,
+    HFParityChecks,
     PagedRunner,
+    ParityCase,
     assert_logits_match,
     backends_used,
     build_pair,
-    check_chunked_and_prefix,
     check_decode,
     check_parameter_names,
-    check_ragged_prefill,
+    parity_pair_fixture,
     random_tokens,
     run_all_checks,
     single_thread_torch,
@@ -62,14 +61,7 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module", params=CASES, ids=[c.name for c in CASES])
-def pair(request, tmp_path_factory):
-    return build_pair(request.param, tmp_path_factory.mktemp(request.param.name))
-
-
-@pytest.fixture(scope="module")
-def model(pair):
-    return pair.load_atom(dtype=torch.float32, device="cpu")
+pair = parity_pair_fixture(CASES)
 
 
 def test_parameter_names_mirror_hf(pair, model):
