@@ -30,6 +30,23 @@ DEMO_MODEL = Path(__file__).resolve().parent.parent / "demo_model"
 CPU_DEFAULT_POOL_SEQS = 16  # without num_kv_blocks, a CPU pool holds this many max_model_len requests
 
 
+def step_activation_bytes(cfg, num_tokens: int, num_rows: int) -> int:
+    """Headroom for one step's activations, in bytes (fp32 upper bound): hidden states and the
+    widest MLP of ``num_tokens`` tokens, plus logits and sampling temporaries for ``num_rows`` rows.
+
+    A dense MLP holds gate, up and their product (3 x intermediate_size per token). A MoE layer
+    holds the same for each of its top-k experts plus each expert's down output before the
+    weighted combine (K x (3 x moe_intermediate_size + hidden_size) per token), which for
+    many-expert models (GLM-4.5, Qwen3-MoE) is the larger of the two.
+    """
+    mlp_width = 3 * cfg.intermediate_size
+    top_k = cfg.get("num_experts_per_tok")
+    if top_k:
+        expert_size = cfg.get("moe_intermediate_size") or cfg.intermediate_size
+        mlp_width = max(mlp_width, top_k * (3 * expert_size + cfg.hidden_size))
+    return 4 * (num_tokens * (8 * cfg.hidden_size + mlp_width) + num_rows * cfg.vocab_size * 4)
+
+
 class Engine:
     """Continuous-batching generation over a paged KV pool.
 
@@ -84,11 +101,7 @@ class Engine:
 
     def _gpu_budget(self, utilization: float, max_num_batched_tokens: int, max_num_seqs: int) -> int:
         free, total = torch.cuda.mem_get_info(self.device)
-        cfg = self.model.config
-        # Headroom for one step's activations: hidden states and MLP intermediates of the token
-        # budget, plus fp32 logits and sampling temporaries for every row.
-        activations = max_num_batched_tokens * (8 * cfg.hidden_size + 3 * cfg.intermediate_size) * 4
-        activations += max_num_seqs * cfg.vocab_size * 4 * 4
+        activations = step_activation_bytes(self.model.config, max_num_batched_tokens, max_num_seqs)
         return budget_from_memory(total, total - free + activations, utilization)
 
     # ------------------------------------------------------------------ requests

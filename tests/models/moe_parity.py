@@ -18,7 +18,15 @@ from pathlib import Path
 import torch
 
 from tests.models import parity_harness
-from tests.models.parity_harness import HFParityChecks, ModelPair, ParityCase, build_pair, random_tokens
+from tests.models.parity_harness import (
+    BF16_TOL,
+    HFParityChecks,
+    ModelPair,
+    PagedRunner,
+    ParityCase,
+    build_pair,
+    random_tokens,
+)
 
 # family -> (transformers config class, model class), added to the harness's table.
 HF_MOE_CLASSES = {
@@ -77,6 +85,45 @@ def every_expert_case(case: ParityCase) -> ParityCase:
     if "n_group" in overrides:
         overrides["topk_group"] = overrides["n_group"]
     return dataclasses.replace(case, name=f"{case.name}_all_experts", overrides=overrides)
+
+
+def positions_off(actual: torch.Tensor, expected: torch.Tensor, tol: dict) -> torch.Tensor:
+    """Bool [L]: the positions whose logits [L, V] miss ``tol`` (scaled as in ``assert_logits_match``)."""
+    scale = max(1.0, expected.abs().max().item()) if tol.get("scaled") else 1.0
+    return ((actual - expected).abs() > tol["atol"] * scale + tol["rtol"] * expected.abs()).any(-1)
+
+
+def check_real_top_k_bf16(pair: ModelPair, model, *, device: str = "cuda", lengths=(96, 41, 1, 120),
+                          tol: dict = BF16_TOL) -> None:
+    """bf16 atom_core with the config's real top-k against HF fp32: positions may be off only as
+    often as for HF's own model cast to bf16 on the same device.
+
+    A router logit within bf16 rounding of the k-th largest can pick a different expert on either
+    side, which moves that position's logits by O(1); HF in bf16 suffers the same flips, so its
+    count of off positions is the yardstick (at least 5% of positions are allowed). A real
+    mistake (a wrong expert, weight or routing weight) puts nearly every position off.
+    """
+    vocab = pair.hf_model.config.vocab_size
+    prompts = [random_tokens(n, vocab, seed=50 + i) for i, n in enumerate(lengths)]
+    block_size = 16
+    runner = PagedRunner(model, block_size=block_size, num_blocks=sum(-(-n // block_size) for n in lengths) + 4,
+                         seed=5, device=device)
+    outs = runner.step([(f"s{i}", p) for i, p in enumerate(prompts)])
+    hf_bf16 = copy.deepcopy(pair.hf_model).to(device=device, dtype=torch.bfloat16)
+    if hasattr(hf_bf16, "set_experts_implementation"):
+        # the expert loop: grouped_mm needs 16-byte-aligned strides, which tiny bf16 experts lack
+        hf_bf16.set_experts_implementation("eager")
+    atom_off = hf_off = total = 0
+    for prompt, out in zip(prompts, outs):
+        expected = pair.hf_logits(prompt)
+        with torch.no_grad():
+            hf_out = hf_bf16(input_ids=torch.tensor([prompt], device=device)).logits[0].float().cpu()
+        atom_off += int(positions_off(out, expected, tol).sum())
+        hf_off += int(positions_off(hf_out, expected, tol).sum())
+        total += len(prompt)
+    allowed = max(2 * hf_off, int(0.05 * total))
+    assert atom_off <= allowed, (
+        f"{atom_off} of {total} positions off against HF fp32 (HF in bf16: {hf_off}; allowed {allowed})")
 
 
 def checkpoint_tensor_names(folder: Path) -> set[str]:
