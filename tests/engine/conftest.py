@@ -33,6 +33,17 @@ def tiny_llama(tmp_path_factory):
     return _save(tmp_path_factory, "llama", LlamaForCausalLM, config)
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe(tmp_path_factory):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                            num_experts=16, num_experts_per_tok=4, norm_topk_prob=True, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                            tie_word_embeddings=False, initializer_range=0.3, eos_token_id=95, bos_token_id=0)
+    return _save(tmp_path_factory, "qwen3_moe", Qwen3MoeForCausalLM, config)
+
+
 def hf_greedy(hf_model, prompt, max_new_tokens):
     with torch.no_grad():
         out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,

@@ -15,7 +15,7 @@ def _prompts(vocab, n, seed=0):
     return [[rng.randrange(1, vocab - 1) for _ in range(rng.randint(1, 40))] for _ in range(n)]
 
 
-@pytest.mark.parametrize("fixture", ["tiny_qwen3", "tiny_llama"])
+@pytest.mark.parametrize("fixture", ["tiny_qwen3", "tiny_llama", "tiny_qwen3_moe"])
 def test_cuda_graphs_on_off_same_tokens(request, fixture):
     folder, hf_model = request.getfixturevalue(fixture)
     prompts = _prompts(hf_model.config.vocab_size, 37)
