@@ -317,10 +317,16 @@ class ModelConfig:
             rope_by_layer_type=rope_by_layer_type,
         )
         cfg.extra = {k: v for k, v in d.items() if k not in used}
-        # transformers 5 moves partial_rotary_factor into the rope dict; keep it top-level like older files.
-        for entry in [cfg.rope_scaling] + [e["rope_scaling"] for e in (rope_by_layer_type or {}).values()]:
-            if entry is not None and "partial_rotary_factor" in entry:
-                cfg.extra.setdefault("partial_rotary_factor", entry.pop("partial_rotary_factor"))
+        # transformers 5 moves partial_rotary_factor into the rope dict and its models read it there,
+        # though a stale top-level copy may be saved beside it (GLM-4-MoE's default 0.5): the dict's
+        # value wins. It is kept top-level, like older files.
+        factors = {entry.pop("partial_rotary_factor")
+                   for entry in [cfg.rope_scaling] + [e["rope_scaling"] for e in (rope_by_layer_type or {}).values()]
+                   if entry is not None and "partial_rotary_factor" in entry}
+        if len(factors) > 1:
+            raise ValueError(f"partial_rotary_factor differs between layer types ({sorted(factors)}): not supported")
+        if factors:
+            cfg.extra["partial_rotary_factor"] = factors.pop()
         if cfg.rope_scaling == {"rope_type": "default"}:
             cfg.rope_scaling = None
         for entry in (rope_by_layer_type or {}).values():

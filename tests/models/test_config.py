@@ -60,6 +60,14 @@ def test_partial_rotary_factor_moves_out_of_the_rope_dict():
     assert new.partial_rotary_factor == old.partial_rotary_factor == 0.5
 
 
+def test_partial_rotary_factor_in_the_rope_dict_beats_a_stale_top_level_copy():
+    # transformers 5.17 saves GLM-4-MoE configs with both; its model reads the dict's value.
+    cfg = parse(partial_rotary_factor=0.5,
+                rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25})
+    assert cfg.partial_rotary_factor == 0.25
+
+
+
 def test_defaults_per_architecture():
     llama = parse()
     qwen3 = parse(architectures=["Qwen3ForCausalLM"], model_type="qwen3")
