@@ -14,6 +14,7 @@ random token ids < 10000, EOS ignored, one warm-up; throughput = output tokens /
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import signal
@@ -65,10 +66,13 @@ def atom_core_throughput(cfg: dict, prompts, output_lens, **engine_args) -> dict
     tokens = sum(len(o.token_ids) for o in outs)
     preemptions = engine.num_preemptions
     del engine, model, outs
+    gc.collect()  # the engine's parts refer to each other: free the pool and weights before the next run
     torch.cuda.empty_cache()
-    return {"system": "atom_core" + (" (eager)" if engine_args.get("enforce_eager") else ""),
-            "seqs": len(prompts), "output_tokens": tokens, "seconds": elapsed, "tok_per_s": tokens / elapsed,
-            "preemptions": preemptions}
+    row = {"system": "atom_core" + (" (eager)" if engine_args.get("enforce_eager") else ""),
+           "seqs": len(prompts), "output_tokens": tokens, "seconds": elapsed, "tok_per_s": tokens / elapsed,
+           "preemptions": preemptions}
+    print(row, flush=True)
+    return row
 
 
 def hf_throughput(hf_model, prompts, output_lens, mode: str) -> dict:
@@ -148,8 +152,10 @@ def section_throughput(args) -> list[dict]:
             r = {"system": f"HF transformers {mode}", "error": f"{type(e).__name__}: {e}"[:200]}
         finally:
             signal.alarm(0)
+        print(r, flush=True)
         rows.append(r)
     del hf_model
+    gc.collect()
     torch.cuda.empty_cache()
     best_hf = max((r.get("tok_per_s", 0) for r in rows[2:]), default=0)
     if best_hf:
@@ -316,7 +322,7 @@ def section_host(args) -> list[dict]:
 
 
 def section_profile(args) -> list[dict]:
-    """Where a decode step's time goes at 256 running requests (Qwen3-0.6B shapes): torch.profiler
+    """Where a decode step's time goes at 256 running requests (``--model``'s shapes): torch.profiler
     over 10 steps; rows are the kernels with the most GPU time, plus the step's wall time."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -324,7 +330,7 @@ def section_profile(args) -> list[dict]:
     from atom_core.models import build_model
 
     model = build_model(load_config(args.model), dtype=torch.bfloat16, device="cuda")
-    engine = Engine(model, None, device="cuda", max_num_seqs=256, max_model_len=2048, gpu_memory_utilization=0.5)
+    engine = Engine(model, None, device="cuda", max_num_seqs=256, max_model_len=2048)
     rng = random.Random(0)
     for _ in range(256):
         engine.add_request([rng.randint(0, 9999) for _ in range(rng.randint(100, 1024))],
