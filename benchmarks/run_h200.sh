@@ -13,7 +13,7 @@ run() {  # run NAME SECONDS MODULE ARGS...
 }
 echo "=== GPU engine tests"
 timeout 90 python -m pytest tests/engine/test_engine_gpu.py -q -p no:cacheprovider 2>&1 | tail -5
-run engine_throughput 180 benchmarks.engine --section throughput --hf-seqs 64 --json "$out/engine_throughput.json"
+run engine_throughput 240 benchmarks.engine --section throughput --hf-seqs 64 --hf-timeout 80 --json "$out/engine_throughput.json"
 run engine_latency 110 benchmarks.engine --section latency --json "$out/engine_latency.json"
 run ops_attention 130 benchmarks.ops_attention --sdpa-only --json "$out/ops_attention.json"
 run ops_elementwise 70 benchmarks.ops_elementwise --json "$out/ops_elementwise.json"
