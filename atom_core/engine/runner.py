@@ -11,6 +11,7 @@ Legend: B = rows, T = tokens this step, V = vocabulary.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -77,12 +78,11 @@ class ModelRunner:
         model.bind_kv_cache([(self.kv_pool[i, 0], self.kv_pool[i, 1]) for i in range(spec.num_layers)])
         self.graphs = None
         if self.device.type == "cuda" and not enforce_eager:
-            self.graphs = DecodeGraphs(self._forward_logits, device=self.device, max_batch_size=max_num_seqs,
+            # The graphs get the model, not the runner: a runner <-> graphs cycle would keep the KV
+            # pool and the graph memory alive after the engine is dropped, until the next gc pass.
+            self.graphs = DecodeGraphs(functools.partial(forward_logits, model), device=self.device,
+                                       max_batch_size=max_num_seqs,
                                        max_pages=self.max_pages, max_seqlen_k=max_model_len)
-
-    def _forward_logits(self, input_ids: torch.Tensor, layout: StepLayout) -> torch.Tensor:
-        hidden = self.model(input_ids, layout.positions, layout)
-        return self.model.compute_logits(hidden[layout.logits_indices])
 
     def execute(self, step: ScheduledStep, batch: RunningBatch, want_logprobs: bool) -> StepResult:
         return self.run(self.prepare(step, batch), want_logprobs)
@@ -137,7 +137,7 @@ class ModelRunner:
             logits = self.graphs.run(inputs.input_ids, inputs.layout)
         else:
             ids = torch.from_numpy(inputs.input_ids).to(dev, non_blocking=True)
-            logits = self._forward_logits(ids, inputs.layout.to(dev, non_blocking=True))
+            logits = forward_logits(self.model, ids, inputs.layout.to(dev, non_blocking=True))
         s = inputs.sampling
 
         def put(t):
@@ -149,3 +149,10 @@ class ModelRunner:
             tokens, logprobs = result
             return StepResult(tokens.cpu().numpy(), logprobs.cpu().numpy())
         return StepResult(result.cpu().numpy(), None)
+
+
+def forward_logits(model, input_ids: torch.Tensor, layout: StepLayout) -> torch.Tensor:
+    """One step's logits [rows, V]: the model over input_ids [T], the hidden states of each row's
+    last token (``layout.logits_indices``) through the LM head."""
+    hidden = model(input_ids, layout.positions, layout)
+    return model.compute_logits(hidden[layout.logits_indices])
