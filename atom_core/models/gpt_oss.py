@@ -22,7 +22,10 @@ Checkpoints already stack the experts, with ``x @ W`` layout: ``mlp.experts.gate
 ``gate_up_proj_bias`` ``[E, 2I]``, ``down_proj`` ``[E, I, D]``, ``down_proj_bias`` ``[E, D]``. The
 loader transposes the weights into ``mlp.experts.w13_weight`` ``[E, 2I, D]`` (rows still
 interleaved) and ``w2_weight`` ``[E, D, I]`` (``fused_expert_params_mapping``). The released
-MXFP4 checkpoints (``*_blocks`` / ``*_scales`` tensors) are not handled here.
+checkpoints store these two weights in MXFP4 instead (``gate_up_proj_blocks`` /
+``gate_up_proj_scales``, ``down_proj_blocks`` / ``down_proj_scales``, see ``models.mxfp4``): the
+quantised rows are the output dim, so the loader's decoded ``[E, 2I, D]`` and ``[E, D, I]`` are
+already this module's layout and load without a transpose; the model computes in its own dtype.
 """
 
 # T tokens, E experts, K top-k, H hidden, I intermediate
@@ -106,7 +109,7 @@ class GptOssMoE(nn.Module):
 
 @register_model("GptOssForCausalLM")
 class GptOssForCausalLM(CausalLM):
-    """gpt-oss-20b / gpt-oss-120b (bf16 expert weights)."""
+    """gpt-oss-20b / gpt-oss-120b (MXFP4 or bf16 expert weights in the checkpoint)."""
 
     def __init__(self, config: ModelConfig, **kwargs) -> None:
         for key, expected in (("swiglu_alpha", SWIGLU_ALPHA), ("swiglu_limit", SWIGLU_LIMIT)):
@@ -114,7 +117,10 @@ class GptOssForCausalLM(CausalLM):
             if not isinstance(value, (int, float)) or not math.isclose(value, expected):
                 raise ValueError(f"config.{key}={value!r} is not supported: the experts' activation uses {expected}")
         super().__init__(config, **kwargs)
-        self.expert_params_mapping = fused_expert_params_mapping(bias=True)
+        self.expert_params_mapping = fused_expert_params_mapping(bias=True) + [
+            ("experts.gate_up_proj_blocks", "experts.w13_weight", None),  # MXFP4, decoded by the loader
+            ("experts.down_proj_blocks", "experts.w2_weight", None),
+        ]
 
     def make_layer(self, layer_idx: int) -> nn.Module:
         config = self.config

@@ -31,6 +31,10 @@ Name mapping, in order:
      whole, into ``...<target_i>.<suffix>``. Sizes depend on the config, so a model using this
      sets ``packed_modules_mapping`` per instance.
 
+MXFP4 tensors (``NAME_blocks`` with ``NAME_scales`` beside it, gpt-oss's released expert
+weights) are decoded on reading (``models.mxfp4``) into a tensor ``[..., rows, cols]`` that goes
+through the steps above under the name ``NAME_blocks``; ``NAME_scales`` is consumed with it.
+
 Parameters that no checkpoint tensor filled raise ValueError (``strict``) unless they match
 one of ``model.expected_missing`` (``fnmatch`` patterns on the parameter name); checkpoint
 tensors that fill nothing are logged and listed in the returned ``LoadReport``. Afterwards
@@ -54,6 +58,7 @@ from safetensors import safe_open
 from torch import nn
 
 from atom_core.models.layers.linear import default_weight_loader
+from atom_core.models.mxfp4 import BLOCKS_SUFFIX, SCALES_SUFFIX, dequantize_mxfp4
 
 logger = logging.getLogger(__name__)
 
@@ -283,6 +288,22 @@ def _matches(name: str, patterns: Iterable[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
+def _mxfp4_scales_name(name: str, file_of: dict[str, Path]) -> str | None:
+    """The scales tensor paired with MXFP4 blocks ``name``, or None when ``name`` is no such block tensor."""
+    if not name.endswith(BLOCKS_SUFFIX):
+        return None
+    scales = name[: -len(BLOCKS_SUFFIX)] + SCALES_SUFFIX
+    return scales if scales in file_of else None
+
+
+def _read_tensor(open_file, open_path: Path, name: str, path: Path) -> torch.Tensor:
+    """Tensor ``name`` from ``path``: from the already open ``open_file`` when that is the same file."""
+    if path == open_path:
+        return open_file.get_tensor(name)
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        return f.get_tensor(name)
+
+
 def load_weights(model: nn.Module, path: str | Path, *, strict: bool = True,
                  load_extra_layers: bool = False) -> LoadReport:
     """Fill ``model``'s parameters from the ``*.safetensors`` files in folder ``path``.
@@ -300,9 +321,8 @@ def load_weights(model: nn.Module, path: str | Path, *, strict: bool = True,
     mapper = _NameMapper(model, params, load_extra_layers)
     report = LoadReport()
 
-    # Plan from the headers: which tensor comes from which file, into which parameters.
-    plan: dict[Path, list[tuple[str, list[_Target]]]] = {}
-    seen: set[str] = set()
+    # Which file holds each tensor (the first shard that lists it).
+    file_of: dict[str, Path] = {}
     for file, index_names in checkpoint_files(folder).items():
         header_names = list(read_safetensors_header(file))
         names = header_names if index_names is None else index_names
@@ -311,26 +331,36 @@ def load_weights(model: nn.Module, path: str | Path, *, strict: bool = True,
             if absent:
                 raise ValueError(f"{INDEX_FILE} lists tensors that {file.name} does not hold: {absent[:5]}")
         for name in names:
-            if name in seen:
+            if name in file_of:
                 logger.warning("tensor %r appears in more than one shard; keeping the first (%s skipped)",
                                name, file.name)
                 continue
-            seen.add(name)
-            mapped = mapper.map(name)
-            if isinstance(mapped, str):
-                report.skipped[name] = mapped
-                continue
-            if not all(t.param_name in params for t in mapped):
-                report.unused.append(name)
-                continue
-            plan.setdefault(file, []).append((name, mapped))
+            file_of[name] = file
+
+    # Plan: into which parameters each tensor goes, grouped by file; MXFP4 scales ride with their blocks.
+    plan: dict[Path, list[tuple[str, list[_Target], str | None]]] = {}
+    for name, file in file_of.items():
+        scales = _mxfp4_scales_name(name, file_of)
+        if name.endswith(SCALES_SUFFIX) and name[: -len(SCALES_SUFFIX)] + BLOCKS_SUFFIX in file_of:
+            report.skipped[name] = f"MXFP4 scales, decoded with {name[: -len(SCALES_SUFFIX)] + BLOCKS_SUFFIX}"
+            continue
+        mapped = mapper.map(name)
+        if isinstance(mapped, str):
+            report.skipped[name] = mapped
+            continue
+        if not all(t.param_name in params for t in mapped):
+            report.unused.append(name)
+            continue
+        plan.setdefault(file, []).append((name, mapped, scales))
 
     loaded: dict[str, set] = {}
     for file, entries in plan.items():
         report.files_read.append(str(file))
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name, targets in entries:
+            for name, targets, scales in entries:
                 tensor = f.get_tensor(name)
+                if scales is not None:
+                    tensor = dequantize_mxfp4(tensor, _read_tensor(f, file, scales, file_of[scales]))
                 for target in targets:
                     _load_one(params[target.param_name], tensor, target, name, file)
                     loaded.setdefault(target.param_name, set()).add(
