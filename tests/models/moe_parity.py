@@ -192,7 +192,11 @@ def check_engine_greedy(pair: ModelPair, *, lengths=(6, 1, 11), max_tokens: int 
 
 
 class MoEParityChecks(HFParityChecks):
-    """The shared HF checks plus parameter names derived from the checkpoint's own tensor names."""
+    """The shared HF checks plus parameter names derived from the checkpoint's own tensor names and
+    greedy tokens through ``Engine``."""
 
     def test_parameter_names_mirror_the_checkpoint(self, pair, model):
         check_moe_parameter_names(pair, model)
+
+    def test_engine_greedy_equals_hf_generate(self, pair):
+        check_engine_greedy(pair)

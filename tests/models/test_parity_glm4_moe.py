@@ -4,8 +4,8 @@ Tiny random configs vary the routing (groups kept of groups, top-k, renormalisat
 factor, a random ``e_score_correction_bias``), shared experts, dense layers before
 ``first_k_dense_replace``, attention biases, the optional QK norm, partial RoPE and tied
 embeddings. fp32 on CPU with the torch backend must match HF's logits within
-parity_harness.FP32_TOL; the GPU variant runs bf16 with the Triton backend on the same configs
-with every expert chosen (``moe_parity.every_expert_case`` says why).
+parity_harness.FP32_TOL; the bf16 GPU runs of these
+configs are in test_moe_gpu.py.
 """
 
 # T tokens, E experts, K top-k, H hidden, I intermediate
@@ -13,24 +13,17 @@ with every expert chosen (``moe_parity.every_expert_case`` says why).
 from __future__ import annotations
 
 import pytest
-import torch
 
 pytest.importorskip("transformers")
 
-from atom_core import ops  # noqa: E402
 from atom_core.models.layers.mlp import GatedMLP  # noqa: E402
 from tests.models.moe_parity import (  # noqa: E402
     MoEParityChecks,
     build_moe_pair,
-    check_engine_greedy,
-    every_expert_case,
 )
 from tests.models.parity_harness import (  # noqa: E402,F401  (single_thread_torch is an autouse fixture)
-    BF16_ARGMAX_MARGIN,
-    BF16_TOL,
     ParityCase,
     parity_pair_fixture,
-    run_all_checks,
     single_thread_torch,
 )
 
@@ -56,9 +49,6 @@ CASES = [
 ]
 
 
-# bf16 on a GPU: the same configs with every expert chosen (see moe_parity.every_expert_case).
-GPU_CASES = [every_expert_case(c) for c in CASES]
-
 
 pair = parity_pair_fixture(CASES, build_moe_pair)
 
@@ -78,17 +68,3 @@ def test_structure_follows_the_config(pair, model):
         assert rotary.rotary_dim == int(hf_config.head_dim * factor) < rotary.head_dim
     bias = model.model.layers[first_sparse].mlp.gate.e_score_correction_bias
     assert bias.abs().max() > 0  # loaded from the checkpoint, randomised by build_moe_pair
-
-
-def test_engine_greedy_equals_hf_generate(pair):
-    check_engine_greedy(pair)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("case", GPU_CASES, ids=[c.name for c in GPU_CASES])
-def test_gpu_bf16_triton_matches_hf_fp32(case, tmp_path):
-    pair = build_moe_pair(case, tmp_path)
-    model = pair.load_atom(dtype=torch.bfloat16, device="cuda")
-    with ops.use_backend("triton"):
-        run_all_checks(pair, model, device="cuda", tol=BF16_TOL, argmax_margin=BF16_ARGMAX_MARGIN)

@@ -5,9 +5,8 @@ yarn RoPE (``truncate: false`` as released), GQA / MQA / MHA, odd intermediate s
 embeddings; every case has attention sinks, q/k/v/o biases, a biased router and expert biases,
 all randomised. The checkpoint holds the stacked, transposed, gate/up-interleaved expert tensors
 GPT-OSS ships. fp32 on CPU with the torch backend must match HF's logits within
-parity_harness.FP32_TOL; one small case runs the Triton kernels in the interpreter; the GPU
-variant runs bf16 with the Triton backend on the same configs with every expert chosen
-(``moe_parity.every_expert_case`` says why).
+parity_harness.FP32_TOL; one small case runs the Triton kernels in the interpreter; the bf16
+GPU runs of these configs are in test_moe_gpu.py.
 """
 
 # T tokens, E experts, K top-k, H hidden, I intermediate
@@ -24,17 +23,12 @@ from atom_core.ops.dispatch import backend_available  # noqa: E402
 from tests.models.moe_parity import (  # noqa: E402
     MoEParityChecks,
     build_moe_pair,
-    check_engine_greedy,
-    every_expert_case,
 )
 from tests.models.parity_harness import (  # noqa: E402,F401  (single_thread_torch is an autouse fixture)
-    BF16_ARGMAX_MARGIN,
-    BF16_TOL,
     ParityCase,
     backends_used,
     check_decode,
     parity_pair_fixture,
-    run_all_checks,
     single_thread_torch,
 )
 
@@ -59,9 +53,6 @@ CASES = [
                 "layer_types": ["full_attention", "full_attention"]}),
 ]
 
-
-# bf16 on a GPU: the same configs with every expert chosen (see moe_parity.every_expert_case).
-GPU_CASES = [every_expert_case(c) for c in CASES]
 
 
 pair = parity_pair_fixture(CASES, build_moe_pair)
@@ -91,20 +82,6 @@ def test_expert_weights_are_hf_transposed_with_gate_up_interleaved(pair, model):
     assert torch.equal(experts.w13_weight[:, 1::2, :], up_cols.transpose(1, 2))
     assert torch.equal(experts.w2_weight, hf_experts.down_proj.transpose(1, 2))
     assert torch.equal(experts.w13_bias, hf_experts.gate_up_proj_bias)
-
-
-def test_engine_greedy_equals_hf_generate(pair):
-    check_engine_greedy(pair)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("case", GPU_CASES, ids=[c.name for c in GPU_CASES])
-def test_gpu_bf16_triton_matches_hf_fp32(case, tmp_path):
-    pair = build_moe_pair(case, tmp_path)
-    model = pair.load_atom(dtype=torch.bfloat16, device="cuda")
-    with ops.use_backend("triton"):
-        run_all_checks(pair, model, device="cuda", tol=BF16_TOL, argmax_margin=BF16_ARGMAX_MARGIN)
 
 
 def test_moe_block_matches_hf_where_the_clamp_bites(pair, model):
