@@ -102,6 +102,25 @@ def op_bench_args(description: str, add_flags: Callable[[argparse.ArgumentParser
     return args
 
 
+def time_compiled(fn: Callable[[], object], timer: Callable) -> float | None:
+    """``timer(torch.compile(fn))``; None, with the reason printed, when ``fn`` does not compile."""
+    try:
+        return timer(torch.compile(fn))
+    except Exception as e:  # noqa: BLE001 - a twin that does not compile is reported, not fatal
+        print(f"torch.compile failed: {type(e).__name__}: {e}")
+        return None
+
+
+def bandwidth_row(labels: dict, *, ms: float, nbytes: int, copy_gbs: float, eager_ms: float,
+                  compile_ms: float | None) -> dict:
+    """One op-benchmark row: ``labels``, the op's time, its bandwidth (GB/s, 1e9 bytes/s, and % of
+    the measured copy bandwidth), and the eager twin / torch.compile baselines as time and ratio."""
+    gbs = nbytes / (ms * 1e-3) / 1e9
+    return {**labels, "ms": ms, "GB/s": gbs, "%copy": 100 * gbs / copy_gbs,
+            "eager_ms": eager_ms, "x_eager": eager_ms / ms,
+            "compile_ms": compile_ms, "x_compile": None if compile_ms is None else compile_ms / ms}
+
+
 def report(rows: list[dict], columns: list[str], json_path: str | None) -> None:
     """Print the table; write the rows as JSON when a path is given."""
     print_table(rows, columns)

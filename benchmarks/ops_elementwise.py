@@ -119,19 +119,10 @@ def _cases(device, smoke, backend, dtype):
         yield _store_kv_case(tokens, sizes["q_heads"], sizes["kv_heads"], sizes["head_size"], dtype, device, backend)
 
 
-def _time_compiled(fn, timer):
-    try:
-        compiled = torch.compile(fn)
-        return timer(compiled)
-    except Exception as e:  # noqa: BLE001 - a twin that does not compile is reported, not fatal
-        print(f"torch.compile failed: {type(e).__name__}: {e}")
-        return None
-
-
 def run(device: str = "cuda", smoke: bool = False) -> list[dict]:
     """One row per (op, token count). Times in ms; bandwidth in GB/s (1e9 bytes/s)."""
     from atom_core.ops.dispatch import backend_available
-    from benchmarks.common import bench, copy_bandwidth_gbs
+    from benchmarks.common import bandwidth_row, bench, copy_bandwidth_gbs, time_compiled
 
     backend = "triton" if backend_available("triton") else "torch"
     dtype = torch.bfloat16
@@ -147,21 +138,10 @@ def run(device: str = "cuda", smoke: bool = False) -> list[dict]:
     for case in _cases(device, smoke, backend, dtype):
         ms = timer(case.run, graph=True)
         eager_ms = timer(case.twin)
-        compile_ms = None if smoke else _time_compiled(case.twin, timer)
-        gbs = case.nbytes / (ms * 1e-3) / 1e9
-        rows.append({
-            "op": case.op,
-            "tokens": case.tokens,
-            "shape": case.shape,
-            "backend": backend,
-            "ms": ms,
-            "GB/s": gbs,
-            "%copy": 100 * gbs / copy_gbs,
-            "eager_ms": eager_ms,
-            "x_eager": eager_ms / ms,
-            "compile_ms": compile_ms,
-            "x_compile": None if compile_ms is None else compile_ms / ms,
-        })
+        compile_ms = None if smoke else time_compiled(case.twin, timer)
+        rows.append(bandwidth_row({"op": case.op, "tokens": case.tokens, "shape": case.shape, "backend": backend},
+                                  ms=ms, nbytes=case.nbytes, copy_gbs=copy_gbs, eager_ms=eager_ms,
+                                  compile_ms=compile_ms))
     return rows
 
 

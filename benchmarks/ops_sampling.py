@@ -74,18 +74,10 @@ def _cases(device, smoke, backend):
         yield _rejection_case(rows, vocab, device, backend)
 
 
-def _time_compiled(fn, timer):
-    try:
-        return timer(torch.compile(fn))
-    except Exception as e:  # noqa: BLE001 - a twin that does not compile is reported, not fatal
-        print(f"torch.compile failed: {type(e).__name__}: {e}")
-        return None
-
-
 def run(device: str = "cuda", smoke: bool = False) -> list[dict]:
     """One row per (case, batch size). Times in ms; bandwidth in GB/s (1e9 bytes/s) of logits read."""
     from atom_core.ops.dispatch import backend_available
-    from benchmarks.common import bench, copy_bandwidth_gbs
+    from benchmarks.common import bandwidth_row, bench, copy_bandwidth_gbs, time_compiled
 
     backend = "triton" if backend_available("triton") else "torch"
     iters = dict(warmup=1, iters=3) if smoke else dict(warmup=10, iters=100)
@@ -98,21 +90,10 @@ def run(device: str = "cuda", smoke: bool = False) -> list[dict]:
     for case in _cases(device, smoke, backend):
         ms = timer(case.run)
         eager_ms = timer(case.twin)
-        compile_ms = None if smoke else _time_compiled(case.twin, timer)
-        gbs = case.nbytes / (ms * 1e-3) / 1e9
-        rows.append({
-            "op": case.op,
-            "rows": case.rows,
-            "vocab": SMOKE["vocab"] if smoke else VOCAB,
-            "backend": backend,
-            "ms": ms,
-            "GB/s": gbs,
-            "%copy": 100 * gbs / copy_gbs,
-            "eager_ms": eager_ms,
-            "x_eager": eager_ms / ms,
-            "compile_ms": compile_ms,
-            "x_compile": None if compile_ms is None else compile_ms / ms,
-        })
+        compile_ms = None if smoke else time_compiled(case.twin, timer)
+        labels = {"op": case.op, "rows": case.rows, "vocab": SMOKE["vocab"] if smoke else VOCAB, "backend": backend}
+        rows.append(bandwidth_row(labels, ms=ms, nbytes=case.nbytes, copy_gbs=copy_gbs, eager_ms=eager_ms,
+                                  compile_ms=compile_ms))
     return rows
 
 
