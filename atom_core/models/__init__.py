@@ -92,6 +92,23 @@ def build_model(config: ModelConfig | dict[str, Any], *, dtype: torch.dtype | st
     return model.eval()
 
 
+def _check_quantization(config: ModelConfig, cls: type, folder: Path, load_format: str) -> None:
+    """Refuse a checkpoint quantised in a way its architecture does not load (``quant_method`` in
+    ``quantization_config``; ``cls.supported_quantization`` lists what it does: gpt-oss's MXFP4)."""
+    quant = config.get("quantization_config")
+    if not quant or load_format in ("dummy", "zeros"):
+        return
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    supported = getattr(cls, "supported_quantization", ())
+    if method not in supported:
+        raise ValueError(
+            f"{folder}: the checkpoint is quantised (quant_method={method!r}), which "
+            f"{cls.__name__} does not load (it loads unquantised weights"
+            f"{''.join(f', and {m}' for m in supported)}); use an unquantised copy, or "
+            "load_format='dummy' for random weights of these shapes"
+        )
+
+
 def load_model(path: str | Path, *, dtype: torch.dtype | str | None = None,
                device: str | torch.device | None = None, load_format: str = "auto") -> nn.Module:
     """Build the model described by ``path/config.json`` and load its weights.
@@ -109,7 +126,8 @@ def load_model(path: str | Path, *, dtype: torch.dtype | str | None = None,
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in model folder {folder}")
     config = ModelConfig.from_file(folder / "config.json")
-    resolve_architecture(config.architectures)  # unsupported architecture: fail before anything is built
+    _, cls = resolve_architecture(config.architectures)  # unsupported architecture: fail before anything is built
+    _check_quantization(config, cls, folder, load_format)
     if load_format in ("auto", "safetensors") and not any(folder.glob("*.safetensors")):
         raise FileNotFoundError(
             f"no *.safetensors files in {folder} (pass load_format='dummy' to build it with random weights)"

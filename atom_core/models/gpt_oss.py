@@ -111,6 +111,8 @@ class GptOssMoE(nn.Module):
 class GptOssForCausalLM(CausalLM):
     """gpt-oss-20b / gpt-oss-120b (MXFP4 or bf16 expert weights in the checkpoint)."""
 
+    supported_quantization = ("mxfp4",)  # the released checkpoints' experts, decoded by the loader
+
     def __init__(self, config: ModelConfig, **kwargs) -> None:
         for key, expected in (("swiglu_alpha", SWIGLU_ALPHA), ("swiglu_limit", SWIGLU_LIMIT)):
             value = config.get(key, expected)
