@@ -57,11 +57,14 @@ def _default_dtype(config: ModelConfig, dtype: torch.dtype | str | None, device:
     return config.torch_dtype or torch.bfloat16
 
 
-def _instantiate(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def _instantiate(config: ModelConfig, dtype: torch.dtype, device: torch.device, tp_rank: int = 0,
+                 tp_size: int = 1) -> nn.Module:
     _, cls = resolve_architecture(config.architectures)
     # Parameters created without an explicit device land on `device` (no CPU detour).
+    # (a single-rank build passes no TP arguments: a registered model need not take them)
+    tp = {} if (tp_rank, tp_size) == (0, 1) else {"tp_rank": tp_rank, "tp_size": tp_size}
     with torch.device(device):
-        return cls(config, dtype=dtype, device=device)
+        return cls(config, dtype=dtype, device=device, **tp)
 
 
 def _initialize(model: nn.Module, load_format: str, seed: int) -> None:
@@ -74,11 +77,13 @@ def _initialize(model: nn.Module, load_format: str, seed: int) -> None:
 
 def build_model(config: ModelConfig | dict[str, Any], *, dtype: torch.dtype | str | None = None,
                 device: str | torch.device | None = None, load_format: str = "dummy",
-                seed: int = 0) -> nn.Module:
+                seed: int = 0, tp_rank: int = 0, tp_size: int = 1) -> nn.Module:
     """A model of ``config``'s architecture with ``"dummy"`` (seeded normal(0, 0.02)) or ``"zeros"`` weights.
 
     ``config``: a ``ModelConfig`` or a config.json-style dict. ``device`` defaults to CUDA when
     available, else CPU; ``dtype`` to the config's ``torch_dtype`` on a GPU and float32 on CPU.
+    ``tp_rank``/``tp_size``: this process's tensor-parallel shard (the default process group
+    reduces across the ranks).
     """
     if load_format not in ("dummy", "zeros"):
         raise ValueError(f"build_model: load_format must be 'dummy' or 'zeros', got {load_format!r}")
@@ -87,7 +92,7 @@ def build_model(config: ModelConfig | dict[str, Any], *, dtype: torch.dtype | st
     if not isinstance(config, ModelConfig):
         raise TypeError(f"config must be a ModelConfig or a dict, got {type(config).__name__}")
     device = _default_device(device)
-    model = _instantiate(config, _default_dtype(config, dtype, device), device)
+    model = _instantiate(config, _default_dtype(config, dtype, device), device, tp_rank, tp_size)
     _initialize(model, load_format, seed)
     return model.eval()
 
@@ -110,12 +115,14 @@ def _check_quantization(config: ModelConfig, cls: type, folder: Path, load_forma
 
 
 def load_model(path: str | Path, *, dtype: torch.dtype | str | None = None,
-               device: str | torch.device | None = None, load_format: str = "auto") -> nn.Module:
+               device: str | torch.device | None = None, load_format: str = "auto", tp_rank: int = 0,
+               tp_size: int = 1) -> nn.Module:
     """Build the model described by ``path/config.json`` and load its weights.
 
     ``load_format``: ``"auto"``/``"safetensors"`` read ``path/*.safetensors`` (see
-    ``loader.load_weights``); ``"dummy"``/``"zeros"`` skip the shards. Defaults as in
-    ``build_model``. Raises FileNotFoundError for a missing folder, config.json or shards and
+    ``loader.load_weights``); ``"dummy"``/``"zeros"`` skip the shards. Defaults and
+    ``tp_rank``/``tp_size`` as in ``build_model`` (each rank keeps its shard of every tensor).
+    Raises FileNotFoundError for a missing folder, config.json or shards and
     ValueError for an unsupported architecture.
     """
     if load_format not in _LOAD_FORMATS:
@@ -133,7 +140,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype | str | None = None,
             f"no *.safetensors files in {folder} (pass load_format='dummy' to build it with random weights)"
         )
     device = _default_device(device)
-    model = _instantiate(config, _default_dtype(config, dtype, device), device)
+    model = _instantiate(config, _default_dtype(config, dtype, device), device, tp_rank, tp_size)
     if load_format in ("dummy", "zeros"):
         _initialize(model, load_format, seed=0)
     else:
