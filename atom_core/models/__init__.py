@@ -58,11 +58,13 @@ def _default_dtype(config: ModelConfig, dtype: torch.dtype | str | None, device:
 
 
 def _instantiate(config: ModelConfig, dtype: torch.dtype, device: torch.device, tp_rank: int = 0,
-                 tp_size: int = 1) -> nn.Module:
+                 tp_size: int = 1, expert_parallel: bool = False) -> nn.Module:
     _, cls = resolve_architecture(config.architectures)
-    # Parameters created without an explicit device land on `device` (no CPU detour).
-    # (a single-rank build passes no TP arguments: a registered model need not take them)
+    # (a single-rank build passes no parallel arguments: a registered model need not take them)
     tp = {} if (tp_rank, tp_size) == (0, 1) else {"tp_rank": tp_rank, "tp_size": tp_size}
+    if expert_parallel:
+        tp["expert_parallel"] = True
+    # Parameters created without an explicit device land on `device` (no CPU detour).
     with torch.device(device):
         return cls(config, dtype=dtype, device=device, **tp)
 
@@ -77,13 +79,14 @@ def _initialize(model: nn.Module, load_format: str, seed: int) -> None:
 
 def build_model(config: ModelConfig | dict[str, Any], *, dtype: torch.dtype | str | None = None,
                 device: str | torch.device | None = None, load_format: str = "dummy",
-                seed: int = 0, tp_rank: int = 0, tp_size: int = 1) -> nn.Module:
+                seed: int = 0, tp_rank: int = 0, tp_size: int = 1, expert_parallel: bool = False) -> nn.Module:
     """A model of ``config``'s architecture with ``"dummy"`` (seeded normal(0, 0.02)) or ``"zeros"`` weights.
 
     ``config``: a ``ModelConfig`` or a config.json-style dict. ``device`` defaults to CUDA when
     available, else CPU; ``dtype`` to the config's ``torch_dtype`` on a GPU and float32 on CPU.
     ``tp_rank``/``tp_size``: this process's tensor-parallel shard (the default process group
-    reduces across the ranks).
+    reduces across the ranks); ``expert_parallel``: a MoE model's experts are split across those
+    ranks instead of each expert's intermediate dim.
     """
     if load_format not in ("dummy", "zeros"):
         raise ValueError(f"build_model: load_format must be 'dummy' or 'zeros', got {load_format!r}")
@@ -92,7 +95,7 @@ def build_model(config: ModelConfig | dict[str, Any], *, dtype: torch.dtype | st
     if not isinstance(config, ModelConfig):
         raise TypeError(f"config must be a ModelConfig or a dict, got {type(config).__name__}")
     device = _default_device(device)
-    model = _instantiate(config, _default_dtype(config, dtype, device), device, tp_rank, tp_size)
+    model = _instantiate(config, _default_dtype(config, dtype, device), device, tp_rank, tp_size, expert_parallel)
     _initialize(model, load_format, seed)
     return model.eval()
 
@@ -116,12 +119,13 @@ def _check_quantization(config: ModelConfig, cls: type, folder: Path, load_forma
 
 def load_model(path: str | Path, *, dtype: torch.dtype | str | None = None,
                device: str | torch.device | None = None, load_format: str = "auto", tp_rank: int = 0,
-               tp_size: int = 1) -> nn.Module:
+               tp_size: int = 1, expert_parallel: bool = False) -> nn.Module:
     """Build the model described by ``path/config.json`` and load its weights.
 
     ``load_format``: ``"auto"``/``"safetensors"`` read ``path/*.safetensors`` (see
     ``loader.load_weights``); ``"dummy"``/``"zeros"`` skip the shards. Defaults and
-    ``tp_rank``/``tp_size`` as in ``build_model`` (each rank keeps its shard of every tensor).
+    ``tp_rank``/``tp_size``/``expert_parallel`` as in ``build_model`` (each rank keeps its shard of
+    every tensor).
     Raises FileNotFoundError for a missing folder, config.json or shards and
     ValueError for an unsupported architecture.
     """
@@ -140,7 +144,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype | str | None = None,
             f"no *.safetensors files in {folder} (pass load_format='dummy' to build it with random weights)"
         )
     device = _default_device(device)
-    model = _instantiate(config, _default_dtype(config, dtype, device), device, tp_rank, tp_size)
+    model = _instantiate(config, _default_dtype(config, dtype, device), device, tp_rank, tp_size, expert_parallel)
     if load_format in ("dummy", "zeros"):
         _initialize(model, load_format, seed=0)
     else:

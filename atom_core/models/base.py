@@ -29,6 +29,7 @@ from atom_core.cache.token_layout import StepLayout
 from atom_core.models.config import ModelConfig
 from atom_core.models.layers.attention import PagedAttention
 from atom_core.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from atom_core.models.layers.moe import FusedMoE
 from atom_core.models.layers.norm import RMSNorm
 from atom_core.models.layers.rotary import RotaryEmbedding
 
@@ -104,13 +105,16 @@ class CausalLM(nn.Module):
     per distinct (head_dim, layer type), shared by the layers that use it.
 
     ``dtype`` is the parameters' dtype (default: torch's default dtype); ``device`` where they
-    are created. ``tp_rank``/``tp_size`` split heads, MLP and vocabulary across ranks.
+    are created. ``tp_rank``/``tp_size`` split heads, MLP and vocabulary across ranks;
+    ``expert_parallel`` splits a MoE model's experts across the same ranks instead of each
+    expert's intermediate dim (``layers.moe.moe_ranks``).
     """
 
     packed_modules_mapping: dict[str, tuple[str, str | int]] = DEFAULT_PACKED_MODULES_MAPPING
 
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None, tp_rank: int = 0, tp_size: int = 1) -> None:
+                 device: torch.device | str | None = None, tp_rank: int = 0, tp_size: int = 1,
+                 expert_parallel: bool = False) -> None:
         super().__init__()
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
@@ -121,6 +125,7 @@ class CausalLM(nn.Module):
         self._build_device = None if device is None else torch.device(device)
         self.tp_rank = tp_rank
         self.tp_size = tp_size
+        self.expert_parallel = bool(expert_parallel)
         self._rotary: dict[tuple[int, str | None], RotaryEmbedding] = {}
         placement = torch.device(device) if device is not None else contextlib.nullcontext()
         with placement:
@@ -131,6 +136,8 @@ class CausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
         del self._rotary  # only needed while building
+        if self.expert_parallel and not any(isinstance(m, FusedMoE) for m in self.modules()):
+            raise ValueError(f"expert_parallel=True, but {type(self).__name__} has no experts to split")
         self._attention_layers = [m for m in self.model.layers.modules() if isinstance(m, PagedAttention)]
 
     def make_layer(self, layer_idx: int) -> nn.Module:

@@ -36,7 +36,7 @@ from atom_core import ops
 from atom_core.models.base import CausalLM, PreNormDecoderLayer
 from atom_core.models.config import ModelConfig
 from atom_core.models.layers.mlp import GatedMLP
-from atom_core.models.layers.moe import FusedMoE, expert_params_mapping
+from atom_core.models.layers.moe import FusedMoE, expert_params_mapping, moe_ranks
 from atom_core.models.layers.norm import RMSNorm
 from atom_core.models.layers.rotary import RotaryEmbedding
 from atom_core.models.llama import LlamaAttention
@@ -84,7 +84,8 @@ class GroupedTopKRouter(nn.Module):
 class Glm4MoeSparseBlock(nn.Module):
     """``gate`` (router) + ``experts`` (routed) + ``shared_experts`` (every token). x [T, H] -> [T, H]."""
 
-    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1) -> None:
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1,
+                 expert_parallel: bool = False) -> None:
         super().__init__()
         num_experts = config_int(config, "n_routed_experts", "num_local_experts")
         inter = config_int(config, "moe_intermediate_size")
@@ -95,7 +96,8 @@ class Glm4MoeSparseBlock(nn.Module):
         self.routed_scaling_factor = float(config.get("routed_scaling_factor", 1.0))
         tp = {"tp_rank": tp_rank, "tp_size": tp_size, "dtype": dtype}
         self.gate = GroupedTopKRouter(num_experts, config.hidden_size)
-        self.experts = FusedMoE(num_experts, config.hidden_size, inter, activation="silu", **tp)
+        self.experts = FusedMoE(num_experts, config.hidden_size, inter, activation="silu", dtype=dtype,
+                                **moe_ranks(tp_rank, tp_size, expert_parallel))
         num_shared = config_int(config, "n_shared_experts", default=0)
         self.shared_experts = (GatedMLP(config.hidden_size, inter * num_shared, config.hidden_act, **tp)
                                if num_shared > 0 else None)
@@ -131,7 +133,7 @@ class Glm4MoeForCausalLM(CausalLM):
         if layer_idx < config_int(config, "first_k_dense_replace", default=0):
             mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, **tp)
         else:
-            mlp = Glm4MoeSparseBlock(config, **tp)
+            mlp = Glm4MoeSparseBlock(config, expert_parallel=self.expert_parallel, **tp)
         return PreNormDecoderLayer(
             self_attn, mlp,
             input_layernorm=RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=self.dtype),

@@ -42,7 +42,7 @@ from atom_core.cache.token_layout import StepLayout
 from atom_core.models.base import CausalLM, PreNormDecoderLayer
 from atom_core.models.config import ModelConfig
 from atom_core.models.layers.linear import ReplicatedLinear, check_shape, copy_into
-from atom_core.models.layers.moe import FusedMoE, fused_expert_params_mapping
+from atom_core.models.layers.moe import FusedMoE, fused_expert_params_mapping, moe_ranks
 from atom_core.models.layers.norm import RMSNorm
 from atom_core.models.layers.rotary import RotaryEmbedding
 from atom_core.models.llama import LlamaAttention
@@ -90,7 +90,8 @@ class GptOssAttention(LlamaAttention):
 class GptOssMoE(nn.Module):
     """``router`` (with bias) + ``experts`` (clamped SwiGLU, biases). x [T, H] -> [T, H]."""
 
-    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1) -> None:
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1,
+                 expert_parallel: bool = False) -> None:
         super().__init__()
         num_experts = config_int(config, "num_local_experts", "num_experts")
         self.top_k = config_int(config, "num_experts_per_tok", "experts_per_token")
@@ -98,8 +99,8 @@ class GptOssMoE(nn.Module):
             raise ValueError(f"num_experts_per_tok must be in [1, {num_experts}], got {self.top_k}")
         self.router = ReplicatedLinear(config.hidden_size, num_experts, bias=True, dtype=dtype)
         self.experts = FusedMoE(num_experts, config.hidden_size, config.intermediate_size,
-                                activation="swiglu_clamped", bias=True, tp_rank=tp_rank, tp_size=tp_size,
-                                dtype=dtype)
+                                activation="swiglu_clamped", bias=True, dtype=dtype,
+                                **moe_ranks(tp_rank, tp_size, expert_parallel))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         router_logits = self.router(x)                                               # [T, E]
@@ -130,7 +131,7 @@ class GptOssForCausalLM(CausalLM):
         self_attn = GptOssAttention(config, self.rotary_embedding(config.head_dim, config.layer_types[layer_idx]),
                                     sliding_window=self.sliding_window_of(layer_idx), **tp)
         return PreNormDecoderLayer(
-            self_attn, GptOssMoE(config, **tp),
+            self_attn, GptOssMoE(config, expert_parallel=self.expert_parallel, **tp),
             input_layernorm=RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=self.dtype),
             post_attention_layernorm=RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=self.dtype),
         )

@@ -53,7 +53,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
         self_attn = LlamaAttention(config, self.rotary_embedding(config.head_dim, config.layer_types[layer_idx]),
                                    sliding_window=self.sliding_window_of(layer_idx), **tp)
         mlp = SoftmaxTopKMoE(self.num_experts, config_int(config, "num_experts_per_tok"), config.hidden_size,
-                             config.intermediate_size, renormalize=True, **tp)
+                             config.intermediate_size, renormalize=True, expert_parallel=self.expert_parallel, **tp)
         return PreNormDecoderLayer(
             self_attn, mlp,
             input_layernorm=RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=self.dtype),

@@ -29,7 +29,7 @@ from atom_core.models.base import CausalLM, PreNormDecoderLayer
 from atom_core.models.config import ModelConfig
 from atom_core.models.layers.linear import ReplicatedLinear
 from atom_core.models.layers.mlp import GatedMLP
-from atom_core.models.layers.moe import FusedMoE, expert_params_mapping
+from atom_core.models.layers.moe import FusedMoE, expert_params_mapping, moe_ranks
 from atom_core.models.layers.norm import RMSNorm
 from atom_core.models.qwen3 import Qwen3Attention
 from atom_core.models.registry import register_model
@@ -61,15 +61,16 @@ class SoftmaxTopKMoE(nn.Module):
     """
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, *,
-                 renormalize: bool, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1) -> None:
+                 renormalize: bool, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1,
+                 expert_parallel: bool = False) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok must be in [1, {num_experts}], got {top_k}")
         self.top_k = top_k
         self.renormalize = renormalize
         self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False, dtype=dtype)
-        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, activation="silu",
-                                tp_rank=tp_rank, tp_size=tp_size, dtype=dtype)
+        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, activation="silu", dtype=dtype,
+                                **moe_ranks(tp_rank, tp_size, expert_parallel))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         router_logits = self.gate(x)                                                   # [T, E]
@@ -109,7 +110,8 @@ class Qwen3MoeForCausalLM(CausalLM):
         if self.is_sparse_layer(layer_idx):
             mlp = SoftmaxTopKMoE(self.num_experts, config_int(config, "num_experts_per_tok"), config.hidden_size,
                                  config_int(config, "moe_intermediate_size"),
-                                 renormalize=bool(config.get("norm_topk_prob", False)), **tp)
+                                 renormalize=bool(config.get("norm_topk_prob", False)),
+                                 expert_parallel=self.expert_parallel, **tp)
         else:
             mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, **tp)
         return PreNormDecoderLayer(

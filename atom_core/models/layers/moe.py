@@ -91,6 +91,16 @@ def moe_shard(num_experts: int, intermediate_size: int, *, tp_rank: int = 0, tp_
                     intermediate_start=tp_rank * inter_per_rank, intermediate_size=inter_per_rank)
 
 
+def moe_ranks(tp_rank: int, tp_size: int, expert_parallel: bool) -> dict:
+    """``FusedMoE``'s rank arguments in a model split over ``tp_size`` ranks: by default every rank
+    holds every expert's slice of I (tensor parallel); with ``expert_parallel`` each rank holds
+    ``E / tp_size`` whole experts (expert parallel over the same ranks). Attention and dense layers
+    stay tensor-parallel either way."""
+    if expert_parallel:
+        return {"tp_rank": 0, "tp_size": 1, "ep_rank": tp_rank, "ep_size": tp_size}
+    return {"tp_rank": tp_rank, "tp_size": tp_size}
+
+
 def expert_params_mapping(num_experts: int, *, gate: str = "gate_proj", up: str = "up_proj",
                           down: str = "down_proj", prefix: str = "experts",
                           bias: bool = False) -> list[tuple[str, str, Any]]:
