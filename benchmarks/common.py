@@ -102,13 +102,36 @@ def op_bench_args(description: str, add_flags: Callable[[argparse.ArgumentParser
     return args
 
 
-def time_compiled(fn: Callable[[], object], timer: Callable) -> float | None:
-    """``timer(torch.compile(fn))``; None, with the reason printed, when ``fn`` does not compile."""
+def adaptive_timer(device: str, smoke: bool) -> Callable:
+    """``timed(fn, graph=True)`` -> median ms of ``fn`` (``bench``; on CUDA with ``graph``, GPU time
+    of CUDA-graph replays). Slow baselines get fewer iterations (about 0.5 s of timing each);
+    ``smoke`` sizes get two."""
+
+    def timed(fn, graph=True):
+        if smoke:
+            return bench(fn, warmup=1, iters=2, device=device, graph=graph)
+        first = bench(fn, warmup=1, iters=1, device=device, graph=False)
+        iters = int(min(100, max(3, 500 / max(first, 1e-3))))
+        return bench(fn, warmup=min(10, iters), iters=iters, device=device, graph=graph)
+
+    return timed
+
+
+def guarded(timed: Callable, make_fn: Callable[[], Callable], **timing) -> float | None:
+    """``timed(make_fn(), **timing)``; None, with the reason printed, when building or timing the
+    baseline fails (out of memory, does not compile)."""
     try:
-        return timer(torch.compile(fn))
-    except Exception as e:  # noqa: BLE001 - a twin that does not compile is reported, not fatal
-        print(f"torch.compile failed: {type(e).__name__}: {e}")
+        return timed(make_fn(), **timing)
+    except Exception as e:  # noqa: BLE001 - a baseline that fails is reported, not fatal
+        print(f"baseline skipped: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         return None
+
+
+def ratio(base_ms: float | None, ms: float | None) -> float | None:
+    """``base_ms / ms`` (the speedup over a baseline), None when either is missing."""
+    return None if base_ms is None or ms is None else base_ms / ms
 
 
 def bandwidth_row(labels: dict, *, ms: float, nbytes: int, copy_gbs: float, eager_ms: float,
@@ -118,7 +141,7 @@ def bandwidth_row(labels: dict, *, ms: float, nbytes: int, copy_gbs: float, eage
     gbs = nbytes / (ms * 1e-3) / 1e9
     return {**labels, "ms": ms, "GB/s": gbs, "%copy": 100 * gbs / copy_gbs,
             "eager_ms": eager_ms, "x_eager": eager_ms / ms,
-            "compile_ms": compile_ms, "x_compile": None if compile_ms is None else compile_ms / ms}
+            "compile_ms": compile_ms, "x_compile": ratio(compile_ms, ms)}
 
 
 def report(rows: list[dict], columns: list[str], json_path: str | None) -> None:

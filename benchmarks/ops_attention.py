@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from benchmarks.common import adaptive_timer, guarded, ratio
+
 FULL = dict(q_heads=32, kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16,
             decode=[(b, s) for b in (1, 64, 256) for s in (512, 4096, 32768)], prefill=[(1, 4096), (4, 2048)])
 SMOKE = dict(q_heads=4, kv_heads=2, head_dim=32, block_size=4, dtype=torch.float32,
@@ -86,36 +88,6 @@ def _sdpa(q, k, v, scale, causal):
                                               is_causal=causal, scale=scale)
 
 
-def _timer(device, smoke):
-    from benchmarks.common import bench
-
-    def timed(fn, graph=True):
-        """Median ms (GPU time of CUDA-graph replays when ``graph``; eager calls for code that syncs
-        with the host, like the twin). Slow baselines get fewer iterations (about 0.5 s each)."""
-        if smoke:
-            return bench(fn, warmup=1, iters=2, device=device, graph=graph)
-        first = bench(fn, warmup=1, iters=1, device=device, graph=False)
-        iters = int(min(100, max(3, 500 / max(first, 1e-3))))
-        return bench(fn, warmup=min(10, iters), iters=iters, device=device, graph=graph)
-
-    return timed
-
-
-def _guarded(timed, make_fn, graph=True):
-    """Time ``make_fn()``'s callable; None when it does not fit in memory or does not compile."""
-    try:
-        return timed(make_fn(), graph=graph)
-    except Exception as e:  # noqa: BLE001 - a baseline that fails is reported, not fatal
-        print(f"baseline skipped: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        return None
-
-
-def _ratio(base_ms, ms):
-    return None if base_ms is None else base_ms / ms
-
-
 def _decode_row(rows, context, sizes, device, smoke, timed, copy_gbs, twin_baselines=True):
     from atom_core.ops.attention import paged_attention, uses_split_k_decode
     from atom_core.ops.dispatch import backend_available
@@ -139,13 +111,13 @@ def _decode_row(rows, context, sizes, device, smoke, timed, copy_gbs, twin_basel
         dense["k"], dense["v"] = gather_dense(p, p.k_cache), gather_dense(p, p.v_cache)
         return lambda: _sdpa(q4, dense["k"], dense["v"], scale, False)
 
-    sdpa_ms = _guarded(timed, pre_gathered)
+    sdpa_ms = guarded(timed, pre_gathered)
     dense.clear()
-    sdpa_gather_ms = _guarded(timed, lambda: lambda: _sdpa(q4, gather_dense(p, p.k_cache), gather_dense(p, p.v_cache),
+    sdpa_gather_ms = guarded(timed, lambda: lambda: _sdpa(q4, gather_dense(p, p.k_cache), gather_dense(p, p.v_cache),
                                                            scale, False))
-    twin_ms = None if not twin_baselines else _guarded(
+    twin_ms = None if not twin_baselines else guarded(
         timed, lambda: lambda: twin.paged_attention(*p.args(), scale=scale), graph=False)
-    compile_ms = None if smoke or not twin_baselines else _guarded(
+    compile_ms = None if smoke or not twin_baselines else guarded(
         timed, lambda: (lambda f: lambda: f(*p.args(), scale=scale))(torch.compile(twin.paged_attention)), graph=False)
     split_k = uses_split_k_decode(1, sizes["q_heads"], sizes["kv_heads"])
     return {
@@ -153,10 +125,10 @@ def _decode_row(rows, context, sizes, device, smoke, timed, copy_gbs, twin_basel
         "path": "split-k" if split_k else "unified",
         "splits": choose_num_splits(rows, sizes["kv_heads"], context, torch.device(device)) if split_k else 1,
         "ms": ms, "GB/s": gbs, "%copy": 100 * gbs / copy_gbs, "TFLOP/s": None,
-        "sdpa_ms": sdpa_ms, "x_sdpa": _ratio(sdpa_ms, ms),
-        "sdpa+gather_ms": sdpa_gather_ms, "x_sdpa+gather": _ratio(sdpa_gather_ms, ms),
-        "twin_ms": twin_ms, "x_twin": _ratio(twin_ms, ms),
-        "compile_ms": compile_ms, "x_compile": _ratio(compile_ms, ms),
+        "sdpa_ms": sdpa_ms, "x_sdpa": ratio(sdpa_ms, ms),
+        "sdpa+gather_ms": sdpa_gather_ms, "x_sdpa+gather": ratio(sdpa_gather_ms, ms),
+        "twin_ms": twin_ms, "x_twin": ratio(twin_ms, ms),
+        "compile_ms": compile_ms, "x_compile": ratio(compile_ms, ms),
     }
 
 
@@ -189,18 +161,18 @@ def _prefill_row(rows, length, sizes, device, smoke, timed, copy_gbs, twin_basel
         with _flash_backend(device):
             return F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale)
 
-    sdpa_ms = _guarded(timed, lambda: flash)
-    twin_ms = None if not twin_baselines else _guarded(
+    sdpa_ms = guarded(timed, lambda: flash)
+    twin_ms = None if not twin_baselines else guarded(
         timed, lambda: lambda: twin.paged_attention(*p.args(), scale=scale), graph=False)
-    compile_ms = None if smoke or not twin_baselines else _guarded(
+    compile_ms = None if smoke or not twin_baselines else guarded(
         timed, lambda: (lambda f: lambda: f(*p.args(), scale=scale))(torch.compile(twin.paged_attention)), graph=False)
     return {
         "case": "prefill", "batch": rows, "context": length, "backend": backend, "path": "unified", "splits": 1,
         "ms": ms, "GB/s": None, "%copy": None, "TFLOP/s": flops / (ms * 1e-3) / 1e12,
-        "sdpa_ms": sdpa_ms, "x_sdpa": _ratio(sdpa_ms, ms),
+        "sdpa_ms": sdpa_ms, "x_sdpa": ratio(sdpa_ms, ms),
         "sdpa_TFLOP/s": None if sdpa_ms is None else flops / (sdpa_ms * 1e-3) / 1e12,
-        "twin_ms": twin_ms, "x_twin": _ratio(twin_ms, ms),
-        "compile_ms": compile_ms, "x_compile": _ratio(compile_ms, ms),
+        "twin_ms": twin_ms, "x_twin": ratio(twin_ms, ms),
+        "compile_ms": compile_ms, "x_compile": ratio(compile_ms, ms),
     }
 
 
@@ -209,7 +181,7 @@ def run(device: str = "cuda", smoke: bool = False, twin_baselines: bool = True) 
     from benchmarks.common import copy_bandwidth_gbs
 
     sizes = SMOKE if smoke else FULL
-    timed = _timer(device, smoke)
+    timed = adaptive_timer(device, smoke)
     copy_gbs = copy_bandwidth_gbs(device, nbytes=1 << 20 if smoke else 2 << 30)
     rows = []
     for batch, context in sizes["decode"]:

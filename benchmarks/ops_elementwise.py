@@ -122,7 +122,7 @@ def _cases(device, smoke, backend, dtype):
 def run(device: str = "cuda", smoke: bool = False) -> list[dict]:
     """One row per (op, token count). Times in ms; bandwidth in GB/s (1e9 bytes/s)."""
     from atom_core.ops.dispatch import backend_available
-    from benchmarks.common import bandwidth_row, bench, copy_bandwidth_gbs, time_compiled
+    from benchmarks.common import bandwidth_row, bench, copy_bandwidth_gbs, guarded
 
     backend = "triton" if backend_available("triton") else "torch"
     dtype = torch.bfloat16
@@ -138,7 +138,7 @@ def run(device: str = "cuda", smoke: bool = False) -> list[dict]:
     for case in _cases(device, smoke, backend, dtype):
         ms = timer(case.run, graph=True)
         eager_ms = timer(case.twin)
-        compile_ms = None if smoke else time_compiled(case.twin, timer)
+        compile_ms = None if smoke else guarded(timer, lambda: torch.compile(case.twin))
         rows.append(bandwidth_row({"op": case.op, "tokens": case.tokens, "shape": case.shape, "backend": backend},
                                   ms=ms, nbytes=case.nbytes, copy_gbs=copy_gbs, eager_ms=eager_ms,
                                   compile_ms=compile_ms))

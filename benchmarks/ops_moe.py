@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import adaptive_timer, guarded, ratio
+
 CONFIG = Path(__file__).with_name("configs") / "qwen3-30b-a3b.json"
 TOKENS = [1, 8, 64, 512, 4096]
 SMOKE = dict(num_experts=8, top_k=2, hidden=64, inter=32, tokens=[1, 8], dtype=torch.float32)
@@ -37,37 +39,6 @@ def layer_sizes(smoke: bool) -> dict:
     cfg = json.loads(CONFIG.read_text())
     return dict(num_experts=cfg["num_experts"], top_k=cfg["num_experts_per_tok"], hidden=cfg["hidden_size"],
                 inter=cfg["moe_intermediate_size"], tokens=TOKENS, dtype=torch.bfloat16)
-
-
-def _timer(device, smoke):
-    from benchmarks.common import bench
-
-    def timed(fn, graph=True):
-        """Median ms (on CUDA, ``graph=True`` times replays of a CUDA graph of ``fn``: GPU time only,
-        what a decode step captured in a graph pays; ``bench`` falls back to eager calls when ``fn``
-        cannot be captured). Slow baselines get fewer iterations (about 0.5 s of timing each)."""
-        if smoke:
-            return bench(fn, warmup=1, iters=2, device=device, graph=graph)
-        first = bench(fn, warmup=1, iters=1, device=device, graph=False)
-        iters = int(min(100, max(3, 500 / max(first, 1e-3))))
-        return bench(fn, warmup=min(10, iters), iters=iters, device=device, graph=graph)
-
-    return timed
-
-
-def _guarded(timed, make_fn):
-    """Time ``make_fn()``'s callable; None when it fails (out of memory, does not compile)."""
-    try:
-        return timed(make_fn())
-    except Exception as e:  # noqa: BLE001 - a baseline that fails is reported, not fatal
-        print(f"baseline skipped: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        return None
-
-
-def _ratio(base_ms, ms):
-    return None if base_ms is None or ms is None else base_ms / ms
 
 
 def make_layer(tokens: int, sizes: dict, device, seed: int = 0) -> dict:
@@ -101,16 +72,16 @@ def _moe_row(tokens, sizes, device, smoke, compile_twin, timed, copy_gbs, backen
     experts_hit = int(torch.unique(ids).numel())
     weight_bytes = experts_hit * 3 * sizes["hidden"] * sizes["inter"] * layer["w13"].element_size()
     gbs = weight_bytes / (ms * 1e-3) / 1e9
-    twin_ms = _guarded(timed, lambda: lambda: twin.fused_experts(*args))
+    twin_ms = guarded(timed, lambda: lambda: twin.fused_experts(*args))
     compile_ms = None
     if compile_twin and not smoke:
-        compile_ms = _guarded(timed, lambda: (lambda f: lambda: f(*args))(torch.compile(twin.fused_experts,
+        compile_ms = guarded(timed, lambda: (lambda f: lambda: f(*args))(torch.compile(twin.fused_experts,
                                                                                           dynamic=True)))
     return {
         "op": "fused_experts", "tokens": tokens, "backend": backend, "experts_hit": experts_hit,
         "weight_MB": weight_bytes / 1e6, "ms": ms, "eager_ms": eager_ms, "GB/s": gbs, "%copy": 100 * gbs / copy_gbs,
-        "twin_ms": twin_ms, "x_twin": _ratio(twin_ms, ms),
-        "compile_ms": compile_ms, "x_compile": _ratio(compile_ms, ms),
+        "twin_ms": twin_ms, "x_twin": ratio(twin_ms, ms),
+        "compile_ms": compile_ms, "x_compile": ratio(compile_ms, ms),
     }
 
 
@@ -120,9 +91,9 @@ def _routing_row(tokens, sizes, device, timed, backend):
 
     logits = make_layer(tokens, sizes, device)["router_logits"]
     ms = timed(lambda: topk_softmax(logits, sizes["top_k"], renormalize=True, backend=backend))
-    twin_ms = _guarded(timed, lambda: lambda: twin.topk_softmax(logits, sizes["top_k"], True))
+    twin_ms = guarded(timed, lambda: lambda: twin.topk_softmax(logits, sizes["top_k"], True))
     return {"op": "topk_softmax", "tokens": tokens, "backend": backend, "ms": ms, "twin_ms": twin_ms,
-            "x_twin": _ratio(twin_ms, ms)}
+            "x_twin": ratio(twin_ms, ms)}
 
 
 def run(device: str = "cuda", smoke: bool = False, compile_twin: bool = True) -> list[dict]:
@@ -131,7 +102,7 @@ def run(device: str = "cuda", smoke: bool = False, compile_twin: bool = True) ->
     from benchmarks.common import copy_bandwidth_gbs
 
     sizes = layer_sizes(smoke)
-    timed = _timer(device, smoke)
+    timed = adaptive_timer(device, smoke)
     copy_gbs = copy_bandwidth_gbs(device, nbytes=1 << 20 if smoke else 2 << 30)
     backend = "triton" if backend_available("triton") else "torch"
     rows = []

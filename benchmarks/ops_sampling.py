@@ -77,7 +77,7 @@ def _cases(device, smoke, backend):
 def run(device: str = "cuda", smoke: bool = False) -> list[dict]:
     """One row per (case, batch size). Times in ms; bandwidth in GB/s (1e9 bytes/s) of logits read."""
     from atom_core.ops.dispatch import backend_available
-    from benchmarks.common import bandwidth_row, bench, copy_bandwidth_gbs, time_compiled
+    from benchmarks.common import bandwidth_row, bench, copy_bandwidth_gbs, guarded
 
     backend = "triton" if backend_available("triton") else "torch"
     iters = dict(warmup=1, iters=3) if smoke else dict(warmup=10, iters=100)
@@ -90,7 +90,7 @@ def run(device: str = "cuda", smoke: bool = False) -> list[dict]:
     for case in _cases(device, smoke, backend):
         ms = timer(case.run)
         eager_ms = timer(case.twin)
-        compile_ms = None if smoke else time_compiled(case.twin, timer)
+        compile_ms = None if smoke else guarded(timer, lambda: torch.compile(case.twin))
         labels = {"op": case.op, "rows": case.rows, "vocab": SMOKE["vocab"] if smoke else VOCAB, "backend": backend}
         rows.append(bandwidth_row(labels, ms=ms, nbytes=case.nbytes, copy_gbs=copy_gbs, eager_ms=eager_ms,
                                   compile_ms=compile_ms))
