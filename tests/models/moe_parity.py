@@ -17,10 +17,14 @@ from pathlib import Path
 
 import torch
 
+from atom_core import ops
+
 from tests.models import parity_harness
 from tests.models.parity_harness import (
     BF16_TOL,
     HFParityChecks,
+    backends_used,
+    check_decode,
     ModelPair,
     PagedRunner,
     ParityCase,
@@ -177,7 +181,6 @@ def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
 def check_engine_greedy(pair: ModelPair, *, lengths=(6, 1, 11), max_tokens: int = 6) -> None:
     """Greedy tokens through ``Engine`` (CPU, fp32, torch backend; chunked prefill, small blocks) equal HF
     ``generate`` for each prompt."""
-    from atom_core import ops
     from atom_core.engine import Engine, SamplingParams
 
     vocab = pair.hf_model.config.vocab_size
@@ -189,6 +192,21 @@ def check_engine_greedy(pair: ModelPair, *, lengths=(6, 1, 11), max_tokens: int 
         outs = engine.generate(prompts, params, use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == hf_greedy(pair.hf_model, prompt, max_tokens), f"prompt of {len(prompt)} tokens"
+
+
+def check_triton_serves_every_op(pair: ModelPair, routing_op: str) -> None:
+    """A two-row prefill, a mixed step and a decode step (CPU, fp32, Triton in the interpreter) match HF,
+    every op served by Triton, the routing by ``routing_op``."""
+    model = pair.load_atom(dtype=torch.float32, device="cpu")
+
+    def run():
+        with ops.use_backend("triton"):
+            check_decode(pair, model, 4, num_decode_steps=2, pad_rows=0)
+
+    used = backends_used(run)
+    not_triton = sorted(op for op, backend in used if backend != "triton")
+    assert not not_triton, f"ops not served by triton: {not_triton} (all: {sorted(used)})"
+    assert {routing_op, "fused_experts", "paged_attention"} <= {op for op, _ in used}
 
 
 class MoEParityChecks(HFParityChecks):
