@@ -38,7 +38,6 @@ import torch
 from torch import nn
 
 from atom_core import ops
-from atom_core.cache.token_layout import StepLayout
 from atom_core.models.base import CausalLM, PreNormDecoderLayer
 from atom_core.models.config import ModelConfig
 from atom_core.models.layers.linear import ReplicatedLinear, check_shape, copy_into
@@ -73,18 +72,6 @@ class GptOssAttention(LlamaAttention):
             raise ValueError(f"{param.label} is not fused; got shard_id={shard_id!r}")
         check_shape(param.label, loaded, (self.total_num_heads,))
         copy_into(param.data, loaded.narrow(0, self.qkv_proj.shard.q_start, self.num_heads))
-
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: StepLayout) -> torch.Tensor:
-        """positions [T] int64, hidden [T, D] -> [T, D]."""
-        num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)                                             # [T, (H + 2 Hk) Dh]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k)                                 # in place
-        out = self.attn(q, k, v, batch, sinks=self.sinks)                       # [T, H, Dh]
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class GptOssMoE(nn.Module):

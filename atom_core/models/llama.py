@@ -66,6 +66,7 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = rotary_emb
         self.attn = PagedAttention(self.num_heads, head_dim, self.num_kv_heads,
                                    scale=head_dim ** -0.5, sliding_window=sliding_window)
+        self.sinks: nn.Parameter | None = None  # per-head sink logits [H] fp32 (GPT-OSS sets them)
 
     def qk_transform(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, H, Dh], k [T, Hk, Dh] -> the same, before RoPE. Identity for Llama."""
@@ -81,7 +82,7 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self.qk_transform(q, k)
         q, k = self.rotary_emb(positions, q, k)                                 # in place
-        out = self.attn(q, k, v, batch)                                         # [T, H, Dh]
+        out = self.attn(q, k, v, batch, sinks=self.sinks)                       # [T, H, Dh]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
