@@ -1,0 +1,22 @@
+"""Launch arithmetic for the Triton wrappers, in plain Python ints.
+
+``triton.next_power_of_2`` and ``triton.cdiv`` cost about 1.5 µs a call (they are Triton
+functions, not plain arithmetic), and a decode step makes hundreds of such calls. These two give
+the same answers for the arguments the wrappers pass (n >= 1, b >= 1) at the cost of an int op.
+Wrappers cache what they derive from these (block sizes, warps, grids) per shape with
+``functools.lru_cache`` keyed by the shape ints.
+"""
+
+from __future__ import annotations
+
+LAUNCH_CACHE_SIZE = 1024  # shapes remembered per wrapper: decode batch sizes and prefill lengths of a run
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n, for n >= 1 (1 for n <= 1)."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for ints a >= 0, b >= 1."""
+    return -(-a // b)
