@@ -107,6 +107,7 @@ def build_step_layout(
     *,
     pad_rows_to: int | None = None,
     pad_pages_to: int | None = None,
+    pad_tokens_to: int | None = None,
 ) -> StepLayout:
     """The step's token layout from per-row lengths and block tables.
 
@@ -122,6 +123,9 @@ def build_step_layout(
             has one token (position 0, slot -1), context 0, a block-table row of -1, and is
             not prefill. Must be >= B.
         pad_pages_to: width P of the returned block table; must be >= the longest row's blocks.
+        pad_tokens_to: pad the step to this many tokens (CUDA graphs of mixed steps): the first
+            padding row takes all the padding tokens (positions 0.., slot -1, context 0) and the
+            other padding rows none. Needs ``pad_rows_to`` > B when it is > T.
 
     Lengths accept sequences of ints, 1-D integer numpy arrays or tensors. Raises ValueError
     (TypeError for non-integer input) naming the bad argument. A caller that keeps its block
@@ -148,8 +152,19 @@ def build_step_layout(
             raise ValueError(f"pad_pages_to={pad_pages_to} is smaller than the {width} blocks of the longest row")
         width = int(pad_pages_to)
 
-    # Padding rows: one token each, nothing cached, nothing in the pool.
-    all_query = np.concatenate([query, np.ones(num_pad_rows, dtype=np.int64)])
+    # Padding rows: nothing cached, nothing in the pool; one token each, or all the padding
+    # tokens in the first one and none in the others.
+    pad_query = np.ones(num_pad_rows, dtype=np.int64)
+    if pad_tokens_to is not None:
+        num_pad_tokens = int(pad_tokens_to) - int(query.sum())
+        if num_pad_tokens < 0:
+            raise ValueError(f"pad_tokens_to={pad_tokens_to} is smaller than the step's {int(query.sum())} tokens")
+        if num_pad_tokens and not num_pad_rows:
+            raise ValueError(f"pad_tokens_to={pad_tokens_to} needs a padding row (pad_rows_to > {num_real_rows})")
+        pad_query[:] = 0
+        if num_pad_rows:
+            pad_query[0] = num_pad_tokens
+    all_query = np.concatenate([query, pad_query])
     all_context = np.concatenate([context, np.zeros(num_pad_rows, dtype=np.int64)])
     num_rows = all_query.size
 

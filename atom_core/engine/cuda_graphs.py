@@ -1,89 +1,200 @@
-"""CUDA graphs for pure-decode steps: captured once per padded batch size, replayed each step.
+"""CUDA graphs of whole steps: the model's forward and LM head, captured once per padded shape,
+replayed each step.
 
-A decode step of B rows is padded to the next captured size (1, 2, 4, 8, then every 16) with
-padding rows that write no KV and attend to nothing. Every input the graph reads lives in a
-static buffer; a replay copies the step's layout into those buffers first. Attention is captured
-with ``max_seqlen_k = max_model_len`` so one graph serves every context length.
+Every op the model launches sizes its launch from tensor shapes and the layout's
+``max_seqlen_*`` ints alone and never reads tensor contents on the host — attention included
+(its query blocks are numbered from ``T`` and ``B``; padding rows exit at once). So a whole step
+can be captured, not only the pieces between attention calls, and replayed with new contents in
+the same buffers. Two kinds of graph:
+
+- **decode**: every row computes one token; ``B`` rows padded to the next captured size
+  (1, 2, 4, 8, then every 16 up to ``max_num_seqs``) with padding rows that write no KV and
+  attend to nothing; ``max_seqlen_q = 1`` (the split-K decode kernel).
+- **mixed** (prefill, chunked prefill, prefill + decode): ``T`` tokens padded to the next size of
+  a ladder (16, 32, ..., 512, then steps of about 1.5x up to ``max_num_batched_tokens``); the
+  padding tokens form one extra row with nothing in the pool, and the rows are padded to
+  ``min(T_bucket, max_num_seqs + 1)`` with empty rows; ``max_seqlen_q = T_bucket`` (the unified
+  kernel).
+
+Both use ``max_seqlen_k = max_model_len``, so one graph serves every context length. Every input
+the graph reads lives in a static buffer; a replay copies the step's layout into it first.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import numpy as np
 import torch
 
-from atom_core.cache import StepLayout, build_step_layout
+from atom_core.cache import StepLayout
+
+DECODE, MIXED = "decode", "mixed"
+# Fields of the layout that the model reads; each has a static buffer a replay copies into.
+COPIED_FIELDS = ("positions", "slot_mapping", "cu_seqlens_q", "cu_seqlens_k", "context_lens", "logits_indices")
 
 
-def graph_batch_sizes(max_batch_size: int) -> list[int]:
-    sizes = [b for b in (1, 2, 4, 8) if b < max_batch_size] + list(range(16, max_batch_size, 16))
-    return sorted(set(sizes + [max_batch_size]))
+def decode_graph_sizes(max_num_seqs: int) -> list[int]:
+    """Row counts of the decode graphs: 1, 2, 4, 8, then multiples of 16, and ``max_num_seqs``."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 16))
+    return sorted(set(sizes + [max_num_seqs]))
 
 
-class DecodeGraphs:
-    def __init__(self, forward_logits, *, device, max_batch_size: int, max_pages: int, max_seqlen_k: int):
-        self.forward_logits = forward_logits  # (input_ids [T], layout) -> logits [B, V]
-        self.device = device
-        self.max_pages = max_pages
-        self.max_seqlen_k = max_seqlen_k
-        self.sizes = graph_batch_sizes(max_batch_size)
-        self.max_batch_size = self.sizes[-1]
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, StepLayout, torch.Tensor, torch.Tensor]] = {}
+def mixed_graph_sizes(max_num_batched_tokens: int) -> list[int]:
+    """Token counts of the mixed graphs: powers of two from 16 to 512, then about 1.5x apart
+    (768, 1024, 1536, ...), and ``max_num_batched_tokens``: a step pays at most ~1.5x padding."""
+    sizes, size = [], 16
+    while size < max_num_batched_tokens:
+        sizes.append(size)
+        if size < 512:
+            size *= 2
+        else:  # 512, 768, 1024, 1536, 2048, ...: a power of two times 3/2, then times 4/3
+            size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
+    return sizes + [max_num_batched_tokens]
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """A captured shape: ``num_tokens`` tokens in ``num_rows`` rows (padding included)."""
+
+    kind: str
+    num_tokens: int
+    num_rows: int
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    logits: torch.Tensor
+
+
+class StepGraphs:
+    """The captured graphs of one engine and their static input buffers.
+
+    Args:
+        forward_logits: ``(input_ids [T], layout) -> logits [B, V]`` (the model and its LM head).
+        max_num_seqs, max_num_batched_tokens: the engine's limits (the largest decode and mixed graphs).
+        max_pages: block-table width (pages of a ``max_model_len`` request).
+        max_model_len: ``max_seqlen_k`` of every graph.
+    """
+
+    def __init__(self, forward_logits: Callable, *, device, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_pages: int, max_model_len: int):
+        self.forward_logits = forward_logits
+        self.device = torch.device(device)
+        self.max_model_len = max_model_len
+        self.decode_sizes = decode_graph_sizes(max_num_seqs)
+        self.mixed_sizes = mixed_graph_sizes(max_num_batched_tokens)
+        self.max_num_seqs = max_num_seqs
+        max_tokens = max(self.decode_sizes[-1], self.mixed_sizes[-1])
+        max_rows = max(self.decode_sizes[-1], self.mixed_rows(self.mixed_sizes[-1]))
+        dev = self.device
+        self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=dev)
+        self.cu_seqlens_q = torch.zeros(max_rows + 1, dtype=torch.int32, device=dev)
+        self.cu_seqlens_k = torch.zeros(max_rows + 1, dtype=torch.int32, device=dev)
+        self.context_lens = torch.zeros(max_rows, dtype=torch.int32, device=dev)
+        self.block_tables = torch.full((max_rows, max_pages), -1, dtype=torch.int32, device=dev)
+        self.logits_indices = torch.zeros(max_rows, dtype=torch.int64, device=dev)
+        self.is_prefill = torch.zeros(max_rows, dtype=torch.bool, device=dev)
+        self._graphs: dict[Bucket, _Graph] = {}
         self._pool = None
-        b = self.max_batch_size
-        # Static inputs at the largest size; smaller graphs use leading slices.
-        self.input_ids = torch.zeros(b, dtype=torch.int64, device=device)
-        self.layout = build_step_layout([], [], [], 1, pad_rows_to=b, pad_pages_to=max_pages).to(device)
 
-    def fits(self, num_rows: int) -> bool:
-        return 0 < num_rows <= self.max_batch_size
+    def mixed_rows(self, num_tokens: int) -> int:
+        """Rows of the mixed graph of ``num_tokens`` tokens: room for every real row and the padding row."""
+        return min(num_tokens, self.max_num_seqs + 1)
 
-    def size_for(self, num_rows: int) -> int:
-        """The captured batch size a step of ``num_rows`` decode rows is padded to."""
-        return next(s for s in self.sizes if s >= num_rows)
+    def buckets(self) -> list[Bucket]:
+        return ([Bucket(DECODE, s, s) for s in self.decode_sizes]
+                + [Bucket(MIXED, t, self.mixed_rows(t)) for t in self.mixed_sizes])
 
-    def _static_layout(self, size: int) -> StepLayout:
-        full = self.layout
+    def bucket_for(self, num_tokens: int, num_rows: int, is_decode: bool) -> Bucket | None:
+        """The graph a step of ``num_tokens`` tokens in ``num_rows`` rows replays, or None (eager)."""
+        if is_decode and num_rows <= self.decode_sizes[-1]:
+            size = next(s for s in self.decode_sizes if s >= num_rows)
+            return Bucket(DECODE, size, size)
+        if num_tokens > self.mixed_sizes[-1]:
+            return None
+        size = next(t for t in self.mixed_sizes if t >= num_tokens)
+        if num_rows > self.max_num_seqs or (num_tokens < size and num_rows >= self.mixed_rows(size)):
+            return None
+        return Bucket(MIXED, size, self.mixed_rows(size))
+
+    @property
+    def num_captured(self) -> int:
+        return len(self._graphs)
+
+    def static_layout(self, bucket: Bucket) -> StepLayout:
+        """The static buffers' view of ``bucket``'s shape (what the graph was captured on)."""
+        t, b = bucket.num_tokens, bucket.num_rows
         return StepLayout(
-            positions=full.positions[:size], slot_mapping=full.slot_mapping[:size],
-            cu_seqlens_q=full.cu_seqlens_q[:size + 1], cu_seqlens_k=full.cu_seqlens_k[:size + 1],
-            max_seqlen_q=1, max_seqlen_k=self.max_seqlen_k, context_lens=full.context_lens[:size],
-            block_tables=full.block_tables[:size], logits_indices=full.logits_indices[:size],
-            is_prefill=full.is_prefill[:size], num_prefill_rows=0, num_decode_rows=size)
+            positions=self.positions[:t], slot_mapping=self.slot_mapping[:t],
+            cu_seqlens_q=self.cu_seqlens_q[:b + 1], cu_seqlens_k=self.cu_seqlens_k[:b + 1],
+            max_seqlen_q=1 if bucket.kind == DECODE else t, max_seqlen_k=self.max_model_len,
+            context_lens=self.context_lens[:b], block_tables=self.block_tables[:b],
+            logits_indices=self.logits_indices[:b], is_prefill=self.is_prefill[:b],
+            num_prefill_rows=0, num_decode_rows=b)
 
-    def capture_all(self) -> None:
-        """Capture every size, largest first so the memory pool is sized once."""
-        for size in reversed(self.sizes):
-            self._capture(size)
+    def capture_all(self, progress: Callable[[Bucket], None] | None = None) -> None:
+        """Capture every bucket not captured yet, largest first, so the shared memory pool is sized
+        by the largest and the others reuse it."""
+        for bucket in sorted(self.buckets(), key=lambda b: (b.num_tokens, b.kind == MIXED), reverse=True):
+            if bucket not in self._graphs:
+                self._capture(bucket)
+            if progress is not None:
+                progress(bucket)
 
-    def _capture(self, size: int):
-        layout = self._static_layout(size)
-        ids = self.input_ids[:size]
-        for _ in range(2):  # warm up (Triton autotuning and lazy init happen outside the graph)
+    def _capture(self, bucket: Bucket) -> _Graph:
+        layout = self.static_layout(bucket)
+        # Zero-length rows with no context: the warm-up and capture runs read and write nothing.
+        self.cu_seqlens_q.zero_()
+        self.context_lens.zero_()
+        self.slot_mapping.fill_(-1)
+        ids = self.input_ids[:bucket.num_tokens]
+        for _ in range(2):  # warm up: Triton compiles and lazy initialisation happen outside the graph
             self.forward_logits(ids, layout)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             logits = self.forward_logits(ids, layout)
         self._pool = graph.pool()
-        self._graphs[size] = (graph, layout, ids, logits)
-        return self._graphs[size]
+        self._graphs[bucket] = _Graph(graph, logits)
+        return self._graphs[bucket]
 
-    def run(self, input_ids: np.ndarray, layout: StepLayout) -> torch.Tensor:
-        """Logits [size, V] for a decode step already padded to a captured size
-        (``build_decode_layout(..., pad_rows_to=size_for(B))``); rows past B are padding.
+    def run(self, bucket: Bucket, input_ids: torch.Tensor, layout: StepLayout,
+            pending: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Logits [bucket.num_rows, V] of a step whose host ``layout`` is already padded to
+        ``bucket`` (rows past the real ones are padding).
 
-        The layout's block table may be narrower than ``max_pages``: only its columns are copied.
-        The static table's other columns keep ids of earlier steps, which attention never reads
-        (a row reads only the pages of its ``context_lens`` tokens; padding rows read none).
+        input_ids: int64 [bucket.num_tokens] on the host (pinned or not); pending: device
+        ``(positions, tokens)`` to scatter into the ids after the copy (tokens sampled by the
+        previous step, not yet on the host). Only the layout's own block-table columns are copied:
+        the other columns keep ids of earlier steps, which attention never reads (a row reads only
+        the pages of its ``context_lens`` tokens; padding rows read none).
         """
-        size = layout.num_rows
-        graph, static, ids, logits = self._graphs.get(size) or self._capture(size)
-        ids.copy_(torch.from_numpy(input_ids), non_blocking=True)
-        for name in ("positions", "slot_mapping", "cu_seqlens_q", "cu_seqlens_k", "context_lens", "logits_indices"):
-            getattr(static, name).copy_(getattr(layout, name), non_blocking=True)
+        captured = self._graphs.get(bucket) or self._capture(bucket)
+        t, b = bucket.num_tokens, bucket.num_rows
+        ids = self.input_ids[:t]
+        ids.copy_(input_ids, non_blocking=True)
+        if pending is not None:
+            ids.index_copy_(0, *pending)
+        for name in COPIED_FIELDS:
+            source = getattr(layout, name)
+            getattr(self, name)[:source.shape[0]].copy_(source, non_blocking=True)
         width = layout.block_tables.shape[1]
-        if width > self.max_pages:
-            raise ValueError(f"the step's block table has {width} pages, more than max_pages={self.max_pages}")
-        static.block_tables[:, :width].copy_(layout.block_tables, non_blocking=True)
-        graph.replay()
-        return logits
+        if width > self.block_tables.shape[1]:
+            raise ValueError(f"the step's block table has {width} pages, more than {self.block_tables.shape[1]}")
+        self.block_tables[:b, :width].copy_(layout.block_tables, non_blocking=True)
+        captured.graph.replay()
+        return captured.logits
+
+
+def padded_input_ids(input_ids: np.ndarray, num_tokens: int) -> np.ndarray:
+    """``input_ids`` with zeros appended up to ``num_tokens`` (padding tokens read embedding row 0)."""
+    if len(input_ids) == num_tokens:
+        return input_ids
+    out = np.zeros(num_tokens, dtype=np.int64)
+    out[:len(input_ids)] = input_ids
+    return out

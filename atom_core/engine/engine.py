@@ -1,14 +1,17 @@
 """``Engine``: requests in, tokens out, one ``step()`` at a time.
 
-Each step: the scheduler picks rows under the token budget, the runner computes them and samples,
-and the engine appends the tokens, publishes the blocks whose KV the step computed to the prefix
-cache, and checks each request's stop conditions.
+Each step: the scheduler picks rows under the token budget and hands the runner everything the
+step needs; the runner computes them and samples; the scheduler then records the sampled tokens
+and finishes the requests its stop rule stops. With async scheduling the next step is launched
+before this one's tokens are read (see ``scheduler``).
 """
 
 from __future__ import annotations
 
 import logging
 import random
+import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -17,12 +20,15 @@ import torch
 from tqdm.auto import tqdm
 
 from atom_core.cache import BlockManager, budget_from_memory, plan_kv_pool
+from atom_core.cache.token_layout import build_step_layout
 from atom_core.engine.outputs import RequestOutput, StepOutputs
 from atom_core.engine.request import Request
-from atom_core.engine.runner import ModelRunner
+from atom_core.engine.runner import LaunchedStep, ModelRunner, forward_logits
 from atom_core.engine.sampling_params import SamplingParams
 from atom_core.engine.scheduler import Scheduler
+from atom_core.engine.stop_rule import StopRule
 from atom_core.engine.tokenizer import Tokenizer
+from atom_core.ops.sampling import sample
 
 logger = logging.getLogger(__name__)
 
@@ -52,12 +58,23 @@ class Engine:
 
     Build with :meth:`from_pretrained` (a checkpoint folder) or directly from a model that follows
     the ``atom_core.models`` contract. Prompts are strings (needs a tokenizer) or token-id lists.
+
+    ``async_scheduling`` (default on) schedules and launches step N+1 while the device runs step
+    N, feeding it step N's tokens from the device; ``step()`` still returns each step's outputs in
+    order, the first call included. A request that stops on EOS or a stop string costs one more
+    row of computation, whose token is dropped. ``warmup`` (default on) compiles every kernel the
+    engine launches and captures its CUDA graphs when it is built (see :meth:`warmup`).
+    ``enforce_eager`` runs every step without CUDA graphs (for debugging).
+
+    A model writes into one KV pool at a time: an engine binds its own pool into the model before
+    each step when another engine on the same model has rebound it.
     """
 
     def __init__(self, model, tokenizer: Tokenizer | None = None, *, device=None, block_size: int = 16,
                  num_kv_blocks: int | None = None, gpu_memory_utilization: float = 0.9, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
-                 enable_prefix_caching: bool = True, enforce_eager: bool = False):
+                 enable_prefix_caching: bool = True, enforce_eager: bool = False, async_scheduling: bool = True,
+                 warmup: bool = True):
         self.model = model
         self.tokenizer = tokenizer
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
@@ -66,7 +83,6 @@ class Engine:
         if max_model_len is not None and max_model_len > limit:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}")
         self.max_model_len = max_model_len or limit
-        self.eos_token_ids = config.eos_token_id
         spec = model.kv_cache_spec()
         sizing = dict(block_size=block_size, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len)
         if num_kv_blocks is None and self.device.type != "cuda":
@@ -77,15 +93,22 @@ class Engine:
             plan = plan_kv_pool(spec, budget_bytes=self._gpu_budget(gpu_memory_utilization, max_num_batched_tokens,
                                                                      max_num_seqs), **sizing)
         logger.info("KV pool: %d blocks of %d tokens (%.2f GiB)", plan.num_blocks, block_size, plan.kv_bytes / 2**30)
-        self.block_manager = BlockManager(plan.num_blocks, block_size, enable_prefix_caching)
+        self.stop_rule = StopRule(config.eos_token_id, self.max_model_len, tokenizer)
+        self.block_manager = BlockManager(plan.num_blocks, plan.block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
-                                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len)
+                                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
+                                   stop_rule=self.stop_rule)
         self.runner = ModelRunner(model, plan, device=self.device, max_num_seqs=max_num_seqs,
-                                  max_model_len=self.max_model_len, enforce_eager=enforce_eager)
+                                  max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
+                                  enforce_eager=enforce_eager)
+        self.async_scheduling = bool(async_scheduling)
+        self._in_flight: LaunchedStep | None = None  # launched, its tokens not read yet
         self._requests: dict[int, Request] = {}
         self._next_id = 0
         self._seed_source = random.Random()
         self.num_preemptions = 0  # requests sent back to recompute because the pool ran dry
+        if warmup:
+            self.warmup()
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, *, dtype=None, device=None, load_format: str = "auto",
@@ -103,6 +126,57 @@ class Engine:
         free, total = torch.cuda.mem_get_info(self.device)
         activations = step_activation_bytes(self.model.config, max_num_batched_tokens, max_num_seqs)
         return budget_from_memory(total, total - free + activations, utilization)
+
+    def warmup(self) -> float:
+        """Compile every kernel variant the engine launches and capture its CUDA graphs now, so that
+        the first ``generate`` runs at steady speed; returns the seconds it took (also logged).
+
+        On a GPU with graphs: every decode and mixed graph is captured (each capture runs the model
+        on its shape first, which compiles its kernels), then ``ops.sample`` runs at every row
+        count with and without filters and log-probs. Eagerly: one prefill and one decode step of
+        each size class instead of the captures. Triton keeps compiled kernels in its on-disk
+        cache (``TRITON_CACHE_DIR``, default ``~/.triton/cache``), so a later process skips the
+        compilation and pays only the captures. On the CPU there is nothing to compile.
+        """
+        if self.device.type != "cuda":
+            return 0.0
+        t0 = time.perf_counter()
+        self.runner.bind()
+        graphs = self.runner.graphs
+        with torch.inference_mode():
+            if graphs is not None:
+                buckets = graphs.buckets()
+                with tqdm(total=len(buckets), desc="capturing CUDA graphs", leave=False) as bar:
+                    graphs.capture_all(progress=lambda bucket: bar.update(1))
+            else:
+                self._warm_eager_forward()
+            self._warm_sampling()
+        torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - t0
+        logger.info("engine warm-up: %.1f s (%d CUDA graphs)", seconds, graphs.num_captured if graphs else 0)
+        return seconds
+
+    def _warm_eager_forward(self) -> None:
+        """One mixed step and decode steps of a few row counts, through the model with no KV written."""
+        for rows, tokens_per_row in ((2, 17), (1, 1), (3, 1), (16, 1)):
+            layout = build_step_layout([tokens_per_row] * rows, [0] * rows, [[]] * rows, self.block_manager.block_size)
+            layout = replace(layout, slot_mapping=torch.full_like(layout.slot_mapping, -1),
+                             context_lens=torch.zeros_like(layout.context_lens)).to(self.device)
+            ids = torch.zeros(layout.num_tokens, dtype=torch.int64, device=self.device)
+            forward_logits(self.model, ids, layout)
+
+    def _warm_sampling(self) -> None:
+        """``ops.sample`` at every row count, with and without filters and log-probs (its launch
+        shape depends on the row count)."""
+        dev, vocab = self.device, self.model.config.vocab_size
+        logits = torch.randn(self.scheduler.max_num_seqs, vocab, device=dev)
+        for rows in range(1, self.scheduler.max_num_seqs + 1):
+            ones = torch.ones(rows, device=dev)
+            seeds = torch.zeros(rows, dtype=torch.int64, device=dev)
+            for filtered in (False, True):
+                top_p = ones * 0.9 if filtered else None
+                for logprobs in (False, True):
+                    sample(logits[:rows], ones, None, top_p, None, seeds, seeds, return_logprobs=logprobs)
 
     # ------------------------------------------------------------------ requests
 
@@ -154,79 +228,40 @@ class Engine:
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
-        return self._eos_token_ids
+        return self.stop_rule.eos_token_ids
 
     @eos_token_ids.setter
     def eos_token_ids(self, token_ids) -> None:
-        self._eos_token_ids = frozenset(token_ids)
-        self._eos_array = np.array(sorted(self._eos_token_ids), dtype=np.int64)
+        self.stop_rule.eos_token_ids = token_ids
 
     def step(self) -> StepOutputs:
-        """Run one step; returns an output for every request that got a new token this step."""
-        scheduled = self.scheduler.schedule()
-        if not scheduled:
+        """Run one step; returns an output for every request that got a new token in it.
+
+        With ``async_scheduling`` the next step is scheduled and launched before this one's tokens
+        are read, so the device never waits for the host between steps.
+        """
+        if not self.runner.is_bound:  # another engine on this model bound its own pool since
+            self.runner.bind()
+        current, self._in_flight = self._in_flight or self._launch_next(), None
+        if current is None:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler could not run any request: the pool is too small for the "
                                    "waiting requests")
             return StepOutputs([], np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), {})
-        self.num_preemptions += len(scheduled.preempted)
-        batch = self.scheduler.batch
-        want_logprobs = bool(batch.num_wanting_logprobs and batch.wants_logprobs[scheduled.rows].any())
-        result = self.runner.execute(scheduled, batch, want_logprobs)
-        produced = self.scheduler.update(scheduled, result.token_ids)
-        return self._check_stops(scheduled, produced, result)
+        if self.async_scheduling:
+            self._in_flight = self._launch_next()
+        tokens, logprobs = self.runner.collect(current)
+        record = self.scheduler.record(current.step, tokens, logprobs)
+        for i in record.finish_reasons:
+            self._requests.pop(record.requests[i].request_id, None)
+        return StepOutputs(record.requests, record.tokens, record.num_tokens, record.finish_reasons)
 
-    def _check_stops(self, scheduled, produced: np.ndarray, result) -> StepOutputs:
-        """Finish the rows whose new token ends them; the step's outputs.
-
-        EOS and length are checked for all rows at once; only rows that may stop, and rows with
-        stop strings, stop token ids or logprobs, are looked at in Python.
-        """
-        batch = self.scheduler.batch
-        if len(produced) == len(scheduled):  # every row got a token (always so in a decode step)
-            rows, requests, tokens = scheduled.rows, scheduled.requests, result.token_ids
-        else:
-            rows = scheduled.slots[produced]
-            requests = [scheduled.requests[i] for i in produced.tolist()]
-            tokens = result.token_ids[produced]
-        num_tokens = batch.num_tokens[rows].copy()  # a snapshot for the outputs
-        maybe_done = num_tokens >= batch.check_from_len[rows]
-        if batch.num_stopping_at_eos:
-            eos = self._eos_array
-            is_eos = tokens == eos[0] if len(eos) == 1 else (tokens[:, None] == eos).any(axis=1)
-            maybe_done |= is_eos & batch.stops_at_eos[rows]
-
-        finish_reasons = {}
-        for i in maybe_done.nonzero()[0].tolist():
-            request = requests[i]
-            if request.logprobs is not None:
-                request.logprobs.append(float(result.logprobs[produced[i]]))
-            reason = self._stop_reason(request, int(tokens[i]))
-            if reason is not None:
-                self.scheduler.finish(request, reason)
-                del self._requests[request.request_id]
-                finish_reasons[i] = reason
-        return StepOutputs(requests, tokens, num_tokens, finish_reasons)
-
-    def _stop_reason(self, request: Request, token: int) -> str | None:
-        """Why the request stops after ``token`` (setting its final text), or None."""
-        params = request.params
-        text = None
-        if params.stop_strings and self.tokenizer is not None:
-            text = self.tokenizer.decode(request.output_token_ids)
-            hits = [i for i in (text.find(s) for s in params.stop_strings) if i >= 0]
-            if hits:
-                request.text = text[: min(hits)]  # the stop string is not part of the text
-                return "stop"
-        if (not params.ignore_eos and token in self._eos_token_ids) or token in (params.stop_token_ids or ()):
-            reason = "stop"
-        elif request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            reason = "length"
-        else:
+    def _launch_next(self) -> LaunchedStep | None:
+        step = self.scheduler.schedule()
+        if step is None:
             return None
-        if self.tokenizer is not None:
-            request.text = text if text is not None else self.tokenizer.decode(request.output_token_ids)
-        return reason
+        self.num_preemptions += len(step.preempted)
+        return self.runner.launch(step)
 
     # ------------------------------------------------------------------ offline
 

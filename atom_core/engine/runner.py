@@ -1,10 +1,12 @@
-"""The model runner: one step's tensors in, sampled tokens out.
+"""The model runner: a scheduled step in, sampled tokens out.
 
-It owns the KV pool and the device buffers. ``prepare`` is the host side of a step: it reads the
-scheduled rows from the running batch (numpy, by slot) and builds the input ids, the token layout
-(``build_decode_layout`` when every row computes one token, else ``build_step_layout``) and the
-sampling parameters. ``run`` is the device side: the model (eagerly, or by replaying a CUDA graph
-captured for pure-decode batches of a padded size) and ``atom_core.ops.sample``.
+It owns the KV pool, its binding into the model, and the CUDA graphs. ``launch`` is one step:
+the host builds the token layout from the scheduled step (``build_decode_layout`` when every row
+computes one token, else ``build_step_layout``), the device runs the model (a captured graph of
+the step's padded shape, or eagerly) and ``atom_core.ops.sample``, and the sampled tokens start
+their copy to the host. ``collect`` waits for that copy. Between the two the host is free: the
+engine schedules and launches the next step there, feeding it this step's tokens straight from
+the device (``ScheduledStep.pending_*``).
 
 Legend: B = rows, T = tokens this step, V = vocabulary.
 """
@@ -20,8 +22,7 @@ import torch
 
 from atom_core.cache import PoolPlan, StepLayout, build_step_layout
 from atom_core.cache.token_layout import build_decode_layout
-from atom_core.engine.cuda_graphs import DecodeGraphs
-from atom_core.engine.running_batch import RunningBatch
+from atom_core.engine.cuda_graphs import DECODE, StepGraphs, padded_input_ids
 from atom_core.engine.scheduler import ScheduledStep
 from atom_core.ops.sampling import sample
 
@@ -29,126 +30,118 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
-class SamplingInputs:
-    """Per-row parameters of ``ops.sample`` (CPU tensors, [B]); top_k / top_p / min_p are None
-    when off in every row (the op then skips that filter)."""
+class LaunchedStep:
+    """A step whose device work is queued: its sampled tokens (and log-probs) reach the host
+    buffers once ``ready`` (a CUDA event; None on the CPU, where they are already there)."""
 
-    temperature: torch.Tensor  # float32
-    top_k: torch.Tensor | None  # int32
-    top_p: torch.Tensor | None  # float32
-    min_p: torch.Tensor | None  # float32
-    seeds: torch.Tensor  # int64
-    offsets: torch.Tensor  # int64, the row's output tokens so far (its draw index)
-
-
-@dataclass(slots=True)
-class StepInputs:
-    """Everything the device needs for one step, on the host.
-
-    ``input_ids`` int64 [T] and ``layout`` cover the padded batch when ``graph_size`` is set (a
-    pure-decode step replayed in the CUDA graph of that many rows); ``num_rows`` = B real rows.
-    """
-
-    input_ids: np.ndarray
-    layout: StepLayout
-    sampling: SamplingInputs
-    num_rows: int
-    graph_size: int | None
-
-
-@dataclass(slots=True)
-class StepResult:
-    """Sampled token per row (meaningful only for rows that completed their prompt) and logprobs."""
-
-    token_ids: np.ndarray  # int64 [B]
-    logprobs: np.ndarray | None  # float32 [B]
+    step: ScheduledStep
+    token_ids: torch.Tensor  # int64 [B], host
+    logprobs: torch.Tensor | None  # float32 [B], host
+    ready: torch.cuda.Event | None
 
 
 class ModelRunner:
-    def __init__(self, model, plan: PoolPlan, *, device, max_num_seqs: int, max_model_len: int,
-                 enforce_eager: bool = False):
+    """Runs scheduled steps of ``model`` over a KV pool of ``plan``'s shape on ``device``."""
+
+    def __init__(self, model, plan: PoolPlan, *, device, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, enforce_eager: bool = False):
         self.model = model
         self.device = torch.device(device)
-        self.block_size = plan.block_size
-        self.max_model_len = max_model_len
+        self.plan = plan
         self.max_pages = -(-max_model_len // plan.block_size)
         spec = model.kv_cache_spec()
         # One allocation for the whole pool: [layers, 2 (K, V), num_blocks, block_size, Hk, D].
         self.kv_pool = torch.zeros((spec.num_layers, 2, *plan.kv_shape), dtype=spec.dtype, device=self.device)
-        model.bind_kv_cache([(self.kv_pool[i, 0], self.kv_pool[i, 1]) for i in range(spec.num_layers)])
+        self._kv_caches = [(self.kv_pool[i, 0], self.kv_pool[i, 1]) for i in range(spec.num_layers)]
+        self.bind()
+        self._last_sampled: torch.Tensor | None = None  # the previous launch's tokens, on the device
         self.graphs = None
         if self.device.type == "cuda" and not enforce_eager:
             # The graphs get the model, not the runner: a runner <-> graphs cycle would keep the KV
             # pool and the graph memory alive after the engine is dropped, until the next gc pass.
-            self.graphs = DecodeGraphs(functools.partial(forward_logits, model), device=self.device,
-                                       max_batch_size=max_num_seqs,
-                                       max_pages=self.max_pages, max_seqlen_k=max_model_len)
+            self.graphs = StepGraphs(functools.partial(forward_logits, model), device=self.device,
+                                     max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                     max_pages=self.max_pages, max_model_len=max_model_len)
 
-    def execute(self, step: ScheduledStep, batch: RunningBatch, want_logprobs: bool) -> StepResult:
-        return self.run(self.prepare(step, batch), want_logprobs)
+    @property
+    def block_size(self) -> int:
+        return self.plan.block_size
 
-    # ------------------------------------------------------------------ host
+    # ------------------------------------------------------------------ the model's KV binding
 
-    def prepare(self, step: ScheduledStep, batch: RunningBatch) -> StepInputs:
-        """Input ids, layout and sampling parameters of the scheduled rows (CPU)."""
-        rows, num_rows = step.rows, len(step)
-        cached = batch.num_computed_tokens[rows]
-        # The rows' pages; the width is the longest table (what ragged tables would give).
-        tables = batch.block_table[rows, :int(batch.num_pages[rows].max())]
-        graph_size = None
-        if step.num_tokens == num_rows:  # every row computes one token: decode (or 1-token prompts)
-            if self.graphs is not None and self.graphs.fits(num_rows):
-                graph_size = self.graphs.size_for(num_rows)
-            layout = build_decode_layout(cached, tables, self.block_size, pad_rows_to=graph_size)
-            input_ids = batch.token_ids[step.slots, cached].astype(np.int64)
-            if graph_size is not None:  # one id-0 token per padding row
-                input_ids = np.concatenate([input_ids, np.zeros(graph_size - num_rows, dtype=np.int64)])
+    @property
+    def is_bound(self) -> bool:
+        """Whether the model's attention layers write into this runner's pool."""
+        return self.model.bound_kv_caches is self._kv_caches
+
+    def bind(self) -> None:
+        """Bind this runner's pool into the model (a model serves one pool at a time)."""
+        self.model.bind_kv_cache(self._kv_caches)
+
+    # ------------------------------------------------------------------ one step
+
+    def prepare(self, step: ScheduledStep, bucket=None) -> tuple[np.ndarray, StepLayout]:
+        """Host side: the input ids and the token layout, padded to ``bucket``'s shape when given."""
+        num_rows = len(step)
+        if step.is_decode:
+            pad_rows = bucket.num_rows if bucket is not None else None
+            layout = build_decode_layout(step.cached_lens, step.block_tables, self.block_size, pad_rows_to=pad_rows)
+        elif bucket is not None:
+            layout = build_step_layout(step.query_lens, step.cached_lens, step.block_tables, self.block_size,
+                                       pad_rows_to=bucket.num_rows, pad_tokens_to=bucket.num_tokens)
         else:
-            layout = build_step_layout(step.query_lens, cached, tables, self.block_size)
-            token_slots = np.repeat(step.slots, step.query_lens)
-            input_ids = batch.token_ids[token_slots, layout.positions.numpy()].astype(np.int64)
-        return StepInputs(input_ids, layout, self.sampling_inputs(step, batch), num_rows, graph_size)
-
-    @staticmethod
-    def sampling_inputs(step: ScheduledStep, batch: RunningBatch) -> SamplingInputs:
-        """The rows' sampling parameters. For a dense step they are views of the batch's arrays
-        (valid until the batch changes)."""
-        rows = step.rows
-
-        def filter_param(array, num_using):  # None = off in every row: the op skips the filter
-            return torch.from_numpy(array[rows]) if num_using else None
-
-        return SamplingInputs(
-            temperature=torch.from_numpy(batch.temperature[rows]),
-            top_k=filter_param(batch.top_k, batch.num_using_top_k),
-            top_p=filter_param(batch.top_p, batch.num_using_top_p),
-            min_p=filter_param(batch.min_p, batch.num_using_min_p),
-            seeds=torch.from_numpy(batch.seed[rows]),
-            offsets=torch.from_numpy(batch.num_tokens[rows] - batch.num_prompt_tokens[rows]),
-        )
-
-    # ------------------------------------------------------------------ device
+            layout = build_step_layout(step.query_lens, step.cached_lens, step.block_tables, self.block_size)
+        input_ids = step.input_ids
+        if bucket is not None:
+            input_ids = padded_input_ids(input_ids, bucket.num_tokens)
+        assert layout.num_rows >= num_rows
+        return input_ids, layout
 
     @torch.inference_mode()
-    def run(self, inputs: StepInputs, want_logprobs: bool) -> StepResult:
-        """Run the model on ``inputs`` and sample one token per real row."""
+    def launch(self, step: ScheduledStep) -> LaunchedStep:
+        """Queue the step's device work; returns at once on a GPU (see ``collect``)."""
         dev = self.device
-        if inputs.graph_size is not None:
-            logits = self.graphs.run(inputs.input_ids, inputs.layout)
+        bucket = None
+        if self.graphs is not None:
+            bucket = self.graphs.bucket_for(step.num_tokens, len(step), step.is_decode)
+        input_ids, layout = self.prepare(step, bucket)
+        pending = None
+        if step.pending_positions is not None:
+            if self._last_sampled is None:
+                raise RuntimeError("a step reads tokens of a previous step that was never launched")
+            where = torch.from_numpy(np.stack([step.pending_positions, step.pending_sources])).to(dev, non_blocking=True)
+            pending = (where[0], self._last_sampled[where[1]])
+        if bucket is not None:
+            logits = self.graphs.run(bucket, torch.from_numpy(input_ids), layout, pending)
         else:
-            ids = torch.from_numpy(inputs.input_ids).to(dev, non_blocking=True)
-            logits = forward_logits(self.model, ids, inputs.layout.to(dev, non_blocking=True))
-        s = inputs.sampling
+            ids = torch.from_numpy(input_ids).to(dev, non_blocking=True)
+            if pending is not None:
+                ids.index_copy_(0, *pending)
+            logits = forward_logits(self.model, ids, layout.to(dev, non_blocking=True))
+        s = step.sampling
 
-        def put(t):
-            return None if t is None else t.to(dev, non_blocking=True)
+        def put(array):
+            return None if array is None else torch.from_numpy(array).to(dev, non_blocking=True)
 
-        result = sample(logits[:inputs.num_rows], put(s.temperature), put(s.top_k), put(s.top_p), put(s.min_p),
-                        put(s.seeds), put(s.offsets), return_logprobs=want_logprobs)
-        if want_logprobs:
-            tokens, logprobs = result
-            return StepResult(tokens.cpu().numpy(), logprobs.cpu().numpy())
-        return StepResult(result.cpu().numpy(), None)
+        result = sample(logits[:len(step)], put(s.temperature), put(s.top_k), put(s.top_p), put(s.min_p),
+                        put(s.seeds), put(s.offsets), return_logprobs=step.want_logprobs)
+        tokens, logprobs = result if step.want_logprobs else (result, None)
+        self._last_sampled = tokens
+        if dev.type != "cuda":
+            return LaunchedStep(step, tokens, logprobs, None)
+        ready = torch.cuda.Event()
+        host_tokens = tokens.to("cpu", non_blocking=True)
+        host_logprobs = None if logprobs is None else logprobs.to("cpu", non_blocking=True)
+        ready.record()
+        return LaunchedStep(step, host_tokens, host_logprobs, ready)
+
+    @staticmethod
+    def collect(launched: LaunchedStep) -> tuple[np.ndarray, np.ndarray | None]:
+        """Wait for a launched step's sampled tokens: (token ids int64 [B], log-probs float32 [B] or None)."""
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        logprobs = None if launched.logprobs is None else launched.logprobs.numpy()
+        return launched.token_ids.numpy(), logprobs
 
 
 def forward_logits(model, input_ids: torch.Tensor, layout: StepLayout) -> torch.Tensor:

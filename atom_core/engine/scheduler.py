@@ -1,17 +1,26 @@
-"""Continuous batching: which requests run this step, and how many tokens each computes.
+"""Continuous batching: which requests run this step, how many tokens each computes, and what the
+step's result does to them.
 
 Each step is a list of rows (request, query length). Running requests come first, in admission
-order (in slot order when all of them decode): a decode row computes one token, a request still
-in its prompt computes its next chunk.
-Waiting requests are then admitted while the token budget, the sequence cap and the pool allow;
-a prompt longer than the remaining budget is chunked. When the pool cannot grow a running
-request, the newest running request is preempted: its blocks are freed and it waits to be
-recomputed from its tokens so far (prompt + output), which leaves its output unchanged.
+order (in row order when all of them decode): a decode row computes one token, a request still
+in its prompt computes its next chunk. Waiting requests are then admitted while the token budget,
+the sequence cap and the pool allow; a prompt longer than the remaining budget is chunked. When
+the pool cannot grow a running request, the newest running request is preempted: its blocks are
+freed and it waits to be recomputed from its tokens so far (prompt + output), which leaves its
+output unchanged.
 
-The running requests' tokens, progress and block tables live in a ``RunningBatch`` (numpy, one
-dense slot per request). When every running request is decoding — the common step — the
-scheduler handles them with array operations and touches in Python only the few rows whose next
-token starts a new block. ``update`` records what the step computed, also vectorized.
+The scheduler alone owns the running state (a ``RunningBatch``: numpy, one row per request).
+``schedule`` returns a ``ScheduledStep`` that carries everything the runner needs (input ids,
+cached lengths, block tables, sampling parameters) and counts the step as launched: the rows'
+computed tokens advance, and a row that reaches its last token gets one more token, pending until
+``record`` reads the step's sampled tokens. So the next step can be scheduled before this one's
+tokens are known: a pending token is fed to the next step from the device
+(``ScheduledStep.pending_positions`` / ``pending_sources``). A request that reaches its length
+limit is not scheduled again; one that stops on EOS or a stop string after its next step was
+scheduled has that step's token dropped.
+
+When every running request is decoding — the common step — the scheduler handles them with array
+operations and touches in Python only the rows whose next token starts a new block.
 """
 
 from __future__ import annotations
@@ -24,34 +33,69 @@ import numpy as np
 from atom_core.cache import BlockManager
 from atom_core.engine.request import Request, Status
 from atom_core.engine.running_batch import RunningBatch
+from atom_core.engine.stop_rule import StopRule
+
+
+@dataclass(slots=True)
+class SamplingInputs:
+    """Per-row parameters of ``ops.sample`` (numpy, [B]); top_k / top_p / min_p are None when off
+    in every row (the op then skips that filter)."""
+
+    temperature: np.ndarray  # float32
+    top_k: np.ndarray | None  # int32
+    top_p: np.ndarray | None  # float32
+    min_p: np.ndarray | None  # float32
+    seeds: np.ndarray  # int64
+    offsets: np.ndarray  # int64, the row's output tokens so far (its draw index)
 
 
 @dataclass(slots=True)
 class ScheduledStep:
-    """Rows of one step: ``requests[i]`` (in slot ``slots[i]`` of the running batch) computes
-    ``query_lens[i]`` tokens starting at its ``num_computed_tokens``.
+    """One step: ``requests[i]`` computes ``query_lens[i]`` tokens after its ``cached_lens[i]``.
 
     Attributes:
+        step_id: the step's number (``pending_step`` of the rows it leaves pending).
         requests: the rows' requests.
-        slots: int64 [B], their running-batch slots.
-        query_lens: int64 [B], tokens each row computes this step (>= 1).
+        rows: their running-batch rows: a slice ``0:B`` when they are rows 0..B-1 in order, else int64 [B].
+        query_lens: int64 [B], tokens each row computes (>= 1).
+        cached_lens: int64 [B], tokens of each row already in the pool.
         num_tokens: int, ``sum(query_lens)``.
+        block_tables: int32 [B, P], the rows' pool blocks (P = the longest row's pages).
+        input_ids: int64 [T], the tokens computed; a pending token is 0 here and is filled on the
+            device from the previous step's sampled tokens: ``input_ids[pending_positions[j]] =
+            previous_sampled[pending_sources[j]]`` (both int64 [N], or None when no token is pending).
+        sampling: the rows' sampling parameters.
+        want_logprobs: whether any row asked for log-probs.
+        produces: int64 [N], indices (into the rows) of the rows whose last token this step
+            computes, so they get a sampled token; the others are mid-prompt.
         preempted: requests sent back to waiting by this step.
-        dense: the rows are slots ``0 .. B-1`` in order (``slots == arange(B)``), so per-slot
-            arrays are read through views: ``array[step.rows]``.
+        row_version: the batch's removal count when the step was made (rows are valid while unchanged).
+        new_token_index: int64 [N], the index the produced rows' new token takes in their tokens.
+        stop_flags: (length_limit, stops_at_eos, checks_every_token) of the produced rows.
     """
 
+    step_id: int
     requests: list[Request]
-    slots: np.ndarray
+    rows: slice | np.ndarray
     query_lens: np.ndarray
+    cached_lens: np.ndarray
     num_tokens: int
+    block_tables: np.ndarray
+    input_ids: np.ndarray
+    pending_positions: np.ndarray | None
+    pending_sources: np.ndarray | None
+    sampling: SamplingInputs
+    want_logprobs: bool
     preempted: list[Request] = field(default_factory=list)
-    dense: bool = False
+    row_version: int = 0
+    produces: np.ndarray | None = None
+    new_token_index: np.ndarray | None = None
+    stop_flags: tuple | None = None
 
     @property
-    def rows(self) -> slice | np.ndarray:
-        """Index of the rows into a per-slot array: a slice (a view) when dense, else ``slots``."""
-        return slice(0, len(self.requests)) if self.dense else self.slots
+    def is_decode(self) -> bool:
+        """Every row computes one token."""
+        return self.num_tokens == len(self.requests)
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -60,9 +104,20 @@ class ScheduledStep:
         return bool(self.requests)
 
 
+@dataclass(slots=True)
+class StepRecord:
+    """What a step's sampled tokens did: the requests that got a token (in step order), the token,
+    their token count after it, and index -> finish reason for those that stopped."""
+
+    requests: list[Request]
+    tokens: np.ndarray
+    num_tokens: np.ndarray
+    finish_reasons: dict[int, str]
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int):
+                 max_model_len: int, stop_rule: StopRule | None = None):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens < 1:
@@ -72,16 +127,20 @@ class Scheduler:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.batch = RunningBatch(max_num_seqs, max_model_len, block_manager.block_size)
+        self.stop_rule = stop_rule or StopRule((), max_model_len)
+        self.batch = RunningBatch(max_num_seqs, max_model_len, -(-max_model_len // block_manager.block_size))
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # admission order (the batch keeps them in slot order)
-        # Read-only 1s and 0..S-1: a dense step's query lengths and slots are views of them.
+        self.running: list[Request] = []  # admission order (the batch keeps them in row order)
+        self.num_steps = 0
         self._ones = np.ones(max_num_seqs, dtype=np.int64)
-        self._slot_numbers = np.arange(max_num_seqs, dtype=np.int64)
-        self._ones.flags.writeable = self._slot_numbers.flags.writeable = False
+
+    @property
+    def block_size(self) -> int:
+        return self.block_manager.block_size
 
     def add(self, request: Request) -> None:
         request.status = Status.WAITING
+        request.length_limit = self.stop_rule.length_limit(request)
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
@@ -89,86 +148,102 @@ class Scheduler:
 
     # ------------------------------------------------------------------ scheduling
 
-    def schedule(self) -> ScheduledStep:
-        budget = self.max_num_batched_tokens
+    def schedule(self) -> ScheduledStep | None:
+        """The next step, counted as launched (see the module docstring); None when no row can run."""
+        batch, budget = self.batch, self.max_num_batched_tokens
         preempted: list[Request] = []
-        dense = self._all_running_decode(budget)
-        if dense:  # rows in slot order: every running request, one token each
-            self._grow_decode_rows(preempted)
-            requests = list(self.batch.requests)
+        decode_rows = self._decode_rows(budget)
+        if decode_rows is not None:  # every schedulable running request decodes one token
+            self._grow_decode_rows(decode_rows, preempted)
+            if preempted:  # rows moved: read them again
+                n = batch.num_rows
+                decode_rows = np.flatnonzero(batch.num_tokens[:n] < batch.length_limit[:n])
+            every_row = _is_all(decode_rows) and len(decode_rows) == batch.num_rows
+            requests = list(batch.requests) if every_row else [batch.requests[i] for i in decode_rows.tolist()]
             query_lens = self._ones[:len(requests)]
             num_tokens = len(requests)
         else:  # rows in admission order, under the budget
+            every_row = False
             requests, running_lens = self._schedule_running_rows(budget, preempted)
             query_lens = np.array(running_lens, dtype=np.int64)
-            num_tokens = sum(running_lens)
+            num_tokens = int(query_lens.sum())
         budget -= num_tokens
 
         # Admit waiting requests, unless this step had to preempt (the pool is already too tight).
-        # They take the next slots, so a dense step stays dense.
+        # They take the next rows, so a step over every row stays one over rows 0..B-1.
         admitted_lens = []
         if self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             self.publish_computed_blocks()  # admission reads the prefix cache
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
-            request = self.waiting[0]
-            q = self._admit(request, budget)
+            q = self._admit(self.waiting[0], budget)
             if q is None:
                 break
-            requests.append(request)
+            requests.append(self.running[-1])
             admitted_lens.append(q)
             budget -= q
         if admitted_lens:
             query_lens = np.concatenate([query_lens, np.array(admitted_lens, dtype=np.int64)])
             num_tokens += sum(admitted_lens)
-        if dense:
-            slots = self._slot_numbers[:len(requests)]
-        else:  # read after every preemption: a preemption moves the last slot's request
-            slots = np.fromiter((r.slot for r in requests), dtype=np.int64, count=len(requests))
-        return ScheduledStep(requests, slots, query_lens, num_tokens, preempted, dense)
+        if not requests:
+            return None
+        if every_row:
+            rows = slice(0, len(requests))
+        else:  # read after every preemption: a preemption moves the last row's request
+            rows = np.fromiter((r.row for r in requests), dtype=np.int64, count=len(requests))
+        return self._make_step(requests, rows, query_lens, num_tokens, preempted)
 
-    def _all_running_decode(self, budget: int) -> bool:
-        """Every running request computes exactly one token (its last sampled one) and all fit the budget."""
+    def _decode_rows(self, budget: int) -> np.ndarray | None:
+        """Rows of the running requests not yet at their length limit, when each of them computes
+        exactly one token and all fit the budget; else None."""
         n, batch = len(self.running), self.batch
-        if n == 0 or n > budget:
-            return False
+        if n == 0:
+            return None
         # A running request always has a token left to compute (num_tokens - num_computed >= 1).
-        return int((batch.num_tokens[:n] - batch.num_computed_tokens[:n]).max()) == 1
+        if int((batch.num_tokens[:n] - batch.num_computed_tokens[:n]).max()) != 1:
+            return None
+        at_limit = batch.num_tokens[:n] >= batch.length_limit[:n]
+        rows = np.arange(n) if not at_limit.any() else np.flatnonzero(~at_limit)
+        return rows if 0 < len(rows) <= budget else None
 
-    def _grow_decode_rows(self, preempted: list[Request]) -> None:
+    def _grow_decode_rows(self, rows: np.ndarray, preempted: list[Request]) -> None:
         """Give a block to each decoding row whose token starts a new one, oldest first; when the
         pool runs dry, the rest go one by one, preempting from the newest (as in the general case)."""
-        batch, bm, n = self.batch, self.block_manager, len(self.running)
+        batch, bm = self.batch, self.block_manager
         # A decode row writes token num_tokens - 1: it needs num_tokens slots, one block more than
         # it holds when num_tokens = num_pages * block_size + 1.
-        short = (batch.num_tokens[:n] > batch.num_pages[:n] * bm.block_size).nonzero()[0]
+        short = rows[batch.num_tokens[rows] > batch.num_pages[rows] * bm.block_size]
         if short.size == 0:
             return
         if short.size > bm.num_free_blocks:  # some must preempt: serve the oldest first
             short = short[np.argsort(batch.admission_order[short])]
-        requests = [batch.requests[i] for i in short.tolist()]  # before any preemption moves slots
+        requests = [batch.requests[i] for i in short.tolist()]  # before any preemption moves rows
         new_block_ids = bm.append_block_each([r.request_id for r in requests])
         batch.append_block_each(short[:len(new_block_ids)], new_block_ids)
         for request in requests[len(new_block_ids):]:  # the pool ran dry
-            if request.slot is None:
+            if request.row is None:
                 continue  # preempted for an older row
-            if not self._grow_or_preempt(request, int(batch.num_tokens[request.slot]), preempted):
+            if not self._grow_or_preempt(request, int(batch.num_tokens[request.row]), preempted):
                 break
 
     def _schedule_running_rows(self, budget: int, preempted: list[Request]) -> tuple[list[Request], list[int]]:
         """Rows and query lengths of the running requests, in admission order, under ``budget``
         (the general case: prompts in progress, or more rows than the budget)."""
-        requests, query_lens = [], []
+        batch, requests, query_lens = self.batch, [], []
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_computed = request.num_computed_tokens
-            q = min(request.num_tokens - num_computed, budget)
+            i += 1
+            row = request.row
+            num_tokens = int(batch.num_tokens[row])
+            if num_tokens >= request.length_limit:
+                continue  # its last token is being sampled: nothing left to compute
+            num_computed = int(batch.num_computed_tokens[row])
+            q = min(num_tokens - num_computed, budget)
             if not self._grow_or_preempt(request, num_computed + q, preempted):
                 break  # request itself was preempted: nothing after it is left
             requests.append(request)
             query_lens.append(q)
             budget -= q
-            i += 1
         return requests, query_lens
 
     def _grow_or_preempt(self, request: Request, num_tokens_total: int, preempted: list[Request]) -> bool:
@@ -181,9 +256,9 @@ class Scheduler:
             preempted.append(victim)
             if victim is request:
                 return False
-        num_pages = int(self.batch.num_pages[request.slot])
+        num_pages = int(self.batch.num_pages[request.row])
         if num_tokens_total > num_pages * bm.block_size:
-            self.batch.append_blocks(request.slot, bm.block_table(request.request_id, start=num_pages))
+            self.batch.append_blocks(request.row, bm.block_table(request.request_id, start=num_pages))
         return True
 
     def _admit(self, request: Request, budget: int) -> int | None:
@@ -195,37 +270,127 @@ class Scheduler:
         self.waiting.popleft()
         request.status = Status.RUNNING
         request.num_cached_tokens = cached
-        self.batch.add(request, bm.block_table(request.request_id), cached)
+        self.batch.add(request, bm.block_table(request.request_id), cached, cached // bm.block_size)
         self.running.append(request)
         return min(request.num_tokens - cached, budget)
 
-    # ------------------------------------------------------------------ after the step
+    # ------------------------------------------------------------------ the step's inputs
 
-    def update(self, step: ScheduledStep, sampled_token_ids: np.ndarray) -> np.ndarray:
-        """Record a step that ran: each row computed its query tokens; a row that reached its last
-        token appends its sampled token. (The blocks it filled are published later, in bulk: see
-        ``publish_computed_blocks``.)
+    def _make_step(self, requests, rows, query_lens, num_tokens, preempted) -> ScheduledStep:
+        """The step's inputs, then advance the rows as if it ran (see the module docstring)."""
+        batch = self.batch
+        cached = batch.num_computed_tokens[rows].copy()
+        block_tables = batch.block_table[rows, :int(batch.num_pages[rows].max())]
+        if num_tokens == len(requests) and (batch.num_tokens[rows] - cached == 1).all():
+            # Every row computes its last token: the row's last_token, or its pending one.
+            input_ids = batch.last_token[rows].copy()
+            pending = batch.pending_index[rows]
+            pending_positions = np.flatnonzero(pending >= 0)
+            pending_sources = pending[pending_positions]
+        else:
+            input_ids, pending_positions, pending_sources = self._gather_input_ids(requests, rows, cached, query_lens)
+        step = ScheduledStep(
+            step_id=self.num_steps, requests=requests, rows=rows, query_lens=query_lens, cached_lens=cached,
+            num_tokens=num_tokens, block_tables=block_tables, input_ids=input_ids,
+            pending_positions=pending_positions if len(pending_positions) else None,
+            pending_sources=pending_sources if len(pending_positions) else None,
+            sampling=self._sampling_inputs(rows),
+            want_logprobs=bool(batch.num_wanting_logprobs and batch.wants_logprobs[rows].any()),
+            preempted=preempted, row_version=batch.num_removals)
+        self.num_steps += 1
+        self._advance(step)
+        return step
 
-        Args:
-            step: what ``schedule`` returned.
-            sampled_token_ids: int [B], the token sampled from each row's last position (ignored for
-                rows still in their prompt).
+    def _gather_input_ids(self, requests, rows, cached, query_lens):
+        """Input ids of a step with prompt chunks (a Python slice per row); a row's pending last
+        token comes from the previous step's sampled tokens on the device."""
+        pending = self.batch.pending_index[rows]
+        chunks, positions, sources = [], [], []
+        start = 0
+        for request, c, q, p in zip(requests, cached.tolist(), query_lens.tolist(), pending.tolist()):
+            chunk = request.token_ids[c:c + q]
+            if p >= 0:  # its last token is the pending one, not yet in token_ids
+                chunk = chunk + [0]
+                positions.append(start + q - 1)
+                sources.append(p)
+            chunks.append(chunk)
+            start += q
+        input_ids = np.fromiter((t for chunk in chunks for t in chunk), dtype=np.int64, count=start)
+        return input_ids, np.array(positions, dtype=np.int64), np.array(sources, dtype=np.int64)
 
-        Returns:
-            int64 [N], indices into the step's rows of the rows that got a new token.
-        """
+    def _sampling_inputs(self, rows) -> SamplingInputs:
+        batch = self.batch
+
+        def filter_param(array, num_using):  # None = off in every row: the op skips the filter
+            return array[rows] if num_using else None
+
+        return SamplingInputs(
+            temperature=batch.temperature[rows], top_k=filter_param(batch.top_k, batch.num_using_top_k),
+            top_p=filter_param(batch.top_p, batch.num_using_top_p),
+            min_p=filter_param(batch.min_p, batch.num_using_min_p), seeds=batch.seed[rows],
+            offsets=batch.num_tokens[rows] - batch.num_prompt_tokens[rows])
+
+    def _advance(self, step: ScheduledStep) -> None:
+        """Count the step as launched: its tokens computed; a row that reaches its last token gets
+        a pending one (index i of the step's sampled tokens). The stop flags of those rows are
+        kept in the step for ``record``."""
         batch, rows = self.batch, step.rows
         batch.num_computed_tokens[rows] += step.query_lens
-        produced = (batch.num_computed_tokens[rows] == batch.num_tokens[rows]).nonzero()[0]
-        if len(produced) == len(step):  # every row (always so in a decode step)
-            produced_rows, produced_slots, tokens = rows, step.slots, sampled_token_ids
-        else:
-            produced_rows = produced_slots = step.slots[produced]
-            tokens = sampled_token_ids[produced]
-        batch.token_ids[produced_slots, batch.num_tokens[produced_rows]] = tokens
+        done = batch.num_computed_tokens[rows] == batch.num_tokens[rows]
+        every = bool(done.all())
+        step.produces = np.arange(len(step)) if every else np.flatnonzero(done)
+        produced_rows = rows if every else _index(rows, step.produces)
+        step.new_token_index = batch.num_tokens[produced_rows].copy()
+        step.stop_flags = (batch.length_limit[produced_rows], batch.stops_at_eos[produced_rows],
+                           batch.checks_every_token[produced_rows])
         batch.num_tokens[produced_rows] += 1
+        batch.pending_index[produced_rows] = step.produces
+        batch.pending_step[produced_rows] = step.step_id
 
-        return produced
+    # ------------------------------------------------------------------ after the step
+
+    def record(self, step: ScheduledStep, sampled: np.ndarray, logprobs: np.ndarray | None = None) -> StepRecord:
+        """Read a step's sampled tokens (int [B], one per row; log-probs float [B] when asked for):
+        each row that produced appends its token, and the ones that stop are finished.
+
+        A request finished (or aborted) since the step was scheduled gets nothing; a preempted
+        one still gets its token (it is part of the tokens it recomputes).
+        """
+        batch, produces = self.batch, step.produces
+        every = len(produces) == len(step)
+        requests = step.requests if every else [step.requests[i] for i in produces.tolist()]
+        tokens = sampled if every else sampled[produces]
+        num_tokens = step.new_token_index + 1
+        limits, stops_at_eos, checks = step.stop_flags
+        alive = [not r.finished for r in requests]
+        if not all(alive):
+            keep = np.flatnonzero(alive)
+            requests = [requests[i] for i in keep.tolist()]
+            tokens, produces, num_tokens = tokens[keep], produces[keep], num_tokens[keep]
+            limits, stops_at_eos, checks = limits[keep], stops_at_eos[keep], checks[keep]
+        for request, token in zip(requests, tokens.tolist()):
+            request.token_ids.append(token)
+        if logprobs is not None:
+            for request, i in zip(requests, produces.tolist()):
+                if request.logprobs is not None:
+                    request.logprobs.append(float(logprobs[i]))
+
+        if batch.num_removals == step.row_version:  # no row moved since the step was made
+            rows, row_tokens = _index(step.rows, produces), tokens
+        else:
+            rows = np.fromiter((-1 if r.row is None else r.row for r in requests), dtype=np.int64,
+                               count=len(requests))
+            rows, row_tokens = rows[rows >= 0], tokens[rows >= 0]  # preempted ones hold no row
+        batch.last_token[rows] = row_tokens
+        batch.pending_index[rows[batch.pending_step[rows] == step.step_id]] = -1
+
+        finish_reasons = {}
+        for i in np.flatnonzero(self.stop_rule.may_stop(tokens, num_tokens, limits, stops_at_eos, checks)).tolist():
+            reason = self.stop_rule.finish_reason(requests[i])
+            if reason is not None:
+                self.finish(requests[i], reason)
+                finish_reasons[i] = reason
+        return StepRecord(requests, tokens, num_tokens, finish_reasons)
 
     # ------------------------------------------------------------------ prefix cache
 
@@ -246,23 +411,24 @@ class Scheduler:
         rows = (full > first).nonzero()[0]
         if len(rows) == 0:
             return
-        # Row rows[j] publishes blocks first[j] .. full[j]-1: one entry per block, row by row.
-        counts = full[rows] - first[rows]
-        block_row = np.repeat(rows, counts)
-        starts = np.repeat(np.cumsum(counts) - counts, counts)
-        block_index = np.repeat(first[rows], counts) + np.arange(len(block_row)) - starts
-        token_ids = batch.token_ids[block_row[:, None], block_index[:, None] * block_size + np.arange(block_size)]
-        bm.publish_blocks([batch.requests[r].request_id for r in block_row.tolist()], block_index.tolist(),
-                          token_ids)
+        request_ids, block_indices, token_ids = [], [], []
+        for row, lo, hi in zip(rows.tolist(), first[rows].tolist(), full[rows].tolist()):
+            request = batch.requests[row]
+            tokens = request.token_ids
+            for b in range(lo, hi):
+                request_ids.append(request.request_id)
+                block_indices.append(b)
+                token_ids.append(tokens[b * block_size:(b + 1) * block_size])
+        bm.publish_blocks(request_ids, block_indices, np.array(token_ids, dtype=np.int64))
         batch.num_published_blocks[rows] = full[rows]
 
     # ------------------------------------------------------------------ leaving the batch
 
     def _stop_running(self, request: Request) -> None:
-        bm, batch, slot = self.block_manager, self.batch, request.slot
+        bm, batch, row = self.block_manager, self.batch, request.row
         if bm.enable_prefix_caching:  # its computed blocks stay reusable after they are freed
-            num_computed = int(batch.num_computed_tokens[slot])
-            bm.publish(request.request_id, batch.token_ids[slot, :num_computed], num_computed)
+            num_computed = int(batch.num_computed_tokens[row])
+            bm.publish(request.request_id, request.token_ids[:num_computed], num_computed)
         self.running.remove(request)
         bm.free(request.request_id)
         batch.remove(request)
@@ -270,7 +436,6 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self._stop_running(request)
         request.status = Status.WAITING
-        request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.waiting.appendleft(request)
 
@@ -282,3 +447,15 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = Status.FINISHED
         request.finish_reason = reason
+
+
+def _is_all(rows: np.ndarray) -> bool:
+    """``rows`` is 0..n-1 (every running row)."""
+    return len(rows) == 0 or int(rows[-1]) == len(rows) - 1
+
+
+def _index(rows, indices: np.ndarray) -> np.ndarray:
+    """``rows[indices]`` for a slice ``0:B`` (indices themselves) or an index array."""
+    return indices if isinstance(rows, slice) else rows[indices]
+
+

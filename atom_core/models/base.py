@@ -139,6 +139,7 @@ class CausalLM(nn.Module):
         if self.expert_parallel and not any(isinstance(m, FusedMoE) for m in self.modules()):
             raise ValueError(f"expert_parallel=True, but {type(self).__name__} has no experts to split")
         self._attention_layers = [m for m in self.model.layers.modules() if isinstance(m, PagedAttention)]
+        self.bound_kv_caches: list | None = None  # the list last given to bind_kv_cache
 
     def make_layer(self, layer_idx: int) -> nn.Module:
         """Layer ``layer_idx``: ``forward(positions, hidden, residual, batch) -> (hidden, residual)``."""
@@ -185,7 +186,10 @@ class CausalLM(nn.Module):
 
     def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Give each attention layer its pool tensors: ``kv_caches[i] = (k_cache, v_cache)``, each
-        ``[num_blocks, block_size, num_kv_heads, head_dim]``, one entry per layer in order."""
+        ``[num_blocks, block_size, num_kv_heads, head_dim]``, one entry per layer in order.
+
+        A model writes into one pool at a time: the last one bound. ``bound_kv_caches`` is that
+        list (the same object), so an owner can tell whether the binding is still its own."""
         if len(kv_caches) != len(self._attention_layers):
             raise ValueError(
                 f"kv_caches has {len(kv_caches)} entries, the model has {len(self._attention_layers)} attention layers"
@@ -194,3 +198,4 @@ class CausalLM(nn.Module):
             if not isinstance(entry, (tuple, list)) or len(entry) != 2:
                 raise ValueError(f"kv_caches[{i}] must be a (k_cache, v_cache) pair")
             attn.bind_kv_cache(*entry)
+        self.bound_kv_caches = kv_caches

@@ -52,12 +52,12 @@ def hf_greedy(hf_model, prompt, max_new_tokens):
 
 
 def assert_batch_mirrors_block_manager(sched):
-    """The running batch's tables are the block manager's, slot by slot, and its slots are dense."""
+    """The running batch's tables are the block manager's, row by row, and its rows are dense."""
     batch = sched.batch
     assert sorted(r.request_id for r in batch.requests) == sorted(r.request_id for r in sched.running)
-    for slot, request in enumerate(batch.requests):
-        assert request.slot == slot
-        n = int(batch.num_pages[slot])
-        assert batch.block_table[slot, :n].tolist() == sched.block_manager.block_table(request.request_id)
-        assert (batch.block_table[slot, n:] == -1).all()
+    for row, request in enumerate(batch.requests):
+        assert request.row == row
+        n = int(batch.num_pages[row])
+        assert batch.block_table[row, :n].tolist() == sched.block_manager.block_table(request.request_id)
+        assert (batch.block_table[row, n:] == -1).all()
     assert (batch.block_table[batch.num_rows:] == -1).all()

@@ -7,30 +7,24 @@ import torch
 from atom_core import ops
 from atom_core.engine import Engine, RequestOutput, SamplingParams, StepOutputs
 from atom_core.engine.request import Request
-from atom_core.engine.running_batch import RunningBatch
 
 
-def running_request(batch, rid, prompt, **params):
-    request = Request(rid, prompt, SamplingParams(**params), seed=rid)
-    batch.add(request, list(range(rid * 8, rid * 8 + 8)), len(prompt))
-    return request
+def running_request(rid, prompt, **params):
+    return Request(rid, prompt, SamplingParams(**params), seed=rid)
 
 
-def append_token(batch, request, token):
-    slot = request.slot
-    batch.token_ids[slot, batch.num_tokens[slot]] = token
-    batch.num_tokens[slot] += 1
+def append_token(request, token):
+    request.token_ids.append(token)  # what Scheduler.record does
 
 
 def test_outputs_are_snapshots_of_their_step():
-    batch = RunningBatch(max_num_seqs=2, max_model_len=64, block_size=4)
-    a = running_request(batch, 0, [1, 2, 3], logprobs=0)
-    b = running_request(batch, 1, [9])
-    append_token(batch, a, 50)
-    append_token(batch, b, 60)
+    a = running_request(0, [1, 2, 3], logprobs=0)
+    b = running_request(1, [9])
+    append_token(a, 50)
+    append_token(b, 60)
     a.logprobs.append(-0.5)
     first = StepOutputs([a, b], np.array([50, 60]), np.array([4, 2]), {1: "length"})  # a: 3 prompt + 1, b: 1 + 1
-    append_token(batch, a, 51)
+    append_token(a, 51)
     a.logprobs.append(-0.25)
     second = StepOutputs([a], np.array([51]), np.array([5]), {})
 
@@ -47,10 +41,9 @@ def test_outputs_are_snapshots_of_their_step():
 
 
 def test_sequence_protocol():
-    batch = RunningBatch(max_num_seqs=3, max_model_len=32, block_size=4)
-    requests = [running_request(batch, rid, [rid + 1]) for rid in range(3)]
+    requests = [running_request(rid, [rid + 1]) for rid in range(3)]
     for r in requests:
-        append_token(batch, r, 7)
+        append_token(r, 7)
     # 1-token prompts, one token each
     outs = StepOutputs(requests, np.array([7, 7, 7]), np.array([2, 2, 2]), {0: "stop", 2: "length"})
     assert [o.request_id for o in outs] == [0, 1, 2]

@@ -21,9 +21,13 @@ def scheduler(num_blocks, block_size, *, enable_prefix_caching=True, max_model_l
 
 def run_step(sched, step, sampled=7):
     """What the engine does after the runner: every row gets ``sampled`` (kept by rows that finished their prompt)."""
-    produced = sched.update(step, np.full(len(step), sampled))
+    record = sched.record(step, np.full(len(step), sampled))
     sched.block_manager.check_integrity()
-    return produced
+    return record
+
+
+def computed(sched, request):
+    return int(sched.batch.num_computed_tokens[request.row])
 
 
 def test_prefill_then_decode_rows():
@@ -53,7 +57,7 @@ def test_chunked_prefill_under_token_budget_mixes_with_decode():
         seen.append(list(zip([r.request_id for r in step.requests], step.query_lens.tolist())))
         run_step(sched, step)
     assert seen == [[(0, 1), (1, 5)], [(0, 1), (1, 5)], [(0, 1), (1, 3)]]
-    assert b.num_computed_tokens == 13 and b.num_output_tokens == 1
+    assert computed(sched, b) == 13 and b.num_output_tokens == 1
 
 
 def test_sequence_cap():
@@ -89,7 +93,7 @@ def test_preemption_frees_newest_and_recomputes_later():
     run_step(sched, step := sched.schedule())
     # a fits after b (newest) is preempted; b waits with its tokens so far kept.
     assert step.preempted == [b] and [r.request_id for r in step.requests] == [0]
-    assert b.status is Status.WAITING and b.num_computed_tokens == 0 and b.num_tokens == 5
+    assert b.status is Status.WAITING and b.row is None and b.num_tokens == 5
     assert sched.waiting[0] is b
     sched.finish(a, "length")
     step = sched.schedule()
@@ -120,47 +124,62 @@ def test_bad_limits():
         scheduler(4, 4, max_num_seqs=1, max_num_batched_tokens=8, max_model_len=0)
 
 
-# --- the vectorized decode path equals the per-row path -------------------------------------------
+# --- the vectorized decode path equals the per-row path; scheduling one step ahead changes nothing
 
 
-def drive(sched, prompts, max_tokens, force_general: bool, admit_every: int):
+def drive(sched, prompts, max_tokens, force_general: bool, admit_every: int, ahead: bool = False):
     """Run a workload to the end through ``sched`` alone, as the engine would: new prompts arrive
-    every ``admit_every`` steps; each row's token is a function of its request and position (so it
-    does not depend on row order); a request stops after ``max_tokens[rid]`` tokens, finishes taken
-    in request-id order. Returns per step ({rid: query_len}, [preempted rids]) and the outputs."""
+    every ``admit_every`` steps; each new token is a function of its request and index (so it does
+    not depend on row order or on the schedule); a request stops after ``max_tokens[rid]`` tokens
+    (a stop the scheduler cannot foresee, like EOS), finishes taken in request-id order. With
+    ``ahead``, each step is scheduled before the previous one's tokens are recorded (the engine's
+    async scheduling). Returns per step ({rid: query_len}, [preempted rids]), the outputs, and how
+    many steps were over every running row."""
     if force_general:
-        sched._all_running_decode = lambda budget: False
+        sched._decode_rows = lambda budget: None
     pending = list(range(len(prompts)))
-    requests, trace, num_dense = {}, [], 0
+    requests, trace, num_every_row, in_flight = {}, [], 0, None
+
+    def schedule():
+        step = sched.schedule()
+        if step is not None:  # the rows are the requests' rows when the step is made
+            assert _rows(step) == [r.row for r in step.requests]
+        return step
+
     for step_index in range(10_000):
         if pending and step_index % admit_every == 0:
             rid = pending.pop(0)
-            requests[rid] = Request(rid, prompts[rid], SamplingParams(max_tokens=max_tokens[rid]), seed=rid)
+            requests[rid] = Request(rid, prompts[rid], SamplingParams(max_tokens=1000), seed=rid)
             sched.add(requests[rid])
         if not sched.has_unfinished():
             if not pending:
                 break
             continue
-        step = sched.schedule()
-        num_dense += step.dense
-        assert step.slots.tolist() == [r.slot for r in step.requests]
+        step, in_flight = in_flight or schedule(), None
+        num_every_row += isinstance(step.rows, slice)
         trace.append(({r.request_id: q for r, q in zip(step.requests, step.query_lens.tolist())},
                       [r.request_id for r in step.preempted]))
-        sampled = np.array([(r.request_id * 7 + r.num_tokens) % 5 for r in step.requests])
-        produced = sched.update(step, sampled)
-        done = sorted((step.requests[i] for i in produced.tolist()
-                       if step.requests[i].num_output_tokens >= max_tokens[step.requests[i].request_id]),
+        if ahead:
+            in_flight = schedule()
+        sampled = np.zeros(len(step), dtype=np.int64)
+        sampled[step.produces] = [(step.requests[i].request_id * 7 + int(n)) % 5
+                                  for i, n in zip(step.produces.tolist(), step.new_token_index.tolist())]
+        record = sched.record(step, sampled)
+        done = sorted((r for r in record.requests if r.num_output_tokens >= max_tokens[r.request_id]),
                       key=lambda r: r.request_id)
         for request in done:
             sched.finish(request, "length")
         sched.block_manager.check_integrity()
         assert_batch_mirrors_block_manager(sched)
     assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
-    return trace, {rid: r.output_token_ids for rid, r in requests.items()}, num_dense
+    return trace, {rid: r.output_token_ids for rid, r in requests.items()}, num_every_row
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_decode_fast_path_schedules_like_the_general_path(seed):
+def _rows(step):
+    return list(range(len(step)))[step.rows] if isinstance(step.rows, slice) else step.rows.tolist()
+
+
+def _workload(seed):
     rng = np.random.default_rng(seed)
     shared = rng.integers(0, 5, 8).tolist()  # a common prefix: prefix-cache hits
     prompts = [(shared if rng.random() < 0.5 else []) + rng.integers(0, 5, rng.integers(1, 12)).tolist()
@@ -169,17 +188,55 @@ def test_decode_fast_path_schedules_like_the_general_path(seed):
     # A pool tight enough to preempt (every request fits alone: <= 20 + 19 tokens = 10 blocks of 4).
     limits = dict(num_blocks=int(rng.integers(12, 40)), block_size=4, max_num_seqs=int(rng.integers(2, 6)),
                   max_num_batched_tokens=int(rng.integers(8, 64)))
-    admit_every = int(rng.integers(1, 4))
+    return prompts, max_tokens, limits, int(rng.integers(1, 4))
+
+
+def _scheduler(limits):
+    bm = BlockManager(limits["num_blocks"], limits["block_size"])
+    return Scheduler(bm, max_num_seqs=limits["max_num_seqs"], max_num_batched_tokens=limits["max_num_batched_tokens"],
+                     max_model_len=48), bm
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_decode_fast_path_schedules_like_the_general_path(seed):
+    prompts, max_tokens, limits, admit_every = _workload(seed)
     results = []
     for force_general in (False, True):
-        bm = BlockManager(limits["num_blocks"], limits["block_size"])
-        sched = Scheduler(bm, max_num_seqs=limits["max_num_seqs"],
-                          max_num_batched_tokens=limits["max_num_batched_tokens"], max_model_len=48)
-        results.append(drive(sched, prompts, max_tokens, force_general, admit_every)
-                       + (bm.stats,))
-    (fast_trace, fast_outputs, num_dense, fast_stats), (trace, outputs, _, stats) = results
-    assert num_dense > 0  # the fast path ran
+        sched, bm = _scheduler(limits)
+        results.append(drive(sched, prompts, max_tokens, force_general, admit_every) + (bm.stats,))
+    (fast_trace, fast_outputs, num_every_row, fast_stats), (trace, outputs, _, stats) = results
+    assert num_every_row > 0  # the fast path ran
     assert fast_trace == trace and fast_outputs == outputs and fast_stats == stats
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_scheduling_one_step_ahead_gives_the_same_outputs(seed):
+    prompts, max_tokens, limits, admit_every = _workload(seed)
+    outputs = []
+    for ahead in (False, True):
+        sched, _ = _scheduler(limits)
+        outputs.append(drive(sched, prompts, max_tokens, False, admit_every, ahead=ahead)[1])
+    assert outputs[0] == outputs[1]
+    assert all(len(tokens) == n for tokens, n in zip(outputs[0].values(), max_tokens))
+
+
+def test_a_request_at_its_length_limit_is_not_scheduled_again():
+    sched = scheduler(32, 4, max_num_seqs=4, max_num_batched_tokens=64)
+    a = Request(0, [1, 2, 3], SamplingParams(max_tokens=2), seed=0)
+    b = Request(1, [4, 5, 6], SamplingParams(max_tokens=9), seed=1)
+    sched.add(a)
+    sched.add(b)
+    first = sched.schedule()  # both prompts; each gets its first token (pending)
+    second = sched.schedule()  # scheduled ahead: a's 2nd token is its last one
+    assert [r.request_id for r in second.requests] == [0, 1]
+    third = sched.schedule()  # a is at its limit (2 output tokens sampled or pending): only b runs
+    assert [r.request_id for r in third.requests] == [1]
+    assert third.pending_sources.tolist() == [1]  # b's input is its token from the step before
+    run_step(sched, first, sampled=9)
+    run_step(sched, second, sampled=8)
+    assert a.finished and a.finish_reason == "length" and a.output_token_ids == [9, 8]
+    run_step(sched, third)
+    assert b.output_token_ids == [9, 8, 7]
 
 
 def test_decode_steps_are_dense_and_grow_tables_in_bulk():
@@ -188,7 +245,7 @@ def test_decode_steps_are_dense_and_grow_tables_in_bulk():
         sched.add(make(rid, 3 + rid, first_token=10 * rid))  # prompts of 3, 4, 5 tokens
     run_step(sched, sched.schedule())  # the prompts: 4, 5, 6 tokens now
     step = sched.schedule()  # tokens at positions 3, 4, 5: rows 1 and 2 start their second block
-    assert step.dense and step.slots.tolist() == [0, 1, 2] and step.query_lens.tolist() == [1, 1, 1]
+    assert step.rows == slice(0, 3) and step.query_lens.tolist() == [1, 1, 1]
     assert sched.batch.num_pages[:3].tolist() == [1, 2, 2]
     assert [sched.block_manager.block_table(r.request_id) for r in step.requests] == \
         [sched.batch.block_table[s, :n].tolist() for s, n in zip(range(3), sched.batch.num_pages[:3].tolist())]
