@@ -4,6 +4,10 @@ For each op and token count: median time of the op's kernel backend, bandwidth a
 written, counted by hand below), that bandwidth as a share of a device-to-device copy measured in the
 same run, and the speedup over the plain-torch twin, eager and under ``torch.compile``.
 
+Ours and both baselines are timed the same way: on a GPU, GPU time inside CUDA-graph replays (what
+the engine pays); a figure whose capture fails falls back to eager calls, and the row's ``timing``
+column says which figure and why (``benchmarks.common.timing_column``).
+
     python -m benchmarks.ops_elementwise [--device cuda] [--json out.json] [--smoke]
 
 ``--smoke`` runs tiny sizes (and no torch.compile) so the script can be checked on a CPU, where the
@@ -122,34 +126,37 @@ def _cases(device, smoke, backend, dtype):
 def run(device: str = "cuda", smoke: bool = False) -> list[dict]:
     """One row per (op, token count). Times in ms; bandwidth in GB/s (1e9 bytes/s)."""
     from atom_core.ops.dispatch import backend_available
-    from benchmarks.common import bandwidth_row, bench, copy_bandwidth_gbs, guarded
+    from benchmarks.common import bandwidth_row, bench_timed, copy_bandwidth_gbs, guarded, ms_of, timing_column
 
     backend = "triton" if backend_available("triton") else "torch"
     dtype = torch.bfloat16
     iters = dict(warmup=1, iters=3) if smoke else dict(warmup=10, iters=100)
 
-    def timer(fn, graph=False):
-        # Our ops: GPU time inside a CUDA graph (the engine replays graphs). Baselines: eager
-        # calls, as a user of the twin or of torch.compile runs them.
-        return bench(fn, device=device, graph=graph, **iters)
+    def timer(fn):
+        # Ours and the baselines alike: GPU time inside a CUDA graph where capture works.
+        return bench_timed(fn, device=device, graph=True, **iters)
 
     copy_gbs = copy_bandwidth_gbs(device, nbytes=1 << 20 if smoke else 2 << 30)
     rows = []
     for case in _cases(device, smoke, backend, dtype):
-        ms = timer(case.run, graph=True)
-        eager_ms = timer(case.twin)
-        compile_ms = None if smoke else guarded(timer, lambda: torch.compile(case.twin))
+        ours = timer(case.run)
+        eager = timer(case.twin)
+        compiled = None if smoke else guarded(timer, lambda: torch.compile(case.twin))
         rows.append(bandwidth_row({"op": case.op, "tokens": case.tokens, "shape": case.shape, "backend": backend},
-                                  ms=ms, nbytes=case.nbytes, copy_gbs=copy_gbs, eager_ms=eager_ms,
-                                  compile_ms=compile_ms))
+                                  ms=ours.ms, nbytes=case.nbytes, copy_gbs=copy_gbs, eager_ms=eager.ms,
+                                  compile_ms=ms_of(compiled),
+                                  timing=timing_column({"ms": ours, "eager_ms": eager, "compile_ms": compiled})))
     return rows
+
+
+COLUMNS = ["op", "tokens", "backend", "ms", "GB/s", "%copy", "x_eager", "x_compile", "shape", "timing"]
 
 
 def main() -> None:
     from benchmarks.common import op_bench_args, report
 
     args = op_bench_args(__doc__.splitlines()[0])
-    report(run(args.device, smoke=args.smoke), ["op", "tokens", "backend", "ms", "GB/s", "%copy", "x_eager", "x_compile", "shape"], args.json)
+    report(run(args.device, smoke=args.smoke), COLUMNS, args.json)
 
 
 if __name__ == "__main__":

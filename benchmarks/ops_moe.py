@@ -11,6 +11,11 @@ cost); speedup over the expert-loop twin, eager and under ``torch.compile`` (its
 lists have data-dependent sizes, so the compiled twin runs in pieces between graph breaks, and
 neither can be captured in a CUDA graph). Routing rows give the time and the speedup over the twin.
 
+Every figure but ``eager_ms`` is timed the same way (``benchmarks.common.adaptive_timing`` with a CUDA
+graph requested); the row's ``timing`` column says which figures fell back to eager calls and why
+(on a GPU, the twins', whose data-dependent sizes defeat capture) and that ``eager_ms`` is eager by
+design.
+
     python -m benchmarks.ops_moe [--device cuda] [--json out.json] [--smoke] [--no-compile]
 
 ``--smoke`` runs tiny sizes (and no torch.compile) so the script can be checked on a CPU, where the
@@ -26,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import adaptive_timer, guarded, ratio
+from benchmarks.common import adaptive_timing, guarded, ms_of, ratio, timing_column
 
 CONFIG = Path(__file__).with_name("configs") / "qwen3-30b-a3b.json"
 TOKENS = [1, 8, 64, 512, 4096]
@@ -66,22 +71,25 @@ def _moe_row(tokens, sizes, device, smoke, compile_twin, timed, copy_gbs, backen
     def call():
         return fused_experts(*args, out=out, backend=backend)
 
-    ms = timed(call)
-    eager_ms = timed(call, graph=False) if str(device).startswith("cuda") else ms
+    ours = timed(call)
+    eager = timed(call, graph=False) if str(device).startswith("cuda") else ours
+    ms = ours.ms
 
     experts_hit = int(torch.unique(ids).numel())
     weight_bytes = experts_hit * 3 * sizes["hidden"] * sizes["inter"] * layer["w13"].element_size()
     gbs = weight_bytes / (ms * 1e-3) / 1e9
-    twin_ms = guarded(timed, lambda: lambda: twin.fused_experts(*args))
-    compile_ms = None
+    twin_t = guarded(timed, lambda: lambda: twin.fused_experts(*args))
+    compiled = None
     if compile_twin and not smoke:
-        compile_ms = guarded(timed, lambda: (lambda f: lambda: f(*args))(torch.compile(twin.fused_experts,
-                                                                                          dynamic=True)))
+        compiled = guarded(timed, lambda: (lambda f: lambda: f(*args))(torch.compile(twin.fused_experts,
+                                                                                        dynamic=True)))
+    twin_ms, compile_ms = ms_of(twin_t), ms_of(compiled)
     return {
         "op": "fused_experts", "tokens": tokens, "backend": backend, "experts_hit": experts_hit,
-        "weight_MB": weight_bytes / 1e6, "ms": ms, "eager_ms": eager_ms, "GB/s": gbs, "%copy": 100 * gbs / copy_gbs,
+        "weight_MB": weight_bytes / 1e6, "ms": ms, "eager_ms": eager.ms, "GB/s": gbs, "%copy": 100 * gbs / copy_gbs,
         "twin_ms": twin_ms, "x_twin": ratio(twin_ms, ms),
         "compile_ms": compile_ms, "x_compile": ratio(compile_ms, ms),
+        "timing": timing_column({"ms": ours, "eager_ms": eager, "twin_ms": twin_t, "compile_ms": compiled}),
     }
 
 
@@ -90,10 +98,10 @@ def _routing_row(tokens, sizes, device, timed, backend):
     from atom_core.ops.reference import moe as twin
 
     logits = make_layer(tokens, sizes, device)["router_logits"]
-    ms = timed(lambda: topk_softmax(logits, sizes["top_k"], renormalize=True, backend=backend))
-    twin_ms = guarded(timed, lambda: lambda: twin.topk_softmax(logits, sizes["top_k"], True))
-    return {"op": "topk_softmax", "tokens": tokens, "backend": backend, "ms": ms, "twin_ms": twin_ms,
-            "x_twin": ratio(twin_ms, ms)}
+    ours = timed(lambda: topk_softmax(logits, sizes["top_k"], renormalize=True, backend=backend))
+    twin_t = guarded(timed, lambda: lambda: twin.topk_softmax(logits, sizes["top_k"], True))
+    return {"op": "topk_softmax", "tokens": tokens, "backend": backend, "ms": ours.ms, "twin_ms": ms_of(twin_t),
+            "x_twin": ratio(ms_of(twin_t), ours.ms), "timing": timing_column({"ms": ours, "twin_ms": twin_t})}
 
 
 def run(device: str = "cuda", smoke: bool = False, compile_twin: bool = True) -> list[dict]:
@@ -102,7 +110,7 @@ def run(device: str = "cuda", smoke: bool = False, compile_twin: bool = True) ->
     from benchmarks.common import copy_bandwidth_gbs
 
     sizes = layer_sizes(smoke)
-    timed = adaptive_timer(device, smoke)
+    timed = adaptive_timing(device, smoke)
     copy_gbs = copy_bandwidth_gbs(device, nbytes=1 << 20 if smoke else 2 << 30)
     backend = "triton" if backend_available("triton") else "torch"
     rows = []
@@ -116,7 +124,7 @@ def run(device: str = "cuda", smoke: bool = False, compile_twin: bool = True) ->
 
 
 COLUMNS = ["op", "tokens", "backend", "experts_hit", "weight_MB", "ms", "eager_ms", "GB/s", "%copy", "twin_ms",
-           "x_twin", "compile_ms", "x_compile"]
+           "x_twin", "compile_ms", "x_compile", "timing"]
 
 
 def main() -> None:

@@ -8,9 +8,10 @@ runs and the bf16 dense-matmul rate measured on this machine type (8192^3 torch.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
+
+from benchmarks.to_markdown import load_result
 
 RESULTS = Path(__file__).resolve().parent / "results"
 COPY_TBS = 4.25        # TB/s, read + write, measured by benchmarks.common.copy_bandwidth_gbs
@@ -18,8 +19,9 @@ MATMUL_TFLOPS = 790.0  # bf16, 8192^3 torch.matmul on an H200
 
 
 def load(name):
+    """The rows of ``results/h200_NAME.json`` (either result form), [] when there is none."""
     path = RESULTS / f"h200_{name}.json"
-    return json.loads(path.read_text()) if path.exists() else []
+    return load_result(path)[1] if path.exists() else []
 
 
 def points():

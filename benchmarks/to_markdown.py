@@ -1,9 +1,22 @@
-"""Render a benchmark's JSON rows as a Markdown table: python -m benchmarks.to_markdown FILE [COLUMN ...]."""
+"""Render a benchmark's JSON rows as a Markdown table: python -m benchmarks.to_markdown FILE [COLUMN ...].
+
+Reads both result forms: ``{"meta": {...}, "rows": [...]}`` (``benchmarks.common.write_json``), whose
+meta becomes a one-line caption under the table, and the older bare list of rows (no caption).
+"""
 
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
+
+
+def load_result(path) -> tuple[dict | None, list[dict]]:
+    """``(meta, rows)`` of a result file; ``meta`` is None for the older bare-list form."""
+    data = json.loads(Path(path).read_text())
+    if isinstance(data, list):
+        return None, data
+    return data.get("meta"), data["rows"]
 
 
 def fmt(value) -> str:
@@ -23,7 +36,20 @@ def table(rows: list[dict], columns: list[str] | None = None) -> str:
     return "\n".join(lines)
 
 
+def caption(meta: dict) -> str:
+    """One line saying where the rows come from: GPU, versions, commit, Triton cache state, date."""
+    commit = str(meta.get("commit", "unknown"))[:10] + (" (dirty)" if meta.get("dirty") else "")
+    cache = (meta.get("triton_cache") or {}).get("state", "?")
+    versions = ", ".join(f"{name} {meta[name]}" for name in ("torch", "triton", "cuda", "hip") if meta.get(name))
+    return f"*{meta.get('gpu', '?')}; {versions}; commit {commit}; Triton cache {cache} at start; {meta.get('utc', '?')}*"
+
+
+def render(path, columns: list[str] | None = None) -> str:
+    """The Markdown of one result file: its table, and the caption when the file has meta."""
+    meta, rows = load_result(path)
+    text = table(rows, columns)
+    return text if meta is None else f"{text}\n\n{caption(meta)}"
+
+
 if __name__ == "__main__":
-    with open(sys.argv[1]) as f:
-        data = json.load(f)
-    print(table(data, sys.argv[2:] or None))
+    print(render(sys.argv[1], sys.argv[2:] or None))

@@ -1,22 +1,164 @@
 """The op benchmark scripts run end to end at their ``--smoke`` sizes on a CPU (Triton in the
-interpreter) and give complete rows: the scripts that produce docs/benchmarks.md do not rot."""
+interpreter) and give complete rows: the scripts that produce docs/benchmarks.md do not rot. Every
+result file carries its run's metadata, and every row of a script that times kernels says how it was
+timed (``timing``); the JSON readers take both the new and the older bare-list form."""
 
+import json
 import math
+import sys
 
 import pytest
+import torch
 
-from benchmarks import ops_attention, ops_elementwise, ops_moe, ops_sampling
+from benchmarks import common, ops_attention, ops_elementwise, ops_moe, ops_sampling, roofline, to_markdown
+
+# What run_metadata must record (docs/benchmarks.md, "Conventions").
+META_KEYS = {"gpu", "cuda", "hip", "torch", "triton", "transformers", "python", "commit", "dirty", "hostname",
+             "utc", "command", "triton_cache"}
 
 
 @pytest.mark.parametrize("script, columns", [
-    (ops_elementwise, {"op", "tokens", "backend", "ms", "GB/s", "%copy", "eager_ms", "x_eager"}),
-    (ops_sampling, {"op", "rows", "vocab", "backend", "ms", "GB/s", "%copy", "eager_ms", "x_eager"}),
-    (ops_moe, {"op", "tokens", "backend", "ms", "x_twin"}),
-    (ops_attention, {"case", "batch", "ms"}),
+    (ops_elementwise, {"op", "tokens", "backend", "ms", "GB/s", "%copy", "eager_ms", "x_eager", "timing"}),
+    (ops_sampling, {"op", "rows", "vocab", "backend", "ms", "GB/s", "%copy", "eager_ms", "x_eager", "timing"}),
+    (ops_moe, {"op", "tokens", "backend", "ms", "x_twin", "timing"}),
+    (ops_attention, {"case", "batch", "ms"}),  # owned elsewhere: adopts ``timing`` on its own schedule
 ], ids=lambda v: getattr(v, "__name__", "").rpartition(".")[2])
-def test_smoke_run_gives_complete_rows(script, columns):
-    rows = script.run("cpu", smoke=True)
+def test_smoke_run_writes_complete_rows_and_meta(script, columns, tmp_path, monkeypatch):
+    path = tmp_path / "out.json"
+    monkeypatch.setattr(sys, "argv", [script.__name__, "--device", "cpu", "--smoke", "--json", str(path)])
+    script.main()
+    data = json.loads(path.read_text())
+    assert set(data) == {"meta", "rows"}
+    meta, rows = data["meta"], data["rows"]
+    assert META_KEYS <= set(meta), f"missing {sorted(META_KEYS - set(meta))} in meta"
+    assert meta["torch"] == torch.__version__ and meta["commit"]
+    assert set(meta["triton_cache"]) == {"dir", "empty", "state"}
+    assert meta["triton_cache"]["state"] in ("cold", "warm")
     assert rows
     for row in rows:
         assert columns <= set(row), f"missing {sorted(columns - set(row))} in {row}"
         assert row["ms"] > 0 and math.isfinite(row["ms"])
+        if "timing" in columns:
+            assert row["timing"] == "eager (cpu)"  # every figure of a CPU run: wall-clock eager calls
+
+
+class _FakeEvent:
+    """Stands in for torch.cuda.Event on a machine without CUDA: every interval lasts 2 ms."""
+
+    def record(self):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end):
+        return 2.0
+
+
+class _FakeGenerator:
+    """Stands in for the device's default CUDA generator: records the state it is given."""
+
+    def __init__(self):
+        self.states = []
+
+    def clone_state(self):
+        return "fresh copy"
+
+    def graphsafe_set_state(self, state):
+        self.states.append(state)
+
+
+def _fake_cuda(monkeypatch, capture_error: Exception) -> _FakeGenerator:
+    def no_graph():
+        raise capture_error
+
+    generator = _FakeGenerator()
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "Event", lambda enable_timing: _FakeEvent())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", no_graph)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "default_generators", (generator,))
+    return generator
+
+
+def test_bench_timed_names_the_eager_fallback_and_its_reason(monkeypatch):
+    try:  # a failure inside the capture, then the graph's own error on closing it
+        try:
+            raise RuntimeError("operation not permitted when stream is capturing\nmore detail")
+        finally:
+            raise RuntimeError("operation failed due to a previous error during capture")
+    except RuntimeError as e:
+        error = e
+    generator = _fake_cuda(monkeypatch, error)
+    calls = []
+    timing = common.bench_timed(lambda: calls.append(1), warmup=1, iters=5, device="cuda")
+    assert timing == common.Timing(2.0, "eager (graph capture failed: RuntimeError: operation not permitted "
+                                        "when stream is capturing)")
+    assert calls  # timed eagerly all the same
+    assert generator.states == ["fresh copy"]  # the random generator is no longer counted as captured
+    assert common.bench_timed(lambda: None, warmup=0, iters=5, device="cuda", graph=False).mode == \
+        "eager (graph=False)"
+    assert common.bench(lambda: None, warmup=0, iters=5, device="cuda") == 2.0  # the float API still works
+
+
+def test_bench_timed_on_cpu_says_eager_cpu():
+    timing = common.bench_timed(lambda: torch.ones(4).sum(), warmup=1, iters=3, device="cpu")
+    assert timing.mode == "eager (cpu)" and timing.ms >= 0
+    assert common.adaptive_timing("cpu", smoke=True)(lambda: None).mode == "eager (cpu)"
+    assert isinstance(common.adaptive_timer("cpu", smoke=True)(lambda: None), float)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_bench_timed_on_gpu_graph_and_real_capture_failure():
+    x = torch.ones(1024, device="cuda")
+    assert common.bench_timed(lambda: x.mul_(1.0), warmup=2, iters=20).mode == "graph"
+    failed = common.bench_timed(lambda: x.sum().item(), warmup=2, iters=20)  # a host sync cannot be captured
+    assert failed.mode.startswith("eager (graph capture failed: ")
+    assert "previous error during capture" not in failed.mode  # the first error, not its echo
+    torch.randn(4, device="cuda")  # random ops still work after the failed capture
+    assert common.bench_timed(lambda: x.mul_(1.0), warmup=2, iters=20).mode == "graph"
+
+
+def test_timing_column_says_which_figure_was_timed_how():
+    graph, cpu = common.Timing(1.0, "graph"), common.Timing(1.0, "eager (cpu)")
+    failed = common.Timing(3.0, "eager (graph capture failed: RuntimeError: sync)")
+    assert common.timing_column({"ms": graph, "eager_ms": graph, "compile_ms": None}) == "graph"
+    assert common.timing_column({"ms": cpu}) == "eager (cpu)"
+    assert common.timing_column({"ms": graph, "twin_ms": failed, "compile_ms": failed}) == \
+        "ms: graph; twin_ms, compile_ms: eager (graph capture failed: RuntimeError: sync)"
+
+
+def test_triton_cache_state_cold_then_warm(tmp_path, monkeypatch):
+    cache = tmp_path / "triton"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    assert common.triton_cache_state() == {"dir": str(cache), "empty": True, "state": "cold"}  # missing
+    cache.mkdir()
+    assert common.triton_cache_state()["state"] == "cold"  # empty
+    (cache / "kernel").mkdir()
+    assert common.triton_cache_state() == {"dir": str(cache), "empty": False, "state": "warm"}
+
+
+def test_commit_falls_back_to_the_environment_without_git(tmp_path, monkeypatch):
+    monkeypatch.setattr(common, "REPO_ROOT", tmp_path)  # not a git repository
+    monkeypatch.setenv("ATOM_CORE_COMMIT", "abc123")
+    assert common.git_commit() == {"commit": "abc123", "dirty": None}
+    monkeypatch.delenv("ATOM_CORE_COMMIT")
+    assert common.run_metadata()["commit"] == "unknown"
+
+
+def test_readers_take_both_json_forms(tmp_path, monkeypatch):
+    rows = [{"op": "fused_experts", "tokens": 1, "ms": 0.5, "weight_MB": 1.0}]
+    old, new = tmp_path / "h200_ops_moe.json", tmp_path / "new.json"
+    old.write_text(json.dumps(rows))
+    common.write_json(rows, str(new))
+    assert to_markdown.load_result(old) == (None, rows)
+    meta, new_rows = to_markdown.load_result(new)
+    assert new_rows == rows and META_KEYS <= set(meta)
+    assert to_markdown.render(old) == to_markdown.table(rows)
+    rendered = to_markdown.render(new)
+    assert rendered.startswith(to_markdown.table(rows)) and "Triton cache" in rendered
+    monkeypatch.setattr(roofline, "RESULTS", tmp_path)
+    assert roofline.load("ops_moe") == rows
+    new.rename(old)
+    assert roofline.load("ops_moe") == rows
