@@ -1,9 +1,12 @@
-"""Engine benchmarks: offline throughput vs HF transformers, decode latency, host overhead per step.
+"""Engine benchmarks: offline throughput vs HF transformers (cold and warm), decode latency, time to
+first token vs HF's forward, host overhead per step.
 
-    python -m benchmarks.engine --section throughput   # GPU: the nano-vllm workload, Qwen3-0.6B shapes
+    python -m benchmarks.engine --section throughput   # GPU: the nano-vllm workload, Qwen3-0.6B shapes;
+                                                       # cold (fresh process, empty Triton cache) and warm
     python -m benchmarks.engine --section throughput --model qwen3-30b-a3b --hf-max-tokens 256
     python -m benchmarks.engine --section latency      # GPU: ms per token at bs 1 / 64, Qwen3-0.6B and Llama-3-8B shapes
-    python -m benchmarks.engine --section host         # CPU: schedule + prepare + postprocess per decode step,
+    python -m benchmarks.engine --section ttft         # GPU: one 128-token and one 16k-token prompt vs HF's forward
+    python -m benchmarks.engine --section host         # CPU: schedule + prepare + record per decode step,
                                                        # against a plain-Python step timed in the same run
 
 Weights are dummy (random) with the real shapes from benchmarks/configs/; the shapes set the cost.
@@ -16,8 +19,12 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import random
 import signal
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -48,31 +55,58 @@ def _sync():
 
 # ---------------------------------------------------------------------------------------- throughput
 
-def atom_core_throughput(cfg: dict, prompts, output_lens, **engine_args) -> dict:
-    """atom_core's ``Engine.generate`` on the workload, dummy weights of ``cfg``'s shapes; the model
-    and its KV pool are freed before returning."""
+def atom_core_throughput(cfg: dict, prompts, output_lens, *, runs: int = 1, label: str = "atom_core",
+                         **engine_args) -> list[dict]:
+    """atom_core's ``Engine.generate`` on the workload, ``runs`` times, dummy weights of ``cfg``'s shapes.
+    One row per run; the first carries the engine's construction time (its warm-up included). The
+    model and its KV pool are freed before returning."""
     from atom_core.engine import Engine, SamplingParams
     from atom_core.models import build_model
 
     model = build_model(cfg, dtype=torch.bfloat16, device="cuda")
-    engine = Engine(model, None, device="cuda", **engine_args)
-    engine.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in output_lens]
     _sync()
     t0 = time.perf_counter()
-    outs = engine.generate(prompts, params, use_tqdm=False)
+    engine = Engine(model, None, device="cuda", **engine_args)
     _sync()
-    elapsed = time.perf_counter() - t0
-    tokens = sum(len(o.token_ids) for o in outs)
-    preemptions = engine.num_preemptions
+    construct_s = time.perf_counter() - t0
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in output_lens]
+    rows = []
+    for run in range(runs):
+        _sync()
+        t0 = time.perf_counter()
+        outs = engine.generate(prompts, params, use_tqdm=False)
+        _sync()
+        elapsed = time.perf_counter() - t0
+        tokens = sum(len(o.token_ids) for o in outs)
+        rows.append({"system": label + (" (eager)" if engine_args.get("enforce_eager") else ""),
+                     "run": f"generate #{run + 1}", "seqs": len(prompts), "output_tokens": tokens,
+                     "seconds": elapsed, "tok_per_s": tokens / elapsed, "preemptions": engine.num_preemptions,
+                     "construct_s": construct_s if run == 0 else None})
+        print(rows[-1], flush=True)
     del engine, model, outs
     gc.collect()  # everything freed, cycles included, before the next run takes the GPU
     torch.cuda.empty_cache()
-    row = {"system": "atom_core" + (" (eager)" if engine_args.get("enforce_eager") else ""),
-           "seqs": len(prompts), "output_tokens": tokens, "seconds": elapsed, "tok_per_s": tokens / elapsed,
-           "preemptions": preemptions}
-    print(row, flush=True)
-    return row
+    return rows
+
+
+def _in_fresh_process(args, triton_cache: str, label: str) -> list[dict]:
+    """``--section atom-core-runs`` in a new Python process with ``TRITON_CACHE_DIR=triton_cache``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.json")
+        cmd = [sys.executable, "-m", "benchmarks.engine", "--section", "atom-core-runs", "--model", args.model,
+               "--num-seqs", str(args.num_seqs), "--label", label, "--json", out]
+        subprocess.run(cmd, check=True, env={**os.environ, "TRITON_CACHE_DIR": triton_cache})
+        with open(out) as f:
+            data = json.load(f)
+    return data["rows"] if isinstance(data, dict) else data
+
+
+def section_atom_core_runs(args) -> list[dict]:
+    """The whole workload twice in this process (run by ``section_throughput`` in a fresh one)."""
+    cfg = load_config(args.model)
+    prompts, output_lens = nano_vllm_workload(num_seqs=args.num_seqs)
+    label = args.label or "atom_core"
+    return atom_core_throughput(cfg, prompts, output_lens, runs=2, label=label, gpu_memory_utilization=0.9)
 
 
 def hf_throughput(hf_model, prompts, output_lens, mode: str) -> dict:
@@ -133,16 +167,21 @@ def build_hf_model(cfg: dict):
 
 
 def section_throughput(args) -> list[dict]:
-    """atom_core on the whole workload, then (the model freed) HF transformers on its first
-    ``--hf-seqs`` sequences, outputs capped at ``--hf-max-tokens`` when given; atom_core is timed on
-    that same subset too, so ``vs_hf`` compares like with like."""
+    """atom_core on the whole workload in a fresh process with an empty Triton cache (cold: the
+    engine's construction compiles every kernel; its first ``generate`` is the cold figure, its
+    second the warm one), then in another fresh process with that cache filled (construction
+    without compilation); then, in this process, atom_core on the first ``--hf-seqs`` sequences
+    (outputs capped at ``--hf-max-tokens`` when given) and HF transformers on the same subset, so
+    ``vs_best_hf`` compares like with like."""
     signal.signal(signal.SIGALRM, _timeout)
     cfg = load_config(args.model)
     prompts, output_lens = nano_vllm_workload(num_seqs=args.num_seqs)
     hf_prompts = prompts[:args.hf_seqs]
     hf_lens = [min(n, args.hf_max_tokens or n) for n in output_lens[:args.hf_seqs]]
-    rows = [atom_core_throughput(cfg, prompts, output_lens, gpu_memory_utilization=0.9)]
-    rows.append(atom_core_throughput(cfg, hf_prompts, hf_lens, gpu_memory_utilization=0.9))
+    with tempfile.TemporaryDirectory() as cache:
+        rows = _in_fresh_process(args, cache, "atom_core, empty Triton cache")
+        rows += _in_fresh_process(args, cache, "atom_core, Triton cache filled")
+    rows += atom_core_throughput(cfg, hf_prompts, hf_lens, gpu_memory_utilization=0.9)
     hf_model = build_hf_model(cfg)
     for mode in ("generate_static", "generate_batch"):
         signal.alarm(args.hf_timeout)  # time-boxed: a path slower than this is reported as such
@@ -157,9 +196,13 @@ def section_throughput(args) -> list[dict]:
     del hf_model
     gc.collect()
     torch.cuda.empty_cache()
-    best_hf = max((r.get("tok_per_s", 0) for r in rows[2:]), default=0)
+    hf_rows = [r for r in rows if r["system"].startswith("HF")]
+    best_hf = max((r.get("tok_per_s", 0) for r in hf_rows), default=0)
+    subset = rows[len(rows) - len(hf_rows) - 1]
     if best_hf:
-        rows[1]["vs_best_hf"] = rows[1]["tok_per_s"] / best_hf
+        subset["vs_best_hf"] = subset["tok_per_s"] / best_hf
+    cold_first, cold_second = rows[0]["tok_per_s"], rows[1]["tok_per_s"]
+    rows[0]["vs_warm"] = cold_first / cold_second
     for r in rows:
         r["model"] = args.model
     return rows
@@ -207,6 +250,64 @@ def section_latency(args) -> list[dict]:
             torch.cuda.empty_cache()
         del model
         torch.cuda.empty_cache()
+    return rows
+
+
+# ---------------------------------------------------------------------------------------- time to first token
+
+def _hf_forward_ms(cfg: dict, num_tokens: int, repeats: int = 5) -> float:
+    """Median ms of HF transformers' forward (SDPA attention, bf16) over one prompt of ``num_tokens``,
+    logits of the last position only, after one warm-up forward."""
+    model = build_hf_model(cfg)
+    model.set_attn_implementation("sdpa")
+    ids = torch.randint(0, 10000, (1, num_tokens), device="cuda")
+    times = []
+    with torch.no_grad():
+        for i in range(repeats + 1):
+            _sync()
+            t0 = time.perf_counter()
+            model(input_ids=ids, logits_to_keep=1)
+            _sync()
+            times.append((time.perf_counter() - t0) * 1e3)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return float(np.median(times[1:]))
+
+
+def section_ttft(args) -> list[dict]:
+    """Time to first token of one prompt (128 and 16384 tokens) through ``Engine.step()`` on a warm
+    engine: from ``add_request`` to the step that returns the token (median of 5), against HF
+    transformers' SDPA forward of the same model over the same prompt."""
+    from atom_core.engine import Engine, SamplingParams
+    from atom_core.models import build_model
+
+    cfg = load_config(args.model)
+    rows = []
+    model = build_model(cfg, dtype=torch.bfloat16, device="cuda")
+    engine = Engine(model, None, device="cuda", max_num_seqs=16, max_model_len=17000,
+                    max_num_batched_tokens=16384, num_kv_blocks=4 * 17000 // 16)
+    for num_tokens in (128, 16384):
+        times = []
+        for i in range(6):
+            prompt = [(i * 7919 + t) % 10000 for t in range(num_tokens)]  # no prefix-cache hit
+            _sync()
+            t0 = time.perf_counter()
+            engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
+            outs = engine.step()
+            _sync()
+            times.append((time.perf_counter() - t0) * 1e3)
+            assert len(outs) == 1 and outs[0].finished
+        rows.append({"model": args.model, "prompt_tokens": num_tokens, "system": "atom_core",
+                     "ttft_ms": float(np.median(times[1:]))})
+    del engine, model
+    gc.collect()
+    torch.cuda.empty_cache()
+    for num_tokens in (128, 16384):
+        hf_ms = _hf_forward_ms(cfg, num_tokens)
+        ours = next(r for r in rows if r["prompt_tokens"] == num_tokens)
+        ours["hf_sdpa_forward_ms"] = hf_ms
+        ours["vs_hf"] = ours["ttft_ms"] / hf_ms
     return rows
 
 
@@ -273,15 +374,23 @@ class PlainPythonDecode:
         return tensors
 
 
+def _prefill_everything(engine) -> None:
+    """Step until no request waits and every running one decodes."""
+    batch = engine.scheduler.batch
+    while engine.scheduler.waiting or (batch.num_tokens[:batch.num_rows] - batch.num_computed_tokens[:batch.num_rows]
+                                       > 1).any():
+        engine.step()
+
+
 def section_host(args) -> list[dict]:
-    """Per decode step on CPU: schedule + prepare inputs (layout, input ids, sampling parameters) +
-    postprocess (tokens, stop checks, outputs); the device side of the runner (model and sampling
-    kernel) is replaced by a stub that returns a fixed token. ``prepare_us`` is the runner's host
-    side (layout, input ids, sampling parameters; a mean, not a best). ``read_outputs_us`` adds reading every
-    output's ``new_token_ids`` (what a streaming consumer pays); ``plain_python_us`` is the
-    reference step of ``PlainPythonDecode`` on the same prompts, timed in the same run."""
+    """Per decode step on CPU: schedule (input ids, sampling parameters) + the runner's host side
+    (token layout) + record (tokens, stop checks, outputs); the device side of the runner (model and
+    sampling kernel) is replaced by a stub that returns a fixed token. ``prepare_us`` is the
+    runner's layout part (a mean, not a best). ``read_outputs_us`` adds reading every output's
+    ``new_token_ids`` (what a streaming consumer pays); ``plain_python_us`` is the reference step of
+    ``PlainPythonDecode`` on the same prompts, timed in the same run."""
     from atom_core.engine import Engine, SamplingParams
-    from atom_core.engine.runner import StepResult
+    from atom_core.engine.runner import LaunchedStep
     from atom_core.models import build_model
 
     cfg = load_config("qwen3-0.6b") | {"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 64,
@@ -293,23 +402,21 @@ def section_host(args) -> list[dict]:
         engine = Engine(model, None, device="cpu", max_num_seqs=256, max_model_len=2048,
                         num_kv_blocks=256 * 2048 // 16)
         runner = engine.runner
-        runner.run = lambda inputs, want_logprobs: StepResult(np.full(inputs.num_rows, 5, dtype=np.int64), None)
+        prepare_seconds = [0.0]
+
+        def launch(step):  # the host side of the runner; the device replaced by a fixed token
+            t = time.perf_counter()
+            runner.prepare(step)
+            prepare_seconds[0] += time.perf_counter() - t
+            return LaunchedStep(step, torch.full((len(step),), 5, dtype=torch.int64), None, None)
+
+        runner.launch = launch
         rng = random.Random(0)
         prompts = [[rng.randint(0, 999) for _ in range(rng.randint(100, 1024))] for _ in range(running)]
         for prompt in prompts:
             engine.add_request(prompt, SamplingParams(temperature=0.6, max_tokens=1000, ignore_eos=True))
-        while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_tokens - 1
-                                              for r in engine.scheduler.running):
-            engine.step()  # prefill everything first: what is timed is pure decode
-        prepare, prepare_seconds = runner.prepare, [0.0]
-
-        def timed_prepare(step, batch):
-            t = time.perf_counter()
-            inputs = prepare(step, batch)
-            prepare_seconds[0] += time.perf_counter() - t
-            return inputs
-
-        runner.prepare = timed_prepare
+        _prefill_everything(engine)  # what is timed is pure decode
+        prepare_seconds[0] = 0.0
         step_us = _best_window_us(engine.step)
         prepare_us = prepare_seconds[0] * 1e6 / (HOST_STEPS * HOST_WINDOWS)
         read_us = _best_window_us(lambda: [out.new_token_ids for out in engine.step()])
@@ -335,8 +442,7 @@ def section_profile(args) -> list[dict]:
     for _ in range(256):
         engine.add_request([rng.randint(0, 9999) for _ in range(rng.randint(100, 1024))],
                            SamplingParams(temperature=0.6, max_tokens=900, ignore_eos=True))
-    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_tokens - 1 for r in engine.scheduler.running):
-        engine.step()
+    _prefill_everything(engine)
     for _ in range(5):
         engine.step()
     _sync()
@@ -358,7 +464,9 @@ def section_profile(args) -> list[dict]:
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--section", choices=["throughput", "latency", "host", "profile"], required=True)
+    parser.add_argument("--section", choices=["throughput", "atom-core-runs", "latency", "ttft", "host", "profile"],
+                        required=True)
+    parser.add_argument("--label", default=None, help="system name in the rows of --section atom-core-runs")
     parser.add_argument("--model", default="qwen3-0.6b")
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--hf-seqs", type=int, default=64, help="sequences of the workload HF runs (it is slow)")
@@ -368,8 +476,8 @@ def main():
     parser.add_argument("--latency-models", nargs="+", default=["qwen3-0.6b", "llama-3-8b"])
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    rows = {"throughput": section_throughput, "latency": section_latency, "host": section_host,
-            "profile": section_profile}[args.section](args)
+    rows = {"throughput": section_throughput, "atom-core-runs": section_atom_core_runs, "latency": section_latency,
+            "ttft": section_ttft, "host": section_host, "profile": section_profile}[args.section](args)
     print_table(rows)
     if args.json:
         write_json(rows, args.json)

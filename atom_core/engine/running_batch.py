@@ -26,6 +26,7 @@ class RunningBatch:
 
     Attributes:
         requests: the request in each used row, ``requests[row]``.
+        token_lists: ``requests[row].token_ids`` for each used row (the list objects themselves).
         num_tokens: int64 [S], tokens known or being sampled (prompt + output).
         num_computed_tokens: int64 [S], leading tokens whose KV is in the pool (or being written
             by a launched step).
@@ -60,6 +61,7 @@ class RunningBatch:
         self.max_model_len = max_model_len
         rows = max_num_seqs
         self.requests: list[Request] = []
+        self.token_lists: list[list[int]] = []  # requests[row].token_ids, row by row
         self.block_table = np.full((rows, max_pages), -1, dtype=np.int32)
         self.num_tokens = np.zeros(rows, dtype=np.int64)
         self.num_computed_tokens = np.zeros(rows, dtype=np.int64)
@@ -113,6 +115,7 @@ class RunningBatch:
                              f"a running request has at least one token to compute")
         row = len(self.requests)
         self.requests.append(request)
+        self.token_lists.append(request.token_ids)
         self.block_table[row, :num_pages] = block_ids
         self.num_tokens[row] = n
         self.num_computed_tokens[row] = num_computed_tokens
@@ -159,8 +162,10 @@ class RunningBatch:
         self._count_params(request, -1)
         last = len(self.requests) - 1
         moved = self.requests.pop()
+        moved_tokens = self.token_lists.pop()
         if row != last:
             self.requests[row] = moved
+            self.token_lists[row] = moved_tokens
             moved.row = row
             for array in self._row_arrays:
                 array[row] = array[last]

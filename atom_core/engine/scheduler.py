@@ -72,6 +72,7 @@ class ScheduledStep:
         row_version: the batch's removal count when the step was made (rows are valid while unchanged).
         new_token_index: int64 [N], the index the produced rows' new token takes in their tokens.
         stop_flags: (length_limit, stops_at_eos, checks_every_token) of the produced rows.
+        token_lists: the rows' ``token_ids`` lists (in row order), for ``record``'s append.
     """
 
     step_id: int
@@ -91,6 +92,7 @@ class ScheduledStep:
     produces: np.ndarray | None = None
     new_token_index: np.ndarray | None = None
     stop_flags: tuple | None = None
+    token_lists: list | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -160,10 +162,11 @@ class Scheduler:
                 decode_rows = np.flatnonzero(batch.num_tokens[:n] < batch.length_limit[:n])
             every_row = _is_all(decode_rows) and len(decode_rows) == batch.num_rows
             requests = list(batch.requests) if every_row else [batch.requests[i] for i in decode_rows.tolist()]
+            token_lists = list(batch.token_lists) if every_row else None
             query_lens = self._ones[:len(requests)]
             num_tokens = len(requests)
         else:  # rows in admission order, under the budget
-            every_row = False
+            every_row, token_lists = False, None
             requests, running_lens = self._schedule_running_rows(budget, preempted)
             query_lens = np.array(running_lens, dtype=np.int64)
             num_tokens = int(query_lens.sum())
@@ -188,9 +191,14 @@ class Scheduler:
             return None
         if every_row:
             rows = slice(0, len(requests))
+            if admitted_lens:
+                token_lists += [r.token_ids for r in requests[-len(admitted_lens):]]
         else:  # read after every preemption: a preemption moves the last row's request
             rows = np.fromiter((r.row for r in requests), dtype=np.int64, count=len(requests))
-        return self._make_step(requests, rows, query_lens, num_tokens, preempted)
+            token_lists = [r.token_ids for r in requests]
+        step = self._make_step(requests, rows, query_lens, num_tokens, preempted)
+        step.token_lists = token_lists
+        return step
 
     def _decode_rows(self, budget: int) -> np.ndarray | None:
         """Rows of the running requests not yet at their length limit, when each of them computes
@@ -362,20 +370,26 @@ class Scheduler:
         tokens = sampled if every else sampled[produces]
         num_tokens = step.new_token_index + 1
         limits, stops_at_eos, checks = step.stop_flags
-        alive = [not r.finished for r in requests]
-        if not all(alive):
-            keep = np.flatnonzero(alive)
-            requests = [requests[i] for i in keep.tolist()]
-            tokens, produces, num_tokens = tokens[keep], produces[keep], num_tokens[keep]
-            limits, stops_at_eos, checks = limits[keep], stops_at_eos[keep], checks[keep]
-        for request, token in zip(requests, tokens.tolist()):
-            request.token_ids.append(token)
+        unmoved = batch.num_removals == step.row_version  # no request left the batch since the step
+        if not unmoved:
+            alive = np.fromiter((not r.finished for r in requests), dtype=bool, count=len(requests))
+            if not alive.all():
+                keep = np.flatnonzero(alive)
+                requests = [requests[i] for i in keep.tolist()]
+                tokens, produces, num_tokens = tokens[keep], produces[keep], num_tokens[keep]
+                limits, stops_at_eos, checks = limits[keep], stops_at_eos[keep], checks[keep]
+        token_list = tokens.tolist()
+        if unmoved and every:  # C-level loop: the rows' token lists were taken when the step was made
+            deque(map(list.append, step.token_lists, token_list), maxlen=0)
+        else:
+            for request, token in zip(requests, token_list):
+                request.token_ids.append(token)
         if logprobs is not None:
             for request, i in zip(requests, produces.tolist()):
                 if request.logprobs is not None:
                     request.logprobs.append(float(logprobs[i]))
 
-        if batch.num_removals == step.row_version:  # no row moved since the step was made
+        if unmoved:
             rows, row_tokens = _index(step.rows, produces), tokens
         else:
             rows = np.fromiter((-1 if r.row is None else r.row for r in requests), dtype=np.int64,

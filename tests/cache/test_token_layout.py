@@ -454,3 +454,32 @@ def test_decode_layout_rejects_bad_arguments():
         build_decode_layout([1], np.zeros((1, 1), dtype=np.int32), 16, pad_pages_to=0)
     with pytest.raises(TypeError, match="block_size"):
         build_decode_layout([1], np.zeros((1, 1), dtype=np.int32), 1.5)
+
+
+@PROPERTY_SETTINGS
+@given(batch=batches(), extra_rows=st.integers(1, 4), extra_tokens=st.integers(0, 40))
+def test_padding_tokens_go_to_the_first_padding_row(batch, extra_rows, extra_tokens):
+    num_real = len(batch.query_lens)
+    args = (batch.query_lens, batch.cached_lens, batch.block_tables, batch.block_size)
+    plain = build_step_layout(*args)
+    num_tokens = plain.num_tokens
+    padded = build_step_layout(*args, pad_rows_to=num_real + extra_rows, pad_tokens_to=num_tokens + extra_tokens)
+
+    assert padded.num_rows == num_real + extra_rows and padded.num_tokens == num_tokens + extra_tokens
+    for name in ("positions", "slot_mapping"):
+        assert getattr(padded, name)[:num_tokens].tolist() == getattr(plain, name).tolist()
+    assert (padded.slot_mapping[num_tokens:] == -1).all() and (padded.positions[num_tokens:] == 0).all()
+    for name in ("cu_seqlens_q", "cu_seqlens_k", "context_lens", "logits_indices", "is_prefill"):
+        length = num_real + (1 if name.startswith("cu_") else 0)
+        assert getattr(padded, name)[:length].tolist() == getattr(plain, name).tolist()
+    query_lens = padded.cu_seqlens_q.diff().tolist()
+    assert query_lens[num_real:] == [extra_tokens] + [0] * (extra_rows - 1)
+    assert (padded.context_lens[num_real:] == 0).all() and not padded.is_prefill[num_real:].any()
+    assert (padded.cu_seqlens_k[num_real:] == plain.cu_seqlens_k[-1]).all()
+
+
+def test_padding_tokens_need_a_padding_row():
+    with pytest.raises(ValueError, match="needs a padding row"):
+        build_step_layout([3], [0], [[1]], 16, pad_tokens_to=8)
+    with pytest.raises(ValueError, match="smaller than the step's 3 tokens"):
+        build_step_layout([3], [0], [[1]], 16, pad_rows_to=2, pad_tokens_to=2)

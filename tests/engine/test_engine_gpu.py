@@ -1,4 +1,5 @@
-"""On a GPU: bf16 greedy parity with HF (allowing near-ties), and CUDA graphs on/off giving the same tokens."""
+"""On a GPU: bf16 greedy parity with HF (allowing near-ties); CUDA graphs on/off and async scheduling
+on/off giving the same tokens; after warm-up, generating compiles no kernel and captures no graph."""
 
 import random
 
@@ -10,23 +11,50 @@ from atom_core.engine import Engine, SamplingParams
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def _prompts(vocab, n, seed=0):
+def _prompts(vocab, n, seed=0, max_len=40):
     rng = random.Random(seed)
-    return [[rng.randrange(1, vocab - 1) for _ in range(rng.randint(1, 40))] for _ in range(n)]
+    return [[rng.randrange(1, vocab - 1) for _ in range(rng.randint(1, max_len))] for _ in range(n)]
 
 
 @pytest.mark.parametrize("fixture", ["tiny_qwen3", "tiny_llama", "tiny_qwen3_moe"])
-def test_cuda_graphs_on_off_same_tokens(request, fixture):
+def test_cuda_graphs_and_async_scheduling_on_off_same_tokens(request, fixture):
     folder, hf_model = request.getfixturevalue(fixture)
     prompts = _prompts(hf_model.config.vocab_size, 37)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     outs = {}
-    for eager in (True, False):
+    # A small token budget makes chunked prefills and mixed steps (replayed from mixed graphs).
+    for eager, async_scheduling in ((True, False), (False, False), (False, True)):
         engine = Engine.from_pretrained(folder, device="cuda", dtype=torch.bfloat16, block_size=16, max_num_seqs=64,
-                                        num_kv_blocks=512, enforce_eager=eager)
+                                        max_num_batched_tokens=96, num_kv_blocks=512, enforce_eager=eager,
+                                        async_scheduling=async_scheduling)
         assert (engine.runner.graphs is None) == eager
-        outs[eager] = [o.token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
-    assert outs[True] == outs[False]
+        outs[eager, async_scheduling] = [o.token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
+    assert outs[True, False] == outs[False, False] == outs[False, True]
+
+
+def test_after_warmup_generate_compiles_no_kernel_and_captures_no_graph(tiny_qwen3):
+    triton = pytest.importorskip("triton")
+    knobs = getattr(triton, "knobs", None)
+    if knobs is None or not hasattr(knobs.runtime, "jit_post_compile_hook"):
+        pytest.skip("this Triton has no compile hook")
+    folder, hf_model = tiny_qwen3
+    engine = Engine.from_pretrained(folder, device="cuda", dtype=torch.bfloat16, max_num_seqs=32,
+                                    max_num_batched_tokens=256, num_kv_blocks=512)
+    graphs = engine.runner.graphs
+    assert graphs.num_captured == len(graphs.buckets())
+    compiled = []
+    knobs.runtime.jit_post_compile_hook = lambda *args, **kwargs: compiled.append(kwargs.get("fn", args))
+    try:
+        vocab = hf_model.config.vocab_size
+        params = [SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+                  SamplingParams(temperature=0.7, top_k=5, max_tokens=7, ignore_eos=True),
+                  SamplingParams(temperature=1.0, top_p=0.8, min_p=0.05, max_tokens=5, logprobs=0)]
+        for n in (1, 3, 17, 32):  # row counts of several graph sizes, prompts up to two chunks
+            prompts = _prompts(vocab, n, seed=n, max_len=200)
+            engine.generate(prompts, [params[i % 3] for i in range(n)], use_tqdm=False)
+    finally:
+        knobs.runtime.jit_post_compile_hook = None
+    assert compiled == [] and graphs.num_captured == len(graphs.buckets())
 
 
 @pytest.mark.parametrize("fixture", ["tiny_qwen3", "tiny_llama"])
