@@ -13,9 +13,11 @@ device-to-device copy measured in the same run (target: >= 75% at batch 64 x 409
 * ``sdpa+gather``: the same with the gather inside the timed call (gather time included),
 * ``twin``: the reference twin (per-row gather + dense attention), eager and under ``torch.compile``.
 
-Prefill (causal; 1 x 4096 and 4 x 2048 tokens, empty cache): TFLOP/s, counting 4 * Hq * D flops per
-(query, visible key) pair (two matmuls), against SDPA with the flash backend on dense inputs
-(K/V heads already repeated to Hq, so no gather and no GQA handling is timed there).
+Prefill (causal; 1 x 4096, 4 x 2048 and 1 x 16384 tokens, empty cache): TFLOP/s, counting 4 * Hq * D
+flops per (query, visible key) pair (two matmuls), against SDPA with the flash backend on dense inputs
+(K/V heads already repeated to Hq, so no gather and no GQA handling is timed there). The 16k row has
+no twin baselines (the twin's [Hq, T, T] logits would take 34 GB); benchmarks/attention_prefill_sweep.py
+sweeps the kernel's tile configs on long prefills.
 
     python -m benchmarks.ops_attention [--device cuda] [--json out.json] [--smoke]
 
@@ -35,7 +37,10 @@ import torch.nn.functional as F
 from benchmarks.common import adaptive_timer, guarded, ratio
 
 FULL = dict(q_heads=32, kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16,
-            decode=[(b, s) for b in (1, 64, 256) for s in (512, 4096, 32768)], prefill=[(1, 4096), (4, 2048)])
+            decode=[(b, s) for b in (1, 64, 256) for s in (512, 4096, 32768)],
+            prefill=[(1, 4096), (4, 2048), (1, 16384)])
+# The twin materialises fp32 logits [Hq, T, T] per row: past this many tokens it is not timed.
+TWIN_MAX_PREFILL_TOKENS = 8192
 SMOKE = dict(q_heads=4, kv_heads=2, head_dim=32, block_size=4, dtype=torch.float32,
              decode=[(1, 16), (2, 40)], prefill=[(1, 24), (2, 12)])
 
@@ -190,7 +195,8 @@ def run(device: str = "cuda", smoke: bool = False, twin_baselines: bool = True) 
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     for batch, length in sizes["prefill"]:
-        rows.append(_prefill_row(batch, length, sizes, device, smoke, timed, copy_gbs, twin_baselines))
+        rows.append(_prefill_row(batch, length, sizes, device, smoke, timed, copy_gbs,
+                                 twin_baselines and batch * length <= TWIN_MAX_PREFILL_TOKENS))
         print(rows[-1], flush=True)
     return rows
 

@@ -268,6 +268,78 @@ def test_from_layout_and_path_choice():
         torch.testing.assert_close(got, batch.twin(), **tolerance(torch.float32, ATTENTION))
 
 
+# ---------------------------------------------------------------- unified kernel: full and edge tiles
+
+# Rows (query_len, cached_len): a prefill from scratch, a chunk on a cached prefix, one token late in a
+# long context and a short prefill. With 16-key tiles and 8-token query blocks (BLOCK_M 16, GROUP 2)
+# the later blocks see several full tiles before their diagonal tile.
+TILE_ROWS = [(37, 0), (21, 45), (1, 50), (12, 0)]
+TILE_WINDOW = 47  # no multiple of 16 or 32: windows start mid-tile, and span whole tiles
+
+
+def unified(batch, config, **features):
+    """The unified kernel on ``batch`` with an explicit tile config; out starts as NaN."""
+    from atom_core.ops.triton.attention_unified import TileConfig, paged_attention_unified
+
+    out = torch.full_like(batch.q, float("nan"))
+    kw = batch.kwargs(**features)
+    paged_attention_unified(*batch.args(), kw["scale"], kw.get("sliding_window"), kw.get("logit_softcap", 0.0),
+                            kw.get("sinks"), kw["k_scale"], kw["v_scale"], out, config=TileConfig(*config))
+    return out
+
+
+def tile_kinds(query_len, cached_len, block_q, block_n, window=None):
+    """(full, edge) tiles summed over one row's query blocks, by the split attend_key_range makes."""
+    full = edge = 0
+    for first in range(0, query_len, block_q):
+        pos_lo, pos_hi = cached_len + first, cached_len + min(first + block_q, query_len) - 1
+        kv_start = 0 if window is None else max(pos_lo - window + 1, 0) // block_n * block_n
+        full_lo = kv_start if window is None else max(-(-max(pos_hi - window + 1, 0) // block_n) * block_n, kv_start)
+        full_hi = min((pos_lo + 1) // block_n, (pos_hi + 1) // block_n) * block_n
+        full += max(full_hi - full_lo, 0) // block_n
+        edge += len(range(kv_start, min(full_lo, pos_hi + 1), block_n))
+        edge += len(range(max(full_lo, full_hi), pos_hi + 1, block_n))
+    return full, edge
+
+
+def test_tile_rows_hold_full_tiles_and_edge_tiles():
+    # Guards the shapes below: both tile kinds occur, and the window adds leading edge tiles.
+    for window in (None, TILE_WINDOW):
+        kinds = [tile_kinds(q, c, 8, 16, window) for q, c in TILE_ROWS]
+        assert sum(f for f, _ in kinds) >= 4 and sum(e for _, e in kinds) >= 4
+    assert tile_kinds(21, 45, 8, 16, TILE_WINDOW)[1] > tile_kinds(21, 45, 8, 16)[1]
+
+
+@needs_triton
+@pytest.mark.parametrize("config, block_size", [
+    ((16, 16, 4, 1), 4),  # four pages per tile: one block id per page
+    ((16, 16, 4, 1), 16),  # one page per tile
+    ((16, 16, 4, 1), 32),  # the tile lies inside a page
+    ((16, 16, 4, 1), 3),  # 3 does not divide 16: one block id per key
+    ((32, 32, 4, 1), 16),  # 32-key tiles of two pages, 16-token query blocks
+    ((32, 32, 4, 1), 6),
+], ids=["page4", "page16", "page32", "page3", "tile32_page16", "tile32_page6"])
+@pytest.mark.parametrize("features", ["causal", "window_softcap_sinks"])
+def test_unified_full_and_edge_tiles_match_twin(config, block_size, features):
+    batch = PagedBatch([q for q, _ in TILE_ROWS], [c for _, c in TILE_ROWS], block_size=block_size, seed=block_size)
+    if features == "causal":
+        features = {}
+    else:
+        features = dict(sliding_window=TILE_WINDOW, logit_softcap=2.0, sinks=sinks_for(batch.q.shape[1]))
+    torch.testing.assert_close(unified(batch, config, **features), batch.twin(**features),
+                               **tolerance(torch.float32, ATTENTION))
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype, fp8", [(torch.bfloat16, False), (torch.float16, True)], ids=["bf16", "fp16_fp8_cache"])
+def test_unified_full_and_edge_tiles_low_precision(dtype, fp8):
+    batch = PagedBatch([q for q, _ in TILE_ROWS], [c for _, c in TILE_ROWS], block_size=4, dtype=dtype, fp8=fp8,
+                       seed=3)
+    # fp8 -> fp16 is exact and the twin dequantises exactly too: q's dtype sets the tolerance.
+    torch.testing.assert_close(unified(batch, (16, 16, 4, 1), sliding_window=TILE_WINDOW),
+                               batch.twin(sliding_window=TILE_WINDOW), **tolerance(dtype, ATTENTION))
+
+
 # ---------------------------------------------------------------- dispatch, validation, custom op
 
 
@@ -452,6 +524,18 @@ def test_gpu_full_prefill_and_features(context, dtype):
     decode = PagedBatch([1] * 9, [context] * 9, block_size=16, num_heads=16, num_kv_heads=2, head_dim=128,
                         dtype=dtype, fp8=True, seed=context)
     check_triton(decode, sliding_window=128, sinks=sinks_for(16))
+
+
+@needs_gpu
+@pytest.mark.parametrize("config", [(128, 128, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3)])
+@pytest.mark.parametrize("block_size", [16, 3])
+def test_gpu_unified_tile_configs_match_twin(config, block_size):
+    # Qwen3-0.6B heads; long rows give many full tiles, the window (no multiple of 64) starts mid-tile.
+    batch = PagedBatch([700, 130, 1, 9], [0, 900, 1500, 260], block_size=block_size, num_heads=16, num_kv_heads=8,
+                       head_dim=128, dtype=torch.bfloat16, seed=block_size)
+    for features in ({}, dict(sliding_window=200, logit_softcap=30.0, sinks=sinks_for(16))):
+        torch.testing.assert_close(unified(batch, config, **features), batch.twin(**features),
+                                   **tolerance(torch.bfloat16, ATTENTION))
 
 
 @needs_gpu

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from atom_core.ops.dispatch import triton_interpret
-from atom_core.ops.triton.attention_unified import attend_key_range, dot_options
+from atom_core.ops.triton.attention_unified import attend_key_range, cdiv, dot_options, next_power_of_2
 
 # Programs wanted per SM; fewer programs than this leave HBM bandwidth unused.
 PROGRAMS_PER_SM = 2
@@ -67,10 +67,11 @@ def _decode_split_kernel(
     q_rows = (q_start + token).to(tl.int64) * stride_qt + head * stride_qh
     q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
-    # This split's share of the keys any query of the row can see, in whole tiles.
+    # This split's share of the keys any query of the row can see, in whole tiles from a multiple of
+    # BLOCK_N (tiles aligned to BLOCK_N look pages up per page; keys before the window are masked).
     kv_start = 0
     if HAS_WINDOW:
-        kv_start = tl.maximum(context_len - q_len - sliding_window + 1, 0)
+        kv_start = (tl.maximum(context_len - q_len - sliding_window + 1, 0) // BLOCK_N) * BLOCK_N
     num_tiles = tl.maximum(tl.cdiv(context_len - kv_start, BLOCK_N), 0)
     tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
     split_start = kv_start + split * tiles_per_split * BLOCK_N
@@ -88,7 +89,7 @@ def _decode_split_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     acc, m_i, l_i = attend_key_range(
-        acc, m_i, l_i, q, pos, split_start, split_end,
+        acc, m_i, l_i, q, pos, context_len - q_len, context_len - 1, split_start, split_end,
         k_cache_ptr, v_cache_ptr, block_tables_ptr + row.to(tl.int64) * stride_bt, kv_head,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
         qk_scale, softcap, sliding_window,
@@ -158,23 +159,37 @@ def choose_num_splits(num_rows: int, num_kv_heads: int, max_seqlen_k: int, devic
     if device.type != "cuda":
         return 1
     programs = max(num_rows * num_kv_heads, 1)
-    wanted = triton.cdiv(PROGRAMS_PER_SM * _sm_count(device.index or 0), programs)
-    useful = triton.cdiv(max(max_seqlen_k, 1), MIN_KEYS_PER_SPLIT)
+    wanted = cdiv(PROGRAMS_PER_SM * _sm_count(device.index or 0), programs)
+    useful = cdiv(max(max_seqlen_k, 1), MIN_KEYS_PER_SPLIT)
     return max(1, min(wanted, useful, MAX_SPLITS))
 
 
-def _decode_config(head_dim_pad: int, dtype: torch.dtype, block_m: int) -> tuple[int, int, int]:
+def _decode_config(head_dim_pad: int, dtype: torch.dtype, block_m: int, interpret: bool) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) for the split kernel.
 
     Chosen from sm90 builds: no register spills, several programs resident per SM; q tiles
     larger than 64 x 128 (many q heads per kv head, or multi-token decode) need 8 warps.
     """
-    if triton_interpret():
+    if interpret:
         return 16, 4, 1
     if dtype == torch.float32:
         return (16, 4, 2) if head_dim_pad <= 128 and block_m <= 16 else (16, 8, 1)
     warps = 4 if block_m * head_dim_pad <= 64 * 128 else 8
     return (64 if head_dim_pad <= 128 else 32), warps, 3
+
+
+@functools.lru_cache(maxsize=256)
+def _launch_params(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, max_seqlen_q: int,
+                   dtype: torch.dtype, interpret: bool) -> tuple[dict, dict]:
+    """(constexprs, launch options) of the split kernel for one shape signature; cached, so a call
+    does int math only."""
+    group = num_heads // num_kv_heads
+    head_dim_pad = max(next_power_of_2(head_dim), 16)
+    block_m = max(16, next_power_of_2(max_seqlen_q * group))
+    block_n, warps, stages = _decode_config(head_dim_pad, dtype, block_m, interpret)
+    constexprs = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, GROUP=group, MAX_QLEN=max_seqlen_q,
+                      BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page_size, **dot_options(dtype, interpret))
+    return constexprs, dict(num_warps=warps, num_stages=stages)
 
 
 def paged_attention_decode(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k,
@@ -186,10 +201,8 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, cu_seqlens_q, cont
     if num_tokens == 0 or num_rows == 0:
         return
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
-    group = num_heads // num_kv_heads
-    head_dim_pad = max(triton.next_power_of_2(head_dim), 16)
-    block_m = max(16, triton.next_power_of_2(max_seqlen_q * group))
-    block_n, warps, stages = _decode_config(head_dim_pad, q.dtype, block_m)
+    constexprs, options = _launch_params(num_heads, num_kv_heads, head_dim, page_size, max_seqlen_q, q.dtype,
+                                         triton_interpret())
     if num_splits is None:
         num_splits = choose_num_splits(num_rows, num_kv_heads, max_seqlen_k, q.device)
     if num_splits > 1:
@@ -204,18 +217,16 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, cu_seqlens_q, cont
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        num_heads, float(scale), float(logit_softcap), int(sliding_window or 0),
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, GROUP=group, MAX_QLEN=max_seqlen_q, BLOCK_M=block_m,
-        BLOCK_N=block_n, PAGE_SIZE=page_size, NUM_SPLITS=num_splits,
+        num_heads, float(scale), float(logit_softcap), int(sliding_window or 0), NUM_SPLITS=num_splits,
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_softcap > 0, HAS_SINKS=sinks is not None,
-        HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None, **dot_options(q.dtype),
-        num_warps=warps, num_stages=stages,
+        HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None, **constexprs, **options,
     )
     if num_splits > 1:
+        head_dim_pad = constexprs["HEAD_DIM_PAD"]
         _decode_reduce_kernel[(num_tokens, num_heads)](
             out, part_out, part_max, part_sum, sinks, v_scale,
             out.stride(0), out.stride(1), num_heads,
             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=num_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_splits), HAS_SINKS=sinks is not None,
+            SPLITS_PAD=next_power_of_2(num_splits), HAS_SINKS=sinks is not None,
             HAS_V_SCALE=v_scale is not None, num_warps=4 if head_dim_pad >= 128 else 2,
         )
