@@ -80,8 +80,12 @@ def _package_version(name: str) -> str | None:
 
 def git_commit() -> dict:
     """``{"commit": sha, "dirty": bool}`` of the working tree (``git rev-parse HEAD``; dirty = tracked
-    files differ from HEAD). Without git or a repository: ``ATOM_CORE_COMMIT`` from the environment,
-    else ``"unknown"``, and ``dirty`` None (not known)."""
+    files differ from HEAD). ``ATOM_CORE_COMMIT`` in the environment wins (a copy of a commit run
+    outside its repository says which it is; ``dirty`` is then None, not known); without git or a
+    repository, ``"unknown"``."""
+    if os.environ.get("ATOM_CORE_COMMIT"):
+        return {"commit": os.environ["ATOM_CORE_COMMIT"], "dirty": None}
+
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=True,
                               timeout=10).stdout.strip()
@@ -90,7 +94,7 @@ def git_commit() -> dict:
         return {"commit": git("rev-parse", "HEAD"),
                 "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
     except (OSError, subprocess.SubprocessError):
-        return {"commit": os.environ.get("ATOM_CORE_COMMIT", "unknown"), "dirty": None}
+        return {"commit": "unknown", "dirty": None}
 
 
 def run_metadata() -> dict:

@@ -139,9 +139,10 @@ def test_triton_cache_state_cold_then_warm(tmp_path, monkeypatch):
     assert common.triton_cache_state() == {"dir": str(cache), "empty": False, "state": "warm"}
 
 
-def test_commit_falls_back_to_the_environment_without_git(tmp_path, monkeypatch):
-    monkeypatch.setattr(common, "REPO_ROOT", tmp_path)  # not a git repository
+def test_commit_from_the_environment_wins_else_unknown_without_git(tmp_path, monkeypatch):
     monkeypatch.setenv("ATOM_CORE_COMMIT", "abc123")
+    assert common.git_commit() == {"commit": "abc123", "dirty": None}  # even inside the repository
+    monkeypatch.setattr(common, "REPO_ROOT", tmp_path)  # not a git repository
     assert common.git_commit() == {"commit": "abc123", "dirty": None}
     monkeypatch.delenv("ATOM_CORE_COMMIT")
     assert common.run_metadata()["commit"] == "unknown"

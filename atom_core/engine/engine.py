@@ -158,8 +158,10 @@ class Engine:
 
     def _warm_eager_forward(self) -> None:
         """One mixed step and decode steps of a few row counts, through the model with no KV written."""
+        block_size = self.block_manager.block_size
         for rows, tokens_per_row in ((2, 17), (1, 1), (3, 1), (16, 1)):
-            layout = build_step_layout([tokens_per_row] * rows, [0] * rows, [[]] * rows, self.block_manager.block_size)
+            pages = [[0] * -(-tokens_per_row // block_size)] * rows  # shapes only: nothing is written or read
+            layout = build_step_layout([tokens_per_row] * rows, [0] * rows, pages, block_size)
             layout = replace(layout, slot_mapping=torch.full_like(layout.slot_mapping, -1),
                              context_lens=torch.zeros_like(layout.context_lens)).to(self.device)
             ids = torch.zeros(layout.num_tokens, dtype=torch.int64, device=self.device)
