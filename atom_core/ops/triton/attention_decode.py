@@ -28,7 +28,8 @@ import triton
 import triton.language as tl
 
 from atom_core.ops.dispatch import triton_interpret
-from atom_core.ops.triton.attention_unified import attend_key_range, cdiv, dot_options, next_power_of_2
+from atom_core.ops.triton.attention_unified import attend_key_range, dot_options
+from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2
 
 # Programs wanted per SM; fewer programs than this leave HBM bandwidth unused.
 PROGRAMS_PER_SM = 2
@@ -178,7 +179,7 @@ def _decode_config(head_dim_pad: int, dtype: torch.dtype, block_m: int, interpre
     return (64 if head_dim_pad <= 128 else 32), warps, 3
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=LAUNCH_CACHE_SIZE)
 def _launch_params(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, max_seqlen_q: int,
                    dtype: torch.dtype, interpret: bool) -> tuple[dict, dict]:
     """(constexprs, launch options) of the split kernel for one shape signature; cached, so a call

@@ -34,16 +34,7 @@ import triton
 import triton.language as tl
 
 from atom_core.ops.dispatch import triton_interpret
-
-LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e))
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def next_power_of_2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
+from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, next_power_of_2
 
 
 @triton.jit
@@ -349,7 +340,7 @@ def default_config(head_dim_pad: int, dtype: torch.dtype, group: int, interpret:
     return SM90_HALF_CONFIG if device_index is not None and _is_sm90(device_index) else GENERIC_HALF_CONFIG
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=LAUNCH_CACHE_SIZE)
 def _launch_params(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
                    interpret: bool, device_index: int | None, config: TileConfig | None) -> tuple[dict, dict, int]:
     """(constexprs, launch options, BLOCK_Q) for one shape signature; cached, so a call does int math only."""
