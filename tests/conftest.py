@@ -7,6 +7,9 @@ import torch
 # any kernel module is imported (triton.jit reads it when a kernel is defined).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Every test runs the ops' argument checks (off by default: they cost microseconds a call). Set
+# before atom_core is imported, which reads the variable once; tests of the switch flip it themselves.
+os.environ["ATOM_CORE_DEBUG"] = "1"
 
 
 @pytest.fixture(autouse=True, scope="session")

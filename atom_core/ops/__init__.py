@@ -1,8 +1,11 @@
 """Functional ops: tensors in, tensors out. Each has a reference twin (``atom_core.ops.reference``),
 a Triton kernel and an AITER adapter, and is registered as ``torch.ops.atom_core.<name>``.
 
-Backend choice per call: ``backend=`` argument > ``use_backend()`` context > ``ATOM_CORE_BACKEND``
-> auto (aiter on ROCm, triton on a GPU, torch otherwise). See docs/ops.md.
+Backend choice: ``backend=`` argument > ``use_backend()`` context > the default backend
+(``ATOM_CORE_BACKEND``, read once at import; ``set_default_backend()`` changes it) > auto (aiter on
+ROCm, triton on a GPU, torch otherwise), made once per op and argument signature and cached.
+Argument checks run in debug mode only: ``ATOM_CORE_DEBUG=1``, ``set_debug(True)`` or
+``with debug_checks(): ...``. See docs/ops.md.
 """
 
 from atom_core.ops import reference
@@ -12,6 +15,8 @@ from atom_core.ops.dispatch import (
     BackendUnavailable,
     available_backends,
     backend_available,
+    default_backend,
+    set_default_backend,
     trace_backends,
     use_backend,
 )
@@ -21,12 +26,16 @@ from atom_core.ops.moe_routing import gpt_oss_topk, grouped_topk, topk_softmax
 from atom_core.ops.norm import layer_norm, rms_norm
 from atom_core.ops.rope import apply_rope_, rope_cos_sin_cache
 from atom_core.ops.sampling import rejection_sample_greedy, sample
+from atom_core.ops.validation import debug_checks, debug_enabled, set_debug
 
 __all__ = [
     "BackendUnavailable",
     "apply_rope_",
     "available_backends",
     "backend_available",
+    "debug_checks",
+    "debug_enabled",
+    "default_backend",
     "fused_experts",
     "gelu_and_mul",
     "gpt_oss_topk",
@@ -39,6 +48,8 @@ __all__ = [
     "rms_norm",
     "rope_cos_sin_cache",
     "sample",
+    "set_debug",
+    "set_default_backend",
     "silu_and_mul",
     "store_kv_",
     "swiglu_clamped",

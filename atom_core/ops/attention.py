@@ -26,7 +26,8 @@ from torch import Tensor
 
 from atom_core.ops.dispatch import Op, call_op, custom_op
 from atom_core.ops.reference import attention as reference_attention
-from atom_core.ops.validation import FLOAT_DTYPES, check_out, check_same_device, check_shape, check_tensor
+from atom_core.ops.validation import (FLOAT_DTYPES, check_out, check_out_shape, check_same_device, check_shape,
+                                      check_tensor, debug_enabled)
 
 PAGED_ATTENTION = Op("paged_attention")
 
@@ -77,13 +78,22 @@ def _triton_supports(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_le
     return None
 
 
+def _triton_key(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k,
+                scale, sliding_window, logit_softcap, sinks, k_scale, v_scale, out):
+    """What :func:`_triton_supports` reads (the compute capability follows from q's device, in the signature)."""
+    return (q.stride(-1) == 1, k_cache.stride(-1) == 1, v_cache.stride(-1) == 1, out.stride(-1) == 1,
+            q.shape[-1] > TRITON_MAX_HEAD_DIM, k_cache.dtype)
+
+
 def _aiter_supports(*args) -> str | None:
     return importlib.import_module("atom_core.ops.aiter.attention").supports(*args)
 
 
 PAGED_ATTENTION.register("torch", _torch_paged_attention)
-PAGED_ATTENTION.register("triton", _triton_paged_attention, _triton_supports)
-PAGED_ATTENTION.register("aiter", "atom_core.ops.aiter.attention:paged_attention", _aiter_supports)
+PAGED_ATTENTION.register("triton", _triton_paged_attention, _triton_supports, _triton_key)
+# The AITER key lives next to its rule in the adapter module, imported only where AITER runs.
+PAGED_ATTENTION.register("aiter", "atom_core.ops.aiter.attention:paged_attention", _aiter_supports,
+                         "atom_core.ops.aiter.attention:supports_key")
 
 
 @custom_op("paged_attention", mutates_args=("out",))
@@ -121,6 +131,7 @@ def _check_scale_tensor(name: str, t: Tensor | None) -> None:
 
 def _check_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k, scale,
                 sliding_window, logit_softcap, sinks, k_scale, v_scale, out) -> None:
+    """The per-call checks, run in debug mode only (atom_core.ops.validation)."""
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     _, num_heads, head_dim = q.shape
     check_tensor("k_cache", k_cache, ndim=4, dtypes=(q.dtype, *FP8_KV_DTYPES))
@@ -182,8 +193,11 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
     ``j <= p`` (bottom-right causal). GQA / MQA: query head h reads kv head ``h // (Hq // Hk)``.
     Rows with ``context_lens == 0`` get zeros. Returns out.
     """
-    _check_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k, scale,
-                sliding_window, logit_softcap, sinks, k_scale, v_scale, out)
+    if debug_enabled():
+        _check_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k, scale,
+                    sliding_window, logit_softcap, sinks, k_scale, v_scale, out)
+    elif out is not None:  # always on (see check_out_shape)
+        check_out_shape("out", out, q.shape)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     call_op("paged_attention", q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q,
             max_seqlen_k, float(scale), sliding_window, float(logit_softcap), sinks, k_scale, v_scale, out, backend)

@@ -1,16 +1,26 @@
-"""Backend choice for ops: one registry per op, resolved per call.
+"""Backend choice for ops: one registry per op; the choice is made once per argument signature.
 
-Order of choice: explicit ``backend=`` argument > ``use_backend(...)`` context > the
-``ATOM_CORE_BACKEND`` environment variable > auto (``aiter`` on ROCm with amd-aiter, ``triton``
-on a GPU with Triton, ``torch`` otherwise).
+Order of choice: explicit ``backend=`` argument > ``use_backend(...)`` context > the default
+backend (``ATOM_CORE_BACKEND``, read once at import; ``set_default_backend`` changes it later) >
+auto (``aiter`` on ROCm with amd-aiter, ``triton`` on a GPU with Triton, ``torch`` otherwise).
 
 A backend named by the ``backend=`` argument is strict: if it cannot serve the call, the call
-raises ``BackendUnavailable`` with the reason. A backend named by the context or the environment
+raises ``BackendUnavailable`` with the reason. A backend named by the context or the default
 is a preference: when it cannot serve, the call falls through to the auto order, and the
 reference twin (``torch``) serves last. ``trace_backends()`` records which backend served each call.
 
-Backend implementations are registered by module path (``"atom_core.ops.triton.norm:rms_norm"``)
-and imported on first use, so ``import atom_core.ops`` needs neither Triton nor AITER.
+The choice is cached per op. Each backend registers, next to its ``supports`` rule, a ``key``: a
+function of the call's arguments returning the facts that rule reads (last-dim strides, dtypes,
+flags, None-ness, the size limits it tests) and nothing else, so it is cheap and builds no
+string. A call's signature is the devices of its tensors (read by ``on_device_for``) plus the keys
+of the backends available on this machine (on a CPU without Triton it is empty). Calls with equal
+signatures and the same preference get the same backend, so the rules, and the reason strings
+they build, run once per signature; ``Op.choose_uncached`` runs them every time, and is what the
+cache is tested against.
+
+Backend implementations (and keys that live next to an adapter's ``supports``) are registered by
+module path (``"atom_core.ops.triton.norm:rms_norm"``) and imported on first use, so
+``import atom_core.ops`` needs neither Triton nor AITER.
 """
 
 from __future__ import annotations
@@ -22,16 +32,22 @@ import importlib
 import importlib.util
 import os
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Hashable, Iterator
 
 import torch
 
 BACKENDS = ("aiter", "triton", "torch")  # auto order: most specialised first
 ENV_VAR = "ATOM_CORE_BACKEND"
+# Signatures kept per op before its cache starts over: a few per model in practice; only the
+# exact default key (shapes included) could grow without bound.
+_CACHE_LIMIT = 4096
 
 _CUDA_AVAILABLE = torch.cuda.is_available()  # read once: the call is not free and the answer does not change
+# Read once: an environment lookup costs about a microsecond, and the choice cache assumes a fixed default.
+_default_backend: str | None = os.environ.get(ENV_VAR) or None
 _preferred: contextvars.ContextVar[str | None] = contextvars.ContextVar("atom_core_backend", default=None)
 _trace: contextvars.ContextVar[list | None] = contextvars.ContextVar("atom_core_backend_trace", default=None)
+OPS: dict[str, "Op"] = {}  # every op by name (for tests and tools that walk all ops)
 
 
 class BackendUnavailable(RuntimeError):
@@ -44,8 +60,28 @@ def _check_name(name: str) -> str:
     return name
 
 
+def set_default_backend(name: str | None) -> None:
+    """Prefer ``name`` for op calls from now on; ``None`` = auto.
+
+    Replaces what ``ATOM_CORE_BACKEND`` said at import. Like the variable it is a preference
+    (falls through when the backend cannot serve); ``use_backend`` and ``backend=`` take precedence.
+    """
+    global _default_backend
+    _default_backend = None if name is None else _check_name(name)
+
+
+def default_backend() -> str | None:
+    """The default preference: ``ATOM_CORE_BACKEND`` as read at import, or the last ``set_default_backend``."""
+    return _default_backend
+
+
+@functools.lru_cache(maxsize=None)
 def triton_interpret() -> bool:
-    """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``).
+
+    Read once: Triton itself reads the variable when a kernel is defined, so a later change
+    would not take effect anyway.
+    """
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -114,28 +150,62 @@ def on_device_for(backend: str, *tensors: torch.Tensor | None) -> str | None:
     return None
 
 
+def tensor_devices(args: tuple) -> tuple:
+    """The device of every tensor among ``args``, in order: all that ``on_device_for`` reads."""
+    return tuple([a.device for a in args if isinstance(a, torch.Tensor)])
+
+
+def exact_key(*args) -> tuple:
+    """The default key of a ``supports`` rule: each tensor's dtype, shape and strides, each other
+    argument itself. Right for any rule that reads metadata and argument values (never tensor
+    contents), but slower and finer than a key that lists what one rule reads."""
+    return tuple([(a.dtype, tuple(a.shape), a.stride()) if isinstance(a, torch.Tensor) else a for a in args])
+
+
+def _resolve(target: str | Callable) -> Callable:
+    if callable(target):
+        return target
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
 @dataclass
 class _Impl:
     target: str | Callable  # "package.module:function" (imported lazily) or a callable
     supports: Callable[..., str | None] | None  # returns why it cannot serve, or None
+    key: str | Callable[..., Hashable] | None  # the facts `supports` reads (a callable or "module:function")
 
     def load(self) -> Callable:
-        if callable(self.target):
-            return self.target
-        module, _, attr = self.target.partition(":")
-        self.target = getattr(importlib.import_module(module), attr)
+        self.target = _resolve(self.target)
         return self.target
 
 
 class Op:
-    """One op's backends. ``op(*args, backend=None, **kwargs)`` picks one and calls it."""
+    """One op's backends. ``op(*args, backend=None, **kwargs)`` picks one (cached) and calls it."""
 
     def __init__(self, name: str):
         self.name = name
         self._impls: dict[str, _Impl] = {}
+        self._signature_fn: Callable[[tuple], Hashable] | None = None
+        self._chosen: dict[Hashable, tuple[str, Callable]] = {}  # (signature, preference) -> backend, function
+        self._strict: dict[Hashable, tuple[str, Callable]] = {}  # (signature, named backend) -> backend, function
+        OPS[name] = self
 
-    def register(self, backend: str, target: str | Callable, supports: Callable[..., str | None] | None = None) -> None:
-        self._impls[_check_name(backend)] = _Impl(target, supports)
+    def register(self, backend: str, target: str | Callable, supports: Callable[..., str | None] | None = None,
+                 key: str | Callable[..., Hashable] | None = None) -> None:
+        """Add a backend. ``supports(*args)`` says why it cannot serve a call, or None; ``key(*args)``
+        returns everything ``supports`` reads, so that equal keys mean equal answers (default:
+        :func:`exact_key`)."""
+        if supports is not None and key is None:
+            key = exact_key
+        self._impls[_check_name(backend)] = _Impl(target, supports, key)
+        self.clear_cache()
+
+    def clear_cache(self) -> None:
+        """Forget the cached choices and the signature (after availability changed, e.g. in a test)."""
+        self._signature_fn = None
+        self._chosen.clear()
+        self._strict.clear()
 
     @property
     def backends(self) -> list[str]:
@@ -154,25 +224,80 @@ class Op:
                 return reason
         return impl.supports(*args, **kwargs) if impl.supports else None
 
-    def choose(self, *args, backend: str | None = None, **kwargs) -> str:
+    def choose_uncached(self, *args, backend: str | None = None, **kwargs) -> str:
+        """The backend for this call by running every rule now (what the cache must agree with)."""
         if backend is not None:
             reason = self.why_not(_check_name(backend), *args, **kwargs)
             if reason:
                 raise BackendUnavailable(f"{self.name}: backend {backend!r} cannot serve this call: {reason}")
             return backend
-        preferred = _preferred.get() or os.environ.get(ENV_VAR) or None
+        preferred = _preferred.get() or _default_backend
         order = ([_check_name(preferred)] if preferred else []) + [b for b in BACKENDS if b != preferred]
         for candidate in order:
             if self.why_not(candidate, *args, **kwargs) is None:
                 return candidate
         raise BackendUnavailable(f"{self.name}: no backend can serve this call")
 
+    def signature(self, *args) -> Hashable:
+        """What every rule of this op reads from a (positional) call, on this machine."""
+        return (self._signature_fn or self._build_signature())(args)
+
+    def _build_signature(self) -> Callable[[tuple], Hashable]:
+        # Only backends that can run here ask anything of the arguments; the others refuse every call alike.
+        available = [impl for b, impl in self._impls.items() if backend_available(b)]
+        keys = [_resolve(impl.key) for impl in available if impl.supports is not None]
+        device_checked = any(b != "torch" and backend_available(b) for b in self._impls)
+        if not device_checked and not keys:
+            fn = _no_signature
+        elif not keys:
+            fn = tensor_devices
+        elif len(keys) == 1:
+            key = keys[0]
+
+            def fn(args):
+                return tensor_devices(args), key(*args)
+        else:
+            def fn(args):
+                return tensor_devices(args), tuple([key(*args) for key in keys])
+        self._signature_fn = fn
+        return fn
+
+    def _choice(self, args: tuple, kwargs: dict, backend: str | None) -> tuple[str, Callable]:
+        """(backend, function) for this call: cached per signature, the rules run on a new one."""
+        if kwargs:  # the ops call positionally; a keyword call is chosen afresh
+            name = self.choose_uncached(*args, backend=backend, **kwargs)
+            return name, self._impls[name].load()
+        signature = (self._signature_fn or self._build_signature())(args)
+        if backend is None:
+            cache, entry = self._chosen, (signature, _preferred.get() or _default_backend)
+        else:
+            cache, entry = self._strict, (signature, backend)
+        try:
+            hit = cache.get(entry)
+        except TypeError:  # an unhashable argument under the exact key: no caching for this call
+            name = self.choose_uncached(*args, backend=backend)
+            return name, self._impls[name].load()
+        if hit is None:
+            name = self.choose_uncached(*args, backend=backend)  # a refusal raises here, with its reason
+            if len(cache) >= _CACHE_LIMIT:
+                cache.clear()
+            hit = cache[entry] = (name, self._impls[name].load())
+        return hit
+
+    def choose(self, *args, backend: str | None = None, **kwargs) -> str:
+        """The backend that serves this call (cached per signature and preference)."""
+        return self._choice(args, kwargs, backend)[0]
+
     def __call__(self, *args, backend: str | None = None, **kwargs):
-        chosen = self.choose(*args, backend=backend, **kwargs)
+        chosen, fn = self._choice(args, kwargs, backend)
         calls = _trace.get()
         if calls is not None:
             calls.append((self.name, chosen))
-        return self._impls[chosen].load()(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+
+def _no_signature(args: tuple) -> tuple:
+    return ()
 
 
 _EAGER_BODIES: dict[str, Callable] = {}

@@ -16,7 +16,8 @@ from torch import Tensor
 
 from atom_core.ops.dispatch import Op, call_op, custom_op
 from atom_core.ops.reference import moe as reference_moe
-from atom_core.ops.validation import FLOAT_DTYPES, check_out, check_same_device, check_shape, check_tensor
+from atom_core.ops.validation import (FLOAT_DTYPES, check_out, check_out_shape, check_same_device, check_shape,
+                                      check_tensor, debug_enabled)
 
 FUSED_EXPERTS = Op("fused_experts")
 
@@ -42,9 +43,16 @@ def _aiter_supports(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bia
     return None
 
 
+def _aiter_key(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, out):
+    """What :func:`_aiter_supports` reads."""
+    return (activation, w13_bias is None, w2_bias is None, hidden.dtype, topk_weights.dtype, topk_ids.dtype,
+            hidden.is_contiguous(), w13.is_contiguous(), w2.is_contiguous(), topk_weights.is_contiguous(),
+            topk_ids.is_contiguous())
+
+
 FUSED_EXPERTS.register("torch", _torch_fused_experts)
-FUSED_EXPERTS.register("triton", "atom_core.ops.triton.fused_moe:fused_experts")
-FUSED_EXPERTS.register("aiter", "atom_core.ops.aiter.moe:fused_experts", _aiter_supports)
+FUSED_EXPERTS.register("triton", "atom_core.ops.triton.fused_moe:fused_experts")  # any layout, any dtype
+FUSED_EXPERTS.register("aiter", "atom_core.ops.aiter.moe:fused_experts", _aiter_supports, _aiter_key)
 
 
 @custom_op("fused_experts", mutates_args=("out",))
@@ -60,6 +68,7 @@ def _(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, ou
 
 
 def _check_fused_experts_args(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, out):
+    """The per-call checks, run in debug mode only (atom_core.ops.validation)."""
     check_tensor("hidden", hidden, ndim=2, dtypes=FLOAT_DTYPES)
     num_tokens, hidden_size = hidden.shape
     check_tensor("w13", w13, ndim=3, dtypes=(hidden.dtype,))
@@ -106,7 +115,10 @@ def fused_experts(hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor,
     The activation between the two projections is rounded to hidden's dtype; everything else is
     fp32 math. Returns out [T, H] in hidden's dtype.
     """
-    _check_fused_experts_args(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, out)
+    if debug_enabled():
+        _check_fused_experts_args(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, out)
+    elif out is not None:  # always on (see check_out_shape)
+        check_out_shape("out", out, hidden.shape)
     out = torch.empty_like(hidden) if out is None else out
     call_op("fused_experts", hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, out, backend)
     return out

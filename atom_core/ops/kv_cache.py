@@ -12,7 +12,7 @@ from torch import Tensor
 from atom_core.ops.dispatch import Op, call_op, custom_op
 from atom_core.ops.reference import kv_cache as reference_kv_cache
 from atom_core.ops.reference.kv_cache import FP8_DTYPE
-from atom_core.ops.validation import FLOAT_DTYPES, check_same_device, check_shape, check_tensor
+from atom_core.ops.validation import FLOAT_DTYPES, check_same_device, check_shape, check_tensor, debug_enabled
 
 STORE_KV = Op("store_kv_")
 
@@ -25,6 +25,11 @@ def _triton_supports(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> 
     if any(t.stride(-1) != 1 for t in (k, v, k_cache, v_cache)):
         return "triton store_kv_ needs the head dim of k, v and the caches contiguous"
     return None
+
+
+def _triton_key(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale):
+    """What :func:`_triton_supports` reads."""
+    return k.stride(-1) == 1, v.stride(-1) == 1, k_cache.stride(-1) == 1, v_cache.stride(-1) == 1
 
 
 def _aiter_fp8_is_e4m3fn(device: torch.device) -> bool:
@@ -56,9 +61,15 @@ def _aiter_supports(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> s
     return None
 
 
+def _aiter_key(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale):
+    """What :func:`_aiter_supports` reads (the fp8 flavour follows from k_cache's device, in the signature)."""
+    return (slot_mapping.is_contiguous(), k.dtype, k_cache.dtype, k.shape[1:], k.stride(), v.stride(),
+            k_cache.stride(), v_cache.stride())
+
+
 STORE_KV.register("torch", _torch_store_kv)
-STORE_KV.register("triton", "atom_core.ops.triton.kv_cache:store_kv_", _triton_supports)
-STORE_KV.register("aiter", "atom_core.ops.aiter.kv_cache:store_kv_", _aiter_supports)
+STORE_KV.register("triton", "atom_core.ops.triton.kv_cache:store_kv_", _triton_supports, _triton_key)
+STORE_KV.register("aiter", "atom_core.ops.aiter.kv_cache:store_kv_", _aiter_supports, _aiter_key)
 
 
 @custom_op("store_kv_", mutates_args=("k_cache", "v_cache"))
@@ -83,6 +94,7 @@ def _check_scale(name: str, scale, device) -> None:
 
 
 def _check_store_kv_args(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> None:
+    """The per-call checks, run in debug mode only (atom_core.ops.validation)."""
     check_tensor("k", k, ndim=3, dtypes=FLOAT_DTYPES)
     check_tensor("v", v, ndim=3, dtypes=(k.dtype,))
     check_shape("v", v, tuple(k.shape))
@@ -110,7 +122,12 @@ def store_kv_(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappi
     k_scale, v_scale: fp32 [1] per-tensor scales, required for an fp8 cache, which stores
     ``clamp(k / k_scale, -448, 448)`` rounded to nearest even (and likewise v); ignored otherwise.
     """
-    _check_store_kv_args(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    if debug_enabled():
+        _check_store_kv_args(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    elif slot_mapping.shape[0] != k.shape[0]:
+        # Always on: a short slot_mapping would make the kernel read slot ids past its end and
+        # write whole rows to whatever slots those name.
+        raise ValueError(f"slot_mapping must have one slot per token ({k.shape[0]}), got {slot_mapping.shape[0]}")
     if k_cache.dtype != FP8_DTYPE:
         k_scale = v_scale = None
     call_op("store_kv_", k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, backend)

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from atom_core.ops.dispatch import Op, call_op, custom_op
 from atom_core.ops.reference import moe as reference_moe
-from atom_core.ops.validation import FLOAT_DTYPES, check_same_device, check_shape, check_tensor
+from atom_core.ops.validation import FLOAT_DTYPES, check_same_device, check_shape, check_tensor, debug_enabled
 
 TOPK_SOFTMAX = Op("topk_softmax")
 GROUPED_TOPK = Op("grouped_topk")
@@ -63,6 +63,11 @@ def _triton_supports(router_logits, *rest) -> str | None:
     return None
 
 
+def _triton_key(router_logits, *rest):
+    """What :func:`_triton_supports` reads."""
+    return router_logits.shape[1] > TRITON_MAX_EXPERTS
+
+
 def _aiter_contiguous(router_logits, *rest) -> str | None:
     if not router_logits.is_contiguous():
         return "aiter routing kernels need contiguous router_logits"
@@ -76,15 +81,26 @@ def _aiter_grouped_supports(router_logits, num_expert_group, topk_group, renorma
     return _aiter_contiguous(router_logits)
 
 
+def _aiter_contiguous_key(router_logits, *rest):
+    """What :func:`_aiter_contiguous` reads."""
+    return router_logits.is_contiguous()
+
+
+def _aiter_grouped_key(router_logits, num_expert_group, topk_group, renormalize, scoring,
+                       e_score_correction_bias, *rest):
+    """What :func:`_aiter_grouped_supports` reads."""
+    return e_score_correction_bias is None, scoring, router_logits.is_contiguous()
+
+
 TOPK_SOFTMAX.register("torch", _torch_topk_softmax)
-TOPK_SOFTMAX.register("triton", "atom_core.ops.triton.moe_routing:topk_softmax", _triton_supports)
-TOPK_SOFTMAX.register("aiter", "atom_core.ops.aiter.moe:topk_softmax", _aiter_contiguous)
+TOPK_SOFTMAX.register("triton", "atom_core.ops.triton.moe_routing:topk_softmax", _triton_supports, _triton_key)
+TOPK_SOFTMAX.register("aiter", "atom_core.ops.aiter.moe:topk_softmax", _aiter_contiguous, _aiter_contiguous_key)
 GROUPED_TOPK.register("torch", _torch_grouped_topk)
-GROUPED_TOPK.register("triton", "atom_core.ops.triton.moe_routing:grouped_topk", _triton_supports)
-GROUPED_TOPK.register("aiter", "atom_core.ops.aiter.moe:grouped_topk", _aiter_grouped_supports)
+GROUPED_TOPK.register("triton", "atom_core.ops.triton.moe_routing:grouped_topk", _triton_supports, _triton_key)
+GROUPED_TOPK.register("aiter", "atom_core.ops.aiter.moe:grouped_topk", _aiter_grouped_supports, _aiter_grouped_key)
 GPT_OSS_TOPK.register("torch", _torch_gpt_oss_topk)
-GPT_OSS_TOPK.register("triton", "atom_core.ops.triton.moe_routing:gpt_oss_topk", _triton_supports)
-GPT_OSS_TOPK.register("aiter", "atom_core.ops.aiter.moe:gpt_oss_topk", _aiter_contiguous)
+GPT_OSS_TOPK.register("triton", "atom_core.ops.triton.moe_routing:gpt_oss_topk", _triton_supports, _triton_key)
+GPT_OSS_TOPK.register("aiter", "atom_core.ops.aiter.moe:gpt_oss_topk", _aiter_contiguous, _aiter_contiguous_key)
 
 
 @custom_op("topk_softmax", mutates_args=("topk_weights", "topk_ids"))
@@ -128,44 +144,19 @@ def _as_int(name: str, value) -> int:
     return operator.index(value)
 
 
-def _check_logits_and_allocate(router_logits: Tensor, top_k) -> tuple[Tensor, Tensor]:
+def _check_logits(router_logits: Tensor, top_k) -> int:
+    """The per-call checks shared by the routings, run in debug mode only (atom_core.ops.validation)."""
     check_tensor("router_logits", router_logits, ndim=2, dtypes=FLOAT_DTYPES)
     num_experts = router_logits.shape[1]
     top_k = _as_int("top_k", top_k)
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k must be in [1, E={num_experts}], got {top_k}")
-    shape = (router_logits.shape[0], top_k)
-    device = router_logits.device
-    return (torch.empty(shape, dtype=torch.float32, device=device),
-            torch.empty(shape, dtype=torch.int32, device=device))
+    return top_k
 
 
-def topk_softmax(router_logits: Tensor, top_k: int, *, renormalize: bool, backend: str | None = None):
-    """Softmax routing: softmax over the E logits, the K most probable experts, their probs as weights.
-
-    router_logits: [T, E] fp32/fp16/bf16 (math in fp32). renormalize=True divides the K weights by
-    their sum (Mixtral; Qwen3-MoE's ``norm_topk_prob``). Returns ``(topk_weights [T, K] fp32,
-    topk_ids [T, K] int32)``, most probable first, ties to the lower expert index.
-    """
-    topk_weights, topk_ids = _check_logits_and_allocate(router_logits, top_k)
-    call_op("topk_softmax", router_logits, bool(renormalize), topk_weights, topk_ids, backend)
-    return topk_weights, topk_ids
-
-
-def grouped_topk(router_logits: Tensor, top_k: int, *, num_expert_group: int, topk_group: int, renormalize: bool,
-                 scoring: str = "softmax", e_score_correction_bias: Tensor | None = None,
-                 routed_scaling_factor: float = 1.0, backend: str | None = None):
-    """Group-limited routing (DeepSeek-V2/V3, GLM-4-MoE).
-
-    router_logits: [T, E] fp32/fp16/bf16; the E experts form ``num_expert_group`` groups of E / G
-    consecutive experts and only the ``topk_group`` best groups may be chosen from.
-    scoring: "softmax" (over E) or "sigmoid" (per expert). e_score_correction_bias: [E] float or
-    None — added to the scores to CHOOSE experts and to score groups (sum of each group's two best
-    biased scores; without a bias, its best logit); the weights stay the unbiased scores.
-    Weights: divided by their sum when ``renormalize``, then times ``routed_scaling_factor``.
-    Returns ``(topk_weights [T, K] fp32, topk_ids [T, K] int32)``. See ``reference.moe.grouped_topk``.
-    """
-    topk_weights, topk_ids = _check_logits_and_allocate(router_logits, top_k)
+def _check_grouped_args(router_logits, top_k, num_expert_group, topk_group, scoring, e_score_correction_bias):
+    """The per-call checks of :func:`grouped_topk`, run in debug mode only."""
+    top_k = _check_logits(router_logits, top_k)
     num_experts = router_logits.shape[1]
     num_expert_group = _as_int("num_expert_group", num_expert_group)
     topk_group = _as_int("topk_group", topk_group)
@@ -186,6 +177,46 @@ def grouped_topk(router_logits: Tensor, top_k: int, *, num_expert_group: int, to
         if num_expert_group > 1 and group_size < 2:
             raise ValueError("a correction bias scores groups by their two best experts: "
                              f"groups need >= 2 experts, got E / num_expert_group = {group_size}")
+
+
+def _allocate(router_logits: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
+    """Empty (topk_weights [T, K] fp32, topk_ids [T, K] int32) on the logits' device."""
+    shape = (router_logits.shape[0], top_k)
+    device = router_logits.device
+    return (torch.empty(shape, dtype=torch.float32, device=device),
+            torch.empty(shape, dtype=torch.int32, device=device))
+
+
+def topk_softmax(router_logits: Tensor, top_k: int, *, renormalize: bool, backend: str | None = None):
+    """Softmax routing: softmax over the E logits, the K most probable experts, their probs as weights.
+
+    router_logits: [T, E] fp32/fp16/bf16 (math in fp32). renormalize=True divides the K weights by
+    their sum (Mixtral; Qwen3-MoE's ``norm_topk_prob``). Returns ``(topk_weights [T, K] fp32,
+    topk_ids [T, K] int32)``, most probable first, ties to the lower expert index.
+    """
+    if debug_enabled():
+        _check_logits(router_logits, top_k)
+    topk_weights, topk_ids = _allocate(router_logits, top_k)
+    call_op("topk_softmax", router_logits, bool(renormalize), topk_weights, topk_ids, backend)
+    return topk_weights, topk_ids
+
+
+def grouped_topk(router_logits: Tensor, top_k: int, *, num_expert_group: int, topk_group: int, renormalize: bool,
+                 scoring: str = "softmax", e_score_correction_bias: Tensor | None = None,
+                 routed_scaling_factor: float = 1.0, backend: str | None = None):
+    """Group-limited routing (DeepSeek-V2/V3, GLM-4-MoE).
+
+    router_logits: [T, E] fp32/fp16/bf16; the E experts form ``num_expert_group`` groups of E / G
+    consecutive experts and only the ``topk_group`` best groups may be chosen from.
+    scoring: "softmax" (over E) or "sigmoid" (per expert). e_score_correction_bias: [E] float or
+    None — added to the scores to CHOOSE experts and to score groups (sum of each group's two best
+    biased scores; without a bias, its best logit); the weights stay the unbiased scores.
+    Weights: divided by their sum when ``renormalize``, then times ``routed_scaling_factor``.
+    Returns ``(topk_weights [T, K] fp32, topk_ids [T, K] int32)``. See ``reference.moe.grouped_topk``.
+    """
+    if debug_enabled():
+        _check_grouped_args(router_logits, top_k, num_expert_group, topk_group, scoring, e_score_correction_bias)
+    topk_weights, topk_ids = _allocate(router_logits, top_k)
     call_op("grouped_topk", router_logits, num_expert_group, topk_group, bool(renormalize), scoring,
             e_score_correction_bias, float(routed_scaling_factor), topk_weights, topk_ids, backend)
     return topk_weights, topk_ids
@@ -197,6 +228,8 @@ def gpt_oss_topk(router_logits: Tensor, top_k: int, *, backend: str | None = Non
     router_logits: [T, E] fp32/fp16/bf16, the router's bias already added. Returns
     ``(topk_weights [T, K] fp32, topk_ids [T, K] int32)``, largest logit first, ties to the lower index.
     """
-    topk_weights, topk_ids = _check_logits_and_allocate(router_logits, top_k)
+    if debug_enabled():
+        _check_logits(router_logits, top_k)
+    topk_weights, topk_ids = _allocate(router_logits, top_k)
     call_op("gpt_oss_topk", router_logits, topk_weights, topk_ids, backend)
     return topk_weights, topk_ids

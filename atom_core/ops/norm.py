@@ -12,7 +12,8 @@ from torch import Tensor
 
 from atom_core.ops import reference
 from atom_core.ops.dispatch import Op, call_op, custom_op
-from atom_core.ops.validation import FLOAT_DTYPES, check_out, check_shape, check_tensor
+from atom_core.ops.validation import (FLOAT_DTYPES, check_out, check_out_shape, check_shape, check_tensor,
+                                      debug_enabled)
 
 RMS_NORM = Op("rms_norm")
 LAYER_NORM = Op("layer_norm")
@@ -36,13 +37,22 @@ def _copy_results(result, out, residual_out):
         residual_out.copy_(result[1])
 
 
+TRITON_MAX_HIDDEN = 65536  # one row per program, held in registers
+
+
 def _triton_supports(x, weight, *rest) -> str | None:
     tensors = [t for t in (x, weight, *rest) if isinstance(t, Tensor)]
     if any(t.stride(-1) != 1 for t in tensors):
         return "triton norm kernels need the last dim contiguous"
-    if x.shape[-1] > 65536:
-        return f"hidden size {x.shape[-1]} exceeds one row per program (65536)"
+    if x.shape[-1] > TRITON_MAX_HIDDEN:
+        return f"hidden size {x.shape[-1]} exceeds one row per program ({TRITON_MAX_HIDDEN})"
     return None
+
+
+def _triton_key(x, weight, *rest):
+    """What :func:`_triton_supports` reads."""
+    return (x.shape[-1] > TRITON_MAX_HIDDEN, x.stride(-1) == 1, weight.stride(-1) == 1,
+            *[t.stride(-1) == 1 for t in rest if isinstance(t, Tensor)])
 
 
 def _aiter_rms_supports(x, weight, eps, residual, gemma, out, residual_out) -> str | None:
@@ -53,18 +63,28 @@ def _aiter_rms_supports(x, weight, eps, residual, gemma, out, residual_out) -> s
     return None
 
 
+def _aiter_rms_key(x, weight, eps, residual, gemma, out, residual_out):
+    """What :func:`_aiter_rms_supports` reads."""
+    return gemma, x.is_contiguous(), weight.is_contiguous(), out.is_contiguous()
+
+
 def _aiter_ln_supports(x, weight, bias, eps, residual, out, residual_out) -> str | None:
     if bias is None:
         return "aiter layernorm2d_fwd needs a bias"
     return None if x.is_contiguous() else "aiter layernorm needs contiguous tensors"
 
 
+def _aiter_ln_key(x, weight, bias, eps, residual, out, residual_out):
+    """What :func:`_aiter_ln_supports` reads."""
+    return bias is None, x.is_contiguous()
+
+
 RMS_NORM.register("torch", _torch_rms_norm)
-RMS_NORM.register("triton", "atom_core.ops.triton.norm:rms_norm", _triton_supports)
-RMS_NORM.register("aiter", "atom_core.ops.aiter.norm:rms_norm", _aiter_rms_supports)
+RMS_NORM.register("triton", "atom_core.ops.triton.norm:rms_norm", _triton_supports, _triton_key)
+RMS_NORM.register("aiter", "atom_core.ops.aiter.norm:rms_norm", _aiter_rms_supports, _aiter_rms_key)
 LAYER_NORM.register("torch", _torch_layer_norm)
-LAYER_NORM.register("triton", "atom_core.ops.triton.norm:layer_norm", _triton_supports)
-LAYER_NORM.register("aiter", "atom_core.ops.aiter.norm:layer_norm", _aiter_ln_supports)
+LAYER_NORM.register("triton", "atom_core.ops.triton.norm:layer_norm", _triton_supports, _triton_key)
+LAYER_NORM.register("aiter", "atom_core.ops.aiter.norm:layer_norm", _aiter_ln_supports, _aiter_ln_key)
 
 
 @custom_op("rms_norm", mutates_args=("out", "residual_out"))
@@ -90,6 +110,7 @@ def _(x, weight, bias, eps, residual, out, residual_out, backend) -> None:
 
 
 def _check_norm_args(x, weight, bias, residual, out, residual_out):
+    """The per-call checks, run in debug mode only (atom_core.ops.validation)."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     d = x.shape[-1]
     check_tensor("weight", weight, ndim=1)
@@ -115,7 +136,11 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, *, residual: Tensor |
     Returns out [T, D] (x's dtype); with a residual, ``(out, residual_out)`` where
     ``residual_out = x + residual`` (the new residual stream) and ``out = norm(residual_out)``.
     """
-    _check_norm_args(x, weight, None, residual, out, residual_out)
+    if debug_enabled():
+        _check_norm_args(x, weight, None, residual, out, residual_out)
+    elif out is not None or residual_out is not None:  # always on (see check_out_shape)
+        check_out_shape("out", out, x.shape)
+        check_out_shape("residual_out", residual_out, x.shape)
     out = torch.empty_like(x) if out is None else out
     if residual is not None and residual_out is None:
         residual_out = torch.empty_like(x)
@@ -129,7 +154,11 @@ def layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float = 1e-5
 
     Shapes and the residual convention as in :func:`rms_norm`.
     """
-    _check_norm_args(x, weight, bias, residual, out, residual_out)
+    if debug_enabled():
+        _check_norm_args(x, weight, bias, residual, out, residual_out)
+    elif out is not None or residual_out is not None:  # always on (see check_out_shape)
+        check_out_shape("out", out, x.shape)
+        check_out_shape("residual_out", residual_out, x.shape)
     out = torch.empty_like(x) if out is None else out
     if residual is not None and residual_out is None:
         residual_out = torch.empty_like(x)

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from atom_core.ops.dispatch import Op, call_op, custom_op
 from atom_core.ops.reference import rope as reference_rope
-from atom_core.ops.validation import FLOAT_DTYPES, check_same_device, check_shape, check_tensor
+from atom_core.ops.validation import FLOAT_DTYPES, check_same_device, check_shape, check_tensor, debug_enabled
 
 APPLY_ROPE = Op("apply_rope_")
 
@@ -20,14 +20,29 @@ def _torch_apply_rope(q, k, positions, cos_sin_cache, is_neox):
     reference_rope.apply_rope_(q, k, positions, cos_sin_cache, is_neox=is_neox)
 
 
+TRITON_MAX_ROTARY_DIM = 1024  # one tile of cos/sin per program
+_INT32_MAX = 2**31 - 1
+
+
 def _triton_supports(q, k, positions, cos_sin_cache, is_neox) -> str | None:
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         return "triton rope needs the head dim of q and k contiguous (stride 1)"
     if cos_sin_cache.stride(-1) != 1:
         return "triton rope needs cos_sin_cache rows contiguous"
-    if cos_sin_cache.shape[-1] > 1024:
-        return f"rotary dim {cos_sin_cache.shape[-1]} exceeds one tile (1024)"
+    if cos_sin_cache.shape[-1] > TRITON_MAX_ROTARY_DIM:
+        return f"rotary dim {cos_sin_cache.shape[-1]} exceeds one tile ({TRITON_MAX_ROTARY_DIM})"
     return None
+
+
+def _triton_key(q, k, positions, cos_sin_cache, is_neox):
+    """What :func:`_triton_supports` reads."""
+    return (q.stride(-1) == 1, k.stride(-1) == 1, cos_sin_cache.stride(-1) == 1,
+            cos_sin_cache.shape[-1] > TRITON_MAX_ROTARY_DIM)
+
+
+def _span(x: Tensor) -> int:
+    """Elements from x's first to its last one (what an int32 offset must reach)."""
+    return sum((size - 1) * stride for size, stride in zip(x.shape, x.stride())) + 1
 
 
 def _aiter_supports(q, k, positions, cos_sin_cache, is_neox) -> str | None:
@@ -37,19 +52,24 @@ def _aiter_supports(q, k, positions, cos_sin_cache, is_neox) -> str | None:
         return "aiter rope needs the head dim of q and k contiguous (stride 1)"
     if not cos_sin_cache.is_contiguous():
         return "aiter rope needs a contiguous cos_sin_cache"
-    int32_max = 2**31 - 1
     for name, x in (("q", q), ("k", k)):
-        span = sum((size - 1) * stride for size, stride in zip(x.shape, x.stride())) + 1
-        if span > int32_max:
+        span = _span(x)
+        if span > _INT32_MAX:
             return f"aiter rope indexes {name} with int32 offsets; {name} spans {span} elements"
-    if 2 * cos_sin_cache.shape[0] > int32_max:
+    if 2 * cos_sin_cache.shape[0] > _INT32_MAX:
         return "aiter rope: cos_sin_cache has too many positions for int32 row ids"
     return None
 
 
+def _aiter_key(q, k, positions, cos_sin_cache, is_neox):
+    """What :func:`_aiter_supports` reads."""
+    return (q.stride(-1) == 1, k.stride(-1) == 1, cos_sin_cache.is_contiguous(), _span(q) > _INT32_MAX,
+            _span(k) > _INT32_MAX, 2 * cos_sin_cache.shape[0] > _INT32_MAX)
+
+
 APPLY_ROPE.register("torch", _torch_apply_rope)
-APPLY_ROPE.register("triton", "atom_core.ops.triton.rope:apply_rope_", _triton_supports)
-APPLY_ROPE.register("aiter", "atom_core.ops.aiter.rope:apply_rope_", _aiter_supports)
+APPLY_ROPE.register("triton", "atom_core.ops.triton.rope:apply_rope_", _triton_supports, _triton_key)
+APPLY_ROPE.register("aiter", "atom_core.ops.aiter.rope:apply_rope_", _aiter_supports, _aiter_key)
 
 
 @custom_op("apply_rope_", mutates_args=("q", "k"))
@@ -64,6 +84,7 @@ def _(q, k, positions, cos_sin_cache, is_neox, backend) -> None:
 
 
 def _check_rope_args(q, k, positions, cos_sin_cache) -> None:
+    """The per-call checks, run in debug mode only (atom_core.ops.validation)."""
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     check_tensor("k", k, ndim=3, dtypes=(q.dtype,))
     num_tokens, _, head_size = q.shape
@@ -89,7 +110,8 @@ def apply_rope_(q: Tensor, k: Tensor, positions: Tensor, cos_sin_cache: Tensor, 
     is_neox=True pairs dim i with i + R/2 (GPT-NeoX / Llama "rotate_half"); False pairs dims 2i and
     2i + 1 (GPT-J). Each pair (a, b) becomes ``(a cos - b sin, b cos + a sin)``, computed in fp32.
     """
-    _check_rope_args(q, k, positions, cos_sin_cache)
+    if debug_enabled():
+        _check_rope_args(q, k, positions, cos_sin_cache)
     call_op("apply_rope_", q, k, positions, cos_sin_cache, bool(is_neox), backend)
 
 

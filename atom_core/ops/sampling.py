@@ -25,9 +25,9 @@ How a draw is made, and why this way:
 * **Log-probs** are ``log_softmax(logits)`` of the RAW logits (before temperature and filters) at
   the chosen token: the model's own log-likelihood of the emitted token.
 
-Value ranges (temperature >= 0, 0 < top_p <= 1, 0 <= min_p <= 1) are checked when the parameter
-tensors live on the CPU; on a GPU a check would cost a device-to-host sync, so there they are the
-caller's responsibility.
+Arguments are checked in debug mode (``atom_core.ops.set_debug``); value ranges (temperature >= 0,
+0 < top_p <= 1, 0 <= min_p <= 1) only when the parameter tensors also live on the CPU: on a GPU a
+check would cost a device-to-host sync, so there they are the caller's responsibility.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from torch import Tensor
 
 from atom_core.ops.dispatch import Op, call_op, custom_op
 from atom_core.ops.reference import sampling as reference_sampling
-from atom_core.ops.validation import FLOAT_DTYPES, check_same_device, check_shape, check_tensor
+from atom_core.ops.validation import FLOAT_DTYPES, check_same_device, check_shape, check_tensor, debug_enabled
 
 SAMPLE = Op("sample")
 REJECTION_SAMPLE_GREEDY = Op("rejection_sample_greedy")
@@ -83,14 +83,24 @@ def _aiter_rejection_supports(draft_token_ids, target_logits, *rest) -> str | No
     return None if target_logits.is_contiguous() else "aiter greedy_sample needs contiguous target_logits"
 
 
+def _logits_key(logits, *rest):
+    """What the sample rules read."""
+    return logits.stride(-1) == 1
+
+
+def _target_logits_key(draft_token_ids, target_logits, *rest):
+    """What the rejection_sample_greedy rules read."""
+    return target_logits.stride(-1) == 1, target_logits.is_contiguous()
+
+
 SAMPLE.register("torch", _torch_sample)
-SAMPLE.register("triton", "atom_core.ops.triton.sampling:sample", _triton_sample_supports)
-SAMPLE.register("aiter", "atom_core.ops.aiter.sampling:sample", _aiter_sample_supports)
+SAMPLE.register("triton", "atom_core.ops.triton.sampling:sample", _triton_sample_supports, _logits_key)
+SAMPLE.register("aiter", "atom_core.ops.aiter.sampling:sample", _aiter_sample_supports, _logits_key)
 REJECTION_SAMPLE_GREEDY.register("torch", _torch_rejection)
 REJECTION_SAMPLE_GREEDY.register("triton", "atom_core.ops.triton.sampling:rejection_sample_greedy",
-                                 _triton_rejection_supports)
+                                 _triton_rejection_supports, _target_logits_key)
 REJECTION_SAMPLE_GREEDY.register("aiter", "atom_core.ops.aiter.sampling:rejection_sample_greedy",
-                                 _aiter_rejection_supports)
+                                 _aiter_rejection_supports, _target_logits_key)
 
 
 @custom_op("sample", mutates_args=("token_ids", "logprobs"))
@@ -136,7 +146,8 @@ def _check_values_on_cpu(temperature, top_p, min_p) -> None:
         raise ValueError("min_p must be in [0, 1] (0 = off)")
 
 
-def _check_sample_args(logits, temperature, top_k, top_p, min_p, seeds, offsets) -> None:
+def _check_sample_args(logits, temperature, top_k, top_p, min_p, seeds, offsets, return_logprobs) -> None:
+    """The per-call checks, run in debug mode only (atom_core.ops.validation)."""
     check_tensor("logits", logits, ndim=2, dtypes=FLOAT_DTYPES)
     rows, vocab = logits.shape
     if vocab == 0:
@@ -150,6 +161,19 @@ def _check_sample_args(logits, temperature, top_k, top_p, min_p, seeds, offsets)
     check_same_device(logits=logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                       seeds=seeds, offsets=offsets)
     _check_values_on_cpu(temperature, top_p, min_p)
+    if not isinstance(return_logprobs, bool):
+        raise TypeError(f"return_logprobs must be a bool, got {type(return_logprobs).__name__}")
+
+
+def _check_rejection_args(draft_token_ids, target_logits) -> None:
+    """The per-call checks, run in debug mode only (atom_core.ops.validation)."""
+    check_tensor("draft_token_ids", draft_token_ids, ndim=2, dtypes=(torch.int64,))
+    check_tensor("target_logits", target_logits, ndim=2, dtypes=FLOAT_DTYPES)
+    rows, k = draft_token_ids.shape
+    check_shape("target_logits", target_logits, (rows * (k + 1), None))
+    if target_logits.shape[1] == 0:
+        raise ValueError("target_logits must have at least one column (vocab size 0)")
+    check_same_device(draft_token_ids=draft_token_ids, target_logits=target_logits)
 
 
 def sample(logits: Tensor, temperature: Tensor, top_k: Tensor | None, top_p: Tensor | None, min_p: Tensor | None,
@@ -166,9 +190,8 @@ def sample(logits: Tensor, temperature: Tensor, top_k: Tensor | None, top_p: Ten
     Returns token_ids [B] int64, or ``(token_ids, logprobs)`` with logprobs [B] float32 =
     ``log_softmax(logits)[r, token_ids[r]]`` of the raw logits (before temperature and filters).
     """
-    _check_sample_args(logits, temperature, top_k, top_p, min_p, seeds, offsets)
-    if not isinstance(return_logprobs, bool):
-        raise TypeError(f"return_logprobs must be a bool, got {type(return_logprobs).__name__}")
+    if debug_enabled():
+        _check_sample_args(logits, temperature, top_k, top_p, min_p, seeds, offsets, return_logprobs)
     rows = logits.shape[0]
     token_ids = torch.empty(rows, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device) if return_logprobs else None
@@ -187,13 +210,9 @@ def rejection_sample_greedy(draft_token_ids: Tensor, target_logits: Tensor, *, b
     Returns ``(output_token_ids [B, K+1] int64, num_accepted [B] int32)``: num_accepted counts the
     accepted drafts (0..K), so a row emits ``num_accepted + 1`` tokens; the rest of its output is -1.
     """
-    check_tensor("draft_token_ids", draft_token_ids, ndim=2, dtypes=(torch.int64,))
-    check_tensor("target_logits", target_logits, ndim=2, dtypes=FLOAT_DTYPES)
+    if debug_enabled():
+        _check_rejection_args(draft_token_ids, target_logits)
     rows, k = draft_token_ids.shape
-    check_shape("target_logits", target_logits, (rows * (k + 1), None))
-    if target_logits.shape[1] == 0:
-        raise ValueError("target_logits must have at least one column (vocab size 0)")
-    check_same_device(draft_token_ids=draft_token_ids, target_logits=target_logits)
     output_token_ids = torch.empty(rows, k + 1, dtype=torch.int64, device=target_logits.device)
     num_accepted = torch.empty(rows, dtype=torch.int32, device=target_logits.device)
     call_op("rejection_sample_greedy", draft_token_ids, target_logits, output_token_ids, num_accepted, backend)

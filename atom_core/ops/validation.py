@@ -1,10 +1,46 @@
-"""Argument checks shared by the public ops: each raises naming the bad argument."""
+"""Argument checks shared by the public ops (each raises naming the bad argument), and the debug
+switch that turns the per-call checks on.
+
+The public ops check their arguments only in debug mode: ``ATOM_CORE_DEBUG=1`` in the
+environment (read once, at import), ``set_debug(True)``, or a ``with debug_checks():`` block. The
+checks cost 1-10 µs a call, as much as a small kernel, and a model that has run once with them
+calls the ops with the same kinds of arguments ever after. The few checks that stop a kernel from
+writing out of bounds are always on (docs/ops.md lists them).
+"""
 
 from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator
 
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+DEBUG_ENV_VAR = "ATOM_CORE_DEBUG"
+_debug = os.environ.get(DEBUG_ENV_VAR, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def debug_enabled() -> bool:
+    """Whether the public ops check their arguments on every call."""
+    return _debug
+
+
+def set_debug(enabled: bool) -> None:
+    """Turn the per-call argument checks of the public ops on or off (overrides ``ATOM_CORE_DEBUG``)."""
+    global _debug
+    _debug = bool(enabled)
+
+
+@contextlib.contextmanager
+def debug_checks(enabled: bool = True) -> Iterator[None]:
+    """Run the block with the per-call argument checks on (or off), then restore the previous setting."""
+    previous = _debug
+    set_debug(enabled)
+    try:
+        yield
+    finally:
+        set_debug(previous)
 
 
 def check_tensor(name: str, t, *, ndim: int | None = None, dtypes=None) -> torch.Tensor:
@@ -28,6 +64,13 @@ def check_same_device(**tensors) -> None:
     devices = {name: t.device for name, t in tensors.items() if t is not None}
     if len(set(devices.values())) > 1:
         raise ValueError(f"tensors must be on one device, got {devices}")
+
+
+def check_out_shape(name: str, out: torch.Tensor | None, shape) -> None:
+    """Always on: kernels write ``out`` over the input's extents, so a smaller buffer would be
+    written out of bounds. One size comparison, and only when the caller passes a buffer."""
+    if out is not None and out.shape != shape:
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(out.shape)}")
 
 
 def check_out(name: str, out: torch.Tensor | None, shape: tuple, dtype: torch.dtype, device) -> None:

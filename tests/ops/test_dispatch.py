@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -36,26 +38,88 @@ def test_explicit_backend_is_strict_and_says_why(all_available):
     assert op(torch.zeros(1), backend="torch") == "torch"
 
 
-def test_context_beats_env_and_both_fall_through(all_available, monkeypatch):
+@pytest.fixture
+def restore_default_backend():
+    saved = ops.default_backend()
+    yield
+    dispatch._default_backend = saved  # may be a name set_default_backend would refuse (a bad env value)
+
+
+def test_context_beats_default_and_both_fall_through(all_available, restore_default_backend):
     op = make_op({"torch": None, "triton": None, "aiter": "refuses"})
     x = torch.zeros(1)
-    monkeypatch.setenv(dispatch.ENV_VAR, "torch")
+    ops.set_default_backend("torch")
     assert op(x) == "torch"
     with ops.use_backend("triton"):
         assert op(x) == "triton"
         assert op(x, backend="torch") == "torch"  # argument beats context
     with ops.use_backend("aiter"):
         assert op(x) == "triton"  # preferred one refuses: auto order continues
-    monkeypatch.delenv(dispatch.ENV_VAR)
+    ops.set_default_backend(None)
     assert op(x) == "triton"
 
 
-def test_trace_records_each_call(all_available):
+def test_set_default_backend_rejects_unknown_names(restore_default_backend):
+    with pytest.raises(ValueError, match="unknown backend"):
+        ops.set_default_backend("cuda")
+
+
+def test_env_var_is_read_once_at_import_and_set_default_backend_replaces_it():
+    import subprocess
+    import sys
+
+    code = (
+        "import os, torch, atom_core.ops as ops\n"
+        "first = ops.default_backend()\n"
+        "os.environ['ATOM_CORE_BACKEND'] = 'triton'\n"  # too late: read once at import
+        "x = torch.randn(2, 8)\n"
+        "with ops.trace_backends() as calls:\n"
+        "    ops.rms_norm(x, torch.ones(8))\n"
+        "ops.set_default_backend(None)\n"
+        "print(first, ops.default_backend(), calls[0][1])\n"
+    )
+    env = {**os.environ, dispatch.ENV_VAR: "torch"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.split() == ["torch", "None", "torch"]
+
+
+def test_unknown_env_backend_raises_on_the_call(all_available, restore_default_backend):
+    dispatch._default_backend = "cuda"  # as if ATOM_CORE_BACKEND=cuda at import
+    with pytest.raises(ValueError, match="unknown backend 'cuda'"):
+        make_op({"torch": None})(torch.zeros(1))
+
+
+def test_rules_run_once_per_signature_and_preference(all_available):
+    asked = []
+    op = Op("probe")
+    op.register("torch", lambda x: "torch")
+    op.register("triton", lambda x: "triton", lambda x: asked.append(x.dtype) or None, key=lambda x: x.dtype)
+    for _ in range(3):
+        assert op(torch.zeros(2)) == "triton"
+        assert op(torch.zeros(5)) == "triton"  # other shape, same signature
+    assert asked == [torch.float32]
+    op(torch.zeros(2, dtype=torch.float16))
+    with ops.use_backend("aiter"):  # another preference is another entry (here it falls through to triton)
+        op(torch.zeros(2))
+    assert asked == [torch.float32, torch.float16, torch.float32]
+
+
+def test_cached_strict_refusal_raises_with_the_reason_every_time(all_available):
+    op = make_op({"torch": None, "triton": "head size 96 unsupported"})
+    for _ in range(2):
+        with pytest.raises(BackendUnavailable, match="head size 96 unsupported"):
+            op(torch.zeros(1), backend="triton")
+
+
+def test_trace_records_each_call_including_cached_choices(all_available):
     op = make_op({"torch": None, "triton": None})
     with ops.trace_backends() as calls:
         op(torch.zeros(1))
         op(torch.zeros(1), backend="torch")
-    assert calls == [("probe", "triton"), ("probe", "torch")]
+        op(torch.zeros(1))
+        with ops.use_backend("torch"):
+            op(torch.zeros(1))
+    assert calls == [("probe", "triton"), ("probe", "torch"), ("probe", "triton"), ("probe", "torch")]
 
 
 def test_unknown_backend_names_rejected():
