@@ -6,8 +6,12 @@ rows are packed several per program so every program moves a full tile.
 
 from __future__ import annotations
 
+import functools
+
 import triton
 import triton.language as tl
+
+from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2
 
 SILU = tl.constexpr(0)
 GELU_ERF = tl.constexpr(1)
@@ -53,16 +57,23 @@ def _act_and_mul_kernel(
     tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
+@functools.lru_cache(maxsize=LAUNCH_CACHE_SIZE)
+def _launch_config(num_rows: int, inter: int) -> tuple[tuple[int, int], int, int, int]:
+    """(grid, BLOCK_T, BLOCK_I, num_warps) for an output of [num_rows, inter]."""
+    block_i = min(next_power_of_2(inter), 1024)
+    block_t = max(1, min(_TILE // block_i, next_power_of_2(num_rows)))
+    grid = (cdiv(num_rows, block_t), cdiv(inter, block_i))
+    return grid, block_t, block_i, 4 if block_t * block_i <= 2048 else 8
+
+
 def _launch(x, out, act, alpha=0.0, limit=0.0):
     num_rows, inter = out.shape
     if num_rows == 0 or inter == 0:
         return
-    block_i = min(triton.next_power_of_2(inter), 1024)
-    block_t = max(1, min(_TILE // block_i, triton.next_power_of_2(num_rows)))
-    grid = (triton.cdiv(num_rows, block_t), triton.cdiv(inter, block_i))
+    grid, block_t, block_i, num_warps = _launch_config(num_rows, inter)
     _act_and_mul_kernel[grid](
         x, out, num_rows, inter, x.stride(0), out.stride(0), alpha, limit,
-        ACT=act, BLOCK_T=block_t, BLOCK_I=block_i, num_warps=4 if block_t * block_i <= 2048 else 8,
+        ACT=act, BLOCK_T=block_t, BLOCK_I=block_i, num_warps=num_warps,
     )
 
 

@@ -17,6 +17,7 @@ Block sizes come from :func:`block_config`, keyed by tokens per expert.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,7 @@ import triton
 import triton.language as tl
 
 from atom_core.ops.dispatch import triton_interpret
+from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2
 from atom_core.ops.triton.moe_align import align_sizes, moe_align
 
 SILU = tl.constexpr(0)
@@ -42,6 +44,7 @@ class BlockConfig:
     num_stages: int
 
 
+@functools.lru_cache(maxsize=LAUNCH_CACHE_SIZE)
 def block_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype) -> BlockConfig:
     """Tile sizes by the mean rows per expert, m = T * K / E.
 
@@ -214,6 +217,34 @@ def _sum_choices_kernel(
     tl.store(out_ptr + t * stride_ot + cols * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
+@dataclass(frozen=True)
+class LaunchShape:
+    """What the launches of one call derive from its sizes alone."""
+    num_entries: int  # N = T * K choices
+    num_blocks: int  # BLOCK_M blocks of the aligned choices (worst case)
+    gate_up_grid: tuple[int]
+    down_grid: tuple[int]
+    sum_grid: tuple[int, int]
+    block_h: int  # columns per program of the sum over K
+    even_hidden: bool  # H a multiple of BLOCK_K (no K masks in the gate/up GEMM)
+    even_inter: bool  # I a multiple of BLOCK_K (no K masks in the down GEMM)
+
+
+@functools.lru_cache(maxsize=LAUNCH_CACHE_SIZE)
+def launch_shape(num_tokens: int, top_k: int, num_experts: int, hidden_size: int, inter: int,
+                 cfg: BlockConfig) -> LaunchShape:
+    """The grids and flags of :func:`fused_experts`' launches, per shape and block config."""
+    num_entries = num_tokens * top_k
+    _, num_blocks = align_sizes(num_entries, num_experts, cfg.block_m)
+    block_h = min(next_power_of_2(hidden_size), 1024)
+    return LaunchShape(
+        num_entries, num_blocks,
+        gate_up_grid=(num_blocks * cdiv(inter, cfg.block_n),),
+        down_grid=(num_blocks * cdiv(hidden_size, cfg.block_n),),
+        sum_grid=(num_tokens, cdiv(hidden_size, block_h)), block_h=block_h,
+        even_hidden=hidden_size % cfg.block_k == 0, even_inter=inter % cfg.block_k == 0)
+
+
 def fused_experts(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, out, config=None):
     """Backend entry (shapes checked by the public op); ``config`` overrides :func:`block_config`."""
     num_tokens, hidden_size = hidden.shape
@@ -222,27 +253,26 @@ def fused_experts(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias,
     top_k = topk_ids.shape[1]
     if num_tokens == 0:
         return
-    num_entries = num_tokens * top_k
     cfg = config or block_config(num_tokens, top_k, num_experts, hidden.dtype)
+    shape = launch_shape(num_tokens, top_k, num_experts, hidden_size, inter, cfg)
+    num_entries, num_blocks = shape.num_entries, shape.num_blocks
     # fp32 operands: full-precision dot, not TF32; 16-bit operands: the target's default.
     precision = "ieee" if hidden.dtype == torch.float32 else None
     # Triton's CPU interpreter multiplies bf16 dot operands wrongly: there (only) they go up to fp32.
     upcast = triton_interpret() and hidden.dtype == torch.bfloat16
     sorted_entries, block_experts, num_padded = moe_align(topk_ids, num_experts, cfg.block_m)
-    _, num_blocks = align_sizes(num_entries, num_experts, cfg.block_m)
 
     act = torch.empty(num_entries, inter, dtype=hidden.dtype, device=hidden.device)
     swiglu = activation == "swiglu_clamped"
     b13 = w13_bias if w13_bias is not None else w13  # any pointer; never read without HAS_BIAS
-    grid = (num_blocks * triton.cdiv(inter, cfg.block_n),)
-    _gate_up_kernel[grid](
+    _gate_up_kernel[shape.gate_up_grid](
         hidden, w13, b13, act, sorted_entries, block_experts, num_padded,
         num_entries, hidden_size, inter, num_blocks, 2 if swiglu else 1, 1 if swiglu else inter,
         SWIGLU_ALPHA, SWIGLU_LIMIT,
         hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
         b13.stride(0) if w13_bias is not None else 0, b13.stride(1) if w13_bias is not None else 0, act.stride(0),
         TOP_K=top_k, ACT=SWIGLU_CLAMPED if swiglu else SILU, HAS_BIAS=w13_bias is not None,
-        EVEN_K=hidden_size % cfg.block_k == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        EVEN_K=shape.even_hidden, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, DOT_PRECISION=precision, UPCAST_DOT=upcast,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -251,20 +281,18 @@ def fused_experts(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias,
     # a few % of a prefill, nothing at decode).
     y = torch.empty(num_entries, hidden_size, dtype=torch.float32, device=hidden.device)
     b2 = w2_bias if w2_bias is not None else w2
-    grid = (num_blocks * triton.cdiv(hidden_size, cfg.block_n),)
-    _down_kernel[grid](
+    _down_kernel[shape.down_grid](
         act, w2, b2, topk_weights, y, sorted_entries, block_experts, num_padded,
         num_entries, hidden_size, inter, num_blocks,
         act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2),
         b2.stride(0) if w2_bias is not None else 0, b2.stride(1) if w2_bias is not None else 0,
         topk_weights.stride(0), topk_weights.stride(1), y.stride(0),
-        TOP_K=top_k, HAS_BIAS=w2_bias is not None, EVEN_K=inter % cfg.block_k == 0,
+        TOP_K=top_k, HAS_BIAS=w2_bias is not None, EVEN_K=shape.even_inter,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         DOT_PRECISION=precision, UPCAST_DOT=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
-    block_h = min(triton.next_power_of_2(hidden_size), 1024)
-    _sum_choices_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
+    _sum_choices_kernel[shape.sum_grid](
         y, topk_ids, out, hidden_size, num_experts, y.stride(0), topk_ids.stride(0), topk_ids.stride(1),
-        out.stride(0), out.stride(1), TOP_K=top_k, BLOCK_H=block_h, num_warps=4,
+        out.stride(0), out.stride(1), TOP_K=top_k, BLOCK_H=shape.block_h, num_warps=4,
     )

@@ -9,10 +9,13 @@ same bits as ``torch.Tensor.to(torch.float8_e4m3fn)``.
 
 from __future__ import annotations
 
+import functools
+
 import triton
 import triton.language as tl
 
 from atom_core.ops.reference.kv_cache import FP8_DTYPE
+from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2
 
 _TILE = 2048  # elements of K (and of V) per program
 _FP8_MAX = tl.constexpr(448.0)
@@ -82,21 +85,28 @@ def _store_kv_kernel(
                 tokens, blocks, offsets, valid, num_heads, head_size, FP8, BLOCK_H, BLOCK_D)
 
 
+@functools.lru_cache(maxsize=LAUNCH_CACHE_SIZE)
+def _launch_config(num_tokens: int, num_heads: int, head_size: int):
+    """(grid, BLOCK_T, BLOCK_H, BLOCK_D, num_warps) for T tokens of [Hk, D]."""
+    block_d = next_power_of_2(head_size)
+    block_h = min(next_power_of_2(num_heads), max(1, _TILE // block_d))
+    block_t = max(1, min(_TILE // (block_h * block_d), next_power_of_2(num_tokens)))
+    tile = block_t * block_h * block_d
+    return (cdiv(num_tokens, block_t),), block_t, block_h, block_d, 4 if tile <= 1024 else 8
+
+
 def store_kv_(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale):
     num_tokens, num_heads, head_size = k.shape
     if num_tokens == 0:
         return
     fp8 = k_cache.dtype == FP8_DTYPE
-    block_d = triton.next_power_of_2(head_size)
-    block_h = min(triton.next_power_of_2(num_heads), max(1, _TILE // block_d))
-    block_t = max(1, min(_TILE // (block_h * block_d), triton.next_power_of_2(num_tokens)))
-    tile = block_t * block_h * block_d
-    _store_kv_kernel[(triton.cdiv(num_tokens, block_t),)](
+    grid, block_t, block_h, block_d, num_warps = _launch_config(num_tokens, num_heads, head_size)
+    _store_kv_kernel[grid](
         k, v, k_cache, v_cache, slot_mapping,
         k_scale if fp8 else slot_mapping, v_scale if fp8 else slot_mapping,  # unread unless FP8
         num_tokens, num_heads, head_size, k_cache.shape[1], slot_mapping.stride(0),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        FP8=fp8, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4 if tile <= 1024 else 8,
+        FP8=fp8, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=num_warps,
     )

@@ -19,18 +19,30 @@ Ids outside [0, E) are left out: they reach no expert.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
+
+from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2
 
 _CHUNK = 1024  # entries handled per loop step
 _BLOCK_ROWS = 32  # blocks labelled per loop step
 
 
+@functools.lru_cache(maxsize=LAUNCH_CACHE_SIZE)
 def align_sizes(num_entries: int, num_experts: int, block_m: int) -> tuple[int, int]:
     """(max_padded, max_blocks) for N = ``num_entries`` choices: the static buffer sizes."""
     max_padded = num_entries + min(num_experts, num_entries) * (block_m - 1)
-    return max_padded, triton.cdiv(max_padded, block_m)
+    return max_padded, cdiv(max_padded, block_m)
+
+
+@functools.lru_cache(maxsize=LAUNCH_CACHE_SIZE)
+def _launch_config(num_entries: int, num_experts: int) -> tuple[int, int, int]:
+    """(EXPERTS_P2, BLOCK_ROWS, num_warps) of the single-program align kernel."""
+    experts_p2 = next_power_of_2(num_experts)
+    return experts_p2, max(1, min(_BLOCK_ROWS, 8192 // experts_p2)), 8 if num_entries > 4096 else 4
 
 
 @triton.jit
@@ -96,11 +108,10 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     block_experts = torch.empty(max_blocks, dtype=torch.int32, device=device)
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
     cursor = torch.empty(num_experts, dtype=torch.int32, device=device)
-    experts_p2 = triton.next_power_of_2(num_experts)
+    experts_p2, block_rows, num_warps = _launch_config(num_entries, num_experts)
     _moe_align_kernel[(1,)](
         ids, sorted_entries, block_experts, num_padded, cursor,
         num_entries, num_experts, max_padded, max_blocks,
-        BLOCK_M=block_m, EXPERTS_P2=experts_p2, CHUNK=_CHUNK, BLOCK_ROWS=max(1, min(_BLOCK_ROWS, 8192 // experts_p2)),
-        num_warps=8 if num_entries > 4096 else 4,
+        BLOCK_M=block_m, EXPERTS_P2=experts_p2, CHUNK=_CHUNK, BLOCK_ROWS=block_rows, num_warps=num_warps,
     )
     return sorted_entries, block_experts, num_padded

@@ -9,8 +9,12 @@ entry, lowest index on ties", the same choice as the twin's stable sort.
 
 from __future__ import annotations
 
+import functools
+
 import triton
 import triton.language as tl
+
+from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, next_power_of_2
 
 MAX_EXPERTS = 512
 _NONE = tl.constexpr(1 << 30)  # larger than any expert or group index
@@ -102,20 +106,26 @@ def _routing_kernel(
     tl.store(ids_ptr + t * stride_it + slot, ids, mask=in_row)
 
 
+@functools.lru_cache(maxsize=LAUNCH_CACHE_SIZE)
+def _launch_config(num_experts: int, num_groups: int, top_k: int) -> tuple[int, int, int, int, int]:
+    """(group_size, GROUPS_P2, GROUP_SIZE_P2, K_P2, num_warps) for E experts in G groups, top-K."""
+    group_size = num_experts // num_groups
+    num_warps = max(1, min(next_power_of_2(num_experts) // 128, 4))
+    return group_size, next_power_of_2(num_groups), next_power_of_2(group_size), next_power_of_2(top_k), num_warps
+
+
 def _launch(logits, bias, weights, ids, *, num_groups, topk_group, renormalize, sigmoid, scale):
     num_tokens, num_experts = logits.shape
     if num_tokens == 0:
         return
     top_k = ids.shape[1]
-    group_size = num_experts // num_groups
-    block = triton.next_power_of_2(num_experts)
+    group_size, groups_p2, group_size_p2, k_p2, num_warps = _launch_config(num_experts, num_groups, top_k)
     _routing_kernel[(num_tokens,)](
         logits, bias, weights, ids,
         num_groups, group_size, top_k, topk_group, float(scale),
         logits.stride(0), logits.stride(1), weights.stride(0), ids.stride(0),
         SIGMOID=sigmoid, HAS_BIAS=bias is not None, GROUPED=num_groups > 1, RENORMALIZE=renormalize,
-        GROUPS_P2=triton.next_power_of_2(num_groups), GROUP_SIZE_P2=triton.next_power_of_2(group_size),
-        K_P2=triton.next_power_of_2(top_k), num_warps=max(1, min(block // 128, 4)),
+        GROUPS_P2=groups_p2, GROUP_SIZE_P2=group_size_p2, K_P2=k_p2, num_warps=num_warps,
     )
 
 

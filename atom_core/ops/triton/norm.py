@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+
 import triton
 import triton.language as tl
+
+from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, next_power_of_2
 
 
 @triton.jit
@@ -40,12 +44,18 @@ def _norm_kernel(
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@functools.lru_cache(maxsize=LAUNCH_CACHE_SIZE)
+def _launch_config(d: int) -> tuple[int, int]:
+    """(BLOCK_D, num_warps) for rows of d elements: the whole row in one tile."""
+    block_d = next_power_of_2(d)
+    return block_d, min(max(block_d // 256, 1), 16)
+
+
 def _launch(x, residual, weight, bias, out, residual_out, eps, is_rms, gemma):
     rows, d = x.shape
     if rows == 0:
         return
-    block_d = triton.next_power_of_2(d)
-    num_warps = min(max(block_d // 256, 1), 16)
+    block_d, num_warps = _launch_config(d)
     _norm_kernel[(rows,)](
         x, residual, weight, bias, out, residual_out,
         d, x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),

@@ -7,8 +7,12 @@ are arguments, so q and k can be views into a fused qkv buffer; the head dim mus
 
 from __future__ import annotations
 
+import functools
+
 import triton
 import triton.language as tl
+
+from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2
 
 # Pairs (a, b) per program and per tile half: big enough to keep loads wide, small enough for registers.
 _PAIRS_PER_TILE = 2048
@@ -62,23 +66,31 @@ def _apply_rope_kernel(
                   HALF, BLOCK_HALF, BLOCK_HK, IS_NEOX)
 
 
+@functools.lru_cache(maxsize=LAUNCH_CACHE_SIZE)
+def _launch_config(num_tokens: int, num_q_heads: int, num_k_heads: int, half: int):
+    """(grid, BLOCK_HALF, BLOCK_T, BLOCK_HQ, BLOCK_HK, num_warps) for T tokens, Hq/Hk heads, R/2 pairs."""
+    block_half = next_power_of_2(half)
+    heads_cap = max(1, _PAIRS_PER_TILE // block_half)
+    block_hq = min(next_power_of_2(max(num_q_heads, 1)), heads_cap)
+    block_hk = min(next_power_of_2(max(num_k_heads, 1)), heads_cap)
+    # Several tokens per program when heads are few or small, so each program still moves a full tile.
+    block_t = max(1, min(_PAIRS_PER_TILE // (block_hq * block_half), next_power_of_2(num_tokens)))
+    tile = block_t * block_hq * block_half
+    return (cdiv(num_tokens, block_t),), block_half, block_t, block_hq, block_hk, 4 if tile <= 1024 else 8
+
+
 def apply_rope_(q, k, positions, cos_sin_cache, is_neox):
     num_tokens, num_q_heads, _ = q.shape
     num_k_heads = k.shape[1]
     if num_tokens == 0:
         return
     half = cos_sin_cache.shape[1] // 2
-    block_half = triton.next_power_of_2(half)
-    heads_cap = max(1, _PAIRS_PER_TILE // block_half)
-    block_hq = min(triton.next_power_of_2(max(num_q_heads, 1)), heads_cap)
-    block_hk = min(triton.next_power_of_2(max(num_k_heads, 1)), heads_cap)
-    # Several tokens per program when heads are few or small, so each program still moves a full tile.
-    block_t = max(1, min(_PAIRS_PER_TILE // (block_hq * block_half), triton.next_power_of_2(num_tokens)))
-    tile = block_t * block_hq * block_half
-    _apply_rope_kernel[(triton.cdiv(num_tokens, block_t),)](
+    grid, block_half, block_t, block_hq, block_hk, num_warps = _launch_config(num_tokens, num_q_heads, num_k_heads,
+                                                                              half)
+    _apply_rope_kernel[grid](
         q, k, positions, cos_sin_cache,
         num_tokens, num_q_heads, num_k_heads, cos_sin_cache.shape[0],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), positions.stride(0), cos_sin_cache.stride(0),
         HALF=half, BLOCK_HALF=block_half, BLOCK_T=block_t, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
-        IS_NEOX=bool(is_neox), num_warps=4 if tile <= 1024 else 8,
+        IS_NEOX=bool(is_neox), num_warps=num_warps,
     )

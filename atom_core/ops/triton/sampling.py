@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from atom_core.ops.reference.sampling import filter_cutoff
+from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2
 
 GPU_QUARTER = 1024  # block = 4096 logits per row and step on a GPU (16 KiB of fp32)
 _MIN_BLOCKS_PER_SPLIT = 4  # a split streams at least 4 blocks
@@ -183,20 +184,22 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=LAUNCH_CACHE_SIZE)
 def _launch_shape(rows: int, vocab: int, device: torch.device, num_splits: int | None):
-    """(rows per program R, QUARTER, splits per row S, columns per split)."""
+    """(rows per program R, QUARTER, splits per row S, columns per split, grid of the pass)."""
     if device.type == "cuda":
         rows_per_program, quarter = 1, GPU_QUARTER
         if num_splits is None:
-            max_splits = triton.cdiv(vocab, _MIN_BLOCKS_PER_SPLIT * 4 * quarter)
-            num_splits = max(1, min(max_splits, triton.cdiv(2 * _num_sms(device.index or 0), rows)))
+            max_splits = cdiv(vocab, _MIN_BLOCKS_PER_SPLIT * 4 * quarter)
+            num_splits = max(1, min(max_splits, cdiv(2 * _num_sms(device.index or 0), rows)))
     else:  # interpreter: few large programs; blocks no wider than the vocab needs
-        rows_per_program = min(_INTERPRETER_ROWS, triton.next_power_of_2(rows))
-        quarter = min(GPU_QUARTER, triton.next_power_of_2(triton.cdiv(vocab, 4)))
+        rows_per_program = min(_INTERPRETER_ROWS, next_power_of_2(rows))
+        quarter = min(GPU_QUARTER, next_power_of_2(cdiv(vocab, 4)))
         num_splits = num_splits or 1
     block = 4 * quarter
-    chunk = triton.cdiv(triton.cdiv(vocab, num_splits), block) * block  # whole blocks per split
-    return rows_per_program, quarter, triton.cdiv(vocab, chunk), chunk
+    chunk = cdiv(cdiv(vocab, num_splits), block) * block  # whole blocks per split
+    splits = cdiv(vocab, chunk)
+    return rows_per_program, quarter, splits, chunk, (cdiv(rows, rows_per_program), splits)
 
 
 def _row_pass(logits, temperature, cutoff, seeds, offsets, token_ids, logprobs, *, all_greedy, num_splits=None):
@@ -204,7 +207,7 @@ def _row_pass(logits, temperature, cutoff, seeds, offsets, token_ids, logprobs, 
     rows, vocab = logits.shape
     if rows == 0:
         return
-    rows_per_program, quarter, splits, chunk = _launch_shape(rows, vocab, logits.device, num_splits)
+    rows_per_program, quarter, splits, chunk, grid = _launch_shape(rows, vocab, logits.device, num_splits)
     split = splits > 1
     if split:
         part_score = torch.empty(rows, splits, dtype=torch.float32, device=logits.device)
@@ -214,7 +217,7 @@ def _row_pass(logits, temperature, cutoff, seeds, offsets, token_ids, logprobs, 
         part_score = part_idx = part_m = part_l = token_ids  # not read
     return_logprobs = logprobs is not None
     unused = token_ids
-    _sample_kernel[(triton.cdiv(rows, rows_per_program), splits)](
+    _sample_kernel[grid](
         logits, logits.stride(0), rows, vocab, chunk,
         unused if temperature is None else temperature, unused if cutoff is None else cutoff,
         unused if seeds is None else seeds, unused if offsets is None else offsets,
@@ -227,7 +230,7 @@ def _row_pass(logits, temperature, cutoff, seeds, offsets, token_ids, logprobs, 
         _combine_kernel[(rows,)](
             logits, logits.stride(0), token_ids, logprobs if return_logprobs else unused,
             part_score, part_idx, part_m, part_l, splits,
-            RETURN_LOGPROBS=return_logprobs, BLOCK_S=triton.next_power_of_2(splits), num_warps=1,
+            RETURN_LOGPROBS=return_logprobs, BLOCK_S=next_power_of_2(splits), num_warps=1,
         )
 
 
@@ -247,5 +250,5 @@ def rejection_sample_greedy(draft_token_ids, target_logits, output_token_ids, nu
     _row_pass(target_logits, None, None, None, None, target_argmax, None, all_greedy=True, num_splits=num_splits)
     _accept_kernel[(rows,)](
         draft_token_ids, draft_token_ids.stride(0), target_argmax, output_token_ids, output_token_ids.stride(0),
-        num_accepted, k, BLOCK_K=triton.next_power_of_2(k + 1), num_warps=1,
+        num_accepted, k, BLOCK_K=next_power_of_2(k + 1), num_warps=1,
     )
