@@ -41,7 +41,7 @@ def _triton_supports(x, *rest) -> str | None:
 
 def _triton_key(x, *rest):
     """What :func:`_triton_supports` reads (out is the last argument)."""
-    return x.stride(-1) == 1, rest[-1].stride(-1) == 1
+    return x.stride()[-1] == 1, rest[-1].stride()[-1] == 1
 
 
 def _aiter_supports(x, *rest) -> str | None:

@@ -81,7 +81,7 @@ def _triton_supports(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_le
 def _triton_key(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k,
                 scale, sliding_window, logit_softcap, sinks, k_scale, v_scale, out):
     """What :func:`_triton_supports` reads (the compute capability follows from q's device, in the signature)."""
-    return (q.stride(-1) == 1, k_cache.stride(-1) == 1, v_cache.stride(-1) == 1, out.stride(-1) == 1,
+    return (q.stride()[-1] == 1, k_cache.stride()[-1] == 1, v_cache.stride()[-1] == 1, out.stride()[-1] == 1,
             q.shape[-1] > TRITON_MAX_HEAD_DIM, k_cache.dtype)
 
 

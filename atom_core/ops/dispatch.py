@@ -150,9 +150,12 @@ def on_device_for(backend: str, *tensors: torch.Tensor | None) -> str | None:
     return None
 
 
+_Tensor = torch.Tensor  # a module global: `torch.Tensor` costs an attribute lookup per argument
+
+
 def tensor_devices(args: tuple) -> tuple:
     """The device of every tensor among ``args``, in order: all that ``on_device_for`` reads."""
-    return tuple([a.device for a in args if isinstance(a, torch.Tensor)])
+    return tuple([a.device for a in args if isinstance(a, _Tensor)])
 
 
 def exact_key(*args) -> tuple:
@@ -195,7 +198,8 @@ class Op:
                  key: str | Callable[..., Hashable] | None = None) -> None:
         """Add a backend. ``supports(*args)`` says why it cannot serve a call, or None; ``key(*args)``
         returns everything ``supports`` reads, so that equal keys mean equal answers (default:
-        :func:`exact_key`)."""
+        :func:`exact_key`). Keys run on every call: ``t.stride()[-1]`` costs a third less than
+        ``t.stride(-1)``, and a key builds no string."""
         if supports is not None and key is None:
             key = exact_key
         self._impls[_check_name(backend)] = _Impl(target, supports, key)
@@ -289,7 +293,12 @@ class Op:
         return self._choice(args, kwargs, backend)[0]
 
     def __call__(self, *args, backend: str | None = None, **kwargs):
-        chosen, fn = self._choice(args, kwargs, backend)
+        try:  # the hot path: a known signature under a preference, nothing else looked at
+            if backend is not None or kwargs:
+                raise KeyError
+            chosen, fn = self._chosen[self._signature_fn(args), _preferred.get() or _default_backend]
+        except (KeyError, TypeError):  # TypeError: no signature function yet, or an unhashable argument
+            chosen, fn = self._choice(args, kwargs, backend)
         calls = _trace.get()
         if calls is not None:
             calls.append((self.name, chosen))

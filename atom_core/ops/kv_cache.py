@@ -29,7 +29,7 @@ def _triton_supports(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> 
 
 def _triton_key(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale):
     """What :func:`_triton_supports` reads."""
-    return k.stride(-1) == 1, v.stride(-1) == 1, k_cache.stride(-1) == 1, v_cache.stride(-1) == 1
+    return k.stride()[-1] == 1, v.stride()[-1] == 1, k_cache.stride()[-1] == 1, v_cache.stride()[-1] == 1
 
 
 def _aiter_fp8_is_e4m3fn(device: torch.device) -> bool:

@@ -49,10 +49,20 @@ def _triton_supports(x, weight, *rest) -> str | None:
     return None
 
 
-def _triton_key(x, weight, *rest):
-    """What :func:`_triton_supports` reads."""
-    return (x.shape[-1] > TRITON_MAX_HIDDEN, x.stride(-1) == 1, weight.stride(-1) == 1,
-            *[t.stride(-1) == 1 for t in rest if isinstance(t, Tensor)])
+def _unit_last_stride(t: Tensor | None) -> bool:
+    return t is None or t.stride()[-1] == 1
+
+
+def _triton_rms_key(x, weight, eps, residual, gemma, out, residual_out):
+    """What :func:`_triton_supports` reads of an rms_norm call (an absent tensor passes)."""
+    return (x.shape[-1] > TRITON_MAX_HIDDEN, x.stride()[-1] == 1, weight.stride()[-1] == 1, out.stride()[-1] == 1,
+            _unit_last_stride(residual), _unit_last_stride(residual_out))
+
+
+def _triton_ln_key(x, weight, bias, eps, residual, out, residual_out):
+    """What :func:`_triton_supports` reads of a layer_norm call (an absent tensor passes)."""
+    return (x.shape[-1] > TRITON_MAX_HIDDEN, x.stride()[-1] == 1, weight.stride()[-1] == 1, out.stride()[-1] == 1,
+            _unit_last_stride(bias), _unit_last_stride(residual), _unit_last_stride(residual_out))
 
 
 def _aiter_rms_supports(x, weight, eps, residual, gemma, out, residual_out) -> str | None:
@@ -80,10 +90,10 @@ def _aiter_ln_key(x, weight, bias, eps, residual, out, residual_out):
 
 
 RMS_NORM.register("torch", _torch_rms_norm)
-RMS_NORM.register("triton", "atom_core.ops.triton.norm:rms_norm", _triton_supports, _triton_key)
+RMS_NORM.register("triton", "atom_core.ops.triton.norm:rms_norm", _triton_supports, _triton_rms_key)
 RMS_NORM.register("aiter", "atom_core.ops.aiter.norm:rms_norm", _aiter_rms_supports, _aiter_rms_key)
 LAYER_NORM.register("torch", _torch_layer_norm)
-LAYER_NORM.register("triton", "atom_core.ops.triton.norm:layer_norm", _triton_supports, _triton_key)
+LAYER_NORM.register("triton", "atom_core.ops.triton.norm:layer_norm", _triton_supports, _triton_ln_key)
 LAYER_NORM.register("aiter", "atom_core.ops.aiter.norm:layer_norm", _aiter_ln_supports, _aiter_ln_key)
 
 

@@ -36,7 +36,7 @@ def _triton_supports(q, k, positions, cos_sin_cache, is_neox) -> str | None:
 
 def _triton_key(q, k, positions, cos_sin_cache, is_neox):
     """What :func:`_triton_supports` reads."""
-    return (q.stride(-1) == 1, k.stride(-1) == 1, cos_sin_cache.stride(-1) == 1,
+    return (q.stride()[-1] == 1, k.stride()[-1] == 1, cos_sin_cache.stride()[-1] == 1,
             cos_sin_cache.shape[-1] > TRITON_MAX_ROTARY_DIM)
 
 
@@ -63,7 +63,7 @@ def _aiter_supports(q, k, positions, cos_sin_cache, is_neox) -> str | None:
 
 def _aiter_key(q, k, positions, cos_sin_cache, is_neox):
     """What :func:`_aiter_supports` reads."""
-    return (q.stride(-1) == 1, k.stride(-1) == 1, cos_sin_cache.is_contiguous(), _span(q) > _INT32_MAX,
+    return (q.stride()[-1] == 1, k.stride()[-1] == 1, cos_sin_cache.is_contiguous(), _span(q) > _INT32_MAX,
             _span(k) > _INT32_MAX, 2 * cos_sin_cache.shape[0] > _INT32_MAX)
 
 

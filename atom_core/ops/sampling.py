@@ -85,12 +85,12 @@ def _aiter_rejection_supports(draft_token_ids, target_logits, *rest) -> str | No
 
 def _logits_key(logits, *rest):
     """What the sample rules read."""
-    return logits.stride(-1) == 1
+    return logits.stride()[-1] == 1
 
 
 def _target_logits_key(draft_token_ids, target_logits, *rest):
     """What the rejection_sample_greedy rules read."""
-    return target_logits.stride(-1) == 1, target_logits.is_contiguous()
+    return target_logits.stride()[-1] == 1, target_logits.is_contiguous()
 
 
 SAMPLE.register("torch", _torch_sample)

@@ -67,8 +67,8 @@ def supports(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_
 def supports_key(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k, scale,
                  sliding_window, logit_softcap, sinks, k_scale, v_scale, out):
     """What :func:`supports` reads: the dispatcher's cache key for this backend."""
-    return (q.dtype, k_cache.dtype, k_scale is None, v_scale is None, sinks is None, q.stride(-1) == 1,
-            out.stride(-1) == 1, q.shape[-1], k_cache.shape[1], q.shape[1] // k_cache.shape[2],
+    return (q.dtype, k_cache.dtype, k_scale is None, v_scale is None, sinks is None, q.stride()[-1] == 1,
+            out.stride()[-1] == 1, q.shape[-1], k_cache.shape[1], q.shape[1] // k_cache.shape[2],
             _is_decode(q, block_tables, max_seqlen_q), sliding_window is None, logit_softcap > 0)
 
 
