@@ -246,7 +246,10 @@ def launch_shape(num_tokens: int, top_k: int, num_experts: int, hidden_size: int
 
 
 def fused_experts(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, out, config=None):
-    """Backend entry (shapes checked by the public op); ``config`` overrides :func:`block_config`."""
+    """Backend entry (shapes checked by the public op); ``config`` overrides :func:`block_config`.
+
+    Strides are passed as ``*t.stride()`` (one call per tensor; ``t.stride(i)`` costs as much each).
+    """
     num_tokens, hidden_size = hidden.shape
     num_experts, two_inter, _ = w13.shape
     inter = two_inter // 2
@@ -269,8 +272,7 @@ def fused_experts(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias,
         hidden, w13, b13, act, sorted_entries, block_experts, num_padded,
         num_entries, hidden_size, inter, num_blocks, 2 if swiglu else 1, 1 if swiglu else inter,
         SWIGLU_ALPHA, SWIGLU_LIMIT,
-        hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
-        b13.stride(0) if w13_bias is not None else 0, b13.stride(1) if w13_bias is not None else 0, act.stride(0),
+        *hidden.stride(), *w13.stride(), *(w13_bias.stride() if w13_bias is not None else (0, 0)), act.stride(0),
         TOP_K=top_k, ACT=SWIGLU_CLAMPED if swiglu else SILU, HAS_BIAS=w13_bias is not None,
         EVEN_K=shape.even_hidden, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, DOT_PRECISION=precision, UPCAST_DOT=upcast,
@@ -284,15 +286,14 @@ def fused_experts(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias,
     _down_kernel[shape.down_grid](
         act, w2, b2, topk_weights, y, sorted_entries, block_experts, num_padded,
         num_entries, hidden_size, inter, num_blocks,
-        act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2),
-        b2.stride(0) if w2_bias is not None else 0, b2.stride(1) if w2_bias is not None else 0,
-        topk_weights.stride(0), topk_weights.stride(1), y.stride(0),
+        act.stride(0), *w2.stride(), *(w2_bias.stride() if w2_bias is not None else (0, 0)),
+        *topk_weights.stride(), y.stride(0),
         TOP_K=top_k, HAS_BIAS=w2_bias is not None, EVEN_K=shape.even_inter,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         DOT_PRECISION=precision, UPCAST_DOT=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
     _sum_choices_kernel[shape.sum_grid](
-        y, topk_ids, out, hidden_size, num_experts, y.stride(0), topk_ids.stride(0), topk_ids.stride(1),
-        out.stride(0), out.stride(1), TOP_K=top_k, BLOCK_H=shape.block_h, num_warps=4,
+        y, topk_ids, out, hidden_size, num_experts, y.stride(0), *topk_ids.stride(), *out.stride(),
+        TOP_K=top_k, BLOCK_H=shape.block_h, num_warps=4,
     )
