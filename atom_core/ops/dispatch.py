@@ -268,6 +268,16 @@ class Op:
 
     def _choice(self, args: tuple, kwargs: dict, backend: str | None) -> tuple[str, Callable]:
         """(backend, function) for this call: cached per signature, the rules run on a new one."""
+        if backend is None and not kwargs and self._signature_fn is not None:
+            try:  # the hot path: a known signature under a preference, one dict lookup
+                hit = self._chosen.get((self._signature_fn(args), _preferred.get() or _default_backend))
+            except TypeError:  # an unhashable argument under the exact key: chosen without the cache below
+                hit = None
+            if hit is not None:
+                return hit
+        return self._choose_and_remember(args, kwargs, backend)
+
+    def _choose_and_remember(self, args: tuple, kwargs: dict, backend: str | None) -> tuple[str, Callable]:
         if kwargs:  # the ops call positionally; a keyword call is chosen afresh
             name = self.choose_uncached(*args, backend=backend, **kwargs)
             return name, self._impls[name].load()
@@ -293,12 +303,7 @@ class Op:
         return self._choice(args, kwargs, backend)[0]
 
     def __call__(self, *args, backend: str | None = None, **kwargs):
-        try:  # the hot path: a known signature under a preference, nothing else looked at
-            if backend is not None or kwargs:
-                raise KeyError
-            chosen, fn = self._chosen[self._signature_fn(args), _preferred.get() or _default_backend]
-        except (KeyError, TypeError):  # TypeError: no signature function yet, or an unhashable argument
-            chosen, fn = self._choice(args, kwargs, backend)
+        chosen, fn = self._choice(args, kwargs, backend)
         calls = _trace.get()
         if calls is not None:
             calls.append((self.name, chosen))
