@@ -19,9 +19,11 @@ run() {  # run NAME SECONDS MODULE ARGS...   (with TRITON_CACHE_DIR=$cache)
         | tee "$out/$name.log" | tail -30
 }
 echo "=== GPU engine tests"
-TRITON_CACHE_DIR="$out/triton_cache_tests" timeout 90 python -m pytest tests/engine/test_engine_gpu.py -q \
+TRITON_CACHE_DIR="$out/triton_cache_tests" timeout 120 python -m pytest tests/engine/test_engine_gpu.py \
+    tests/engine/test_engine_binding.py tests/engine/test_engine_lifetime.py -q \
     -p no:cacheprovider 2>&1 | tail -5
 run engine_throughput 240 benchmarks.engine --section throughput --hf-seqs 64 --hf-timeout 80 --json "$out/engine_throughput.json"
 run engine_latency 110 benchmarks.engine --section latency --json "$out/engine_latency.json"
+run engine_ttft 90 benchmarks.engine --section ttft --json "$out/engine_ttft.json"
 run ops_attention 130 benchmarks.ops_attention --sdpa-only --json "$out/ops_attention.json"
 run ops_elementwise 70 benchmarks.ops_elementwise --json "$out/ops_elementwise.json"
