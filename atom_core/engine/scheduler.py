@@ -136,10 +136,6 @@ class Scheduler:
         self.num_steps = 0
         self._ones = np.ones(max_num_seqs, dtype=np.int64)
 
-    @property
-    def block_size(self) -> int:
-        return self.block_manager.block_size
-
     def add(self, request: Request) -> None:
         request.status = Status.WAITING
         request.length_limit = self.stop_rule.length_limit(request)
