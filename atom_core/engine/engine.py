@@ -53,6 +53,18 @@ def step_activation_bytes(cfg, num_tokens: int, num_rows: int) -> int:
     return 4 * (num_tokens * (8 * cfg.hidden_size + mlp_width) + num_rows * cfg.vocab_size * 4)
 
 
+def check_device(device) -> torch.device:
+    """``device`` as a torch.device, refused by name when this machine cannot use it."""
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r}: this machine has no usable CUDA (torch {torch.__version__}, "
+                         f"built {'with' if torch.version.cuda or torch.version.hip else 'without'} GPU support); "
+                         f"use device='cpu'")
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"device {str(device)!r}: the engine runs on 'cuda' or 'cpu'")
+    return device
+
+
 class Engine:
     """Continuous-batching generation over a paged KV pool.
 
@@ -77,9 +89,13 @@ class Engine:
                  warmup: bool = True):
         self.model = model
         self.tokenizer = tokenizer
-        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.device = check_device(device) if device is not None else next(model.parameters()).device
         config = model.config
         limit = config.max_position_embeddings
+        if max_model_len is not None and (isinstance(max_model_len, bool) or not isinstance(max_model_len, int)
+                                          or max_model_len < 1):
+            raise ValueError(f"max_model_len must be None (the model's max_position_embeddings) or an int >= 1, "
+                             f"got {max_model_len!r}")
         if max_model_len is not None and max_model_len > limit:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}")
         self.max_model_len = max_model_len or limit
@@ -119,6 +135,7 @@ class Engine:
         path = Path(path) if path is not None else DEMO_MODEL
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
+        check_device(device)
         model = load_model(path, dtype=dtype, device=device, load_format=load_format)
         return cls(model, Tokenizer.maybe_from(path), device=device, **engine_args)
 
@@ -182,9 +199,19 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
 
-    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> int:
-        """Queue a prompt; returns its request id. Raises ValueError when it can never fit."""
-        params = params or SamplingParams()
+    def add_request(self, prompt: str | Sequence[int] | np.ndarray, params: SamplingParams | None = None) -> int:
+        """Queue a prompt; returns its request id. Raises (and queues nothing) when the prompt or
+        its parameters are not valid or it can never fit."""
+        token_ids, params = self._check_request(prompt, params)
+        seed = params.seed_int64 if params.seed is not None else self._seed_source.getrandbits(62)
+        request = Request(self._next_id, token_ids, params, seed)
+        self._next_id += 1
+        self._requests[request.request_id] = request
+        self.scheduler.add(request)
+        return request.request_id
+
+    def _check_request(self, prompt, params) -> tuple[list[int], SamplingParams]:
+        params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         token_ids = self._encode(prompt)
@@ -194,25 +221,37 @@ class Engine:
                              f"exceeds max_model_len={self.max_model_len}")
         # (The pool always holds one request of max_model_len: plan_kv_pool refuses smaller pools.)
         vocab = self.model.config.vocab_size
-        if any(not 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        seed = params.seed if params.seed is not None else self._seed_source.getrandbits(62)
-        request = Request(self._next_id, token_ids, params, seed)
-        self._next_id += 1
-        self._requests[request.request_id] = request
-        self.scheduler.add(request)
-        return request.request_id
+        if not all(0 <= t < vocab for t in token_ids):
+            bad = next(t for t in token_ids if not 0 <= t < vocab)
+            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad}")
+        return token_ids, params
 
     def _encode(self, prompt) -> list[int]:
+        """A prompt as a list of Python ints: a string (through the tokenizer), a list or tuple of
+        ints (numpy ints too), or a 1-D integer numpy array or tensor. Bools and everything else are
+        refused by name."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("string prompts need a tokenizer (tokenizer.json in the model folder); "
                                  "pass token ids instead")
             token_ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (np.ndarray, torch.Tensor)):
+            kind = "numpy array" if isinstance(prompt, np.ndarray) else "tensor"
+            is_int = (prompt.dtype.kind in "iu") if isinstance(prompt, np.ndarray) else \
+                (not prompt.dtype.is_floating_point and not prompt.dtype.is_complex and prompt.dtype != torch.bool)
+            if prompt.ndim != 1 or not is_int:
+                raise TypeError(f"a token-id prompt given as a {kind} must be 1-D of an integer dtype, got "
+                                f"shape {tuple(prompt.shape)} and dtype {prompt.dtype}")
+            token_ids = prompt.tolist()
+        elif isinstance(prompt, (list, tuple)):
+            if not all(isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_)) for t in prompt):
+                bad = next(t for t in prompt
+                           if not isinstance(t, (int, np.integer)) or isinstance(t, (bool, np.bool_)))
+                raise TypeError(f"a token-id prompt holds ints, got {type(bad).__name__} {bad!r}")
+            token_ids = [int(t) for t in prompt]
         else:
-            token_ids = list(prompt)
-            if not all(isinstance(t, int) for t in token_ids):
-                raise TypeError("a prompt is a string or a list of int token ids")
+            raise TypeError(f"a prompt is a string, a list of int token ids or a 1-D integer array, "
+                            f"got {type(prompt).__name__}")
         if not token_ids:
             raise ValueError("empty prompt: a prompt needs at least one token")
         return token_ids
@@ -244,40 +283,74 @@ class Engine:
         """
         if not self.runner.is_bound:  # another engine on this model bound its own pool since
             self.runner.bind()
-        current, self._in_flight = self._in_flight or self._launch_next(), None
-        if current is None:
-            if self.scheduler.has_unfinished():
-                raise RuntimeError("the scheduler could not run any request: the pool is too small for the "
-                                   "waiting requests")
-            return StepOutputs([], np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), {})
-        if self.async_scheduling:
-            self._in_flight = self._launch_next()
-        tokens, logprobs = self.runner.collect(current)
-        record = self.scheduler.record(current.step, tokens, logprobs)
+        current, self._in_flight = self._in_flight, None
+        scheduled = [] if current is None else [current.step]
+        try:
+            if current is None:
+                current = self._launch_next(scheduled)
+            if current is None:
+                if self.scheduler.has_unfinished():
+                    raise RuntimeError("the scheduler could not run any request: the pool is too small for the "
+                                       "waiting requests")
+                return StepOutputs([], np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), {})
+            if self.async_scheduling:
+                self._in_flight = self._launch_next(scheduled)
+            tokens, logprobs = self.runner.collect(current)
+            record = self.scheduler.record(current.step, tokens, logprobs)
+        except BaseException:
+            self._fail(scheduled)
+            raise
         for i in record.finish_reasons:
             self._requests.pop(record.requests[i].request_id, None)
         return StepOutputs(record.requests, record.tokens, record.num_tokens, record.finish_reasons)
 
-    def _launch_next(self) -> LaunchedStep | None:
+    def _launch_next(self, scheduled: list) -> LaunchedStep | None:
         step = self.scheduler.schedule()
         if step is None:
             return None
+        scheduled.append(step)  # from here on, a failure finishes its requests
         self.num_preemptions += len(step.preempted)
         return self.runner.launch(step)
 
+    def _fail(self, steps: list) -> None:
+        """A step raised: finish every request of the steps in play with reason "error" (freeing
+        their blocks), so the engine is consistent and the next request runs."""
+        self._in_flight = None
+        for step in steps:
+            for request in step.requests:
+                if not request.finished:
+                    self.scheduler.finish(request, "error")
+                    self._requests.pop(request.request_id, None)
+
     # ------------------------------------------------------------------ offline
 
-    def generate(self, prompts: Iterable[str | Sequence[int]],
+    def generate(self, prompts: str | Sequence[int] | Iterable[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run prompts to completion; outputs in prompt order (generated part only)."""
+        """Run prompts to completion; outputs in prompt order (generated part only).
+
+        ``prompts``: a string or one token-id list (one prompt), or a list of them. Every prompt is
+        checked before any is queued. ``generate`` runs only its own prompts: it refuses while
+        requests added with ``add_request`` are unfinished (step them or abort them first), so no
+        output of theirs is consumed here.
+        """
+        if self.has_unfinished_requests():
+            raise RuntimeError(f"generate() runs only its own prompts, but {self._num_unfinished()} requests added "
+                               f"with add_request are unfinished: run step() until they finish, or abort them")
+        if isinstance(prompts, (str, np.ndarray, torch.Tensor)) or (
+                isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], (int, np.integer))):
+            prompts = [prompts]  # one prompt
         prompts = list(prompts)
-        if isinstance(prompts and prompts[0], int):
-            prompts = [prompts]  # one token-id prompt
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        checked = []
+        for i, (prompt, sp) in enumerate(zip(prompts, params_list)):
+            try:
+                checked.append(self._check_request(prompt, sp))
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"prompt {i}: {e}") from None
+        ids = [self.add_request(token_ids, sp) for token_ids, sp in checked]
         order = {rid: i for i, rid in enumerate(ids)}
         finished: dict[int, RequestOutput] = {}
         with tqdm(total=len(ids), desc="generate", disable=not use_tqdm) as bar:
@@ -287,3 +360,6 @@ class Engine:
                         finished[out.request_id] = out
                         bar.update(1)
         return [finished[rid] for rid in sorted(finished, key=order.__getitem__)]
+
+    def _num_unfinished(self) -> int:
+        return len(self.scheduler.waiting) + len(self.scheduler.running)

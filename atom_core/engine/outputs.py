@@ -22,7 +22,7 @@ class RequestOutput:
     Attributes:
         request_id: the id ``add_request`` returned.
         finish_reason: None while running, else "stop" (EOS, a stop token or a stop string),
-            "length" (max_tokens or max_model_len) or "abort".
+            "length" (max_tokens or max_model_len), "abort", or "error" (the step that ran it raised).
         finished: ``finish_reason is not None``.
         text: the decoded output once finished ("" before, or without a tokenizer).
         num_output_tokens: tokens generated up to and including this step.

@@ -20,6 +20,8 @@ import numpy as np
 
 from atom_core.engine.request import Request
 
+INT32_MAX = 2**31 - 1
+
 
 class RunningBatch:
     """Per-row arrays of the running requests (rows ``0 .. num_rows-1`` are in use).
@@ -128,7 +130,7 @@ class RunningBatch:
         self._num_admitted += 1
         params = request.params
         self.temperature[row] = params.temperature
-        self.top_k[row] = params.top_k
+        self.top_k[row] = min(params.top_k, INT32_MAX)  # any top_k >= the vocabulary keeps all of it
         self.top_p[row] = params.top_p
         self.min_p[row] = params.min_p
         self.seed[row] = request.seed

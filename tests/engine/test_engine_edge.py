@@ -1,0 +1,144 @@
+"""Bad input is refused at the API edge, naming the problem, and nothing is queued or leaked; a
+step that raises finishes its requests with reason "error" and the engine keeps working."""
+
+import numpy as np
+import pytest
+import torch
+
+from atom_core import ops
+from atom_core.engine import Engine, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture
+def engine(tiny_qwen3):
+    folder, _ = tiny_qwen3
+    with ops.use_backend("torch"):
+        yield Engine.from_pretrained(folder, device="cpu", dtype=torch.float32, block_size=4)
+
+
+def assert_idle_and_clean(engine):
+    assert not engine.has_unfinished_requests()
+    engine.block_manager.check_integrity()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.scheduler.batch.num_rows == 0
+
+
+@pytest.mark.parametrize("field, value", [
+    ("temperature", float("nan")), ("temperature", float("inf")), ("temperature", 1e300), ("temperature", -0.5),
+    ("temperature", True), ("temperature", "0.5"), ("top_k", 2.0), ("top_k", -2), ("top_k", True),
+    ("top_p", float("nan")), ("top_p", 0.0), ("top_p", 1.5), ("min_p", float("nan")), ("min_p", -0.1),
+    ("max_tokens", 0), ("max_tokens", 3.0), ("max_tokens", True), ("seed", 2**64), ("seed", -1), ("seed", 1.0),
+    ("seed", True), ("logprobs", -1), ("logprobs", True), ("stop", [""]), ("stop", 5), ("stop_token_ids", [-1]),
+    ("stop_token_ids", [True]), ("stop_token_ids", 7), ("ignore_eos", "yes"),
+])
+def test_sampling_params_refuse_values_a_step_could_not_run(field, value):
+    with pytest.raises(ValueError, match=f"SamplingParams.{field}="):
+        SamplingParams(**{field: value})
+
+
+def test_extreme_valid_params_run(engine):
+    params = [SamplingParams(seed=2**64 - 1, max_tokens=4, ignore_eos=True),
+              SamplingParams(top_k=2**40, temperature=3e38, max_tokens=4, ignore_eos=True),
+              SamplingParams(top_k=np.int64(3), seed=np.uint64(2**63 + 5), max_tokens=4, ignore_eos=True)]
+    with ops.use_backend("torch"):
+        outs = engine.generate([[1, 2, 3]] * 3, params, use_tqdm=False)
+    assert [len(o.token_ids) for o in outs] == [4, 4, 4]
+    assert_idle_and_clean(engine)
+
+
+@pytest.mark.parametrize("prompt", [np.array([True, False]), [True, 2], [1.0, 2.0], np.array([1.5, 2.0]),
+                                    np.array([[1, 2]]), [[1, 2]], torch.tensor([1.0]), {1, 2}, 7, None, b"ab"])
+def test_prompts_of_other_kinds_are_refused_by_name(engine, prompt):
+    with pytest.raises(TypeError, match="prompt"):
+        engine.add_request(prompt)
+    assert_idle_and_clean(engine)
+
+
+def test_numpy_and_tensor_token_ids_are_prompts(engine):
+    ids = [5, 6, 7, 8]
+    with ops.use_backend("torch"):
+        want = engine.generate([ids], GREEDY, use_tqdm=False)[0].token_ids
+        for prompt in (np.array(ids), np.array(ids, dtype=np.int32), [np.int64(t) for t in ids], torch.tensor(ids),
+                       tuple(ids)):
+            assert engine.generate([prompt], GREEDY, use_tqdm=False)[0].token_ids == want
+        assert engine.generate(np.array(ids), GREEDY, use_tqdm=False)[0].token_ids == want  # one bare prompt
+
+
+def test_a_bare_string_is_one_prompt():
+    with ops.use_backend("torch"):
+        engine = Engine.from_pretrained(device="cpu", dtype=torch.float32)  # the demo model has a tokenizer
+        outs = engine.generate("Return the number of", SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert len(outs) == 1
+
+
+def test_generate_checks_every_prompt_before_queueing_any(engine):
+    with pytest.raises(ValueError, match="prompt 2: prompt token ids must be in"):
+        engine.generate([[1, 2], [3], [1, 10**6], [4]], GREEDY, use_tqdm=False)
+    with pytest.raises(TypeError, match="prompt 1: "):
+        engine.generate([[1, 2], [True]], GREEDY, use_tqdm=False)
+    assert_idle_and_clean(engine)
+
+
+def test_generate_refuses_while_added_requests_are_unfinished(engine):
+    rid = engine.add_request([1, 2, 3], GREEDY)
+    with pytest.raises(RuntimeError, match="1 requests added with add_request are unfinished"):
+        engine.generate([[4, 5]], GREEDY, use_tqdm=False)
+    with ops.use_backend("torch"):
+        done = []
+        while engine.has_unfinished_requests():
+            done += [o.request_id for o in engine.step() if o.finished]
+        assert done == [rid]  # its output was not consumed by anyone else
+        assert len(engine.generate([[4, 5]], GREEDY, use_tqdm=False)) == 1
+
+
+@pytest.mark.parametrize("max_model_len", [0, -1, 1.5, True, "64"])
+def test_max_model_len_must_be_a_positive_int(tiny_qwen3, max_model_len):
+    folder, _ = tiny_qwen3
+    with pytest.raises(ValueError, match="max_model_len must be None"):
+        Engine.from_pretrained(folder, device="cpu", dtype=torch.float32, max_model_len=max_model_len)
+
+
+def test_a_device_this_machine_cannot_use_is_refused_by_name(tiny_qwen3):
+    folder, _ = tiny_qwen3
+    with pytest.raises(ValueError, match="device 'mps:0': the engine runs on 'cuda' or 'cpu'"):
+        Engine.from_pretrained(folder, device="mps:0")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device 'cuda': this machine has no usable CUDA"):
+            Engine.from_pretrained(folder, device="cuda")
+
+
+class RaisesOnCall:
+    """Wraps a model; its forward raises on the ``fail_at``-th call (counting from 1)."""
+
+    def __init__(self, model, fail_at):
+        self.model, self.fail_at, self.calls = model, fail_at, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("injected failure")
+        return self.model.forward(*args, **kwargs)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("fail_at", [1, 2, 4])
+def test_a_step_that_raises_finishes_its_requests_and_the_engine_keeps_working(tiny_qwen3, async_scheduling,
+                                                                                 fail_at):
+    folder, _ = tiny_qwen3
+    with ops.use_backend("torch"):
+        engine = Engine.from_pretrained(folder, device="cpu", dtype=torch.float32, block_size=4,
+                                        async_scheduling=async_scheduling)
+        want = engine.generate([[9, 8, 7]], GREEDY, use_tqdm=False)[0].token_ids
+        ids = [engine.add_request(p, SamplingParams(max_tokens=20, ignore_eos=True)) for p in ([1, 2, 3], [4, 5])]
+        engine.model.forward = RaisesOnCall(engine.model, fail_at)
+        with pytest.raises(RuntimeError, match="injected failure"):
+            while engine.has_unfinished_requests():
+                engine.step()
+        del engine.model.forward  # the model's own forward again
+        assert_idle_and_clean(engine)
+        for rid in ids:
+            engine.abort(rid)  # finished ids are ignored
+        assert engine.generate([[9, 8, 7]], GREEDY, use_tqdm=False)[0].token_ids == want
+    assert_idle_and_clean(engine)
