@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from atom_core.cache import BlockManager, budget_from_memory, plan_kv_pool
 from atom_core.cache.token_layout import build_step_layout
+from atom_core.engine.generation_config import read_generation_config
 from atom_core.engine.outputs import RequestOutput, StepOutputs
 from atom_core.engine.request import Request
 from atom_core.engine.runner import LaunchedStep, ModelRunner, forward_logits
@@ -117,6 +118,8 @@ class Engine:
         self.runner = ModelRunner(model, plan, device=self.device, max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
                                   enforce_eager=enforce_eager)
+        # What a request without SamplingParams gets (from_pretrained: the checkpoint's generation_config.json).
+        self.default_sampling_params = SamplingParams()
         self.async_scheduling = bool(async_scheduling)
         self._in_flight: LaunchedStep | None = None  # launched, its tokens not read yet
         self._requests: dict[int, Request] = {}
@@ -136,8 +139,15 @@ class Engine:
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         check_device(device)
+        eos_token_ids, defaults = read_generation_config(path)
         model = load_model(path, dtype=dtype, device=device, load_format=load_format)
-        return cls(model, Tokenizer.maybe_from(path), device=device, **engine_args)
+        engine = cls(model, Tokenizer.maybe_from(path), device=device, **engine_args)
+        engine.eos_token_ids = engine.eos_token_ids | set(eos_token_ids)
+        try:
+            engine.default_sampling_params = SamplingParams(**defaults)
+        except ValueError as e:
+            raise ValueError(f"{path / 'generation_config.json'}: {e}") from None
+        return engine
 
     def _gpu_budget(self, utilization: float, max_num_batched_tokens: int, max_num_seqs: int) -> int:
         free, total = torch.cuda.mem_get_info(self.device)
@@ -211,7 +221,7 @@ class Engine:
         return request.request_id
 
     def _check_request(self, prompt, params) -> tuple[list[int], SamplingParams]:
-        params = SamplingParams() if params is None else params
+        params = self.default_sampling_params if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         token_ids = self._encode(prompt)

@@ -17,6 +17,8 @@ import numpy as np
 
 from atom_core.engine.request import Request
 
+INCOMPLETE_CHARACTER = "\ufffd"  # what decoding gives for the bytes of a character not yet complete
+
 
 class StopRule:
     """The stop conditions of one engine: its EOS ids, ``max_model_len`` and tokenizer (or None)."""
@@ -51,21 +53,26 @@ class StopRule:
         return maybe
 
     def finish_reason(self, request: Request) -> str | None:
-        """Why ``request`` stops after its last token (setting its final ``text``), or None."""
+        """Why ``request`` stops after its last token (setting its final ``text``), or None.
+
+        The final text, as vLLM gives it: without a stop string or the stop token's text (the
+        token itself stays in ``token_ids``), and without a last character whose UTF-8 bytes the
+        output has not completed (a byte-level tokenizer decodes those as U+FFFD).
+        """
         params, token = request.params, request.token_ids[-1]
-        text = None
         if params.stop_strings and self.tokenizer is not None:
             text = self.tokenizer.decode(request.output_token_ids)
             hits = [i for i in (text.find(s) for s in params.stop_strings) if i >= 0]
             if hits:
                 request.text = text[: min(hits)]  # the stop string is not part of the text
                 return "stop"
+        output = request.output_token_ids
         if (not params.ignore_eos and token in self._eos_token_ids) or token in (params.stop_token_ids or ()):
-            reason = "stop"
+            reason, output = "stop", output[:-1]  # the stop token's text is not part of the text
         elif request.num_tokens >= request.length_limit:
             reason = "length"
         else:
             return None
         if self.tokenizer is not None:
-            request.text = text if text is not None else self.tokenizer.decode(request.output_token_ids)
+            request.text = self.tokenizer.decode(output).rstrip(INCOMPLETE_CHARACTER)
         return reason

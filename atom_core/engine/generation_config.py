@@ -1,0 +1,40 @@
+"""A checkpoint's ``generation_config.json``: the EOS ids and sampling defaults its authors chose.
+
+HF transformers and vLLM both read it: instruct checkpoints often name their end-of-turn token
+only there, and give their recommended temperature / top-p there. What is taken, as vLLM does:
+
+- ``eos_token_id`` (an int or a list): added to the model config's EOS ids;
+- ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``max_new_tokens`` (as ``max_tokens``): the
+  defaults of ``Engine.default_sampling_params``, used when a request gives no ``SamplingParams``.
+  (``do_sample`` is not read: as in vLLM, a temperature given there applies; a file with
+  ``do_sample: false`` and no temperature leaves the default temperature.)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+SAMPLING_FIELDS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+                   "max_new_tokens": "max_tokens"}
+
+
+def read_generation_config(folder: str | Path) -> tuple[list[int], dict]:
+    """``(eos_token_ids, sampling defaults)`` from ``folder/generation_config.json``; ``([], {})``
+    without one. Raises ValueError naming the file when it is not valid JSON or a field has the
+    wrong type."""
+    file = Path(folder) / "generation_config.json"
+    if not file.is_file():
+        return [], {}
+    try:
+        data = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{file}: expected a JSON object, got {type(data).__name__}")
+    eos = data.get("eos_token_id")
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else eos
+    if not isinstance(eos, list) or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in eos):
+        raise ValueError(f"{file}: eos_token_id must be an int >= 0 or a list of them, got {data['eos_token_id']!r}")
+    defaults = {ours: data[theirs] for theirs, ours in SAMPLING_FIELDS.items() if data.get(theirs) is not None}
+    return eos, defaults

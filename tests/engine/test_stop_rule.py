@@ -1,0 +1,82 @@
+"""The stop rule's final text (as vLLM gives it) and the checkpoint's generation_config.json."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from atom_core.engine import Engine, SamplingParams
+from atom_core.engine.engine import DEMO_MODEL
+from atom_core.engine.request import Request
+from atom_core.engine.stop_rule import StopRule
+from atom_core.engine.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return Tokenizer(DEMO_MODEL)
+
+
+def ids(tokenizer, text):
+    """The text's token ids without the BOS token the tokenizer adds to prompts."""
+    token_ids = tokenizer.encode(text)
+    return token_ids[1:] if tokenizer.add_bos_token else token_ids
+
+
+def finished_text(tokenizer, output, **params):
+    rule = StopRule(eos_token_ids=[0], max_model_len=100, tokenizer=tokenizer)
+    request = Request(0, [5, 6], SamplingParams(**params), seed=0)
+    request.length_limit = rule.length_limit(request)
+    request.token_ids += output
+    return rule.finish_reason(request), request.text
+
+
+def test_a_stop_tokens_text_is_left_out_and_the_token_kept(tokenizer):
+    body = ids(tokenizer, "Return the number")
+    stop = ids(tokenizer, " of")[-1]  # an ordinary, non-special token
+    reason, text = finished_text(tokenizer, body + [stop], stop_token_ids=[stop], max_tokens=50)
+    assert reason == "stop" and text == tokenizer.decode(body)
+    assert tokenizer.decode(body + [stop]) != text  # the token had text of its own
+
+
+def test_a_final_text_ends_before_a_character_whose_bytes_are_incomplete(tokenizer):
+    body, euro = ids(tokenizer, "price: "), ids(tokenizer, "€")
+    assert len(euro) > 1 and tokenizer.decode(body + euro[:1]).endswith("\ufffd")  # the case at hand
+    output = body + euro[:1]
+    reason, text = finished_text(tokenizer, output, max_tokens=len(output))
+    assert reason == "length" and text == tokenizer.decode(body)
+    output = body + euro
+    assert finished_text(tokenizer, output, max_tokens=len(output))[1] == "price: €"  # complete: kept
+
+
+def test_stop_strings_cut_the_text_before_them(tokenizer):
+    output = ids(tokenizer, "Return the number of items")
+    reason, text = finished_text(tokenizer, output, stop=[" number"], max_tokens=50)
+    assert reason == "stop" and text == "Return the"
+
+
+def _checkpoint_with(tmp_path, generation_config):
+    folder = tmp_path / "model"
+    shutil.copytree(DEMO_MODEL, folder)
+    (folder / "generation_config.json").write_text(generation_config)
+    return folder
+
+
+def test_generation_config_adds_eos_ids_and_gives_the_default_sampling_params(tmp_path):
+    folder = _checkpoint_with(tmp_path, json.dumps({"eos_token_id": [7, 9], "temperature": 0.3, "top_p": 0.5,
+                                                    "top_k": 20, "max_new_tokens": 11, "do_sample": True}))
+    engine = Engine.from_pretrained(folder, device="cpu", dtype=torch.float32)
+    assert {7, 9} <= engine.eos_token_ids and 0 in engine.eos_token_ids  # config.json's EOS stays
+    assert engine.default_sampling_params == SamplingParams(temperature=0.3, top_p=0.5, top_k=20, max_tokens=11)
+    rid = engine.add_request([1, 2, 3])
+    assert engine._requests[rid].params == engine.default_sampling_params
+
+
+@pytest.mark.parametrize("content, message", [("{not json", "not valid JSON"),
+                                              ('{"eos_token_id": "x"}', "eos_token_id must be"),
+                                              ('{"temperature": -1}', "SamplingParams.temperature")])
+def test_a_bad_generation_config_is_refused_naming_the_file(tmp_path, content, message):
+    folder = _checkpoint_with(tmp_path, content)
+    with pytest.raises(ValueError, match=f"generation_config.json.*{message}"):
+        Engine.from_pretrained(folder, device="cpu", dtype=torch.float32)
