@@ -345,8 +345,9 @@ class Scheduler:
         step.produces = np.arange(len(step)) if every else np.flatnonzero(done)
         produced_rows = rows if every else _index(rows, step.produces)
         step.new_token_index = batch.num_tokens[produced_rows].copy()
-        step.stop_flags = (batch.length_limit[produced_rows], batch.stops_at_eos[produced_rows],
-                           batch.checks_every_token[produced_rows])
+        # Copies, not views: rows move (preemption, finishes) before ``record`` reads them.
+        step.stop_flags = (batch.length_limit[produced_rows].copy(), batch.stops_at_eos[produced_rows].copy(),
+                           batch.checks_every_token[produced_rows].copy())
         batch.num_tokens[produced_rows] += 1
         batch.pending_index[produced_rows] = step.produces
         batch.pending_step[produced_rows] = step.step_id
