@@ -10,14 +10,32 @@ The pool has two parts:
   layers), ``max_num_seqs * state_entries_per_req`` entries of ``state_bytes_per_entry`` bytes.
 
 The state is reserved first; the paged pool gets what remains of the budget.
+
+Also here, for every layer that sizes host allocations before making them: the host memory
+available now (``host_memory_available_bytes``) and the error an estimate larger than it
+raises (``check_fits_in_memory`` -> ``InsufficientMemoryError``).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-__all__ = ["KVCacheSpec", "PoolPlan", "plan_kv_pool", "budget_from_memory"]
+__all__ = [
+    "InsufficientMemoryError",
+    "KVCacheSpec",
+    "PoolPlan",
+    "budget_from_memory",
+    "check_fits_in_memory",
+    "host_memory_available_bytes",
+    "plan_kv_pool",
+]
+
+GIB = 1 << 30
+_MEMINFO = Path("/proc/meminfo")
+_CGROUP = Path("/sys/fs/cgroup")  # cgroup v2: memory.max / memory.current of this container
 
 
 def _is_int(value: object) -> bool:
@@ -261,3 +279,64 @@ def budget_from_memory(total_bytes: int, used_bytes: int, gpu_memory_utilization
             "already in use; raise gpu_memory_utilization or use less memory elsewhere"
         )
     return budget
+
+
+class InsufficientMemoryError(MemoryError, ValueError):
+    """An allocation was refused before it was made: its estimated bytes exceed the memory available.
+
+    A ``MemoryError`` (it is about memory) and a ``ValueError`` (the size asked for is what is wrong).
+    """
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # cgroup's "max" (no limit) reads as None
+
+
+def host_memory_available_bytes() -> int | None:
+    """Host memory a new allocation can take now, in bytes; None when this OS does not say.
+
+    ``MemAvailable`` of ``/proc/meminfo`` (free memory plus the page cache the kernel can drop),
+    else total physical memory (``SC_PAGE_SIZE * SC_PHYS_PAGES``); capped by the cgroup v2 limit
+    of this container (``memory.max - memory.current``) where one is set.
+    """
+    available = None
+    try:
+        for line in _MEMINFO.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024  # the file says kB (KiB)
+                break
+    except (OSError, ValueError, IndexError):
+        available = None
+    if available is None:
+        try:
+            available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            available = None
+        if available is not None and available <= 0:
+            available = None
+    limit, used = _read_int(_CGROUP / "memory.max"), _read_int(_CGROUP / "memory.current")
+    if limit is not None and used is not None:
+        left = max(limit - used, 0)
+        available = left if available is None else min(available, left)
+    return available
+
+
+def check_fits_in_memory(what: str, needed_bytes: int, available_bytes: int | None, *, where: str,
+                         detail: str = "", hint: str = "") -> None:
+    """Raise ``InsufficientMemoryError`` when ``needed_bytes`` exceeds ``available_bytes`` (None: unknown, pass).
+
+    The message names ``what``, gives the estimate and the memory available in GiB, ``where`` that
+    memory is ("host memory", "cuda:0"), how the estimate was made (``detail``) and what to change (``hint``).
+    """
+    if available_bytes is None or needed_bytes <= available_bytes:
+        return
+    how = f" ({detail})" if detail else ""
+    fix = f"; {hint}" if hint else ""
+    raise InsufficientMemoryError(
+        f"{what} needs an estimated {needed_bytes / GIB:.2f} GiB{how}, more than the "
+        f"{available_bytes / GIB:.2f} GiB of {where} available{fix}"
+    )

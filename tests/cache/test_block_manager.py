@@ -1,5 +1,6 @@
 """BlockManager and prefix hashes: hand-computed anchors, policy, errors, integrity checks."""
 import struct
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -7,7 +8,8 @@ import torch
 import xxhash
 
 import atom_core.cache.block_manager as block_manager_module
-from atom_core.cache.block_manager import BlockManager, PrefixCacheStats
+from atom_core.cache.block_manager import HOST_BYTES_PER_BLOCK, BlockManager, PrefixCacheStats
+from atom_core.cache.pool_sizing import InsufficientMemoryError
 from atom_core.cache.prefix_hash import ROOT_PARENT_HASH, hash_block_tokens, hash_full_blocks
 
 TEN = list(range(100, 110))  # a 10-token prompt: with block_size 4 -> blocks of 4, 4, 2
@@ -351,3 +353,40 @@ def test_check_integrity_detects(corrupt):
     corrupt(bm)
     with pytest.raises(AssertionError):
         bm.check_integrity()
+
+
+# ------------------------------------------------------------------ host memory of the bookkeeping
+
+
+def test_1e8_blocks_refused_by_name_in_gib_before_allocating_when_host_memory_is_smaller(monkeypatch):
+    monkeypatch.setattr(block_manager_module, "host_memory_available_bytes", lambda: 8 << 30)
+    tracemalloc.start()
+    try:
+        with pytest.raises(InsufficientMemoryError) as err:
+            BlockManager(num_blocks=10**8, block_size=16)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    msg = str(err.value)
+    assert "BlockManager(num_blocks=100000000)" in msg
+    assert f"{10**8 * HOST_BYTES_PER_BLOCK / 2**30:.2f} GiB" in msg and "8.00 GiB of host memory" in msg
+    assert peak < 1 << 20  # refused before the per-block lists (~15 GB) were built
+
+
+def test_blocks_that_fit_the_host_memory_are_built(monkeypatch):
+    monkeypatch.setattr(block_manager_module, "host_memory_available_bytes", lambda: 1000 * HOST_BYTES_PER_BLOCK)
+    assert BlockManager(num_blocks=1000, block_size=4).num_free_blocks == 1000
+    with pytest.raises(InsufficientMemoryError):
+        BlockManager(num_blocks=1001, block_size=4)
+
+
+def test_host_bytes_per_block_estimate_is_within_a_third_of_the_measured_bookkeeping():
+    num_blocks = 100_000
+    tracemalloc.start()
+    try:
+        bm = BlockManager(num_blocks=num_blocks, block_size=16)
+        used, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert bm.num_free_blocks == num_blocks
+    assert 0.67 * used <= num_blocks * HOST_BYTES_PER_BLOCK <= 1.33 * used

@@ -1,4 +1,5 @@
-"""Pool sizing: hand-computed anchors, the smallest-budget boundary, validation."""
+"""Pool sizing: hand-computed anchors, the smallest-budget boundary, validation; host memory."""
+import os
 import re
 
 import pytest
@@ -6,7 +7,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from atom_core.cache.pool_sizing import KVCacheSpec, PoolPlan, budget_from_memory, plan_kv_pool
+import atom_core.cache.pool_sizing as pool_sizing_module
+from atom_core.cache.pool_sizing import (
+    InsufficientMemoryError,
+    KVCacheSpec,
+    PoolPlan,
+    budget_from_memory,
+    check_fits_in_memory,
+    host_memory_available_bytes,
+    plan_kv_pool,
+)
 
 # Llama-3-8B: 32 layers, 8 KV heads (GQA), head_dim 128.
 LLAMA3_8B_BF16 = KVCacheSpec(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
@@ -261,3 +271,54 @@ def test_budget_from_memory_nothing_left():
     # 0.5 x 1000 = 500 allowed, 600 already used.
     with pytest.raises(ValueError, match="allows 500 bytes.*used_bytes=600"):
         budget_from_memory(1000, 600, 0.5)
+
+
+# ------------------------------------------------------------------ host memory and the refusal
+
+
+@pytest.fixture
+def fake_host(tmp_path, monkeypatch):
+    """Point the host-memory reader at files under tmp_path: (meminfo path, cgroup folder)."""
+    meminfo, cgroup = tmp_path / "meminfo", tmp_path / "cgroup"
+    cgroup.mkdir()
+    monkeypatch.setattr(pool_sizing_module, "_MEMINFO", meminfo)
+    monkeypatch.setattr(pool_sizing_module, "_CGROUP", cgroup)
+    return meminfo, cgroup
+
+
+def test_host_memory_available_is_meminfo_memavailable_in_bytes(fake_host):
+    meminfo, _ = fake_host
+    meminfo.write_text("MemTotal:       32000000 kB\nMemFree:  1000 kB\nMemAvailable:   20000000 kB\n")
+    assert host_memory_available_bytes() == 20000000 * 1024
+
+
+def test_host_memory_available_falls_back_to_physical_pages_without_meminfo(fake_host):
+    assert host_memory_available_bytes() == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def test_host_memory_available_is_capped_by_the_cgroup_limit_left(fake_host):
+    meminfo, cgroup = fake_host
+    meminfo.write_text("MemAvailable:   20000000 kB\n")
+    (cgroup / "memory.max").write_text("3000000000\n")
+    (cgroup / "memory.current").write_text("1000000000\n")
+    assert host_memory_available_bytes() == 2000000000
+    (cgroup / "memory.max").write_text("max\n")  # no limit set
+    assert host_memory_available_bytes() == 20000000 * 1024
+
+
+def test_host_memory_available_on_this_machine_is_a_positive_int():
+    available = host_memory_available_bytes()
+    assert isinstance(available, int) and available > 0
+
+
+def test_check_fits_in_memory_refusal_names_what_both_sizes_in_gib_and_where():
+    with pytest.raises(InsufficientMemoryError) as err:
+        check_fits_in_memory("the thing", 3 << 30, 1 << 30, where="host memory", detail="3 x 1 GiB", hint="less")
+    assert str(err.value) == ("the thing needs an estimated 3.00 GiB (3 x 1 GiB), more than the 1.00 GiB of "
+                              "host memory available; less")
+    assert isinstance(err.value, MemoryError) and isinstance(err.value, ValueError)
+
+
+def test_check_fits_in_memory_passes_when_it_fits_or_the_memory_is_unknown():
+    check_fits_in_memory("x", 1 << 30, 1 << 30, where="host memory")  # equal: fits
+    check_fits_in_memory("x", 1 << 60, None, where="host memory")     # unknown: no check
