@@ -9,6 +9,7 @@ before this one's tokens are read (see ``scheduler``).
 from __future__ import annotations
 
 import logging
+import os
 import random
 import time
 from dataclasses import replace
@@ -34,7 +35,25 @@ from atom_core.ops.sampling import sample
 logger = logging.getLogger(__name__)
 
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "demo_model"
-CPU_DEFAULT_POOL_SEQS = 16  # without num_kv_blocks, a CPU pool holds this many max_model_len requests
+CPU_DEFAULT_POOL_SEQS = 16  # without num_kv_blocks, a CPU pool holds at most this many max_model_len requests
+CPU_POOL_MEMORY_SHARE = 0.25  # ... and at most this share of the host memory available when it is built
+CPU_MAX_MODEL_LEN = 4096  # on CPU, max_model_len defaults to no more than this (a CPU is slow past it anyway)
+
+
+def host_memory_available() -> int | None:
+    """Bytes of host memory available now (``MemAvailable`` of /proc/meminfo; else total physical
+    memory from sysconf), or None where neither can be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def step_activation_bytes(cfg, num_tokens: int, num_rows: int) -> int:
@@ -99,13 +118,17 @@ class Engine:
                              f"got {max_model_len!r}")
         if max_model_len is not None and max_model_len > limit:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}")
+        if max_model_len is None and self.device.type == "cpu" and limit > CPU_MAX_MODEL_LEN:
+            max_model_len = CPU_MAX_MODEL_LEN
+            logger.warning("max_model_len set to %d on CPU (the model allows %d); pass max_model_len= to change it",
+                           max_model_len, limit)
         self.max_model_len = max_model_len or limit
         spec = model.kv_cache_spec()
         sizing = dict(block_size=block_size, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len)
-        if num_kv_blocks is None and self.device.type != "cuda":
-            num_kv_blocks = CPU_DEFAULT_POOL_SEQS * -(-self.max_model_len // block_size)
         if num_kv_blocks is not None:
             plan = plan_kv_pool(spec, num_blocks=num_kv_blocks, **sizing)
+        elif self.device.type == "cpu":
+            plan = plan_kv_pool(spec, budget_bytes=self._cpu_budget(spec, block_size), **sizing)
         else:
             plan = plan_kv_pool(spec, budget_bytes=self._gpu_budget(gpu_memory_utilization, max_num_batched_tokens,
                                                                      max_num_seqs), **sizing)
@@ -148,6 +171,16 @@ class Engine:
         except ValueError as e:
             raise ValueError(f"{path / 'generation_config.json'}: {e}") from None
         return engine
+
+    def _cpu_budget(self, spec, block_size: int) -> int:
+        """Bytes of a CPU pool: room for CPU_DEFAULT_POOL_SEQS requests of max_model_len, within
+        CPU_POOL_MEMORY_SHARE of the host memory available (plan_kv_pool refuses, with the numbers,
+        a budget that cannot hold one request)."""
+        budget = CPU_DEFAULT_POOL_SEQS * -(-self.max_model_len // block_size) * spec.bytes_per_block(block_size)
+        available = host_memory_available()
+        if available is not None:
+            budget = min(budget, int(available * CPU_POOL_MEMORY_SHARE))
+        return budget
 
     def _gpu_budget(self, utilization: float, max_num_batched_tokens: int, max_num_seqs: int) -> int:
         free, total = torch.cuda.mem_get_info(self.device)

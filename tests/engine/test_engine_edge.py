@@ -142,3 +142,39 @@ def test_a_step_that_raises_finishes_its_requests_and_the_engine_keeps_working(t
             engine.abort(rid)  # finished ids are ignored
         assert engine.generate([[9, 8, 7]], GREEDY, use_tqdm=False)[0].token_ids == want
     assert_idle_and_clean(engine)
+
+
+def _qwen3_06b_shapes_model():
+    import json
+    from pathlib import Path
+
+    from atom_core.models import build_model
+
+    cfg = json.loads((Path(__file__).parents[2] / "benchmarks" / "configs" / "qwen3-0.6b.json").read_text())
+    cfg |= {"num_hidden_layers": 2, "vocab_size": 512}  # the real attention shapes, few layers: cheap to build
+    return build_model(cfg, dtype=torch.float32, device="cpu")
+
+
+def test_on_cpu_max_model_len_is_capped_and_the_pool_fits_the_memory_available(monkeypatch, caplog):
+    from atom_core.engine import engine as engine_module
+
+    model = _qwen3_06b_shapes_model()
+    assert model.config.max_position_embeddings == 40960
+    monkeypatch.setattr(engine_module, "host_memory_available", lambda: 8 << 30)
+    with caplog.at_level("WARNING"):
+        engine = Engine(model, device="cpu", warmup=False)
+    assert engine.max_model_len == engine_module.CPU_MAX_MODEL_LEN and "max_model_len set to 4096 on CPU" in caplog.text
+    pool_bytes = engine.runner.kv_pool.numel() * engine.runner.kv_pool.element_size()
+    assert pool_bytes <= engine_module.CPU_POOL_MEMORY_SHARE * (8 << 30)
+    explicit = Engine(model, device="cpu", max_model_len=8192, warmup=False)  # asked for: not capped
+    assert explicit.max_model_len == 8192
+
+
+def test_on_cpu_a_pool_that_cannot_hold_one_request_in_the_memory_available_is_refused_with_the_numbers(
+        monkeypatch):
+    from atom_core.engine import engine as engine_module
+
+    model = _qwen3_06b_shapes_model()
+    monkeypatch.setattr(engine_module, "host_memory_available", lambda: 1 << 20)  # 1 MiB: 256 KiB for the pool
+    with pytest.raises(ValueError, match="smallest budget that works"):
+        Engine(model, device="cpu", max_model_len=256, warmup=False)
