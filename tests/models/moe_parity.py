@@ -97,15 +97,26 @@ def positions_off(actual: torch.Tensor, expected: torch.Tensor, tol: dict) -> to
     return ((actual - expected).abs() > tol["atol"] * scale + tol["rtol"] * expected.abs()).any(-1)
 
 
+# How many positions bf16 atom_core may get off against HF fp32 with the real top-k (see
+# check_real_top_k_bf16): twice as many as HF's own bf16 model, and never fewer than 5% of them.
+OFF_POSITIONS_PER_HF_BF16 = 2
+OFF_POSITIONS_FLOOR = 0.05
+
+
 def check_real_top_k_bf16(pair: ModelPair, model, *, device: str = "cuda", lengths=(96, 41, 1, 120),
                           tol: dict = BF16_TOL) -> None:
-    """bf16 atom_core with the config's real top-k against HF fp32: positions may be off only as
-    often as for HF's own model cast to bf16 on the same device.
+    """bf16 atom_core with the config's real top-k against HF fp32: the positions whose logits miss
+    ``tol`` number at most ``max(2 x HF-bf16's count, 5% of all positions)``, where HF-bf16's
+    count is that of HF's own model cast to bf16 on the same device and prompts.
 
-    A router logit within bf16 rounding of the k-th largest can pick a different expert on either
-    side, which moves that position's logits by O(1); HF in bf16 suffers the same flips, so its
-    count of off positions is the yardstick (at least 5% of positions are allowed). A real
-    mistake (a wrong expert, weight or routing weight) puts nearly every position off.
+    Why a count and not a tolerance: a router logit within bf16 rounding of the k-th largest can
+    pick a different expert, which moves that position's logits by O(1). Why twice HF's count and
+    not at most HF's: atom_core and HF round at different places (fused q/k/v and gate/up
+    matmuls, fused experts, other accumulation orders), so each flips its own random subset of the
+    near-ties; HF's count is one draw of a number of the same size, not a ceiling. Why the 5%
+    floor: with a handful of near-ties among these 258 positions, HF's count can be 0 or 1 by
+    chance, and twice that would fail flips of the very same origin. A real mistake (a wrong
+    expert, weight or routing weight) puts nearly every position off, far above either bound.
     """
     vocab = pair.hf_model.config.vocab_size
     prompts = [random_tokens(n, vocab, seed=50 + i) for i, n in enumerate(lengths)]
@@ -125,9 +136,10 @@ def check_real_top_k_bf16(pair: ModelPair, model, *, device: str = "cuda", lengt
         atom_off += int(positions_off(out, expected, tol).sum())
         hf_off += int(positions_off(hf_out, expected, tol).sum())
         total += len(prompt)
-    allowed = max(2 * hf_off, int(0.05 * total))
+    allowed = max(OFF_POSITIONS_PER_HF_BF16 * hf_off, int(OFF_POSITIONS_FLOOR * total))
     assert atom_off <= allowed, (
-        f"{atom_off} of {total} positions off against HF fp32 (HF in bf16: {hf_off}; allowed {allowed})")
+        f"{atom_off} of {total} positions off against HF fp32 (HF in bf16: {hf_off}; allowed "
+        f"max({OFF_POSITIONS_PER_HF_BF16} x {hf_off}, {OFF_POSITIONS_FLOOR:.0%} of {total}) = {allowed})")
 
 
 def checkpoint_tensor_names(folder: Path) -> set[str]:
@@ -194,6 +206,17 @@ def check_engine_greedy(pair: ModelPair, *, lengths=(6, 1, 11), max_tokens: int 
         assert out.token_ids == hf_greedy(pair.hf_model, prompt, max_tokens), f"prompt of {len(prompt)} tokens"
 
 
+def assert_triton_served(run, required_ops: set[str]) -> None:
+    """Run ``run()``; every op call in it must have been served by Triton, ``required_ops`` among
+    them. (``use_backend("triton")`` alone is a preference: a call Triton cannot serve falls back
+    to another backend silently.)"""
+    used = backends_used(run)
+    not_triton = sorted((op, backend) for op, backend in used if backend != "triton")
+    assert not not_triton, f"ops not served by triton: {not_triton} (all: {sorted(used)})"
+    missing = required_ops - {op for op, _ in used}
+    assert not missing, f"ops never called: {sorted(missing)} (all: {sorted(used)})"
+
+
 def check_triton_serves_every_op(pair: ModelPair, routing_op: str) -> None:
     """A two-row prefill, a mixed step and a decode step (CPU, fp32, Triton in the interpreter) match HF,
     every op served by Triton, the routing by ``routing_op``."""
@@ -203,10 +226,7 @@ def check_triton_serves_every_op(pair: ModelPair, routing_op: str) -> None:
         with ops.use_backend("triton"):
             check_decode(pair, model, 4, num_decode_steps=2, pad_rows=0)
 
-    used = backends_used(run)
-    not_triton = sorted(op for op, backend in used if backend != "triton")
-    assert not not_triton, f"ops not served by triton: {not_triton} (all: {sorted(used)})"
-    assert {routing_op, "fused_experts", "paged_attention"} <= {op for op, _ in used}
+    assert_triton_served(run, {routing_op, "fused_experts", "paged_attention"})
 
 
 class MoEParityChecks(HFParityChecks):

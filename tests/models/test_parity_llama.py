@@ -150,7 +150,14 @@ def test_triton_backend_matches_hf_small(gqa_pair, gqa_model):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_bf16_triton_matches_hf_fp32(pair):
+def test_gpu_bf16_triton_serves_every_op_and_matches_hf_fp32(pair):
     model = pair.load_atom(dtype=torch.bfloat16, device="cuda")
-    with ops.use_backend("triton"):
-        run_all_checks(pair, model, device="cuda", tol=BF16_TOL, argmax_margin=BF16_ARGMAX_MARGIN)
+
+    def run():
+        with ops.use_backend("triton"):  # a preference: a case Triton cannot serve would fall back silently
+            run_all_checks(pair, model, device="cuda", tol=BF16_TOL, argmax_margin=BF16_ARGMAX_MARGIN)
+
+    used = backends_used(run)
+    not_triton = sorted((op, backend) for op, backend in used if backend != "triton")
+    assert not not_triton, f"ops not served by triton: {not_triton}"
+    assert {"paged_attention", "store_kv_", "apply_rope_", "rms_norm", "silu_and_mul"} <= {op for op, _ in used}
