@@ -108,22 +108,44 @@ def test_batch_invariance_and_seeded_sampling(tiny_llama):
         assert engine.generate([prompts[0]], [other_seed], use_tqdm=False)[0].token_ids != alone
 
 
-def test_stop_conditions(tiny_qwen3):
+@pytest.fixture
+def greedy_reference(tiny_qwen3):
+    """(engine on tiny_qwen3, a prompt, HF's 12 greedy tokens after it, none of them the config's EOS)."""
     folder, hf_model = tiny_qwen3
     prompt = prompts_for(hf_model.config.vocab_size, [6], seed=11)[0]
     reference = hf_greedy(hf_model, prompt, 12)
+    eos = hf_model.config.eos_token_id
+    assert eos not in reference, "the checks below assume the config's EOS is not among HF's greedy tokens"
     with ops.use_backend("torch"):
         engine = Engine.from_pretrained(folder, device="cpu", dtype=torch.float32)
-        stop_at = reference[4]
+    return engine, prompt, reference
+
+
+def test_stop_token_ends_the_output_at_its_first_occurrence(greedy_reference):
+    engine, prompt, reference = greedy_reference
+    stop_at = reference[4]
+    with ops.use_backend("torch"):
         out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_at]),
                               use_tqdm=False)[0]
-        assert out.token_ids == reference[: reference.index(stop_at) + 1] and out.finish_reason == "stop"
+    assert out.token_ids == reference[: reference.index(stop_at) + 1] and out.finish_reason == "stop"
+
+
+def test_max_tokens_gives_exactly_that_many_greedy_tokens(greedy_reference):
+    engine, prompt, reference = greedy_reference
+    with ops.use_backend("torch"):
         out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]
-        assert len(out.token_ids) <= 3
-        # EOS stops unless ignored: make the model's 3rd greedy token the EOS id.
-        engine.eos_token_ids = frozenset({reference[2]})
-        out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
-        assert out.token_ids == reference[: reference.index(reference[2]) + 1] and out.finish_reason == "stop"
+    assert out.token_ids == reference[:3] and out.finish_reason == "length"
+
+
+def test_eos_stops_generation_unless_ignored(greedy_reference):
+    engine, prompt, reference = greedy_reference
+    engine.eos_token_ids = frozenset({reference[2]})  # make the model's 3rd greedy token the EOS id
+    with ops.use_backend("torch"):
+        stopped = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
+        ignored = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                                  use_tqdm=False)[0]
+    assert stopped.token_ids == reference[: reference.index(reference[2]) + 1] and stopped.finish_reason == "stop"
+    assert ignored.token_ids == reference and ignored.finish_reason == "length"
 
 
 def test_logprobs_match_hf(tiny_llama):

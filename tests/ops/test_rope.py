@@ -220,10 +220,17 @@ def test_triton_strided_heads_and_bf16_cache():
     torch.testing.assert_close(k, want_k, **tolerance(torch.float32))
 
 
-def test_empty_batch_is_a_no_op():
+@pytest.mark.parametrize("backend", [b for b in ("torch", "triton") if backend_available(b)])
+def test_empty_batch_is_a_no_op(backend):
+    # q and k: zero-token views into a fused qkv buffer, so a write anywhere near them would show.
     cache, _ = rope_cos_sin_cache(8, 4, 10000.0, device=DEVICE)
-    q, k = torch.empty(0, 2, 8, device=DEVICE), torch.empty(0, 1, 8, device=DEVICE)
-    apply_rope_(q, k, torch.empty(0, dtype=torch.int64, device=DEVICE), cache)
+    qkv = rand(3, (2 + 2 * 1) * 8, generator=torch.Generator().manual_seed(0))
+    before, cache_before = qkv.clone(), cache.clone()
+    q, k = _q_k_views(qkv[:0], 2, 1, 8)
+    with trace_backends() as calls:
+        result = apply_rope_(q, k, torch.empty(0, dtype=torch.int64, device=DEVICE), cache, backend=backend)
+    assert calls == [("apply_rope_", backend)] and result is None
+    assert torch.equal(qkv, before) and torch.equal(cache, cache_before)
 
 
 def test_non_contiguous_head_dim_falls_back_to_torch_unless_triton_named():
