@@ -1,46 +1,136 @@
-"""The activation headroom the engine reserves before sizing the KV pool on a GPU."""
+"""The activation headroom the engine reserves before sizing the KV pool on a GPU
+(``step_activation_bytes``): on a GPU it must bound the memory one step actually takes, measured;
+on the CPU, properties any such bound has (none of them a copy of its formula).
+"""
 
 import json
 from pathlib import Path
 
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from atom_core import ops
+from atom_core.cache import build_step_layout
 from atom_core.engine.engine import step_activation_bytes
+from atom_core.engine.runner import forward_logits
 from atom_core.models.config import ModelConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "benchmarks" / "configs"
+CONFIG_NAMES = ["qwen3-0.6b", "llama-3-8b", "qwen3-30b-a3b"]
+
+
+def config_dict(name: str, **overrides) -> dict:
+    return {**json.loads((CONFIGS / f"{name}.json").read_text()), **overrides}
 
 
 def config(name: str, **overrides) -> ModelConfig:
-    return ModelConfig.from_dict({**json.loads((CONFIGS / f"{name}.json").read_text()), **overrides})
+    return ModelConfig.from_dict(config_dict(name, **overrides))
 
 
-def test_dense_model_counts_hidden_mlp_and_logits():
-    cfg = config("qwen3-0.6b")
-    tokens, rows = 100, 3
-    per_token = 8 * cfg.hidden_size + 3 * cfg.intermediate_size
-    assert step_activation_bytes(cfg, tokens, rows) == 4 * (tokens * per_token + rows * cfg.vocab_size * 4)
+def without_experts(name: str, **overrides) -> ModelConfig:
+    """The config's dense twin: the same sizes with no expert routing (no num_experts_per_tok)."""
+    cfg = config_dict(name, **overrides)
+    cfg.pop("num_experts_per_tok")
+    return ModelConfig.from_dict(cfg)
 
 
-def test_moe_counts_every_chosen_expert_when_that_is_wider():
-    # GLM-4.5-Air-like: small experts, many of them per token; dense layers are wider per token
-    # than one expert but narrower than the eight chosen ones with their down outputs.
-    cfg = config("qwen3-30b-a3b", intermediate_size=10944, moe_intermediate_size=1408, hidden_size=4096)
-    dense_only = config("qwen3-0.6b", intermediate_size=10944, hidden_size=4096, vocab_size=cfg.vocab_size)
-    moe_width = cfg.num_experts_per_tok * (3 * 1408 + 4096)
-    assert moe_width > 3 * 10944
-    gap = step_activation_bytes(cfg, 64, 1) - step_activation_bytes(dense_only, 64, 1)
-    assert gap == 4 * 64 * (moe_width - 3 * 10944)
+# ---- properties, on the CPU ----------------------------------------------------------------------
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(CONFIG_NAMES), tokens=st.integers(0, 65536), rows=st.integers(0, 1024))
+def test_bound_grows_with_tokens_and_with_rows(name, tokens, rows):
+    cfg = config(name)
+    here = step_activation_bytes(cfg, tokens, rows)
+    assert step_activation_bytes(cfg, tokens + 1, rows) > here
+    assert step_activation_bytes(cfg, tokens, rows + 1) > here
 
 
-def test_qwen3_30b_a3b_width_is_its_eight_experts():
-    # 8 x (3 x 768 + 2048) = 34816 > 3 x 6144 = 18432
-    cfg = config("qwen3-30b-a3b")
-    per_token = 8 * cfg.hidden_size + 8 * (3 * 768 + 2048)
-    assert step_activation_bytes(cfg, 10, 0) == 4 * 10 * per_token
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(CONFIG_NAMES), tokens=st.integers(0, 65536), rows=st.integers(0, 1024))
+def test_bound_covers_the_fp32_logits_and_one_fp32_hidden_state_per_token(name, tokens, rows):
+    # What a step surely holds at once: compute_logits' fp32 [rows, V] and the residual stream [tokens, E].
+    cfg = config(name)
+    assert step_activation_bytes(cfg, tokens, rows) >= 4 * (rows * cfg.vocab_size + tokens * cfg.hidden_size)
 
 
-def test_moe_without_moe_intermediate_size_uses_intermediate_size():
-    # Mixtral / GPT-OSS name the expert width intermediate_size.
-    cfg = config("qwen3-30b-a3b", intermediate_size=14336, moe_intermediate_size=None, num_experts_per_tok=2,
-                 hidden_size=4096)
-    per_token = 8 * 4096 + 2 * (3 * 14336 + 4096)
-    assert step_activation_bytes(cfg, 5, 0) == 4 * 5 * per_token
+@pytest.mark.parametrize("overrides", [
+    {},                                                                     # Qwen3-30B-A3B: 8 experts of 768
+    {"intermediate_size": 10944, "moe_intermediate_size": 1408, "hidden_size": 4096},  # GLM-4.5-Air-like
+], ids=["qwen3-30b-a3b", "glm-4.5-air-like"])
+def test_many_expert_configs_reserve_more_than_their_dense_twin(overrides):
+    # Eight small experts per token hold more than one dense MLP of intermediate_size: a bound
+    # that counted only the dense MLP would be too small for these models.
+    moe = config("qwen3-30b-a3b", **overrides)
+    dense = without_experts("qwen3-30b-a3b", **overrides)
+    for tokens in (1, 64, 8192):
+        assert step_activation_bytes(moe, tokens, 1) > step_activation_bytes(dense, tokens, 1)
+
+
+# ---- measured, on a GPU -----------------------------------------------------------------------------
+
+def prepare_step(model, num_tokens: int, num_rows: int, device) -> dict:
+    """Bind a KV pool and build the inputs of one engine-like step of ``num_tokens`` tokens in
+    ``num_rows`` rows (``num_rows - 1`` decode rows with 32 cached tokens, one prefill row with the
+    rest); returns the keyword arguments of :func:`run_step`."""
+    block_size = 16
+    query_lens = [1] * (num_rows - 1) + [num_tokens - (num_rows - 1)]
+    cached_lens = [32] * (num_rows - 1) + [0]
+    tables, next_block = [], 0
+    for q, c in zip(query_lens, cached_lens):
+        pages = -(-(q + c) // block_size)
+        tables.append(list(range(next_block, next_block + pages)))
+        next_block += pages
+    spec = model.kv_cache_spec()
+    shape = (next_block, block_size, spec.num_kv_heads, spec.head_dim)
+    model.bind_kv_cache([(torch.zeros(shape, dtype=spec.dtype, device=device),
+                          torch.zeros(shape, dtype=spec.dtype, device=device)) for _ in range(spec.num_layers)])
+    input_ids = torch.randint(0, model.config.vocab_size, (num_tokens,), generator=torch.Generator().manual_seed(0))
+    rows = torch.ones(num_rows, device=device)
+    # Every filter on, and log-probs: the sampler's largest temporaries.
+    sampling = dict(temperature=0.7 * rows, top_k=(50 * rows).int(), top_p=0.9 * rows, min_p=0.05 * rows,
+                    seeds=torch.arange(num_rows, device=device),
+                    offsets=torch.zeros(num_rows, dtype=torch.int64, device=device))
+    return dict(input_ids=input_ids.to(device), layout=build_step_layout(query_lens, cached_lens, tables,
+                                                                         block_size).to(device), sampling=sampling)
+
+
+def run_step(model, input_ids, layout, sampling) -> None:
+    """The step: forward, fp32 logits of each row's last token, ``ops.sample`` with log-probs."""
+    with torch.inference_mode():
+        logits = forward_logits(model, input_ids, layout)
+        ops.sample(logits, **sampling, return_logprobs=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name, overrides", [
+    ("qwen3-0.6b", {}),
+    ("llama-3-8b", {"num_hidden_layers": 2}),       # activations are per layer: two layers show the peak
+    ("qwen3-30b-a3b", {"num_hidden_layers": 2}),
+], ids=["qwen3-0.6b", "llama-3-8b-2-layers", "qwen3-30b-a3b-2-layers"])
+@pytest.mark.parametrize("num_rows", [1, 256])
+def test_bound_covers_the_measured_peak_of_a_full_step(name, overrides, num_rows):
+    """At the engine's defaults (8192 batched tokens, up to 256 rows), bf16 dummy weights: the peak
+    CUDA allocation of one step above what the model, KV pool and inputs already hold is at most
+    the reserved headroom. Measured on the second step: the first compiles the kernels."""
+    from atom_core.models import build_model
+
+    num_tokens, device = 8192, torch.device("cuda")
+    model = build_model(config_dict(name, **overrides), dtype=torch.bfloat16, device=device)
+    step = None
+    try:
+        step = prepare_step(model, num_tokens, num_rows, device)
+        run_step(model, **step)
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        run_step(model, **step)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - held
+        bound = step_activation_bytes(model.config, num_tokens, num_rows)
+        assert peak <= bound, f"a step took {peak / 2**20:.0f} MiB, the engine reserves {bound / 2**20:.0f} MiB"
+    finally:
+        model = step = None  # the model and its pool go before the next case builds its own
+        torch.cuda.empty_cache()
