@@ -1,4 +1,4 @@
-"""On a GPU: bf16 greedy parity with HF (allowing near-ties); CUDA graphs on/off and async scheduling
+"""On a GPU: bf16 greedy tokens are HF's argmax up to bf16 near-ties; CUDA graphs on/off and async scheduling
 on/off giving the same tokens; after warm-up, generating compiles no kernel and captures no graph."""
 
 import random
@@ -57,19 +57,36 @@ def test_after_warmup_generate_compiles_no_kernel_and_captures_no_graph(tiny_qwe
     assert compiled == [] and graphs.num_captured == len(graphs.buckets())
 
 
+# How far below HF's best fp32 logit the engine's bf16 greedy token may lie, as a share of the
+# position's max |logit|. If every logit were within e of the exact one on both sides, the gap
+# would be at most 2e; for these fixtures (init range 0.3) bf16 on CPU puts single logits up to
+# e = 5.4% of max |logit| off, but the gap only nears 2e on a near-tie whose two logits err in
+# opposite directions. Measured on the engine's own path (bf16 on CPU, this test's prompts with
+# seeds 1-3, 12 tokens each): worst gap 1.9%. 5% is 2.5x that, room for the GPU kernels rounding
+# at other places, and still far below the O(max |logit|) gap of a wrong token.
+ARGMAX_GAP_TOL = 0.05
+
+
 @pytest.mark.parametrize("fixture", ["tiny_qwen3", "tiny_llama"])
-def test_bf16_greedy_matches_hf_allowing_ties(request, fixture):
+def test_bf16_greedy_tokens_are_within_5_percent_of_hf_argmax(request, fixture):
+    """Each of the engine's 12 greedy tokens (bf16) has, in HF's fp32 logits on the same prefix, a
+    logit at most ARGMAX_GAP_TOL x max |logit| below HF's best (the comment above says why 5%)."""
     folder, hf_model = request.getfixturevalue(fixture)
-    hf = hf_model.to("cuda", torch.float32)
     prompts = _prompts(hf_model.config.vocab_size, 8, seed=1)
     engine = Engine.from_pretrained(folder, device="cuda", dtype=torch.bfloat16, num_kv_blocks=512)
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
-    for prompt, out in zip(prompts, outs):
-        # Compare token by token on the engine's own path: each engine token must be (near-)argmax of HF's logits.
-        ids = torch.tensor([prompt + out.token_ids], device="cuda")
-        with torch.no_grad():
-            logits = hf(ids).logits[0, len(prompt) - 1:-1].float()
-        chosen = logits.gather(1, torch.tensor(out.token_ids, device="cuda")[:, None])[:, 0]
-        gap = logits.max(-1).values - chosen
-        assert (gap <= 0.05 * logits.abs().max(-1).values).all(), gap
-    hf_model.to("cpu")
+    home = next(hf_model.parameters())
+    home_device, home_dtype = home.device, home.dtype
+    hf = hf_model.to("cuda", torch.float32)  # the session fixture, moved in place: restored below, whatever happens
+    try:
+        for prompt, out in zip(prompts, outs):
+            assert len(out.token_ids) == 12
+            # Token by token on the engine's own path.
+            ids = torch.tensor([prompt + out.token_ids], device="cuda")
+            with torch.no_grad():
+                logits = hf(ids).logits[0, len(prompt) - 1:-1].float()
+            chosen = logits.gather(1, torch.tensor(out.token_ids, device="cuda")[:, None])[:, 0]
+            gap = logits.max(-1).values - chosen
+            assert (gap <= ARGMAX_GAP_TOL * logits.abs().max(-1).values).all(), gap
+    finally:
+        hf_model.to(home_device, home_dtype)
