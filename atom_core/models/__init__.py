@@ -14,7 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from atom_core.models.config import ModelConfig, parse_dtype
+from atom_core.cache.pool_sizing import GIB, InsufficientMemoryError, check_fits_in_memory
+from atom_core.models.config import ModelConfig, available_memory_bytes, memory_name, parse_dtype
 from atom_core.models.dummy_weights import initialize_dummy_weights, initialize_zero_weights
 from atom_core.models.loader import LoadReport, load_weights, process_weights_after_loading
 from atom_core.models.registry import (
@@ -25,9 +26,11 @@ from atom_core.models.registry import (
 )
 
 __all__ = [
+    "InsufficientMemoryError",
     "LoadReport",
     "ModelConfig",
     "build_model",
+    "estimate_model_bytes",
     "get_model_class",
     "load_model",
     "load_weights",
@@ -55,6 +58,73 @@ def _default_dtype(config: ModelConfig, dtype: torch.dtype | str | None, device:
     if device.type == "cpu":
         return torch.float32
     return config.torch_dtype or torch.bfloat16
+
+
+def _extra_count(config: ModelConfig, *names: str, default: int = 0) -> int:
+    """The first of ``names`` holding an int >= 0 (other values are the model class's to refuse)."""
+    for name in names:
+        value = config.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+    return default
+
+
+def _num_sparse_layers(config: ModelConfig) -> int:
+    """Layers whose MLP is the experts: from ``first_k_dense_replace`` on, every ``decoder_sparse_step``-th
+    (layer i when ``(i + 1) % step == 0``), not in ``mlp_only_layers`` (the rules of GLM-4-MoE and Qwen3-MoE)."""
+    layers = config.num_hidden_layers
+    first = min(_extra_count(config, "first_k_dense_replace"), layers)
+    step = max(_extra_count(config, "decoder_sparse_step", default=1), 1)
+    sparse = layers // step - first // step
+    dense_listed = config.get("mlp_only_layers") or []
+    listed = {i for i in dense_listed if isinstance(i, int)} if isinstance(dense_listed, list) else set()
+    return sparse - sum(1 for i in listed if first <= i < layers and (i + 1) % step == 0)
+
+
+def estimate_model_bytes(config: ModelConfig, dtype: torch.dtype, *, tp_size: int = 1) -> tuple[int, str]:
+    """A lower bound of the bytes one rank's model of ``config`` takes, and what they are made of.
+
+    Parameters in ``dtype`` (E hidden, V vocabulary, L layers, H/Hk heads, D head dim, I intermediate,
+    X experts): embedding ``V E``, LM head ``V E`` (none when tied), per layer attention
+    ``E (H + 2 Hk) D + H D E``, MLP ``3 E I`` or, in a sparse layer, ``X`` experts of
+    ``3 E I_moe`` plus the router ``E X`` and shared experts; all divided by ``tp_size`` (norms and
+    biases are left out: a lower bound, so a refusal means the model cannot fit). Plus the fp32 rotary
+    cos/sin table(s), ``max_position_embeddings x rotary dim``, one per rope layer type.
+    """
+    e, v, layers, d = config.hidden_size, config.vocab_size, config.num_hidden_layers, config.head_dim
+    h, hk = config.num_attention_heads, config.num_key_value_heads
+    inter = config.intermediate_size or 0
+    experts = _extra_count(config, "num_experts", "num_local_experts", "n_routed_experts")
+    sparse = _num_sparse_layers(config) if experts else 0
+    moe_inter = _extra_count(config, "moe_intermediate_size", default=inter)
+    shared = _extra_count(config, "n_shared_experts")
+    per_param = dtype.itemsize / tp_size
+    parts = {
+        "embedding": v * e * per_param,
+        "lm head": 0 if config.tie_word_embeddings else v * e * per_param,
+        f"{layers} layers' attention": layers * (e * (h + 2 * hk) * d + h * d * e) * per_param,
+        f"{layers - sparse} dense MLPs": (layers - sparse) * 3 * e * inter * per_param,
+        f"{sparse} x {experts} experts": sparse * (experts * 3 * e * moe_inter + e * experts
+                                                    + shared * 3 * e * moe_inter) * per_param,
+    }
+    factor = config.get("partial_rotary_factor", 1.0)
+    factor = factor if isinstance(factor, (int, float)) and 0 < factor <= 1 else 1.0
+    tables = len(config.rope_by_layer_type) if config.rope_by_layer_type else 1
+    parts["rotary table"] = tables * config.max_position_embeddings * int(d * factor) * 4
+    total = int(sum(parts.values()))
+    # The parts that make up at least 1% of the total, largest first: they name the field to look at.
+    large = sorted(((size, name) for name, size in parts.items() if size >= total / 100), reverse=True)
+    return total, f"{dtype}: " + ", ".join(f"{name} {size / GIB:.2f} GiB" for size, name in large)
+
+
+def _check_fits(config: ModelConfig, dtype: torch.dtype, device: torch.device, tp_size: int, source: str) -> None:
+    """Refuse, before any module is built, a model whose estimate exceeds the memory of ``device``."""
+    needed, detail = estimate_model_bytes(config, dtype, tp_size=tp_size)
+    check_fits_in_memory(
+        f"the {'/'.join(config.architectures) or 'model'} of {source}", needed, available_memory_bytes(device),
+        where=memory_name(device), detail=detail,
+        hint="check vocab_size, hidden_size, intermediate_size, num_hidden_layers and max_position_embeddings, "
+             "or use a smaller dtype, more tensor-parallel ranks or a device with more memory")
 
 
 def _instantiate(config: ModelConfig, dtype: torch.dtype, device: torch.device, tp_rank: int = 0,
@@ -86,7 +156,8 @@ def build_model(config: ModelConfig | dict[str, Any], *, dtype: torch.dtype | st
     available, else CPU; ``dtype`` to the config's ``torch_dtype`` on a GPU and float32 on CPU.
     ``tp_rank``/``tp_size``: this process's tensor-parallel shard (the default process group
     reduces across the ranks); ``expert_parallel``: a MoE model's experts are split across those
-    ranks instead of each expert's intermediate dim.
+    ranks instead of each expert's intermediate dim. Raises ``InsufficientMemoryError`` before any
+    module is built when ``estimate_model_bytes`` exceeds the memory free on ``device``.
     """
     if load_format not in ("dummy", "zeros"):
         raise ValueError(f"build_model: load_format must be 'dummy' or 'zeros', got {load_format!r}")
@@ -95,7 +166,9 @@ def build_model(config: ModelConfig | dict[str, Any], *, dtype: torch.dtype | st
     if not isinstance(config, ModelConfig):
         raise TypeError(f"config must be a ModelConfig or a dict, got {type(config).__name__}")
     device = _default_device(device)
-    model = _instantiate(config, _default_dtype(config, dtype, device), device, tp_rank, tp_size, expert_parallel)
+    dtype = _default_dtype(config, dtype, device)
+    _check_fits(config, dtype, device, tp_size, "this config")
+    model = _instantiate(config, dtype, device, tp_rank, tp_size, expert_parallel)
     _initialize(model, load_format, seed)
     return model.eval()
 
@@ -119,15 +192,17 @@ def _check_quantization(config: ModelConfig, cls: type, folder: Path, load_forma
 
 def load_model(path: str | Path, *, dtype: torch.dtype | str | None = None,
                device: str | torch.device | None = None, load_format: str = "auto", tp_rank: int = 0,
-               tp_size: int = 1, expert_parallel: bool = False) -> nn.Module:
+               tp_size: int = 1, expert_parallel: bool = False, check_finite: bool = True) -> nn.Module:
     """Build the model described by ``path/config.json`` and load its weights.
 
     ``load_format``: ``"auto"``/``"safetensors"`` read ``path/*.safetensors`` (see
     ``loader.load_weights``); ``"dummy"``/``"zeros"`` skip the shards. Defaults and
     ``tp_rank``/``tp_size``/``expert_parallel`` as in ``build_model`` (each rank keeps its shard of
-    every tensor).
-    Raises FileNotFoundError for a missing folder, config.json or shards and
-    ValueError for an unsupported architecture.
+    every tensor). ``check_finite``: refuse a checkpoint tensor holding NaN or Inf, naming it and its
+    file (one extra read of each tensor; ``check_finite=False`` skips it for a trusted checkpoint).
+    Raises FileNotFoundError for a missing folder, config.json or shards, ValueError for an
+    unsupported architecture or a bad file (named), and ``InsufficientMemoryError`` (before any
+    module is built) when ``estimate_model_bytes`` exceeds the memory free on ``device``.
     """
     if load_format not in _LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {_LOAD_FORMATS}, got {load_format!r}")
@@ -144,9 +219,11 @@ def load_model(path: str | Path, *, dtype: torch.dtype | str | None = None,
             f"no *.safetensors files in {folder} (pass load_format='dummy' to build it with random weights)"
         )
     device = _default_device(device)
-    model = _instantiate(config, _default_dtype(config, dtype, device), device, tp_rank, tp_size, expert_parallel)
+    dtype = _default_dtype(config, dtype, device)
+    _check_fits(config, dtype, device, tp_size, str(folder / "config.json"))
+    model = _instantiate(config, dtype, device, tp_rank, tp_size, expert_parallel)
     if load_format in ("dummy", "zeros"):
         _initialize(model, load_format, seed=0)
     else:
-        load_weights(model, folder)
+        load_weights(model, folder, check_finite=check_finite)
     return model.eval()

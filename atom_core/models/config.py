@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from atom_core.cache.pool_sizing import host_memory_available_bytes
+
 # Defaults for keys a config.json may leave out, by model_type. Values follow the published
 # checkpoints of each family (every Qwen3 checkpoint uses rope_theta 1e6).
 GENERIC_DEFAULTS: dict[str, Any] = {
@@ -183,7 +185,7 @@ class ModelConfig:
             raise FileNotFoundError(f"model config not found: {path}")
         try:
             data = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:  # bytes that are not UTF-8 text land here too
             raise ValueError(f"{path}: not valid JSON ({e})") from e
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
@@ -283,6 +285,12 @@ class ModelConfig:
         bos = take("bos_token_id")
         if bos is not None:
             bos = _as_int(bos, "bos_token_id", minimum=0)
+        # A special token id the embedding has no row for would fail (or never match) only at run time.
+        for key, ids in (("eos_token_id", eos), ("bos_token_id", [] if bos is None else [bos])):
+            outside = [i for i in ids if not 0 <= i < vocab_size]
+            if outside:
+                raise ValueError(f"{key} {outside[0]} is outside the vocabulary: token ids must lie in "
+                                 f"[0, vocab_size={vocab_size})")
 
         dtype_value = take("torch_dtype")
         dtype_value = take("dtype") if dtype_value is None else dtype_value  # transformers 5 writes "dtype"
@@ -367,3 +375,27 @@ class ModelConfig:
         if theta is None:
             theta = float(defaults["rope_theta"])
         return theta, scaling, by_type
+
+
+# --- what a config costs in memory (checked by build_model / load_model before anything is built) ---
+
+
+def available_memory_bytes(device: torch.device | str | None) -> int | None:
+    """Bytes a new allocation on ``device`` can take now; None when unknown (then nothing is refused).
+
+    CUDA: the device's free memory (``torch.cuda.mem_get_info``); CPU (and None): the host's
+    (``cache.pool_sizing.host_memory_available_bytes``); other devices (meta, ...): None.
+    """
+    device = torch.device("cpu" if device is None else device)
+    if device.type == "cuda":
+        try:
+            return int(torch.cuda.mem_get_info(device)[0])
+        except (RuntimeError, AssertionError, ValueError):  # no CUDA here: the build itself will say so
+            return None
+    return host_memory_available_bytes() if device.type == "cpu" else None
+
+
+def memory_name(device: torch.device | str | None) -> str:
+    """How errors name the memory of ``device``: "host memory" or "cuda:0 memory"."""
+    device = torch.device("cpu" if device is None else device)
+    return "host memory" if device.type == "cpu" else f"{device} memory"

@@ -39,13 +39,31 @@ Parameters that no checkpoint tensor filled raise ValueError (``strict``) unless
 one of ``model.expected_missing`` (``fnmatch`` patterns on the parameter name); checkpoint
 tensors that fill nothing are logged and listed in the returned ``LoadReport``. Afterwards
 ``process_weights_after_loading()`` runs on every module that defines it.
+
+What is refused, each error naming the file (and the tensor where there is one):
+
+- a shard whose header is corrupt or whose data is truncated: every shard's header is checked
+  against its file size (dtype, shape, contiguous ``data_offsets`` covering the data exactly)
+  before any tensor is read, and errors of the safetensors library are re-raised with the file;
+- an index entry that names a missing shard, or leaves the folder: absolute, ``..``, or a link
+  whose target lies outside the folder. In a Hugging Face cache snapshot
+  (``.../models--org--name/snapshots/<rev>/``, shards linked to ``../../blobs/<hash>``) links may
+  point anywhere inside that cache repository (``models--org--name``), not out of it;
+- a stored dtype that differs from its parameter's, unless both are floating point (a cast);
+  MXFP4 ``uint8`` blocks and scales are decoded first, so their result is what is checked;
+- with ``check_finite`` (the default), a tensor holding NaN or Inf.
+
+A stored ``lm_head.weight`` that a tied head skips is compared with the embedding it is tied to:
+when they differ, a warning names it and the largest difference.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import json
 import logging
+import math
 import os
 import re
 from collections.abc import Iterable
@@ -54,7 +72,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from atom_core.models.layers.linear import default_weight_loader
@@ -64,8 +82,17 @@ logger = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit on the JSON header
+# Bits per element of each safetensors dtype (the format's own list); sub-byte types are not size-checked.
+_DTYPE_BITS = {
+    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8,
+    "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32,
+    "I64": 64, "U64": 64, "F64": 64, "C64": 64, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
+}
+_FINITE_CHUNK = 1 << 22  # elements summed at a time by the NaN/Inf check (bounds its temporaries)
+_HF_CACHE_REPO_PREFIX = "models--"  # huggingface_hub's cache: <cache>/models--org--name/{snapshots,blobs}
 _ROTARY_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_TIED_REASON = "tied to the input embedding"
 
 
 @dataclass
@@ -90,7 +117,10 @@ class _Target:
 def read_safetensors_header(path: str | Path) -> dict[str, dict]:
     """Tensor entries of a ``.safetensors`` file's JSON header (name -> {dtype, shape, data_offsets}).
 
-    Reads only the 8-byte length and the header, never the tensor data.
+    Reads only the 8-byte length and the header, never the tensor data, and checks the header
+    against the file: known dtypes, shapes of ints >= 0, ``data_offsets`` that hold exactly
+    ``numel x element size`` bytes, follow each other without gap or overlap and end where the
+    file does. ValueError naming the file (and tensor) otherwise: a truncated or corrupt file.
     """
     path = Path(path)
     with open(path, "rb") as f:
@@ -108,29 +138,78 @@ def read_safetensors_header(path: str | Path) -> dict[str, dict]:
     if not isinstance(header, dict):
         raise ValueError(f"{path}: corrupt safetensors header (not a JSON object)")
     header.pop("__metadata__", None)
+    _check_header_entries(path, header, data_bytes=size - 8 - n)
     return header
 
 
+def _check_header_entries(path: Path, header: dict, data_bytes: int) -> None:
+    """The rules safetensors applies on opening, checked here so that the error names the file."""
+    spans = []
+    for name, entry in header.items():
+        ok = (isinstance(entry, dict) and entry.get("dtype") in _DTYPE_BITS
+              and isinstance(entry.get("shape"), list)
+              and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in entry["shape"])
+              and isinstance(entry.get("data_offsets"), list) and len(entry["data_offsets"]) == 2
+              and all(isinstance(x, int) and not isinstance(x, bool) for x in entry["data_offsets"]))
+        if not ok:
+            raise ValueError(f"{path}: corrupt safetensors header: bad entry for tensor {name!r}: {entry!r}")
+        begin, end = entry["data_offsets"]
+        bits = _DTYPE_BITS[entry["dtype"]]
+        numel = math.prod(entry["shape"])
+        if begin > end or (bits % 8 == 0 and end - begin != numel * bits // 8):
+            raise ValueError(f"{path}: corrupt safetensors header: tensor {name!r} ({entry['dtype']} "
+                             f"{entry['shape']}) has data_offsets {entry['data_offsets']}")
+        spans.append((begin, end, name))
+    position = 0
+    for begin, end, name in sorted(spans):
+        if begin != position:
+            raise ValueError(f"{path}: corrupt safetensors header: tensor {name!r} starts at byte {begin} of the "
+                             f"data, the previous tensor ends at {position}")
+        position = end
+    if position > data_bytes:
+        raise ValueError(f"{path}: truncated: its header places tensor data up to byte {position} after the "
+                         f"header, but the file holds only {data_bytes} bytes there")
+    if position < data_bytes:
+        raise ValueError(f"{path}: corrupt safetensors file: {data_bytes - position} bytes after the last "
+                         "tensor's data")
+
+
+def _link_root(folder: Path) -> Path:
+    """Where the shards of ``folder`` may resolve to: the folder itself, or, for a Hugging Face
+    cache snapshot (``models--org--name/snapshots/<rev>``), the whole cache repository, whose
+    ``blobs/`` holds the files the snapshot's links point at."""
+    root = folder.resolve()
+    repo = root.parent.parent
+    if root.parent.name == "snapshots" and repo.name.startswith(_HF_CACHE_REPO_PREFIX):
+        return repo
+    return root
+
+
 def _inside(folder: Path, file_name: str) -> Path:
-    """``folder / file_name`` after refusing names that leave the folder (absolute, ``..``, symlinks out)."""
+    """``folder / file_name`` after refusing names that leave the folder (absolute, ``..``) and links
+    whose target leaves it (or, for a cache snapshot, leaves its cache repository; see ``_link_root``)."""
     if not isinstance(file_name, str) or not file_name:
         raise ValueError(f"{INDEX_FILE}: bad file entry {file_name!r}")
     if os.path.isabs(file_name):
         raise ValueError(f"{INDEX_FILE}: refusing absolute shard path {file_name!r}")
-    root = folder.resolve()
-    resolved = (folder / file_name).resolve()
-    if resolved != root and root not in resolved.parents:
+    path = Path(os.path.normpath(folder / file_name))
+    if os.path.normpath(file_name).split(os.sep)[0] == os.pardir:
         raise ValueError(f"{INDEX_FILE}: refusing shard path {file_name!r} that resolves outside {folder}")
-    return resolved
+    root = _link_root(folder)
+    resolved = path.resolve()
+    if resolved != root and root not in resolved.parents:
+        raise ValueError(f"{INDEX_FILE}: refusing shard path {file_name!r} that resolves outside {root} "
+                         f"(to {resolved})")
+    return path
 
 
 def checkpoint_files(folder: str | Path) -> dict[Path, list[str] | None]:
     """Shard files of a checkpoint folder -> tensor names the index assigns to them.
 
     With ``model.safetensors.index.json``: the files its ``weight_map`` names (each checked to
-    lie inside the folder), with their names; a tensor listed twice keeps its first entry.
-    Without an index: every ``*.safetensors`` file in the folder, sorted, with ``None``
-    (names come from the headers).
+    lie inside the folder, see ``_inside``), as paths inside the folder, with their names; a
+    tensor listed twice keeps its first entry. Without an index: every ``*.safetensors`` file in
+    the folder, sorted, with ``None`` (names come from the headers).
     """
     folder = Path(folder)
     index_path = folder / INDEX_FILE
@@ -138,7 +217,7 @@ def checkpoint_files(folder: str | Path) -> dict[Path, list[str] | None]:
         files = sorted(folder.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no *.safetensors files in {folder}")
-        return {f.resolve(): None for f in files}
+        return {f: None for f in files}
 
     def first_wins(pairs: list[tuple[str, Any]]) -> dict:
         out: dict = {}
@@ -151,7 +230,7 @@ def checkpoint_files(folder: str | Path) -> dict[Path, list[str] | None]:
 
     try:
         index = json.loads(index_path.read_text(), object_pairs_hook=first_wins)
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{index_path}: not valid JSON ({e})") from e
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
@@ -162,7 +241,8 @@ def checkpoint_files(folder: str | Path) -> dict[Path, list[str] | None]:
         files.setdefault(path, []).append(name)
     for path in files:
         if not path.is_file():
-            raise FileNotFoundError(f"{index_path} names {path.name}, which does not exist")
+            broken = f" (a link to {path.resolve()}, which is missing)" if path.is_symlink() else ""
+            raise FileNotFoundError(f"{index_path} names {path.name}, which does not exist{broken}")
     return files
 
 
@@ -217,7 +297,7 @@ class _NameMapper:
         if name.endswith(".weight_scale_inv"):
             name = name[: -len("_inv")]
         if self.tied and name == "lm_head.weight" and name not in self.params:
-            return "tied to the input embedding"
+            return _TIED_REASON
         if self.experts:
             parts = name.split(".")
             for i in range(len(parts)):
@@ -254,7 +334,26 @@ class _NameMapper:
 _WHOLE = object()  # marker: a parameter loaded in one piece (shard_id None)
 
 
+def _tied_parameter(model: nn.Module, params: dict[str, nn.Parameter]) -> str | None:
+    """The name under which ``model.named_parameters()`` lists the tensor ``lm_head.weight`` shares
+    (the input embedding when the head is tied), or None when there is no tied ``lm_head.weight``."""
+    head = dict(model.named_parameters(remove_duplicate=False)).get("lm_head.weight")
+    return next((name for name, param in params.items() if param is head and name != "lm_head.weight"), None)
+
+
+def _check_dtype(param: nn.Parameter, tensor: torch.Tensor, target: _Target, ckpt_name: str, file: Path) -> None:
+    """A stored dtype other than the parameter's is cast only from float to float: integer or bool
+    data in a float parameter (or the reverse) is a different quantity, not a precision change."""
+    if tensor.dtype == param.dtype or (tensor.dtype.is_floating_point and param.dtype.is_floating_point):
+        return
+    raise ValueError(
+        f"checkpoint tensor {ckpt_name!r} in {file}: stored as {tensor.dtype}, but parameter "
+        f"{target.param_name!r} is {param.dtype}; only float-to-float casts are made"
+    )
+
+
 def _load_one(param: nn.Parameter, tensor: torch.Tensor, target: _Target, ckpt_name: str, file: Path) -> None:
+    _check_dtype(param, tensor, target, ckpt_name, file)
     if target.rows is not None:
         start, size = target.rows
         if tensor.shape[0] < start + size:
@@ -274,6 +373,44 @@ def _load_one(param: nn.Parameter, tensor: torch.Tensor, target: _Target, ckpt_n
             f"checkpoint tensor {ckpt_name!r} in {file.name} -> parameter {target.param_name!r} "
             f"(shape {tuple(param.shape)}): {e}"
         ) from e
+
+
+def count_non_finite(tensor: torch.Tensor) -> int:
+    """NaN and Inf elements of ``tensor`` (0 for non-float dtypes), read in chunks of ``_FINITE_CHUNK``.
+
+    A chunk whose fp32 (fp64 for fp64 data) sum is finite holds no NaN/Inf; only a chunk whose sum
+    is not (a NaN/Inf, or finite values that overflow the sum) is counted element by element.
+    The sum reads the data once without a bool temporary, several times faster than ``isfinite``.
+    """
+    if not tensor.is_floating_point():
+        return 0
+    accumulate = torch.float64 if tensor.dtype == torch.float64 else torch.float32
+    bad = 0
+    for chunk in tensor.reshape(-1).split(_FINITE_CHUNK):
+        if chunk.element_size() == 1:  # float8: no CPU sum kernel
+            chunk = chunk.float()
+        if not math.isfinite(chunk.sum(dtype=accumulate).item()):
+            bad += int(chunk.numel() - torch.isfinite(chunk).sum().item())
+    return bad
+
+
+def _check_finite(tensor: torch.Tensor, ckpt_name: str, file: Path) -> None:
+    bad = count_non_finite(tensor)
+    if bad:
+        raise ValueError(
+            f"checkpoint tensor {ckpt_name!r} in {file}: {bad} of {tensor.numel()} values are NaN or Inf "
+            "(a corrupt or diverged checkpoint); check_finite=False loads it anyway"
+        )
+
+
+def max_abs_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``max |a - b|`` over two tensors of one shape, in fp32, a chunk of ``_FINITE_CHUNK`` elements at a time
+    (NaN when either holds one)."""
+    worst = torch.zeros((), dtype=torch.float32)
+    for x, y in zip(a.reshape(-1).split(_FINITE_CHUNK), b.reshape(-1).split(_FINITE_CHUNK)):
+        if x.numel():
+            worst = torch.maximum(worst, (x.float() - y.float()).abs().max())  # maximum keeps a NaN
+    return worst.item()
 
 
 def process_weights_after_loading(model: nn.Module) -> None:
@@ -296,23 +433,61 @@ def _mxfp4_scales_name(name: str, file_of: dict[str, Path]) -> str | None:
     return scales if scales in file_of else None
 
 
-def _read_tensor(open_file, open_path: Path, name: str, path: Path) -> torch.Tensor:
+@contextlib.contextmanager
+def _open_shard(path: Path):
+    """``safe_open`` of a shard, its errors re-raised as ValueError naming the file."""
+    try:
+        handle = safe_open(str(path), framework="pt", device="cpu")
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{path}: cannot open as safetensors ({e})") from e
+    with handle as f:
+        yield f
+
+
+def _get_tensor(f, name: str, path: Path) -> torch.Tensor:
+    try:
+        return f.get_tensor(name)
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{path}: cannot read tensor {name!r} ({e})") from e
+
+
+def _read_tensor(open_file, open_path: Path | None, name: str, path: Path) -> torch.Tensor:
     """Tensor ``name`` from ``path``: from the already open ``open_file`` when that is the same file."""
     if path == open_path:
-        return open_file.get_tensor(name)
-    with safe_open(str(path), framework="pt", device="cpu") as f:
-        return f.get_tensor(name)
+        return _get_tensor(open_file, name, path)
+    with _open_shard(path) as f:
+        return _get_tensor(f, name, path)
+
+
+def _warn_if_tied_head_differs(head_name: str, embedding_name: str, file_of: dict[str, Path]) -> str | None:
+    """Compare a stored ``lm_head.weight`` that tying skips with the embedding the model uses in its
+    place; log a warning and return what differs, or None when they are identical."""
+    head = _read_tensor(None, None, head_name, file_of[head_name])
+    embedding = _read_tensor(None, None, embedding_name, file_of[embedding_name])
+    if head.shape != embedding.shape:
+        difference = f"shape {tuple(head.shape)} vs {tuple(embedding.shape)}"
+    elif torch.equal(head, embedding):
+        return None
+    else:
+        difference = f"max |difference| {max_abs_difference(head, embedding):.6g}"
+    logger.warning("tie_word_embeddings is true, but checkpoint tensor %r in %s differs from the input embedding "
+                   "%r (%s); it is ignored and the embedding is used as the LM head", head_name,
+                   file_of[head_name].name, embedding_name, difference)
+    return difference
 
 
 def load_weights(model: nn.Module, path: str | Path, *, strict: bool = True,
-                 load_extra_layers: bool = False) -> LoadReport:
+                 load_extra_layers: bool = False, check_finite: bool = True) -> LoadReport:
     """Fill ``model``'s parameters from the ``*.safetensors`` files in folder ``path``.
 
     Only shards that hold at least one wanted tensor are opened for data (the others' headers
-    are read and nothing more). Each tensor is cast to its parameter's dtype and device by the
-    parameter's ``weight_loader``. Raises ValueError on a shape mismatch (naming the checkpoint
-    tensor and both shapes), on an index entry outside the folder, and, when ``strict``, on
-    parameters left unloaded. Returns a ``LoadReport``.
+    are read and checked, nothing more). Each tensor is cast to its parameter's dtype and device
+    by the parameter's ``weight_loader`` (float to float only). ``check_finite``: every floating
+    tensor is checked for NaN/Inf as it is read (one more pass over memory-mapped data);
+    ``check_finite=False`` skips that pass. Raises ValueError on a corrupt or truncated shard, a
+    shape or dtype mismatch, a NaN/Inf (each naming the file and the checkpoint tensor), on an
+    index entry outside the folder, and, when ``strict``, on parameters left unloaded.
+    Returns a ``LoadReport``.
     """
     folder = Path(path)
     if not folder.is_dir():
@@ -321,7 +496,8 @@ def load_weights(model: nn.Module, path: str | Path, *, strict: bool = True,
     mapper = _NameMapper(model, params, load_extra_layers)
     report = LoadReport()
 
-    # Which file holds each tensor (the first shard that lists it).
+    # Which file holds each tensor (the first shard that lists it). Every header is checked here,
+    # so a corrupt or truncated shard is named before any tensor is loaded.
     file_of: dict[str, Path] = {}
     for file, index_names in checkpoint_files(folder).items():
         header_names = list(read_safetensors_header(file))
@@ -339,6 +515,8 @@ def load_weights(model: nn.Module, path: str | Path, *, strict: bool = True,
 
     # Plan: into which parameters each tensor goes, grouped by file; MXFP4 scales ride with their blocks.
     plan: dict[Path, list[tuple[str, list[_Target], str | None]]] = {}
+    whole_source: dict[str, str] = {}  # parameter -> the checkpoint tensor loaded into it whole
+    tied_head = None                   # a stored lm_head.weight that the tied head skips
     for name, file in file_of.items():
         scales = _mxfp4_scales_name(name, file_of)
         if name.endswith(SCALES_SUFFIX) and name[: -len(SCALES_SUFFIX)] + BLOCKS_SUFFIX in file_of:
@@ -347,24 +525,39 @@ def load_weights(model: nn.Module, path: str | Path, *, strict: bool = True,
         mapped = mapper.map(name)
         if isinstance(mapped, str):
             report.skipped[name] = mapped
+            tied_head = name if mapped == _TIED_REASON else tied_head
             continue
         if not all(t.param_name in params for t in mapped):
             report.unused.append(name)
             continue
         plan.setdefault(file, []).append((name, mapped, scales))
+        for t in mapped:
+            if t.shard_id is None and t.rows is None:
+                whole_source.setdefault(t.param_name, name)
 
     loaded: dict[str, set] = {}
     for file, entries in plan.items():
         report.files_read.append(str(file))
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        with _open_shard(file) as f:
             for name, targets, scales in entries:
-                tensor = f.get_tensor(name)
+                tensor = _get_tensor(f, name, file)
                 if scales is not None:
-                    tensor = dequantize_mxfp4(tensor, _read_tensor(f, file, scales, file_of[scales]))
+                    try:
+                        tensor = dequantize_mxfp4(tensor, _read_tensor(f, file, scales, file_of[scales]))
+                    except ValueError as e:
+                        raise ValueError(f"MXFP4 checkpoint tensor {name!r} in {file}: {e}") from e
+                if check_finite:
+                    _check_finite(tensor, name, file)
                 for target in targets:
                     _load_one(params[target.param_name], tensor, target, name, file)
                     loaded.setdefault(target.param_name, set()).add(
                         _WHOLE if target.shard_id is None else target.shard_id)
+
+    embedding = whole_source.get(_tied_parameter(model, params) or "")
+    if tied_head is not None and embedding is not None:
+        difference = _warn_if_tied_head_differs(tied_head, embedding, file_of)
+        if difference is not None:
+            report.skipped[tied_head] += f" (and differs from it: {difference})"
 
     expected = getattr(model, "expected_missing", None) or set()
     for pname in params:

@@ -89,6 +89,21 @@ def test_eos_token_id_is_a_list(eos, expected):
     assert parse(eos_token_id=eos).eos_token_id == expected
 
 
+@pytest.mark.parametrize("key,value,bad", [("eos_token_id", 128, 128), ("eos_token_id", [1, 500], 500),
+                                           ("eos_token_id", -1, -1), ("bos_token_id", 128, 128)])
+def test_special_token_id_outside_the_vocabulary_is_refused_by_name(key, value, bad):
+    # BASE has vocab_size=128: ids 0..127
+    with pytest.raises(ValueError, match=rf"{key} {bad} is outside the vocabulary.*vocab_size=128"):
+        parse(**{key: value})
+    assert parse(**{key: 127}).get(key) in (127, [127])  # the last row is inside
+
+
+def test_eos_outside_the_vocabulary_in_a_file_names_the_file(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({**BASE, "eos_token_id": [2, 151645]}))
+    with pytest.raises(ValueError, match=r"config.json: eos_token_id 151645 is outside the vocabulary"):
+        ModelConfig.from_file(tmp_path)
+
+
 @pytest.mark.parametrize("key,value,expected", [("torch_dtype", "bfloat16", torch.bfloat16),
                                                 ("dtype", "float16", torch.float16),
                                                 ("torch_dtype", "torch.float32", torch.float32)])
@@ -139,6 +154,9 @@ def test_bad_files(tmp_path):
     with pytest.raises(FileNotFoundError, match="model config not found"):
         ModelConfig.from_file(tmp_path / "config.json")
     (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"config.json: not valid JSON"):
+        ModelConfig.from_file(tmp_path)
+    (tmp_path / "config.json").write_bytes(b"\xff\xfe{\x00")  # not UTF-8 text (a binary file saved under that name)
     with pytest.raises(ValueError, match=r"config.json: not valid JSON"):
         ModelConfig.from_file(tmp_path)
     (tmp_path / "config.json").write_text("[1, 2]")

@@ -16,6 +16,13 @@ import torch
 from torch import nn
 
 from atom_core import ops
+from atom_core.cache.pool_sizing import check_fits_in_memory, host_memory_available_bytes
+from atom_core.models.config import available_memory_bytes, memory_name
+
+# Host bytes per (position, rotary dim) while the table is built: it is computed in fp32 on the
+# host, with the angles [P, R/2], cos and sin [P, R/2] each and their concatenation [P, R] alive
+# at once (2 + 2 + 2 + 4 bytes).
+_BUILD_BYTES_PER_ENTRY = 10
 
 
 class RotaryEmbedding(nn.Module):
@@ -31,6 +38,10 @@ class RotaryEmbedding(nn.Module):
             interleaved pairs (GPT-J).
         cache_dtype: dtype of the table (float32 by default: angles of late positions lose
             precision in 16-bit types).
+
+    The table has P rows: a P whose table (or its fp32 build on the host, ~10 bytes per entry)
+    exceeds the memory available raises ``InsufficientMemoryError`` naming max_position_embeddings,
+    before anything is allocated.
     """
 
     def __init__(self, head_dim: int, rotary_dim: int, max_position: int, base: float,
@@ -42,6 +53,7 @@ class RotaryEmbedding(nn.Module):
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if rotary_dim > head_dim or rotary_dim % 2:
             raise ValueError(f"rotary_dim must be even and <= head_dim={head_dim}, got {rotary_dim}")
+        _check_table_fits(max_position, rotary_dim, cache_dtype, device)
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim
         self.max_position = max_position
@@ -79,3 +91,16 @@ class RotaryEmbedding(nn.Module):
         kind = "default" if self.scaling is None else self.scaling.get("rope_type", "default")
         return (f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, max_position={self.max_position}, "
                 f"base={self.base}, scaling={kind}, is_neox={self.is_neox}")
+
+
+def _check_table_fits(max_position: int, rotary_dim: int, cache_dtype: torch.dtype,
+                      device: torch.device | str | None) -> None:
+    """Refuse a table [P, R] that does not fit: its fp32 build on the host, then the table on ``device``."""
+    what = f"the rotary cos/sin table of max_position_embeddings={max_position} x rotary_dim={rotary_dim}"
+    hint = "lower max_position_embeddings in config.json (to the longest sequence you will run)"
+    check_fits_in_memory(what, max_position * (_BUILD_BYTES_PER_ENTRY * rotary_dim + 4), host_memory_available_bytes(),
+                         where="host memory", detail=f"built in fp32 on the host, {_BUILD_BYTES_PER_ENTRY} bytes per "
+                                                     "entry for the angles, cos, sin and the table", hint=hint)
+    if device is not None and torch.device(device).type != "cpu":
+        check_fits_in_memory(what, max_position * rotary_dim * cache_dtype.itemsize, available_memory_bytes(device),
+                             where=memory_name(device), detail=f"{cache_dtype}", hint=hint)
