@@ -9,7 +9,6 @@ before this one's tokens are read (see ``scheduler``).
 from __future__ import annotations
 
 import logging
-import os
 import random
 import time
 from dataclasses import replace
@@ -21,6 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from atom_core.cache import BlockManager, budget_from_memory, plan_kv_pool
+from atom_core.cache.pool_sizing import check_fits_in_memory, host_memory_available_bytes
 from atom_core.cache.token_layout import build_step_layout
 from atom_core.engine.generation_config import read_generation_config
 from atom_core.engine.outputs import RequestOutput, StepOutputs
@@ -38,22 +38,6 @@ DEMO_MODEL = Path(__file__).resolve().parent.parent / "demo_model"
 CPU_DEFAULT_POOL_SEQS = 16  # without num_kv_blocks, a CPU pool holds at most this many max_model_len requests
 CPU_POOL_MEMORY_SHARE = 0.25  # ... and at most this share of the host memory available when it is built
 CPU_MAX_MODEL_LEN = 4096  # on CPU, max_model_len defaults to no more than this (a CPU is slow past it anyway)
-
-
-def host_memory_available() -> int | None:
-    """Bytes of host memory available now (``MemAvailable`` of /proc/meminfo; else total physical
-    memory from sysconf), or None where neither can be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def step_activation_bytes(cfg, num_tokens: int, num_rows: int) -> int:
@@ -133,6 +117,12 @@ class Engine:
             plan = plan_kv_pool(spec, budget_bytes=self._gpu_budget(gpu_memory_utilization, max_num_batched_tokens,
                                                                      max_num_seqs), **sizing)
         logger.info("KV pool: %d blocks of %d tokens (%.2f GiB)", plan.num_blocks, block_size, plan.kv_bytes / 2**30)
+        if num_kv_blocks is not None:  # a pool asked for by size: refused before allocating when it cannot fit
+            on_gpu = self.device.type == "cuda"
+            check_fits_in_memory(f"a KV pool of num_kv_blocks={num_kv_blocks}", plan.total_bytes,
+                                 torch.cuda.mem_get_info(self.device)[0] if on_gpu else host_memory_available_bytes(),
+                                 where=str(self.device) if on_gpu else "host memory",
+                                 hint="ask for fewer num_kv_blocks, or leave it None to size the pool from memory")
         self.stop_rule = StopRule(config.eos_token_id, self.max_model_len, tokenizer)
         self.block_manager = BlockManager(plan.num_blocks, plan.block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
@@ -177,7 +167,7 @@ class Engine:
         CPU_POOL_MEMORY_SHARE of the host memory available (plan_kv_pool refuses, with the numbers,
         a budget that cannot hold one request)."""
         budget = CPU_DEFAULT_POOL_SEQS * -(-self.max_model_len // block_size) * spec.bytes_per_block(block_size)
-        available = host_memory_available()
+        available = host_memory_available_bytes()
         if available is not None:
             budget = min(budget, int(available * CPU_POOL_MEMORY_SHARE))
         return budget

@@ -151,7 +151,8 @@ def _qwen3_06b_shapes_model():
     from atom_core.models import build_model
 
     cfg = json.loads((Path(__file__).parents[2] / "benchmarks" / "configs" / "qwen3-0.6b.json").read_text())
-    cfg |= {"num_hidden_layers": 2, "vocab_size": 512}  # the real attention shapes, few layers: cheap to build
+    # The real attention shapes, few layers and a small vocabulary (its special ids within it): cheap to build.
+    cfg |= {"num_hidden_layers": 2, "vocab_size": 512, "bos_token_id": 0, "eos_token_id": 1}
     return build_model(cfg, dtype=torch.float32, device="cpu")
 
 
@@ -160,7 +161,7 @@ def test_on_cpu_max_model_len_is_capped_and_the_pool_fits_the_memory_available(m
 
     model = _qwen3_06b_shapes_model()
     assert model.config.max_position_embeddings == 40960
-    monkeypatch.setattr(engine_module, "host_memory_available", lambda: 8 << 30)
+    monkeypatch.setattr(engine_module, "host_memory_available_bytes", lambda: 8 << 30)
     with caplog.at_level("WARNING"):
         engine = Engine(model, device="cpu", warmup=False)
     assert engine.max_model_len == engine_module.CPU_MAX_MODEL_LEN and "max_model_len set to 4096 on CPU" in caplog.text
@@ -175,6 +176,16 @@ def test_on_cpu_a_pool_that_cannot_hold_one_request_in_the_memory_available_is_r
     from atom_core.engine import engine as engine_module
 
     model = _qwen3_06b_shapes_model()
-    monkeypatch.setattr(engine_module, "host_memory_available", lambda: 1 << 20)  # 1 MiB: 256 KiB for the pool
+    monkeypatch.setattr(engine_module, "host_memory_available_bytes", lambda: 1 << 20)  # 1 MiB: 256 KiB for the pool
     with pytest.raises(ValueError, match="smallest budget that works"):
         Engine(model, device="cpu", max_model_len=256, warmup=False)
+
+
+def test_an_explicit_pool_larger_than_the_memory_available_is_refused_before_allocating(monkeypatch):
+    from atom_core.engine import engine as engine_module
+    from atom_core.models import InsufficientMemoryError
+
+    model = _qwen3_06b_shapes_model()
+    monkeypatch.setattr(engine_module, "host_memory_available_bytes", lambda: 1 << 30)
+    with pytest.raises(InsufficientMemoryError, match="a KV pool of num_kv_blocks=100000 needs an estimated"):
+        Engine(model, device="cpu", max_model_len=256, num_kv_blocks=100_000, warmup=False)
