@@ -9,8 +9,9 @@ The exact semantics (mask inequalities, softcap, sinks, fp8 scales) are stated i
 Backends: ``torch`` (the reference twin), ``triton`` (a unified flash-attention kernel for
 prefill and mixed batches, a split-K flash-decoding kernel for decode batches; the choice depends
 only on shapes and on ``max_seqlen_q``), ``aiter`` (AITER's paged decode and varlen flash kernels).
-Nothing here reads tensor contents on the host, so the op can be captured in a CUDA graph; the
-launch grid and the number of KV splits follow from shapes and the ``max_seqlen_*`` ints.
+Outside debug mode nothing here reads tensor contents on the host, so the op can be captured in a
+CUDA graph (debug mode reads the layout, but not during a capture); the launch grid and the number
+of KV splits follow from shapes and the ``max_seqlen_*`` ints.
 
 Legend: T = query tokens of the step, B = rows, Hq / Hk = query / kv heads, D = head dim,
 NB = pool blocks, BS = tokens per block, P = pages per row.
@@ -28,6 +29,7 @@ from atom_core.ops.dispatch import Op, call_op, custom_op
 from atom_core.ops.reference import attention as reference_attention
 from atom_core.ops.validation import (FLOAT_DTYPES, check_out, check_out_shape, check_same_device, check_shape,
                                       check_tensor, debug_enabled)
+from atom_core.ops.value_checks import check_attention_layout
 
 PAGED_ATTENTION = Op("paged_attention")
 
@@ -164,6 +166,8 @@ def _check_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, m
     check_out("out", out, q.shape, q.dtype, q.device)
     check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, cu_seqlens_q=cu_seqlens_q,
                       context_lens=context_lens, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+    check_attention_layout(q.shape[0], k_cache.shape[0], k_cache.shape[1], block_tables, cu_seqlens_q, context_lens,
+                           max_seqlen_q, max_seqlen_k)
 
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, cu_seqlens_q: Tensor,
@@ -176,9 +180,10 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
     q: [T, Hq, D] fp32/fp16/bf16 (any strides with the last dim contiguous for Triton, e.g. a view
         of a fused qkv projection); row r's tokens are ``q[cu_seqlens_q[r]:cu_seqlens_q[r+1]]``.
     k_cache, v_cache: [NB, BS, Hk, D] in q's dtype, or float8_e4m3fn holding ``k / k_scale``.
-    block_tables: int32 [B, P], pool block of each page of a row, -1 past its last page.
-    cu_seqlens_q: int32 [B+1], prefix sums of the query lengths.
-    context_lens: int32 [B], tokens of each row in the pool (cached + this step's); 0 = padding row.
+    block_tables: int32 [B, P], pool block (in [0, NB)) of each page of a row, -1 past its last page.
+    cu_seqlens_q: int32 [B+1], prefix sums of the query lengths (0 first, T last).
+    context_lens: int32 [B], tokens of each row in the pool (cached + this step's, so at least the
+        row's query tokens); 0 = padding row (any query count, output zeros).
     max_seqlen_q, max_seqlen_k: ints, upper bounds of the query lengths and of ``context_lens``
         (a CUDA-graph bucket passes fixed bounds); they size the launch, never a result.
     scale: softmax scale applied to q.k (usually D ** -0.5).
@@ -191,7 +196,8 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
 
     Query i of row r sits at position ``p = context_lens[r] - q_len + i`` and sees keys
     ``j <= p`` (bottom-right causal). GQA / MQA: query head h reads kv head ``h // (Hq // Hk)``.
-    Rows with ``context_lens == 0`` get zeros. Returns out.
+    Rows with ``context_lens == 0`` get zeros. Returns out. Debug mode checks the layout's contents
+    (``atom_core.ops.value_checks.check_attention_layout``); docs/ops.md says what happens without.
     """
     if debug_enabled():
         _check_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k, scale,

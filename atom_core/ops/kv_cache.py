@@ -13,6 +13,7 @@ from atom_core.ops.dispatch import Op, call_op, custom_op
 from atom_core.ops.reference import kv_cache as reference_kv_cache
 from atom_core.ops.reference.kv_cache import FP8_DTYPE
 from atom_core.ops.validation import FLOAT_DTYPES, check_same_device, check_shape, check_tensor, debug_enabled
+from atom_core.ops.value_checks import check_slots
 
 STORE_KV = Op("store_kv_")
 
@@ -106,6 +107,7 @@ def _check_store_kv_args(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int64,))
     check_shape("slot_mapping", slot_mapping, (num_tokens,))
     check_same_device(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
+    check_slots(slot_mapping, k_cache.shape[0] * k_cache.shape[1])
     if k_cache.dtype == FP8_DTYPE:
         _check_scale("k_scale", k_scale, k.device)
         _check_scale("v_scale", v_scale, k.device)
@@ -118,7 +120,8 @@ def store_kv_(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappi
     k, v: [T, Hk, D] fp32/fp16/bf16 (strided views allowed, e.g. slices of a fused qkv buffer).
     k_cache, v_cache: [NB, BS, Hk, D], k's dtype or torch.float8_e4m3fn.
     slot_mapping: int64 [T]; token t goes to block ``slot_mapping[t] // BS``, offset ``% BS``;
-    -1 writes nothing. Slots are assumed distinct and below NB * BS.
+    -1 writes nothing. Slots are assumed distinct and below NB * BS (checked in debug mode,
+    except distinctness).
     k_scale, v_scale: fp32 [1] per-tensor scales, required for an fp8 cache, which stores
     ``clamp(k / k_scale, -448, 448)`` rounded to nearest even (and likewise v); ignored otherwise.
     """

@@ -119,9 +119,18 @@ def _(x, weight, bias, eps, residual, out, residual_out, backend) -> None:
     return None
 
 
-def _check_norm_args(x, weight, bias, residual, out, residual_out):
+def _check_eps(eps) -> None:
+    # eps <= 0 turns an all-zero row (a padding token) into NaN (0 * rsqrt(0)); NaN turns every row into NaN.
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+    if not eps > 0:
+        raise ValueError(f"eps must be > 0, got {eps!r}")
+
+
+def _check_norm_args(x, weight, bias, eps, residual, out, residual_out):
     """The per-call checks, run in debug mode only (atom_core.ops.validation)."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    _check_eps(eps)
     d = x.shape[-1]
     check_tensor("weight", weight, ndim=1)
     check_shape("weight", weight, (d,))
@@ -147,7 +156,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, *, residual: Tensor |
     ``residual_out = x + residual`` (the new residual stream) and ``out = norm(residual_out)``.
     """
     if debug_enabled():
-        _check_norm_args(x, weight, None, residual, out, residual_out)
+        _check_norm_args(x, weight, None, eps, residual, out, residual_out)
     elif out is not None or residual_out is not None:  # always on (see check_out_shape)
         check_out_shape("out", out, x.shape)
         check_out_shape("residual_out", residual_out, x.shape)
@@ -165,7 +174,7 @@ def layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float = 1e-5
     Shapes and the residual convention as in :func:`rms_norm`.
     """
     if debug_enabled():
-        _check_norm_args(x, weight, bias, residual, out, residual_out)
+        _check_norm_args(x, weight, bias, eps, residual, out, residual_out)
     elif out is not None or residual_out is not None:  # always on (see check_out_shape)
         check_out_shape("out", out, x.shape)
         check_out_shape("residual_out", residual_out, x.shape)

@@ -12,6 +12,7 @@ from torch import Tensor
 from atom_core.ops.dispatch import Op, call_op, custom_op
 from atom_core.ops.reference import rope as reference_rope
 from atom_core.ops.validation import FLOAT_DTYPES, check_same_device, check_shape, check_tensor, debug_enabled
+from atom_core.ops.value_checks import check_positions
 
 APPLY_ROPE = Op("apply_rope_")
 
@@ -97,6 +98,7 @@ def _check_rope_args(q, k, positions, cos_sin_cache) -> None:
         raise ValueError(f"cos_sin_cache must have an even number of columns (the rotary dim) in [2, {head_size}], "
                          f"got shape {tuple(cos_sin_cache.shape)}")
     check_same_device(q=q, k=k, positions=positions, cos_sin_cache=cos_sin_cache)
+    check_positions(positions, cos_sin_cache.shape[0])
 
 
 def apply_rope_(q: Tensor, k: Tensor, positions: Tensor, cos_sin_cache: Tensor, *, is_neox: bool = True,

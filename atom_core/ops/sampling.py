@@ -25,9 +25,16 @@ How a draw is made, and why this way:
 * **Log-probs** are ``log_softmax(logits)`` of the RAW logits (before temperature and filters) at
   the chosen token: the model's own log-likelihood of the emitted token.
 
-Arguments are checked in debug mode (``atom_core.ops.set_debug``); value ranges (temperature >= 0,
-0 < top_p <= 1, 0 <= min_p <= 1) only when the parameter tensors also live on the CPU: on a GPU a
-check would cost a device-to-host sync, so there they are the caller's responsibility.
+* **Tiny temperatures are greedy.** Rows with ``temperature < 1e-5``
+  (``reference.sampling.GREEDY_BELOW_TEMPERATURE``, vLLM's threshold) take the argmax on every
+  backend: ``logits / T`` overflows fp32 near T = 1e-38, and the kernels score in fp32.
+* **Filter order is HF transformers'**: top-k, top-p, min-p. vLLM v1 applies min-p first, so its
+  top-p renormalises over min-p's survivors and can keep fewer tokens (see ``filter_cutoff``).
+
+Arguments are checked in debug mode (``atom_core.ops.set_debug``), contents included: value
+ranges (temperature >= 0, 0 < top_p <= 1, 0 <= min_p <= 1), no NaN logit, no row of all -inf
+logits. On a GPU those reads cost a device-to-host sync (debug mode only; skipped while a CUDA
+graph is captured).
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from torch import Tensor
 from atom_core.ops.dispatch import Op, call_op, custom_op
 from atom_core.ops.reference import sampling as reference_sampling
 from atom_core.ops.validation import FLOAT_DTYPES, check_same_device, check_shape, check_tensor, debug_enabled
+from atom_core.ops.value_checks import check_logits, contents_readable, first_true
 
 SAMPLE = Op("sample")
 REJECTION_SAMPLE_GREEDY = Op("rejection_sample_greedy")
@@ -133,17 +141,22 @@ def _check_row_param(name: str, t, rows: int, dtypes, optional: bool = False) ->
     check_shape(name, t, (rows,))
 
 
-def _check_values_on_cpu(temperature, top_p, min_p) -> None:
-    """Range checks, only for CPU tensors (a GPU check would be a device-to-host sync) and not while
-    torch.compile traces (a data-dependent branch would break the graph)."""
-    if torch.compiler.is_compiling():
+def _check_values(temperature, top_p, min_p) -> None:
+    """Value ranges of the row parameters (a host sync for GPU tensors; skipped where contents cannot
+    be read, see atom_core.ops.value_checks)."""
+    if not contents_readable(temperature, top_p, min_p):
         return
-    if temperature.device.type == "cpu" and bool((temperature < 0).any() | temperature.isnan().any()):
-        raise ValueError("temperature must be >= 0 (0 = greedy)")
-    if top_p is not None and top_p.device.type == "cpu" and not bool(((top_p > 0) & (top_p <= 1)).all()):
-        raise ValueError("top_p must be in (0, 1] (1 = off)")
-    if min_p is not None and min_p.device.type == "cpu" and not bool(((min_p >= 0) & (min_p <= 1)).all()):
-        raise ValueError("min_p must be in [0, 1] (0 = off)")
+    _raise_first("temperature", temperature, ~(temperature >= 0), "must be >= 0 (0 = greedy)")
+    if top_p is not None:
+        _raise_first("top_p", top_p, ~((top_p > 0) & (top_p <= 1)), "must be in (0, 1] (1 = off)")
+    if min_p is not None:
+        _raise_first("min_p", min_p, ~((min_p >= 0) & (min_p <= 1)), "must be in [0, 1] (0 = off)")
+
+
+def _raise_first(name: str, values: Tensor, bad: Tensor, rule: str) -> None:
+    index = first_true(bad)
+    if index is not None:
+        raise ValueError(f"{name}[{index[0]}] = {float(values[index])} {rule}")
 
 
 def _check_sample_args(logits, temperature, top_k, top_p, min_p, seeds, offsets, return_logprobs) -> None:
@@ -160,7 +173,8 @@ def _check_sample_args(logits, temperature, top_k, top_p, min_p, seeds, offsets,
     _check_row_param("offsets", offsets, rows, (torch.int64,))
     check_same_device(logits=logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                       seeds=seeds, offsets=offsets)
-    _check_values_on_cpu(temperature, top_p, min_p)
+    _check_values(temperature, top_p, min_p)
+    check_logits(logits)
     if not isinstance(return_logprobs, bool):
         raise TypeError(f"return_logprobs must be a bool, got {type(return_logprobs).__name__}")
 
@@ -181,11 +195,14 @@ def sample(logits: Tensor, temperature: Tensor, top_k: Tensor | None, top_p: Ten
     """Draw one token per row, each row with its own parameters, in one call.
 
     logits: [B, V] fp32/fp16/bf16.
-    temperature: [B] float32; ``0`` = greedy (argmax, lowest index on ties), else logits / T.
-    top_k: [B] int32/int64, ``<= 0`` or ``>= V`` = off; top_p: [B] float32 in (0, 1], ``1`` = off
-    (keeps the smallest set of most likely tokens whose probability is >= top_p; always the top
+    temperature: [B] float32; ``0`` = greedy (argmax, lowest index on ties), and so is any
+    ``T < 1e-5`` (as in vLLM); else logits / T.
+    top_k: [B] int32/int64, ``<= 0`` or ``>= V`` = off (keeps the k largest logits and any tied with
+    the k-th); top_p: [B] float32 in (0, 1], ``1`` = off (keeps the smallest set of most likely
+    tokens whose probability, renormalised over what top-k kept, is >= top_p; always the top
     token); min_p: [B] float32 in [0, 1], ``0`` = off (keeps tokens with p >= min_p * p_max).
-    Applied in that order; any of the three may be None = off in every row (skips their work).
+    Applied in that order, HF transformers' (temperature, top-k, top-p, min-p); vLLM v1 applies
+    min-p before top-k/top-p. Any of the three may be None = off in every row (skips their work).
     seeds, offsets: [B] int64 — the row's draw is a function of (seed, offset) and its logits only.
     Returns token_ids [B] int64, or ``(token_ids, logprobs)`` with logprobs [B] float32 =
     ``log_softmax(logits)[r, token_ids[r]]`` of the raw logits (before temperature and filters).

@@ -46,9 +46,9 @@ def naive_filtered_probs(row: list[float], temperature: float, top_k: int, top_p
     weights = [math.exp(s - top) for s in scaled]
     probs = [w / sum(weights) for w in weights]
     kept = sorted(range(vocab), key=lambda v: -row[v])
-    if 0 < top_k < vocab:
-        kept = kept[:top_k]
-    if top_p < 1.0:  # smallest prefix whose mass (renormalised over what top-k kept) reaches top_p
+    if 0 < top_k < vocab:  # the k largest and every token tied with the k-th
+        kept = [v for v in kept if row[v] >= row[kept[top_k - 1]]]
+    if top_p < 1.0:  # smallest prefix whose mass (renormalised over all top-k kept) reaches top_p
         mass = sum(probs[v] for v in kept)
         prefix, acc = [], 0.0
         for v in kept:
@@ -330,9 +330,10 @@ def test_custom_ops_pass_opcheck():
         (dict(min_p=[0.0] * 4), "min_p must be a torch.Tensor"),
         (dict(seeds=torch.ones(4, dtype=torch.int32)), "seeds dtype"),
         (dict(offsets=torch.ones(4, 1, dtype=torch.int64)), "offsets must have 1 dims"),
-        (dict(temperature=torch.tensor([1.0, -1.0, 1.0, 1.0])), "temperature must be >= 0"),
-        (dict(top_p=torch.tensor([0.0, 1.0, 1.0, 1.0])), "top_p must be in"),
-        (dict(min_p=torch.tensor([0.0, 1.5, 0.0, 0.0])), "min_p must be in"),
+        (dict(temperature=torch.tensor([1.0, -1.0, 1.0, 1.0])), r"temperature\[1\] = -1.0 must be >= 0"),
+        (dict(temperature=torch.tensor([1.0, 1.0, float("nan"), 1.0])), r"temperature\[2\] = nan must be >= 0"),
+        (dict(top_p=torch.tensor([0.0, 1.0, 1.0, 1.0])), r"top_p\[0\] = 0.0 must be in"),
+        (dict(min_p=torch.tensor([0.0, 1.5, 0.0, 0.0])), r"min_p\[1\] = 1.5 must be in"),
     ],
 )
 def test_bad_sample_arguments_are_named(change, match):

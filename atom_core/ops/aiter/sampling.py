@@ -18,7 +18,8 @@ from __future__ import annotations
 import aiter
 import torch
 
-from atom_core.ops.reference.sampling import accept_greedy, exponential_noise, filter_cutoff
+from atom_core.ops.reference.sampling import (GREEDY_BELOW_TEMPERATURE, accept_greedy, exponential_noise,
+                                              filter_cutoff)
 
 
 def sample(logits, temperature, top_k, top_p, min_p, seeds, offsets, token_ids, logprobs):
@@ -29,8 +30,9 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, offsets, token_ids, 
     filtered = logits if cutoff is None else logits.masked_fill(logits.float() < cutoff[:, None], float("-inf"))
     exponentials = exponential_noise(seeds, offsets, vocab).float()  # > 0, so eps can be 0
     out = torch.empty(rows, dtype=torch.int32, device=logits.device)
-    # Greedy rows: AITER tests T == 0; the op's contract is T <= 0.
-    temperatures = temperature.clamp(min=0.0).float()
+    # Greedy rows: AITER tests T == 0; the op's contract is T < GREEDY_BELOW_TEMPERATURE (0 and
+    # negatives included), where input / T would overflow.
+    temperatures = torch.where(temperature < GREEDY_BELOW_TEMPERATURE, 0.0, temperature).float()
     aiter.mixed_sample_outer_exponential(out, filtered, exponentials, temperatures, 0.0)
     token_ids.copy_(out)
     if logprobs is not None:

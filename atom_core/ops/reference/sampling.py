@@ -20,6 +20,9 @@ import torch
 from torch import Tensor
 
 _MASK32 = 0xFFFFFFFF
+# Rows with a temperature below this are greedy (vLLM's _SAMPLING_EPS): logits / T overflows fp32
+# for T near the smallest normal (1.2e-38), and the kernels score in fp32.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 def _mix32(x: Tensor) -> Tensor:
@@ -57,26 +60,33 @@ def exponential_noise(seeds: Tensor, offsets: Tensor, vocab_size: int) -> Tensor
 
 def filter_cutoff(logits: Tensor, temperature: Tensor, top_k: Tensor | None, top_p: Tensor | None,
                   min_p: Tensor | None) -> Tensor | None:
-    """The lowest raw logit each row keeps after top-k, then top-p, then min-p.
+    """The lowest raw logit each row keeps after top-k, then top-p, then min-p (HF transformers' order).
 
-    logits: [B, V] float; temperature: [B] float32 (only its positive entries matter; rows with
-    ``temperature <= 0`` are greedy and read no cut-off); top_k: [B] int (``<= 0`` or ``>= V``: off);
-    top_p: [B] float32 (``>= 1``: off); min_p: [B] float32 (``<= 0``: off). A None filter is off for
-    every row; with all three None the result is None (nothing to filter, and no sort is paid).
+    logits: [B, V] float; temperature: [B] float32 (only rows with ``temperature >=
+    GREEDY_BELOW_TEMPERATURE`` are sampled and read their cut-off; the others are greedy);
+    top_k: [B] int (``<= 0`` or ``>= V``: off); top_p: [B] float32 (``>= 1``: off); min_p: [B]
+    float32 (``<= 0``: off). A None filter is off for every row; with all three None the result is
+    None (nothing to filter, and no sort is paid).
     Returns cutoff [B] float32: the row keeps token v iff ``logits[r, v] >= cutoff[r]``.
 
-    * top-k keeps the k largest logits;
-    * top-p then keeps the smallest prefix (by probability, renormalised over what top-k kept)
-      whose probability sum is ``>= top_p`` — always at least the top token;
-    * min-p keeps tokens with ``p >= min_p * p_max``, i.e. ``logit >= max_logit + T * log(min_p)``.
-      It is a ratio to the top token, which every filter keeps, so its place in the order is moot.
-    Probabilities are those of ``logits / temperature``.
+    * top-k keeps the tokens whose logit is ``>=`` the k-th largest: ties with the k-th are kept,
+      as HF's TopKLogitsWarper and vLLM v1 keep them;
+    * top-p then keeps the smallest prefix whose probability sum is ``>= top_p`` — always at least
+      the top token — with probabilities renormalised over everything top-k kept (ties included,
+      as HF's TopPLogitsWarper and vLLM v1 see them);
+    * min-p last keeps tokens with ``p >= min_p * p_max``, i.e. ``logit >= max_logit + T * log(min_p)``
+      (HF's MinPLogitsWarper). A ratio to the top token, so its own kept set does not depend on the
+      order; but vLLM v1 applies min-p FIRST, so there top-p renormalises over min-p's survivors and
+      can cut more. This function keeps HF's order.
+    Probabilities are those of ``logits / temperature``. A tie that top-p's cut falls into is kept
+    whole (a threshold cannot split it), where HF's sort would keep only some of the tied tokens.
     """
     if top_k is None and top_p is None and min_p is None:
         return None
     x = logits.float()
     rows, vocab = x.shape
-    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).float()[:, None]
+    sampled = temperature >= GREEDY_BELOW_TEMPERATURE
+    t = torch.where(sampled, temperature, torch.ones_like(temperature)).float()[:, None]
     cutoff = torch.full((rows,), float("-inf"), device=x.device)
     if top_k is not None or top_p is not None:
         sorted_x = x.sort(dim=-1, descending=True).values  # [B, V]
@@ -84,7 +94,8 @@ def filter_cutoff(logits: Tensor, temperature: Tensor, top_k: Tensor | None, top
         keep = torch.ones(rows, vocab, dtype=torch.bool, device=x.device)
         if top_k is not None:
             k = torch.where((top_k <= 0) | (top_k >= vocab), vocab, top_k.long())
-            keep = rank < k[:, None]
+            kth_logit = sorted_x.gather(1, k[:, None] - 1)  # [B, 1]
+            keep = sorted_x >= kth_logit  # a prefix of the sorted order: the k largest and their ties
         if top_p is not None:
             probs = torch.softmax((sorted_x / t).masked_fill(~keep, float("-inf")), dim=-1)
             # mass_before[i] = sum of probs[:i]; token i is needed while the mass before it is < top_p.
@@ -110,13 +121,14 @@ def sample(logits: Tensor, temperature: Tensor, top_k: Tensor | None, top_p: Ten
     Returns token_ids [B] int64, and with ``return_logprobs`` also logprobs [B] float32 =
     ``log_softmax(logits)`` at the chosen token — the RAW logits, before temperature and filters.
 
-    ``temperature <= 0``: greedy, the argmax (lowest index on ties). Otherwise the exponential
-    trick: ``argmax_v p_v / E_v`` with E ~ Exp(1) i.i.d. picks v with probability p_v, where p is
-    the filtered, renormalised softmax of ``logits / T``; taking logs, the winner maximises
-    ``logits_v / T - log(E_v)`` over the kept tokens (the softmax normaliser is common to all v).
+    ``temperature < GREEDY_BELOW_TEMPERATURE`` (1e-5, as vLLM; 0 included): greedy, the argmax
+    (lowest index on ties). Otherwise the exponential trick: ``argmax_v p_v / E_v`` with E ~ Exp(1)
+    i.i.d. picks v with probability p_v, where p is the filtered, renormalised softmax of
+    ``logits / T``; taking logs, the winner maximises ``logits_v / T - log(E_v)`` over the kept
+    tokens (the softmax normaliser is common to all v).
     """
     x = logits.float()
-    greedy = temperature <= 0
+    greedy = temperature < GREEDY_BELOW_TEMPERATURE
     t = torch.where(greedy, torch.ones_like(temperature), temperature).double()[:, None]
     score = x.double() / t - torch.log(exponential_noise(seeds, offsets, x.shape[1]))
     cutoff = filter_cutoff(x, temperature, top_k, top_p, min_p)

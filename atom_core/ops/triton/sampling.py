@@ -6,7 +6,8 @@ K = draft tokens per row.
 The filters arrive as one cut-off logit per row (``reference.filter_cutoff``, computed in torch
 before the launch). The kernel streams each row once, in blocks of ``BLOCK = 4 * QUARTER`` logits:
 
-    score_v = logit_v / T - log(E_v)   for logit_v >= cutoff, else -inf     (greedy rows: logit_v)
+    score_v = logit_v / T - log(E_v)   for logit_v >= cutoff, else -inf
+    (greedy rows, T < GREEDY_BELOW_TEMPERATURE = 1e-5: score_v = logit_v)
     token   = argmax_v score_v         (lowest index on ties)
     lse     = log(sum_v exp(logit_v))  (online, only when log-probs are asked for)
 
@@ -32,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from atom_core.ops.reference.sampling import filter_cutoff
+from atom_core.ops.reference.sampling import GREEDY_BELOW_TEMPERATURE, filter_cutoff
 from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2
 
 GPU_QUARTER = 1024  # block = 4096 logits per row and step on a GPU (16 KiB of fp32)
@@ -59,6 +60,7 @@ def _sample_kernel(
     part_score_ptr, part_idx_ptr, part_m_ptr, part_l_ptr, num_splits,
     ALL_GREEDY: tl.constexpr, HAS_CUTOFF: tl.constexpr, RETURN_LOGPROBS: tl.constexpr,
     SPLIT: tl.constexpr, ROWS: tl.constexpr, QUARTER: tl.constexpr, FAST_LOG2: tl.constexpr,
+    MIN_TEMPERATURE: tl.constexpr,
 ):
     BLOCK: tl.constexpr = 4 * QUARTER
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [R]
@@ -72,7 +74,8 @@ def _sample_kernel(
         offset = tl.zeros((ROWS,), tl.int64)
     else:
         temperature = tl.load(temperature_ptr + rows, mask=row_ok, other=0.0)
-        sampled = temperature > 0.0  # temperature <= 0: greedy
+        # Below MIN_TEMPERATURE: greedy (0 included); x / T would overflow fp32 for tiny T.
+        sampled = temperature >= MIN_TEMPERATURE
         log2e_over_t = tl.where(sampled, 1.4426950408889634 / tl.where(sampled, temperature, 1.0), 1.0)
         seed = tl.load(seeds_ptr + rows, mask=row_ok, other=0)
         offset = tl.load(offsets_ptr + rows, mask=row_ok, other=0)
@@ -224,7 +227,8 @@ def _row_pass(logits, temperature, cutoff, seeds, offsets, token_ids, logprobs, 
         token_ids, logprobs if return_logprobs else unused,
         part_score, part_idx, part_m, part_l, splits,
         ALL_GREEDY=all_greedy, HAS_CUTOFF=cutoff is not None, RETURN_LOGPROBS=return_logprobs,
-        SPLIT=split, ROWS=rows_per_program, QUARTER=quarter, FAST_LOG2=_has_fast_log2(logits.device), num_warps=8,
+        SPLIT=split, ROWS=rows_per_program, QUARTER=quarter, FAST_LOG2=_has_fast_log2(logits.device),
+        MIN_TEMPERATURE=GREEDY_BELOW_TEMPERATURE, num_warps=8,
     )
     if split:
         _combine_kernel[(rows,)](
