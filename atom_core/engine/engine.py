@@ -57,6 +57,23 @@ def step_activation_bytes(cfg, num_tokens: int, num_rows: int) -> int:
     return 4 * (num_tokens * (8 * cfg.hidden_size + mlp_width) + num_rows * cfg.vocab_size * 4)
 
 
+KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str | torch.dtype) -> torch.dtype | None:
+    """The pool's element type for ``Engine(kv_cache_dtype=...)``; None = the model's dtype ("auto")."""
+    if kv_cache_dtype == "auto":
+        return None
+    if isinstance(kv_cache_dtype, torch.dtype):
+        if kv_cache_dtype not in (torch.float8_e4m3fn, torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype}: the pool holds float8_e4m3fn, bfloat16, float16 "
+                             f"or float32")
+        return kv_cache_dtype
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: choose 'auto' or one of {sorted(KV_CACHE_DTYPES)}")
+    return KV_CACHE_DTYPES[kv_cache_dtype]
+
+
 def check_device(device) -> torch.device:
     """``device`` as a torch.device, refused by name when this machine cannot use it."""
     device = torch.device(device)
@@ -80,7 +97,10 @@ class Engine:
     order, the first call included. A request that stops on EOS or a stop string costs one more
     row of computation, whose token is dropped. ``warmup`` (default on) compiles every kernel the
     engine launches and captures its CUDA graphs when it is built (see :meth:`warmup`).
-    ``enforce_eager`` runs every step without CUDA graphs (for debugging).
+    ``enforce_eager`` runs every step without CUDA graphs (for debugging). ``kv_cache_dtype``:
+    "auto" (the model's dtype) or "fp8" (``float8_e4m3fn``: one byte per element, so the pool holds
+    twice the tokens of a bf16 one; the cache holds ``k / k_scale`` with the checkpoint's per-layer
+    scales, or 1.0).
 
     A model writes into one KV pool at a time: an engine binds its own pool into the model before
     each step when another engine on the same model has rebound it.
@@ -90,7 +110,7 @@ class Engine:
                  num_kv_blocks: int | None = None, gpu_memory_utilization: float = 0.9, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, enforce_eager: bool = False, async_scheduling: bool = True,
-                 warmup: bool = True):
+                 warmup: bool = True, kv_cache_dtype: str | torch.dtype = "auto"):
         self.model = model
         self.tokenizer = tokenizer
         self.device = check_device(device) if device is not None else next(model.parameters()).device
@@ -107,7 +127,7 @@ class Engine:
             logger.warning("max_model_len set to %d on CPU (the model allows %d); pass max_model_len= to change it",
                            max_model_len, limit)
         self.max_model_len = max_model_len or limit
-        spec = model.kv_cache_spec()
+        spec = model.kv_cache_spec(kv_cache_torch_dtype(kv_cache_dtype))
         sizing = dict(block_size=block_size, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len)
         if num_kv_blocks is not None:
             plan = plan_kv_pool(spec, num_blocks=num_kv_blocks, **sizing)
@@ -128,7 +148,7 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
                                    stop_rule=self.stop_rule)
-        self.runner = ModelRunner(model, plan, device=self.device, max_num_seqs=max_num_seqs,
+        self.runner = ModelRunner(model, spec, plan, device=self.device, max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
                                   enforce_eager=enforce_eager)
         # What a request without SamplingParams gets (from_pretrained: the checkpoint's generation_config.json).

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from atom_core.cache import PoolPlan, StepLayout, build_step_layout
+from atom_core.cache import KVCacheSpec, PoolPlan, StepLayout, build_step_layout
 from atom_core.cache.token_layout import build_decode_layout
 from atom_core.engine.cuda_graphs import DECODE, StepGraphs, padded_input_ids
 from atom_core.engine.scheduler import ScheduledStep
@@ -43,16 +43,18 @@ class LaunchedStep:
 class ModelRunner:
     """Runs scheduled steps of ``model`` over a KV pool of ``plan``'s shape on ``device``."""
 
-    def __init__(self, model, plan: PoolPlan, *, device, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, enforce_eager: bool = False):
+    def __init__(self, model, spec: KVCacheSpec, plan: PoolPlan, *, device, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int, enforce_eager: bool = False):
         self.model = model
         self.device = torch.device(device)
         self.plan = plan
         self.max_pages = -(-max_model_len // plan.block_size)
-        spec = model.kv_cache_spec()
         # One allocation for the whole pool: [layers, 2 (K, V), num_blocks, block_size, Hk, D].
         self.kv_pool = torch.zeros((spec.num_layers, 2, *plan.kv_shape), dtype=spec.dtype, device=self.device)
         self._kv_caches = [(self.kv_pool[i, 0], self.kv_pool[i, 1]) for i in range(spec.num_layers)]
+        if spec.dtype.itemsize == 1:  # an FP8 pool: each layer's scales, the checkpoint's or 1.0
+            self._kv_caches = [(k, v, *self._scales(scales)) for (k, v), scales
+                               in zip(self._kv_caches, model.kv_cache_scales())]
         self.bind()
         self._last_sampled: torch.Tensor | None = None  # the previous launch's tokens, on the device
         self.graphs = None
@@ -62,6 +64,10 @@ class ModelRunner:
             self.graphs = StepGraphs(functools.partial(forward_logits, model), device=self.device,
                                      max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                      max_pages=self.max_pages, max_model_len=max_model_len)
+
+    def _scales(self, checkpoint_scales) -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(torch.ones(1, dtype=torch.float32, device=self.device) if scale is None
+                     else scale.detach().to(self.device, torch.float32).reshape(1) for scale in checkpoint_scales)
 
     @property
     def block_size(self) -> int:

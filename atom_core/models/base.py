@@ -178,15 +178,22 @@ class CausalLM(nn.Module):
         """hidden [N, D] -> logits [N, V] float32 (the matmul runs in the model's dtype)."""
         return self.lm_head(hidden).float()
 
-    def kv_cache_spec(self) -> KVCacheSpec:
-        """Per-rank KV pool needs: one K and one V of ``[NB, BS, Hk, D]`` per attention layer, model dtype."""
+    def kv_cache_spec(self, dtype: torch.dtype | None = None) -> KVCacheSpec:
+        """Per-rank KV pool needs: one K and one V of ``[NB, BS, Hk, D]`` per attention layer, in
+        ``dtype`` (default: the model's; ``torch.float8_e4m3fn`` for an FP8 pool, one byte per element)."""
         first = self._attention_layers[0]
         return KVCacheSpec(num_layers=len(self._attention_layers), num_kv_heads=first.num_kv_heads,
-                           head_dim=first.head_dim, dtype=self.dtype)
+                           head_dim=first.head_dim, dtype=dtype or self.dtype)
 
-    def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def kv_cache_scales(self) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+        """Per attention layer, the checkpoint's FP8 KV scales ``(k_scale, v_scale)`` (fp32 [1]; the
+        cache holds ``k / k_scale``), or None where the checkpoint has none (an FP8 pool then uses 1.0)."""
+        return [(attn.checkpoint_k_scale, attn.checkpoint_v_scale) for attn in self._attention_layers]
+
+    def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, ...]]) -> None:
         """Give each attention layer its pool tensors: ``kv_caches[i] = (k_cache, v_cache)``, each
-        ``[num_blocks, block_size, num_kv_heads, head_dim]``, one entry per layer in order.
+        ``[num_blocks, block_size, num_kv_heads, head_dim]``, one entry per layer in order; an FP8
+        pool's entries are ``(k_cache, v_cache, k_scale, v_scale)`` with fp32 [1] scales.
 
         A model writes into one pool at a time: the last one bound. ``bound_kv_caches`` is that
         list (the same object), so an owner can tell whether the binding is still its own."""
@@ -195,7 +202,10 @@ class CausalLM(nn.Module):
                 f"kv_caches has {len(kv_caches)} entries, the model has {len(self._attention_layers)} attention layers"
             )
         for i, (attn, entry) in enumerate(zip(self._attention_layers, kv_caches)):
-            if not isinstance(entry, (tuple, list)) or len(entry) != 2:
-                raise ValueError(f"kv_caches[{i}] must be a (k_cache, v_cache) pair")
-            attn.bind_kv_cache(*entry)
+            if not isinstance(entry, (tuple, list)) or len(entry) not in (2, 4):
+                raise ValueError(f"kv_caches[{i}] must be a (k_cache, v_cache) or (k_cache, v_cache, k_scale, "
+                                 f"v_scale) tuple")
+            k_cache, v_cache, *scales = entry
+            k_scale, v_scale = scales or (None, None)
+            attn.bind_kv_cache(k_cache, v_cache, k_scale=k_scale, v_scale=v_scale)
         self.bound_kv_caches = kv_caches

@@ -54,6 +54,9 @@ class PagedAttention(nn.Module):
         self.v_cache: torch.Tensor | None = None
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
+        # FP8 KV scales a checkpoint ships (fp32 [1]), set by the loader; the runner binds them with an FP8 pool.
+        self.checkpoint_k_scale: torch.Tensor | None = None
+        self.checkpoint_v_scale: torch.Tensor | None = None
 
     def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
                       k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
