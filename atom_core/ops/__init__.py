@@ -3,7 +3,8 @@ a Triton kernel and an AITER adapter, and is registered as ``torch.ops.atom_core
 
 Backend choice: ``backend=`` argument > ``use_backend()`` context > the default backend
 (``ATOM_CORE_BACKEND``, read once at import; ``set_default_backend()`` changes it) > auto (aiter on
-ROCm, triton on a GPU, torch otherwise), made once per op and argument signature and cached.
+ROCm where ``python -m atom_core.ops.selftest`` verified it, triton on a GPU unless the selftest
+failed it, torch otherwise), made once per op and argument signature and cached.
 Argument checks run in debug mode only: ``ATOM_CORE_DEBUG=1``, ``set_debug(True)`` or
 ``with debug_checks(): ...``. See docs/ops.md.
 """

@@ -2,7 +2,9 @@
 
 Order of choice: explicit ``backend=`` argument > ``use_backend(...)`` context > the default
 backend (``ATOM_CORE_BACKEND``, read once at import; ``set_default_backend`` changes it later) >
-auto (``aiter`` on ROCm with amd-aiter, ``triton`` on a GPU with Triton, ``torch`` otherwise).
+auto: ``aiter`` on ROCm with amd-aiter where the selftest record says it passed for the op on this
+device and these library versions, ``triton`` on a GPU with Triton unless the record says it failed,
+``torch`` otherwise (``atom_core.ops.verified``; ``python -m atom_core.ops.selftest`` writes the record).
 
 A backend named by the ``backend=`` argument is strict: if it cannot serve the call, the call
 raises ``BackendUnavailable`` with the reason. A backend named by the context or the default
@@ -36,6 +38,8 @@ from typing import Callable, Hashable, Iterator
 
 import torch
 
+from atom_core.ops import verified
+
 BACKENDS = ("aiter", "triton", "torch")  # auto order: most specialised first
 ENV_VAR = "ATOM_CORE_BACKEND"
 # Signatures kept per op before its cache starts over: a few per model in practice; only the
@@ -48,6 +52,12 @@ _default_backend: str | None = os.environ.get(ENV_VAR) or None
 _preferred: contextvars.ContextVar[str | None] = contextvars.ContextVar("atom_core_backend", default=None)
 _trace: contextvars.ContextVar[list | None] = contextvars.ContextVar("atom_core_backend_trace", default=None)
 OPS: dict[str, "Op"] = {}  # every op by name (for tests and tools that walk all ops)
+
+
+def clear_choices() -> None:
+    """Forget every op's cached backend choices (after the selftest record changed, or availability)."""
+    for op in OPS.values():
+        op.clear_cache()
 
 
 class BackendUnavailable(RuntimeError):
@@ -237,8 +247,11 @@ class Op:
             return backend
         preferred = _preferred.get() or _default_backend
         order = ([_check_name(preferred)] if preferred else []) + [b for b in BACKENDS if b != preferred]
+        device = _first_device(args, kwargs)
         for candidate in order:
-            if self.why_not(candidate, *args, **kwargs) is None:
+            # A named preference is tried as named; the others only where the selftest record allows.
+            if self.why_not(candidate, *args, **kwargs) is None and (
+                    candidate == preferred or verified.auto_may_choose(self.name, candidate, device)):
                 return candidate
         raise BackendUnavailable(f"{self.name}: no backend can serve this call")
 
@@ -308,6 +321,14 @@ class Op:
         if calls is not None:
             calls.append((self.name, chosen))
         return fn(*args, **kwargs)
+
+
+def _first_device(args: tuple, kwargs: dict) -> torch.device | None:
+    """The device of the call's first tensor (a backend that serves has all its tensors on one device)."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            return a.device
+    return None
 
 
 def _no_signature(args: tuple) -> tuple:

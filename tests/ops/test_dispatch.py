@@ -22,11 +22,17 @@ def all_available(monkeypatch):
     monkeypatch.setattr(dispatch, "on_device_for", lambda backend, *t: None)
 
 
-def test_auto_order_and_fall_through(all_available):
+def test_auto_order_and_fall_through(all_available, selftest_record):
     x = torch.zeros(1)
+    selftest_record({"probe": {"aiter": {"passed": True, "cases": 1, "refused": 0, "failures": []}}})
     assert make_op({"torch": None, "triton": None, "aiter": None})(x) == "aiter"
     assert make_op({"torch": None, "triton": None, "aiter": "no fp32"})(x) == "triton"
     assert make_op({"torch": None, "triton": "odd head size", "aiter": "no fp32"})(x) == "torch"
+
+
+def test_auto_skips_aiter_without_a_passing_selftest_record(all_available):
+    assert make_op({"torch": None, "triton": None, "aiter": None})(torch.zeros(1)) == "triton"
+    assert make_op({"torch": None, "aiter": None})(torch.zeros(1)) == "torch"
 
 
 def test_explicit_backend_is_strict_and_says_why(all_available):

@@ -13,8 +13,9 @@ with ``Op.choose_uncached``, which runs every rule afresh:
 * calls that vary a few more features at random (hypothesis).
 
 Once with the backends of this machine, once with all three available (AITER: the stand-in
-module, and, like every backend in that mode, taking tensors on any ONE device, so that meta
-tensors with strides past int32 reach the rules), so that every backend's key is exercised.
+module, verified by a selftest record for every op, and, like every backend in that mode, taking
+tensors on any ONE device, so that meta tensors with strides past int32 reach the rules), so that
+every backend's key is exercised.
 Tensors live on the CPU or the ``meta`` device (no memory behind them); no op runs.
 """
 
@@ -267,6 +268,11 @@ def availability(request, monkeypatch):
     """Fresh caches; with "all backends", every backend counts as available (AITER: the stand-in module)."""
     saved_targets = {name: {b: impl.target for b, impl in op._impls.items()} for name, op in OPS.items()}
     if request.param == "all backends":
+        # A record in which AITER passed every op on both devices, so that auto chooses it too.
+        write_record = request.getfixturevalue("selftest_record")
+        passed = {"passed": True, "cases": 1, "refused": 0, "failures": []}
+        for device in ("cpu", "meta"):
+            write_record({name: {"aiter": passed} for name in OPS}, device=device)
         fake_aiter.install(monkeypatch, {})
         monkeypatch.setattr(dispatch, "backend_available", lambda name: True)
         monkeypatch.setattr(dispatch, "on_device_for", _on_one_device)
@@ -298,3 +304,9 @@ def test_cached_choice_equals_uncached_for_random_feature_changes(availability, 
     deviations = data.draw(st.sets(st.integers(0, len(_nominal_options(name)) - 1), max_size=4), label="features")
     args = ARGS[name](Call(lambda index, others: data.draw(st.sampled_from(others)) if index in deviations else None))
     _assert_cached_equals_uncached(OPS[name], args, data.draw(st.sampled_from([None, "torch", "triton", "aiter"])))
+
+
+def test_in_the_all_backends_mode_auto_chooses_the_verified_aiter(availability):
+    args = ARGS["rms_norm"](Call(lambda index, others: None))
+    here = "triton" if dispatch.backend_available("triton") else "torch"
+    assert OPS["rms_norm"].choose(*args) == ("aiter" if availability == "all backends" else here)
