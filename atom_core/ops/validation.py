@@ -3,8 +3,9 @@ switch that turns the per-call checks on.
 
 The public ops check their arguments only in debug mode: ``ATOM_CORE_DEBUG=1`` in the
 environment (read once, at import), ``set_debug(True)``, or a ``with debug_checks():`` block. The
-checks cost 1-10 µs a call, as much as a small kernel, and a model that has run once with them
-calls the ops with the same kinds of arguments ever after. The few checks that stop a kernel from
+checks cost 1-10 µs a call, as much as a small kernel (those that read tensor contents,
+``atom_core.ops.value_checks``, more, and a host sync on a GPU), and a model that has run once with
+them calls the ops with the same kinds of arguments ever after. The few checks that stop a kernel from
 writing out of bounds are always on (docs/ops.md lists them).
 """
 

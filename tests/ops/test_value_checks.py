@@ -109,7 +109,7 @@ def test_with_checks_on_a_bad_value_raises_naming_argument_index_and_value(case)
         call()
 
 
-def test_with_checks_on_a_padding_row_with_context_0_may_hold_queries():
+def test_with_checks_on_a_padding_row_with_context_0_may_hold_queries_and_outputs_zeros():
     # build_step_layout's padding rows (pad_tokens_to): context 0, any query count, a table row of -1.
     with ops.debug_checks():
         out = attend([[0, 1], [-1, -1]], [0, 1, 3], [5, 0])
