@@ -22,8 +22,8 @@ import torch
 
 from atom_core.cache import KVCacheSpec, PoolPlan, StepLayout, build_step_layout
 from atom_core.cache.token_layout import build_decode_layout
-from atom_core.engine.cuda_graphs import DECODE, StepGraphs, padded_input_ids
-from atom_core.engine.scheduler import ScheduledStep
+from atom_core.engine.cuda_graphs import StepGraphs, padded_input_ids
+from atom_core.engine.step import ScheduledStep
 from atom_core.ops.sampling import sample
 
 logger = logging.getLogger(__name__)
