@@ -18,7 +18,6 @@ import torch
 
 pytest.importorskip("transformers")
 
-from atom_core import ops  # noqa: E402
 from atom_core.ops.dispatch import backend_available  # noqa: E402
 from atom_core.models.layers.moe import FusedMoE  # noqa: E402
 from atom_core.models.layers.mlp import GatedMLP  # noqa: E402
