@@ -51,7 +51,10 @@ What is refused, each error naming the file (and the tensor where there is one):
   point anywhere inside that cache repository (``models--org--name``), not out of it;
 - a stored dtype that differs from its parameter's, unless both are floating point (a cast);
   MXFP4 ``uint8`` blocks and scales are decoded first, so their result is what is checked;
-- with ``check_finite`` (the default), a tensor holding NaN or Inf.
+- with ``check_finite`` (the default), a tensor holding NaN or Inf;
+- before any tensor is read, a ``quantization_config`` in the model's config that
+  ``models.quantization.parse_quant_config`` refuses (named), or whose format the model's class
+  does not list in ``supported_quantization`` (``check_quantization_supported``).
 
 A stored ``lm_head.weight`` that a tied head skips is compared with the embedding it is tied to:
 when they differ, a warning names it and the largest difference.
@@ -75,8 +78,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from atom_core.models.config import ModelConfig
 from atom_core.models.layers.linear import default_weight_loader
 from atom_core.models.mxfp4 import BLOCKS_SUFFIX, SCALES_SUFFIX, dequantize_mxfp4
+from atom_core.models.quantization import check_quantization_supported, parse_quant_config
 
 logger = logging.getLogger(__name__)
 
@@ -476,6 +481,20 @@ def _warn_if_tied_head_differs(head_name: str, embedding_name: str, file_of: dic
     return difference
 
 
+def _check_quantization(model: nn.Module, folder: Path) -> None:
+    """Parse the model config's ``quantization_config`` (refusing unsupported combinations by name) and
+    refuse a format the model's class does not load, before any tensor is read: an FP8 checkpoint
+    cast into float parameters would load without its scales."""
+    config = getattr(model, "config", None)
+    raw = config.get("quantization_config") if isinstance(config, ModelConfig) else \
+        getattr(config, "quantization_config", None)
+    if raw is not None and not isinstance(raw, dict) and callable(getattr(raw, "to_dict", None)):
+        raw = raw.to_dict()  # a transformers config object
+    source = folder / "config.json"
+    quant_config = parse_quant_config(raw, source_file=source if source.is_file() else None)
+    check_quantization_supported(quant_config, type(model), source=folder)
+
+
 def load_weights(model: nn.Module, path: str | Path, *, strict: bool = True,
                  load_extra_layers: bool = False, check_finite: bool = True) -> LoadReport:
     """Fill ``model``'s parameters from the ``*.safetensors`` files in folder ``path``.
@@ -492,6 +511,7 @@ def load_weights(model: nn.Module, path: str | Path, *, strict: bool = True,
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"checkpoint folder not found: {folder}")
+    _check_quantization(model, folder)
     params = dict(model.named_parameters())
     mapper = _NameMapper(model, params, load_extra_layers)
     report = LoadReport()
