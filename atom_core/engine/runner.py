@@ -49,11 +49,13 @@ class ModelRunner:
         self.device = torch.device(device)
         self.plan = plan
         self.max_pages = -(-max_model_len // plan.block_size)
-        # One allocation for the whole pool: [layers, 2 (K, V), num_blocks, block_size, Hk, D].
-        self.kv_pool = torch.zeros((spec.num_layers, 2, *plan.kv_shape), dtype=spec.dtype, device=self.device)
-        self._kv_caches = [(self.kv_pool[i, 0], self.kv_pool[i, 1]) for i in range(spec.num_layers)]
+        # One allocation for the whole pool: [layers, 2 (K, V), num_blocks, block_size, Hk, D], or for
+        # MLA [layers, 1 (the latent row), num_blocks, block_size, ...]; each layer gets its tensors.
+        self.kv_pool = torch.zeros((spec.num_layers, spec.num_kv_tensors_per_layer, *plan.kv_shape), dtype=spec.dtype,
+                                   device=self.device)
+        self._kv_caches = [tuple(self.kv_pool[i].unbind(0)) for i in range(spec.num_layers)]
         if spec.dtype.itemsize == 1:  # an FP8 pool: each layer's scales, the checkpoint's or 1.0
-            self._kv_caches = [(k, v, *self._scales(scales)) for (k, v), scales
+            self._kv_caches = [(*caches, *self._scales(scales)) for caches, scales
                                in zip(self._kv_caches, model.kv_cache_scales())]
         self.bind()
         self._last_sampled: torch.Tensor | None = None  # the previous launch's tokens, on the device

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from atom_core.cache.pool_sizing import GIB, InsufficientMemoryError, check_fits_in_memory
+from atom_core.models.quantization import check_quantization_supported, parse_quant_config
 from atom_core.models.config import ModelConfig, available_memory_bytes, memory_name, parse_dtype
 from atom_core.models.dummy_weights import initialize_dummy_weights, initialize_zero_weights
 from atom_core.models.loader import LoadReport, load_weights, process_weights_after_loading
@@ -174,20 +175,14 @@ def build_model(config: ModelConfig | dict[str, Any], *, dtype: torch.dtype | st
 
 
 def _check_quantization(config: ModelConfig, cls: type, folder: Path, load_format: str) -> None:
-    """Refuse a checkpoint quantised in a way its architecture does not load (``quant_method`` in
-    ``quantization_config``; ``cls.supported_quantization`` lists what it does: gpt-oss's MXFP4)."""
-    quant = config.get("quantization_config")
-    if not quant or load_format in ("dummy", "zeros"):
+    """Parse ``quantization_config`` (refusing formats no layer can serve, by name) and refuse one its
+    architecture does not load (``cls.supported_quantization``: gpt-oss's MXFP4), before any weight
+    is read. Random-weight loads ignore it."""
+    if load_format in ("dummy", "zeros"):
         return
-    method = quant.get("quant_method") if isinstance(quant, dict) else None
-    supported = getattr(cls, "supported_quantization", ())
-    if method not in supported:
-        raise ValueError(
-            f"{folder}: the checkpoint is quantised (quant_method={method!r}), which "
-            f"{cls.__name__} does not load (it loads unquantised weights"
-            f"{''.join(f', and {m}' for m in supported)}); use an unquantised copy, or "
-            "load_format='dummy' for random weights of these shapes"
-        )
+    quant = parse_quant_config(config.get("quantization_config"), source_file=folder / "config.json")
+    if quant is not None:
+        check_quantization_supported(quant, cls, source=folder)
 
 
 def load_model(path: str | Path, *, dtype: torch.dtype | str | None = None,
