@@ -23,9 +23,10 @@ from atom_core.ops.dispatch import (
 )
 from atom_core.ops.fused_moe import fused_experts
 from atom_core.ops.kv_cache import store_kv_
+from atom_core.ops.mla import mla_decode_attention, mla_prefill_attention, store_mla_
 from atom_core.ops.moe_routing import gpt_oss_topk, grouped_topk, topk_softmax
 from atom_core.ops.norm import layer_norm, rms_norm
-from atom_core.ops.rope import apply_rope_, rope_cos_sin_cache
+from atom_core.ops.rope import apply_rope_, rope_cos_sin_cache, yarn_softmax_scale
 from atom_core.ops.sampling import rejection_sample_greedy, sample
 from atom_core.ops.validation import debug_checks, debug_enabled, set_debug
 
@@ -42,6 +43,8 @@ __all__ = [
     "gpt_oss_topk",
     "grouped_topk",
     "layer_norm",
+    "mla_decode_attention",
+    "mla_prefill_attention",
     "paged_attention",
     "paged_attention_from_layout",
     "reference",
@@ -53,8 +56,10 @@ __all__ = [
     "set_default_backend",
     "silu_and_mul",
     "store_kv_",
+    "store_mla_",
     "swiglu_clamped",
     "topk_softmax",
     "trace_backends",
     "use_backend",
+    "yarn_softmax_scale",
 ]

@@ -144,3 +144,18 @@ def rope_cos_sin_cache(rotary_dim: int, max_position: int, base: float, scaling:
         raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     return reference_rope.rope_cos_sin_cache(rotary_dim, max_position, float(base), scaling, dtype=dtype,
                                              device=device)
+
+
+def yarn_softmax_scale(head_dim: int, scaling: dict | None) -> float:
+    """The softmax scale of attention over heads of ``head_dim`` dims under an HF rope ``scaling`` dict, as
+    DeepSeek-V2/V3 (and Kimi-K2) define it: ``head_dim ** -0.5``, times ``yarn_mscale(factor, mscale_all_dim) ** 2``
+    with ``yarn_mscale(s, m) = 0.1 m ln(s) + 1`` (1 for s <= 1) when the rope type is not "default" and
+    ``mscale_all_dim`` is set and non-zero; plain ``head_dim ** -0.5`` otherwise. For MLA, ``head_dim`` is
+    ``qk_nope_head_dim + qk_rope_head_dim``. The cos/sin table of :func:`rope_cos_sin_cache` carries the other
+    half of DeepSeek's YaRN: the ratio ``yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)``.
+    """
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0:
+        raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
+    if scaling is not None and not isinstance(scaling, dict):
+        raise TypeError(f"scaling must be a dict or None, got {type(scaling).__name__}")
+    return reference_rope.yarn_softmax_scale(head_dim, scaling)

@@ -59,6 +59,19 @@ def yarn_attention_scale(factor: float, mscale: float | None, mscale_all_dim: fl
     return yarn_mscale(factor)
 
 
+def yarn_softmax_scale(head_dim: int, scaling: dict | None) -> float:
+    """DeepSeek's softmax scale: ``head_dim ** -0.5``, times ``yarn_mscale(factor, mscale_all_dim) ** 2``
+    when ``scaling`` names a rope type other than "default" and a non-zero ``mscale_all_dim``
+    (transformers' ``yarn_apply_mscale`` of DeepSeek-V2/V3). The attention logits of extended-context
+    checkpoints are thereby sharpened by the same temperature on every dim, not only the rotary ones
+    (the cos/sin table carries the ratio ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)``)."""
+    scale = head_dim ** -0.5
+    if rope_type_of(scaling) != "default" and scaling.get("mscale_all_dim"):
+        mscale = yarn_mscale(float(_get(scaling, "factor", rope_type_of(scaling))), float(scaling["mscale_all_dim"]))
+        scale = scale * mscale * mscale
+    return scale
+
+
 def yarn_inv_freq(rotary_dim: int, base: float, factor: float, original_max_position_embeddings: int,
                   beta_fast: float = 32.0, beta_slow: float = 1.0, truncate: bool = True) -> torch.Tensor:
     """YaRN (NTK-by-parts): dims that rotate more than ``beta_fast`` times over the original context

@@ -1,0 +1,335 @@
+"""MLA ops: the latent-pool write, the two attention forms (expanded = prefill, absorbed = decode) and
+DeepSeek's YaRN rope (interleaved rotation, mscale in the cos/sin table, the softmax scale correction).
+
+The twins are checked by hand (the write), against an independent per-token, per-head loop in float64
+that builds every key and value from the formulas (attention), against each other over random
+layouts (ragged prefill, prefix hits, decode, padding rows, block sizes 1/4/16, shuffled blocks), and
+against transformers' own DeepSeek rotary code (rope).
+
+Legend: T tokens, H heads, L kv_lora_rank, R qk_rope_head_dim, Dn qk_nope_head_dim, Dv v_head_dim,
+NB blocks, BS block size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from atom_core import ops
+from atom_core.cache import build_step_layout
+from atom_core.ops.dispatch import BackendUnavailable, trace_backends
+from atom_core.ops.reference import mla as twin
+from atom_core.ops.reference import rope as reference_rope
+from atom_core.ops.reference.kv_cache import quantize_fp8
+from atom_core.ops.tolerances import ATTENTION, FP8_KV, tolerance
+
+FP8 = torch.float8_e4m3fn
+SENTINEL = 1000.0
+FP32_TOL = tolerance(torch.float32, ATTENTION)
+
+
+class MLABatch:
+    """A step's queries, kv_b_proj's split weight and a latent pool holding every row's context (NaN in slots
+    no row owns, so reading one poisons the result), with its layout."""
+
+    def __init__(self, query_lens, cached_lens, *, block_size=4, heads=3, latent=16, rope=8, nope=12, v_dim=10,
+                 dtype=torch.float32, fp8=False, pad_rows_to=None, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        context = [q + c for q, c in zip(query_lens, cached_lens)]
+        pages = [-(-n // block_size) for n in context]
+        num_blocks = sum(pages) + 2
+        order = torch.randperm(num_blocks, generator=g).tolist()
+        tables, used = [], 0
+        for n in pages:
+            tables.append(order[used:used + n])
+            used += n
+        self.tables, self.context, self.block_size = tables, context, block_size
+        self.layout = build_step_layout(query_lens, cached_lens, tables, block_size, pad_rows_to=pad_rows_to)
+        slots = [t[j // block_size] * block_size + j % block_size for t, n in zip(tables, context) for j in range(n)]
+        flat = torch.full((num_blocks * block_size, latent + rope), float("nan"))
+        flat[slots] = torch.randn(len(slots), latent + rope, generator=g)
+        self.kv_scale = None
+        if fp8:
+            self.kv_scale = torch.tensor([0.5])
+            flat = quantize_fp8(flat.nan_to_num(0.0), self.kv_scale)
+        self.cache = flat.to(FP8 if fp8 else dtype).view(num_blocks, block_size, latent + rope)
+        num_tokens = self.layout.num_tokens
+        self.q_nope = torch.randn(num_tokens, heads, nope, generator=g).to(dtype)
+        self.q_pe = torch.randn(num_tokens, heads, rope, generator=g).to(dtype)
+        w_kv_b = (torch.randn(heads * (nope + v_dim), latent, generator=g) / math.sqrt(latent)).to(dtype)
+        self.w_kv_b = w_kv_b
+        w = w_kv_b.view(heads, nope + v_dim, latent)
+        self.w_uk, self.w_uv = w[:, :nope], w[:, nope:]   # views, as a model passes them
+        self.scale = (nope + rope) ** -0.5
+
+    def args(self):
+        lay = self.layout
+        return (self.q_nope, self.q_pe, self.cache, self.w_uk, self.w_uv, lay.block_tables, lay.cu_seqlens_q,
+                lay.context_lens, lay.max_seqlen_q, lay.max_seqlen_k)
+
+
+def naive_mla(batch: MLABatch) -> torch.Tensor:
+    """Token by token and head by head in float64, every key and value built from the formulas:
+    k[j, h] = [w_uk[h] @ c_kv[j], k_pe[j]], v[j, h] = w_uv[h] @ c_kv[j]; keys j <= position."""
+    latent = batch.w_uk.shape[-1]
+    heads, v_dim = batch.w_uv.shape[:2]
+    out = torch.zeros(batch.q_nope.shape[0], heads, v_dim, dtype=torch.float64)
+    scale = 1.0 if batch.kv_scale is None else float(batch.kv_scale)
+    starts = batch.layout.cu_seqlens_q.tolist()
+    for row, (table, context_len) in enumerate(zip(batch.tables, batch.context)):
+        q_len = starts[row + 1] - starts[row]
+        for i in range(q_len):
+            t, pos = starts[row] + i, context_len - q_len + i
+            cached = [batch.cache[table[j // batch.block_size], j % batch.block_size].double() * scale
+                      for j in range(pos + 1)]
+            for h in range(heads):
+                q = torch.cat([batch.q_nope[t, h], batch.q_pe[t, h]]).double()
+                keys = [torch.cat([batch.w_uk[h].double() @ c[:latent], c[latent:]]) for c in cached]
+                values = [batch.w_uv[h].double() @ c[:latent] for c in cached]
+                logits = torch.stack([batch.scale * (q @ k) for k in keys])
+                weights = torch.softmax(logits, dim=0)
+                out[t, h] = sum(w * v for w, v in zip(weights, values))
+    return out
+
+
+# ---- the write ----------------------------------------------------------------------------------------------------
+
+def test_store_mla_writes_latent_then_rope_key_at_each_slot_and_skips_minus_one():
+    # BS = 4: slot 5 is block 1, offset 1; slot 2 is block 0, offset 2; -1 writes nothing.
+    kv_c = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])   # [T=3, L=3]
+    k_pe = torch.tensor([[-1.0, -2.0], [-3.0, -4.0], [-5.0, -6.0]])            # [T=3, R=2]
+    cache = torch.full((2, 4, 5), SENTINEL)
+    ops.store_mla_(kv_c, k_pe, cache, torch.tensor([5, -1, 2]))
+    want = torch.full((2, 4, 5), SENTINEL)
+    want[1, 1] = torch.tensor([1.0, 2.0, 3.0, -1.0, -2.0])
+    want[0, 2] = torch.tensor([7.0, 8.0, 9.0, -5.0, -6.0])
+    assert torch.equal(cache, want)
+
+
+def test_store_mla_into_an_fp8_pool_holds_row_over_scale_rounded_to_e4m3():
+    g = torch.Generator().manual_seed(0)
+    kv_c, k_pe = torch.randn(4, 6, generator=g), torch.randn(4, 2, generator=g)
+    cache = torch.zeros(2, 2, 8, dtype=FP8)
+    scale = torch.tensor([0.25])
+    ops.store_mla_(kv_c, k_pe, cache, torch.tensor([3, 0, -1, 1]), kv_scale=scale)
+    rows = torch.cat([kv_c, k_pe], dim=-1)
+    assert torch.equal(cache.view(4, 8)[[3, 0, 1]].float(), quantize_fp8(rows[[0, 1, 3]], scale).float())
+    assert torch.equal(cache.view(4, 8)[2].float(), torch.zeros(8))
+
+
+def test_store_mla_refuses_a_slot_mapping_shorter_than_the_tokens():
+    with pytest.raises(ValueError, match="slot_mapping"):
+        ops.store_mla_(torch.zeros(3, 4), torch.zeros(3, 2), torch.zeros(2, 2, 6), torch.tensor([0, 1]))
+
+
+# ---- attention ----------------------------------------------------------------------------------------------------
+
+LAYOUTS = {
+    "ragged_prefill": ([1, 7, 5], [0, 0, 0]),
+    "chunk_after_prefix": ([3, 6], [5, 9]),
+    "decode": ([1, 1, 1, 1], [0, 4, 11, 16]),
+    "multi_token_decode": ([3, 2], [7, 1]),
+}
+
+
+@pytest.mark.parametrize("form", ["prefill", "decode"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_each_form_equals_a_float64_per_head_loop_over_keys_built_from_the_formulas(form, layout):
+    query_lens, cached_lens = LAYOUTS[layout]
+    batch = MLABatch(query_lens, cached_lens, block_size=4, seed=1)
+    fn = twin.mla_prefill_attention if form == "prefill" else twin.mla_decode_attention
+    got = fn(*batch.args(), scale=batch.scale)
+    torch.testing.assert_close(got.double(), naive_mla(batch), **FP32_TOL)
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.lists(st.tuples(st.integers(1, 9), st.integers(0, 20)), min_size=1, max_size=4),
+       block_size=st.sampled_from([1, 4, 16]), pad_rows=st.integers(0, 2), seed=st.integers(0, 2**16))
+def test_absorbed_decode_form_equals_expanded_prefill_form_on_any_layout(rows, block_size, pad_rows, seed):
+    query_lens, cached_lens = zip(*rows)
+    batch = MLABatch(list(query_lens), list(cached_lens), block_size=block_size, seed=seed,
+                     pad_rows_to=len(rows) + pad_rows)
+    expanded = ops.mla_prefill_attention(*batch.args(), scale=batch.scale)
+    absorbed = ops.mla_decode_attention(*batch.args(), scale=batch.scale)
+    assert torch.isfinite(expanded).all()  # no NaN slot was read
+    torch.testing.assert_close(absorbed, expanded, **FP32_TOL)
+    num_real = sum(query_lens)
+    assert torch.equal(expanded[num_real:], torch.zeros_like(expanded[num_real:]))  # padding rows: zeros
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_forms_agree_in_16_bit_within_the_attention_tolerance(dtype):
+    batch = MLABatch([1, 6, 1], [9, 3, 0], block_size=4, seed=3, dtype=dtype)
+    expanded = ops.mla_prefill_attention(*batch.args(), scale=batch.scale)
+    absorbed = ops.mla_decode_attention(*batch.args(), scale=batch.scale)
+    assert expanded.dtype == absorbed.dtype == dtype
+    torch.testing.assert_close(absorbed, expanded, **tolerance(dtype, ATTENTION))
+
+
+@pytest.mark.parametrize("form", ["prefill", "decode"])
+def test_fp8_pool_attends_over_row_times_kv_scale(form):
+    fp8 = MLABatch([2, 1], [5, 8], block_size=4, seed=4, fp8=True)
+    dequantised = MLABatch([2, 1], [5, 8], block_size=4, seed=4)
+    dequantised.cache = fp8.cache.float() * fp8.kv_scale
+    fn = ops.mla_prefill_attention if form == "prefill" else ops.mla_decode_attention
+    got = fn(*fp8.args(), scale=fp8.scale, kv_scale=fp8.kv_scale)
+    want = fn(*dequantised.args(), scale=dequantised.scale)
+    torch.testing.assert_close(got, want, **FP32_TOL)
+    assert not torch.allclose(fn(*fp8.args(), scale=fp8.scale, kv_scale=torch.tensor([1.0])), want, atol=1e-2)
+
+
+def test_public_ops_write_out_serve_on_torch_and_refuse_triton_by_name():
+    batch = MLABatch([2, 1], [3, 6], seed=5)
+    out = torch.full((3, 3, 10), SENTINEL)
+    with trace_backends() as calls:
+        result = ops.mla_decode_attention(*batch.args(), scale=batch.scale, out=out)
+        ops.mla_prefill_attention(*batch.args(), scale=batch.scale)
+    assert result is out and not (out == SENTINEL).any()
+    assert calls == [("mla_decode_attention", "torch"), ("mla_prefill_attention", "torch")]
+    with pytest.raises(BackendUnavailable, match="no triton implementation"):
+        ops.mla_decode_attention(*batch.args(), scale=batch.scale, backend="triton")
+    with pytest.raises(ValueError, match="out must have shape"):
+        ops.mla_prefill_attention(*batch.args(), scale=batch.scale, out=torch.empty(3, 3, 12))
+
+
+def test_custom_ops_are_registered_under_torch_ops_atom_core():
+    batch = MLABatch([2], [3], seed=6)
+    lay = batch.layout
+    out = torch.empty(2, 3, 10)
+    torch.ops.atom_core.mla_decode_attention(batch.q_nope, batch.q_pe, batch.cache, batch.w_uk, batch.w_uv,
+                                             lay.block_tables, lay.cu_seqlens_q, lay.context_lens, lay.max_seqlen_q,
+                                             lay.max_seqlen_k, batch.scale, None, out, None)
+    torch.testing.assert_close(out, twin.mla_prefill_attention(*batch.args(), scale=batch.scale), **FP32_TOL)
+    assert hasattr(torch.ops.atom_core, "store_mla_") and hasattr(torch.ops.atom_core, "mla_prefill_attention")
+
+
+def test_debug_checks_name_a_w_uk_of_the_wrong_head_count():
+    batch = MLABatch([2], [3], seed=7)
+    args = list(batch.args())
+    args[3] = batch.w_uk[:2]
+    with ops.debug_checks(), pytest.raises(ValueError, match="w_uk must have shape"):
+        ops.mla_decode_attention(*args, scale=batch.scale)
+
+
+def test_debug_checks_require_kv_scale_for_an_fp8_pool():
+    batch = MLABatch([1], [4], seed=8, fp8=True)
+    with ops.debug_checks(), pytest.raises(ValueError, match="kv_scale is required"):
+        ops.mla_prefill_attention(*batch.args(), scale=batch.scale)
+
+
+# ---- DeepSeek's YaRN rope -------------------------------------------------------------------------------------------
+
+V3_YARN = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32,
+           "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+V2_LITE_YARN = {**V3_YARN, "mscale": 0.707, "mscale_all_dim": 0.707}
+UNEQUAL_MSCALES = {**V3_YARN, "factor": 4.0, "original_max_position_embeddings": 32, "mscale": 1.0,
+                   "mscale_all_dim": 0.8}
+
+
+@pytest.mark.parametrize("scaling", [None, V3_YARN, V2_LITE_YARN, UNEQUAL_MSCALES,
+                                     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}],
+                         ids=["default", "v3", "v2_lite", "unequal_mscales", "yarn_without_mscale_all_dim"])
+def test_softmax_scale_equals_transformers_yarn_apply_mscale(scaling):
+    hf = pytest.importorskip("transformers.models.deepseek_v3.modeling_deepseek_v3")
+    rope_parameters = {"rope_type": "default"} if scaling is None else scaling
+    assert ops.yarn_softmax_scale(192, scaling) == pytest.approx(hf.yarn_apply_mscale(rope_parameters, 192 ** -0.5),
+                                                                 rel=1e-12)
+
+
+def test_softmax_scale_by_hand_for_deepseek_v3():
+    # factor 40, mscale_all_dim 1: m = 0.1 ln 40 + 1 = 1.36889; scale = m^2 / sqrt(192)
+    m = 0.1 * math.log(40) + 1
+    assert ops.yarn_softmax_scale(192, V3_YARN) == pytest.approx(m * m / math.sqrt(192), rel=1e-12)
+    assert ops.yarn_softmax_scale(192, None) == pytest.approx(192 ** -0.5, rel=1e-12)
+
+
+def _hf_deepseek_v3_cos_sin(rope_dim: int, scaling: dict, positions: torch.Tensor):
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
+
+    config = transformers.DeepseekV3Config(hidden_size=64, num_attention_heads=4, qk_rope_head_dim=rope_dim,
+                                           max_position_embeddings=128,
+                                           rope_parameters={**scaling, "rope_theta": 10000.0})
+    cos, sin = DeepseekV3RotaryEmbedding(config)(torch.zeros(1, dtype=torch.float32), positions[None])
+    return cos[0], sin[0]                                                   # [T, R] each: cat(freqs, freqs)
+
+
+def test_cos_sin_table_of_deepseek_yarn_equals_transformers_including_the_mscale_ratio():
+    positions = torch.arange(0, 128, 7)
+    cos, sin = _hf_deepseek_v3_cos_sin(8, UNEQUAL_MSCALES, positions)
+    table, attention_scale = ops.rope_cos_sin_cache(8, 128, 10000.0, UNEQUAL_MSCALES)
+    assert attention_scale == pytest.approx((0.1 * math.log(4) + 1) / (0.08 * math.log(4) + 1))
+    ours_cos, ours_sin = table[positions].chunk(2, dim=-1)
+    torch.testing.assert_close(ours_cos, cos[:, :4], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ours_sin, sin[:, :4], atol=1e-6, rtol=1e-6)
+
+
+def test_interleaved_rope_gives_transformers_v3_q_dot_k_and_v2_rotation_exactly():
+    """HF DeepSeek-V2 rotates interleaved pairs (complex multiply) and writes them back interleaved, as
+    ``apply_rope_(is_neox=False)`` does; HF V3 (``rope_interleave``) rotates the same pairs but writes the
+    evens then the odds. Both layouts give the same q . k, which is all attention reads."""
+    pytest.importorskip("transformers")
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import apply_rotary_emb
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb_interleave
+
+    g = torch.Generator().manual_seed(0)
+    positions = torch.tensor([0, 3, 17, 100])
+    q, k = torch.randn(4, 2, 8, generator=g), torch.randn(4, 1, 8, generator=g)  # [T, H, R], [T, 1, R]
+    table, _ = ops.rope_cos_sin_cache(8, 128, 10000.0, UNEQUAL_MSCALES)
+    q_ours, k_ours = q.clone(), k.clone()
+    ops.apply_rope_(q_ours, k_ours, positions, table, is_neox=False)
+
+    cos, sin = _hf_deepseek_v3_cos_sin(8, UNEQUAL_MSCALES, positions)
+    q_v3, k_v3 = apply_rotary_pos_emb_interleave(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                                 cos[None], sin[None])          # [1, H, T, R]
+    q_v3, k_v3 = q_v3[0].transpose(0, 1), k_v3[0].transpose(0, 1)               # [T, H, R]
+    deinterleave = torch.cat([torch.arange(0, 8, 2), torch.arange(1, 8, 2)])
+    torch.testing.assert_close(q_ours[..., deinterleave], q_v3, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(torch.einsum("thr,tkr->th", q_ours, k_ours),
+                               torch.einsum("thr,tkr->th", q_v3, k_v3), atol=1e-5, rtol=1e-5)
+
+    half = table[positions, :4]                     # cos * a; the V2 frequencies as a complex rotation
+    freqs_cis = torch.polar(torch.ones_like(half), torch.atan2(table[positions, 4:], half)) * half.hypot(
+        table[positions, 4:])
+    q_v2, k_v2 = apply_rotary_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], freqs_cis[None])
+    torch.testing.assert_close(q_ours, q_v2[0].transpose(0, 1), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(k_ours, k_v2[0].transpose(0, 1), atol=1e-6, rtol=1e-6)
+
+
+def test_reference_yarn_softmax_scale_is_one_over_sqrt_dim_for_plain_rope():
+    assert reference_rope.yarn_softmax_scale(64, {"rope_type": "linear", "factor": 2.0}) == 64 ** -0.5
+
+
+# ---- nominal calls for tests/ops/test_dispatch_cache.py (``ARGS.update(MLA_DISPATCH_ARGS)``) -------------------------
+
+def _store_mla_dispatch_args(c):
+    """A ``store_mla_`` call built feature by feature by test_dispatch_cache's ``Call``."""
+    tokens, dtype = c.vary(3, 1), c.vary(torch.bfloat16, torch.float16, torch.float32)
+    kv_c, k_pe = c.tensor(tokens, 16, dtype=dtype), c.tensor(tokens, 8, dtype=dtype)
+    cache = c.tensor(4, c.vary(8, 1), 24, dtype=c.vary(dtype, FP8))
+    return kv_c, k_pe, cache, c.tensor(tokens, dtype=torch.int64), c.maybe(False, lambda: c.tensor(1))
+
+
+def _mla_attention_dispatch_args(c):
+    """An ``mla_prefill_attention`` / ``mla_decode_attention`` call (same signature)."""
+    rows, max_seqlen_q = c.vary(3, 1), c.vary(1, 4)
+    dtype, heads = c.vary(torch.bfloat16, torch.float16, torch.float32), c.vary(4, 16)
+    tokens = rows * max_seqlen_q
+    q_nope, q_pe = c.tensor(tokens, heads, 32, dtype=dtype), c.tensor(tokens, heads, 16, dtype=dtype)
+    cache = c.tensor(6, c.vary(16, 1, 64), 80, dtype=c.vary(dtype, FP8))
+    w_uk, w_uv = c.tensor(heads, 32, 64, dtype=dtype), c.tensor(heads, 24, 64, dtype=dtype)
+    block_tables, cu_seqlens_q = c.tensor(rows, 3, dtype=torch.int32), c.tensor(rows + 1, dtype=torch.int32)
+    context_lens = c.tensor(rows, dtype=torch.int32)
+    return (q_nope, q_pe, cache, w_uk, w_uv, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, c.vary(40, 8),
+            0.1, c.maybe(False, lambda: c.tensor(1)), c.tensor(tokens, heads, 24, dtype=dtype))
+
+
+MLA_DISPATCH_ARGS = {
+    "store_mla_": _store_mla_dispatch_args,
+    "mla_prefill_attention": _mla_attention_dispatch_args,
+    "mla_decode_attention": _mla_attention_dispatch_args,
+}
