@@ -19,6 +19,8 @@ MODEL_MODULES: dict[str, str] = {
     "MixtralForCausalLM": "atom_core.models.mixtral:MixtralForCausalLM",
     "Glm4MoeForCausalLM": "atom_core.models.glm4_moe:Glm4MoeForCausalLM",
     "GptOssForCausalLM": "atom_core.models.gpt_oss:GptOssForCausalLM",
+    "DeepseekV2ForCausalLM": "atom_core.models.deepseek_v2:DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM": "atom_core.models.deepseek_v2:DeepseekV3ForCausalLM",  # also Kimi-K2 (kimi_k2)
 }
 
 _registered: dict[str, type] = {}

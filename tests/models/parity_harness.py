@@ -142,7 +142,9 @@ def build_pair(case: ParityCase, folder: Path, *, seed: int = 0) -> ModelPair:
 
 
 class ShuffledKVPool:
-    """Per-layer K/V pool tensors ``[NB, BS, Hk, D]`` and a block allocator handing out shuffled ids.
+    """Per-layer pool tensors and a block allocator handing out shuffled ids: K and V ``[NB, BS, Hk, D]``
+    each, or for an MLA model (``spec.is_mla``) one latent tensor ``[NB, BS, L + R]`` per layer, as
+    ``model.kv_cache_spec()`` asks (``kv_caches[i]`` is then ``(k, v)`` or ``(latent,)``).
 
     Every slot starts as 100 * N(0, 1): finite, so masked-out slots multiply to exact zeros,
     but large enough that attending to a slot nothing wrote wrecks the output.
@@ -155,7 +157,8 @@ class ShuffledKVPool:
         gen = torch.Generator().manual_seed(seed)
         self.block_size = block_size
         self.kv_caches = [
-            tuple((100.0 * torch.randn(shape, generator=gen)).to(device=device, dtype=spec.dtype) for _ in "kv")
+            tuple((100.0 * torch.randn(shape, generator=gen)).to(device=device, dtype=spec.dtype)
+                  for _ in range(spec.num_kv_tensors_per_layer))
             for _ in range(spec.num_layers)
         ]
         order = list(range(num_blocks))

@@ -25,7 +25,7 @@ from atom_core.ops.dispatch import BackendUnavailable, trace_backends
 from atom_core.ops.reference import mla as twin
 from atom_core.ops.reference import rope as reference_rope
 from atom_core.ops.reference.kv_cache import quantize_fp8
-from atom_core.ops.tolerances import ATTENTION, FP8_KV, tolerance
+from atom_core.ops.tolerances import ATTENTION, tolerance
 
 FP8 = torch.float8_e4m3fn
 SENTINEL = 1000.0

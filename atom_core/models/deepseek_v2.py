@@ -1,0 +1,250 @@
+"""DeepSeek-V2 / V3 (``DeepseekV2ForCausalLM``, ``DeepseekV3ForCausalLM``; Kimi-K2 checkpoints are the
+latter with ``model_type: kimi_k2``): multi-head latent attention and DeepSeekMoE.
+
+Legend: T = tokens, E = hidden size, H = heads, L = kv_lora_rank, R = qk_rope_head_dim,
+Dn = qk_nope_head_dim, Dv = v_head_dim, X = routed experts (``n_routed_experts``), K = experts per token.
+
+**Attention** (``layers.mla.MultiHeadLatentAttention``): q through ``q_proj`` (no ``q_lora_rank``:
+V2-Lite) or ``q_a_proj -> q_a_layernorm -> q_b_proj``; one latent row ``[c_kv (L), k_pe (R)]`` per
+token cached (``kv_cache_spec()`` is an MLA spec, no V); ``kv_b_proj`` expands or is absorbed. RoPE
+turns the R rope dims only, in interleaved pairs (2i, 2i + 1) as every DeepSeek checkpoint is trained
+(transformers' V2: a complex multiply; V3: ``rope_interleave``, default true; false there means the
+NeoX halves, which V3 follows too). YaRN (``rope_scaling.type == "yarn"``): the cos/sin table carries
+``mscale(factor, mscale) / mscale(factor, mscale_all_dim)``, and the softmax scale is
+``mscale(factor, mscale_all_dim)^2 / sqrt(Dn + R)`` (``ops.yarn_softmax_scale``).
+
+**MLP.** Layer i is sparse when ``n_routed_experts`` is set, ``i >= first_k_dense_replace`` and
+``i % moe_layer_freq == 0`` (the original DeepSeek rule; every release has ``moe_layer_freq`` 1, and
+transformers only reads ``first_k_dense_replace``); other layers keep a dense SwiGLU MLP of
+``intermediate_size``. A sparse layer's ``mlp``: ``gate`` (router, fp32 weight [X, E], logits in fp32),
+``experts`` (X SwiGLU experts of ``moe_intermediate_size``), ``shared_experts`` (one SwiGLU MLP of
+``moe_intermediate_size * n_shared_experts`` every token goes through, added). Routing by
+``topk_method`` with ``scoring_func`` (``ops.grouped_topk``):
+
+- ``greedy`` (V2-Lite): the K best scores over all experts;
+- ``group_limited_greedy`` (V2): only within the ``topk_group`` best of ``n_group`` groups (group score:
+  its best expert);
+- ``noaux_tc`` (V3, Kimi-K2; ``gate.e_score_correction_bias`` [X] fp32): sigmoid scores, the choice on
+  scores + bias within the ``topk_group`` best groups (group score: the sum of its two best biased
+  scores), the weights the unbiased scores;
+
+then divided by their sum when ``norm_topk_prob`` and times ``routed_scaling_factor``. Defaults:
+V2 greedy / softmax / no renormalisation; V3 noaux_tc / sigmoid / renormalised. (transformers' V2
+never renormalises; every released V2 sets ``norm_topk_prob: false``, so the two agree on them.)
+
+Checkpoint names are HF's (``self_attn.{q_proj | q_a_proj, q_a_layernorm, q_b_proj}``,
+``self_attn.{kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj}``, ``mlp.experts.{e}.*``,
+``mlp.shared_experts.*``, ``mlp.gate.{weight, e_score_correction_bias}``); gate/up fuse into
+``gate_up_proj`` and the experts stack (``expert_params_mapping``). The multi-token-prediction layers
+after ``num_hidden_layers`` (``num_nextn_predict_layers``) are skipped by the loader.
+
+**KV pool contract** (what a runner allocates): ``kv_cache_spec(dtype)`` is ``KVCacheSpec.mla(num_layers,
+L, R, dtype)``; per layer ONE tensor ``[num_blocks, block_size, L + R]`` of ``dtype`` (model dtype, or
+float8_e4m3fn), bound with ``bind_kv_cache([(latent,), ...])`` or, for fp8, ``[(latent, kv_scale), ...]``
+(fp32 [1]); ``kv_cache_scales()`` gives ``[(checkpoint scale or None,), ...]``, one per layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from atom_core import ops
+from atom_core.cache.pool_sizing import KVCacheSpec
+from atom_core.models.base import CausalLM, PreNormDecoderLayer
+from atom_core.models.config import ModelConfig
+from atom_core.models.layers.mla import MLAPagedAttention, MultiHeadLatentAttention
+from atom_core.models.layers.mlp import GatedMLP
+from atom_core.models.layers.moe import FusedMoE, expert_params_mapping, moe_ranks
+from atom_core.models.layers.norm import RMSNorm
+from atom_core.models.layers.rotary import RotaryEmbedding
+from atom_core.models.qwen3_moe import check_silu_experts, config_int
+from atom_core.models.registry import register_model
+
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+SCORING_FUNCS = ("softmax", "sigmoid")
+
+
+class DeepseekRouter(nn.Module):
+    """``weight`` [X, E] float32 and, for ``noaux_tc``, ``e_score_correction_bias`` [X] float32 (as the
+    released checkpoints are used: near-equal scores choose by rounding). forward: x [T, E] -> logits [T, X] fp32."""
+
+    def __init__(self, num_experts: int, hidden_size: int, *, correction_bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32), requires_grad=False)
+        if correction_bias:
+            self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32),
+                                                        requires_grad=False)
+        else:
+            self.register_parameter("e_score_correction_bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight)
+
+
+class DeepseekMoE(nn.Module):
+    """``gate`` + ``experts`` (routed) + ``shared_experts`` (every token). x [T, E] -> [T, E]."""
+
+    def __init__(self, config: ModelConfig, *, topk_method: str, scoring: str, renormalize: bool,
+                 dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1, expert_parallel: bool = False) -> None:
+        super().__init__()
+        num_experts = config_int(config, "n_routed_experts")
+        inter = config_int(config, "moe_intermediate_size")
+        self.top_k = config_int(config, "num_experts_per_tok")
+        if not 1 <= self.top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, {num_experts}], got {self.top_k}")
+        self.scoring = scoring
+        self.renormalize = renormalize
+        self.routed_scaling_factor = float(config.get("routed_scaling_factor", 1.0))
+        if topk_method == "greedy":  # every expert is one group
+            self.num_expert_group, self.topk_group = 1, 1
+        else:
+            self.num_expert_group = config_int(config, "n_group", default=1)
+            self.topk_group = config_int(config, "topk_group", default=1)
+            if num_experts % self.num_expert_group or not 1 <= self.topk_group <= self.num_expert_group:
+                raise ValueError(f"n_group={self.num_expert_group} must divide n_routed_experts={num_experts} and "
+                                 f"topk_group={self.topk_group} lie in [1, n_group]")
+        tp = {"tp_rank": tp_rank, "tp_size": tp_size, "dtype": dtype}
+        self.gate = DeepseekRouter(num_experts, config.hidden_size, correction_bias=topk_method == "noaux_tc")
+        self.experts = FusedMoE(num_experts, config.hidden_size, inter, activation="silu", dtype=dtype,
+                                **moe_ranks(tp_rank, tp_size, expert_parallel))
+        num_shared = config_int(config, "n_shared_experts", default=0)
+        self.shared_experts = (GatedMLP(config.hidden_size, inter * num_shared, config.hidden_act, **tp)
+                               if num_shared > 0 else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        router_logits = self.gate(x)                                                    # [T, X] fp32
+        topk_weights, topk_ids = ops.grouped_topk(
+            router_logits, self.top_k, num_expert_group=self.num_expert_group, topk_group=self.topk_group,
+            renormalize=self.renormalize, scoring=self.scoring,
+            e_score_correction_bias=self.gate.e_score_correction_bias,
+            routed_scaling_factor=self.routed_scaling_factor)                           # [T, K] fp32, int32
+        out = self.experts(x, topk_weights, topk_ids)                                   # [T, E]
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+@register_model("DeepseekV2ForCausalLM")
+class DeepseekV2ForCausalLM(CausalLM):
+    """DeepSeek-V2 and V2-Lite (and their Chat versions)."""
+
+    model_types: tuple[str, ...] = ("deepseek_v2",)
+    default_topk_method = "greedy"
+    default_scoring = "softmax"
+    default_norm_topk_prob = False
+    # Only gate/up fuse: q_proj is MLA's own projection here, not part of a qkv_proj.
+    packed_modules_mapping = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, config: ModelConfig, **kwargs) -> None:
+        if config.model_type not in self.model_types and config.model_type:
+            raise ValueError(f"{type(self).__name__} serves model_type {' or '.join(map(repr, self.model_types))}, "
+                             f"got {config.model_type!r}")
+        check_silu_experts(config)
+        self.topk_method = config.get("topk_method") or self.default_topk_method
+        self.scoring = config.get("scoring_func") or self.default_scoring
+        if self.topk_method not in TOPK_METHODS:
+            raise ValueError(f"topk_method {self.topk_method!r} is not supported; expected one of {TOPK_METHODS}")
+        if self.scoring not in SCORING_FUNCS:
+            raise ValueError(f"scoring_func {self.scoring!r} is not supported; expected one of {SCORING_FUNCS}")
+        norm = config.get("norm_topk_prob")
+        self.renormalize = self.default_norm_topk_prob if norm is None else bool(norm)
+        self.num_experts = config_int(config, "n_routed_experts", default=0)
+        self.kv_lora_rank = config_int(config, "kv_lora_rank")
+        self.qk_rope_head_dim = config_int(config, "qk_rope_head_dim")
+        self.qk_nope_head_dim = config_int(config, "qk_nope_head_dim")
+        self.v_head_dim = config_int(config, "v_head_dim")
+        q_lora_rank = config.get("q_lora_rank")
+        self.q_lora_rank = None if q_lora_rank is None else config_int(config, "q_lora_rank")
+        # Softmax scale over the Dn + R dims of q.k, with DeepSeek's YaRN correction.
+        self.softmax_scale = ops.yarn_softmax_scale(self.qk_nope_head_dim + self.qk_rope_head_dim,
+                                                    config.rope_scaling)
+        super().__init__(config, **kwargs)
+        self._mla_layers = [m for m in self.model.layers.modules() if isinstance(m, MLAPagedAttention)]
+        self.expert_params_mapping = expert_params_mapping(self.num_experts) if self.num_experts else []
+
+    def rope_is_neox(self) -> bool:
+        """DeepSeek-V2 rotates interleaved pairs (transformers' complex multiply), always."""
+        return False
+
+    def mla_rotary_embedding(self) -> RotaryEmbedding:
+        """The rotary embedding of the R rope dims, built once and shared by every layer."""
+        key = (self.qk_rope_head_dim, "mla")
+        if key not in self._rotary:
+            config = self.config
+            self._rotary[key] = RotaryEmbedding(self.qk_rope_head_dim, self.qk_rope_head_dim,
+                                                config.max_position_embeddings, config.rope_theta,
+                                                config.rope_scaling, is_neox=self.rope_is_neox(),
+                                                device=self._build_device)
+        return self._rotary[key]
+
+    def is_sparse_layer(self, layer_idx: int) -> bool:
+        """The original DeepSeek rule: experts from ``first_k_dense_replace`` on, every ``moe_layer_freq``-th layer."""
+        config = self.config
+        return (self.num_experts > 0 and layer_idx >= config_int(config, "first_k_dense_replace", default=0)
+                and layer_idx % config_int(config, "moe_layer_freq", default=1) == 0)
+
+    def make_layer(self, layer_idx: int) -> nn.Module:
+        config = self.config
+        tp = {"tp_rank": self.tp_rank, "tp_size": self.tp_size, "dtype": self.dtype}
+        self_attn = MultiHeadLatentAttention(
+            config.hidden_size, config.num_attention_heads, q_lora_rank=self.q_lora_rank,
+            kv_lora_rank=self.kv_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,
+            qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim,
+            rotary_emb=self.mla_rotary_embedding(), scale=self.softmax_scale, rms_norm_eps=config.rms_norm_eps,
+            bias=config.attention_bias, **tp)
+        if self.is_sparse_layer(layer_idx):
+            mlp = DeepseekMoE(config, topk_method=self.topk_method, scoring=self.scoring,
+                              renormalize=self.renormalize, expert_parallel=self.expert_parallel, **tp)
+        else:
+            mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, bias=config.mlp_bias,
+                           **tp)
+        return PreNormDecoderLayer(
+            self_attn, mlp,
+            input_layernorm=RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=self.dtype),
+            post_attention_layernorm=RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=self.dtype),
+        )
+
+    # ---- the MLA pool -------------------------------------------------------------------------------------------
+
+    def kv_cache_spec(self, dtype: torch.dtype | None = None) -> KVCacheSpec:
+        """One latent row of L + R per token per layer, no V (``KVCacheSpec.mla``), in ``dtype`` (default: the
+        model's; ``torch.float8_e4m3fn`` for an fp8 pool)."""
+        return KVCacheSpec.mla(num_layers=len(self._mla_layers), kv_lora_rank=self.kv_lora_rank,
+                               qk_rope_head_dim=self.qk_rope_head_dim, dtype=dtype or self.dtype)
+
+    def kv_cache_scales(self) -> list[tuple[torch.Tensor | None]]:
+        """Per layer ``(kv_scale,)``: the checkpoint's fp8 scale of the latent cache (fp32 [1]), or None (an fp8
+        pool then uses 1.0)."""
+        return [(attn.checkpoint_kv_scale,) for attn in self._mla_layers]
+
+    def bind_kv_cache(self, kv_caches: list) -> None:
+        """Give each layer its latent pool: ``kv_caches[i]`` is ``(latent_cache,)`` (or the bare tensor) of shape
+        ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]``, or ``(latent_cache, kv_scale)`` for a
+        float8_e4m3fn pool (fp32 [1]); one entry per layer in order. ``bound_kv_caches`` is that list."""
+        if len(kv_caches) != len(self._mla_layers):
+            raise ValueError(f"kv_caches has {len(kv_caches)} entries, the model has {len(self._mla_layers)} "
+                             f"MLA layers")
+        for i, (attn, entry) in enumerate(zip(self._mla_layers, kv_caches)):
+            if isinstance(entry, torch.Tensor):
+                entry = (entry,)
+            if not isinstance(entry, (tuple, list)) or len(entry) not in (1, 2):
+                raise ValueError(f"kv_caches[{i}] must be (latent_cache,) or (latent_cache, kv_scale): MLA caches one "
+                                 f"latent row per token, no separate K and V")
+            attn.bind_kv_cache(entry[0], entry[1] if len(entry) == 2 else None)
+        self.bound_kv_caches = kv_caches
+
+
+@register_model("DeepseekV3ForCausalLM")
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    """DeepSeek-V3 / R1 and Kimi-K2 (``model_type: kimi_k2``, the same architecture)."""
+
+    model_types = ("deepseek_v3", "kimi_k2")
+    default_topk_method = "noaux_tc"
+    default_scoring = "sigmoid"
+    default_norm_topk_prob = True
+
+    def rope_is_neox(self) -> bool:
+        """Interleaved pairs unless the config says ``rope_interleave: false`` (transformers' default is true)."""
+        return not bool(self.config.get("rope_interleave", True))

@@ -1,0 +1,183 @@
+"""Multi-head latent attention (MLA) as modules: the paged latent cache and DeepSeek's attention block.
+
+Legend: T = tokens this step, E = hidden size, H = query heads on this rank, Qr = q_lora_rank,
+L = kv_lora_rank, R = qk_rope_head_dim, Dn = qk_nope_head_dim, Dv = v_head_dim, NB = pool blocks,
+BS = block size.
+
+Data flow of one layer (``MultiHeadLatentAttention.forward``)::
+
+    q      = q_proj(x)                                   [T, H (Dn + R)]   (no q_lora_rank: V2-Lite)
+           | q_b_proj(q_a_layernorm(q_a_proj(x)))        (E -> Qr -> H (Dn + R): V2, V3, Kimi-K2)
+    q_nope, q_pe = q.view(T, H, Dn + R).split([Dn, R])
+    kv_a   = kv_a_proj_with_mqa(x)                       [T, L + R]
+    c_kv   = kv_a_layernorm(kv_a[:, :L])                 [T, L]     the latent: cached
+    k_pe   = kv_a[:, L:]                                 [T, R]     one rope key for all heads: cached
+    rope(q_pe, k_pe)                                     interleaved pairs (GPT-J), in place
+    pool[slot] = [c_kv, k_pe]                            ops.store_mla_
+    o      = MLA over the pool                           [T, H, Dv] ops.mla_prefill_attention (expanded)
+                                                                    or ops.mla_decode_attention (absorbed)
+    out    = o_proj(o.view(T, H Dv))                     [T, E]
+
+``kv_b_proj`` ([H (Dn + Dv), L], HF's name and layout) is never applied as a linear layer: its
+weight, viewed ``[H, Dn + Dv, L]``, is split into ``w_uk`` [H, Dn, L] and ``w_uv`` [H, Dv, L], which
+the attention ops either expand the cached latents with (prefill) or absorb into the query and the
+output (decode). See ``atom_core.ops.reference.mla`` for the math of both forms.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from atom_core import ops
+from atom_core.cache.token_layout import StepLayout
+from atom_core.models.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from atom_core.models.layers.norm import RMSNorm
+from atom_core.models.layers.rotary import RotaryEmbedding
+from atom_core.models.layers.sharding import check_tp, divide
+
+# A step whose rows have at most this many queries each runs the absorbed (decode) form: it costs
+# ~S H (L + R) per query token against the expanded form's ~S L H (Dn + Dv) per row, so the absorbed
+# form wins until a row has about L (Dn + Dv) / (L + R) ~ 200 queries (DeepSeek-V3 shapes); a small
+# bound keeps prefill chunks on the expanded form, whose kernels are plain attention.
+ABSORBED_MAX_QUERY_LEN = 8
+FORMS = ("auto", "expanded", "absorbed")
+
+
+class MLAPagedAttention(nn.Module):
+    """Writes this step's latent rows into the bound MLA pool and attends over it (no parameters).
+
+    Args:
+        num_heads: H on this rank. kv_lora_rank: L. qk_rope_head_dim: R. v_head_dim: Dv.
+        scale: softmax scale of q.k over Dn + R dims (``ops.yarn_softmax_scale``).
+        form: "auto" (absorbed when ``batch.max_seqlen_q <= ABSORBED_MAX_QUERY_LEN``, else expanded),
+            or always "expanded" / "absorbed" (the two give the same result; tests pin both).
+    """
+
+    def __init__(self, num_heads: int, kv_lora_rank: int, qk_rope_head_dim: int, v_head_dim: int, *, scale: float,
+                 form: str = "auto") -> None:
+        super().__init__()
+        if form not in FORMS:
+            raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+        self.num_heads = num_heads
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.v_head_dim = v_head_dim
+        self.scale = float(scale)
+        self.form = form
+        self.mla_cache: torch.Tensor | None = None
+        self.kv_scale: torch.Tensor | None = None
+        # An FP8 scale a checkpoint ships for the latent cache (fp32 [1]); none is read yet.
+        self.checkpoint_kv_scale: torch.Tensor | None = None
+
+    @property
+    def row_size(self) -> int:
+        """L + R: the numbers one token stores."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def bind_kv_cache(self, mla_cache: torch.Tensor, kv_scale: torch.Tensor | None = None) -> None:
+        """Attach this layer's latent pool ``[NB, BS, L + R]`` (float8_e4m3fn pools: with an fp32 [1] kv_scale)."""
+        if not isinstance(mla_cache, torch.Tensor):
+            raise TypeError(f"mla_cache must be a torch.Tensor, got {type(mla_cache).__name__}")
+        if mla_cache.dim() != 3 or mla_cache.shape[2] != self.row_size:
+            raise ValueError(f"mla_cache must have shape [num_blocks, block_size, {self.row_size}] "
+                             f"(kv_lora_rank + qk_rope_head_dim), got {tuple(mla_cache.shape)}")
+        self.mla_cache, self.kv_scale = mla_cache, kv_scale
+
+    def uses_absorbed(self, batch: StepLayout) -> bool:
+        """Whether this step runs the absorbed form (a function of an int of the layout, fixed per CUDA-graph bucket)."""
+        if self.form != "auto":
+            return self.form == "absorbed"
+        return batch.max_seqlen_q <= ABSORBED_MAX_QUERY_LEN
+
+    def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+                w_uk: torch.Tensor, w_uv: torch.Tensor, batch: StepLayout) -> torch.Tensor:
+        """Store ``[kv_c, k_pe]`` at ``batch.slot_mapping`` and attend.
+
+        q_nope [T, H, Dn], q_pe [T, H, R] (rotated), kv_c [T, L], k_pe [T, R] (rotated), w_uk [H, Dn, L],
+        w_uv [H, Dv, L]; returns [T, H, Dv] in q's dtype.
+        """
+        if self.mla_cache is None:
+            raise RuntimeError(
+                "MLAPagedAttention: no latent cache is bound; allocate the pool (model.kv_cache_spec() is an MLA "
+                "spec: one [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim] tensor per layer) and call "
+                "model.bind_kv_cache(kv_caches) before forward, even for a prefill-only step")
+        ops.store_mla_(kv_c, k_pe, self.mla_cache, batch.slot_mapping, kv_scale=self.kv_scale)
+        attend = ops.mla_decode_attention if self.uses_absorbed(batch) else ops.mla_prefill_attention
+        return attend(q_nope, q_pe, self.mla_cache, w_uk, w_uv, batch.block_tables, batch.cu_seqlens_q,
+                      batch.context_lens, batch.max_seqlen_q, batch.max_seqlen_k, scale=self.scale,
+                      kv_scale=self.kv_scale)
+
+    def extra_repr(self) -> str:
+        return (f"num_heads={self.num_heads}, kv_lora_rank={self.kv_lora_rank}, "
+                f"qk_rope_head_dim={self.qk_rope_head_dim}, v_head_dim={self.v_head_dim}, scale={self.scale:.6g}, "
+                f"form={self.form}, bound={self.mla_cache is not None}")
+
+
+class MultiHeadLatentAttention(nn.Module):
+    """DeepSeek-V2/V3's attention block, HF's parameter names (see the module docstring for the data flow).
+
+    Args:
+        hidden_size: E. num_heads: all query heads (split across ``tp_size`` ranks).
+        q_lora_rank: Qr, or None for a direct ``q_proj`` (DeepSeek-V2-Lite).
+        kv_lora_rank: L. qk_nope_head_dim: Dn. qk_rope_head_dim: R. v_head_dim: Dv.
+        rotary_emb: a ``RotaryEmbedding`` over R dims (its ``is_neox`` says the pair layout).
+        scale: softmax scale (``ops.yarn_softmax_scale(Dn + R, rope_scaling)``).
+        rms_norm_eps: of ``q_a_layernorm`` / ``kv_a_layernorm``.
+        bias: ``attention_bias`` (on q_a_proj, kv_a_proj_with_mqa and o_proj, as in transformers).
+
+    Tensor parallelism splits the heads: ``q_proj`` / ``q_b_proj`` / ``kv_b_proj`` are column-parallel
+    (their rows are head-major), ``o_proj`` row-parallel; the low-rank ``q_a_proj`` and
+    ``kv_a_proj_with_mqa`` and their norms are replicated, so every rank caches the same latent rows.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, *, q_lora_rank: int | None, kv_lora_rank: int,
+                 qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, rotary_emb: RotaryEmbedding,
+                 scale: float, rms_norm_eps: float, bias: bool = False, dtype: torch.dtype | None = None,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        check_tp(tp_rank, tp_size)
+        if rotary_emb.rotary_dim != qk_rope_head_dim:
+            raise ValueError(f"rotary_emb turns {rotary_emb.rotary_dim} dims, qk_rope_head_dim is {qk_rope_head_dim}")
+        self.num_heads = divide(num_heads, tp_size, what="num_attention_heads")  # H on this rank
+        self.q_lora_rank = q_lora_rank
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_nope_head_dim = qk_nope_head_dim
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.v_head_dim = v_head_dim
+        qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
+        tp = {"tp_rank": tp_rank, "tp_size": tp_size, "dtype": dtype}
+        if q_lora_rank is None:
+            self.q_proj = ColumnParallelLinear(hidden_size, num_heads * qk_head_dim, False, **tp)
+        else:
+            self.q_a_proj = ReplicatedLinear(hidden_size, q_lora_rank, bias, dtype=dtype)
+            self.q_a_layernorm = RMSNorm(q_lora_rank, rms_norm_eps, dtype=dtype)
+            self.q_b_proj = ColumnParallelLinear(q_lora_rank, num_heads * qk_head_dim, False, **tp)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden_size, kv_lora_rank + qk_rope_head_dim, bias, dtype=dtype)
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, rms_norm_eps, dtype=dtype)
+        self.kv_b_proj = ColumnParallelLinear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), False, **tp)
+        self.o_proj = RowParallelLinear(num_heads * v_head_dim, hidden_size, bias, **tp)
+        self.rotary_emb = rotary_emb
+        self.attn = MLAPagedAttention(self.num_heads, kv_lora_rank, qk_rope_head_dim, v_head_dim, scale=scale)
+
+    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w_uk [H, Dn, L], w_uv [H, Dv, L]): views of this rank's ``kv_b_proj.weight`` (no copy)."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        return w[:, :self.qk_nope_head_dim], w[:, self.qk_nope_head_dim:]
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: StepLayout) -> torch.Tensor:
+        """positions [T] int64, hidden [T, E] -> [T, E]."""
+        num_tokens = hidden.shape[0]
+        if self.q_lora_rank is None:
+            q = self.q_proj(hidden)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+        q = q.view(num_tokens, self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim)
+        q_nope, q_pe = q[..., :self.qk_nope_head_dim], q[..., self.qk_nope_head_dim:]   # views
+        kv_a = self.kv_a_proj_with_mqa(hidden)                                          # [T, L + R]
+        kv_c = self.kv_a_layernorm(kv_a[:, :self.kv_lora_rank])                          # [T, L]
+        k_pe = kv_a[:, self.kv_lora_rank:]                                               # [T, R] view
+        self.rotary_emb(positions, q_pe, k_pe.unsqueeze(1))                              # in place
+        w_uk, w_uv = self.absorbed_weights()
+        out = self.attn(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, batch)                    # [T, H, Dv]
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_head_dim))
