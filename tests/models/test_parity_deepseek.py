@@ -23,7 +23,8 @@ blocks and a late joiner, chunked prefill, prefix-cache resumption) through an M
 (one ``[NB, BS, L + R]`` tensor per layer). Steps with at most 8 queries per row run the absorbed
 (decode) form, longer ones the expanded (prefill) form; both forms are also forced on one case.
 Through ``Engine`` (whose runner allocates the pool from ``kv_cache_spec()``): greedy tokens equal
-HF ``generate``, and an fp8 latent pool costs one byte per latent number.
+HF ``generate``, and an fp8 latent pool costs one byte per latent number. Over two gloo ranks (tensor
+parallel, and expert parallel): the same logits as HF.
 """
 
 # T tokens, E hidden, H heads, L kv_lora_rank, R qk_rope_head_dim, X experts, K top-k
@@ -267,3 +268,41 @@ def test_moe_layer_freq_makes_every_freq_th_layer_from_first_k_dense_replace_spa
     model = build_model(config, device="cpu", dtype=torch.float32, load_format="zeros")
     sparse = [i for i, layer in enumerate(model.model.layers) if isinstance(layer.mlp, DeepseekMoE)]
     assert sparse == [2, 4]
+
+
+def _tensor_parallel_rank(rank: int, init_file: str, pair: ModelPair, full_numel: int, expert_parallel: bool) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    from atom_core.models import load_model
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        model = load_model(pair.path, dtype=torch.float32, device="cpu", tp_rank=rank, tp_size=2,
+                           expert_parallel=expert_parallel)
+        assert sum(p.numel() for p in model.parameters()) < 0.75 * full_numel, "nothing was split"
+        assert model.model.layers[0].self_attn.num_heads == pair.hf_model.config.num_attention_heads // 2
+        with ops.use_backend("torch"):
+            parity_harness.check_ragged_prefill(pair, model)
+            check_decode(pair, model, 4, num_decode_steps=3)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("case, expert_parallel", [(CASES[0], False), (V3_LIKE, True)],
+                         ids=["v2_lite_like-tp2", "v3_like-tp2-ep"])
+def test_two_ranks_split_heads_and_experts_and_match_hf(case, expert_parallel, tmp_path):
+    """Heads split over two gloo ranks (q / q_b / kv_b column-parallel, o_proj row-parallel; the latent
+    projections replicated, so both ranks cache the same rows), experts split by intermediate dim or whole."""
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    if not dist.is_available():
+        pytest.skip("torch.distributed not available")
+    pair = build_deepseek_pair(case, tmp_path / "ckpt")
+    full_numel = sum(p.numel() for p in pair.load_atom().parameters())
+    mp.start_processes(_tensor_parallel_rank, args=(str(tmp_path / "init"), pair, full_numel, expert_parallel),
+                       nprocs=2, join=True, start_method="fork")
