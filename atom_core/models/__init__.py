@@ -87,7 +87,8 @@ def estimate_model_bytes(config: ModelConfig, dtype: torch.dtype, *, tp_size: in
 
     Parameters in ``dtype`` (E hidden, V vocabulary, L layers, H/Hk heads, D head dim, I intermediate,
     X experts): embedding ``V E``, LM head ``V E`` (none when tied), per layer attention
-    ``E (H + 2 Hk) D + H D E``, MLP ``3 E I`` or, in a sparse layer, ``X`` experts of
+    ``E (H + 2 Hk) D + H D E`` (MLA: ``E H (Dn + R)`` or ``E Qr + Qr H (Dn + R)`` with a q LoRA rank Qr,
+    plus ``E (Lr + R) + Lr H (Dn + Dv) + H Dv E`` for latent rank Lr), MLP ``3 E I`` or, in a sparse layer, ``X`` experts of
     ``3 E I_moe`` plus the router ``E X`` and shared experts; all divided by ``tp_size`` (norms and
     biases are left out: a lower bound, so a refusal means the model cannot fit). Plus the fp32 rotary
     cos/sin table(s), ``max_position_embeddings x rotary dim``, one per rope layer type.
@@ -100,10 +101,18 @@ def estimate_model_bytes(config: ModelConfig, dtype: torch.dtype, *, tp_size: in
     moe_inter = _extra_count(config, "moe_intermediate_size", default=inter)
     shared = _extra_count(config, "n_shared_experts")
     per_param = dtype.itemsize / tp_size
+    attention, rotary_dim = e * (h + 2 * hk) * d + h * d * e, d
+    kv_lora = _extra_count(config, "kv_lora_rank")
+    if kv_lora:  # MLA: q (through q_lora_rank or not), the latent down/up projections, o_proj
+        nope, rope = _extra_count(config, "qk_nope_head_dim"), _extra_count(config, "qk_rope_head_dim")
+        v_dim, q_lora = _extra_count(config, "v_head_dim"), _extra_count(config, "q_lora_rank")
+        q = e * q_lora + q_lora * h * (nope + rope) if q_lora else e * h * (nope + rope)
+        attention = q + e * (kv_lora + rope) + kv_lora * h * (nope + v_dim) + h * v_dim * e
+        rotary_dim = rope
     parts = {
         "embedding": v * e * per_param,
         "lm head": 0 if config.tie_word_embeddings else v * e * per_param,
-        f"{layers} layers' attention": layers * (e * (h + 2 * hk) * d + h * d * e) * per_param,
+        f"{layers} layers' attention": layers * attention * per_param,
         f"{layers - sparse} dense MLPs": (layers - sparse) * 3 * e * inter * per_param,
         f"{sparse} x {experts} experts": sparse * (experts * 3 * e * moe_inter + e * experts
                                                     + shared * 3 * e * moe_inter) * per_param,
@@ -111,7 +120,7 @@ def estimate_model_bytes(config: ModelConfig, dtype: torch.dtype, *, tp_size: in
     factor = config.get("partial_rotary_factor", 1.0)
     factor = factor if isinstance(factor, (int, float)) and 0 < factor <= 1 else 1.0
     tables = len(config.rope_by_layer_type) if config.rope_by_layer_type else 1
-    parts["rotary table"] = tables * config.max_position_embeddings * int(d * factor) * 4
+    parts["rotary table"] = tables * config.max_position_embeddings * int(rotary_dim * factor) * 4
     total = int(sum(parts.values()))
     # The parts that make up at least 1% of the total, largest first: they name the field to look at.
     large = sorted(((size, name) for name, size in parts.items() if size >= total / 100), reverse=True)

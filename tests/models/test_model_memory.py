@@ -36,6 +36,14 @@ ARCHITECTURES = {
                                         first_k_dense_replace=1, n_shared_experts=1),
     "gpt_oss": dict(architectures=["GptOssForCausalLM"], model_type="gpt_oss", num_local_experts=4,
                     num_experts_per_tok=2),
+    "deepseek_v2_mla_no_q_lora": dict(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2",
+                                      kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                                      n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                      n_shared_experts=1, first_k_dense_replace=1),
+    "deepseek_v3_mla_q_lora": dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
+                                   kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                                   v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                   n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1),
 }
 LLAMA = {**BASE, **ARCHITECTURES["llama"]}
 GIB = 1 << 30
