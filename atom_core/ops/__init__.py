@@ -4,7 +4,8 @@ a Triton kernel and an AITER adapter, and is registered as ``torch.ops.atom_core
 Backend choice: ``backend=`` argument > ``use_backend()`` context > the default backend
 (``ATOM_CORE_BACKEND``, read once at import; ``set_default_backend()`` changes it) > auto (aiter on
 ROCm where ``python -m atom_core.ops.selftest`` verified it, triton on a GPU unless the selftest
-failed it, torch otherwise), made once per op and argument signature and cached.
+failed it, then scaled_mm (``torch._scaled_mm``, the scaled GEMMs only) on a GPU, torch otherwise),
+made once per op and argument signature and cached.
 Argument checks run in debug mode only: ``ATOM_CORE_DEBUG=1``, ``set_debug(True)`` or
 ``with debug_checks(): ...``. See docs/ops.md.
 """
@@ -26,8 +27,10 @@ from atom_core.ops.kv_cache import store_kv_
 from atom_core.ops.mla import mla_decode_attention, mla_prefill_attention, store_mla_
 from atom_core.ops.moe_routing import gpt_oss_topk, grouped_topk, topk_softmax
 from atom_core.ops.norm import layer_norm, rms_norm
+from atom_core.ops.quant import per_group_quant, per_tensor_quant, per_token_quant
 from atom_core.ops.rope import apply_rope_, rope_cos_sin_cache, yarn_softmax_scale
 from atom_core.ops.sampling import rejection_sample_greedy, sample
+from atom_core.ops.scaled_mm import scaled_mm_block, scaled_mm_per_tensor, scaled_mm_per_token
 from atom_core.ops.validation import debug_checks, debug_enabled, set_debug
 
 __all__ = [
@@ -47,11 +50,17 @@ __all__ = [
     "mla_prefill_attention",
     "paged_attention",
     "paged_attention_from_layout",
+    "per_group_quant",
+    "per_tensor_quant",
+    "per_token_quant",
     "reference",
     "rejection_sample_greedy",
     "rms_norm",
     "rope_cos_sin_cache",
     "sample",
+    "scaled_mm_block",
+    "scaled_mm_per_tensor",
+    "scaled_mm_per_token",
     "set_debug",
     "set_default_backend",
     "silu_and_mul",

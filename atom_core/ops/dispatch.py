@@ -4,7 +4,9 @@ Order of choice: explicit ``backend=`` argument > ``use_backend(...)`` context >
 backend (``ATOM_CORE_BACKEND``, read once at import; ``set_default_backend`` changes it later) >
 auto: ``aiter`` on ROCm with amd-aiter where the selftest record says it passed for the op on this
 device and these library versions, ``triton`` on a GPU with Triton unless the record says it failed,
-``torch`` otherwise (``atom_core.ops.verified``; ``python -m atom_core.ops.selftest`` writes the record).
+``scaled_mm`` (``torch._scaled_mm``, only the scaled GEMMs have it) on a GPU where Triton cannot serve
+or failed, ``torch`` otherwise (``atom_core.ops.verified``; ``python -m atom_core.ops.selftest`` writes
+the record).
 
 A backend named by the ``backend=`` argument is strict: if it cannot serve the call, the call
 raises ``BackendUnavailable`` with the reason. A backend named by the context or the default
@@ -40,7 +42,10 @@ import torch
 
 from atom_core.ops import verified
 
-BACKENDS = ("aiter", "triton", "torch")  # auto order: most specialised first
+# Auto order: most specialised first. "scaled_mm" is torch._scaled_mm (cuBLASLt / hipBLASLt), which only
+# the scaled GEMMs register: a backend of its own because "torch" is the twin, the definition the others
+# are checked against; after "triton" so that the project's kernels stay the GPU default, as for every op.
+BACKENDS = ("aiter", "triton", "scaled_mm", "torch")
 ENV_VAR = "ATOM_CORE_BACKEND"
 # Signatures kept per op before its cache starts over: a few per model in practice; only the
 # exact default key (shapes included) could grow without bound.
@@ -119,6 +124,8 @@ def backend_available(name: str) -> bool:
         return True
     if name == "triton":
         return _has_module("triton") and (_CUDA_AVAILABLE or triton_interpret())
+    if name == "scaled_mm":
+        return _CUDA_AVAILABLE and hasattr(torch, "_scaled_mm")
     return _aiter_imports()
 
 
@@ -149,7 +156,8 @@ def trace_backends() -> Iterator[list[tuple[str, str]]]:
 
 
 def on_device_for(backend: str, *tensors: torch.Tensor | None) -> str | None:
-    """Common device check: Triton needs GPU tensors (or the interpreter with CPU ones), AITER GPU ones."""
+    """Common device check: Triton needs GPU tensors (or the interpreter with CPU ones), AITER and
+    scaled_mm GPU ones (torch._scaled_mm also runs on the CPU, slower than the twin: not worth choosing)."""
     devices = {t.device.type for t in tensors if t is not None}
     if backend == "triton":
         if devices <= {"cuda"} or (triton_interpret() and devices <= {"cpu"}):
@@ -157,6 +165,8 @@ def on_device_for(backend: str, *tensors: torch.Tensor | None) -> str | None:
         return f"triton needs CUDA tensors (or TRITON_INTERPRET=1 with CPU tensors), got {sorted(devices)}"
     if backend == "aiter" and devices - {"cuda"}:
         return f"aiter needs ROCm GPU tensors, got {sorted(devices)}"
+    if backend == "scaled_mm" and devices - {"cuda"}:
+        return f"scaled_mm needs GPU tensors, got {sorted(devices)}"
     return None
 
 

@@ -6,7 +6,8 @@ run (so a mutating op starts from the same tensors for every backend) and return
 ``check(got, want)`` returns None, or why the backend's outputs differ from the twin's, under the
 tolerances of ``atom_core.ops.tolerances``. ``grid="quick"`` is one or two small shapes per op and
 fp32 + bf16 (fast enough for the Triton CPU interpreter); ``grid="full"`` adds odd and model-sized
-shapes, fp16, fp8 KV pools and the attention features (window, softcap, sinks, GQA).
+shapes, fp16, fp8 KV pools and the attention features (window, softcap, sinks, GQA); the quantization
+ops and scaled GEMMs are in ``selftest_cases_quant``.
 
 Legend: T tokens, D hidden, I intermediate, Hq/Hk heads, Dh head dim, R rotary dim, NB blocks,
 BS block size, B rows, V vocabulary, E experts, K top-k.
@@ -227,11 +228,12 @@ def attention_cases(grid: str, device) -> list[Case]:
 
 def all_cases(grid: str, device) -> dict[str, list[Case]]:
     """op name -> its cases, for every op."""
+    from atom_core.ops.selftest_cases_quant import quant_cases, scaled_mm_cases
     from atom_core.ops.selftest_cases_sampling_moe import moe_cases, sampling_cases
 
     by_op: dict[str, list[Case]] = {}
     for make in (norm_cases, activation_cases, rope_cases, store_kv_cases, attention_cases, sampling_cases,
-                 moe_cases):
+                 moe_cases, quant_cases, scaled_mm_cases):
         for case in make(grid, device):
             by_op.setdefault(case.op, []).append(case)
     return by_op

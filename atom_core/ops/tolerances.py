@@ -31,6 +31,24 @@ MOE = {
 # fp8 (e4m3) KV cache: 3 mantissa bits, relative step 2**-3 before scaling.
 FP8_KV = (6e-2, 6e-2)
 
+# Scaled GEMMs (fp8 / int8 operands, fp32 accumulation) by output dtype, for outputs of order 1: the
+# kernels scale the accumulator where the twin first dequantizes each operand (one fp32 rounding per
+# element), and they sum in another order; fp16/bf16 outputs add their own rounding (a one-ulp flip).
+SCALED_MM = {
+    torch.float32: (1e-4, 1e-4),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (1.6e-2, 1.6e-2),
+}
+
+# Quantized values against the twin's, by format: at most one step apart (a backend that multiplies by
+# 1 / scale instead of dividing may round a near-tie the other way; fp8's step is 2**-3 of the value,
+# 2**-9 below its smallest normal). Scales: fp32 rounding of amax / qmax.
+QUANT_VALUES = {
+    torch.float8_e4m3fn: (2.0**-9, 0.125),
+    torch.int8: (1.0, 0.0),
+}
+QUANT_SCALE = (0.0, 1e-6)
+
 
 def tolerance(dtype: torch.dtype, table=ELEMENTWISE) -> dict:
     atol, rtol = table[dtype]

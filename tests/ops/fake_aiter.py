@@ -24,7 +24,7 @@ def parse_signatures() -> dict[str, tuple[str, inspect.Signature]]:
     """name -> (source file, signature) for every function found in the wheel."""
     namespace = {
         "torch": torch, "Tensor": torch.Tensor, "Optional": Optional, "Generator": torch.Generator,
-        "dtypes": types.SimpleNamespace(fp32=torch.float32, i8=torch.int8),
+        "dtypes": types.SimpleNamespace(fp32=torch.float32, i8=torch.int8, bf16=torch.bfloat16),
         "ActivationType": types.SimpleNamespace(Silu=0, Gelu=1, Swiglu=2),
         "QuantType": types.SimpleNamespace(No=0),
     }

@@ -12,7 +12,7 @@ with ``Op.choose_uncached``, which runs every rule afresh:
   only for a decode batch);
 * calls that vary a few more features at random (hypothesis).
 
-Once with the backends of this machine, once with all three available (AITER: the stand-in
+Once with the backends of this machine, once with all of them available (AITER: the stand-in
 module, verified by a selftest record for every op, and, like every backend in that mode, taking
 tensors on any ONE device, so that meta tensors with strides past int32 reach the rules), so that
 every backend's key is exercised.
@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import atom_core.ops as ops_package
-from atom_core.ops import dispatch, kv_cache
+from atom_core.ops import dispatch, kv_cache, quant, scaled_mm, torch_scaled_mm
 from atom_core.ops.dispatch import BackendUnavailable, Op
 from tests.ops import fake_aiter
 
@@ -200,6 +200,32 @@ def _fused_experts_args(c: Call):
     return hidden_states, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, out
 
 
+def _quant_args(c: Call, name: str):
+    rows, cols = c.vary(3, 1), c.vary(256, 200, 96)
+    x = c.tensor(rows, cols, dtype=c.vary(BF16, FP16, FP32))
+    q_dtype = c.vary(FP8, torch.int8)
+    if name == "per_group_quant":
+        group_size = c.vary(128, 64, 96, 256)
+        return x, group_size, c.tensor(rows, cols, dtype=q_dtype), c.tensor(rows, -(-cols // group_size))
+    scale = c.tensor(rows, 1) if name == "per_token_quant" else c.tensor(1)
+    if name == "per_tensor_quant":
+        return x, c.maybe(False, lambda: c.tensor(1)), c.tensor(rows, cols, dtype=q_dtype), scale
+    return x, c.tensor(rows, cols, dtype=q_dtype), scale
+
+
+def _scaled_mm_args(c: Call, name: str):
+    m, n, k = c.vary(3, 1), c.vary(256, 48, 40), c.vary(256, 160, 100)
+    q_dtype = FP8 if name == "scaled_mm_block" else c.vary(FP8, torch.int8)
+    a, w = c.tensor(m, k, dtype=q_dtype), c.tensor(n, k, dtype=q_dtype)
+    if name == "scaled_mm_block":
+        a_scale, w_scale = c.tensor(m, -(-k // 128)), c.tensor(-(-n // 128), -(-k // 128))
+    elif name == "scaled_mm_per_token":
+        a_scale, w_scale = c.tensor(m, 1), c.tensor(n, 1)
+    else:
+        a_scale, w_scale = c.tensor(1), c.tensor(1)
+    return a, a_scale, w, w_scale, c.maybe(False, lambda: c.tensor(n, dtype=BF16)), c.vary(BF16, FP16, FP32)
+
+
 ARGS = {
     "rms_norm": lambda c: _norm_args(c, layer=False),
     "layer_norm": lambda c: _norm_args(c, layer=True),
@@ -215,6 +241,12 @@ ARGS = {
     "grouped_topk": lambda c: _routing_args(c, "grouped_topk"),
     "gpt_oss_topk": lambda c: _routing_args(c, "gpt_oss_topk"),
     "fused_experts": _fused_experts_args,
+    "per_tensor_quant": lambda c: _quant_args(c, "per_tensor_quant"),
+    "per_token_quant": lambda c: _quant_args(c, "per_token_quant"),
+    "per_group_quant": lambda c: _quant_args(c, "per_group_quant"),
+    "scaled_mm_per_tensor": lambda c: _scaled_mm_args(c, "scaled_mm_per_tensor"),
+    "scaled_mm_per_token": lambda c: _scaled_mm_args(c, "scaled_mm_per_token"),
+    "scaled_mm_block": lambda c: _scaled_mm_args(c, "scaled_mm_block"),
 }
 
 
@@ -277,6 +309,9 @@ def availability(request, monkeypatch):
         monkeypatch.setattr(dispatch, "backend_available", lambda name: True)
         monkeypatch.setattr(dispatch, "on_device_for", _on_one_device)
         monkeypatch.setattr(kv_cache, "_aiter_fp8_is_e4m3fn", lambda device: False)  # an fp8 pool refuses AITER
+        for module in (quant, scaled_mm, torch_scaled_mm):  # fp8 GEMMs and quantization: every rule reached
+            monkeypatch.setattr(module, "fp8_e4m3fn_native", lambda device: True)
+        monkeypatch.setattr(torch_scaled_mm, "_is_nvidia_sm90", lambda device: True)
     for op in OPS.values():
         op.clear_cache()
     yield request.param
@@ -303,7 +338,7 @@ def test_cached_choice_equals_uncached_for_every_change_of_one_or_two_features(a
 def test_cached_choice_equals_uncached_for_random_feature_changes(availability, name, data):
     deviations = data.draw(st.sets(st.integers(0, len(_nominal_options(name)) - 1), max_size=4), label="features")
     args = ARGS[name](Call(lambda index, others: data.draw(st.sampled_from(others)) if index in deviations else None))
-    _assert_cached_equals_uncached(OPS[name], args, data.draw(st.sampled_from([None, "torch", "triton", "aiter"])))
+    _assert_cached_equals_uncached(OPS[name], args, data.draw(st.sampled_from([None, *dispatch.BACKENDS])))
 
 
 def test_in_the_all_backends_mode_auto_chooses_the_verified_aiter(availability):

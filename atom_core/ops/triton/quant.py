@@ -1,0 +1,164 @@
+"""Triton dynamic activation quantization: per-tensor, per-token (one program per row) and per-group
+(one program per row and run of groups), to fp8 e4m3fn or int8.
+
+Rounding is done in fp32 arithmetic before the store, identically on GPUs and in the CPU
+interpreter, so the results equal the twin's bit for bit: int8 rounds half to even with the
+1.5 * 2**23 trick (adding it leaves no fraction bits, and IEEE addition rounds to nearest even);
+fp8 rounds to 3 mantissa bits the same way, scaled by the value's power of two, and the cast then
+converts an exactly representable value (the interpreter's own fp32 -> fp8 cast does not round
+ties to even). ``x / scale`` is an IEEE division (``tl.div_rn``), as in the twin.
+
+Legend: T = rows (tokens), K = columns, G = groups per row.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from atom_core.ops.reference.quant import AMAX_FLOOR, INT8_DTYPE, qmax
+from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2
+
+_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: (y + M) - M rounds y to an integer, ties to even
+_ROW_BLOCK = 4096  # columns per step of the per-token loop
+_TILE = 4096  # elements per program of the per-tensor and per-group kernels
+
+
+@triton.jit
+def round_to_format(y, QMAX: tl.constexpr, IS_INT8: tl.constexpr):
+    """fp32 y (already divided by its scale) → the exactly representable value the twin stores."""
+    y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+    if IS_INT8:
+        return (y + _MAGIC) - _MAGIC
+    # fp8 e4m3fn: 3 mantissa bits; below the smallest normal (2**-6) the step is 2**-9.
+    bits = y.to(tl.int32, bitcast=True)
+    magnitude = (bits & 0x7FFFFFFF).to(tl.float32, bitcast=True)
+    step_exponent = tl.maximum((bits >> 23) & 0xFF, 127 - 6) - 3  # biased exponent of the step
+    step = (step_exponent << 23).to(tl.float32, bitcast=True)
+    inverse_step = ((254 - step_exponent) << 23).to(tl.float32, bitcast=True)  # exact powers of two
+    rounded = ((magnitude * inverse_step + _MAGIC) - _MAGIC) * step
+    return (rounded.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)  # sign kept
+
+
+@triton.jit
+def _per_token_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, stride_s, amax_floor,
+                      QMAX: tl.constexpr, IS_INT8: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, K, BLOCK):
+        x = tl.load(x_ptr + row * stride_x + start + cols, mask=start + cols < K, other=0.0)
+        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+    scale = tl.div_rn(tl.maximum(tl.max(amax, axis=0), amax_floor), QMAX)
+    tl.store(scale_ptr + row * stride_s, scale)
+    for start in range(0, K, BLOCK):  # a second read: the row is still in cache
+        mask = start + cols < K
+        x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0).to(tl.float32)
+        q = round_to_format(tl.div_rn(x, scale), QMAX, IS_INT8)
+        tl.store(q_ptr + row * stride_q + start + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _per_group_kernel(x_ptr, q_ptr, scale_ptr, K, num_groups, stride_x, stride_q, stride_s, amax_floor,
+                      GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr,
+                      QMAX: tl.constexpr, IS_INT8: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    groups = tl.program_id(1) * GROUPS_PER_PROGRAM + tl.arange(0, GROUPS_PER_PROGRAM)
+    offsets = tl.arange(0, GROUP_PAD)
+    cols = groups[:, None] * GROUP + offsets[None, :]  # [groups, GROUP_PAD]
+    mask = (groups < num_groups)[:, None] & (offsets < GROUP)[None, :] & (cols < K)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), amax_floor), QMAX)
+    tl.store(scale_ptr + row * stride_s + groups, scale, mask=groups < num_groups)
+    q = round_to_format(tl.div_rn(x, scale[:, None]), QMAX, IS_INT8)
+    tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _amax_kernel(x_ptr, amax_ptr, T, K, stride_x, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rows < T)[:, None] & (cols < K)[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x.to(tl.float32)), axis=1), axis=0))  # amax >= 0
+
+
+@triton.jit
+def _per_tensor_kernel(x_ptr, q_ptr, source_ptr, scale_ptr, T, K, stride_x, stride_q, amax_floor,
+                       STATIC: tl.constexpr, QMAX: tl.constexpr, IS_INT8: tl.constexpr,
+                       BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    if STATIC:
+        scale = tl.load(source_ptr)
+    else:  # source holds the tensor's amax (from _amax_kernel)
+        scale = tl.div_rn(tl.maximum(tl.load(source_ptr), amax_floor), QMAX)
+    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+        tl.store(scale_ptr, scale)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rows < T)[:, None] & (cols < K)[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    q = round_to_format(tl.div_rn(x, scale), QMAX, IS_INT8)
+    tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+@functools.lru_cache(maxsize=LAUNCH_CACHE_SIZE)
+def _tile(rows: int, cols: int) -> tuple[tuple[int, int], int, int]:
+    """(grid, BLOCK_T, BLOCK_K) of the 2-D per-tensor kernels for x [rows, cols]."""
+    block_k = min(next_power_of_2(cols), 1024)
+    block_t = max(1, min(_TILE // block_k, next_power_of_2(rows)))
+    return (cdiv(rows, block_t), cdiv(cols, block_k)), block_t, block_k
+
+
+def _format(q: torch.Tensor) -> dict:
+    return dict(QMAX=qmax(q.dtype), IS_INT8=q.dtype == INT8_DTYPE)
+
+
+def per_tensor_quant(x, static_scale, q, scale):
+    """x [T, K] → q [T, K], scale [1]: dynamic (amax over x) unless static_scale [1] is given."""
+    rows, cols = x.shape
+    if x.numel() == 0:
+        if static_scale is None:
+            scale.fill_(AMAX_FLOOR / qmax(q.dtype))
+        else:
+            scale.copy_(static_scale.reshape(1))
+        return
+    grid, block_t, block_k = _tile(rows, cols)
+    if static_scale is None:
+        source = torch.zeros(1, dtype=torch.float32, device=x.device)
+        _amax_kernel[grid](x, source, rows, cols, x.stride(0), BLOCK_T=block_t, BLOCK_K=block_k)
+    else:
+        source = static_scale
+    _per_tensor_kernel[grid](x, q, source, scale, rows, cols, x.stride(0), q.stride(0), AMAX_FLOOR,
+                             STATIC=static_scale is not None, BLOCK_T=block_t, BLOCK_K=block_k, **_format(q))
+
+
+def per_token_quant(x, q, scale):
+    """x [T, K] → q [T, K], scale [T, 1]."""
+    rows, cols = x.shape
+    if rows == 0:
+        return
+    _per_token_kernel[(rows,)](x, q, scale, cols, x.stride(0), q.stride(0), scale.stride(0), AMAX_FLOOR,
+                               BLOCK=min(next_power_of_2(max(cols, 1)), _ROW_BLOCK), **_format(q))
+
+
+@functools.lru_cache(maxsize=LAUNCH_CACHE_SIZE)
+def _group_launch(num_groups: int, group_size: int) -> tuple[int, int, int]:
+    """(programs per row, GROUP_PAD, GROUPS_PER_PROGRAM)."""
+    group_pad = next_power_of_2(group_size)
+    per_program = max(1, min(_TILE // group_pad, next_power_of_2(num_groups)))
+    return cdiv(num_groups, per_program), group_pad, per_program
+
+
+def per_group_quant(x, group_size, q, scale):
+    """x [T, K] → q [T, K], scale [T, G] with G = ceil(K / group_size)."""
+    rows, cols = x.shape
+    num_groups = scale.shape[1]
+    if rows == 0 or num_groups == 0:
+        return
+    programs, group_pad, per_program = _group_launch(num_groups, group_size)
+    _per_group_kernel[(rows, programs)](x, q, scale, cols, num_groups, x.stride(0), q.stride(0), scale.stride(0),
+                                        AMAX_FLOOR, GROUP=group_size, GROUP_PAD=group_pad,
+                                        GROUPS_PER_PROGRAM=per_program, **_format(q))

@@ -1,0 +1,138 @@
+"""Triton scaled GEMM: out [M, N] = (a * a_scale) @ (w * w_scale)^T (+ bias), a [M, K], w [N, K].
+
+One kernel for the three scale formats (``SCALES``): [BLOCK_M, BLOCK_N] output tiles, a loop over K
+in BLOCK_K steps with ``tl.dot`` on the fp8 (fp32 accumulator) or int8 (int32 accumulator) tiles.
+
+- per-tensor and per-token x per-channel: the scales are applied once, in the epilogue
+  (``acc * a_scale[m] * w_scale[n]``);
+- block (1 x 128 activation groups, 128 x 128 weight blocks): each K step covers part of one
+  128-wide group (BLOCK_K divides 128), so its partial product is scaled by that group's
+  ``a_scale[m, k // 128] * w_scale[n // 128, k // 128]`` before it joins the fp32 accumulator
+  (which also bounds how long any low-precision tensor-core accumulation runs: one K step).
+
+Programs walk the tiles in groups of GROUP_M row tiles per column tile, so neighbouring programs
+share weight tiles in L2. Row offsets are int64 (M * K can pass 2**31).
+The CPU interpreter runs fp8 and int8 ``tl.dot`` exactly (tests/ops/test_scaled_mm.py pins it
+against float64), so no upcast is needed there.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from atom_core.ops.dispatch import triton_interpret
+from atom_core.ops.reference.quant import INT8_DTYPE
+from atom_core.ops.reference.scaled_mm import BLOCK
+from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2
+
+PER_TENSOR = tl.constexpr(0)  # values of SCALES (tl.constexpr: read inside the kernel)
+PER_TOKEN = tl.constexpr(1)
+BLOCKWISE = tl.constexpr(2)
+
+
+@triton.jit
+def _scaled_mm_kernel(
+    a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K,
+    stride_am, stride_ak, stride_wn, stride_wk, stride_as_m, stride_as_k, stride_ws_n, stride_ws_k, stride_om,
+    SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, IS_INT8: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    rows_in_group = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % rows_in_group
+    pid_n = (pid % per_group) // rows_in_group
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
+    w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk  # w^T tile [K, N]
+    if IS_INT8:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if SCALES == BLOCKWISE:
+            group = k0 // SCALE_BLOCK
+            a_scale = tl.load(a_scale_ptr + offs_m * stride_as_m + group * stride_as_k, mask=m_ok, other=0.0)
+            w_scale = tl.load(w_scale_ptr + (offs_n // SCALE_BLOCK) * stride_ws_n + group * stride_ws_k,
+                              mask=n_ok, other=0.0)
+            acc += tl.dot(a, w) * a_scale[:, None] * w_scale[None, :]
+        elif IS_INT8:
+            acc = tl.dot(a, w, acc, out_dtype=tl.int32)
+        else:
+            acc = tl.dot(a, w, acc)
+        a_ptrs += BLOCK_K * stride_ak
+        w_ptrs += BLOCK_K * stride_wk
+
+    out = acc.to(tl.float32)
+    if SCALES == PER_TENSOR:
+        out = out * (tl.load(a_scale_ptr) * tl.load(w_scale_ptr))
+    elif SCALES == PER_TOKEN:
+        a_scale = tl.load(a_scale_ptr + offs_m * stride_as_m, mask=m_ok, other=0.0)
+        w_scale = tl.load(w_scale_ptr + offs_n * stride_ws_n, mask=n_ok, other=0.0)
+        out = out * a_scale[:, None] * w_scale[None, :]
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@functools.lru_cache(maxsize=LAUNCH_CACHE_SIZE)
+def _launch_config(m: int, n: int, interpret: bool) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). BLOCK_K divides the 128 of the block format.
+
+    GPU tiles are a starting point (not tuned: the benchmark of docs/benchmarks.md decides);
+    the interpreter gets few, larger programs (each program costs numpy overhead, not FLOPs)."""
+    if interpret:
+        return max(16, min(next_power_of_2(m), 64)), 64, 64, 4, 1
+    block_m = max(16, min(next_power_of_2(m), 128))
+    block_n = 64 if m <= 16 else 128  # small M: more programs over N to cover the SMs
+    return block_m, block_n, 128, 4 if block_m <= 64 else 8, 3
+
+
+def _scaled_mm(scales, a, a_scale, w, w_scale, bias, out_dtype):
+    (m, k), n = a.shape, w.shape[0]
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    if m == 0 or n == 0:
+        return out
+    block_m, block_n, block_k, num_warps, num_stages = _launch_config(m, n, triton_interpret())
+    if scales == PER_TOKEN.value:
+        scale_strides = (a_scale.stride(0), 0, w_scale.stride(0), 0)
+    elif scales == BLOCKWISE.value:
+        scale_strides = (*a_scale.stride(), *w_scale.stride())
+    else:
+        scale_strides = (0, 0, 0, 0)
+    grid = (cdiv(m, block_m) * cdiv(n, block_n),)
+    _scaled_mm_kernel[grid](
+        a, w, a_scale, w_scale, bias if bias is not None else out, out, m, n, k,
+        a.stride(0), a.stride(1), w.stride(0), w.stride(1), *scale_strides, out.stride(0),
+        SCALES=scales, HAS_BIAS=bias is not None, IS_INT8=a.dtype == INT8_DTYPE, SCALE_BLOCK=BLOCK,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+def scaled_mm_per_tensor(a, a_scale, w, w_scale, bias, out_dtype):
+    return _scaled_mm(PER_TENSOR.value, a, a_scale, w, w_scale, bias, out_dtype)
+
+
+def scaled_mm_per_token(a, a_scale, w, w_scale, bias, out_dtype):
+    return _scaled_mm(PER_TOKEN.value, a, a_scale, w, w_scale, bias, out_dtype)
+
+
+def scaled_mm_block(a, a_scale, w, w_scale, bias, out_dtype):
+    return _scaled_mm(BLOCKWISE.value, a, a_scale, w, w_scale, bias, out_dtype)

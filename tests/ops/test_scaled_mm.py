@@ -1,0 +1,190 @@
+"""Scaled GEMMs: the twins against an independent float64 computation, Triton against the twins over
+odd shapes, every output dtype, bias, strided operands, and the quantize-then-GEMM path against the
+unquantized product."""
+
+import pytest
+import torch
+
+from atom_core import ops
+from atom_core.ops.dispatch import trace_backends
+from atom_core.ops.reference import quant as reference_quant
+from atom_core.ops.reference import scaled_mm as reference
+from atom_core.ops.tolerances import SCALED_MM, tolerance
+from tests.ops.conftest import needs_triton, non_contiguous_rows
+
+FP8, INT8 = torch.float8_e4m3fn, torch.int8
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+OUT_DTYPES = [FP32, FP16, BF16]
+
+
+def make_inputs(fmt: str, quant_dtype, m: int, n: int, k: int, *, bias: bool = False, seed: int = 0):
+    """(a, a_scale, w, w_scale, bias) in ``fmt``'s layouts, quantized by the twins (outputs of order 1)."""
+    g = torch.Generator().manual_seed(seed)
+    a, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) * k ** -0.5
+    if fmt == "block":
+        (a_q, a_scale), (w_q, w_scale) = reference_quant.per_group_quant(a, FP8), reference_quant.per_block_quant(w)
+    elif fmt == "per_token":
+        (a_q, a_scale), (w_q, w_scale) = (reference_quant.per_token_quant(t, quant_dtype) for t in (a, w))
+    else:
+        (a_q, a_scale), (w_q, w_scale) = (reference_quant.per_tensor_quant(t, quant_dtype) for t in (a, w))
+    return a_q, a_scale, w_q, w_scale, torch.randn(n, generator=g) if bias else None
+
+
+def _float64_product(a, a_scale_of, w, w_scale_of, bias):
+    """out[m][n] = sum_k a[m,k] a_scale_of(m,k) * w[n,k] w_scale_of(n,k) + bias[n], in Python floats."""
+    m, k = a.shape
+    n = w.shape[0]
+    a_deq = [[x * a_scale_of(i, kk) for kk, x in enumerate(row)] for i, row in enumerate(a.double().tolist())]
+    w_deq = [[x * w_scale_of(j, kk) for kk, x in enumerate(row)] for j, row in enumerate(w.double().tolist())]
+    bias = [0.0] * n if bias is None else bias.double().tolist()
+    out = [[sum(x * y for x, y in zip(a_row, w_row)) + bias[j] for j, w_row in enumerate(w_deq)] for a_row in a_deq]
+    return torch.tensor(out, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("fmt", ["per_tensor", "per_token", "block"])
+def test_twins_equal_an_independent_float64_computation(fmt):
+    m, n, k = 3, 130, 260  # block: 2 x 3 weight blocks, the last ones partial
+    a, a_scale, w, w_scale, bias = make_inputs(fmt, FP8 if fmt == "block" else INT8, m, n, k, bias=True)
+    sa, sw = a_scale.double().tolist(), w_scale.double().tolist()
+    if fmt == "per_tensor":
+        a_of, w_of = (lambda i, kk: sa[0]), (lambda j, kk: sw[0])
+    elif fmt == "per_token":
+        a_of, w_of = (lambda i, kk: sa[i][0]), (lambda j, kk: sw[j][0])
+    else:
+        a_of = lambda i, kk: sa[i][kk // 128]  # noqa: E731
+        w_of = lambda j, kk: sw[j // 128][kk // 128]  # noqa: E731
+    want = _float64_product(a, a_of, w, w_of, bias)
+    got = getattr(reference, f"scaled_mm_{fmt}")(a, a_scale, w, w_scale, bias, FP32)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_block_twin_uses_each_blocks_own_scale():
+    # One weight element per 128 x 128 block set to 1, scales 1..4: out = a_scale * w_scale of that block.
+    a = torch.zeros(1, 256, dtype=FP8)
+    a[0, 0], a[0, 200] = 1.0, 1.0  # groups 0 and 1
+    w = torch.zeros(256, 256, dtype=FP8)
+    w[0, 0], w[0, 200], w[130, 0], w[130, 200] = 1.0, 1.0, 1.0, 1.0
+    a_scale = torch.tensor([[10.0, 100.0]])
+    w_scale = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    out = reference.scaled_mm_block(a, a_scale, w, w_scale, None, FP32)
+    assert out[0, 0].item() == 10 * 1 + 100 * 2 and out[0, 130].item() == 10 * 3 + 100 * 4
+
+
+@needs_triton
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES)
+@pytest.mark.parametrize("quant_dtype", [FP8, INT8])
+@pytest.mark.parametrize("m", [1, 7, 33])
+@pytest.mark.parametrize("n, k", [(48, 100), (200, 300)])  # K off the 128 grid
+def test_triton_per_token_matches_twin(out_dtype, quant_dtype, m, n, k):
+    args = make_inputs("per_token", quant_dtype, m, n, k, bias=m == 7, seed=m * k)
+    with trace_backends() as calls:
+        got = ops.scaled_mm_per_token(*args[:4], out_dtype=out_dtype, bias=args[4], backend="triton")
+    assert calls == [("scaled_mm_per_token", "triton")] and got.shape == (m, n) and got.dtype == out_dtype
+    torch.testing.assert_close(got, reference.scaled_mm_per_token(*args, out_dtype), **tolerance(out_dtype, SCALED_MM))
+
+
+@needs_triton
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES)
+@pytest.mark.parametrize("quant_dtype", [FP8, INT8])
+@pytest.mark.parametrize("m", [1, 33])
+def test_triton_per_tensor_matches_twin(out_dtype, quant_dtype, m):
+    args = make_inputs("per_tensor", quant_dtype, m, 72, 200, bias=m == 1, seed=m)
+    got = ops.scaled_mm_per_tensor(*args[:4], out_dtype=out_dtype, bias=args[4], backend="triton")
+    torch.testing.assert_close(got, reference.scaled_mm_per_tensor(*args, out_dtype), **tolerance(out_dtype, SCALED_MM))
+
+
+@needs_triton
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES)
+@pytest.mark.parametrize("m", [1, 7, 33])
+@pytest.mark.parametrize("n, k", [(256, 256), (200, 300)])  # multiples of 128, and partial blocks in N and K
+def test_triton_block_matches_twin(out_dtype, m, n, k):
+    args = make_inputs("block", FP8, m, n, k, bias=m == 7, seed=m + n)
+    got = ops.scaled_mm_block(*args[:4], out_dtype=out_dtype, bias=args[4], backend="triton")
+    torch.testing.assert_close(got, reference.scaled_mm_block(*args, out_dtype), **tolerance(out_dtype, SCALED_MM))
+
+
+@needs_triton
+def test_triton_block_scales_vary_across_groups_and_blocks():
+    # Random scales per group and block (not the ones quantization produced): a kernel that reads the
+    # wrong group or block is off by whole factors.
+    a, _, w, _, _ = make_inputs("block", FP8, 5, 300, 400)
+    g = torch.Generator().manual_seed(9)
+    a_scale, w_scale = torch.rand(5, 4, generator=g) + 0.1, torch.rand(3, 4, generator=g) + 0.1
+    got = ops.scaled_mm_block(a, a_scale, w, w_scale, out_dtype=FP32, backend="triton")
+    torch.testing.assert_close(got, reference.scaled_mm_block(a, a_scale, w, w_scale, None, FP32),
+                               **tolerance(FP32, SCALED_MM))
+
+
+@needs_triton
+@pytest.mark.parametrize("fmt", ["per_tensor", "per_token", "block"])
+def test_triton_strided_operands_and_scales(fmt):
+    a, a_scale, w, w_scale, bias = make_inputs(fmt, FP8, 9, 140, 260, bias=True)
+    a_strided = non_contiguous_rows(a)  # padded rows
+    w_transposed = w.t().contiguous().t()  # [N, K] with the K stride N: a column-major weight
+    a_scale_strided = a_scale if fmt == "per_tensor" else non_contiguous_rows(a_scale)
+    got = getattr(ops, f"scaled_mm_{fmt}")(a_strided, a_scale_strided, w_transposed, w_scale, out_dtype=FP32,
+                                           bias=bias, backend="triton")
+    want = getattr(reference, f"scaled_mm_{fmt}")(a, a_scale, w, w_scale, bias, FP32)
+    torch.testing.assert_close(got, want, **tolerance(FP32, SCALED_MM))
+
+
+@needs_triton
+def test_triton_fp8_and_int8_dots_are_exact_in_the_interpreter():
+    # Unit scales and small integers: every product and partial sum is exact in fp32 / int32.
+    g = torch.Generator().manual_seed(4)
+    for dtype in (FP8, INT8):
+        a = torch.randint(-8, 9, (17, 300), generator=g).to(dtype)
+        w = torch.randint(-8, 9, (40, 300), generator=g).to(dtype)
+        got = ops.scaled_mm_per_tensor(a, torch.ones(1), w, torch.ones(1), out_dtype=FP32, backend="triton")
+        assert torch.equal(got.double(), a.double() @ w.double().t())
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("fmt, quant_dtype", [("per_tensor", FP8), ("per_token", FP8), ("per_token", INT8),
+                                              ("block", FP8)])
+def test_quantize_then_gemm_is_close_to_the_unquantized_product(backend, fmt, quant_dtype):
+    # The activation is quantized by the op itself; the error is the formats' rounding of both operands.
+    g = torch.Generator().manual_seed(6)
+    x, weight = torch.randn(9, 384, generator=g), torch.randn(64, 384, generator=g) * 384 ** -0.5
+    if fmt == "block":
+        (a, a_scale), (w, w_scale) = ops.per_group_quant(x, backend=backend), reference_quant.per_block_quant(weight)
+    else:
+        quantize = getattr(ops, f"{fmt}_quant")
+        a, a_scale = quantize(x, dtype=quant_dtype, backend=backend)
+        w, w_scale = getattr(reference_quant, f"{fmt}_quant")(weight, quant_dtype)
+    got = getattr(ops, f"scaled_mm_{fmt}")(a, a_scale, w, w_scale, out_dtype=FP32, backend=backend)
+    exact = x @ weight.t()
+    relative = ((got - exact).norm() / exact.norm()).item()
+    assert relative < (0.06 if quant_dtype == FP8 else 0.015), relative  # fp8 steps are 2**-3 relative
+
+
+def test_compiles_with_fullgraph():
+    args = make_inputs("per_token", FP8, 3, 32, 64, bias=True)
+
+    def linear(a, a_scale, w, w_scale, bias):
+        return ops.scaled_mm_per_token(a, a_scale, w, w_scale, out_dtype=FP32, bias=bias, backend="torch") + 1
+
+    torch.testing.assert_close(torch.compile(linear, fullgraph=True, backend="aot_eager")(*args), linear(*args))
+
+
+_A, _AS, _W, _WS, _ = make_inputs("per_token", FP8, 2, 16, 32)
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: ops.scaled_mm_per_token(_A.float(), _AS, _W, _WS), "a dtype"),
+        (lambda: ops.scaled_mm_per_token(_A, _AS, _W.view(torch.int8), _WS), "w dtype"),
+        (lambda: ops.scaled_mm_per_token(_A, _AS, _W[:, :16], _WS), "must share K"),
+        (lambda: ops.scaled_mm_per_token(_A, _AS.t(), _W, _WS), "a_scale must have shape"),
+        (lambda: ops.scaled_mm_per_token(_A, _AS, _W, _WS.half()), "w_scale dtype"),
+        (lambda: ops.scaled_mm_per_tensor(_A, _AS, _W, _WS), "one element"),
+        (lambda: ops.scaled_mm_block(_A.view(torch.int8), _AS, _W.view(torch.int8), _WS), "a dtype"),
+        (lambda: ops.scaled_mm_block(_A, _AS, _W, _WS), "w_scale must have shape"),
+        (lambda: ops.scaled_mm_per_token(_A, _AS, _W, _WS, bias=torch.zeros(15)), "bias must have shape"),
+        (lambda: ops.scaled_mm_per_token(_A, _AS, _W, _WS, out_dtype=FP8), "out_dtype must be one of"),
+    ],
+)
+def test_bad_arguments_are_named(call, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        call()
