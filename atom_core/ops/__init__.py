@@ -22,6 +22,7 @@ from atom_core.ops.dispatch import (
     trace_backends,
     use_backend,
 )
+from atom_core.ops.dsa import indexer_topk, mla_sparse_attention, store_indexer_k_
 from atom_core.ops.fused_moe import fused_experts
 from atom_core.ops.kv_cache import store_kv_
 from atom_core.ops.mla import mla_decode_attention, mla_prefill_attention, store_mla_
@@ -45,9 +46,11 @@ __all__ = [
     "gelu_and_mul",
     "gpt_oss_topk",
     "grouped_topk",
+    "indexer_topk",
     "layer_norm",
     "mla_decode_attention",
     "mla_prefill_attention",
+    "mla_sparse_attention",
     "paged_attention",
     "paged_attention_from_layout",
     "per_group_quant",
@@ -64,6 +67,7 @@ __all__ = [
     "set_debug",
     "set_default_backend",
     "silu_and_mul",
+    "store_indexer_k_",
     "store_kv_",
     "store_mla_",
     "swiglu_clamped",

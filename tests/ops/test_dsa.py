@@ -1,0 +1,318 @@
+"""DSA ops (DeepSeek-V3.2 / GLM-5 sparse attention): the indexer-key write, the indexer's top-k and MLA
+over the selected positions.
+
+The twins are checked by hand (the write, a tiny top-k), against independent per-token loops in float64
+that compute every index score and every attention weight from the formulas (top-k as sets, attention
+over the selected keys only), and against dense MLA when every visible position is selected, over
+random layouts (ragged prefill, prefix hits, decode, padding rows, block sizes 1/4/16, shuffled blocks).
+
+Legend: T tokens, Hi indexer heads, Di indexer head dim, K top-k, H heads, L kv_lora_rank,
+R qk_rope_head_dim, NB blocks, BS block size.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from atom_core import ops
+from atom_core.ops.dispatch import BackendUnavailable, trace_backends
+from atom_core.ops.reference import dsa as twin
+from atom_core.ops.tolerances import ATTENTION, tolerance
+from tests.ops.test_mla import LAYOUTS, SENTINEL, MLABatch
+
+FP32_TOL = tolerance(torch.float32, ATTENTION)
+
+
+class DSABatch(MLABatch):
+    """An ``MLABatch`` plus the indexer's queries [T, Hi, Di], head weights [T, Hi] and key cache [NB, BS, Di]
+    (NaN in slots no row owns) over the same blocks."""
+
+    def __init__(self, query_lens, cached_lens, *, index_heads=3, index_dim=8, topk=4, **kwargs):
+        super().__init__(query_lens, cached_lens, **kwargs)
+        g = torch.Generator().manual_seed(kwargs.get("seed", 0) + 100)
+        num_blocks, block_size = self.cache.shape[:2]
+        flat = torch.full((num_blocks * block_size, index_dim), float("nan"))
+        slots = [t[j // block_size] * block_size + j % block_size for t, n in zip(self.tables, self.context)
+                 for j in range(n)]
+        flat[slots] = torch.randn(len(slots), index_dim, generator=g)
+        self.index_cache = flat.view(num_blocks, block_size, index_dim)
+        self.index_q = torch.randn(self.layout.num_tokens, index_heads, index_dim, generator=g)
+        self.index_w = torch.randn(self.layout.num_tokens, index_heads, generator=g)
+        self.topk = topk
+        self.index_scale = index_dim ** -0.5
+
+    def topk_args(self):
+        lay = self.layout
+        return (self.index_q, self.index_w, self.index_cache, lay.block_tables, lay.cu_seqlens_q, lay.context_lens,
+                lay.max_seqlen_q, lay.max_seqlen_k)
+
+    def queries(self):
+        """(token, row, position) of every real query token."""
+        starts = self.layout.cu_seqlens_q.tolist()
+        for row, context_len in enumerate(self.context):
+            q_len = starts[row + 1] - starts[row]
+            for i in range(q_len):
+                yield starts[row] + i, row, context_len - q_len + i
+
+
+def naive_scores(batch: DSABatch) -> dict[int, list[float]]:
+    """token -> the index score of each visible position, in float64, summed head by head from the formula."""
+    scores = {}
+    for t, row, pos in batch.queries():
+        table = batch.tables[row]
+        keys = [batch.index_cache[table[j // batch.block_size], j % batch.block_size].double() for j in range(pos + 1)]
+        scores[t] = [sum(float(batch.index_w[t, h]) * max(0.0, batch.index_scale * float(batch.index_q[t, h].double() @ key))
+                         for h in range(batch.index_q.shape[1])) for key in keys]
+    return scores
+
+
+def assert_keeps_the_top_scores(batch: DSABatch, got: torch.Tensor) -> None:
+    """Each query keeps min(K, p + 1) distinct visible positions, none scoring below one it left out (exact ties
+    may go either way), then -1."""
+    for t, scores in naive_scores(batch).items():
+        kept = [int(j) for j in got[t] if j >= 0]
+        assert len(kept) == len(set(kept)) == min(batch.topk, len(scores)), f"token {t}: {got[t].tolist()}"
+        assert (got[t, len(kept):] == -1).all()
+        left_out = [s for j, s in enumerate(scores) if j not in kept]
+        if left_out:
+            assert min(scores[j] for j in kept) >= max(left_out) - 1e-9, f"token {t} kept {kept}, scores {scores}"
+
+
+def naive_sparse_mla(batch: MLABatch, selected: dict[int, set[int]]) -> torch.Tensor:
+    """Absorbed MLA token by token and head by head in float64, over the selected positions only."""
+    latent = batch.w_uk.shape[-1]
+    heads, v_dim = batch.w_uv.shape[:2]
+    out = torch.zeros(batch.q_nope.shape[0], heads, v_dim, dtype=torch.float64)
+    for t, row, _ in DSABatch.queries(batch):
+        table = batch.tables[row]
+        rows = [batch.cache[table[j // batch.block_size], j % batch.block_size].double() for j in sorted(selected[t])]
+        if not rows:
+            continue
+        for h in range(heads):
+            keys = [torch.cat([batch.w_uk[h].double() @ c[:latent], c[latent:]]) for c in rows]
+            q = torch.cat([batch.q_nope[t, h], batch.q_pe[t, h]]).double()
+            weights = torch.softmax(torch.stack([batch.scale * (q @ k) for k in keys]), dim=0)
+            out[t, h] = sum(w * (batch.w_uv[h].double() @ c[:latent]) for w, c in zip(weights, rows))
+    return out
+
+
+# ---- the write ----------------------------------------------------------------------------------------------------
+
+def test_store_indexer_k_writes_each_key_at_its_slot_and_skips_minus_one():
+    k = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])   # [T=3, Di=3]
+    cache = torch.full((2, 4, 3), SENTINEL)
+    ops.store_indexer_k_(k, cache, torch.tensor([6, -1, 1]))
+    want = torch.full((2, 4, 3), SENTINEL)
+    want[1, 2], want[0, 1] = k[0], k[2]
+    assert torch.equal(cache, want)
+
+
+def test_store_indexer_k_refuses_a_slot_mapping_shorter_than_the_tokens():
+    with pytest.raises(ValueError, match="slot_mapping"):
+        ops.store_indexer_k_(torch.zeros(3, 4), torch.zeros(2, 2, 4), torch.tensor([0, 1]))
+
+
+# ---- the indexer's top-k ------------------------------------------------------------------------------------------
+
+def test_indexer_topk_by_hand_keeps_the_highest_weighted_relu_scores_and_pads_with_minus_one():
+    # One row of 3 tokens, one head, Di = 1, BS = 4, K = 2: keys 1, -2, 3; q = 1 at every token, weight 1.
+    # Token at position 0 sees key 0 only -> [0, -1]; position 1: scores relu(1), relu(-2) = 1, 0 -> {0, 1};
+    # position 2: 1, 0, 3 -> {2, 0}.
+    cache = torch.tensor([[[1.0], [-2.0], [3.0], [SENTINEL]]])
+    q, weights = torch.ones(3, 1, 1), torch.ones(3, 1)
+    got = ops.indexer_topk(q, weights, cache, torch.tensor([[0]], dtype=torch.int32),
+                           torch.tensor([0, 3], dtype=torch.int32), torch.tensor([3], dtype=torch.int32), 3, 3,
+                           topk=2, scale=1.0)
+    assert got.dtype == torch.int32 and got.tolist() == [[0, -1], [0, 1], [2, 0]]
+    # A negative head weight turns the preference around: position 2 now keeps the two lowest relu scores.
+    got = ops.indexer_topk(q, -weights, cache, torch.tensor([[0]], dtype=torch.int32),
+                           torch.tensor([0, 3], dtype=torch.int32), torch.tensor([3], dtype=torch.int32), 3, 3,
+                           topk=2, scale=1.0)
+    assert set(got[2].tolist()) == {1, 0}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_indexer_topk_keeps_the_positions_a_float64_score_loop_ranks_highest(layout):
+    query_lens, cached_lens = LAYOUTS[layout]
+    batch = DSABatch(query_lens, cached_lens, block_size=4, topk=4, seed=1)
+    got = ops.indexer_topk(*batch.topk_args(), topk=batch.topk, scale=batch.index_scale)
+    assert_keeps_the_top_scores(batch, got)
+    assert any(pos + 1 > batch.topk for _, _, pos in batch.queries())  # some query drops positions
+
+
+@settings(max_examples=20, deadline=None)
+@given(rows=st.lists(st.tuples(st.integers(1, 9), st.integers(0, 20)), min_size=1, max_size=4),
+       block_size=st.sampled_from([1, 4, 16]), pad_rows=st.integers(0, 2), topk=st.integers(1, 12),
+       seed=st.integers(0, 2**16))
+def test_indexer_topk_matches_the_loop_on_any_layout_and_pads_padding_rows(rows, block_size, pad_rows, topk, seed):
+    query_lens, cached_lens = zip(*rows)
+    batch = DSABatch(list(query_lens), list(cached_lens), block_size=block_size, topk=topk, seed=seed,
+                     pad_rows_to=len(rows) + pad_rows)
+    got = ops.indexer_topk(*batch.topk_args(), topk=topk, scale=batch.index_scale)
+    assert_keeps_the_top_scores(batch, got)
+    num_real = sum(query_lens)
+    assert (got[num_real:] == -1).all()
+
+
+def test_indexer_topk_writes_out_and_serves_on_torch_only():
+    batch = DSABatch([2, 1], [3, 6], seed=5)
+    out = torch.full((3, batch.topk), 99, dtype=torch.int32)
+    with trace_backends() as calls:
+        result = ops.indexer_topk(*batch.topk_args(), topk=batch.topk, scale=batch.index_scale, out=out)
+    assert result is out and not (out == 99).any() and calls == [("indexer_topk", "torch")]
+    with pytest.raises(BackendUnavailable, match="no triton implementation"):
+        ops.indexer_topk(*batch.topk_args(), topk=batch.topk, scale=batch.index_scale, backend="triton")
+    with pytest.raises(ValueError, match="out must have shape"):
+        ops.indexer_topk(*batch.topk_args(), topk=batch.topk, scale=batch.index_scale,
+                         out=torch.empty(3, batch.topk + 1, dtype=torch.int32))
+
+
+# ---- sparse attention ---------------------------------------------------------------------------------------------
+
+def random_selection(batch: DSABatch, topk: int, seed: int) -> tuple[torch.Tensor, dict[int, set[int]]]:
+    """int32 [T, topk]: each query's random subset of its visible positions (shuffled, -1 padded)."""
+    g = torch.Generator().manual_seed(seed)
+    indices = torch.full((batch.layout.num_tokens, topk), -1, dtype=torch.int32)
+    chosen = {}
+    for t, _, pos in batch.queries():
+        picks = torch.randperm(pos + 1, generator=g)[:topk]
+        indices[t, :picks.numel()] = picks.to(torch.int32)
+        chosen[t] = set(picks.tolist())
+    return indices, chosen
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_sparse_attention_equals_a_float64_loop_over_the_selected_keys_only(layout):
+    query_lens, cached_lens = LAYOUTS[layout]
+    batch = DSABatch(query_lens, cached_lens, block_size=4, seed=2)
+    indices, chosen = random_selection(batch, 3, seed=2)
+    got = ops.mla_sparse_attention(*batch.args()[:5], indices, *batch.args()[5:], scale=batch.scale)
+    torch.testing.assert_close(got.double(), naive_sparse_mla(batch, chosen), **FP32_TOL)
+    dense = ops.mla_decode_attention(*batch.args(), scale=batch.scale)
+    assert not torch.allclose(got, dense, atol=1e-3)  # the selection matters
+
+
+@settings(max_examples=20, deadline=None)
+@given(rows=st.lists(st.tuples(st.integers(1, 9), st.integers(0, 20)), min_size=1, max_size=4),
+       block_size=st.sampled_from([1, 4, 16]), pad_rows=st.integers(0, 2), seed=st.integers(0, 2**16))
+def test_sparse_attention_with_every_visible_position_selected_equals_dense_mla(rows, block_size, pad_rows, seed):
+    query_lens, cached_lens = zip(*rows)
+    batch = DSABatch(list(query_lens), list(cached_lens), block_size=block_size, seed=seed,
+                     pad_rows_to=len(rows) + pad_rows)
+    topk = max(batch.context) + 3   # >= every context: the indexer keeps everything
+    indices = ops.indexer_topk(*batch.topk_args(), topk=topk, scale=batch.index_scale)
+    sparse = ops.mla_sparse_attention(*batch.args()[:5], indices, *batch.args()[5:], scale=batch.scale)
+    dense = ops.mla_decode_attention(*batch.args(), scale=batch.scale)
+    assert torch.isfinite(sparse).all()  # no NaN slot was read
+    torch.testing.assert_close(sparse, dense, **FP32_TOL)
+    num_real = sum(query_lens)
+    assert torch.equal(sparse[num_real:], torch.zeros_like(sparse[num_real:]))  # padding rows: zeros
+
+
+def test_sparse_attention_reads_an_fp8_pool_as_row_times_kv_scale():
+    fp8 = DSABatch([2, 1], [5, 8], block_size=4, seed=4, fp8=True)
+    dequantised = DSABatch([2, 1], [5, 8], block_size=4, seed=4)
+    dequantised.cache = fp8.cache.float() * fp8.kv_scale
+    indices, _ = random_selection(fp8, 3, seed=4)
+    got = ops.mla_sparse_attention(*fp8.args()[:5], indices, *fp8.args()[5:], scale=fp8.scale,
+                                   kv_scale=fp8.kv_scale)
+    want = ops.mla_sparse_attention(*dequantised.args()[:5], indices, *dequantised.args()[5:], scale=fp8.scale)
+    torch.testing.assert_close(got, want, **FP32_TOL)
+
+
+def test_custom_ops_are_registered_under_torch_ops_atom_core():
+    batch = DSABatch([2], [3], seed=6)
+    lay = batch.layout
+    out = torch.empty(2, batch.topk, dtype=torch.int32)
+    torch.ops.atom_core.indexer_topk(*batch.topk_args(), batch.topk, batch.index_scale, out, None)
+    assert torch.equal(out, twin.indexer_topk(*batch.topk_args(), topk=batch.topk, scale=batch.index_scale))
+    attn = torch.empty(2, 3, 10)
+    torch.ops.atom_core.mla_sparse_attention(batch.q_nope, batch.q_pe, batch.cache, batch.w_uk, batch.w_uv, out,
+                                             lay.block_tables, lay.cu_seqlens_q, lay.context_lens, lay.max_seqlen_q,
+                                             lay.max_seqlen_k, batch.scale, None, attn, None)
+    torch.testing.assert_close(attn, twin.mla_sparse_attention(*batch.args()[:5], out, *batch.args()[5:],
+                                                               scale=batch.scale), **FP32_TOL)
+    assert hasattr(torch.ops.atom_core, "store_indexer_k_")
+
+
+@pytest.mark.parametrize("bad, message", [(5, "may select -1 or a position in \\[0, 4\\]"),
+                                          (-2, "may select -1"), ("repeat", "more than once")])
+def test_debug_checks_refuse_a_selected_position_outside_the_causal_window_or_repeated(bad, message):
+    batch = DSABatch([1], [4], seed=7)   # one decode query at position 4
+    indices = torch.tensor([[0, 1, 2, -1]], dtype=torch.int32)
+    indices[0, 3] = 1 if bad == "repeat" else bad
+    with ops.debug_checks(), pytest.raises(ValueError, match=message):
+        ops.mla_sparse_attention(*batch.args()[:5], indices, *batch.args()[5:], scale=batch.scale)
+
+
+def test_debug_checks_name_indexer_weights_of_the_wrong_shape():
+    batch = DSABatch([2], [3], seed=8)
+    args = list(batch.topk_args())
+    args[1] = args[1][:, :2]
+    with ops.debug_checks(), pytest.raises(ValueError, match="weights must have shape"):
+        ops.indexer_topk(*args, topk=batch.topk, scale=batch.index_scale)
+
+
+# ---- nominal calls for tests/ops/test_dispatch_cache.py (``ARGS.update(DSA_DISPATCH_ARGS)``) -------------------------
+
+def _store_indexer_k_dispatch_args(c):
+    """A ``store_indexer_k_`` call built feature by feature by test_dispatch_cache's ``Call``."""
+    tokens, dtype = c.vary(3, 1), c.vary(torch.bfloat16, torch.float16, torch.float32)
+    return (c.tensor(tokens, 16, dtype=dtype), c.tensor(4, c.vary(8, 1, 64), 16, dtype=dtype),
+            c.tensor(tokens, dtype=torch.int64))
+
+
+def _layout_dispatch_args(c, rows):
+    return (c.tensor(rows, 3, dtype=torch.int32), c.tensor(rows + 1, dtype=torch.int32),
+            c.tensor(rows, dtype=torch.int32))
+
+
+def _indexer_topk_dispatch_args(c):
+    rows, max_seqlen_q = c.vary(3, 1), c.vary(1, 4)
+    dtype, heads, topk = c.vary(torch.bfloat16, torch.float16, torch.float32), c.vary(4, 64), c.vary(8, 2048)
+    tokens = rows * max_seqlen_q
+    q, weights = c.tensor(tokens, heads, 32, dtype=dtype), c.tensor(tokens, heads)
+    cache = c.tensor(6, c.vary(16, 1, 64), 32, dtype=dtype)
+    return (q, weights, cache, *_layout_dispatch_args(c, rows), max_seqlen_q, c.vary(40, 8), topk, 32 ** -0.5,
+            c.tensor(tokens, topk, dtype=torch.int32))
+
+
+def _mla_sparse_dispatch_args(c):
+    rows, max_seqlen_q = c.vary(3, 1), c.vary(1, 4)
+    dtype, heads = c.vary(torch.bfloat16, torch.float16, torch.float32), c.vary(4, 16)
+    tokens = rows * max_seqlen_q
+    q_nope, q_pe = c.tensor(tokens, heads, 32, dtype=dtype), c.tensor(tokens, heads, 16, dtype=dtype)
+    cache = c.tensor(6, c.vary(16, 1, 64), 80, dtype=c.vary(dtype, torch.float8_e4m3fn))
+    w_uk, w_uv = c.tensor(heads, 32, 64, dtype=dtype), c.tensor(heads, 24, 64, dtype=dtype)
+    topk_indices = c.tensor(tokens, c.vary(8, 2048), dtype=torch.int32)
+    return (q_nope, q_pe, cache, w_uk, w_uv, topk_indices, *_layout_dispatch_args(c, rows), max_seqlen_q,
+            c.vary(40, 8), 0.1, c.maybe(False, lambda: c.tensor(1)), c.tensor(tokens, heads, 24, dtype=dtype))
+
+
+DSA_DISPATCH_ARGS = {
+    "store_indexer_k_": _store_indexer_k_dispatch_args,
+    "indexer_topk": _indexer_topk_dispatch_args,
+    "mla_sparse_attention": _mla_sparse_dispatch_args,
+}
+
+
+# ---- the selftest's cases (atom_core.ops.selftest_cases_dsa) ---------------------------------------------------------
+
+def test_selftest_cases_pass_on_the_twins_and_the_top_k_check_refuses_a_wrong_choice():
+    from atom_core.ops.selftest_cases_dsa import dsa_cases
+
+    cases = dsa_cases("quick", "cpu")
+    assert {c.op for c in cases} == {"store_indexer_k_", "indexer_topk", "mla_sparse_attention"}
+    for case in cases:
+        want = case.run("torch")
+        assert case.check(case.run("torch"), want) is None, f"{case.op} {case.label}"
+    topk_case = next(c for c in cases if c.op == "indexer_topk")
+    (want,) = topk_case.run("torch")
+    lowest = want.clone()
+    lowest[:, 0] = torch.where(want[:, -1] >= 0, want[:, -1], want[:, 0])  # a repeat where the row is full
+    assert "keeps" in topk_case.check((lowest,), (want,))
+    shifted = torch.where(want > 0, want - 1, want)  # plausible positions, wrong choice
+    assert topk_case.check((shifted,), (want,)) is not None
