@@ -78,7 +78,9 @@ def atom_core_throughput(cfg: dict, prompts, output_lens, *, runs: int = 1, labe
         _sync()
         elapsed = time.perf_counter() - t0
         tokens = sum(len(o.token_ids) for o in outs)
-        rows.append({"system": label + (" (eager)" if engine_args.get("enforce_eager") else ""),
+        kv = engine_args.get("kv_cache_dtype", "auto")
+        rows.append({"system": label + (" (eager)" if engine_args.get("enforce_eager") else "")
+                     + ("" if kv == "auto" else f" (KV {kv})"),
                      "run": f"generate #{run + 1}", "seqs": len(prompts), "output_tokens": tokens,
                      "seconds": elapsed, "tok_per_s": tokens / elapsed, "preemptions": engine.num_preemptions,
                      "construct_s": construct_s if run == 0 else None})
@@ -94,7 +96,8 @@ def _in_fresh_process(args, triton_cache: str, label: str) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
         cmd = [sys.executable, "-m", "benchmarks.engine", "--section", "atom-core-runs", "--model", args.model,
-               "--num-seqs", str(args.num_seqs), "--label", label, "--json", out]
+               "--num-seqs", str(args.num_seqs), "--label", label, "--kv-cache-dtype", args.kv_cache_dtype,
+               "--json", out]
         subprocess.run(cmd, check=True, env={**os.environ, "TRITON_CACHE_DIR": triton_cache})
         with open(out) as f:
             data = json.load(f)
@@ -106,7 +109,8 @@ def section_atom_core_runs(args) -> list[dict]:
     cfg = load_config(args.model)
     prompts, output_lens = nano_vllm_workload(num_seqs=args.num_seqs)
     label = args.label or "atom_core"
-    return atom_core_throughput(cfg, prompts, output_lens, runs=2, label=label, gpu_memory_utilization=0.9)
+    return atom_core_throughput(cfg, prompts, output_lens, runs=2, label=label, gpu_memory_utilization=0.9,
+                                kv_cache_dtype=args.kv_cache_dtype)
 
 
 def hf_throughput(hf_model, prompts, output_lens, mode: str) -> dict:
@@ -166,6 +170,31 @@ def build_hf_model(cfg: dict):
     return model
 
 
+def _against_hf(args, cfg, hf_prompts, hf_lens) -> list[dict]:
+    """atom_core on the subset HF runs, then HF's paths on it (time-boxed); the subset row gets
+    ``vs_best_hf``."""
+    rows = atom_core_throughput(cfg, hf_prompts, hf_lens, gpu_memory_utilization=0.9,
+                                kv_cache_dtype=args.kv_cache_dtype)
+    hf_model = build_hf_model(cfg)
+    for mode in ("generate_static", "generate_batch"):
+        signal.alarm(args.hf_timeout)  # time-boxed: a path slower than this is reported as such
+        try:
+            r = hf_throughput(hf_model, hf_prompts, hf_lens, mode)
+        except Exception as e:  # an HF path missing in this version (or too slow) is reported, not fatal
+            r = {"system": f"HF transformers {mode}", "error": f"{type(e).__name__}: {e}"[:200]}
+        finally:
+            signal.alarm(0)
+        print(r, flush=True)
+        rows.append(r)
+    del hf_model
+    gc.collect()
+    torch.cuda.empty_cache()
+    best_hf = max((r.get("tok_per_s", 0) for r in rows[1:]), default=0)
+    if best_hf:
+        rows[0]["vs_best_hf"] = rows[0]["tok_per_s"] / best_hf
+    return rows
+
+
 def section_throughput(args) -> list[dict]:
     """atom_core on the whole workload in a fresh process with an empty Triton cache (cold: the
     engine's construction compiles every kernel; its first ``generate`` is the cold figure, its
@@ -181,26 +210,8 @@ def section_throughput(args) -> list[dict]:
     with tempfile.TemporaryDirectory() as cache:
         rows = _in_fresh_process(args, cache, "atom_core, empty Triton cache")
         rows += _in_fresh_process(args, cache, "atom_core, Triton cache filled")
-    rows += atom_core_throughput(cfg, hf_prompts, hf_lens, gpu_memory_utilization=0.9)
-    hf_model = build_hf_model(cfg)
-    for mode in ("generate_static", "generate_batch"):
-        signal.alarm(args.hf_timeout)  # time-boxed: a path slower than this is reported as such
-        try:
-            r = hf_throughput(hf_model, hf_prompts, hf_lens, mode)
-        except Exception as e:  # an HF path missing in this version (or too slow) is reported, not fatal
-            r = {"system": f"HF transformers {mode}", "error": f"{type(e).__name__}: {e}"[:200]}
-        finally:
-            signal.alarm(0)
-        print(r, flush=True)
-        rows.append(r)
-    del hf_model
-    gc.collect()
-    torch.cuda.empty_cache()
-    hf_rows = [r for r in rows if r["system"].startswith("HF")]
-    best_hf = max((r.get("tok_per_s", 0) for r in hf_rows), default=0)
-    subset = rows[len(rows) - len(hf_rows) - 1]
-    if best_hf:
-        subset["vs_best_hf"] = subset["tok_per_s"] / best_hf
+    if hf_prompts:  # --hf-seqs 0: atom_core alone (e.g. to compare KV pool dtypes run by run)
+        rows += _against_hf(args, cfg, hf_prompts, hf_lens)
     cold_first, cold_second = rows[0]["tok_per_s"], rows[1]["tok_per_s"]
     rows[0]["vs_warm"] = cold_first / cold_second
     for r in rows:
@@ -467,6 +478,7 @@ def main():
     parser.add_argument("--section", choices=["throughput", "atom-core-runs", "latency", "ttft", "host", "profile"],
                         required=True)
     parser.add_argument("--label", default=None, help="system name in the rows of --section atom-core-runs")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="the engine's KV pool: auto (the model's dtype) or fp8")
     parser.add_argument("--model", default="qwen3-0.6b")
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--hf-seqs", type=int, default=64, help="sequences of the workload HF runs (it is slow)")

@@ -25,5 +25,7 @@ TRITON_CACHE_DIR="$out/triton_cache_tests" timeout 120 python -m pytest tests/en
 run engine_throughput 240 benchmarks.engine --section throughput --hf-seqs 64 --hf-timeout 80 --json "$out/engine_throughput.json"
 run engine_latency 110 benchmarks.engine --section latency --json "$out/engine_latency.json"
 run engine_ttft 90 benchmarks.engine --section ttft --json "$out/engine_ttft.json"
+run engine_throughput_fp8_kv 200 benchmarks.engine --section throughput --kv-cache-dtype fp8 --hf-seqs 0 --json "$out/engine_throughput_fp8_kv.json"
+run ops_scaled_mm 150 benchmarks.ops_scaled_mm --json "$out/ops_scaled_mm.json"
 run ops_attention 130 benchmarks.ops_attention --sdpa-only --json "$out/ops_attention.json"
 run ops_elementwise 70 benchmarks.ops_elementwise --json "$out/ops_elementwise.json"
