@@ -36,12 +36,15 @@ Checkpoint names are HF's (``self_attn.{q_proj | q_a_proj, q_a_layernorm, q_b_pr
 ``self_attn.{kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj}``, ``mlp.experts.{e}.*``,
 ``mlp.shared_experts.*``, ``mlp.gate.{weight, e_score_correction_bias}``); gate/up fuse into
 ``gate_up_proj`` and the experts stack (``expert_params_mapping``). The multi-token-prediction layers
-after ``num_hidden_layers`` (``num_nextn_predict_layers``) are skipped by the loader.
+after ``num_hidden_layers`` (``num_nextn_predict_layers``) are skipped by the loader; ``models.mtp.load_mtp_module``
+loads them into a draft module.
 
 **KV pool contract** (what a runner allocates): ``kv_cache_spec(dtype)`` is ``KVCacheSpec.mla(num_layers,
 L, R, dtype)``; per layer ONE tensor ``[num_blocks, block_size, L + R]`` of ``dtype`` (model dtype, or
 float8_e4m3fn), bound with ``bind_kv_cache([(latent,), ...])`` or, for fp8, ``[(latent, kv_scale), ...]``
 (fp32 [1]); ``kv_cache_scales()`` gives ``[(checkpoint scale or None,), ...]``, one per layer.
+``extra_kv_cache_specs()`` names the caches besides it (none here; DSA's indexer keys in
+``models.deepseek_v32``), bound with ``bind_extra_kv_caches``.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ from atom_core import ops
 from atom_core.cache.pool_sizing import KVCacheSpec
 from atom_core.models.base import CausalLM, PreNormDecoderLayer
 from atom_core.models.config import ModelConfig
-from atom_core.models.layers.mla import MLAPagedAttention, MultiHeadLatentAttention
+from atom_core.models.layers.mla import LightningIndexer, MLAPagedAttention, MultiHeadLatentAttention
 from atom_core.models.layers.mlp import GatedMLP
 from atom_core.models.layers.moe import FusedMoE, expert_params_mapping, moe_ranks
 from atom_core.models.layers.norm import RMSNorm
@@ -162,6 +165,7 @@ class DeepseekV2ForCausalLM(CausalLM):
                                                     config.rope_scaling)
         super().__init__(config, **kwargs)
         self._mla_layers = [m for m in self.model.layers.modules() if isinstance(m, MLAPagedAttention)]
+        self._indexers = [m for m in self.model.layers.modules() if isinstance(m, LightningIndexer)]
         self.expert_params_mapping = expert_params_mapping(self.num_experts) if self.num_experts else []
 
     def rope_is_neox(self) -> bool:
@@ -170,6 +174,8 @@ class DeepseekV2ForCausalLM(CausalLM):
 
     def mla_rotary_embedding(self) -> RotaryEmbedding:
         """The rotary embedding of the R rope dims, built once and shared by every layer."""
+        if not hasattr(self, "_rotary"):  # after the build (an MTP block): the table the layers share
+            return self.model.layers[0].self_attn.rotary_emb
         key = (self.qk_rope_head_dim, "mla")
         if key not in self._rotary:
             config = self.config
@@ -185,15 +191,21 @@ class DeepseekV2ForCausalLM(CausalLM):
         return (self.num_experts > 0 and layer_idx >= config_int(config, "first_k_dense_replace", default=0)
                 and layer_idx % config_int(config, "moe_layer_freq", default=1) == 0)
 
-    def make_layer(self, layer_idx: int) -> nn.Module:
+    def make_attention(self, layer_idx: int, **dsa) -> MultiHeadLatentAttention:
+        """Layer ``layer_idx``'s MLA block; ``dsa``: a DSA model's ``indexer`` / ``topk_share`` for it."""
         config = self.config
-        tp = {"tp_rank": self.tp_rank, "tp_size": self.tp_size, "dtype": self.dtype}
-        self_attn = MultiHeadLatentAttention(
+        return MultiHeadLatentAttention(
             config.hidden_size, config.num_attention_heads, q_lora_rank=self.q_lora_rank,
             kv_lora_rank=self.kv_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,
             qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim,
             rotary_emb=self.mla_rotary_embedding(), scale=self.softmax_scale, rms_norm_eps=config.rms_norm_eps,
-            bias=config.attention_bias, **tp)
+            bias=config.attention_bias, tp_rank=self.tp_rank, tp_size=self.tp_size, dtype=self.dtype, **dsa)
+
+    def make_layer(self, layer_idx: int) -> nn.Module:
+        """Decoder layer ``layer_idx`` (also past ``num_hidden_layers``: the MTP blocks, ``models.mtp``)."""
+        config = self.config
+        tp = {"tp_rank": self.tp_rank, "tp_size": self.tp_size, "dtype": self.dtype}
+        self_attn = self.make_attention(layer_idx)
         if self.is_sparse_layer(layer_idx):
             mlp = DeepseekMoE(config, topk_method=self.topk_method, scoring=self.scoring,
                               renormalize=self.renormalize, expert_parallel=self.expert_parallel, **tp)
@@ -234,6 +246,38 @@ class DeepseekV2ForCausalLM(CausalLM):
                                  f"latent row per token, no separate K and V")
             attn.bind_kv_cache(entry[0], entry[1] if len(entry) == 2 else None)
         self.bound_kv_caches = kv_caches
+
+    # ---- caches besides the latent pool (DSA's indexer keys) -------------------------------------------------------
+
+    def extra_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
+        """The per-token caches a runner allocates besides ``kv_cache_spec()``'s, by name; empty for V2/V3.
+
+        DSA models: ``{"indexer": spec}``, one ``[num_blocks, block_size, index_head_dim]`` tensor per layer
+        with an indexer (``spec.kv_shape(NB, BS)``, in the model's dtype whatever the latent pool's), over the
+        SAME num_blocks and block_size as the latent pool: each token's key goes to the slot its latent row
+        goes to (same block tables, same slot_mapping). A runner budgets ``kv_cache_spec().bytes_per_token +
+        sum(spec.bytes_per_token for spec in extra_kv_cache_specs().values())`` per token.
+        """
+        if not self._indexers:
+            return {}
+        return {"indexer": KVCacheSpec.mla(num_layers=len(self._indexers), kv_lora_rank=self._indexers[0].head_dim,
+                                           qk_rope_head_dim=0, dtype=self.dtype)}
+
+    def bind_extra_kv_caches(self, caches: dict[str, list[torch.Tensor]]) -> None:
+        """Bind what ``extra_kv_cache_specs()`` asked for: ``caches[name]`` holds one tensor per layer of that
+        cache, in layer order (``{"indexer": [k_idx_cache_of_indexer_layer_0, ...]}``). ``bound_extra_kv_caches``
+        is that dict."""
+        wanted = self.extra_kv_cache_specs()
+        if set(caches) != set(wanted):
+            raise ValueError(f"extra caches must be exactly {sorted(wanted)}, got {sorted(caches)}")
+        if wanted:
+            tensors = list(caches["indexer"])
+            if len(tensors) != len(self._indexers):
+                raise ValueError(f"caches['indexer'] has {len(tensors)} tensors, the model has {len(self._indexers)} "
+                                 f"indexer layers")
+            for indexer, cache in zip(self._indexers, tensors):
+                indexer.bind_kv_cache(cache)
+        self.bound_extra_kv_caches = caches
 
 
 @register_model("DeepseekV3ForCausalLM")

@@ -21,6 +21,8 @@ MODEL_MODULES: dict[str, str] = {
     "GptOssForCausalLM": "atom_core.models.gpt_oss:GptOssForCausalLM",
     "DeepseekV2ForCausalLM": "atom_core.models.deepseek_v2:DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM": "atom_core.models.deepseek_v2:DeepseekV3ForCausalLM",  # also Kimi-K2 (kimi_k2)
+    "DeepseekV32ForCausalLM": "atom_core.models.deepseek_v32:DeepseekV32ForCausalLM",
+    "GlmMoeDsaForCausalLM": "atom_core.models.deepseek_v32:GlmMoeDsaForCausalLM",  # GLM-5, GLM-5.1
 }
 
 _registered: dict[str, type] = {}

@@ -146,6 +146,9 @@ class ShuffledKVPool:
     each, or for an MLA model (``spec.is_mla``) one latent tensor ``[NB, BS, L + R]`` per layer, as
     ``model.kv_cache_spec()`` asks (``kv_caches[i]`` is then ``(k, v)`` or ``(latent,)``).
 
+    A model with ``extra_kv_cache_specs()`` (DSA's indexer keys) gets those too, over the same blocks:
+    ``extra_kv_caches[name]`` is one tensor per layer of that cache, bound with ``bind_extra_kv_caches``.
+
     Every slot starts as 100 * N(0, 1): finite, so masked-out slots multiply to exact zeros,
     but large enough that attending to a slot nothing wrote wrecks the output.
     """
@@ -161,6 +164,12 @@ class ShuffledKVPool:
                   for _ in range(spec.num_kv_tensors_per_layer))
             for _ in range(spec.num_layers)
         ]
+        extra_specs = getattr(model, "extra_kv_cache_specs", dict)()
+        self.extra_kv_caches = {
+            name: [(100.0 * torch.randn(extra.kv_shape(num_blocks, block_size), generator=gen)).to(
+                device=device, dtype=extra.dtype) for _ in range(extra.num_layers)]
+            for name, extra in extra_specs.items()
+        }
         order = list(range(num_blocks))
         random.Random(seed).shuffle(order)
         self._free = order
@@ -191,6 +200,8 @@ class PagedRunner:
         self.device = torch.device(device)
         self.pool = ShuffledKVPool(model, num_blocks, block_size, seed=seed, device=device)
         model.bind_kv_cache(self.pool.kv_caches)
+        if self.pool.extra_kv_caches:
+            model.bind_extra_kv_caches(self.pool.extra_kv_caches)
         self.block_size = block_size
         self.seqs: dict[str, _Sequence] = {}
 

@@ -22,6 +22,19 @@ Data flow of one layer (``MultiHeadLatentAttention.forward``)::
 weight, viewed ``[H, Dn + Dv, L]``, is split into ``w_uk`` [H, Dn, L] and ``w_uv`` [H, Dv, L], which
 the attention ops either expand the cached latents with (prefill) or absorb into the query and the
 output (decode). See ``atom_core.ops.reference.mla`` for the math of both forms.
+
+**DSA** (DeepSeek-V3.2, GLM-5; ``LightningIndexer``): a layer with an indexer first picks, per query
+token, the ``index_topk`` context positions of highest index score, then attends over those only::
+
+    q_idx  = wq_b(q_resid)                               [T, Hi, Di]  q_resid = q_a_layernorm(q_a_proj(x))
+    k_idx  = k_norm(wk(x))                               [T, Di]      LayerNorm with bias: cached (own pool)
+    rope(q_idx[..., :R], k_idx[:, :R])                   half-split pairs (V3.2) or interleaved (GLM-5)
+    w      = weights_proj(x) * Hi^-1/2                   [T, Hi] fp32
+    indexer_pool[slot] = k_idx                           ops.store_indexer_k_
+    topk   = top-K positions of sum_h w relu(q_idx . k_idx) / sqrt(Di)     ops.indexer_topk   [T, K] int32
+    o      = MLA over the pool at those positions        ops.mla_sparse_attention (absorbed)
+
+A GLM-5 "shared" layer has no indexer and reuses the top-k of the last layer that ran one (``TopkShare``).
 """
 
 from __future__ import annotations
@@ -91,11 +104,13 @@ class MLAPagedAttention(nn.Module):
         return batch.max_seqlen_q <= ABSORBED_MAX_QUERY_LEN
 
     def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
-                w_uk: torch.Tensor, w_uv: torch.Tensor, batch: StepLayout) -> torch.Tensor:
+                w_uk: torch.Tensor, w_uv: torch.Tensor, batch: StepLayout,
+                topk_indices: torch.Tensor | None = None) -> torch.Tensor:
         """Store ``[kv_c, k_pe]`` at ``batch.slot_mapping`` and attend.
 
         q_nope [T, H, Dn], q_pe [T, H, R] (rotated), kv_c [T, L], k_pe [T, R] (rotated), w_uk [H, Dn, L],
-        w_uv [H, Dv, L]; returns [T, H, Dv] in q's dtype.
+        w_uv [H, Dv, L]; returns [T, H, Dv] in q's dtype. With ``topk_indices`` (int32 [T, K], DSA), each
+        query attends only to its selected positions (``ops.mla_sparse_attention``, whatever the form).
         """
         if self.mla_cache is None:
             raise RuntimeError(
@@ -103,6 +118,10 @@ class MLAPagedAttention(nn.Module):
                 "spec: one [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim] tensor per layer) and call "
                 "model.bind_kv_cache(kv_caches) before forward, even for a prefill-only step")
         ops.store_mla_(kv_c, k_pe, self.mla_cache, batch.slot_mapping, kv_scale=self.kv_scale)
+        if topk_indices is not None:
+            return ops.mla_sparse_attention(q_nope, q_pe, self.mla_cache, w_uk, w_uv, topk_indices, batch.block_tables,
+                                            batch.cu_seqlens_q, batch.context_lens, batch.max_seqlen_q,
+                                            batch.max_seqlen_k, scale=self.scale, kv_scale=self.kv_scale)
         attend = ops.mla_decode_attention if self.uses_absorbed(batch) else ops.mla_prefill_attention
         return attend(q_nope, q_pe, self.mla_cache, w_uk, w_uv, batch.block_tables, batch.cu_seqlens_q,
                       batch.context_lens, batch.max_seqlen_q, batch.max_seqlen_k, scale=self.scale,
@@ -112,6 +131,94 @@ class MLAPagedAttention(nn.Module):
         return (f"num_heads={self.num_heads}, kv_lora_rank={self.kv_lora_rank}, "
                 f"qk_rope_head_dim={self.qk_rope_head_dim}, v_head_dim={self.v_head_dim}, scale={self.scale:.6g}, "
                 f"form={self.form}, bound={self.mla_cache is not None}")
+
+
+class LayerNorm(nn.Module):
+    """``(x - mean) / sqrt(var + eps) * weight + bias`` over the last dim (``ops.layer_norm``); ``weight`` and
+    ``bias`` [D] in ``dtype`` (HF's ``nn.LayerNorm`` names), replicated."""
+
+    def __init__(self, hidden_size: int, eps: float, *, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.hidden_size, self.eps = hidden_size, float(eps)
+        dtype = dtype or torch.get_default_dtype()
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, D] -> [T, D]."""
+        return ops.layer_norm(x, self.weight, self.bias, self.eps)
+
+
+class TopkShare:
+    """The top-k of the last DSA layer that ran its indexer this step, for the GLM-5 layers that reuse it
+    (``indexer_types`` "shared"). One per model; not a module (it holds no parameters, only this step's
+    int32 [T, K] tensor)."""
+
+    def __init__(self) -> None:
+        self.indices: torch.Tensor | None = None
+
+
+class LightningIndexer(nn.Module):
+    """DSA's lightning indexer (DeepSeek-V3.2, GLM-5): scores each query token against the cached indexer keys
+    of its row and returns the ``topk`` best positions. HF's names: ``wq_b``, ``wk``, ``k_norm`` (LayerNorm
+    with bias, eps 1e-6), ``weights_proj`` (fp32, as HF keeps it). Replicated on every tensor-parallel rank
+    (each rank selects the same positions).
+
+    Args:
+        hidden_size: E. q_lora_rank: Qr (the indexer reads ``q_a_layernorm(q_a_proj(x))``).
+        num_heads: Hi (``index_n_heads``). head_dim: Di (``index_head_dim``). topk: K (``index_topk``).
+        rotary_emb: the MLA layers' rotary table over R = qk_rope_head_dim dims (the indexer rotates the first
+            R dims of its q and k with the same cos/sin, YaRN scale included, as HF does).
+        rope_is_neox: True for half-split pairs (DeepSeek-V3.2), False for interleaved (GLM-5).
+    """
+
+    def __init__(self, hidden_size: int, q_lora_rank: int, num_heads: int, head_dim: int, topk: int, *,
+                 rotary_emb: RotaryEmbedding, rope_is_neox: bool, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        if rotary_emb.rotary_dim > head_dim:
+            raise ValueError(f"index_head_dim={head_dim} must hold the {rotary_emb.rotary_dim} rope dims")
+        if topk < 1:
+            raise ValueError(f"index_topk must be >= 1, got {topk}")
+        self.num_heads, self.head_dim, self.topk = num_heads, head_dim, topk
+        self.scale = head_dim ** -0.5
+        self.rope_is_neox = rope_is_neox
+        self.wq_b = ReplicatedLinear(q_lora_rank, num_heads * head_dim, False, dtype=dtype)
+        self.wk = ReplicatedLinear(hidden_size, head_dim, False, dtype=dtype)
+        self.k_norm = LayerNorm(head_dim, 1e-6, dtype=dtype)
+        self.weights_proj = ReplicatedLinear(hidden_size, num_heads, False, dtype=torch.float32)
+        self.rotary_emb = rotary_emb
+        self.indexer_cache: torch.Tensor | None = None
+
+    def bind_kv_cache(self, indexer_cache: torch.Tensor) -> None:
+        """Attach this layer's indexer key pool ``[NB, BS, Di]`` (same blocks and slots as the latent pool)."""
+        if not isinstance(indexer_cache, torch.Tensor):
+            raise TypeError(f"indexer_cache must be a torch.Tensor, got {type(indexer_cache).__name__}")
+        if indexer_cache.dim() != 3 or indexer_cache.shape[2] != self.head_dim:
+            raise ValueError(f"indexer_cache must have shape [num_blocks, block_size, {self.head_dim}] "
+                             f"(index_head_dim), got {tuple(indexer_cache.shape)}")
+        self.indexer_cache = indexer_cache
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, q_resid: torch.Tensor,
+                batch: StepLayout) -> torch.Tensor:
+        """positions [T], hidden [T, E], q_resid [T, Qr] -> topk_indices int32 [T, K] (positions, -1 padded)."""
+        if self.indexer_cache is None:
+            raise RuntimeError(
+                "LightningIndexer: no indexer cache is bound; allocate model.extra_kv_cache_specs()['indexer'] "
+                "(one [num_blocks, block_size, index_head_dim] tensor per indexer layer, the latent pool's blocks) "
+                "and call model.bind_extra_kv_caches({'indexer': [...]}) before forward")
+        num_tokens = hidden.shape[0]
+        q = self.wq_b(q_resid).view(num_tokens, self.num_heads, self.head_dim)       # [T, Hi, Di]
+        k = self.k_norm(self.wk(hidden))                                              # [T, Di]
+        ops.apply_rope_(q, k.unsqueeze(1), positions, self.rotary_emb.cos_sin_cache, is_neox=self.rope_is_neox)
+        weights = self.weights_proj(hidden.float()) * self.num_heads ** -0.5          # [T, Hi] fp32
+        ops.store_indexer_k_(k, self.indexer_cache, batch.slot_mapping)
+        return ops.indexer_topk(q, weights, self.indexer_cache, batch.block_tables, batch.cu_seqlens_q,
+                                batch.context_lens, batch.max_seqlen_q, batch.max_seqlen_k, topk=self.topk,
+                                scale=self.scale)
+
+    def extra_repr(self) -> str:
+        return (f"num_heads={self.num_heads}, head_dim={self.head_dim}, topk={self.topk}, "
+                f"rope_is_neox={self.rope_is_neox}, bound={self.indexer_cache is not None}")
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -125,6 +232,9 @@ class MultiHeadLatentAttention(nn.Module):
         scale: softmax scale (``ops.yarn_softmax_scale(Dn + R, rope_scaling)``).
         rms_norm_eps: of ``q_a_layernorm`` / ``kv_a_layernorm``.
         bias: ``attention_bias`` (on q_a_proj, kv_a_proj_with_mqa and o_proj, as in transformers).
+        indexer: a ``LightningIndexer`` (DSA layers: attention over its top-k positions only), or None.
+        topk_share: DSA only: the model's ``TopkShare``. A layer with an indexer writes its top-k there; a layer
+            without one (GLM-5 "shared") reads the last one written instead of attending densely.
 
     Tensor parallelism splits the heads: ``q_proj`` / ``q_b_proj`` / ``kv_b_proj`` are column-parallel
     (their rows are head-major), ``o_proj`` row-parallel; the low-rank ``q_a_proj`` and
@@ -134,9 +244,12 @@ class MultiHeadLatentAttention(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, *, q_lora_rank: int | None, kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, rotary_emb: RotaryEmbedding,
                  scale: float, rms_norm_eps: float, bias: bool = False, dtype: torch.dtype | None = None,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
+                 tp_rank: int = 0, tp_size: int = 1, indexer: LightningIndexer | None = None,
+                 topk_share: TopkShare | None = None) -> None:
         super().__init__()
         check_tp(tp_rank, tp_size)
+        if indexer is not None and q_lora_rank is None:
+            raise ValueError("a DSA indexer reads q_a_layernorm's output: it needs q_lora_rank")
         if rotary_emb.rotary_dim != qk_rope_head_dim:
             raise ValueError(f"rotary_emb turns {rotary_emb.rotary_dim} dims, qk_rope_head_dim is {qk_rope_head_dim}")
         self.num_heads = divide(num_heads, tp_size, what="num_attention_heads")  # H on this rank
@@ -159,6 +272,8 @@ class MultiHeadLatentAttention(nn.Module):
         self.o_proj = RowParallelLinear(num_heads * v_head_dim, hidden_size, bias, **tp)
         self.rotary_emb = rotary_emb
         self.attn = MLAPagedAttention(self.num_heads, kv_lora_rank, qk_rope_head_dim, v_head_dim, scale=scale)
+        self.indexer = indexer
+        self.topk_share = topk_share
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(w_uk [H, Dn, L], w_uv [H, Dv, L]): views of this rank's ``kv_b_proj.weight`` (no copy)."""
@@ -171,13 +286,23 @@ class MultiHeadLatentAttention(nn.Module):
         if self.q_lora_rank is None:
             q = self.q_proj(hidden)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+            q_resid = self.q_a_layernorm(self.q_a_proj(hidden))                          # [T, Qr]
+            q = self.q_b_proj(q_resid)
         q = q.view(num_tokens, self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim)
         q_nope, q_pe = q[..., :self.qk_nope_head_dim], q[..., self.qk_nope_head_dim:]   # views
         kv_a = self.kv_a_proj_with_mqa(hidden)                                          # [T, L + R]
         kv_c = self.kv_a_layernorm(kv_a[:, :self.kv_lora_rank])                          # [T, L]
         k_pe = kv_a[:, self.kv_lora_rank:]                                               # [T, R] view
         self.rotary_emb(positions, q_pe, k_pe.unsqueeze(1))                              # in place
+        topk_indices = None
+        if self.indexer is not None:
+            topk_indices = self.indexer(positions, hidden, q_resid, batch)               # [T, K] int32
+            if self.topk_share is not None:
+                self.topk_share.indices = topk_indices
+        elif self.topk_share is not None:
+            topk_indices = self.topk_share.indices
+            if topk_indices is None or topk_indices.shape[0] != num_tokens:
+                raise RuntimeError("a DSA layer that shares top-k ran before any layer with an indexer this step")
         w_uk, w_uv = self.absorbed_weights()
-        out = self.attn(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, batch)                    # [T, H, Dv]
+        out = self.attn(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, batch, topk_indices)      # [T, H, Dv]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_head_dim))
