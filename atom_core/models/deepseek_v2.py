@@ -54,10 +54,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from atom_core import ops
-from atom_core.cache.pool_sizing import KVCacheSpec
 from atom_core.models.base import CausalLM, PreNormDecoderLayer
 from atom_core.models.config import ModelConfig
-from atom_core.models.layers.mla import LightningIndexer, MLAPagedAttention, MultiHeadLatentAttention
+from atom_core.models.layers.mla import LightningIndexer, MLACaches, MLAPagedAttention, MultiHeadLatentAttention
 from atom_core.models.layers.mlp import GatedMLP
 from atom_core.models.layers.moe import FusedMoE, expert_params_mapping, moe_ranks
 from atom_core.models.layers.norm import RMSNorm
@@ -130,7 +129,7 @@ class DeepseekMoE(nn.Module):
 
 
 @register_model("DeepseekV2ForCausalLM")
-class DeepseekV2ForCausalLM(CausalLM):
+class DeepseekV2ForCausalLM(MLACaches, CausalLM):
     """DeepSeek-V2 and V2-Lite (and their Chat versions)."""
 
     model_types: tuple[str, ...] = ("deepseek_v2",)
@@ -217,67 +216,6 @@ class DeepseekV2ForCausalLM(CausalLM):
             input_layernorm=RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=self.dtype),
             post_attention_layernorm=RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=self.dtype),
         )
-
-    # ---- the MLA pool -------------------------------------------------------------------------------------------
-
-    def kv_cache_spec(self, dtype: torch.dtype | None = None) -> KVCacheSpec:
-        """One latent row of L + R per token per layer, no V (``KVCacheSpec.mla``), in ``dtype`` (default: the
-        model's; ``torch.float8_e4m3fn`` for an fp8 pool)."""
-        return KVCacheSpec.mla(num_layers=len(self._mla_layers), kv_lora_rank=self.kv_lora_rank,
-                               qk_rope_head_dim=self.qk_rope_head_dim, dtype=dtype or self.dtype)
-
-    def kv_cache_scales(self) -> list[tuple[torch.Tensor | None]]:
-        """Per layer ``(kv_scale,)``: the checkpoint's fp8 scale of the latent cache (fp32 [1]), or None (an fp8
-        pool then uses 1.0)."""
-        return [(attn.checkpoint_kv_scale,) for attn in self._mla_layers]
-
-    def bind_kv_cache(self, kv_caches: list) -> None:
-        """Give each layer its latent pool: ``kv_caches[i]`` is ``(latent_cache,)`` (or the bare tensor) of shape
-        ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]``, or ``(latent_cache, kv_scale)`` for a
-        float8_e4m3fn pool (fp32 [1]); one entry per layer in order. ``bound_kv_caches`` is that list."""
-        if len(kv_caches) != len(self._mla_layers):
-            raise ValueError(f"kv_caches has {len(kv_caches)} entries, the model has {len(self._mla_layers)} "
-                             f"MLA layers")
-        for i, (attn, entry) in enumerate(zip(self._mla_layers, kv_caches)):
-            if isinstance(entry, torch.Tensor):
-                entry = (entry,)
-            if not isinstance(entry, (tuple, list)) or len(entry) not in (1, 2):
-                raise ValueError(f"kv_caches[{i}] must be (latent_cache,) or (latent_cache, kv_scale): MLA caches one "
-                                 f"latent row per token, no separate K and V")
-            attn.bind_kv_cache(entry[0], entry[1] if len(entry) == 2 else None)
-        self.bound_kv_caches = kv_caches
-
-    # ---- caches besides the latent pool (DSA's indexer keys) -------------------------------------------------------
-
-    def extra_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
-        """The per-token caches a runner allocates besides ``kv_cache_spec()``'s, by name; empty for V2/V3.
-
-        DSA models: ``{"indexer": spec}``, one ``[num_blocks, block_size, index_head_dim]`` tensor per layer
-        with an indexer (``spec.kv_shape(NB, BS)``, in the model's dtype whatever the latent pool's), over the
-        SAME num_blocks and block_size as the latent pool: each token's key goes to the slot its latent row
-        goes to (same block tables, same slot_mapping). A runner budgets ``kv_cache_spec().bytes_per_token +
-        sum(spec.bytes_per_token for spec in extra_kv_cache_specs().values())`` per token.
-        """
-        if not self._indexers:
-            return {}
-        return {"indexer": KVCacheSpec.mla(num_layers=len(self._indexers), kv_lora_rank=self._indexers[0].head_dim,
-                                           qk_rope_head_dim=0, dtype=self.dtype)}
-
-    def bind_extra_kv_caches(self, caches: dict[str, list[torch.Tensor]]) -> None:
-        """Bind what ``extra_kv_cache_specs()`` asked for: ``caches[name]`` holds one tensor per layer of that
-        cache, in layer order (``{"indexer": [k_idx_cache_of_indexer_layer_0, ...]}``). ``bound_extra_kv_caches``
-        is that dict."""
-        wanted = self.extra_kv_cache_specs()
-        if set(caches) != set(wanted):
-            raise ValueError(f"extra caches must be exactly {sorted(wanted)}, got {sorted(caches)}")
-        if wanted:
-            tensors = list(caches["indexer"])
-            if len(tensors) != len(self._indexers):
-                raise ValueError(f"caches['indexer'] has {len(tensors)} tensors, the model has {len(self._indexers)} "
-                                 f"indexer layers")
-            for indexer, cache in zip(self._indexers, tensors):
-                indexer.bind_kv_cache(cache)
-        self.bound_extra_kv_caches = caches
 
 
 @register_model("DeepseekV3ForCausalLM")

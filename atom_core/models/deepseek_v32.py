@@ -96,7 +96,9 @@ class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
 
     def make_attention(self, layer_idx: int, **dsa) -> MultiHeadLatentAttention:
         indexer = self.make_indexer() if self.indexer_type(layer_idx) == "full" else None
-        return super().make_attention(layer_idx, indexer=indexer, topk_share=self.topk_share)
+        # An MTP block (past num_hidden_layers) runs in its own forward: it shares no top-k with the decoder.
+        share = self.topk_share if layer_idx < self.config.num_hidden_layers else None
+        return super().make_attention(layer_idx, indexer=indexer, topk_share=share)
 
 
 @register_model("GlmMoeDsaForCausalLM")

@@ -9,7 +9,8 @@ Name mapping, in order:
 1. ``model.checkpoint_renames(name)`` if the model defines it (returning None skips the tensor).
 2. Skipped: rotary caches of old checkpoints (``*.rotary_emb.inv_freq`` and the like), and
    ``*.layers.{i}.*`` with ``i >= config.num_hidden_layers`` (extra layers such as MTP heads)
-   unless ``load_extra_layers=True``.
+   unless ``load_extra_layers=True`` (``models.mtp.load_mtp_module`` loads DeepSeek's MTP layers that
+   way, into a draft module whose ``checkpoint_renames`` keeps only them).
 3. ``*.weight_scale_inv`` -> ``*.weight_scale`` (block-FP8 checkpoints store inverse-named scales).
 4. ``lm_head.weight`` with ``config.tie_word_embeddings`` and no separate ``lm_head.weight``
    parameter is skipped (the head shares the embedding).
