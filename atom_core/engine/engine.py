@@ -128,18 +128,24 @@ class Engine:
                            max_model_len, limit)
         self.max_model_len = max_model_len or limit
         spec = model.kv_cache_spec(kv_cache_torch_dtype(kv_cache_dtype))
+        # Caches some models keep beside the KV pool over the same blocks (DSA's indexer keys): their
+        # bytes per block come out of the same budget.
+        extra_specs = model.extra_kv_cache_specs() if hasattr(model, "extra_kv_cache_specs") else {}
+        extra_block_bytes = sum(extra.bytes_per_block(block_size) for extra in extra_specs.values())
+        share = spec.bytes_per_block(block_size) / (spec.bytes_per_block(block_size) + extra_block_bytes)
         sizing = dict(block_size=block_size, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len)
         if num_kv_blocks is not None:
             plan = plan_kv_pool(spec, num_blocks=num_kv_blocks, **sizing)
         elif self.device.type == "cpu":
-            plan = plan_kv_pool(spec, budget_bytes=self._cpu_budget(spec, block_size), **sizing)
+            plan = plan_kv_pool(spec, budget_bytes=int(self._cpu_budget(spec, block_size) * share), **sizing)
         else:
-            plan = plan_kv_pool(spec, budget_bytes=self._gpu_budget(gpu_memory_utilization, max_num_batched_tokens,
-                                                                     max_num_seqs), **sizing)
+            plan = plan_kv_pool(spec, budget_bytes=int(share * self._gpu_budget(
+                gpu_memory_utilization, max_num_batched_tokens, max_num_seqs)), **sizing)
         logger.info("KV pool: %d blocks of %d tokens (%.2f GiB)", plan.num_blocks, block_size, plan.kv_bytes / 2**30)
         if num_kv_blocks is not None:  # a pool asked for by size: refused before allocating when it cannot fit
             on_gpu = self.device.type == "cuda"
-            check_fits_in_memory(f"a KV pool of num_kv_blocks={num_kv_blocks}", plan.total_bytes,
+            check_fits_in_memory(f"a KV pool of num_kv_blocks={num_kv_blocks}",
+                                 plan.total_bytes + plan.num_blocks * extra_block_bytes,
                                  torch.cuda.mem_get_info(self.device)[0] if on_gpu else host_memory_available_bytes(),
                                  where=str(self.device) if on_gpu else "host memory",
                                  hint="ask for fewer num_kv_blocks, or leave it None to size the pool from memory")
@@ -148,7 +154,7 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
                                    stop_rule=self.stop_rule)
-        self.runner = ModelRunner(model, spec, plan, device=self.device, max_num_seqs=max_num_seqs,
+        self.runner = ModelRunner(model, spec, plan, extra_specs=extra_specs, device=self.device, max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
                                   enforce_eager=enforce_eager)
         # What a request without SamplingParams gets (from_pretrained: the checkpoint's generation_config.json).
@@ -187,6 +193,7 @@ class Engine:
         CPU_POOL_MEMORY_SHARE of the host memory available (plan_kv_pool refuses, with the numbers,
         a budget that cannot hold one request)."""
         budget = CPU_DEFAULT_POOL_SEQS * -(-self.max_model_len // block_size) * spec.bytes_per_block(block_size)
+        # (the caller takes the KV pool's share of this budget when a model keeps extra caches)
         available = host_memory_available_bytes()
         if available is not None:
             budget = min(budget, int(available * CPU_POOL_MEMORY_SHARE))

@@ -44,7 +44,8 @@ class ModelRunner:
     """Runs scheduled steps of ``model`` over a KV pool of ``plan``'s shape on ``device``."""
 
     def __init__(self, model, spec: KVCacheSpec, plan: PoolPlan, *, device, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int, enforce_eager: bool = False):
+                 max_num_batched_tokens: int, max_model_len: int, enforce_eager: bool = False,
+                 extra_specs: dict[str, KVCacheSpec] | None = None):
         self.model = model
         self.device = torch.device(device)
         self.plan = plan
@@ -54,6 +55,11 @@ class ModelRunner:
         self.kv_pool = torch.zeros((spec.num_layers, spec.num_kv_tensors_per_layer, *plan.kv_shape), dtype=spec.dtype,
                                    device=self.device)
         self._kv_caches = [tuple(self.kv_pool[i].unbind(0)) for i in range(spec.num_layers)]
+        # Extra per-token caches over the same blocks (``model.extra_kv_cache_specs()``, e.g. DSA's indexer keys).
+        self.extra_pools = {name: torch.zeros((extra.num_layers, *extra.kv_shape(plan.num_blocks, plan.block_size)),
+                                              dtype=extra.dtype, device=self.device)
+                            for name, extra in (extra_specs or {}).items()}
+        self._extra_caches = {name: list(pool.unbind(0)) for name, pool in self.extra_pools.items()}
         if spec.dtype.itemsize == 1:  # an FP8 pool: each layer's scales, the checkpoint's or 1.0
             self._kv_caches = [(*caches, *self._scales(scales)) for caches, scales
                                in zip(self._kv_caches, model.kv_cache_scales())]
@@ -83,8 +89,10 @@ class ModelRunner:
         return self.model.bound_kv_caches is self._kv_caches
 
     def bind(self) -> None:
-        """Bind this runner's pool into the model (a model serves one pool at a time)."""
+        """Bind this runner's pool (and extra caches) into the model (a model serves one pool at a time)."""
         self.model.bind_kv_cache(self._kv_caches)
+        if self.extra_pools:
+            self.model.bind_extra_kv_caches(self._extra_caches)
 
     # ------------------------------------------------------------------ one step
 

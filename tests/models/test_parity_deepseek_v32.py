@@ -29,7 +29,7 @@ pytest.importorskip("transformers")
 from atom_core import ops  # noqa: E402
 from atom_core.models.layers.mla import LightningIndexer  # noqa: E402
 from tests.models import parity_harness  # noqa: E402
-from tests.models.moe_parity import build_moe_pair, checkpoint_tensor_names  # noqa: E402
+from tests.models.moe_parity import build_moe_pair, check_engine_greedy, checkpoint_tensor_names  # noqa: E402
 from tests.models.parity_harness import (  # noqa: E402,F401  (single_thread_torch is an autouse fixture)
     HFParityChecks,
     ModelPair,
@@ -73,6 +73,9 @@ def v32_pair(tmp_path_factory) -> ModelPair:
 class TestHFParity(HFParityChecks):
     """Ragged prefill, paged decode (block sizes 1 / 4 / 16), chunked prefill and prefix resumption against HF;
     parameter names."""
+
+    def test_engine_greedy_equals_hf_generate_with_the_indexer_cache_allocated_by_the_runner(self, pair):
+        check_engine_greedy(pair, lengths=(30, 1, 17), max_tokens=6)
 
     def test_long_contexts_with_most_tokens_dropped_match_hf(self, pair, model):
         with ops.use_backend("torch"):
