@@ -15,7 +15,13 @@ import torch
 from torch import nn
 
 from atom_core.cache.pool_sizing import GIB, InsufficientMemoryError, check_fits_in_memory
-from atom_core.models.quantization import check_quantization_supported, parse_quant_config
+from atom_core.models.quantization import (
+    QuantConfig,
+    UnsupportedQuantizationError,
+    check_quantization_supported,
+    online_quant_config,
+    parse_quant_config,
+)
 from atom_core.models.config import ModelConfig, available_memory_bytes, memory_name, parse_dtype
 from atom_core.models.dummy_weights import initialize_dummy_weights, initialize_zero_weights
 from atom_core.models.loader import LoadReport, load_weights, process_weights_after_loading
@@ -138,12 +144,14 @@ def _check_fits(config: ModelConfig, dtype: torch.dtype, device: torch.device, t
 
 
 def _instantiate(config: ModelConfig, dtype: torch.dtype, device: torch.device, tp_rank: int = 0,
-                 tp_size: int = 1, expert_parallel: bool = False) -> nn.Module:
+                 tp_size: int = 1, expert_parallel: bool = False, quant_config: QuantConfig | None = None) -> nn.Module:
     _, cls = resolve_architecture(config.architectures)
     # (a single-rank build passes no parallel arguments: a registered model need not take them)
     tp = {} if (tp_rank, tp_size) == (0, 1) else {"tp_rank": tp_rank, "tp_size": tp_size}
     if expert_parallel:
         tp["expert_parallel"] = True
+    if quant_config is not None:  # (likewise: only quantized builds pass it)
+        tp["quant_config"] = quant_config
     # Parameters created without an explicit device land on `device` (no CPU detour).
     with torch.device(device):
         return cls(config, dtype=dtype, device=device, **tp)
@@ -183,20 +191,39 @@ def build_model(config: ModelConfig | dict[str, Any], *, dtype: torch.dtype | st
     return model.eval()
 
 
-def _check_quantization(config: ModelConfig, cls: type, folder: Path, load_format: str) -> None:
-    """Parse ``quantization_config`` (refusing formats no layer can serve, by name) and refuse one its
-    architecture does not load (``cls.supported_quantization``: gpt-oss's MXFP4), before any weight
-    is read. Random-weight loads ignore it."""
+def _check_quantization(config: ModelConfig, cls: type, folder: Path, load_format: str,
+                        quantization: str | None) -> QuantConfig | None:
+    """The ``QuantConfig`` the model is built with: the checkpoint's ``quantization_config`` parsed
+    (formats no layer can serve refused by name), or ``online_quant_config(quantization)`` for an
+    unquantized checkpoint; one the architecture does not load (``cls.supported_quantization``) is
+    refused, before any weight is read. Random-weight loads ignore the checkpoint's (and are built
+    unquantized)."""
+    if quantization is not None and load_format in ("dummy", "zeros"):
+        raise ValueError(f"quantization={quantization!r} quantizes checkpoint weights while loading; "
+                         f"load_format={load_format!r} reads none")
     if load_format in ("dummy", "zeros"):
-        return
+        return None
     quant = parse_quant_config(config.get("quantization_config"), source_file=folder / "config.json")
+    if quantization is not None:
+        if quant is not None:
+            raise UnsupportedQuantizationError(
+                f"{folder}: quantization={quantization!r} asks to quantize while loading, but the checkpoint is "
+                f"already quantized (quant_method={quant.quant_method!r}); leave quantization=None to load it as is")
+        quant = online_quant_config(quantization)
     if quant is not None:
         check_quantization_supported(quant, cls, source=folder)
+    return quant
+
+
+def _quantizes_dense_layers(quant_config: QuantConfig | None) -> bool:
+    """Whether some dense linear layer may hold 8-bit weights (gpt-oss's MXFP4 experts are decoded)."""
+    return quant_config is not None and quant_config.quant_method != "mxfp4"
 
 
 def load_model(path: str | Path, *, dtype: torch.dtype | str | None = None,
                device: str | torch.device | None = None, load_format: str = "auto", tp_rank: int = 0,
-               tp_size: int = 1, expert_parallel: bool = False, check_finite: bool = True) -> nn.Module:
+               tp_size: int = 1, expert_parallel: bool = False, check_finite: bool = True,
+               quantization: str | None = None) -> nn.Module:
     """Build the model described by ``path/config.json`` and load its weights.
 
     ``load_format``: ``"auto"``/``"safetensors"`` read ``path/*.safetensors`` (see
@@ -204,6 +231,14 @@ def load_model(path: str | Path, *, dtype: torch.dtype | str | None = None,
     ``tp_rank``/``tp_size``/``expert_parallel`` as in ``build_model`` (each rank keeps its shard of
     every tensor). ``check_finite``: refuse a checkpoint tensor holding NaN or Inf, naming it and its
     file (one extra read of each tensor; ``check_finite=False`` skips it for a trusted checkpoint).
+
+    A quantized checkpoint (``quantization_config`` in config.json: HF ``fp8``, ``compressed-tensors``,
+    ``quark``; see docs/models.md) is built with the linear method each layer's rule gives it and
+    loads its FP8 / INT8 tensors and scales as stored. ``quantization``: ``"fp8"`` (per-channel FP8
+    weights, dynamic per-token activations) or ``"fp8_block"`` (128 x 128 blocks, 1 x 128 activation
+    groups) quantizes an unquantized checkpoint while it loads, each tensor as it is read (the
+    unquantized model never exists on ``device``); None loads the checkpoint as it is. Quantized
+    MoE experts are refused by name (except gpt-oss's MXFP4, decoded to ``dtype``).
     Raises FileNotFoundError for a missing folder, config.json or shards, ValueError for an
     unsupported architecture or a bad file (named), and ``InsufficientMemoryError`` (before any
     module is built) when ``estimate_model_bytes`` exceeds the memory free on ``device``.
@@ -217,15 +252,17 @@ def load_model(path: str | Path, *, dtype: torch.dtype | str | None = None,
         raise FileNotFoundError(f"no config.json in model folder {folder}")
     config = ModelConfig.from_file(folder / "config.json")
     _, cls = resolve_architecture(config.architectures)  # unsupported architecture: fail before anything is built
-    _check_quantization(config, cls, folder, load_format)
+    quant_config = _check_quantization(config, cls, folder, load_format, quantization)
     if load_format in ("auto", "safetensors") and not any(folder.glob("*.safetensors")):
         raise FileNotFoundError(
             f"no *.safetensors files in {folder} (pass load_format='dummy' to build it with random weights)"
         )
     device = _default_device(device)
     dtype = _default_dtype(config, dtype, device)
-    _check_fits(config, dtype, device, tp_size, str(folder / "config.json"))
-    model = _instantiate(config, dtype, device, tp_rank, tp_size, expert_parallel)
+    # A quantized model's linear weights take one byte per element: the estimate stays a lower bound at 1.
+    _check_fits(config, torch.float8_e4m3fn if _quantizes_dense_layers(quant_config) else dtype, device, tp_size,
+                str(folder / "config.json"))
+    model = _instantiate(config, dtype, device, tp_rank, tp_size, expert_parallel, quant_config)
     if load_format in ("dummy", "zeros"):
         _initialize(model, load_format, seed=0)
     else:

@@ -6,7 +6,7 @@ wanted, L = layers.
 An architecture file supplies only its decoder layer (``CausalLM.make_layer``); this module
 provides the rest of the contract every model follows:
 
-- ``Cls(config, *, dtype, device)``;
+- ``Cls(config, *, dtype, device)`` (and ``quant_config=`` for a quantized checkpoint, see ``CausalLM``);
 - ``forward(input_ids [T] int64, positions [T] int64, batch: StepLayout) -> hidden [T, D]``
   (final norm applied);
 - ``compute_logits(hidden [N, D]) -> logits [N, V]`` float32;
@@ -32,6 +32,11 @@ from atom_core.models.layers.embedding import ParallelLMHead, VocabParallelEmbed
 from atom_core.models.layers.moe import FusedMoE
 from atom_core.models.layers.norm import RMSNorm
 from atom_core.models.layers.rotary import RotaryEmbedding
+from atom_core.models.quantization import QuantConfig, UnsupportedQuantizationError
+
+# The quant_methods whose dense linear layers have linear methods (``supported_quantization`` of the
+# architectures that thread ``quant_config`` to their layers; see ``quantization.linear_methods``).
+QUANTIZED_DENSE_FORMATS = ("fp8", "compressed-tensors", "quark")
 
 # Checkpoint module name -> (fused module in the model, shard id it fills).
 DEFAULT_PACKED_MODULES_MAPPING: dict[str, tuple[str, str | int]] = {
@@ -108,13 +113,24 @@ class CausalLM(nn.Module):
     are created. ``tp_rank``/``tp_size`` split heads, MLP and vocabulary across ranks;
     ``expert_parallel`` splits a MoE model's experts across the same ranks instead of each
     expert's intermediate dim (``layers.moe.moe_ranks``).
+
+    ``quant_config`` (a checkpoint's ``QuantConfig``, or ``online_quant_config(...)``; None: every
+    layer unquantized) is bound to the model's ``packed_modules_mapping`` / ``expert_params_mapping``
+    (a MoE subclass sets the latter before calling this ``__init__``) and kept as
+    ``self.quant_config``; ``make_layer`` passes ``self.quant_args(prefix)`` to the layer builders,
+    which give each linear layer its parameter-name prefix. Embeddings, the LM head and MoE
+    routers stay unquantized (as in vLLM; a checkpoint storing them in FP8 is refused by the
+    loader's dtype check); quantized experts are refused by name (``check_experts_unquantized``)
+    except the formats in ``decoded_expert_quantization`` (gpt-oss's MXFP4, decoded by the loader).
     """
 
     packed_modules_mapping: dict[str, tuple[str, str | int]] = DEFAULT_PACKED_MODULES_MAPPING
+    supported_quantization: tuple[str, ...] = ()      # quant_methods load_model builds this class for
+    decoded_expert_quantization: tuple[str, ...] = ()  # expert quant methods the loader decodes to the model dtype
 
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, tp_rank: int = 0, tp_size: int = 1,
-                 expert_parallel: bool = False) -> None:
+                 expert_parallel: bool = False, quant_config: QuantConfig | None = None) -> None:
         super().__init__()
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
@@ -126,6 +142,8 @@ class CausalLM(nn.Module):
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.expert_parallel = bool(expert_parallel)
+        self.quant_config = None if quant_config is None else quant_config.bind(
+            self.packed_modules_mapping, getattr(self, "expert_params_mapping", None))
         self._rotary: dict[tuple[int, str | None], RotaryEmbedding] = {}
         placement = torch.device(device) if device is not None else contextlib.nullcontext()
         with placement:
@@ -144,6 +162,29 @@ class CausalLM(nn.Module):
     def make_layer(self, layer_idx: int) -> nn.Module:
         """Layer ``layer_idx``: ``forward(positions, hidden, residual, batch) -> (hidden, residual)``."""
         raise NotImplementedError(f"{type(self).__name__} must implement make_layer")
+
+    def quant_args(self, prefix: str) -> dict:
+        """Keyword arguments giving a layer builder this model's quantization and the layer's
+        parameter-name prefix (``model.layers.{i}.self_attn``); empty for an unquantized model, so
+        builders that take no such arguments still work there."""
+        if self.quant_config is None:
+            return {}
+        return {"quant_config": self.quant_config, "prefix": prefix}
+
+    def check_experts_unquantized(self, prefix: str) -> None:
+        """Refuse, naming the layer, MoE experts (``prefix``: ``model.layers.{i}.mlp.experts``) that the
+        quantization config quantizes: the fused-MoE FP8 / MXFP4 kernels are not wired in yet. The
+        methods in ``decoded_expert_quantization`` pass (the loader decodes them to the model dtype)."""
+        if self.quant_config is None:
+            return
+        scheme = self.quant_config.scheme_for(prefix)
+        if scheme.is_quantized and scheme.method.value not in self.decoded_expert_quantization:
+            where = self.quant_config.source or "quantization_config"
+            raise UnsupportedQuantizationError(
+                f"{where}: layer {prefix!r} is quantized MoE experts ({scheme.describe()}), which "
+                f"{type(self).__name__} does not serve yet (fused-MoE FP8 kernels are not wired in); the dense "
+                "layers load quantized, experts only unquantized: use a checkpoint whose config excludes the "
+                "experts (e.g. compressed-tensors ignore 're:.*mlp.experts.*'), or an unquantised copy")
 
     def rotary_embedding(self, head_dim: int, layer_type: str | None = None) -> RotaryEmbedding:
         """The rotary embedding for heads of ``head_dim`` in layers of ``layer_type``, built once."""

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from atom_core import ops
-from atom_core.models.base import CausalLM, PreNormDecoderLayer
+from atom_core.models.base import QUANTIZED_DENSE_FORMATS, CausalLM, PreNormDecoderLayer
 from atom_core.models.config import ModelConfig
 from atom_core.models.layers.mlp import GatedMLP
 from atom_core.models.layers.moe import FusedMoE, expert_params_mapping, moe_ranks
@@ -48,9 +48,11 @@ class Glm4MoeAttention(LlamaAttention):
     """``LlamaAttention`` with q/k/v biases per ``attention_bias``, no o bias, optional q/k RMSNorm."""
 
     def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, *, sliding_window: int | None,
-                 dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1) -> None:
+                 dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1, quant_config=None,
+                 prefix: str = "") -> None:
         super().__init__(config, rotary_emb, sliding_window=sliding_window, dtype=dtype, tp_rank=tp_rank,
-                         tp_size=tp_size, qkv_bias=config.attention_bias, o_bias=False)
+                         tp_size=tp_size, qkv_bias=config.attention_bias, o_bias=False, quant_config=quant_config,
+                         prefix=prefix)
         self.use_qk_norm = bool(config.get("use_qk_norm", False))
         if self.use_qk_norm:  # weights [Dh], shared by all heads: identical on every rank
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype)
@@ -85,7 +87,7 @@ class Glm4MoeSparseBlock(nn.Module):
     """``gate`` (router) + ``experts`` (routed) + ``shared_experts`` (every token). x [T, H] -> [T, H]."""
 
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1,
-                 expert_parallel: bool = False) -> None:
+                 expert_parallel: bool = False, quant_config=None, prefix: str = "") -> None:
         super().__init__()
         num_experts = config_int(config, "n_routed_experts", "num_local_experts")
         inter = config_int(config, "moe_intermediate_size")
@@ -99,7 +101,8 @@ class Glm4MoeSparseBlock(nn.Module):
         self.experts = FusedMoE(num_experts, config.hidden_size, inter, activation="silu", dtype=dtype,
                                 **moe_ranks(tp_rank, tp_size, expert_parallel))
         num_shared = config_int(config, "n_shared_experts", default=0)
-        self.shared_experts = (GatedMLP(config.hidden_size, inter * num_shared, config.hidden_act, **tp)
+        quant = {} if quant_config is None else {"quant_config": quant_config, "prefix": f"{prefix}.shared_experts"}
+        self.shared_experts = (GatedMLP(config.hidden_size, inter * num_shared, config.hidden_act, **quant, **tp)
                                if num_shared > 0 else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -118,22 +121,27 @@ class Glm4MoeSparseBlock(nn.Module):
 class Glm4MoeForCausalLM(CausalLM):
     """GLM-4.5 / GLM-4.6 (and -Air) decoder-only MoE LM."""
 
+    supported_quantization = QUANTIZED_DENSE_FORMATS  # dense layers and shared experts; routed experts refused
+
     def __init__(self, config: ModelConfig, **kwargs) -> None:
         check_silu_experts(config)
         if config.get("partial_rotary_factor") is None:
             config.extra["partial_rotary_factor"] = 0.5  # transformers' default for this model type
         self.num_experts = config_int(config, "n_routed_experts", "num_local_experts")
+        self.expert_params_mapping = expert_params_mapping(self.num_experts)  # before: the quant config binds it
         super().__init__(config, **kwargs)
-        self.expert_params_mapping = expert_params_mapping(self.num_experts)
 
     def make_layer(self, layer_idx: int) -> nn.Module:
         config = self.config
         tp = {"tp_rank": self.tp_rank, "tp_size": self.tp_size, "dtype": self.dtype}
-        self_attn = Glm4MoeAttention(config, self.rotary_embedding(config.head_dim), sliding_window=None, **tp)
+        self_attn = Glm4MoeAttention(config, self.rotary_embedding(config.head_dim), sliding_window=None,
+                                     **self.quant_args(f"model.layers.{layer_idx}.self_attn"), **tp)
+        mlp_quant = self.quant_args(f"model.layers.{layer_idx}.mlp")
         if layer_idx < config_int(config, "first_k_dense_replace", default=0):
-            mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, **tp)
+            mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, **mlp_quant, **tp)
         else:
-            mlp = Glm4MoeSparseBlock(config, expert_parallel=self.expert_parallel, **tp)
+            self.check_experts_unquantized(f"model.layers.{layer_idx}.mlp.experts")
+            mlp = Glm4MoeSparseBlock(config, expert_parallel=self.expert_parallel, **mlp_quant, **tp)
         return PreNormDecoderLayer(
             self_attn, mlp,
             input_layernorm=RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=self.dtype),

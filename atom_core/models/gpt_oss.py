@@ -57,9 +57,11 @@ class GptOssAttention(LlamaAttention):
     """``LlamaAttention`` with biases on q, k, v, o and a sink logit per query head."""
 
     def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, *, sliding_window: int | None,
-                 dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1) -> None:
+                 dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1, quant_config=None,
+                 prefix: str = "") -> None:
         super().__init__(config, rotary_emb, sliding_window=sliding_window, dtype=dtype, tp_rank=tp_rank,
-                         tp_size=tp_size, qkv_bias=config.attention_bias, o_bias=config.attention_bias)
+                         tp_size=tp_size, qkv_bias=config.attention_bias, o_bias=config.attention_bias,
+                         quant_config=quant_config, prefix=prefix)
         self.total_num_heads = config.num_attention_heads
         # fp32 whatever the model dtype: the kernels take the sinks as fp32 logits.
         self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32), requires_grad=False)
@@ -100,23 +102,26 @@ class GptOssForCausalLM(CausalLM):
     """gpt-oss-20b / gpt-oss-120b (MXFP4 or bf16 expert weights in the checkpoint)."""
 
     supported_quantization = ("mxfp4",)  # the released checkpoints' experts, decoded by the loader
+    decoded_expert_quantization = ("mxfp4",)
 
     def __init__(self, config: ModelConfig, **kwargs) -> None:
         for key, expected in (("swiglu_alpha", SWIGLU_ALPHA), ("swiglu_limit", SWIGLU_LIMIT)):
             value = config.get(key, expected)
             if not isinstance(value, (int, float)) or not math.isclose(value, expected):
                 raise ValueError(f"config.{key}={value!r} is not supported: the experts' activation uses {expected}")
-        super().__init__(config, **kwargs)
         self.expert_params_mapping = fused_expert_params_mapping(bias=True) + [
             ("experts.gate_up_proj_blocks", "experts.w13_weight", None),  # MXFP4, decoded by the loader
             ("experts.down_proj_blocks", "experts.w2_weight", None),
-        ]
+        ]  # before __init__: the quant config binds it
+        super().__init__(config, **kwargs)
 
     def make_layer(self, layer_idx: int) -> nn.Module:
         config = self.config
         tp = {"tp_rank": self.tp_rank, "tp_size": self.tp_size, "dtype": self.dtype}
         self_attn = GptOssAttention(config, self.rotary_embedding(config.head_dim, config.layer_types[layer_idx]),
-                                    sliding_window=self.sliding_window_of(layer_idx), **tp)
+                                    sliding_window=self.sliding_window_of(layer_idx),
+                                    **self.quant_args(f"model.layers.{layer_idx}.self_attn"), **tp)
+        self.check_experts_unquantized(f"model.layers.{layer_idx}.mlp.experts")
         return PreNormDecoderLayer(
             self_attn, GptOssMoE(config, expert_parallel=self.expert_parallel, **tp),
             input_layernorm=RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=self.dtype),

@@ -32,6 +32,17 @@ Name mapping, in order:
      whole, into ``...<target_i>.<suffix>``. Sizes depend on the config, so a model using this
      sets ``packed_modules_mapping`` per instance.
 
+Checkpoint FP8 KV-cache scales go to the attention layers, not to parameters: ``...self_attn.k_scale``
+/ ``v_scale`` (compressed-tensors) and ``...self_attn.k_proj.output_scale`` / ``v_proj.output_scale``
+(AMD Quark) set ``checkpoint_k_scale`` / ``checkpoint_v_scale`` (fp32 [1]) of the ``PagedAttention``
+at ``...self_attn.attn``; the runner binds them with an FP8 pool. Names with no such attention layer
+are left unused; each scale must be one finite value > 0.
+
+Quantized layers (``models.quantization.linear_methods``) own their scale parameters
+(``weight_scale``, ``input_scale``) and load them through the same ``weight_loader``s; a scale a
+weight's loader fills itself (online quantization: ``param.loaded_with = "weight"``) counts as
+loaded with that weight.
+
 MXFP4 tensors (``NAME_blocks`` with ``NAME_scales`` beside it, gpt-oss's released expert
 weights) are decoded on reading (``models.mxfp4``) into a tensor ``[..., rows, cols]`` that goes
 through the steps above under the name ``NAME_blocks``; ``NAME_scales`` is consumed with it.
@@ -50,8 +61,11 @@ What is refused, each error naming the file (and the tensor where there is one):
   whose target lies outside the folder. In a Hugging Face cache snapshot
   (``.../models--org--name/snapshots/<rev>/``, shards linked to ``../../blobs/<hash>``) links may
   point anywhere inside that cache repository (``models--org--name``), not out of it;
-- a stored dtype that differs from its parameter's, unless both are floating point (a cast);
-  MXFP4 ``uint8`` blocks and scales are decoded first, so their result is what is checked;
+- a stored dtype that differs from its parameter's, unless both are floating point (a cast) and
+  neither is FP8: FP8 values mean nothing without their scales, so they load only into an FP8
+  parameter of a quantized layer, and an FP8 parameter takes only FP8 values, or, created with
+  ``quantize_on_load`` (online quantization), floating-point values it quantizes itself; INT8 only
+  into INT8. MXFP4 ``uint8`` blocks and scales are decoded first, so their result is what is checked;
 - with ``check_finite`` (the default), a tensor holding NaN or Inf;
 - before any tensor is read, a ``quantization_config`` in the model's config that
   ``models.quantization.parse_quant_config`` refuses (named), or whose format the model's class
@@ -111,6 +125,7 @@ class LoadReport:
     unused: list[str] = field(default_factory=list)            # checkpoint tensors that matched no parameter
     skipped: dict[str, str] = field(default_factory=dict)      # checkpoint tensor -> why it was not loaded
     files_read: list[str] = field(default_factory=list)        # shard files whose tensor data was read
+    kv_scales: list[str] = field(default_factory=list)         # checkpoint KV-scale tensors set on attention layers
 
 
 @dataclass(frozen=True)
@@ -289,6 +304,10 @@ class _NameMapper:
                     f"(target, rows) pairs, got {value!r}"
                 )
 
+    def renamed(self, name: str) -> str:
+        """``name`` after ``checkpoint_renames`` (only: no other step of ``map``)."""
+        return name if self.renames is None else (self.renames(name) or name)
+
     def map(self, name: str) -> list[_Target] | str:
         if self.renames is not None:
             renamed = self.renames(name)
@@ -347,15 +366,63 @@ def _tied_parameter(model: nn.Module, params: dict[str, nn.Parameter]) -> str | 
     return next((name for name, param in params.items() if param is head and name != "lm_head.weight"), None)
 
 
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+
+
 def _check_dtype(param: nn.Parameter, tensor: torch.Tensor, target: _Target, ckpt_name: str, file: Path) -> None:
     """A stored dtype other than the parameter's is cast only from float to float: integer or bool
-    data in a float parameter (or the reverse) is a different quantity, not a precision change."""
-    if tensor.dtype == param.dtype or (tensor.dtype.is_floating_point and param.dtype.is_floating_point):
+    data in a float parameter (or the reverse) is a different quantity, not a precision change; so is
+    FP8 data (it needs its scales) anywhere but an FP8 parameter, and anything but FP8 in an FP8
+    parameter, except one that quantizes on load (online quantization) from a float tensor."""
+    if tensor.dtype == param.dtype:
+        return
+    fp8_tensor, fp8_param = tensor.dtype in _FP8_DTYPES, param.dtype in _FP8_DTYPES
+    if fp8_param and getattr(param, "quantize_on_load", None) is not None:
+        if tensor.is_floating_point() and not fp8_tensor:
+            return
+        raise ValueError(f"checkpoint tensor {ckpt_name!r} in {file}: stored as {tensor.dtype}; online quantization "
+                         f"of {target.param_name!r} reads an unquantized floating-point tensor")
+    if fp8_tensor and not fp8_param:
+        raise ValueError(
+            f"checkpoint tensor {ckpt_name!r} in {file}: stored as {tensor.dtype}, but parameter "
+            f"{target.param_name!r} is {param.dtype}: FP8 values load only into a quantized layer (the "
+            "checkpoint's quantization_config does not quantize this layer, or the model was built without it: "
+            "load_model builds it from the config)")
+    if tensor.dtype.is_floating_point and param.dtype.is_floating_point and not fp8_param:
         return
     raise ValueError(
         f"checkpoint tensor {ckpt_name!r} in {file}: stored as {tensor.dtype}, but parameter "
         f"{target.param_name!r} is {param.dtype}; only float-to-float casts are made"
+        + (" (an FP8 parameter takes FP8 values: the checkpoint does not quantize this layer as the model does)"
+           if fp8_param else "")
     )
+
+
+# Checkpoint names of per-layer FP8 KV-cache scales -> (attention module prefix, "k" or "v"):
+# compressed-tensors ``...self_attn.k_scale``, Quark ``...self_attn.k_proj.output_scale``.
+_KV_SCALE_NAMES = (re.compile(r"^(?P<attn>.+)\.(?P<kv>[kv])_scale$"),
+                   re.compile(r"^(?P<attn>.+)\.(?P<kv>[kv])_proj\.output_scale$"))
+
+
+def _kv_scale_target(name: str, modules: dict[str, nn.Module]) -> tuple[nn.Module, str] | None:
+    """The attention layer (a module with ``checkpoint_k_scale``, at ``<attn>.attn``) and ``"k"``/``"v"``
+    that checkpoint tensor ``name`` is a KV-cache scale of, or None."""
+    for pattern in _KV_SCALE_NAMES:
+        m = pattern.match(name)
+        if m is not None:
+            attn = modules.get(m.group("attn") + ".attn")
+            if attn is not None and hasattr(attn, "checkpoint_k_scale"):
+                return attn, m.group("kv")
+    return None
+
+
+def _set_kv_scale(attn: nn.Module, which: str, tensor: torch.Tensor, ckpt_name: str, file: Path,
+                  device: torch.device) -> None:
+    value = tensor.detach().float().reshape(-1)
+    if value.numel() != 1 or not math.isfinite(value.item()) or value.item() <= 0:
+        raise ValueError(f"checkpoint tensor {ckpt_name!r} in {file}: a KV-cache scale must be one finite value "
+                         f"> 0, got shape {tuple(tensor.shape)}" + (f" value {value.item()}" if value.numel() == 1 else ""))
+    setattr(attn, f"checkpoint_{which}_scale", value.to(device))
 
 
 def _load_one(param: nn.Parameter, tensor: torch.Tensor, target: _Target, ckpt_name: str, file: Path) -> None:
@@ -538,12 +605,18 @@ def load_weights(model: nn.Module, path: str | Path, *, strict: bool = True,
     plan: dict[Path, list[tuple[str, list[_Target], str | None]]] = {}
     whole_source: dict[str, str] = {}  # parameter -> the checkpoint tensor loaded into it whole
     tied_head = None                   # a stored lm_head.weight that the tied head skips
+    modules = dict(model.named_modules())
+    kv_scales: list[tuple[str, Path, nn.Module, str]] = []
     for name, file in file_of.items():
         scales = _mxfp4_scales_name(name, file_of)
         if name.endswith(SCALES_SUFFIX) and name[: -len(SCALES_SUFFIX)] + BLOCKS_SUFFIX in file_of:
             report.skipped[name] = f"MXFP4 scales, decoded with {name[: -len(SCALES_SUFFIX)] + BLOCKS_SUFFIX}"
             continue
         mapped = mapper.map(name)
+        kv_scale = None if isinstance(mapped, str) else _kv_scale_target(mapper.renamed(name), modules)
+        if kv_scale is not None:
+            kv_scales.append((name, file, *kv_scale))
+            continue
         if isinstance(mapped, str):
             report.skipped[name] = mapped
             tied_head = name if mapped == _TIED_REASON else tied_head
@@ -574,6 +647,11 @@ def load_weights(model: nn.Module, path: str | Path, *, strict: bool = True,
                     loaded.setdefault(target.param_name, set()).add(
                         _WHOLE if target.shard_id is None else target.shard_id)
 
+    device = next((p.device for p in params.values()), torch.device("cpu"))
+    for name, file, attn, which in kv_scales:
+        _set_kv_scale(attn, which, _read_tensor(None, None, name, file), name, file, device)
+        report.kv_scales.append(name)
+
     embedding = whole_source.get(_tied_parameter(model, params) or "")
     if tied_head is not None and embedding is not None:
         difference = _warn_if_tied_head_differs(tied_head, embedding, file_of)
@@ -581,9 +659,12 @@ def load_weights(model: nn.Module, path: str | Path, *, strict: bool = True,
             report.skipped[tied_head] += f" (and differs from it: {difference})"
 
     expected = getattr(model, "expected_missing", None) or set()
-    for pname in params:
+    for pname, param in params.items():
         got = loaded.get(pname, set())
         needed = mapper.required(pname)
+        sibling = getattr(param, "loaded_with", None)  # filled by a sibling parameter's loader (online quantization)
+        if sibling is not None:
+            got, needed = loaded.get(f"{pname.rpartition('.')[0]}.{sibling}", set()), mapper.required(pname)
         if _WHOLE in got or (got and needed and needed <= got):
             report.loaded.append(pname)
         elif _matches(pname, expected):

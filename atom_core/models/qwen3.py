@@ -30,9 +30,10 @@ class Qwen3Attention(LlamaAttention):
     """``LlamaAttention`` with ``q_norm`` / ``k_norm`` (RMSNorm over Dh, per head) before RoPE."""
 
     def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, *, sliding_window: int | None,
-                 dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1) -> None:
+                 dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1, quant_config=None,
+                 prefix: str = "") -> None:
         super().__init__(config, rotary_emb, sliding_window=sliding_window, dtype=dtype,
-                         tp_rank=tp_rank, tp_size=tp_size)
+                         tp_rank=tp_rank, tp_size=tp_size, quant_config=quant_config, prefix=prefix)
         # Norm weights are per head dim, identical on every rank: no tensor-parallel split.
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype)

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from atom_core import ops
-from atom_core.models.base import CausalLM, PreNormDecoderLayer
+from atom_core.models.base import QUANTIZED_DENSE_FORMATS, CausalLM, PreNormDecoderLayer
 from atom_core.models.config import ModelConfig
 from atom_core.models.layers.linear import ReplicatedLinear
 from atom_core.models.layers.mlp import GatedMLP
@@ -81,13 +81,16 @@ class SoftmaxTopKMoE(nn.Module):
 
 @register_model("Qwen3MoeForCausalLM")
 class Qwen3MoeForCausalLM(CausalLM):
-    """Qwen3-MoE decoder-only LM (Qwen3-30B-A3B, Qwen3-235B-A22B)."""
+    """Qwen3-MoE decoder-only LM (Qwen3-30B-A3B, Qwen3-235B-A22B). Quantized checkpoints: dense layers
+    only (experts refused by name, ``CausalLM.check_experts_unquantized``)."""
+
+    supported_quantization = QUANTIZED_DENSE_FORMATS
 
     def __init__(self, config: ModelConfig, **kwargs) -> None:
         self.num_experts = config_int(config, "num_experts", "num_local_experts", default=0)
         check_silu_experts(config)
+        self.expert_params_mapping = expert_params_mapping(self.num_experts)  # before: the quant config binds it
         super().__init__(config, **kwargs)
-        self.expert_params_mapping = expert_params_mapping(self.num_experts)
 
     def is_sparse_layer(self, layer_idx: int) -> bool:
         """HF's rule: not listed in ``mlp_only_layers`` and every ``decoder_sparse_step``-th layer."""
@@ -106,14 +109,17 @@ class Qwen3MoeForCausalLM(CausalLM):
         config = self.config
         tp = {"tp_rank": self.tp_rank, "tp_size": self.tp_size, "dtype": self.dtype}
         self_attn = Qwen3Attention(config, self.rotary_embedding(config.head_dim),
-                                   sliding_window=self.sliding_window_of(layer_idx), **tp)
+                                   sliding_window=self.sliding_window_of(layer_idx),
+                                   **self.quant_args(f"model.layers.{layer_idx}.self_attn"), **tp)
         if self.is_sparse_layer(layer_idx):
+            self.check_experts_unquantized(f"model.layers.{layer_idx}.mlp.experts")
             mlp = SoftmaxTopKMoE(self.num_experts, config_int(config, "num_experts_per_tok"), config.hidden_size,
                                  config_int(config, "moe_intermediate_size"),
                                  renormalize=bool(config.get("norm_topk_prob", False)),
                                  expert_parallel=self.expert_parallel, **tp)
         else:
-            mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, **tp)
+            mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
+                           **self.quant_args(f"model.layers.{layer_idx}.mlp"), **tp)
         return PreNormDecoderLayer(
             self_attn, mlp,
             input_layernorm=RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=self.dtype),

@@ -26,26 +26,33 @@ _GATED_ACTIVATIONS = {
 }
 
 
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
 class GatedMLP(nn.Module):
     """x [T, D] -> [T, D]; parameters ``gate_up_proj`` and ``down_proj`` (HF's names, gate/up fused).
 
     ``hidden_act``: one of ``silu`` (SwiGLU), ``gelu`` (exact GeGLU), ``gelu_pytorch_tanh`` /
-    ``gelu_new`` (tanh-approximated GeGLU).
+    ``gelu_new`` (tanh-approximated GeGLU). ``quant_config`` / ``prefix`` (e.g. ``model.layers.0.mlp``):
+    the linear layers' quantization (``layers.linear``).
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu", *,
                  bias: bool = False, tp_rank: int = 0, tp_size: int = 1,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, quant_config=None, prefix: str = "") -> None:
         super().__init__()
         if hidden_act not in _GATED_ACTIVATIONS:
             raise ValueError(f"hidden_act {hidden_act!r} is not supported; choose one of {sorted(_GATED_ACTIVATIONS)}")
         self.hidden_act = hidden_act
         op_name, self._act_kwargs = _GATED_ACTIVATIONS[hidden_act]
         self._act = getattr(ops, op_name)
+        quant = {"quant_config": quant_config}
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size], bias,
-                                                       tp_rank=tp_rank, tp_size=tp_size, dtype=dtype)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias,
-                                           tp_rank=tp_rank, tp_size=tp_size, dtype=dtype)
+                                                       tp_rank=tp_rank, tp_size=tp_size, dtype=dtype,
+                                                       prefix=_join(prefix, "gate_up_proj"), **quant)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, tp_rank=tp_rank, tp_size=tp_size,
+                                           dtype=dtype, prefix=_join(prefix, "down_proj"), **quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, D] -> [T, D] in the weights' dtype."""

@@ -3,11 +3,28 @@
 ``parse_quant_config(config_json.get("quantization_config"), source_file=path)`` reads the HF
 ``fp8`` / ``mxfp4``, compressed-tensors and AMD Quark formats and refuses what atom_core cannot
 serve by name; ``QuantConfig.scheme_for(layer_name, packed_from=...)`` gives a linear layer its
-``LinearScheme`` (method, weight format, activation scheme). Pure Python: no torch, no
-quantization library (compressed-tensors and amd-quark are test dependencies only).
+``LinearScheme`` (method, weight format, activation scheme); ``linear_methods`` turns a scheme into
+the layer's parameters and forward (``UnquantizedLinear``, ``Fp8Linear``, ``Int8Linear``);
+``online_quant_config("fp8" | "fp8_block")`` is ``load_model(quantization=...)``'s config. The
+parsers are pure Python; no quantization library is imported (compressed-tensors and amd-quark
+are test dependencies only).
 """
 
-from atom_core.models.quantization.config import QuantConfig, check_quantization_supported, parse_quant_config
+from atom_core.models.quantization.config import (
+    ONLINE_QUANTIZATION,
+    QuantConfig,
+    check_quantization_supported,
+    online_quant_config,
+    parse_quant_config,
+)
+from atom_core.models.quantization.linear_methods import (
+    Fp8Linear,
+    Int8Linear,
+    LinearMethod,
+    UnquantizedLinear,
+    linear_method_for,
+    quantize_weight,
+)
 from atom_core.models.quantization.rules import LayerRule, checkpoint_modules
 from atom_core.models.quantization.schemes import (
     FP8_BLOCK_128,
@@ -33,17 +50,25 @@ __all__ = [
     "FP8_PER_TENSOR",
     "INT8_PER_CHANNEL",
     "MXFP4_E2M1",
+    "ONLINE_QUANTIZATION",
     "SUPPORTED_ACTIVATIONS",
     "UNQUANTIZED",
     "ActivationScheme",
+    "Fp8Linear",
+    "Int8Linear",
     "KVCacheScheme",
     "LayerRule",
+    "LinearMethod",
     "LinearScheme",
     "QuantConfig",
     "QuantMethod",
+    "UnquantizedLinear",
     "UnsupportedQuantizationError",
     "WeightFormat",
     "check_quantization_supported",
     "checkpoint_modules",
+    "linear_method_for",
+    "online_quant_config",
     "parse_quant_config",
+    "quantize_weight",
 ]

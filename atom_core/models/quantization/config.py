@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -31,10 +31,14 @@ from atom_core.models.quantization.parse_hf import parse_hf_fp8, parse_hf_mxfp4
 from atom_core.models.quantization.parse_quark import parse_quark
 from atom_core.models.quantization.rules import LayerRule, canonical_rules, checkpoint_modules
 from atom_core.models.quantization.schemes import (
+    FP8_BLOCK_128,
+    FP8_PER_CHANNEL,
+    ActivationScheme,
     KVCacheScheme,
     LinearScheme,
     QuantMethod,
     UnsupportedQuantizationError,
+    make_scheme,
 )
 
 # quant_method as written in config.json -> (canonical name, parser)
@@ -61,6 +65,7 @@ class QuantConfig:
     differ for HF ``mxfp4``, which quantizes the experts only). ``kv_cache``: the KV cache's
     scheme when the checkpoint has one (per-layer ``k_scale``/``v_scale``), else None.
     ``source``: the file it was read from (for messages; not part of equality or ``hash``).
+    ``online``: the weights are unquantized and quantized while loading (``online_quant_config``).
     """
 
     quant_method: str
@@ -69,12 +74,27 @@ class QuantConfig:
     rules: tuple[LayerRule, ...] = ()
     kv_cache: KVCacheScheme | None = None
     source: str | None = field(default=None, compare=False)
+    online: bool = False
+    # The model's name mappings (``bind``): ``scheme_for`` uses them when it is given none.
+    packed_modules_mapping: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
+    expert_params_mapping: Sequence[tuple] | None = field(default=None, compare=False, repr=False)
 
     def to_dict(self) -> dict:
         """The parsed form, JSON-ready (what ``hash`` digests)."""
-        return {"quant_method": self.quant_method, "default": self.default.to_dict(),
-                "expert_default": self.expert_default.to_dict(), "rules": [r.to_dict() for r in self.rules],
-                "kv_cache": None if self.kv_cache is None else self.kv_cache.to_dict()}
+        out = {"quant_method": self.quant_method, "default": self.default.to_dict(),
+               "expert_default": self.expert_default.to_dict(), "rules": [r.to_dict() for r in self.rules],
+               "kv_cache": None if self.kv_cache is None else self.kv_cache.to_dict()}
+        if self.online:
+            out["online"] = True
+        return out
+
+    def bind(self, packed_modules_mapping: Mapping[str, Any] | None,
+             expert_params_mapping: Sequence[tuple] | None = None) -> QuantConfig:
+        """This config with a model's ``packed_modules_mapping`` / ``expert_params_mapping`` attached:
+        the model's layers then ask ``scheme_for(prefix)`` with their parameter-name prefix alone
+        (as vLLM attaches the model class's packed mapping to its quantization config)."""
+        return replace(self, packed_modules_mapping=packed_modules_mapping,
+                       expert_params_mapping=expert_params_mapping)
 
     @cached_property
     def hash(self) -> str:
@@ -119,6 +139,10 @@ class QuantConfig:
         ``UnsupportedQuantizationError`` naming the layer when its parts resolve to different
         schemes, and for MXFP4 weights outside the experts or INT8 weights inside them.
         """
+        if packed_from is None:
+            packed_from = self.packed_modules_mapping
+        if expert_params_mapping is None:
+            expert_params_mapping = self.expert_params_mapping
         parts, expert = checkpoint_modules(layer_name, packed_from, expert_params_mapping)
         resolved = [(part, *self.checkpoint_scheme(part, expert=expert)) for part in parts]
         schemes = list(dict.fromkeys(scheme for _, scheme, _ in resolved))
@@ -178,11 +202,12 @@ def parse_quant_config(quantization_config: dict | None, *, source_file: str | P
 
 def check_quantization_supported(config: QuantConfig | None, architecture_class: type, *,
                                  source: str | Path | None = None) -> None:
-    """Refuse a parsed checkpoint quantization that ``architecture_class`` does not load yet.
+    """Refuse a parsed checkpoint quantization that ``architecture_class`` does not load.
 
-    An architecture lists the formats it loads in ``supported_quantization`` (gpt-oss: ``("mxfp4",)``,
-    decoded to the model dtype by the loader). Until the quantized linear methods exist, every
-    other format, though parsed, is refused with the message ``load_model`` has always given.
+    An architecture lists the formats it loads in ``supported_quantization``: Llama, Qwen3 and the
+    dense layers of the MoE families ``("fp8", "compressed-tensors", "quark")`` (their layers get
+    linear methods, ``linear_methods``; quantized experts are refused by name when the model is
+    built), gpt-oss ``("mxfp4",)`` (its experts decoded to the model dtype by the loader).
     """
     if config is None:
         return
@@ -190,8 +215,30 @@ def check_quantization_supported(config: QuantConfig | None, architecture_class:
     if config.quant_method in supported:
         return
     where = source or config.source or "checkpoint"
+    what = "online quantization to" if config.online else "the checkpoint is quantised"
     raise UnsupportedQuantizationError(
-        f"{where}: the checkpoint is quantised (quant_method={config.quant_method!r}), which "
+        f"{where}: {what} (quant_method={config.quant_method!r}), which "
         f"{architecture_class.__name__} does not load (it loads unquantised weights"
         f"{''.join(f', and {m}' for m in supported)}); use an unquantised copy, or "
         "load_format='dummy' for random weights of these shapes")
+
+
+# load_model(quantization=...) -> (weight format, activation scheme) applied to every dense linear layer.
+ONLINE_QUANTIZATION = {
+    "fp8": (FP8_PER_CHANNEL, ActivationScheme.DYNAMIC_PER_TOKEN),
+    "fp8_block": (FP8_BLOCK_128, ActivationScheme.DYNAMIC_PER_GROUP_128),
+}
+
+
+def online_quant_config(quantization: str) -> QuantConfig:
+    """The ``QuantConfig`` of ``load_model(..., quantization=...)``: ``"fp8"`` (FP8 per-channel weights,
+    dynamic per-token activations) or ``"fp8_block"`` (128 x 128 block weights, 1 x 128 activation
+    groups), every linear layer (experts included, which are refused by name until fused-MoE FP8
+    lands), weights quantized while they are read (``online=True``)."""
+    if quantization not in ONLINE_QUANTIZATION:
+        raise UnsupportedQuantizationError(
+            f"quantization={quantization!r} is not supported; choose one of {sorted(ONLINE_QUANTIZATION)} or None")
+    weight, activation = ONLINE_QUANTIZATION[quantization]
+    scheme = make_scheme(weight, activation, where=f"quantization={quantization!r}")
+    return QuantConfig(quant_method="fp8", default=scheme, expert_default=scheme, online=True,
+                       source=f"quantization={quantization!r}")
