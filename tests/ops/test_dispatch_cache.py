@@ -34,6 +34,7 @@ import atom_core.ops as ops_package
 from atom_core.ops import dispatch, kv_cache, quant, scaled_mm, torch_scaled_mm
 from atom_core.ops.dispatch import BackendUnavailable, Op
 from tests.ops import fake_aiter
+from tests.ops.test_dsa import DSA_DISPATCH_ARGS
 from tests.ops.test_mla import MLA_DISPATCH_ARGS
 
 FP8 = torch.float8_e4m3fn
@@ -249,7 +250,8 @@ ARGS = {
     "scaled_mm_per_token": lambda c: _scaled_mm_args(c, "scaled_mm_per_token"),
     "scaled_mm_block": lambda c: _scaled_mm_args(c, "scaled_mm_block"),
 }
-ARGS.update(MLA_DISPATCH_ARGS)  # the MLA ops' nominal calls live beside their tests
+ARGS.update(MLA_DISPATCH_ARGS)  # the MLA and DSA ops' nominal calls live beside their tests
+ARGS.update(DSA_DISPATCH_ARGS)
 
 
 def _nominal_options(name: str) -> list[tuple]:
