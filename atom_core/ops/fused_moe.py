@@ -1,4 +1,6 @@
-"""Fused mixture-of-experts: ``fused_experts`` — the routing-weighted sum of each token's K experts.
+"""Fused mixture-of-experts: ``fused_experts`` — the routing-weighted sum of each token's K experts —
+and ``fused_experts_quant``, the same with quantized expert weights (fp8 block-128, fp8 per-channel,
+MXFP4 kept packed).
 
 Each expert is a gated MLP: ``expert_e(x) = w2[e] @ act(w13[e] @ x + b13[e]) + b2[e]``. The routing
 (which experts, what weights) comes from :mod:`atom_core.ops.moe_routing`; a model's MoE layer
@@ -14,12 +16,16 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from atom_core.ops import quant as quant_ops
 from atom_core.ops.dispatch import Op, call_op, custom_op
 from atom_core.ops.reference import moe as reference_moe
+from atom_core.ops.reference.moe import FP8_BLOCK, MXFP4_BLOCK, WEIGHT_FORMATS
+from atom_core.ops.reference.quant import FP8_DTYPE
 from atom_core.ops.validation import (FLOAT_DTYPES, check_out, check_out_shape, check_same_device, check_shape,
                                       check_tensor, debug_enabled)
 
 FUSED_EXPERTS = Op("fused_experts")
+FUSED_EXPERTS_QUANT = Op("fused_experts_quant")
 
 ACTIVATIONS = ("silu", "swiglu_clamped")
 _ID_DTYPES = (torch.int32, torch.int64)
@@ -67,18 +73,8 @@ def _(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, ou
     return None
 
 
-def _check_fused_experts_args(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, out):
-    """The per-call checks, run in debug mode only (atom_core.ops.validation)."""
-    check_tensor("hidden", hidden, ndim=2, dtypes=FLOAT_DTYPES)
+def _check_routing_and_biases(hidden, num_experts, two_inter, topk_weights, topk_ids, activation, w13_bias, w2_bias):
     num_tokens, hidden_size = hidden.shape
-    check_tensor("w13", w13, ndim=3, dtypes=(hidden.dtype,))
-    num_experts, two_inter = w13.shape[0], w13.shape[1]
-    if two_inter % 2:
-        raise ValueError(f"w13 must hold 2I rows per expert (gate and up), got shape {tuple(w13.shape)}")
-    inter = two_inter // 2
-    check_shape("w13", w13, (num_experts, two_inter, hidden_size))
-    check_tensor("w2", w2, ndim=3, dtypes=(hidden.dtype,))
-    check_shape("w2", w2, (num_experts, hidden_size, inter))
     check_tensor("topk_ids", topk_ids, ndim=2, dtypes=_ID_DTYPES)
     check_shape("topk_ids", topk_ids, (num_tokens, None))
     check_tensor("topk_weights", topk_weights, ndim=2, dtypes=FLOAT_DTYPES)
@@ -93,6 +89,21 @@ def _check_fused_experts_args(hidden, w13, w2, topk_weights, topk_ids, activatio
     if w2_bias is not None:
         check_tensor("w2_bias", w2_bias, ndim=2, dtypes=FLOAT_DTYPES)
         check_shape("w2_bias", w2_bias, (num_experts, hidden_size))
+
+
+def _check_fused_experts_args(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, out):
+    """The per-call checks, run in debug mode only (atom_core.ops.validation)."""
+    check_tensor("hidden", hidden, ndim=2, dtypes=FLOAT_DTYPES)
+    hidden_size = hidden.shape[1]
+    check_tensor("w13", w13, ndim=3, dtypes=(hidden.dtype,))
+    num_experts, two_inter = w13.shape[0], w13.shape[1]
+    if two_inter % 2:
+        raise ValueError(f"w13 must hold 2I rows per expert (gate and up), got shape {tuple(w13.shape)}")
+    inter = two_inter // 2
+    check_shape("w13", w13, (num_experts, two_inter, hidden_size))
+    check_tensor("w2", w2, ndim=3, dtypes=(hidden.dtype,))
+    check_shape("w2", w2, (num_experts, hidden_size, inter))
+    _check_routing_and_biases(hidden, num_experts, two_inter, topk_weights, topk_ids, activation, w13_bias, w2_bias)
     check_same_device(hidden=hidden, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids,
                       w13_bias=w13_bias, w2_bias=w2_bias)
     check_out("out", out, hidden.shape, hidden.dtype, hidden.device)
@@ -121,4 +132,150 @@ def fused_experts(hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor,
         check_out_shape("out", out, hidden.shape)
     out = torch.empty_like(hidden) if out is None else out
     call_op("fused_experts", hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, out, backend)
+    return out
+
+
+# ------------------------------------------------------------------------------ quantized expert weights
+
+def _torch_fused_experts_quant(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight_format,
+                               activation, w13_bias, w2_bias, out):
+    out.copy_(reference_moe.fused_experts_quant(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids,
+                                                weight_format, activation, w13_bias, w2_bias))
+
+
+def _triton_quant_supports(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight_format, *rest):
+    if weight_format != "mxfp4" and hidden.is_cuda and not quant_ops.fp8_e4m3fn_native(hidden.device):
+        return "triton fp8 e4m3fn MoE needs an NVIDIA GPU of compute capability 8.9+ or an AMD gfx95x"
+    return None
+
+
+def _triton_quant_key(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight_format, *rest):
+    """What :func:`_triton_quant_supports` reads (the device is part of every call's signature)."""
+    return weight_format
+
+
+def _aiter_quant_supports(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight_format, activation,
+                          w13_bias, w2_bias, out) -> str | None:
+    if weight_format == "mxfp4":
+        # aiter/fused_moe.py, QuantType.per_1x32: bf16 activations only with ActivationType.Swiglu on
+        # gate/up halves, weights and scales pre-shuffled (moe_shuffle_weight / moe_shuffle_scale) and
+        # H, I padded to 256 (ATOM's Mxfp4MoEMethod prepares them so); with Silu it quantizes the
+        # activations to MXFP4 too (A4W4). Neither is this op's GPT-OSS layout with bf16 activations.
+        return ("aiter's MXFP4 fused MoE (per_1x32) needs gate/up halves pre-shuffled for its Swiglu, or "
+                "quantizes activations to MXFP4 with Silu: not this op's interleaved, weight-only layout")
+    reason = _aiter_supports(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, out)
+    if reason is not None:
+        return reason
+    if not (w13_scale.is_contiguous() and w2_scale.is_contiguous()):
+        return "aiter fused_moe needs contiguous weight scales"
+    if not quant_ops.fp8_e4m3fn_native(hidden.device):
+        return "aiter's fp8 on this GPU is e4m3fnuz, not torch.float8_e4m3fn"
+    if weight_format == "fp8_block" and (hidden.shape[1] % FP8_BLOCK or w2.shape[2] % FP8_BLOCK):
+        # its per_1x128 activation quantization views rows in groups of 128
+        return (f"aiter's block-fp8 fused MoE needs H and I multiples of {FP8_BLOCK}, got H = {hidden.shape[1]}, "
+                f"I = {w2.shape[2]}")
+    return None
+
+
+def _aiter_quant_key(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight_format, activation,
+                     w13_bias, w2_bias, out):
+    """What :func:`_aiter_quant_supports` reads."""
+    return (weight_format, _aiter_key(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, out),
+            w13_scale.is_contiguous(), w2_scale.is_contiguous(), hidden.shape[1] % FP8_BLOCK == 0,
+            w2.shape[2] % FP8_BLOCK == 0)
+
+
+FUSED_EXPERTS_QUANT.register("torch", _torch_fused_experts_quant)
+FUSED_EXPERTS_QUANT.register("triton", "atom_core.ops.triton.fused_moe:fused_experts_quant", _triton_quant_supports,
+                             _triton_quant_key)
+FUSED_EXPERTS_QUANT.register("aiter", "atom_core.ops.aiter.moe:fused_experts_quant", _aiter_quant_supports,
+                             _aiter_quant_key)
+
+
+@custom_op("fused_experts_quant", mutates_args=("out",))
+def _fused_experts_quant_op(hidden: Tensor, w13: Tensor, w13_scale: Tensor, w2: Tensor, w2_scale: Tensor,
+                            topk_weights: Tensor, topk_ids: Tensor, weight_format: str, activation: str,
+                            w13_bias: Optional[Tensor], w2_bias: Optional[Tensor], out: Tensor,
+                            backend: Optional[str]) -> None:
+    FUSED_EXPERTS_QUANT(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight_format, activation,
+                        w13_bias, w2_bias, out, backend=backend)
+
+
+@_fused_experts_quant_op.register_fake
+def _(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight_format, activation, w13_bias, w2_bias,
+      out, backend) -> None:
+    return None
+
+
+def quant_weight_shapes(weight_format: str, num_experts: int, rows: int, cols: int) -> tuple[tuple, tuple]:
+    """(weight shape, scale shape) of one stack of ``num_experts`` [rows, cols] matrices in ``weight_format``."""
+    if weight_format == "mxfp4":
+        return (num_experts, rows, cols // 2), (num_experts, rows, cols // MXFP4_BLOCK)
+    if weight_format == "fp8_channel":
+        return (num_experts, rows, cols), (num_experts, rows, 1)
+    return (num_experts, rows, cols), (num_experts, -(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK))
+
+
+def _check_fused_experts_quant_args(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight_format,
+                                    activation, w13_bias, w2_bias, out):
+    """The per-call checks, run in debug mode only (atom_core.ops.validation)."""
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {weight_format!r}")
+    check_tensor("hidden", hidden, ndim=2, dtypes=FLOAT_DTYPES)
+    hidden_size = hidden.shape[1]
+    mxfp4 = weight_format == "mxfp4"
+    weight_dtype, scale_dtype = (torch.uint8, torch.uint8) if mxfp4 else (FP8_DTYPE, torch.float32)
+    check_tensor("w13", w13, ndim=3, dtypes=(weight_dtype,))
+    check_tensor("w2", w2, ndim=3, dtypes=(weight_dtype,))
+    num_experts, two_inter = w13.shape[0], w13.shape[1]
+    if two_inter % 2:
+        raise ValueError(f"w13 must hold 2I rows per expert (gate and up), got shape {tuple(w13.shape)}")
+    inter = two_inter // 2
+    if mxfp4 and (hidden_size % MXFP4_BLOCK or inter % MXFP4_BLOCK):
+        raise ValueError(f"mxfp4 weights need H and I multiples of {MXFP4_BLOCK} (whole scale blocks), "
+                         f"got H = {hidden_size}, I = {inter}")
+    for name, w, scale, rows, cols in (("w13", w13, w13_scale, two_inter, hidden_size),
+                                       ("w2", w2, w2_scale, hidden_size, inter)):
+        w_shape, scale_shape = quant_weight_shapes(weight_format, num_experts, rows, cols)
+        check_shape(name, w, w_shape)
+        check_tensor(f"{name}_scale", scale, ndim=3, dtypes=(scale_dtype,))
+        check_shape(f"{name}_scale", scale, scale_shape)
+    _check_routing_and_biases(hidden, num_experts, two_inter, topk_weights, topk_ids, activation, w13_bias, w2_bias)
+    check_same_device(hidden=hidden, w13=w13, w13_scale=w13_scale, w2=w2, w2_scale=w2_scale,
+                      topk_weights=topk_weights, topk_ids=topk_ids, w13_bias=w13_bias, w2_bias=w2_bias)
+    check_out("out", out, hidden.shape, hidden.dtype, hidden.device)
+
+
+def fused_experts_quant(hidden: Tensor, w13: Tensor, w13_scale: Tensor, w2: Tensor, w2_scale: Tensor,
+                        topk_weights: Tensor, topk_ids: Tensor, *, weight_format: str, activation: str = "silu",
+                        w13_bias: Tensor | None = None, w2_bias: Tensor | None = None, out: Tensor | None = None,
+                        backend: str | None = None) -> Tensor:
+    """:func:`fused_experts` with quantized expert weights; ``weight_format`` says which:
+
+    ================  ===========================  =================================  ==========================
+    weight_format     w13 / w2                     w13_scale / w2_scale               activations in the GEMMs
+    ================  ===========================  =================================  ==========================
+    ``"fp8_block"``   fp8 e4m3fn [E, 2I, H] /      fp32 [E, ceil(2I/128), ceil(H/128)]  fp8, 1 x 128 groups,
+                      [E, H, I]                    / [E, ceil(H/128), ceil(I/128)]     quantized in the kernel
+    ``"fp8_channel"`` fp8 e4m3fn, as above         fp32 [E, 2I, 1] / [E, H, 1]         fp8, one scale per token
+    ``"mxfp4"``       uint8 [E, 2I, H/2] /         uint8 e8m0 [E, 2I, H/32] /          hidden's dtype
+                      [E, H, I/2]: 2 e2m1 codes    [E, H, I/32]                        (weight-only)
+                      per byte, low nibble first
+    ================  ===========================  =================================  ==========================
+
+    Scales multiply (block: DeepSeek's ``weight_scale_inv`` as stored; w13's row block r // 128 of its
+    2I stacked rows). MXFP4 is GPT-OSS's ``*_blocks`` [E, N, K/32, 16] flattened to [E, N, K/2] (a view)
+    with its ``*_scales``; H and I must be multiples of 32. Everything else (hidden [T, H] fp32/fp16/
+    bf16, routing, activation and its gate/up row layout, biases, ``out``) is as in :func:`fused_experts`.
+    The twin dequantizes each chosen expert to fp32 and, for fp8, quantizes the hidden and intermediate
+    activations as ``per_group_quant`` / ``per_token_quant`` do (``reference.moe.fused_experts_quant``).
+    """
+    if debug_enabled():
+        _check_fused_experts_quant_args(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight_format,
+                                        activation, w13_bias, w2_bias, out)
+    elif out is not None:  # always on (see check_out_shape)
+        check_out_shape("out", out, hidden.shape)
+    out = torch.empty_like(hidden) if out is None else out
+    call_op("fused_experts_quant", hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight_format,
+            activation, w13_bias, w2_bias, out, backend)
     return out

@@ -7,6 +7,7 @@ Each call is recorded; what a function returns or writes is given per test as a 
 
 from __future__ import annotations
 
+import enum
 import inspect
 import re
 import sys
@@ -18,6 +19,23 @@ import torch
 
 SIGNATURES = Path(__file__).with_name("aiter_signatures.txt")
 _LINE = re.compile(r"^aiter/(?P<file>[\w/]+)\.py: (?P<name>\w+)\((?P<params>.*)\)(?: -> .*)?$")
+_ENUM = re.compile(r"^csrc/include/aiter_enum\.h: enum (?P<name>\w+) \{ (?P<members>.*) \}$")
+
+
+def parse_enums() -> dict[str, type[enum.IntEnum]]:
+    """AITER's C++ enums (ActivationType, QuantType) as IntEnums with the header's values."""
+    found = {}
+    for line in SIGNATURES.read_text().splitlines():
+        m = _ENUM.match(line)
+        if not m:
+            continue
+        members, value = {}, -1
+        for member in m["members"].split(", "):
+            name, _, explicit = member.partition(" = ")
+            value = int(explicit) if explicit else value + 1  # C++: one more than the previous
+            members[name] = value
+        found[m["name"]] = enum.IntEnum(m["name"], members)
+    return found
 
 
 def parse_signatures() -> dict[str, tuple[str, inspect.Signature]]:
@@ -25,8 +43,7 @@ def parse_signatures() -> dict[str, tuple[str, inspect.Signature]]:
     namespace = {
         "torch": torch, "Tensor": torch.Tensor, "Optional": Optional, "Generator": torch.Generator,
         "dtypes": types.SimpleNamespace(fp32=torch.float32, i8=torch.int8, bf16=torch.bfloat16),
-        "ActivationType": types.SimpleNamespace(Silu=0, Gelu=1, Swiglu=2),
-        "QuantType": types.SimpleNamespace(No=0),
+        **parse_enums(),
     }
     found = {}
     for line in SIGNATURES.read_text().splitlines():
@@ -43,6 +60,8 @@ class FakeAiter(types.ModuleType):
     def __init__(self, behaviours: dict[str, Callable]):
         super().__init__("aiter")
         self.calls: list[tuple[str, dict]] = []
+        for name, values in parse_enums().items():  # `from aiter import ActivationType, QuantType`
+            setattr(self, name, values)
         for name, (_, signature) in parse_signatures().items():
             setattr(self, name, self._make(name, signature, behaviours.get(name)))
         # Sub-modules the adapters import from (aiter.fused_moe.fused_moe, aiter.mla.*).

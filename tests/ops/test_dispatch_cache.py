@@ -202,6 +202,32 @@ def _fused_experts_args(c: Call):
     return hidden_states, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, out
 
 
+def _fused_experts_quant_args(c: Call):
+    tokens, experts, top_k = c.vary(3, 1), 4, 2
+    hidden, inter = c.vary(128, 160), c.vary(128, 96)  # on / off the 128 grid (AITER's block fp8 needs it on)
+    weight_format = c.vary("fp8_block", "fp8_channel", "mxfp4")
+    dtype = c.vary(BF16, FP16, FP32)
+    mxfp4 = weight_format == "mxfp4"
+    w_dtype, s_dtype = (torch.uint8, torch.uint8) if mxfp4 else (FP8, FP32)
+
+    def weight_and_scale(rows, cols):
+        if mxfp4:
+            return c.tensor(experts, rows, cols // 2, dtype=w_dtype), c.tensor(experts, rows, cols // 32, dtype=s_dtype)
+        if weight_format == "fp8_channel":
+            return c.tensor(experts, rows, cols, dtype=w_dtype), c.tensor(experts, rows, 1, dtype=s_dtype)
+        return c.tensor(experts, rows, cols, dtype=w_dtype), c.tensor(experts, -(-rows // 128), -(-cols // 128))
+
+    hidden_states = c.tensor(tokens, hidden, dtype=dtype)
+    (w13, w13_scale), (w2, w2_scale) = weight_and_scale(2 * inter, hidden), weight_and_scale(hidden, inter)
+    topk_weights = c.tensor(tokens, top_k, dtype=c.vary(FP32, BF16))
+    topk_ids = c.tensor(tokens, top_k, dtype=c.vary(torch.int32, torch.int64))
+    activation = c.vary("silu", "swiglu_clamped")
+    w13_bias = c.maybe(False, lambda: c.tensor(experts, 2 * inter, dtype=dtype))
+    w2_bias = c.maybe(False, lambda: c.tensor(experts, hidden, dtype=dtype))
+    return (hidden_states, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight_format, activation, w13_bias,
+            w2_bias, c.tensor(tokens, hidden, dtype=dtype))
+
+
 def _quant_args(c: Call, name: str):
     rows, cols = c.vary(3, 1), c.vary(256, 200, 96)
     x = c.tensor(rows, cols, dtype=c.vary(BF16, FP16, FP32))
@@ -243,6 +269,7 @@ ARGS = {
     "grouped_topk": lambda c: _routing_args(c, "grouped_topk"),
     "gpt_oss_topk": lambda c: _routing_args(c, "gpt_oss_topk"),
     "fused_experts": _fused_experts_args,
+    "fused_experts_quant": _fused_experts_quant_args,
     "per_tensor_quant": lambda c: _quant_args(c, "per_tensor_quant"),
     "per_token_quant": lambda c: _quant_args(c, "per_token_quant"),
     "per_group_quant": lambda c: _quant_args(c, "per_group_quant"),

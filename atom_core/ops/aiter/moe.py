@@ -1,6 +1,13 @@
 """AITER adapters for mixture-of-experts: routing (aiter/ops/moe_op.py, aiter/ops/topk.py) and the
 fused experts (aiter/fused_moe.py). AITER writes routing results into the tensors it is given.
 
+Quantized experts go through the same ``fused_moe`` with AITER's ``QuantType`` (the enum of
+csrc/include/aiter_enum.h): fp8 per-channel as ``per_Token`` (w1_scale [E, 2I, 1], w2_scale [E, H, 1],
+AITER's layout comments), fp8 block-128 as ``per_1x128`` (ATOM's Fp8MoEMethod passes DeepSeek's
+[E, 2I/128, H/128] / [E, H/128, I/128] scales so; ``per_128x128`` is remapped to it inside AITER);
+a1_scale / a2_scale None: AITER quantizes the activations dynamically, per token or per 1 x 128 group,
+as the twin does. MXFP4 is not mapped (``atom_core.ops.fused_moe._aiter_quant_supports`` says why).
+
 AITER's CK/asm MoE kernels may read w13/w2 pre-shuffled (``aiter.ops.shuffle.shuffle_weight``, the
 tensor tagged ``is_shuffled``); they look at the tag themselves. A model that shuffles its weights
 for AITER must keep calling this backend: the other backends read the plain layout.
@@ -12,6 +19,7 @@ from __future__ import annotations
 
 import aiter
 import torch
+from aiter import ActivationType, QuantType
 from aiter.fused_moe import fused_moe as aiter_fused_moe
 
 
@@ -42,4 +50,14 @@ def fused_experts(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias,
     # Silu with [gate | up] halves, no biases and no quantisation: AITER's defaults
     # (activation=ActivationType.Silu, quant_type=QuantType.No). The op's supports() keeps other cases away.
     result = aiter_fused_moe(hidden, w13, w2, topk_weights, topk_ids, bias1=None, bias2=None)
+    out.copy_(result)
+
+
+def fused_experts_quant(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight_format, activation,
+                        w13_bias, w2_bias, out):
+    # fp8 formats, silu with [gate | up] halves, no biases (the op's supports() keeps other cases away).
+    quant_type = QuantType.per_1x128 if weight_format == "fp8_block" else QuantType.per_Token
+    result = aiter_fused_moe(hidden, w13, w2, topk_weights, topk_ids, activation=ActivationType.Silu,
+                             quant_type=quant_type, w1_scale=w13_scale, w2_scale=w2_scale, a1_scale=None,
+                             a2_scale=None, bias1=None, bias2=None)
     out.copy_(result)

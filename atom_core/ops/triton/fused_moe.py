@@ -11,6 +11,11 @@
 The grid is sized by the worst case of the routing (``align_sizes``), never by E x T; programs past
 the used blocks return at once, so a decode step with most experts idle launches few programs.
 Block sizes come from :func:`block_config`, keyed by tokens per expert.
+
+Quantized expert weights (:func:`fused_experts_quant`: fp8 per-channel, fp8 block-128, MXFP4 kept
+packed) go through the same two kernels with ``W_FORMAT`` set: each K step loads the weight tile in
+its stored format and dequantizes it in registers, and quantizes the activation tile to fp8 where the
+format asks (``atom_core.ops.triton.moe_quant_tiles``). ``W_PLAIN`` compiles to the unquantized kernel.
 """
 
 # T tokens, E experts, K top-k, H hidden, I intermediate
@@ -27,6 +32,8 @@ import triton.language as tl
 from atom_core.ops.dispatch import triton_interpret
 from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2
 from atom_core.ops.triton.moe_align import align_sizes, moe_align
+from atom_core.ops.triton.moe_quant_tiles import (FORMAT_CODES, FP8_BLOCK, MXFP4_BLOCK, W_FP8_BLOCK, W_FP8_CHANNEL,
+                                                  W_MXFP4, W_PLAIN, mxfp4_tile, quantize_rows, row_scales)
 
 SILU = tl.constexpr(0)
 SWIGLU_CLAMPED = tl.constexpr(1)
@@ -89,18 +96,43 @@ def _tile_of(pid, num_blocks, num_n_tiles, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _round_to_bf16_values(x):
+    """fp32 → the fp32 holding x rounded to bf16, to nearest even (for the interpreter, whose fp32 → bf16
+    cast truncates: its 1-ulp error in the activation between the GEMMs would move fp8-quantized values
+    by a whole fp8 step where a GPU, rounding to nearest, does not)."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _row_amax(a_ptrs, row_ok, size, stride_k, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """max |a| over each of BLOCK_M rows of ``size`` columns (fp32): the per-token pre-pass."""
+    k = tl.arange(0, BLOCK_K)
+    amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for step in range(0, tl.cdiv(size, BLOCK_K)):
+        a = tl.load(a_ptrs + step * BLOCK_K * stride_k, mask=row_ok[:, None] & (k < size - step * BLOCK_K)[None, :],
+                    other=0.0)
+        amax = tl.maximum(amax, tl.max(tl.abs(a.to(tl.float32)), axis=1))
+    return amax
+
+
+@triton.jit
 def _gate_up_kernel(
-    x_ptr, w_ptr, b_ptr, act_ptr, sorted_ptr, block_experts_ptr, num_padded_ptr,
+    x_ptr, w_ptr, ws_ptr, b_ptr, act_ptr, sorted_ptr, block_experts_ptr, num_padded_ptr,
     num_entries, hidden, inter, num_blocks, gate_row_step, up_row_offset, alpha, limit,
-    stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_be, stride_bn, stride_an,
-    TOP_K: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_se, stride_sn, stride_sh,
+    stride_be, stride_bn, stride_an,
+    TOP_K: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, W_FORMAT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, ROUND_BF16: tl.constexpr,
 ):
     """act[entry, j] = act(x[entry // K] · w13[e, gate_row(j)] + b, x · w13[e, up_row(j)] + b).
 
     gate_row(j) = j * gate_row_step, up_row(j) = gate_row(j) + up_row_offset:
     silu (halves) step 1, offset I; swiglu_clamped (interleaved) step 2, offset 1.
+    Quantized weights (``W_FORMAT``): ws_ptr is w13's scale, strides (expert, row, column);
+    MXFP4's stride_wh is that of w13's bytes (two elements each).
     """
     pid_m, pid_n = _tile_of(tl.program_id(0), num_blocks, tl.cdiv(inter, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -112,32 +144,79 @@ def _gate_up_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
     gate_rows = cols.to(tl.int64) * gate_row_step
+    up_rows = gate_rows + up_row_offset
     k = tl.arange(0, BLOCK_K)
 
     x_ptrs = x_ptr + token[:, None] * stride_xt + k[None, :] * stride_xh
     w_expert = w_ptr + expert * stride_we
-    gate_ptrs = w_expert + gate_rows[None, :] * stride_wn + k[:, None] * stride_wh
+    s_expert = ws_ptr + expert * stride_se
+    if W_FORMAT == W_MXFP4:
+        w_k = k // 2  # the byte holding element k; its nibble starts at bit 4 * (k % 2)
+        gate_s_ptrs = s_expert + gate_rows[None, :] * stride_sn + (k // MXFP4_BLOCK)[:, None] * stride_sh
+        up_s_ptrs = gate_s_ptrs + up_row_offset * stride_sn
+        w_step = BLOCK_K // 2
+    else:
+        w_k = k
+        w_step = BLOCK_K
+    gate_ptrs = w_expert + gate_rows[None, :] * stride_wn + w_k[:, None] * stride_wh
     up_ptrs = gate_ptrs + up_row_offset * stride_wn
+    if W_FORMAT == W_FP8_CHANNEL:
+        a_scale = row_scales(_row_amax(x_ptrs, row_ok, hidden, stride_xh, BLOCK_M, BLOCK_K))
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for step in range(0, tl.cdiv(hidden, BLOCK_K)):
         if EVEN_K:
-            a = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
-            w_gate = tl.load(gate_ptrs, mask=col_ok[None, :], other=0.0)
-            w_up = tl.load(up_ptrs, mask=col_ok[None, :], other=0.0)
+            a_mask = row_ok[:, None]
+            w_mask = col_ok[None, :]
         else:
             k_ok = k < hidden - step * BLOCK_K
-            a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w_gate = tl.load(gate_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            w_up = tl.load(up_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if UPCAST_DOT:
-            a, w_gate, w_up = a.to(tl.float32), w_gate.to(tl.float32), w_up.to(tl.float32)
-        acc_gate = tl.dot(a, w_gate, acc_gate, input_precision=DOT_PRECISION)
-        acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
+            a_mask = row_ok[:, None] & k_ok[None, :]
+            w_mask = k_ok[:, None] & col_ok[None, :]
+        a = tl.load(x_ptrs, mask=a_mask, other=0.0)
+        if W_FORMAT == W_PLAIN:
+            w_gate = tl.load(gate_ptrs, mask=w_mask, other=0.0)
+            w_up = tl.load(up_ptrs, mask=w_mask, other=0.0)
+            if UPCAST_DOT:
+                a, w_gate, w_up = a.to(tl.float32), w_gate.to(tl.float32), w_up.to(tl.float32)
+            acc_gate = tl.dot(a, w_gate, acc_gate, input_precision=DOT_PRECISION)
+            acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
+        elif W_FORMAT == W_MXFP4:
+            shift = ((k % 2) * 4)[:, None]
+            w_gate = mxfp4_tile(gate_ptrs, gate_s_ptrs, shift, w_mask)
+            w_up = mxfp4_tile(up_ptrs, up_s_ptrs, shift, w_mask)
+            if UPCAST_DOT:
+                a = a.to(tl.float32)
+            else:  # exact in bf16 and fp32 (fp16: for scales 2**-23 ... 2**13)
+                w_gate, w_up = w_gate.to(a.dtype), w_up.to(a.dtype)
+            acc_gate = tl.dot(a, w_gate, acc_gate, input_precision=DOT_PRECISION)
+            acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
+            gate_s_ptrs += (BLOCK_K // MXFP4_BLOCK) * stride_sh
+            up_s_ptrs += (BLOCK_K // MXFP4_BLOCK) * stride_sh
+        else:
+            w_gate = tl.load(gate_ptrs, mask=w_mask, other=0.0)
+            w_up = tl.load(up_ptrs, mask=w_mask, other=0.0)
+            if W_FORMAT == W_FP8_BLOCK:  # BLOCK_K == 128: this step is block column `step`, one group per row
+                a_scale = row_scales(tl.max(tl.abs(a.to(tl.float32)), axis=1))
+                a_q = quantize_rows(a, a_scale, w_ptr.dtype.element_ty)
+                gate_s = tl.load(s_expert + (gate_rows // FP8_BLOCK) * stride_sn + step * stride_sh, mask=col_ok,
+                                 other=0.0)
+                up_s = tl.load(s_expert + (up_rows // FP8_BLOCK) * stride_sn + step * stride_sh, mask=col_ok,
+                               other=0.0)
+                acc_gate += tl.dot(a_q, w_gate) * a_scale[:, None] * gate_s[None, :]
+                acc_up += tl.dot(a_q, w_up) * a_scale[:, None] * up_s[None, :]
+            else:
+                a_q = quantize_rows(a, a_scale, w_ptr.dtype.element_ty)
+                acc_gate = tl.dot(a_q, w_gate, acc_gate)
+                acc_up = tl.dot(a_q, w_up, acc_up)
         x_ptrs += BLOCK_K * stride_xh
-        gate_ptrs += BLOCK_K * stride_wh
-        up_ptrs += BLOCK_K * stride_wh
+        gate_ptrs += w_step * stride_wh
+        up_ptrs += w_step * stride_wh
 
+    if W_FORMAT == W_FP8_CHANNEL:
+        gate_s = tl.load(s_expert + gate_rows * stride_sn, mask=col_ok, other=0.0)
+        up_s = tl.load(s_expert + up_rows * stride_sn, mask=col_ok, other=0.0)
+        acc_gate = acc_gate * a_scale[:, None] * gate_s[None, :]
+        acc_up = acc_up * a_scale[:, None] * up_s[None, :]
     if HAS_BIAS:
         b_expert = b_ptr + expert * stride_be + gate_rows * stride_bn
         acc_gate += tl.load(b_expert, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -148,20 +227,23 @@ def _gate_up_kernel(
         gate = tl.minimum(acc_gate, limit)
         up = tl.minimum(tl.maximum(acc_up, -limit), limit)
         act = (up + 1.0) * gate * tl.sigmoid(alpha * gate)
+    if ROUND_BF16:
+        act = _round_to_bf16_values(act)
     out_ptrs = act_ptr + entry.to(tl.int64)[:, None] * stride_an + cols[None, :]
     tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
 def _down_kernel(
-    act_ptr, w_ptr, b_ptr, topk_weights_ptr, y_ptr, sorted_ptr, block_experts_ptr, num_padded_ptr,
+    act_ptr, w_ptr, ws_ptr, b_ptr, topk_weights_ptr, y_ptr, sorted_ptr, block_experts_ptr, num_padded_ptr,
     num_entries, hidden, inter, num_blocks,
-    stride_an, stride_we, stride_wn, stride_wi, stride_be, stride_bn, stride_tw_t, stride_tw_k, stride_yn,
-    TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    stride_an, stride_we, stride_wn, stride_wi, stride_se, stride_sn, stride_si, stride_be, stride_bn,
+    stride_tw_t, stride_tw_k, stride_yn,
+    TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, W_FORMAT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
-    """y[entry, h] = topk_weight[entry] * (act[entry] · w2[e, h] + b2[e, h])."""
+    """y[entry, h] = topk_weight[entry] * (act[entry] · w2[e, h] + b2[e, h]) (formats as the gate/up kernel)."""
     pid_m, pid_n = _tile_of(tl.program_id(0), num_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -174,22 +256,53 @@ def _down_kernel(
     k = tl.arange(0, BLOCK_K)
 
     a_ptrs = act_ptr + entry[:, None] * stride_an + k[None, :]
-    w_ptrs = w_ptr + expert * stride_we + cols.to(tl.int64)[None, :] * stride_wn + k[:, None] * stride_wi
+    s_expert = ws_ptr + expert * stride_se
+    if W_FORMAT == W_MXFP4:
+        w_k = k // 2
+        s_ptrs = s_expert + cols.to(tl.int64)[None, :] * stride_sn + (k // MXFP4_BLOCK)[:, None] * stride_si
+        w_step = BLOCK_K // 2
+    else:
+        w_k = k
+        w_step = BLOCK_K
+    w_ptrs = w_ptr + expert * stride_we + cols.to(tl.int64)[None, :] * stride_wn + w_k[:, None] * stride_wi
+    if W_FORMAT == W_FP8_CHANNEL:
+        a_scale = row_scales(_row_amax(a_ptrs, row_ok, inter, 1, BLOCK_M, BLOCK_K))
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for step in range(0, tl.cdiv(inter, BLOCK_K)):
         if EVEN_K:
-            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-            w = tl.load(w_ptrs, mask=col_ok[None, :], other=0.0)
+            a_mask = row_ok[:, None]
+            w_mask = col_ok[None, :]
         else:
             k_ok = k < inter - step * BLOCK_K
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if UPCAST_DOT:
-            a, w = a.to(tl.float32), w.to(tl.float32)
-        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+            a_mask = row_ok[:, None] & k_ok[None, :]
+            w_mask = k_ok[:, None] & col_ok[None, :]
+        a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+        if W_FORMAT == W_PLAIN:
+            w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+            if UPCAST_DOT:
+                a, w = a.to(tl.float32), w.to(tl.float32)
+            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        elif W_FORMAT == W_MXFP4:
+            w = mxfp4_tile(w_ptrs, s_ptrs, ((k % 2) * 4)[:, None], w_mask)
+            if UPCAST_DOT:
+                a = a.to(tl.float32)
+            else:
+                w = w.to(a.dtype)
+            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+            s_ptrs += (BLOCK_K // MXFP4_BLOCK) * stride_si
+        else:
+            w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+            if W_FORMAT == W_FP8_BLOCK:
+                a_scale = row_scales(tl.max(tl.abs(a.to(tl.float32)), axis=1))
+                w_s = tl.load(s_expert + (cols // FP8_BLOCK) * stride_sn + step * stride_si, mask=col_ok, other=0.0)
+                acc += tl.dot(quantize_rows(a, a_scale, w_ptr.dtype.element_ty), w) * a_scale[:, None] * w_s[None, :]
+            else:
+                acc = tl.dot(quantize_rows(a, a_scale, w_ptr.dtype.element_ty), w, acc)
         a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K * stride_wi
+        w_ptrs += w_step * stride_wi
 
+    if W_FORMAT == W_FP8_CHANNEL:
+        acc = acc * a_scale[:, None] * tl.load(s_expert + cols * stride_sn, mask=col_ok, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + expert * stride_be + cols * stride_bn, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     route = tl.load(topk_weights_ptr + (entry // TOP_K) * stride_tw_t + (entry % TOP_K) * stride_tw_k,
@@ -246,36 +359,71 @@ def launch_shape(num_tokens: int, top_k: int, num_experts: int, hidden_size: int
 
 
 def fused_experts(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, out, config=None):
-    """Backend entry (shapes checked by the public op); ``config`` overrides :func:`block_config`.
+    """Backend entry of ``ops.fused_experts`` (shapes checked by the public op); ``config`` overrides
+    :func:`block_config`."""
+    if hidden.shape[0] == 0:
+        return
+    cfg = config or block_config(hidden.shape[0], topk_ids.shape[1], w13.shape[0], hidden.dtype)
+    _launch(hidden, w13, None, w2, None, topk_weights, topk_ids, None, activation, w13_bias, w2_bias, out, cfg)
 
-    Strides are passed as ``*t.stride()`` (one call per tensor; ``t.stride(i)`` costs as much each).
-    """
+
+@functools.lru_cache(maxsize=LAUNCH_CACHE_SIZE)
+def quant_block_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype,
+                       weight_format: str) -> BlockConfig:
+    """:func:`block_config` with BLOCK_K = 128 for fp8 weights (one block column / activation group
+    per K step; 128 fp8 bytes, as many as 64 bf16 ones). MXFP4 keeps it (a multiple of 32)."""
+    cfg = block_config(num_tokens, top_k, num_experts, dtype)
+    if weight_format.startswith("fp8"):
+        return BlockConfig(cfg.block_m, cfg.block_n, 128, cfg.group_m, cfg.num_warps, cfg.num_stages)
+    return cfg
+
+
+def fused_experts_quant(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight_format, activation,
+                        w13_bias, w2_bias, out, config=None):
+    """Backend entry of ``ops.fused_experts_quant``; ``config`` overrides :func:`quant_block_config`
+    (fp8_block needs BLOCK_K = 128, MXFP4 a multiple of 32)."""
+    if hidden.shape[0] == 0:
+        return
+    cfg = config or quant_block_config(hidden.shape[0], topk_ids.shape[1], w13.shape[0], hidden.dtype, weight_format)
+    if weight_format == "fp8_block" and cfg.block_k != 128:
+        raise ValueError(f"fp8_block needs BLOCK_K = 128 (one scale block per K step), got {cfg.block_k}")
+    if weight_format == "mxfp4" and cfg.block_k % 32:
+        raise ValueError(f"mxfp4 needs BLOCK_K a multiple of 32 (whole scale blocks per K step), got {cfg.block_k}")
+    _launch(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight_format, activation, w13_bias,
+            w2_bias, out, cfg)
+
+
+def _launch(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight_format, activation, w13_bias,
+            w2_bias, out, cfg):
+    """Align, gate/up, down, sum. Strides are passed as ``*t.stride()`` (one call per tensor;
+    ``t.stride(i)`` costs as much each)."""
     num_tokens, hidden_size = hidden.shape
     num_experts, two_inter, _ = w13.shape
     inter = two_inter // 2
     top_k = topk_ids.shape[1]
-    if num_tokens == 0:
-        return
-    cfg = config or block_config(num_tokens, top_k, num_experts, hidden.dtype)
     shape = launch_shape(num_tokens, top_k, num_experts, hidden_size, inter, cfg)
     num_entries, num_blocks = shape.num_entries, shape.num_blocks
     # fp32 operands: full-precision dot, not TF32; 16-bit operands: the target's default.
     precision = "ieee" if hidden.dtype == torch.float32 else None
-    # Triton's CPU interpreter multiplies bf16 dot operands wrongly: there (only) they go up to fp32.
+    # Triton's CPU interpreter multiplies bf16 dot operands wrongly and casts fp32 to bf16 by truncation:
+    # there (only) dot operands go up to fp32 and the activation between the GEMMs is rounded by hand.
     upcast = triton_interpret() and hidden.dtype == torch.bfloat16
+    w_format = FORMAT_CODES[weight_format]
     sorted_entries, block_experts, num_padded = moe_align(topk_ids, num_experts, cfg.block_m)
 
     act = torch.empty(num_entries, inter, dtype=hidden.dtype, device=hidden.device)
     swiglu = activation == "swiglu_clamped"
     b13 = w13_bias if w13_bias is not None else w13  # any pointer; never read without HAS_BIAS
+    s13 = w13_scale if w13_scale is not None else w13  # never read by the plain format
     _gate_up_kernel[shape.gate_up_grid](
-        hidden, w13, b13, act, sorted_entries, block_experts, num_padded,
+        hidden, w13, s13, b13, act, sorted_entries, block_experts, num_padded,
         num_entries, hidden_size, inter, num_blocks, 2 if swiglu else 1, 1 if swiglu else inter,
         SWIGLU_ALPHA, SWIGLU_LIMIT,
-        *hidden.stride(), *w13.stride(), *(w13_bias.stride() if w13_bias is not None else (0, 0)), act.stride(0),
+        *hidden.stride(), *w13.stride(), *(w13_scale.stride() if w13_scale is not None else (0, 0, 0)),
+        *(w13_bias.stride() if w13_bias is not None else (0, 0)), act.stride(0),
         TOP_K=top_k, ACT=SWIGLU_CLAMPED if swiglu else SILU, HAS_BIAS=w13_bias is not None,
-        EVEN_K=shape.even_hidden, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, DOT_PRECISION=precision, UPCAST_DOT=upcast,
+        EVEN_K=shape.even_hidden, W_FORMAT=w_format, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m, DOT_PRECISION=precision, UPCAST_DOT=upcast, ROUND_BF16=upcast,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -283,12 +431,13 @@ def fused_experts(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias,
     # a few % of a prefill, nothing at decode).
     y = torch.empty(num_entries, hidden_size, dtype=torch.float32, device=hidden.device)
     b2 = w2_bias if w2_bias is not None else w2
+    s2 = w2_scale if w2_scale is not None else w2
     _down_kernel[shape.down_grid](
-        act, w2, b2, topk_weights, y, sorted_entries, block_experts, num_padded,
+        act, w2, s2, b2, topk_weights, y, sorted_entries, block_experts, num_padded,
         num_entries, hidden_size, inter, num_blocks,
-        act.stride(0), *w2.stride(), *(w2_bias.stride() if w2_bias is not None else (0, 0)),
-        *topk_weights.stride(), y.stride(0),
-        TOP_K=top_k, HAS_BIAS=w2_bias is not None, EVEN_K=shape.even_inter,
+        act.stride(0), *w2.stride(), *(w2_scale.stride() if w2_scale is not None else (0, 0, 0)),
+        *(w2_bias.stride() if w2_bias is not None else (0, 0)), *topk_weights.stride(), y.stride(0),
+        TOP_K=top_k, HAS_BIAS=w2_bias is not None, EVEN_K=shape.even_inter, W_FORMAT=w_format,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         DOT_PRECISION=precision, UPCAST_DOT=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -1,0 +1,108 @@
+"""Quantized operand tiles of the fused-MoE GEMMs (``atom_core.ops.triton.fused_moe``): what a K step
+of the gate/up or down kernel does with an expert's weight tile and the activation tile it meets.
+
+Weight formats (``W_FORMAT``, a constexpr of both kernels; layouts in ``atom_core.ops.reference.moe``):
+
+- ``W_PLAIN``: weights in hidden's dtype (the unquantized path, unchanged);
+- ``W_FP8_CHANNEL``: fp8 weights, one scale per output row applied in the epilogue; the activation
+  rows are quantized to fp8 per token (:func:`row_scales` over the whole row in a first pass);
+- ``W_FP8_BLOCK``: fp8 weights with a scale per 128 x 128 block; each K step covers exactly one
+  128-wide block column (BLOCK_K = 128), whose activation tile is quantized per 1 x 128 group in
+  registers and whose partial product is scaled by ``a_scale[m] * w_scale[n // 128, step]``;
+- ``W_MXFP4``: packed E2M1 codes (two per byte along K) with an E8M0 scale per 32 along K, decoded
+  to fp32 in registers (:func:`mxfp4_tile`) and multiplied in hidden's dtype: the weights never
+  exist decoded in memory.
+
+The activation quantization is the twin's (``reference.quant``) operation for operation — fp32
+amax, ``max(amax, 1e-10) / 448`` and ``x / scale`` as IEEE divisions (``tl.div_rn``), the same
+round to nearest even (``triton.quant.round_to_format``) — so the fp8 values equal the twin's.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from atom_core.ops.reference.quant import AMAX_FLOOR, FP8_DTYPE, qmax
+from atom_core.ops.triton.quant import round_to_format
+
+W_PLAIN = tl.constexpr(0)
+W_FP8_CHANNEL = tl.constexpr(1)
+W_FP8_BLOCK = tl.constexpr(2)
+W_MXFP4 = tl.constexpr(3)
+FORMAT_CODES = {None: 0, "fp8_channel": 1, "fp8_block": 2, "mxfp4": 3}  # weight_format -> W_FORMAT
+
+FP8_MAX = tl.constexpr(qmax(FP8_DTYPE))
+AMAX_MIN = tl.constexpr(AMAX_FLOOR)
+FP8_BLOCK = tl.constexpr(128)
+MXFP4_BLOCK = tl.constexpr(32)
+
+
+@triton.jit
+def e2m1_value(code):
+    """int32 E2M1 code (0..15) → fp32 value, ``E2M1_VALUES[code]`` exactly (-0.0 for code 8).
+
+    Built from the code's bits (sign, 2-bit exponent e, 1-bit mantissa m) instead of a table in
+    memory: e > 0 is the normal number 2**(e - 1) * (1 + m / 2) (fp32 exponent field e + 126,
+    mantissa's top bit m); e = 0 is m * 0.5 (fp32 bits of 0.5 or of 0).
+    """
+    exponent = (code >> 1) & 3
+    mantissa = code & 1
+    bits = tl.where(exponent == 0, mantissa * 0x3F000000, ((exponent + 126) << 23) | (mantissa << 22))
+    magnitude = bits.to(tl.float32, bitcast=True)
+    return tl.where(code >= 8, -magnitude, magnitude)
+
+
+@triton.jit
+def e8m0_value(scale):
+    """int32 E8M0 byte (0..255) → fp32 2**(scale - 127), exactly: the byte is the fp32 exponent
+    field; 0 is the subnormal 2**-127 (bits 0x00400000); 255 is NaN."""
+    bits = tl.where(scale == 0, 0x00400000, scale << 23)
+    return tl.where(scale == 255, 0x7FC00000, bits).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def mxfp4_tile(byte_ptrs, scale_ptrs, shift, mask):
+    """fp32 weight tile of packed MXFP4: element k's code is ``(byte >> shift) & 15`` with
+    ``shift = 4 * (k % 2)`` (low nibble first), times its block's ``2 ** (e8m0 - 127)``."""
+    codes = (tl.load(byte_ptrs, mask=mask, other=0).to(tl.int32) >> shift) & 0xF
+    scales = tl.load(scale_ptrs, mask=mask, other=127).to(tl.int32)
+    return e2m1_value(codes) * e8m0_value(scales)
+
+
+@triton.jit
+def row_scales(amax):
+    """fp32 per-row amax → fp8 scale ``max(amax, 1e-10) / 448`` (the twin's ``scale_from_amax``)."""
+    return tl.div_rn(tl.maximum(amax, AMAX_MIN), FP8_MAX)
+
+
+@triton.jit
+def quantize_rows(a, scale, FP8_TYPE: tl.constexpr):
+    """Activation tile [M, K] (any float) and its rows' scales [M] → the fp8 tile the twin stores."""
+    return round_to_format(tl.div_rn(a.to(tl.float32), scale[:, None]), FP8_MAX, False).to(FP8_TYPE)
+
+
+@triton.jit
+def _decode_mxfp4_kernel(packed_ptr, scales_ptr, out_ptr, rows, cols, stride_pr, stride_sr, stride_or,
+                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """out [R, C] fp32 = the decode :func:`mxfp4_tile` does inside the GEMMs (for tests)."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (r < rows)[:, None] & (c < cols)[None, :]
+    byte_ptrs = packed_ptr + r[:, None] * stride_pr + (c // 2)[None, :]
+    scale_ptrs = scales_ptr + r[:, None] * stride_sr + (c // MXFP4_BLOCK)[None, :]
+    values = mxfp4_tile(byte_ptrs, scale_ptrs, ((c % 2) * 4)[None, :], mask)
+    tl.store(out_ptr + r[:, None] * stride_or + c[None, :], values, mask=mask)
+
+
+def decode_mxfp4(packed, scales):
+    """packed uint8 [R, C/2], scales uint8 [R, C/32] (last dims contiguous) → fp32 [R, C], decoded by
+    the kernels' own :func:`mxfp4_tile` (what tests pin against the checkpoint decoder)."""
+    import torch
+
+    rows, cols = packed.shape[0], packed.shape[1] * 2
+    out = torch.empty(rows, cols, dtype=torch.float32, device=packed.device)
+    grid = (triton.cdiv(rows, 16), triton.cdiv(cols, 64))
+    _decode_mxfp4_kernel[grid](packed, scales, out, rows, cols, packed.stride(0), scales.stride(0), out.stride(0),
+                               BLOCK_R=16, BLOCK_C=64)
+    return out

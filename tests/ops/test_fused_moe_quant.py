@@ -1,0 +1,420 @@
+"""Fused experts with quantized weights (``fused_experts_quant``): the MXFP4 decode (twin and kernel)
+bit for bit against the checkpoint decoder of ``models.mxfp4``, the twin against an independent
+float64 computation per format, Triton against the twin (CPU interpreter on small shapes: odd token
+counts, H and I off the 128 grid, top-k 1/2/4, biases or not), GPT-OSS's checkpoint tensors served as
+they are stored, the AITER mapping against the stand-in, validation and torch.compile."""
+
+# T tokens, E experts, K top-k, H hidden, I intermediate
+
+import importlib
+import math
+import warnings
+
+import pytest
+import torch
+
+from atom_core.models import mxfp4 as checkpoint_mxfp4
+from atom_core.ops import fused_moe as fused_moe_module
+from atom_core.ops import quant as quant_ops
+from atom_core.ops.dispatch import triton_interpret
+from atom_core.ops.fused_moe import fused_experts_quant
+from atom_core.ops.reference import moe as reference
+from atom_core.ops.selftest_cases_moe_quant import TOLERANCES, mxfp4_experts, quant_experts
+from atom_core.ops.tolerances import MOE
+from tests.ops import fake_aiter
+from tests.ops.conftest import DEVICE, ON_GPU, needs_gpu, needs_triton, non_contiguous_rows, rand
+
+FORMATS = ["fp8_block", "fp8_channel", "mxfp4"]
+FP8 = torch.float8_e4m3fn
+needs_interpreter = pytest.mark.skipif(not triton_interpret(), reason="pins the CPU interpreter's arithmetic")
+
+
+def tol(weight_format, dtype):
+    atol, rtol = TOLERANCES[weight_format][dtype]
+    return {"atol": atol, "rtol": rtol}
+
+
+def make_case(weight_format, tokens, experts, top_k, hidden, inter, dtype, *, biases=False, seed=0, device=DEVICE):
+    """hidden, (w13, w13_scale, w2, w2_scale), routing and optional biases; outputs of order 1."""
+    g = torch.Generator().manual_seed(seed)
+    x = rand(tokens, hidden, dtype=dtype, generator=g, device=device)
+    weights = quant_experts(weight_format, seed + 1, experts, hidden, inter, device)
+    routing = reference.topk_softmax(rand(tokens, experts, generator=g, device=device), top_k, True)
+    b13 = rand(experts, 2 * inter, dtype=dtype, generator=g, device=device) if biases else None
+    b2 = rand(experts, hidden, dtype=dtype, generator=g, device=device) if biases else None
+    return x, weights, routing, b13, b2
+
+
+# ------------------------------------------------------------------------------------- MXFP4 decode
+
+def _random_blocks(rows, groups, exponents, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (rows, groups, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(exponents[0], exponents[1] + 1, (rows, groups), generator=g).to(torch.uint8)
+    return blocks, scales
+
+
+def test_e2m1_table_and_twin_decode_are_bit_exact_with_the_checkpoint_decoder():
+    assert reference.E2M1_VALUES == checkpoint_mxfp4.E2M1_VALUES  # the ops copy of models' table
+    blocks, scales = _random_blocks(64, 5, (0, 254))
+    want = checkpoint_mxfp4.dequantize_mxfp4(blocks, scales, torch.float32)
+    got = reference.dequantize_mxfp4(blocks.flatten(-2), scales)  # GPT-OSS blocks [.., G, 16] as [.., G * 16]
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))  # -0.0, subnormals, inf alike
+
+
+@needs_triton
+def test_kernel_mxfp4_decode_is_bit_exact_with_the_checkpoint_decoder():
+    # Every code in every nibble position, E8M0 exponents over the whole finite range (2**-127 ... 2**127:
+    # subnormal and infinite products included); a GPU may flush subnormals, so it gets 2 ... 254.
+    from atom_core.ops.triton.moe_quant_tiles import decode_mxfp4
+
+    blocks, scales = _random_blocks(96, 6, (2, 254) if ON_GPU else (0, 254), seed=1)
+    want = checkpoint_mxfp4.dequantize_mxfp4(blocks, scales, torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the interpreter's numpy overflows to inf, as it should
+        got = decode_mxfp4(blocks.flatten(-2).to(DEVICE), scales.to(DEVICE)).cpu()
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+# ------------------------------------------------------------------------------------- twin vs float64
+
+def _float64_weights(weight_format, w, scale):
+    """[E, N, K] float64, decoded without the twin's helpers: the checkpoint decoder for MXFP4, index
+    arithmetic for the fp8 scales."""
+    if weight_format == "mxfp4":
+        experts, rows, half = w.shape
+        return checkpoint_mxfp4.dequantize_mxfp4(w.view(experts, rows, half // 16, 16), scale, torch.float32).double()
+    if weight_format == "fp8_channel":
+        return w.double() * scale.double()
+    rows, cols = torch.arange(w.shape[1]) // 128, torch.arange(w.shape[2]) // 128
+    return w.double() * scale.double()[:, rows][:, :, cols]
+
+
+def _float64_activation(weight_format, v):
+    """v [C] float64 as the fp8 GEMMs read it: scale = amax / 448 per row or per 128 columns, the value
+    rounded to e4m3fn (the cast rounds to nearest even), times the scale."""
+    if weight_format == "mxfp4":
+        return v
+    size = 128 if weight_format == "fp8_block" else v.numel()
+    out = torch.empty_like(v)
+    for start in range(0, v.numel(), size):
+        part = v[start:start + size]
+        scale = max(part.abs().max().item(), 1e-10) / 448
+        out[start:start + size] = (part / scale).clamp(-448, 448).to(FP8).double() * scale
+    return out
+
+
+def _float64_experts(weight_format, x, w13, s13, w2, s2, weights, ids, activation, b13, b2):
+    """Token by token, choice by choice, in float64 (the activation between the GEMMs kept in float64
+    too: hidden is fp32 here, whose rounding the twin skips as well)."""
+    w13d, w2d = _float64_weights(weight_format, w13, s13), _float64_weights(weight_format, w2, s2)
+    inter = w2d.shape[2]
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        xt = _float64_activation(weight_format, x[t].double())
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            h = w13d[e] @ xt + (0 if b13 is None else b13[e].double())
+            if activation == "silu":
+                gate, up = h[:inter], h[inter:]
+                a = gate / (1 + torch.exp(-gate)) * up
+            else:
+                gate, up = h[0::2].clamp(max=7.0), h[1::2].clamp(-7.0, 7.0)
+                a = (up + 1) * gate / (1 + torch.exp(-1.702 * gate))
+            y = w2d[e] @ _float64_activation(weight_format, a) + (0 if b2 is None else b2[e].double())
+            out[t] += float(weights[t, k]) * y
+    return out
+
+
+@pytest.mark.parametrize("weight_format, activation, biases", [("fp8_block", "silu", False),
+                                                               ("fp8_channel", "swiglu_clamped", True),
+                                                               ("mxfp4", "swiglu_clamped", True)])
+def test_twin_matches_an_independent_float64_computation(weight_format, activation, biases):
+    # H = 160 and I = 96: partial 128-blocks in both GEMMs (fp8_block), whole 32-blocks (MXFP4).
+    x, (w13, s13, w2, s2), (weights, ids), b13, b2 = make_case(weight_format, 5, 4, 2, 160, 96, torch.float32,
+                                                               biases=biases, seed=3, device="cpu")
+    got = reference.fused_experts_quant(x, w13, s13, w2, s2, weights, ids, weight_format, activation, b13, b2)
+    want = _float64_experts(weight_format, x, w13, s13, w2, s2, weights, ids, activation, b13, b2)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_twin_equals_the_unquantized_twin_on_decoded_weights_for_mxfp4():
+    # Weight-only: nothing but the decode differs from fused_experts.
+    x, (w13, s13, w2, s2), (weights, ids), b13, b2 = make_case("mxfp4", 7, 4, 2, 64, 32, torch.bfloat16, biases=True,
+                                                               device="cpu")
+    got = reference.fused_experts_quant(x, w13, s13, w2, s2, weights, ids, "mxfp4", "swiglu_clamped", b13, b2)
+    dense = [reference.dequantize_mxfp4(w, s).to(torch.bfloat16) for w, s in ((w13, s13), (w2, s2))]
+    assert torch.equal(got, reference.fused_experts(x, *dense, weights, ids, "swiglu_clamped", b13, b2))
+
+
+# ----------------------------------------------------------------------------------- Triton vs twin
+
+# (format, tokens, experts, top_k, hidden, inter, activation, biases, dtype): odd T; H, I multiples of 32 off
+# the 64/128 grid (partial fp8 blocks, a ragged last K step); every format with top-k 1, 2 and 4, with and
+# without biases.
+TRITON_CASES = [
+    ("fp8_block", 1, 4, 1, 160, 96, "silu", False, torch.bfloat16),
+    ("fp8_block", 7, 8, 2, 96, 32, "swiglu_clamped", True, torch.float32),
+    ("fp8_block", 33, 4, 4, 160, 96, "silu", True, torch.float16),
+    ("fp8_channel", 1, 4, 1, 96, 32, "swiglu_clamped", True, torch.bfloat16),
+    ("fp8_channel", 7, 8, 2, 160, 96, "silu", False, torch.float32),
+    ("fp8_channel", 33, 4, 4, 96, 64, "silu", True, torch.bfloat16),
+    ("mxfp4", 1, 4, 1, 160, 96, "silu", True, torch.float32),
+    ("mxfp4", 7, 8, 2, 96, 32, "swiglu_clamped", True, torch.bfloat16),
+    ("mxfp4", 33, 4, 4, 160, 64, "swiglu_clamped", False, torch.float16),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("weight_format, tokens, experts, top_k, hidden, inter, activation, biases, dtype",
+                         TRITON_CASES)
+def test_triton_matches_twin(weight_format, tokens, experts, top_k, hidden, inter, activation, biases, dtype):
+    x, (w13, s13, w2, s2), (weights, ids), b13, b2 = make_case(weight_format, tokens, experts, top_k, hidden, inter,
+                                                               dtype, biases=biases, seed=tokens + top_k)
+    got = fused_experts_quant(x, w13, s13, w2, s2, weights, ids, weight_format=weight_format, activation=activation,
+                              w13_bias=b13, w2_bias=b2, backend="triton")
+    want = reference.fused_experts_quant(x, w13, s13, w2, s2, weights, ids, weight_format, activation, b13, b2)
+    torch.testing.assert_close(got, want, **tol(weight_format, dtype))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("weight_format", ["fp8_block", "fp8_channel"])
+def test_triton_quantizes_activations_exactly_as_the_twin(weight_format):
+    # In the interpreter (IEEE fp32, no fp8 accumulation shortcuts) the fp8 activations equal the twin's
+    # bit for bit, so fp32 outputs differ by summation order only: MOE's fp32 tolerance, not MOE_FP8's.
+    x, (w13, s13, w2, s2), (weights, ids), b13, b2 = make_case(weight_format, 9, 4, 2, 160, 96, torch.float32,
+                                                               biases=True, seed=11)
+    got = fused_experts_quant(x, w13, s13, w2, s2, weights, ids, weight_format=weight_format, w13_bias=b13,
+                              w2_bias=b2, backend="triton")
+    want = reference.fused_experts_quant(x, w13, s13, w2, s2, weights, ids, weight_format, "silu", b13, b2)
+    atol, rtol = MOE[torch.float32]
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+
+
+@needs_triton
+@pytest.mark.parametrize("weight_format, block_m, block_n, block_k, group_m", [("fp8_channel", 32, 16, 64, 2),
+                                                                              ("mxfp4", 16, 32, 32, 3),
+                                                                              ("fp8_block", 16, 16, 128, 2)])
+def test_triton_other_tile_configs(weight_format, block_m, block_n, block_k, group_m):
+    # Several M blocks per N stripe, other padding units, one MXFP4 scale block per K step.
+    from atom_core.ops.triton import fused_moe as triton_moe
+    x, (w13, s13, w2, s2), (weights, ids), b13, b2 = make_case(weight_format, 33, 4, 2, 96, 64, torch.float32,
+                                                               biases=True, seed=5)
+    out = torch.empty_like(x)
+    config = triton_moe.BlockConfig(block_m, block_n, block_k, group_m, 4, 2)
+    triton_moe.fused_experts_quant(x, w13, s13, w2, s2, weights, ids, weight_format, "silu", b13, b2, out,
+                                   config=config)
+    want = reference.fused_experts_quant(x, w13, s13, w2, s2, weights, ids, weight_format, "silu", b13, b2)
+    torch.testing.assert_close(out, want, **tol(weight_format, torch.float32))
+
+
+@needs_triton
+def test_triton_refuses_tile_configs_that_split_a_scale_block():
+    from atom_core.ops.triton import fused_moe as triton_moe
+    x, (w13, s13, w2, s2), (weights, ids), _, _ = make_case("fp8_block", 3, 4, 2, 64, 32, torch.float32)
+    with pytest.raises(ValueError, match="BLOCK_K = 128"):
+        triton_moe.fused_experts_quant(x, w13, s13, w2, s2, weights, ids, "fp8_block", "silu", None, None,
+                                       torch.empty_like(x), config=triton_moe.BlockConfig(16, 16, 64, 1, 4, 2))
+    x, (w13, s13, w2, s2), (weights, ids), _, _ = make_case("mxfp4", 3, 4, 2, 64, 32, torch.float32)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        triton_moe.fused_experts_quant(x, w13, s13, w2, s2, weights, ids, "mxfp4", "silu", None, None,
+                                       torch.empty_like(x), config=triton_moe.BlockConfig(16, 16, 16, 1, 4, 2))
+
+
+@needs_triton
+def test_triton_strided_inputs_out_given_and_dropped_choices():
+    x, (w13, s13, w2, s2), (weights, ids), b13, b2 = make_case("mxfp4", 7, 4, 2, 64, 32, torch.float32, biases=True,
+                                                               seed=9)
+    x = non_contiguous_rows(x)
+    s13 = s13.transpose(1, 2).contiguous().transpose(1, 2)  # [E, 2I, H/32] view of an [E, H/32, 2I] buffer
+    ids = ids.t().contiguous().t()
+    ids[3, 1] = -1  # a dropped choice
+    out = non_contiguous_rows(torch.full((7, 64), float("nan"), device=DEVICE))
+    got = fused_experts_quant(x, w13, s13, w2, s2, weights, ids, weight_format="mxfp4", w13_bias=b13, w2_bias=b2,
+                              out=out, backend="triton")
+    assert got is out
+    want = reference.fused_experts_quant(x, w13, s13, w2, s2, weights, ids, "mxfp4", "silu", b13, b2)
+    torch.testing.assert_close(out, want, **tol("mxfp4", torch.float32))
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+def test_empty_batch(backend):
+    x, (w13, s13, w2, s2), (weights, ids), _, _ = make_case("fp8_block", 0, 4, 2, 64, 32, torch.float32)
+    assert fused_experts_quant(x, w13, s13, w2, s2, weights, ids, weight_format="fp8_block",
+                               backend=backend).shape == (0, 64)
+
+
+@needs_gpu
+@pytest.mark.parametrize("weight_format", FORMATS)
+@pytest.mark.parametrize("tokens", [1, 7, 64, 1029])
+def test_gpu_triton_matches_twin(weight_format, tokens):
+    # Qwen3-30B-A3B's expert shapes (fp8), GPT-OSS-20B's (MXFP4, with its activation and biases).
+    gpt_oss = weight_format == "mxfp4"
+    experts, top_k, hidden, inter = (32, 4, 2880, 2880) if gpt_oss else (128, 8, 2048, 768)
+    activation = "swiglu_clamped" if gpt_oss else "silu"
+    x, (w13, s13, w2, s2), (weights, ids), b13, b2 = make_case(weight_format, tokens, experts, top_k, hidden, inter,
+                                                               torch.bfloat16, biases=gpt_oss, seed=tokens)
+    got = fused_experts_quant(x, w13, s13, w2, s2, weights, ids, weight_format=weight_format, activation=activation,
+                              w13_bias=b13, w2_bias=b2, backend="triton")
+    want = reference.fused_experts_quant(x, w13, s13, w2, s2, weights, ids, weight_format, activation, b13, b2)
+    torch.testing.assert_close(got, want, **tol(weight_format, torch.bfloat16))
+
+
+@needs_gpu
+def test_gpu_fp8_decode_under_cuda_graph():
+    x, (w13, s13, w2, s2), (weights, ids), _, _ = make_case("fp8_block", 8, 128, 8, 2048, 768, torch.bfloat16)
+    out = torch.empty_like(x)
+    call = dict(weight_format="fp8_block", out=out, backend="triton")
+    fused_experts_quant(x, w13, s13, w2, s2, weights, ids, **call)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_experts_quant(x, w13, s13, w2, s2, weights, ids, **call)
+    new_weights, new_ids = reference.topk_softmax(rand(8, 128), 8, True)
+    weights.copy_(new_weights)
+    ids.copy_(new_ids)
+    x.copy_(rand(8, 2048, dtype=torch.bfloat16))
+    graph.replay()
+    want = reference.fused_experts_quant(x, w13, s13, w2, s2, weights, ids, "fp8_block")
+    torch.testing.assert_close(out, want, **tol("fp8_block", torch.bfloat16))
+
+
+# ------------------------------------------------------------------------------- GPT-OSS checkpoints
+
+def test_gpt_oss_checkpoint_tensors_are_served_as_stored():
+    """GPT-OSS stores ``gate_up_proj_blocks`` [E, 2I, H/32, 16] (rows interleaved gate, up) with
+    ``_scales`` [E, 2I, H/32] and biases, ``down_proj_*`` likewise: flattened to [E, N, K/2] they are the
+    op's MXFP4 arguments, and the op equals HF transformers' GptOssExperts on the decoded weights."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    experts, hidden, inter, top_k = 4, 64, 32, 2
+    config = transformers.GptOssConfig(hidden_size=hidden, intermediate_size=inter, num_local_experts=experts,
+                                       num_experts_per_tok=top_k, num_attention_heads=4, num_key_value_heads=4)
+    gate_up_blocks, gate_up_scales = _random_blocks(experts * 2 * inter, hidden // 32, (122, 125), seed=4)
+    down_blocks, down_scales = _random_blocks(experts * hidden, inter // 32, (122, 125), seed=5)
+    gate_up_blocks, gate_up_scales = gate_up_blocks.view(experts, 2 * inter, -1, 16), gate_up_scales.view(experts,
+                                                                                                       2 * inter, -1)
+    down_blocks, down_scales = down_blocks.view(experts, hidden, -1, 16), down_scales.view(experts, hidden, -1)
+    g = torch.Generator().manual_seed(6)
+    gate_up_bias, down_bias = torch.randn(experts, 2 * inter, generator=g), torch.randn(experts, hidden, generator=g)
+
+    hf = GptOssExperts(config)
+    with torch.no_grad():  # HF's x @ W layout: the decoded [E, N, K] transposed, as transformers' mxfp4 loader does
+        hf.gate_up_proj.copy_(checkpoint_mxfp4.dequantize_mxfp4(gate_up_blocks, gate_up_scales, torch.float32)
+                              .transpose(1, 2))
+        hf.down_proj.copy_(checkpoint_mxfp4.dequantize_mxfp4(down_blocks, down_scales, torch.float32).transpose(1, 2))
+        hf.gate_up_proj_bias.copy_(gate_up_bias)
+        hf.down_proj_bias.copy_(down_bias)
+    x = 3 * torch.randn(9, hidden, generator=g)  # large enough for the clamps at +-7
+    weights, ids = reference.gpt_oss_topk(torch.randn(9, experts, generator=g), top_k)
+    want = hf(x, ids.long(), weights).detach()
+
+    backends = ["torch"] + (["triton"] if triton_interpret() or ON_GPU else [])
+    for backend in backends:
+        got = fused_experts_quant(x.to(DEVICE), gate_up_blocks.flatten(-2).to(DEVICE), gate_up_scales.to(DEVICE),
+                                  down_blocks.flatten(-2).to(DEVICE), down_scales.to(DEVICE), weights.to(DEVICE),
+                                  ids.to(DEVICE), weight_format="mxfp4", activation="swiglu_clamped",
+                                  w13_bias=gate_up_bias.to(DEVICE), w2_bias=down_bias.to(DEVICE), backend=backend)
+        torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4, msg=backend)
+
+
+# ----------------------------------------------------------------------------- AITER, compile, errors
+
+def _aiter_fused_moe(hidden_states, w1, w2, topk_weight, topk_ids, activation, quant_type, w1_scale, w2_scale,
+                     a1_scale, a2_scale, bias1, bias2, **defaults):
+    """AITER's fused_moe as its quant types define it: dynamic activation quantization per token
+    (per_Token) or per 1 x 128 group (per_1x128), dequantized weights, silu on [gate | up] halves."""
+    assert activation == 0 and bias1 is None and bias2 is None and a1_scale is None and a2_scale is None
+    weight_format = {2: "fp8_channel", 4: "fp8_block"}[int(quant_type)]
+    return reference.fused_experts_quant(hidden_states, w1, w1_scale, w2, w2_scale, topk_weight, topk_ids,
+                                         weight_format)
+
+
+@pytest.mark.parametrize("weight_format, quant_type", [("fp8_channel", "per_Token"), ("fp8_block", "per_1x128")])
+def test_aiter_adapter_maps_fp8_formats_to_its_quant_types(monkeypatch, weight_format, quant_type):
+    fake = fake_aiter.install(monkeypatch, {"fused_moe": _aiter_fused_moe})
+    aiter_moe = importlib.import_module("atom_core.ops.aiter.moe")  # fresh: bound to this fake
+    x, (w13, s13, w2, s2), (weights, ids), _, _ = make_case(weight_format, 5, 4, 2, 256, 128, torch.bfloat16,
+                                                            device="cpu")
+    out = torch.empty_like(x)
+    aiter_moe.fused_experts_quant(x, w13, s13, w2, s2, weights, ids, weight_format, "silu", None, None, out)
+    torch.testing.assert_close(out, reference.fused_experts_quant(x, w13, s13, w2, s2, weights, ids, weight_format))
+    name, args = fake.calls[-1]
+    assert name == "fused_moe" and args["quant_type"] == getattr(fake.QuantType, quant_type)
+    assert args["activation"] == fake.ActivationType.Silu
+    assert args["w1"] is w13 and args["w2"] is w2 and args["w1_scale"] is s13 and args["w2_scale"] is s2
+
+
+def test_aiter_refusals_name_the_reason(monkeypatch):
+    supports = fused_moe_module._aiter_quant_supports
+
+    def call(weight_format="fp8_block", hidden=256, inter=128, dtype=torch.bfloat16, activation="silu", biases=False):
+        x, (w13, s13, w2, s2), (weights, ids), b13, b2 = make_case(weight_format, 3, 4, 2, hidden, inter, dtype,
+                                                                   biases=biases, device="cpu")
+        return supports(x, w13, s13, w2, s2, weights, ids, weight_format, activation, b13, b2, x)
+
+    assert "e4m3fnuz" in call()  # on this CPU, as on an MI300
+    monkeypatch.setattr(quant_ops, "fp8_e4m3fn_native", lambda device: True)
+    assert call() is None and call("fp8_channel", hidden=160, inter=96) is None
+    assert "per_1x32" in call("mxfp4")
+    assert "multiples of 128" in call(hidden=160)
+    assert "multiples of 128" in call(inter=96)
+    assert "silu" in call(activation="swiglu_clamped")
+    assert "biases" in call(biases=True)
+    assert "fp16/bf16" in call(dtype=torch.float32)
+
+
+def test_compiles_in_one_graph_and_passes_opcheck():
+    x, (w13, s13, w2, s2), (weights, ids), b13, b2 = make_case("fp8_channel", 5, 4, 2, 64, 32, torch.float32,
+                                                               biases=True, device="cpu")
+
+    def moe(x):
+        return fused_experts_quant(x, w13, s13, w2, s2, weights, ids, weight_format="fp8_channel", w13_bias=b13,
+                                   w2_bias=b2, backend="torch") * 2
+
+    torch.testing.assert_close(torch.compile(moe, fullgraph=True, backend="aot_eager")(x), moe(x))
+    # opcheck compares the inputs before and after with ops torch's CPU lacks for fp8: the uint8 format here.
+    x, (w13, s13, w2, s2), (weights, ids), b13, b2 = make_case("mxfp4", 5, 4, 2, 64, 32, torch.float32, biases=True,
+                                                               device="cpu")
+    torch.library.opcheck(torch.ops.atom_core.fused_experts_quant.default,
+                          (x, w13, s13, w2, s2, weights, ids, "mxfp4", "swiglu_clamped", b13, b2, torch.empty_like(x),
+                           "torch"))
+
+
+def _args(weight_format="fp8_block", **change):
+    x, (w13, s13, w2, s2), (weights, ids), _, _ = make_case(weight_format, 3, 4, 2, 64, 32, torch.float32,
+                                                            device="cpu")
+    args = dict(hidden=x, w13=w13, w13_scale=s13, w2=w2, w2_scale=s2, topk_weights=weights, topk_ids=ids)
+    kwargs = {k: change.pop(k) for k in list(change) if k not in args}
+    args.update(change)
+    kwargs.setdefault("weight_format", weight_format)
+    return lambda: fused_experts_quant(*args.values(), **kwargs)
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (_args(weight_format="int4"), "weight_format must be one of"),
+        (_args(w13=torch.zeros(4, 64, 64)), "w13 dtype"),
+        (_args(w13_scale=torch.ones(4, 64, 1)), "w13_scale must have shape"),
+        (_args(w2_scale=torch.ones(4, 1, 1, dtype=torch.float16)), "w2_scale dtype"),
+        (_args("fp8_channel", w2_scale=torch.ones(4, 64)), "w2_scale must have 3 dims"),
+        (_args("mxfp4", w13=torch.zeros(4, 64, 64, dtype=torch.uint8)), "w13 must have shape"),
+        (_args("mxfp4", w13_scale=torch.zeros(4, 64, 2)), "w13_scale dtype"),
+        (_args("mxfp4", hidden=torch.randn(3, 48)), "multiples of 32"),
+        (_args(topk_ids=torch.zeros(3, 2)), "topk_ids dtype"),
+        (_args(activation="gelu"), "activation must be one of"),
+        (_args(w2_bias=torch.zeros(4, 63)), "w2_bias must have shape"),
+        (_args(out=torch.empty(3, 65)), "out must have shape"),
+    ],
+)
+def test_bad_arguments_are_named(call, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        call()
+
+
+def test_mxfp4_experts_builder_gives_weights_of_the_intended_scale():
+    # The test inputs' premise (outputs of order 1): weights with a std within 2x of cols**-0.5.
+    packed, scales = mxfp4_experts(0, 2, 64, 256)
+    std = reference.dequantize_mxfp4(packed, scales).std().item()
+    assert 0.5 < std * math.sqrt(256) < 2
