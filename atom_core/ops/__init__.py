@@ -23,7 +23,7 @@ from atom_core.ops.dispatch import (
     use_backend,
 )
 from atom_core.ops.dsa import indexer_topk, mla_sparse_attention, store_indexer_k_
-from atom_core.ops.fused_moe import fused_experts
+from atom_core.ops.fused_moe import fused_experts, fused_experts_quant
 from atom_core.ops.kv_cache import store_kv_
 from atom_core.ops.mla import mla_decode_attention, mla_prefill_attention, store_mla_
 from atom_core.ops.moe_routing import gpt_oss_topk, grouped_topk, topk_softmax
@@ -43,6 +43,7 @@ __all__ = [
     "debug_enabled",
     "default_backend",
     "fused_experts",
+    "fused_experts_quant",
     "gelu_and_mul",
     "gpt_oss_topk",
     "grouped_topk",
