@@ -5,6 +5,9 @@ models also run with ``expert_parallel=True`` (each rank holds half the experts,
 One config per architecture family, chosen so the split is not trivial: KV heads split and
 replicated (MQA), a vocabulary that does not divide (padded), an odd dense intermediate size
 split in halves, expert intermediate sizes split, shared experts, tied heads, attention sinks.
+
+FP8 with 128 x 128 block scales (an HF ``fp8`` checkpoint, ``quant_checkpoints``): each rank's
+logits match the single-rank quantized model's.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from tests.models import (  # noqa: E402
     test_parity_qwen3_moe,
 )
 from tests.models.moe_parity import build_moe_pair  # noqa: E402
-from tests.models.parity_harness import check_decode, check_ragged_prefill  # noqa: E402
+from tests.models.parity_harness import PagedRunner, check_decode, check_ragged_prefill, random_tokens  # noqa: E402
 
 TP = 2
 DENSE_CASES = [
@@ -89,3 +92,58 @@ def test_expert_parallel_splits_whole_experts_and_needs_experts(tmp_path):
     dense = build_moe_pair(test_parity_llama.CASES[0], tmp_path / "dense")
     with pytest.raises(ValueError, match="no experts to split"):
         load_model(dense.path, device="cpu", tp_rank=0, tp_size=2, expert_parallel=True)
+
+
+# --- FP8 block scales over two ranks ---------------------------------------------------------------------------
+
+def _prefill_then_decode(model) -> torch.Tensor:
+    """Logits of a ragged prefill of three prompts, then two decode steps of all three (one tensor)."""
+    runner = PagedRunner(model, block_size=4, num_blocks=48, seed=1)
+    prompts = [random_tokens(n, 101, seed=50 + i) for i, n in enumerate((9, 3, 14))]
+    outs = runner.step([(f"s{i}", p) for i, p in enumerate(prompts)])
+    for step in range(2):
+        outs += runner.step([(f"s{i}", [7 + step + i]) for i in range(3)])
+    return torch.cat(outs)
+
+
+def _fp8_block_rank(rank: int, init_file: str, path, expected: torch.Tensor) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=TP,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        model = load_model(path, dtype=torch.float32, device="cpu", tp_rank=rank, tp_size=TP)
+        layer = model.model.layers[0]
+        # this rank's 128-blocks: qkv rows (512 + 2 * 256) / 2, o_proj columns 512 / 2, down_proj columns 256 / 2
+        assert tuple(layer.self_attn.qkv_proj.weight_scale.shape) == (4, 2)
+        assert tuple(layer.self_attn.o_proj.weight_scale.shape) == (2, 2)
+        assert tuple(layer.mlp.down_proj.weight_scale.shape) == (2, 1)
+        with ops.use_backend("torch"):
+            actual = _prefill_then_decode(model)
+        # The ranks quantize the same 1 x 128 activation groups with the same block scales as one rank,
+        # so a row's logits differ by fp32 summation order (the all-reduce: ~1e-6) unless that order
+        # flips one activation's FP8 rounding (a value within ~1e-7 of a rounding boundary): that
+        # element then moves by one FP8 step (2**-3 of its value) and carries it through the later
+        # layers. Measured: 31 of 32 rows within 1.4e-6, one row 1.3e-2 (0.3% of the logit scale).
+        # Allowed: 7 rows in 8 at fp32 precision, every row within 2% of the logit scale (a wrong
+        # block, scale or split moves logits by tens of percent).
+        scale = expected.abs().max().item()
+        row_diff = (actual - expected).abs().amax(dim=1)
+        at_fp32 = row_diff <= 1e-4 * max(1.0, scale)
+        assert at_fp32.float().mean() >= 7 / 8, f"rank {rank}: rows off by more than fp32 noise: {row_diff.tolist()}"
+        assert (row_diff <= 0.02 * scale).all(), f"rank {rank}: a row off by more than one rounding flip: " \
+                                                 f"{row_diff.max().item():.3g} of {scale:.3g}"
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
+def test_two_ranks_with_fp8_block_scales_match_the_single_rank_quantized_model(tmp_path):
+    pytest.importorskip("compressed_tensors")
+    from tests.models import quant_checkpoints as qc
+
+    path = qc.hf_fp8_block_checkpoint(qc.hf_model("qwen3", qc.ALIGNED), tmp_path / "ckpt",
+                                      architecture="Qwen3ForCausalLM")
+    with ops.use_backend("torch"):
+        expected = _prefill_then_decode(load_model(path, dtype=torch.float32, device="cpu"))
+    mp.start_processes(_fp8_block_rank, args=(os.path.join(tmp_path, "init"), path, expected), nprocs=TP, join=True,
+                       start_method="fork")
