@@ -183,11 +183,14 @@ class _Linear(nn.Module):
             whole = piece.size % block == 0 or (last and piece.src_start + piece.size == piece.full_rows)
             if piece.src_start % block or piece.dst_offset % block or not whole:
                 what = f"{piece.name} " if piece.name else ""
+                hint = ("use a tensor-parallel size that keeps blocks whole" if self.tp_size > 1 else
+                        "a fused layer's parts other than the last must be whole blocks: block FP8 cannot serve "
+                        f"parts of {[p.full_rows for p in pieces]} rows")
                 raise UnsupportedQuantizationError(
                     f"{self.prefix or type(self).__name__}: FP8 128 x 128 block scales cannot follow this split: "
                     f"{what}{dim} [{piece.src_start}, {piece.src_start + piece.size}) of {piece.full_rows} on "
                     f"tp_rank {self.tp_rank} of {self.tp_size} cut a 128-block (each rank's {dim} of each part "
-                    "must be whole blocks); use a tensor-parallel size that keeps blocks whole")
+                    f"must be whole blocks); {hint}")
 
     def extra_repr(self) -> str:
         quant = "" if not self.scheme.is_quantized else f", quant={self.quant_method.describe()}"
