@@ -1,13 +1,15 @@
 """Model definitions, weight loading and the architecture registry.
 
 ``load_model(folder)`` builds the model named by ``config.json`` and fills it from the
-folder's ``*.safetensors``; ``build_model(config)`` builds one with dummy or zero weights.
+folder's ``*.safetensors``; ``build_model(config)`` builds one with dummy or zero weights (quantized
+as the config's ``quantization_config`` or ``quantization=`` says: random weights in the stored format).
 Both return the model in eval mode. Architecture files are imported only when a model of
 that architecture is built.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ from atom_core.models.quantization import (
     QuantConfig,
     UnsupportedQuantizationError,
     check_quantization_supported,
+    initialize_dummy_quantized_weights,
     online_quant_config,
     parse_quant_config,
 )
@@ -44,6 +47,8 @@ __all__ = [
     "register_model",
     "supported_architectures",
 ]
+
+logger = logging.getLogger(__name__)
 
 _LOAD_FORMATS = ("auto", "safetensors", "dummy", "zeros")
 
@@ -88,7 +93,8 @@ def _num_sparse_layers(config: ModelConfig) -> int:
     return sparse - sum(1 for i in listed if first <= i < layers and (i + 1) % step == 0)
 
 
-def estimate_model_bytes(config: ModelConfig, dtype: torch.dtype, *, tp_size: int = 1) -> tuple[int, str]:
+def estimate_model_bytes(config: ModelConfig, dtype: torch.dtype, *, tp_size: int = 1,
+                         expert_bytes_per_weight: float | None = None) -> tuple[int, str]:
     """A lower bound of the bytes one rank's model of ``config`` takes, and what they are made of.
 
     Parameters in ``dtype`` (E hidden, V vocabulary, L layers, H/Hk heads, D head dim, I intermediate,
@@ -98,6 +104,8 @@ def estimate_model_bytes(config: ModelConfig, dtype: torch.dtype, *, tp_size: in
     ``3 E I_moe`` plus the router ``E X`` and shared experts; all divided by ``tp_size`` (norms and
     biases are left out: a lower bound, so a refusal means the model cannot fit). Plus the fp32 rotary
     cos/sin table(s), ``max_position_embeddings x rotary dim``, one per rope layer type.
+    ``expert_bytes_per_weight``: the routed experts' bytes per weight when they are stored otherwise than
+    ``dtype`` (MXFP4: 0.5 + 1/32; scales included or not, a lower bound stays one).
     """
     e, v, layers, d = config.hidden_size, config.vocab_size, config.num_hidden_layers, config.head_dim
     h, hk = config.num_attention_heads, config.num_key_value_heads
@@ -107,6 +115,7 @@ def estimate_model_bytes(config: ModelConfig, dtype: torch.dtype, *, tp_size: in
     moe_inter = _extra_count(config, "moe_intermediate_size", default=inter)
     shared = _extra_count(config, "n_shared_experts")
     per_param = dtype.itemsize / tp_size
+    per_expert_param = per_param if expert_bytes_per_weight is None else expert_bytes_per_weight / tp_size
     attention, rotary_dim = e * (h + 2 * hk) * d + h * d * e, d
     kv_lora = _extra_count(config, "kv_lora_rank")
     if kv_lora:  # MLA: q (through q_lora_rank or not), the latent down/up projections, o_proj
@@ -120,8 +129,8 @@ def estimate_model_bytes(config: ModelConfig, dtype: torch.dtype, *, tp_size: in
         "lm head": 0 if config.tie_word_embeddings else v * e * per_param,
         f"{layers} layers' attention": layers * attention * per_param,
         f"{layers - sparse} dense MLPs": (layers - sparse) * 3 * e * inter * per_param,
-        f"{sparse} x {experts} experts": sparse * (experts * 3 * e * moe_inter + e * experts
-                                                    + shared * 3 * e * moe_inter) * per_param,
+        f"{sparse} x {experts} experts": sparse * (experts * 3 * e * moe_inter * per_expert_param
+                                                    + (e * experts + shared * 3 * e * moe_inter) * per_param),
     }
     factor = config.get("partial_rotary_factor", 1.0)
     factor = factor if isinstance(factor, (int, float)) and 0 < factor <= 1 else 1.0
@@ -133,9 +142,22 @@ def estimate_model_bytes(config: ModelConfig, dtype: torch.dtype, *, tp_size: in
     return total, f"{dtype}: " + ", ".join(f"{name} {size / GIB:.2f} GiB" for size, name in large)
 
 
-def _check_fits(config: ModelConfig, dtype: torch.dtype, device: torch.device, tp_size: int, source: str) -> None:
+def _estimate_args(quant_config: QuantConfig | None, dtype: torch.dtype) -> dict:
+    """``estimate_model_bytes``' dtype and expert bytes for a model built with ``quant_config`` (lower bounds):
+    MXFP4 (gpt-oss: experts only) keeps the dense layers in ``dtype`` and counts the experts at half a byte;
+    the 8-bit formats count one byte per element."""
+    if quant_config is None:
+        return {"dtype": dtype}
+    if quant_config.quant_method == "mxfp4":
+        return {"dtype": dtype, "expert_bytes_per_weight": 0.5}
+    return {"dtype": torch.float8_e4m3fn}
+
+
+def _check_fits(config: ModelConfig, dtype: torch.dtype, device: torch.device, tp_size: int, source: str,
+                quant_config: QuantConfig | None = None) -> None:
     """Refuse, before any module is built, a model whose estimate exceeds the memory of ``device``."""
-    needed, detail = estimate_model_bytes(config, dtype, tp_size=tp_size)
+    args = _estimate_args(quant_config, dtype)
+    needed, detail = estimate_model_bytes(config, args.pop("dtype"), tp_size=tp_size, **args)
     check_fits_in_memory(
         f"the {'/'.join(config.architectures) or 'model'} of {source}", needed, available_memory_bytes(device),
         where=memory_name(device), detail=detail,
@@ -157,8 +179,10 @@ def _instantiate(config: ModelConfig, dtype: torch.dtype, device: torch.device, 
         return cls(config, dtype=dtype, device=device, **tp)
 
 
-def _initialize(model: nn.Module, load_format: str, seed: int) -> None:
-    if load_format == "dummy":
+def _initialize(model: nn.Module, load_format: str, seed: int, quantized: bool = False) -> None:
+    if load_format == "dummy" and quantized:
+        initialize_dummy_quantized_weights(model, seed=seed)
+    elif load_format == "dummy":
         initialize_dummy_weights(model, seed=seed)
     else:
         initialize_zero_weights(model)
@@ -167,7 +191,8 @@ def _initialize(model: nn.Module, load_format: str, seed: int) -> None:
 
 def build_model(config: ModelConfig | dict[str, Any], *, dtype: torch.dtype | str | None = None,
                 device: str | torch.device | None = None, load_format: str = "dummy",
-                seed: int = 0, tp_rank: int = 0, tp_size: int = 1, expert_parallel: bool = False) -> nn.Module:
+                seed: int = 0, tp_rank: int = 0, tp_size: int = 1, expert_parallel: bool = False,
+                quantization: str | None = None) -> nn.Module:
     """A model of ``config``'s architecture with ``"dummy"`` (seeded normal(0, 0.02)) or ``"zeros"`` weights.
 
     ``config``: a ``ModelConfig`` or a config.json-style dict. ``device`` defaults to CUDA when
@@ -176,6 +201,13 @@ def build_model(config: ModelConfig | dict[str, Any], *, dtype: torch.dtype | st
     reduces across the ranks); ``expert_parallel``: a MoE model's experts are split across those
     ranks instead of each expert's intermediate dim. Raises ``InsufficientMemoryError`` before any
     module is built when ``estimate_model_bytes`` exceeds the memory free on ``device``.
+
+    Quantized builds (benchmarks of the real storage formats): the config's ``quantization_config``
+    is honoured as a checkpoint's would be (gpt-oss's ``mxfp4``: packed random MXFP4 experts), or
+    ``quantization="fp8"`` (per-channel FP8 weights, dynamic per-token activations) / ``"fp8_block"``
+    (128 x 128 blocks) quantizes every linear layer and expert of an unquantized config, as
+    ``load_model(quantization=...)`` does. Dummy weights are drawn and quantized a layer (an expert)
+    at a time (``quantization.dummy``): the unquantized model never exists.
     """
     if load_format not in ("dummy", "zeros"):
         raise ValueError(f"build_model: load_format must be 'dummy' or 'zeros', got {load_format!r}")
@@ -183,41 +215,51 @@ def build_model(config: ModelConfig | dict[str, Any], *, dtype: torch.dtype | st
         config = ModelConfig.from_dict(config)
     if not isinstance(config, ModelConfig):
         raise TypeError(f"config must be a ModelConfig or a dict, got {type(config).__name__}")
+    _, cls = resolve_architecture(config.architectures)
     device = _default_device(device)
     dtype = _default_dtype(config, dtype, device)
-    _check_fits(config, dtype, device, tp_size, "this config")
-    model = _instantiate(config, dtype, device, tp_rank, tp_size, expert_parallel)
-    _initialize(model, load_format, seed)
+    model, quantized = _build_random(config, cls, quantization, None, "this config", dtype, device, tp_rank, tp_size,
+                                     expert_parallel)
+    _initialize(model, load_format, seed, quantized=quantized)
     return model.eval()
 
 
-def _check_quantization(config: ModelConfig, cls: type, folder: Path, load_format: str,
-                        quantization: str | None) -> QuantConfig | None:
-    """The ``QuantConfig`` the model is built with: the checkpoint's ``quantization_config`` parsed
+def _build_random(config: ModelConfig, cls: type, quantization: str | None, config_file: Path | None,
+                  where: str | Path, dtype: torch.dtype, device: torch.device, tp_rank: int, tp_size: int,
+                  expert_parallel: bool) -> tuple[nn.Module, bool]:
+    """The model of a random-weight build (not yet filled) and whether it is quantized. The config's own
+    ``quantization_config`` is honoured where atom_core serves it; where it does not (a format, or a layer
+    of it, refused by name) the model is built unquantized, with a warning: random weights of the shapes
+    are still what a benchmark wants. An explicit ``quantization`` is never dropped."""
+    try:
+        quant_config = _quant_config_of(config, cls, quantization, config_file, where)
+        _check_fits(config, dtype, device, tp_size, str(where), quant_config)
+        return _instantiate(config, dtype, device, tp_rank, tp_size, expert_parallel, quant_config), \
+            quant_config is not None
+    except UnsupportedQuantizationError as e:
+        if quantization is not None or config.get("quantization_config") is None:
+            raise
+        logger.warning("%s: random weights built unquantized: %s", where, e)
+    _check_fits(config, dtype, device, tp_size, str(where))
+    return _instantiate(config, dtype, device, tp_rank, tp_size, expert_parallel), False
+
+
+def _quant_config_of(config: ModelConfig, cls: type, quantization: str | None, config_file: Path | None,
+                     where: str | Path) -> QuantConfig | None:
+    """The ``QuantConfig`` a model of ``config`` is built with: the config's ``quantization_config`` parsed
     (formats no layer can serve refused by name), or ``online_quant_config(quantization)`` for an
-    unquantized checkpoint; one the architecture does not load (``cls.supported_quantization``) is
-    refused, before any weight is read. Random-weight loads ignore the checkpoint's (and are built
-    unquantized)."""
-    if quantization is not None and load_format in ("dummy", "zeros"):
-        raise ValueError(f"quantization={quantization!r} quantizes checkpoint weights while loading; "
-                         f"load_format={load_format!r} reads none")
-    if load_format in ("dummy", "zeros"):
-        return None
-    quant = parse_quant_config(config.get("quantization_config"), source_file=folder / "config.json")
+    unquantized config (both at once refused); one the architecture does not load
+    (``cls.supported_quantization``) is refused, before anything is built or read."""
+    quant = parse_quant_config(config.get("quantization_config"), source_file=config_file)
     if quantization is not None:
         if quant is not None:
             raise UnsupportedQuantizationError(
-                f"{folder}: quantization={quantization!r} asks to quantize while loading, but the checkpoint is "
+                f"{where}: quantization={quantization!r} asks to quantize while loading, but the checkpoint is "
                 f"already quantized (quant_method={quant.quant_method!r}); leave quantization=None to load it as is")
         quant = online_quant_config(quantization)
     if quant is not None:
-        check_quantization_supported(quant, cls, source=folder)
+        check_quantization_supported(quant, cls, source=where)
     return quant
-
-
-def _quantizes_dense_layers(quant_config: QuantConfig | None) -> bool:
-    """Whether some dense linear layer may hold 8-bit weights (gpt-oss's MXFP4 experts are decoded)."""
-    return quant_config is not None and quant_config.quant_method != "mxfp4"
 
 
 def load_model(path: str | Path, *, dtype: torch.dtype | str | None = None,
@@ -234,11 +276,13 @@ def load_model(path: str | Path, *, dtype: torch.dtype | str | None = None,
 
     A quantized checkpoint (``quantization_config`` in config.json: HF ``fp8``, ``compressed-tensors``,
     ``quark``; see docs/models.md) is built with the linear method each layer's rule gives it and
-    loads its FP8 / INT8 tensors and scales as stored. ``quantization``: ``"fp8"`` (per-channel FP8
-    weights, dynamic per-token activations) or ``"fp8_block"`` (128 x 128 blocks, 1 x 128 activation
-    groups) quantizes an unquantized checkpoint while it loads, each tensor as it is read (the
-    unquantized model never exists on ``device``); None loads the checkpoint as it is. Quantized
-    MoE experts are refused by name (except gpt-oss's MXFP4, decoded to ``dtype``).
+    loads its FP8 / INT8 tensors and scales as stored; MoE experts load as FP8 (block or per-channel)
+    or, for gpt-oss, MXFP4 kept packed. ``quantization``: ``"fp8"`` (per-channel FP8 weights, dynamic
+    per-token activations) or ``"fp8_block"`` (128 x 128 blocks, 1 x 128 activation groups) quantizes an
+    unquantized checkpoint while it loads, each tensor as it is read (the unquantized model never exists
+    on ``device``); None loads the checkpoint as it is. With ``load_format="dummy"`` / ``"zeros"`` the
+    model is built quantized the same way (the config's ``quantization_config``, or ``quantization``) and
+    filled with random weights in its stored formats (``build_model``).
     Raises FileNotFoundError for a missing folder, config.json or shards, ValueError for an
     unsupported architecture or a bad file (named), and ``InsufficientMemoryError`` (before any
     module is built) when ``estimate_model_bytes`` exceeds the memory free on ``device``.
@@ -252,19 +296,20 @@ def load_model(path: str | Path, *, dtype: torch.dtype | str | None = None,
         raise FileNotFoundError(f"no config.json in model folder {folder}")
     config = ModelConfig.from_file(folder / "config.json")
     _, cls = resolve_architecture(config.architectures)  # unsupported architecture: fail before anything is built
-    quant_config = _check_quantization(config, cls, folder, load_format, quantization)
-    if load_format in ("auto", "safetensors") and not any(folder.glob("*.safetensors")):
+    device = _default_device(device)
+    dtype = _default_dtype(config, dtype, device)
+    if load_format in ("dummy", "zeros"):
+        model, quantized = _build_random(config, cls, quantization, folder / "config.json", folder, dtype, device,
+                                         tp_rank, tp_size, expert_parallel)
+        _initialize(model, load_format, seed=0, quantized=quantized)
+        return model.eval()
+    quant_config = _quant_config_of(config, cls, quantization, folder / "config.json", folder)
+    if not any(folder.glob("*.safetensors")):
         raise FileNotFoundError(
             f"no *.safetensors files in {folder} (pass load_format='dummy' to build it with random weights)"
         )
-    device = _default_device(device)
-    dtype = _default_dtype(config, dtype, device)
-    # A quantized model's linear weights take one byte per element: the estimate stays a lower bound at 1.
-    _check_fits(config, torch.float8_e4m3fn if _quantizes_dense_layers(quant_config) else dtype, device, tp_size,
-                str(folder / "config.json"))
+    # A quantized model's weights take one byte per element (MXFP4 experts half): lower bounds.
+    _check_fits(config, dtype, device, tp_size, str(folder / "config.json"), quant_config)
     model = _instantiate(config, dtype, device, tp_rank, tp_size, expert_parallel, quant_config)
-    if load_format in ("dummy", "zeros"):
-        _initialize(model, load_format, seed=0)
-    else:
-        load_weights(model, folder, check_finite=check_finite)
+    load_weights(model, folder, check_finite=check_finite)
     return model.eval()

@@ -32,7 +32,11 @@ from atom_core.models.layers.embedding import ParallelLMHead, VocabParallelEmbed
 from atom_core.models.layers.moe import FusedMoE
 from atom_core.models.layers.norm import RMSNorm
 from atom_core.models.layers.rotary import RotaryEmbedding
-from atom_core.models.quantization import QuantConfig, UnsupportedQuantizationError
+from atom_core.models.quantization import (
+    QuantConfig,
+    UnsupportedQuantizationError,
+    expert_method_for,
+)
 
 # The quant_methods whose dense linear layers have linear methods (``supported_quantization`` of the
 # architectures that thread ``quant_config`` to their layers; see ``quantization.linear_methods``).
@@ -118,15 +122,17 @@ class CausalLM(nn.Module):
     layer unquantized) is bound to the model's ``packed_modules_mapping`` / ``expert_params_mapping``
     (a MoE subclass sets the latter before calling this ``__init__``) and kept as
     ``self.quant_config``; ``make_layer`` passes ``self.quant_args(prefix)`` to the layer builders,
-    which give each linear layer its parameter-name prefix. Embeddings, the LM head and MoE
-    routers stay unquantized (as in vLLM; a checkpoint storing them in FP8 is refused by the
-    loader's dtype check); quantized experts are refused by name (``check_experts_unquantized``)
-    except the formats in ``decoded_expert_quantization`` (gpt-oss's MXFP4, decoded by the loader).
+    which give each linear layer its parameter-name prefix, and ``self.expert_quant_args(prefix)`` to
+    its ``FusedMoE`` (``prefix``: the experts' checkpoint name). Embeddings, the LM head and MoE
+    routers stay unquantized (as in vLLM; a checkpoint storing them in FP8 is refused by the loader's
+    dtype check). Quantized experts are served in the formats of ``supported_expert_formats``
+    (``models.quantization.expert_methods``); others are refused by name when the model is built.
     """
 
     packed_modules_mapping: dict[str, tuple[str, str | int]] = DEFAULT_PACKED_MODULES_MAPPING
     supported_quantization: tuple[str, ...] = ()      # quant_methods load_model builds this class for
-    decoded_expert_quantization: tuple[str, ...] = ()  # expert quant methods the loader decodes to the model dtype
+    # FusedMoE weight formats this class's experts load (per-expert FP8 checkpoints; gpt-oss adds MXFP4)
+    supported_expert_formats: tuple[str, ...] = ("fp8_block", "fp8_channel")
 
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, tp_rank: int = 0, tp_size: int = 1,
@@ -171,20 +177,24 @@ class CausalLM(nn.Module):
             return {}
         return {"quant_config": self.quant_config, "prefix": prefix}
 
-    def check_experts_unquantized(self, prefix: str) -> None:
-        """Refuse, naming the layer, MoE experts (``prefix``: ``model.layers.{i}.mlp.experts``) that the
-        quantization config quantizes: the fused-MoE FP8 / MXFP4 kernels are not wired in yet. The
-        methods in ``decoded_expert_quantization`` pass (the loader decodes them to the model dtype)."""
+    def expert_quant_args(self, prefix: str) -> dict:
+        """``FusedMoE`` keyword arguments giving the experts at checkpoint name ``prefix``
+        (``model.layers.{i}.mlp.experts``) this model's quantization; empty for an unquantized model.
+        A quantized scheme whose format this class does not load (``supported_expert_formats``) is
+        refused here, naming the layer (the layer refuses what no fused MoE serves)."""
         if self.quant_config is None:
-            return
+            return {}
         scheme = self.quant_config.scheme_for(prefix)
-        if scheme.is_quantized and scheme.method.value not in self.decoded_expert_quantization:
-            where = self.quant_config.source or "quantization_config"
-            raise UnsupportedQuantizationError(
-                f"{where}: layer {prefix!r} is quantized MoE experts ({scheme.describe()}), which "
-                f"{type(self).__name__} does not serve yet (fused-MoE FP8 kernels are not wired in); the dense "
-                "layers load quantized, experts only unquantized: use a checkpoint whose config excludes the "
-                "experts (e.g. compressed-tensors ignore 're:.*mlp.experts.*'), or an unquantised copy")
+        if scheme.is_quantized:
+            method = expert_method_for(scheme, online=self.quant_config.online, where=prefix)
+            if method.weight_format not in self.supported_expert_formats:
+                where = self.quant_config.source or "quantization_config"
+                raise UnsupportedQuantizationError(
+                    f"{where}: layer {prefix!r} is MoE experts quantized as {scheme.describe()}, which "
+                    f"{type(self).__name__} does not load (its experts load unquantized or as "
+                    f"{', '.join(self.supported_expert_formats)}); use a checkpoint whose config excludes the "
+                    "experts, or an unquantised copy")
+        return {"quant_config": self.quant_config, "prefix": prefix}
 
     def rotary_embedding(self, head_dim: int, layer_type: str | None = None) -> RotaryEmbedding:
         """The rotary embedding for heads of ``head_dim`` in layers of ``layer_type``, built once."""

@@ -45,6 +45,13 @@ float8_e4m3fn), bound with ``bind_kv_cache([(latent,), ...])`` or, for fp8, ``[(
 (fp32 [1]); ``kv_cache_scales()`` gives ``[(checkpoint scale or None,), ...]``, one per layer.
 ``extra_kv_cache_specs()`` names the caches besides it (none here; DSA's indexer keys in
 ``models.deepseek_v32``), bound with ``bind_extra_kv_caches``.
+
+**Quantization** (``fp8`` / compressed-tensors / quark configs, ``load_model(quantization=...)``): the
+routed experts (FP8 block / per-channel, ``FusedMoE``), the shared experts and the dense MLPs. MLA's own
+projections (and DSA's indexer) load unquantized only: ``kv_b_proj`` is used as the ``w_uk`` / ``w_uv``
+views of its weight, not as a linear layer; a checkpoint config that quantizes any of them is refused
+naming the layer (DeepSeek-V3/R1's released FP8 checkpoints quantize them: not loadable yet). Online
+quantization leaves them in the model dtype.
 """
 
 from __future__ import annotations
@@ -54,7 +61,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from atom_core import ops
-from atom_core.models.base import CausalLM, PreNormDecoderLayer
+from atom_core.models.base import QUANTIZED_DENSE_FORMATS, CausalLM, PreNormDecoderLayer
 from atom_core.models.config import ModelConfig
 from atom_core.models.layers.mla import LightningIndexer, MLACaches, MLAPagedAttention, MultiHeadLatentAttention
 from atom_core.models.layers.mlp import GatedMLP
@@ -62,9 +69,13 @@ from atom_core.models.layers.moe import FusedMoE, expert_params_mapping, moe_ran
 from atom_core.models.layers.norm import RMSNorm
 from atom_core.models.layers.rotary import RotaryEmbedding
 from atom_core.models.qwen3_moe import check_silu_experts, config_int
+from atom_core.models.quantization import UnsupportedQuantizationError
 from atom_core.models.registry import register_model
 
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+# MLA's (and DSA's indexer's) linear layers, by checkpoint name under ``self_attn``: unquantized only.
+MLA_LINEARS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
+               "indexer.wq_b", "indexer.wk", "indexer.weights_proj")
 SCORING_FUNCS = ("softmax", "sigmoid")
 
 
@@ -86,10 +97,14 @@ class DeepseekRouter(nn.Module):
 
 
 class DeepseekMoE(nn.Module):
-    """``gate`` + ``experts`` (routed) + ``shared_experts`` (every token). x [T, E] -> [T, E]."""
+    """``gate`` + ``experts`` (routed) + ``shared_experts`` (every token). x [T, E] -> [T, E].
+
+    ``quant_config`` / ``prefix`` (``model.layers.{i}.mlp``): the shared experts' quantization;
+    ``expert_quant``: the routed experts' ``FusedMoE`` arguments (``CausalLM.expert_quant_args``)."""
 
     def __init__(self, config: ModelConfig, *, topk_method: str, scoring: str, renormalize: bool,
-                 dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1, expert_parallel: bool = False) -> None:
+                 dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1, expert_parallel: bool = False,
+                 quant_config=None, prefix: str = "", expert_quant: dict | None = None) -> None:
         super().__init__()
         num_experts = config_int(config, "n_routed_experts")
         inter = config_int(config, "moe_intermediate_size")
@@ -110,9 +125,10 @@ class DeepseekMoE(nn.Module):
         tp = {"tp_rank": tp_rank, "tp_size": tp_size, "dtype": dtype}
         self.gate = DeepseekRouter(num_experts, config.hidden_size, correction_bias=topk_method == "noaux_tc")
         self.experts = FusedMoE(num_experts, config.hidden_size, inter, activation="silu", dtype=dtype,
-                                **moe_ranks(tp_rank, tp_size, expert_parallel))
+                                **moe_ranks(tp_rank, tp_size, expert_parallel), **(expert_quant or {}))
         num_shared = config_int(config, "n_shared_experts", default=0)
-        self.shared_experts = (GatedMLP(config.hidden_size, inter * num_shared, config.hidden_act, **tp)
+        quant = {} if quant_config is None else {"quant_config": quant_config, "prefix": f"{prefix}.shared_experts"}
+        self.shared_experts = (GatedMLP(config.hidden_size, inter * num_shared, config.hidden_act, **quant, **tp)
                                if num_shared > 0 else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -133,6 +149,7 @@ class DeepseekV2ForCausalLM(MLACaches, CausalLM):
     """DeepSeek-V2 and V2-Lite (and their Chat versions)."""
 
     model_types: tuple[str, ...] = ("deepseek_v2",)
+    supported_quantization = QUANTIZED_DENSE_FORMATS  # experts and MLPs; MLA's projections unquantized only
     default_topk_method = "greedy"
     default_scoring = "softmax"
     default_norm_topk_prob = False
@@ -153,6 +170,8 @@ class DeepseekV2ForCausalLM(MLACaches, CausalLM):
         norm = config.get("norm_topk_prob")
         self.renormalize = self.default_norm_topk_prob if norm is None else bool(norm)
         self.num_experts = config_int(config, "n_routed_experts", default=0)
+        # before __init__: the quant config binds it
+        self.expert_params_mapping = expert_params_mapping(self.num_experts, scales=True) if self.num_experts else []
         self.kv_lora_rank = config_int(config, "kv_lora_rank")
         self.qk_rope_head_dim = config_int(config, "qk_rope_head_dim")
         self.qk_nope_head_dim = config_int(config, "qk_nope_head_dim")
@@ -165,7 +184,6 @@ class DeepseekV2ForCausalLM(MLACaches, CausalLM):
         super().__init__(config, **kwargs)
         self._mla_layers = [m for m in self.model.layers.modules() if isinstance(m, MLAPagedAttention)]
         self._indexers = [m for m in self.model.layers.modules() if isinstance(m, LightningIndexer)]
-        self.expert_params_mapping = expert_params_mapping(self.num_experts) if self.num_experts else []
 
     def rope_is_neox(self) -> bool:
         """DeepSeek-V2 rotates interleaved pairs (transformers' complex multiply), always."""
@@ -190,8 +208,25 @@ class DeepseekV2ForCausalLM(MLACaches, CausalLM):
         return (self.num_experts > 0 and layer_idx >= config_int(config, "first_k_dense_replace", default=0)
                 and layer_idx % config_int(config, "moe_layer_freq", default=1) == 0)
 
+    def check_mla_unquantized(self, layer_idx: int) -> None:
+        """Refuse, naming it, a checkpoint config that quantizes one of layer ``layer_idx``'s MLA (or indexer)
+        linear layers (see the module docstring); online quantization leaves them unquantized."""
+        if self.quant_config is None or self.quant_config.online:
+            return
+        for name in MLA_LINEARS:
+            prefix = f"model.layers.{layer_idx}.self_attn.{name}"
+            scheme = self.quant_config.scheme_for(prefix)
+            if scheme.is_quantized:
+                where = self.quant_config.source or "quantization_config"
+                raise UnsupportedQuantizationError(
+                    f"{where}: layer {prefix!r} is quantized ({scheme.describe()}), but {type(self).__name__}'s "
+                    "MLA projections load unquantized only (kv_b_proj is split into the w_uk / w_uv views of its "
+                    "weight); the experts and MLPs load quantized: use a checkpoint whose config excludes "
+                    "self_attn, or an unquantised copy")
+
     def make_attention(self, layer_idx: int, **dsa) -> MultiHeadLatentAttention:
         """Layer ``layer_idx``'s MLA block; ``dsa``: a DSA model's ``indexer`` / ``topk_share`` for it."""
+        self.check_mla_unquantized(layer_idx)
         config = self.config
         return MultiHeadLatentAttention(
             config.hidden_size, config.num_attention_heads, q_lora_rank=self.q_lora_rank,
@@ -205,12 +240,14 @@ class DeepseekV2ForCausalLM(MLACaches, CausalLM):
         config = self.config
         tp = {"tp_rank": self.tp_rank, "tp_size": self.tp_size, "dtype": self.dtype}
         self_attn = self.make_attention(layer_idx)
+        mlp_quant = self.quant_args(f"model.layers.{layer_idx}.mlp")
         if self.is_sparse_layer(layer_idx):
             mlp = DeepseekMoE(config, topk_method=self.topk_method, scoring=self.scoring,
-                              renormalize=self.renormalize, expert_parallel=self.expert_parallel, **tp)
+                              renormalize=self.renormalize, expert_parallel=self.expert_parallel, **mlp_quant, **tp,
+                              expert_quant=self.expert_quant_args(f"model.layers.{layer_idx}.mlp.experts"))
         else:
             mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, bias=config.mlp_bias,
-                           **tp)
+                           **mlp_quant, **tp)
         return PreNormDecoderLayer(
             self_attn, mlp,
             input_layernorm=RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=self.dtype),

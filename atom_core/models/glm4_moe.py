@@ -84,10 +84,14 @@ class GroupedTopKRouter(nn.Module):
 
 
 class Glm4MoeSparseBlock(nn.Module):
-    """``gate`` (router) + ``experts`` (routed) + ``shared_experts`` (every token). x [T, H] -> [T, H]."""
+    """``gate`` (router) + ``experts`` (routed) + ``shared_experts`` (every token). x [T, H] -> [T, H].
+
+    ``quant_config`` / ``prefix`` (``model.layers.{i}.mlp``): the shared experts' quantization;
+    ``expert_quant``: the routed experts' ``FusedMoE`` arguments (``CausalLM.expert_quant_args``)."""
 
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1,
-                 expert_parallel: bool = False, quant_config=None, prefix: str = "") -> None:
+                 expert_parallel: bool = False, quant_config=None, prefix: str = "",
+                 expert_quant: dict | None = None) -> None:
         super().__init__()
         num_experts = config_int(config, "n_routed_experts", "num_local_experts")
         inter = config_int(config, "moe_intermediate_size")
@@ -99,7 +103,7 @@ class Glm4MoeSparseBlock(nn.Module):
         tp = {"tp_rank": tp_rank, "tp_size": tp_size, "dtype": dtype}
         self.gate = GroupedTopKRouter(num_experts, config.hidden_size)
         self.experts = FusedMoE(num_experts, config.hidden_size, inter, activation="silu", dtype=dtype,
-                                **moe_ranks(tp_rank, tp_size, expert_parallel))
+                                **moe_ranks(tp_rank, tp_size, expert_parallel), **(expert_quant or {}))
         num_shared = config_int(config, "n_shared_experts", default=0)
         quant = {} if quant_config is None else {"quant_config": quant_config, "prefix": f"{prefix}.shared_experts"}
         self.shared_experts = (GatedMLP(config.hidden_size, inter * num_shared, config.hidden_act, **quant, **tp)
@@ -121,14 +125,15 @@ class Glm4MoeSparseBlock(nn.Module):
 class Glm4MoeForCausalLM(CausalLM):
     """GLM-4.5 / GLM-4.6 (and -Air) decoder-only MoE LM."""
 
-    supported_quantization = QUANTIZED_DENSE_FORMATS  # dense layers and shared experts; routed experts refused
+    supported_quantization = QUANTIZED_DENSE_FORMATS  # dense layers, shared and routed experts
 
     def __init__(self, config: ModelConfig, **kwargs) -> None:
         check_silu_experts(config)
         if config.get("partial_rotary_factor") is None:
             config.extra["partial_rotary_factor"] = 0.5  # transformers' default for this model type
         self.num_experts = config_int(config, "n_routed_experts", "num_local_experts")
-        self.expert_params_mapping = expert_params_mapping(self.num_experts)  # before: the quant config binds it
+        # before __init__: the quant config binds it
+        self.expert_params_mapping = expert_params_mapping(self.num_experts, scales=True)
         super().__init__(config, **kwargs)
 
     def make_layer(self, layer_idx: int) -> nn.Module:
@@ -140,8 +145,8 @@ class Glm4MoeForCausalLM(CausalLM):
         if layer_idx < config_int(config, "first_k_dense_replace", default=0):
             mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, **mlp_quant, **tp)
         else:
-            self.check_experts_unquantized(f"model.layers.{layer_idx}.mlp.experts")
-            mlp = Glm4MoeSparseBlock(config, expert_parallel=self.expert_parallel, **mlp_quant, **tp)
+            mlp = Glm4MoeSparseBlock(config, expert_parallel=self.expert_parallel, **mlp_quant, **tp,
+                                     expert_quant=self.expert_quant_args(f"model.layers.{layer_idx}.mlp.experts"))
         return PreNormDecoderLayer(
             self_attn, mlp,
             input_layernorm=RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=self.dtype),

@@ -41,7 +41,12 @@ from atom_core import ops
 from atom_core.models.base import CausalLM, PreNormDecoderLayer
 from atom_core.models.config import ModelConfig
 from atom_core.models.layers.linear import ReplicatedLinear, check_shape, copy_into
-from atom_core.models.layers.moe import FusedMoE, fused_expert_params_mapping, moe_ranks
+from atom_core.models.layers.moe import (
+    FusedMoE,
+    fused_expert_params_mapping,
+    moe_ranks,
+    mxfp4_expert_params_mapping,
+)
 from atom_core.models.layers.norm import RMSNorm
 from atom_core.models.layers.rotary import RotaryEmbedding
 from atom_core.models.llama import LlamaAttention
@@ -77,19 +82,21 @@ class GptOssAttention(LlamaAttention):
 
 
 class GptOssMoE(nn.Module):
-    """``router`` (with bias) + ``experts`` (clamped SwiGLU, biases). x [T, H] -> [T, H]."""
+    """``router`` (with bias) + ``experts`` (clamped SwiGLU, biases). x [T, H] -> [T, H]. ``quant_config`` /
+    ``prefix`` (``model.layers.{i}.mlp.experts``): the experts' quantization (MXFP4 kept packed)."""
 
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1,
-                 expert_parallel: bool = False) -> None:
+                 expert_parallel: bool = False, quant_config=None, prefix: str = "") -> None:
         super().__init__()
         num_experts = config_int(config, "num_local_experts", "num_experts")
         self.top_k = config_int(config, "num_experts_per_tok", "experts_per_token")
         if not 1 <= self.top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok must be in [1, {num_experts}], got {self.top_k}")
         self.router = ReplicatedLinear(config.hidden_size, num_experts, bias=True, dtype=dtype)
+        quant = {} if quant_config is None else {"quant_config": quant_config, "prefix": prefix}
         self.experts = FusedMoE(num_experts, config.hidden_size, config.intermediate_size,
                                 activation="swiglu_clamped", bias=True, dtype=dtype,
-                                **moe_ranks(tp_rank, tp_size, expert_parallel))
+                                **moe_ranks(tp_rank, tp_size, expert_parallel), **quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         router_logits = self.router(x)                                               # [T, E]
@@ -101,18 +108,17 @@ class GptOssMoE(nn.Module):
 class GptOssForCausalLM(CausalLM):
     """gpt-oss-20b / gpt-oss-120b (MXFP4 or bf16 expert weights in the checkpoint)."""
 
-    supported_quantization = ("mxfp4",)  # the released checkpoints' experts, decoded by the loader
-    decoded_expert_quantization = ("mxfp4",)
+    # the released checkpoints' MXFP4 experts; online FP8 (quantization="fp8"|"fp8_block") of a bf16 copy
+    supported_quantization = ("mxfp4", "fp8")
+    supported_expert_formats = ("mxfp4", "fp8_block", "fp8_channel")
 
     def __init__(self, config: ModelConfig, **kwargs) -> None:
         for key, expected in (("swiglu_alpha", SWIGLU_ALPHA), ("swiglu_limit", SWIGLU_LIMIT)):
             value = config.get(key, expected)
             if not isinstance(value, (int, float)) or not math.isclose(value, expected):
                 raise ValueError(f"config.{key}={value!r} is not supported: the experts' activation uses {expected}")
-        self.expert_params_mapping = fused_expert_params_mapping(bias=True) + [
-            ("experts.gate_up_proj_blocks", "experts.w13_weight", None),  # MXFP4, decoded by the loader
-            ("experts.down_proj_blocks", "experts.w2_weight", None),
-        ]  # before __init__: the quant config binds it
+        # before __init__: the quant config binds it
+        self.expert_params_mapping = fused_expert_params_mapping(bias=True) + mxfp4_expert_params_mapping()
         super().__init__(config, **kwargs)
 
     def make_layer(self, layer_idx: int) -> nn.Module:
@@ -121,9 +127,9 @@ class GptOssForCausalLM(CausalLM):
         self_attn = GptOssAttention(config, self.rotary_embedding(config.head_dim, config.layer_types[layer_idx]),
                                     sliding_window=self.sliding_window_of(layer_idx),
                                     **self.quant_args(f"model.layers.{layer_idx}.self_attn"), **tp)
-        self.check_experts_unquantized(f"model.layers.{layer_idx}.mlp.experts")
+        experts = self.expert_quant_args(f"model.layers.{layer_idx}.mlp.experts")
         return PreNormDecoderLayer(
-            self_attn, GptOssMoE(config, expert_parallel=self.expert_parallel, **tp),
+            self_attn, GptOssMoE(config, expert_parallel=self.expert_parallel, **experts, **tp),
             input_layernorm=RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=self.dtype),
             post_attention_layernorm=RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=self.dtype),
         )

@@ -43,9 +43,10 @@ Quantized layers (``models.quantization.linear_methods``) own their scale parame
 weight's loader fills itself (online quantization: ``param.loaded_with = "weight"``) counts as
 loaded with that weight.
 
-MXFP4 tensors (``NAME_blocks`` with ``NAME_scales`` beside it, gpt-oss's released expert
-weights) are decoded on reading (``models.mxfp4``) into a tensor ``[..., rows, cols]`` that goes
-through the steps above under the name ``NAME_blocks``; ``NAME_scales`` is consumed with it.
+MXFP4 tensors (``NAME_blocks`` uint8 codes with ``NAME_scales`` uint8 e8m0 scales beside it, gpt-oss's
+released expert weights) are loaded as stored, each through the model's expert mapping into the packed
+parameters of its MXFP4 experts (``layers.moe``); nothing is decoded (``models.mxfp4.dequantize_mxfp4``
+is the reference decoder).
 
 Parameters that no checkpoint tensor filled raise ValueError (``strict``) unless they match
 one of ``model.expected_missing`` (``fnmatch`` patterns on the parameter name); checkpoint
@@ -65,7 +66,7 @@ What is refused, each error naming the file (and the tensor where there is one):
   neither is FP8: FP8 values mean nothing without their scales, so they load only into an FP8
   parameter of a quantized layer, and an FP8 parameter takes only FP8 values, or, created with
   ``quantize_on_load`` (online quantization), floating-point values it quantizes itself; INT8 only
-  into INT8. MXFP4 ``uint8`` blocks and scales are decoded first, so their result is what is checked;
+  into INT8; integer data (MXFP4 ``uint8`` codes and scales) only into a parameter of its dtype;
 - with ``check_finite`` (the default), a tensor holding NaN or Inf;
 - before any tensor is read, a ``quantization_config`` in the model's config that
   ``models.quantization.parse_quant_config`` refuses (named), or whose format the model's class
@@ -95,7 +96,6 @@ from torch import nn
 
 from atom_core.models.config import ModelConfig
 from atom_core.models.layers.linear import default_weight_loader
-from atom_core.models.mxfp4 import BLOCKS_SUFFIX, SCALES_SUFFIX, dequantize_mxfp4
 from atom_core.models.quantization import check_quantization_supported, parse_quant_config
 
 logger = logging.getLogger(__name__)
@@ -498,14 +498,6 @@ def _matches(name: str, patterns: Iterable[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
-def _mxfp4_scales_name(name: str, file_of: dict[str, Path]) -> str | None:
-    """The scales tensor paired with MXFP4 blocks ``name``, or None when ``name`` is no such block tensor."""
-    if not name.endswith(BLOCKS_SUFFIX):
-        return None
-    scales = name[: -len(BLOCKS_SUFFIX)] + SCALES_SUFFIX
-    return scales if scales in file_of else None
-
-
 @contextlib.contextmanager
 def _open_shard(path: Path):
     """``safe_open`` of a shard, its errors re-raised as ValueError naming the file."""
@@ -601,17 +593,13 @@ def load_weights(model: nn.Module, path: str | Path, *, strict: bool = True,
                 continue
             file_of[name] = file
 
-    # Plan: into which parameters each tensor goes, grouped by file; MXFP4 scales ride with their blocks.
-    plan: dict[Path, list[tuple[str, list[_Target], str | None]]] = {}
+    # Plan: into which parameters each tensor goes, grouped by file.
+    plan: dict[Path, list[tuple[str, list[_Target]]]] = {}
     whole_source: dict[str, str] = {}  # parameter -> the checkpoint tensor loaded into it whole
     tied_head = None                   # a stored lm_head.weight that the tied head skips
     modules = dict(model.named_modules())
     kv_scales: list[tuple[str, Path, nn.Module, str]] = []
     for name, file in file_of.items():
-        scales = _mxfp4_scales_name(name, file_of)
-        if name.endswith(SCALES_SUFFIX) and name[: -len(SCALES_SUFFIX)] + BLOCKS_SUFFIX in file_of:
-            report.skipped[name] = f"MXFP4 scales, decoded with {name[: -len(SCALES_SUFFIX)] + BLOCKS_SUFFIX}"
-            continue
         mapped = mapper.map(name)
         kv_scale = None if isinstance(mapped, str) else _kv_scale_target(mapper.renamed(name), modules)
         if kv_scale is not None:
@@ -624,7 +612,7 @@ def load_weights(model: nn.Module, path: str | Path, *, strict: bool = True,
         if not all(t.param_name in params for t in mapped):
             report.unused.append(name)
             continue
-        plan.setdefault(file, []).append((name, mapped, scales))
+        plan.setdefault(file, []).append((name, mapped))
         for t in mapped:
             if t.shard_id is None and t.rows is None:
                 whole_source.setdefault(t.param_name, name)
@@ -633,13 +621,8 @@ def load_weights(model: nn.Module, path: str | Path, *, strict: bool = True,
     for file, entries in plan.items():
         report.files_read.append(str(file))
         with _open_shard(file) as f:
-            for name, targets, scales in entries:
+            for name, targets in entries:
                 tensor = _get_tensor(f, name, file)
-                if scales is not None:
-                    try:
-                        tensor = dequantize_mxfp4(tensor, _read_tensor(f, file, scales, file_of[scales]))
-                    except ValueError as e:
-                        raise ValueError(f"MXFP4 checkpoint tensor {name!r} in {file}: {e}") from e
                 if check_finite:
                     _check_finite(tensor, name, file)
                 for target in targets:

@@ -39,8 +39,9 @@ class MixtralForCausalLM(LlamaForCausalLM):
     def __init__(self, config: ModelConfig, **kwargs) -> None:
         self.num_experts = config_int(config, "num_local_experts", "num_experts")
         check_silu_experts(config)
-        # Before __init__: the quant config binds it. (Quantized experts are refused by name.)
-        self.expert_params_mapping = expert_params_mapping(self.num_experts, gate="w1", up="w3", down="w2")
+        # Before __init__: the quant config binds it.
+        self.expert_params_mapping = expert_params_mapping(self.num_experts, gate="w1", up="w3", down="w2",
+                                                           scales=True)
         super().__init__(config, **kwargs)
 
     @staticmethod
@@ -55,9 +56,9 @@ class MixtralForCausalLM(LlamaForCausalLM):
                                    sliding_window=self.sliding_window_of(layer_idx),
                                    **self.quant_args(f"model.layers.{layer_idx}.self_attn"), **tp)
         # The checkpoint's name for the experts (rules are written against it): block_sparse_moe.
-        self.check_experts_unquantized(f"model.layers.{layer_idx}.block_sparse_moe.experts")
         mlp = SoftmaxTopKMoE(self.num_experts, config_int(config, "num_experts_per_tok"), config.hidden_size,
-                             config.intermediate_size, renormalize=True, expert_parallel=self.expert_parallel, **tp)
+                             config.intermediate_size, renormalize=True, expert_parallel=self.expert_parallel,
+                             **self.expert_quant_args(f"model.layers.{layer_idx}.block_sparse_moe.experts"), **tp)
         return PreNormDecoderLayer(
             self_attn, mlp,
             input_layernorm=RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=self.dtype),

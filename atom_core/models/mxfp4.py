@@ -1,4 +1,4 @@
-"""MXFP4 checkpoint tensors, decoded at load time (gpt-oss releases store their expert weights so).
+"""MXFP4 checkpoint tensors (gpt-oss releases store their expert weights so) and their reference decoder.
 
 MXFP4 (OCP microscaling) stores a weight ``W [..., R, C]`` as two tensors:
 
@@ -10,8 +10,10 @@ MXFP4 (OCP microscaling) stores a weight ``W [..., R, C]`` as two tensors:
 
 An E2M1 code is a sign bit and a 3-bit magnitude index into 0, 0.5, 1, 1.5, 2, 3, 4, 6. Element
 ``W[..., r, 32 g + j] = value(code) * 2 ** (scales[..., r, g] - 127)``; every such value is exact
-in bfloat16 and float32. The loader pairs ``NAME_blocks`` with ``NAME_scales``, decodes them with
-``dequantize_mxfp4`` and loads the result under the name ``NAME_blocks`` (see ``loader``).
+in bfloat16 and float32. Models keep them packed: gpt-oss's MXFP4 experts load ``NAME_blocks`` (its last
+two dims flattened to ``[..., R, C/2]``) and ``NAME_scales`` as stored and compute with
+``ops.fused_experts_quant(weight_format="mxfp4")``, whose twin and kernels decode in registers; the
+decoder here (``dequantize_mxfp4``) is the reference that tests and tools compare against.
 """
 
 from __future__ import annotations

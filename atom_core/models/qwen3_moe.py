@@ -12,8 +12,9 @@ Differences from ``qwen3.py``, all in the MLP:
 - with ``use_sliding_window`` every layer attends over the last ``sliding_window`` positions
   (transformers' Qwen3-MoE ignores ``max_window_layers``).
 
-Checkpoints store one tensor per expert (``mlp.experts.{e}.{gate,up,down}_proj.weight``); the
-loader stacks them into ``mlp.experts.w13_weight`` / ``w2_weight`` (``expert_params_mapping``).
+Checkpoints store one tensor per expert (``mlp.experts.{e}.{gate,up,down}_proj.weight``, and in FP8
+checkpoints ``weight_scale`` / ``weight_scale_inv`` beside each); the loader stacks them into
+``mlp.experts.w13_weight`` / ``w2_weight`` (and ``*_weight_scale``) (``expert_params_mapping``).
 Parameter names otherwise follow Qwen3's.
 """
 
@@ -57,20 +58,22 @@ def check_silu_experts(config: ModelConfig) -> None:
 class SoftmaxTopKMoE(nn.Module):
     """Router ``gate`` ([E, H], no bias) + ``experts``: softmax top-K routing (Qwen3-MoE, Mixtral).
 
-    forward: x [T, H] -> [T, H]. ``renormalize`` divides the K weights by their sum.
+    forward: x [T, H] -> [T, H]. ``renormalize`` divides the K weights by their sum. ``quant_config`` /
+    ``prefix`` (the experts' checkpoint name): the experts' quantization (``FusedMoE``).
     """
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, *,
                  renormalize: bool, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1,
-                 expert_parallel: bool = False) -> None:
+                 expert_parallel: bool = False, quant_config=None, prefix: str = "") -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok must be in [1, {num_experts}], got {top_k}")
         self.top_k = top_k
         self.renormalize = renormalize
         self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False, dtype=dtype)
+        quant = {} if quant_config is None else {"quant_config": quant_config, "prefix": prefix}
         self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, activation="silu", dtype=dtype,
-                                **moe_ranks(tp_rank, tp_size, expert_parallel))
+                                **moe_ranks(tp_rank, tp_size, expert_parallel), **quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         router_logits = self.gate(x)                                                   # [T, E]
@@ -82,14 +85,15 @@ class SoftmaxTopKMoE(nn.Module):
 @register_model("Qwen3MoeForCausalLM")
 class Qwen3MoeForCausalLM(CausalLM):
     """Qwen3-MoE decoder-only LM (Qwen3-30B-A3B, Qwen3-235B-A22B). Quantized checkpoints: dense layers
-    only (experts refused by name, ``CausalLM.check_experts_unquantized``)."""
+    and experts (FP8 block / per-channel, ``CausalLM.expert_quant_args``)."""
 
     supported_quantization = QUANTIZED_DENSE_FORMATS
 
     def __init__(self, config: ModelConfig, **kwargs) -> None:
         self.num_experts = config_int(config, "num_experts", "num_local_experts", default=0)
         check_silu_experts(config)
-        self.expert_params_mapping = expert_params_mapping(self.num_experts)  # before: the quant config binds it
+        # before __init__: the quant config binds it
+        self.expert_params_mapping = expert_params_mapping(self.num_experts, scales=True)
         super().__init__(config, **kwargs)
 
     def is_sparse_layer(self, layer_idx: int) -> bool:
@@ -112,11 +116,11 @@ class Qwen3MoeForCausalLM(CausalLM):
                                    sliding_window=self.sliding_window_of(layer_idx),
                                    **self.quant_args(f"model.layers.{layer_idx}.self_attn"), **tp)
         if self.is_sparse_layer(layer_idx):
-            self.check_experts_unquantized(f"model.layers.{layer_idx}.mlp.experts")
             mlp = SoftmaxTopKMoE(self.num_experts, config_int(config, "num_experts_per_tok"), config.hidden_size,
                                  config_int(config, "moe_intermediate_size"),
                                  renormalize=bool(config.get("norm_topk_prob", False)),
-                                 expert_parallel=self.expert_parallel, **tp)
+                                 expert_parallel=self.expert_parallel,
+                                 **self.expert_quant_args(f"model.layers.{layer_idx}.mlp.experts"), **tp)
         else:
             mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
                            **self.quant_args(f"model.layers.{layer_idx}.mlp"), **tp)

@@ -85,35 +85,21 @@ def _kv_amax(model: torch.nn.Module, tokens: torch.Tensor) -> dict[str, float]:
     return amax
 
 
-def ct_checkpoint(model: torch.nn.Module, folder: Path, preset: str, *, architecture: str,
-                  ignore: tuple[str, ...] = ("lm_head",), kv_cache: bool = False,
-                  calib: torch.Tensor | None = None, targets: tuple[str, ...] = ("Linear",)) -> Path:
-    """``model`` (left unchanged) quantized with compressed-tensors' ``preset`` (FP8, FP8_DYNAMIC,
-    FP8_BLOCK, W8A8) for ``targets`` and saved to ``folder`` (see the module docstring)."""
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import (
-        QuantizationArgs,
-        QuantizationConfig,
-        QuantizationStrategy,
-        apply_quantization_config,
-        preset_name_to_scheme,
-    )
+def _set_weight_scales(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """Each module compressed-tensors attached a scheme to gets its weight scale from ``calculate_qparams``
+    (the tool's rule) on the min / max of its weight per tensor, row or 128 x 128 block (what
+    llm-compressor's observers compute); quantization is disabled so calibration sees the unquantized
+    model. Returns those modules by name."""
+    from compressed_tensors.quantization import QuantizationStrategy
     from compressed_tensors.quantization.lifecycle.helpers import disable_quantization
     from compressed_tensors.quantization.utils import calculate_qparams
 
-    model = copy.deepcopy(model)
-    calib = calibration_tokens(model.config.vocab_size) if calib is None else calib
-    kv_amax = _kv_amax(model, calib) if kv_cache else {}
-    config = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme(preset, list(targets))},
-                                ignore=list(ignore))
-    apply_quantization_config(model, config, show_progress=False)
-    input_amax: dict[str, float] = {}
-    hooks = []
+    out = []
     for name, module in model.named_modules():
         scheme = getattr(module, "quantization_scheme", None)
         if scheme is None:
             continue
-        disable_quantization(module)  # calibrate on the unquantized model
+        disable_quantization(module)
         w, args = module.weight.data, scheme.weights
         if args.strategy == QuantizationStrategy.TENSOR:
             lo, hi = w.amin(), w.amax()
@@ -126,6 +112,34 @@ def ct_checkpoint(model: torch.nn.Module, folder: Path, preset: str, *, architec
             lo, hi = tiles.amin((1, 3)), tiles.amax((1, 3))
         scale, _ = calculate_qparams(lo, hi, args)
         module.weight_scale.data = scale.to(module.weight_scale.dtype).reshape(module.weight_scale.shape)
+        out.append((name, module))
+    return out
+
+
+def ct_checkpoint(model: torch.nn.Module, folder: Path, preset: str, *, architecture: str,
+                  ignore: tuple[str, ...] = ("lm_head",), kv_cache: bool = False,
+                  calib: torch.Tensor | None = None, targets: tuple[str, ...] = ("Linear",)) -> Path:
+    """``model`` (left unchanged) quantized with compressed-tensors' ``preset`` (FP8, FP8_DYNAMIC,
+    FP8_BLOCK, W8A8) for ``targets`` and saved to ``folder`` (see the module docstring)."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        apply_quantization_config,
+        preset_name_to_scheme,
+    )
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    model = copy.deepcopy(model)
+    calib = calibration_tokens(model.config.vocab_size) if calib is None else calib
+    kv_amax = _kv_amax(model, calib) if kv_cache else {}
+    config = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme(preset, list(targets))},
+                                ignore=list(ignore))
+    apply_quantization_config(model, config, show_progress=False)
+    input_amax: dict[str, float] = {}
+    hooks = []
+    for name, module in _set_weight_scales(model):
+        scheme = module.quantization_scheme
         if scheme.input_activations is not None and not scheme.input_activations.dynamic:
             hooks.append(module.register_forward_pre_hook(
                 lambda m, args, name=name: input_amax.__setitem__(
@@ -158,6 +172,87 @@ def ct_checkpoint(model: torch.nn.Module, folder: Path, preset: str, *, architec
             tensors[f"{key}_scale"] = torch.tensor([amax * margin / FP8_MAX], dtype=torch.float32)
         save_file(tensors, str(path), metadata={"format": "pt"})
     return folder
+
+
+def checkpoint_tree(tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A module tree whose ``state_dict`` names are the checkpoint's: every 2-D ``*.weight`` (but the
+    embedding's) an ``nn.Linear`` (with its ``.bias`` when stored), every other tensor a parameter of the
+    module it names. transformers 5 keeps a MoE layer's experts as stacked 3-D parameters, which a
+    quantization tool targeting ``Linear`` modules never sees; in this tree each stored expert projection
+    (``mlp.experts.{e}.gate_proj``) is the ``nn.Linear`` it is in the released checkpoints' own models,
+    so compressed-tensors quantizes experts exactly as it quantizes any linear layer."""
+    root = torch.nn.Module()
+
+    def module_at(path: list[str]) -> torch.nn.Module:
+        module = root
+        for part in path:
+            if not hasattr(module, part):
+                module.add_module(part, torch.nn.Module())
+            module = getattr(module, part)
+        return module
+
+    linear = {name for name, t in tensors.items()
+              if name.endswith(".weight") and t.dim() == 2 and not name.endswith("embed_tokens.weight")}
+    for name in sorted(linear):
+        *path, leaf, _ = name.split(".")
+        bias = tensors.get(name[: -len("weight")] + "bias")
+        weight = tensors[name].float()
+        layer = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+        layer.weight.data = weight.clone()
+        if bias is not None:
+            layer.bias.data = bias.float().clone()
+        module_at(path).add_module(leaf, layer)
+    for name, tensor in tensors.items():
+        if name in linear or (name.endswith(".bias") and name[: -len("bias")] + "weight" in linear):
+            continue
+        *path, leaf = name.split(".")
+        module_at(path).register_parameter(leaf, torch.nn.Parameter(tensor.float().clone(), requires_grad=False))
+    return root
+
+
+def ct_tree_checkpoint(unquantized: Path, folder: Path, preset: str, *, targets: tuple[str, ...] = ("Linear",),
+                       ignore: tuple[str, ...] = ("lm_head", r"re:.*(mlp|block_sparse_moe)\.gate$")) -> Path:
+    """The fp32 checkpoint in folder ``unquantized`` quantized by compressed-tensors (``preset``: FP8_DYNAMIC
+    or FP8_BLOCK, dynamic activations: no calibration data) through ``checkpoint_tree``: the tool attaches
+    the scheme to the ``targets`` minus ``ignore`` (by default the LM head and the MoE routers, as
+    llm-compressor's MoE recipes leave them), scales come from ``_set_weight_scales``,
+    ``ModelCompressor`` quantizes the tensors and writes ``quantization_config`` into config.json."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        apply_quantization_config,
+        preset_name_to_scheme,
+    )
+
+    folder.mkdir(parents=True, exist_ok=True)
+    with safe_open(str(unquantized / "model.safetensors"), "pt") as f:
+        tree = checkpoint_tree({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118 (a safe_open handle)
+    config = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme(preset, list(targets))},
+                                ignore=list(ignore))
+    apply_quantization_config(tree, config, show_progress=False)
+    assert _set_weight_scales(tree), "no module was targeted"
+    compressor = ModelCompressor.from_pretrained_model(tree, quantization_format="float-quantized")
+    compressor.compress_model(tree)
+    save_file({k: v.contiguous() for k, v in tree.state_dict().items()}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+    (folder / "config.json").write_text((unquantized / "config.json").read_text())
+    compressor.update_config(str(folder))
+    return folder
+
+
+def as_hf_fp8_block(ct_block: Path, *, not_convert: tuple[str, ...]) -> Path:
+    """A compressed-tensors FP8_BLOCK checkpoint rewritten in place the way HF / DeepSeek fp8 checkpoints are
+    stored: ``weight_scale_inv`` beside each FP8 weight and ``quant_method: "fp8"`` with 128 x 128 blocks,
+    ``modules_to_not_convert`` naming the unquantized modules."""
+    path = ct_block / "model.safetensors"
+    with safe_open(str(path), "pt") as f:
+        tensors = {(k + "_inv" if k.endswith(".weight_scale") else k): f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    config = json.loads((ct_block / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                     "weight_block_size": [BLOCK, BLOCK], "modules_to_not_convert": list(not_convert)}
+    (ct_block / "config.json").write_text(json.dumps(config, indent=2))
+    return ct_block
 
 
 def hf_fp8_block_checkpoint(model: torch.nn.Module, folder: Path, *, architecture: str,

@@ -1,5 +1,5 @@
-"""MXFP4 decoding (``models.mxfp4``), the loader's pairing of ``*_blocks`` with ``*_scales``, and a
-gpt-oss checkpoint with MXFP4 experts matching HF transformers."""
+"""MXFP4 decoding (``models.mxfp4``, the reference decoder), the loader keeping ``*_blocks`` / ``*_scales``
+packed, and a gpt-oss checkpoint with MXFP4 experts, served packed, matching HF transformers."""
 
 # T tokens, E experts, K top-k, H hidden, I intermediate
 
@@ -14,6 +14,7 @@ from torch import nn
 
 from atom_core.models.loader import load_weights
 from atom_core.models.mxfp4 import dequantize_mxfp4
+
 
 # E2M1 by its definition: sign bit 3, exponent bits 2..1 (bias 1), mantissa bit 0; exponent 0 is subnormal.
 def e2m1_value(code: int) -> float:
@@ -85,43 +86,38 @@ def test_bad_inputs_are_named():
 
 # ---- the loader ---------------------------------------------------------------------------------
 
-class TwoWeights(nn.Module):
+class FloatWeight(nn.Module):
     def __init__(self):
         super().__init__()
         self.proj = nn.Module()
         self.proj.weight_blocks = nn.Parameter(torch.zeros(4, 64), requires_grad=False)
-        self.plain = nn.Parameter(torch.zeros(3), requires_grad=False)
 
 
-@pytest.mark.parametrize("sharded", [False, True])
-def test_loader_decodes_blocks_with_their_scales(tmp_path, sharded):
-    blocks, scales, expected = random_mxfp4((4,), 64, seed=3)
-    tensors = {"proj.weight_blocks": blocks, "proj.weight_scales": scales, "plain": torch.arange(3.0)}
-    if sharded:  # the scales in another shard than their blocks
-        groups = {"a.safetensors": {"proj.weight_blocks": blocks, "plain": tensors["plain"]},
-                  "b.safetensors": {"proj.weight_scales": scales}}
-        for file_name, group in groups.items():
-            save_file(group, str(tmp_path / file_name))
-        weight_map = {name: file_name for file_name, group in groups.items() for name in group}
-        (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    else:
-        save_file(tensors, str(tmp_path / "model.safetensors"))
-    model = TwoWeights()
-    report = load_weights(model, tmp_path)
-    assert torch.equal(model.proj.weight_blocks.double(), expected)
-    assert torch.equal(model.plain, torch.arange(3.0))
-    assert "proj.weight_scales" in report.skipped and not report.unused and not report.missing
+def test_mxfp4_codes_never_load_into_a_float_parameter(tmp_path):
+    """Nothing is decoded at load: uint8 codes meet a float parameter (a model built without the MXFP4
+    config) and are refused, not cast."""
+    blocks, scales, _ = random_mxfp4((4,), 64, seed=3)
+    save_file({"proj.weight_blocks": blocks, "proj.weight_scales": scales}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"proj.weight_blocks.*stored as torch.uint8.*only float-to-float"):
+        load_weights(FloatWeight(), tmp_path)
 
 
 # ---- gpt-oss with MXFP4 experts against HF ------------------------------------------------------
 
-def test_gpt_oss_mxfp4_checkpoint_matches_hf(tmp_path):
+def test_gpt_oss_mxfp4_checkpoint_loads_packed_and_matches_hf(tmp_path):
     """A tiny gpt-oss whose expert weights are MXFP4 values; HF computes with them in fp32, the
-    checkpoint stores them as the release does (``*_blocks`` / ``*_scales``, rows = output dim)."""
+    checkpoint stores them as the release does (``*_blocks`` / ``*_scales``, rows = output dim). The
+    experts keep the stored bytes (blocks flattened to [E, N, K/2]) and compute with
+    ``fused_experts_quant(weight_format="mxfp4")``: the decode is exact, so the logits match HF's (which
+    computes with the decoded fp32 weights) within the fp32 parity tolerance."""
     pytest.importorskip("transformers")
     from atom_core import ops
     from tests.models.moe_parity import build_moe_pair
-    from tests.models.parity_harness import check_decode, check_ragged_prefill
+    from tests.models.parity_harness import (
+        backends_used,
+        check_decode,
+        check_ragged_prefill,
+    )
     from tests.models.test_parity_gpt_oss import CASES
 
     case = CASES[0]  # H 64, I 32: both multiples of the 32-element block
@@ -145,9 +141,19 @@ def test_gpt_oss_mxfp4_checkpoint_matches_hf(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
 
     model = pair.load_atom()
-    layer = model.model.layers[0].mlp.experts
-    hf_layer = pair.hf_model.model.layers[0].mlp.experts
-    assert torch.equal(layer.w13_weight, hf_layer.gate_up_proj.transpose(1, 2))
+    for i, hf_layer in enumerate(pair.hf_model.model.layers):
+        layer = model.model.layers[i].mlp.experts
+        assert layer.weight_format == "mxfp4"
+        for ours, stored in ((layer.w13_weight, "gate_up_proj"), (layer.w2_weight, "down_proj")):
+            name = f"model.layers.{i}.mlp.experts.{stored}"
+            assert ours.dtype == torch.uint8 and torch.equal(ours, state[name + "_blocks"].flatten(-2))
+        assert torch.equal(layer.w13_weight_scale, state[f"model.layers.{i}.mlp.experts.gate_up_proj_scales"])
+        assert torch.equal(layer.w2_weight_scale, state[f"model.layers.{i}.mlp.experts.down_proj_scales"])
+        decoded = dequantize_mxfp4(layer.w13_weight.view(*layer.w13_weight.shape[:2], -1, 16),
+                                   layer.w13_weight_scale, torch.float32)
+        assert torch.equal(decoded, hf_layer.mlp.experts.gate_up_proj.transpose(1, 2))
     with ops.use_backend("torch"):
-        check_ragged_prefill(pair, model)
+        used = backends_used(lambda: check_ragged_prefill(pair, model))
+    assert ("fused_experts_quant", "torch") in used and not any(op == "fused_experts" for op, _ in used)
+    with ops.use_backend("torch"):
         check_decode(pair, model, 4)

@@ -1,16 +1,21 @@
 """Mixture-of-experts as a module: stacked expert weights, their sharding, their checkpoint mapping.
 
-``FusedMoE`` holds every expert of one layer as two stacked tensors, as ``ops.fused_experts``
-wants them (the rows ``nn.Linear`` would store, one block per expert):
+``FusedMoE`` holds every expert of one layer as two stacked tensors, as ``ops.fused_experts`` /
+``ops.fused_experts_quant`` want them (the rows ``nn.Linear`` would store, one block per expert):
 
     w13_weight [E_r, 2 I_r, H]    gate and up projections
     w2_weight  [E_r, H, I_r]      down projection
     w13_bias   [E_r, 2 I_r]       optional (GPT-OSS)
     w2_bias    [E_r, H]           optional (GPT-OSS)
 
+and, for quantized experts (``quant_config`` / ``prefix``: the expert method of the layer's scheme,
+``models.quantization.expert_methods``), the weights in FP8 or packed MXFP4 with their scales
+``w13_weight_scale`` / ``w2_weight_scale`` (shapes in that module's table).
+
 The gate/up rows come in one of two layouts, fixed by the activation:
 ``"silu"`` keeps halves (rows ``[0, I)`` gate, ``[I, 2I)`` up, like ``silu_and_mul``);
 ``"swiglu_clamped"`` interleaves them (row ``2j`` gate j, row ``2j + 1`` up j, GPT-OSS's layout).
+Scales follow their rows (an FP8 block-scale row covers 128 stacked rows).
 
 Routing is not part of the module: the architecture's MoE block computes
 ``(topk_weights [T, K], topk_ids [T, K])`` with an ``ops`` routing function and calls
@@ -23,7 +28,10 @@ Both may be > 1; every rank then returns a partial sum over its experts and its 
 sum over all ``tp_size * ep_size`` ranks is the layer's output (``torch.distributed.all_reduce``
 over the default group when ``reduce_results``). A token's choice of an expert held elsewhere
 becomes id -1 locally (``fused_experts`` skips it). ``w2_bias`` is added by TP rank 0 only, so it
-appears once per expert in the sum.
+appears once per expert in the sum. Quantized experts: FP8 block scales are cut with their
+128-blocks (a split whose I_r is not whole blocks is refused when the layer is built, naming it);
+per-channel scales with their rows (down's whole on every rank); MXFP4 codes and e8m0 scales by
+32-groups (I_r a multiple of 32); expert parallelism moves whole experts with their scales.
 
 **Checkpoint mapping** (``expert_params_mapping``, ``fused_expert_params_mapping``). The loader
 maps checkpoint tensors onto these parameters with triples ``(checkpoint suffix, parameter
@@ -31,12 +39,18 @@ suffix, shard_id)``; the parameter's ``weight_loader(param, tensor, shard_id)`` 
 tensor and cuts this rank's piece. Shard ids:
 
 - ``(e, "w1")`` / ``(e, "w3")`` / ``(e, "w2")``: expert e's gate ``[I, H]`` / up ``[I, H]`` /
-  down ``[H, I]`` as ``nn.Linear`` stores them (biases: ``[I]``, ``[I]``, ``[H]``); experts
-  another EP rank holds are ignored;
+  down ``[H, I]`` as ``nn.Linear`` stores them (biases: ``[I]``, ``[I]``, ``[H]``; FP8 scales:
+  ``[ceil(I/128), ceil(H/128)]`` blocks, ``[I, 1]`` or ``[I]`` per channel, one value per tensor);
+  experts another EP rank holds are ignored;
 - ``None``: the whole stack in this module's own layout (``[E, 2I, H]``, ``[E, H, I]``,
-  ``[E, 2I]``, ``[E, H]``);
+  ``[E, 2I]``, ``[E, H]``; MXFP4 codes ``[E, N, K/2]`` or as gpt-oss stores them ``[E, N, K/32, 16]``,
+  scales ``[E, N, K/32]``);
 - ``"transposed"``: the whole weight stack with its last two dims swapped (``[E, H, 2I]``,
   ``[E, I, H]``: GPT-OSS's ``x @ W`` layout).
+
+Online quantization (``quantize_on_load`` on the weights): per-expert and stacked unquantized tensors
+are quantized as they are read, this rank's piece at a time (per-channel scales of the down projection
+over the full row, as offline quantization makes them).
 """
 
 # T tokens, E experts, K top-k, H hidden, I intermediate
@@ -50,9 +64,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from atom_core import ops
 from atom_core.models.layers.linear import check_shape, copy_into
 from atom_core.models.layers.sharding import check_tp, divide
+from atom_core.models.quantization.config import QuantConfig
+from atom_core.models.quantization.expert_methods import ExpertMethod, expert_method_for
+from atom_core.models.quantization.linear_methods import quantize_weight
+from atom_core.models.quantization.schemes import (
+    UNQUANTIZED,
+    UnsupportedQuantizationError,
+)
 
 ACTIVATION_LAYOUTS = {"silu": "halves", "swiglu_clamped": "interleaved"}
 EXPERT_PROJECTIONS = ("w1", "w3", "w2")  # gate, up, down (Mixtral's names, used as shard ids everywhere)
@@ -103,14 +123,17 @@ def moe_ranks(tp_rank: int, tp_size: int, expert_parallel: bool) -> dict:
 
 def expert_params_mapping(num_experts: int, *, gate: str = "gate_proj", up: str = "up_proj",
                           down: str = "down_proj", prefix: str = "experts",
-                          bias: bool = False) -> list[tuple[str, str, Any]]:
+                          bias: bool = False, scales: bool = False) -> list[tuple[str, str, Any]]:
     """Loader triples for checkpoints with one tensor per expert and projection.
 
     ``prefix.{e}.{gate}.weight -> prefix.w13_weight, shard (e, "w1")``, up -> ``(e, "w3")``,
-    down -> ``prefix.w2_weight, (e, "w2")``; with ``bias`` the ``.bias`` tensors likewise.
+    down -> ``prefix.w2_weight, (e, "w2")``; with ``bias`` the ``.bias`` tensors likewise; with
+    ``scales`` the FP8 ``.weight_scale`` tensors (``weight_scale_inv`` is renamed so by the loader)
+    into ``prefix.w13_weight_scale`` / ``w2_weight_scale`` (used when the experts are quantized).
     Qwen3-MoE / GLM-4-MoE: the defaults; Mixtral: ``gate="w1", up="w3", down="w2"``.
     """
     suffixes = ("weight", "bias") if bias else ("weight",)
+    suffixes += ("weight_scale",) if scales else ()
     mapping = []
     for e in range(num_experts):
         for ckpt_name, fused, proj in ((gate, "w13", "w1"), (up, "w13", "w3"), (down, "w2", "w2")):
@@ -134,6 +157,17 @@ def fused_expert_params_mapping(*, prefix: str = "experts", gate_up: str = "gate
     return mapping
 
 
+def mxfp4_expert_params_mapping(*, prefix: str = "experts", gate_up: str = "gate_up_proj",
+                                down: str = "down_proj") -> list[tuple[str, str, Any]]:
+    """Loader triples for gpt-oss's MXFP4 experts, kept packed: ``{gate_up}_blocks`` ``[E, 2I, H/32, 16]``
+    and ``{gate_up}_scales`` ``[E, 2I, H/32]`` (rows = output features, interleaved gate/up: this module's
+    layout, no transpose), ``{down}_blocks`` ``[E, H, I/32, 16]``, ``{down}_scales`` ``[E, H, I/32]``."""
+    return [(f"{prefix}.{gate_up}_blocks", f"{prefix}.w13_weight", None),
+            (f"{prefix}.{gate_up}_scales", f"{prefix}.w13_weight_scale", None),
+            (f"{prefix}.{down}_blocks", f"{prefix}.w2_weight", None),
+            (f"{prefix}.{down}_scales", f"{prefix}.w2_weight_scale", None)]
+
+
 class FusedMoE(nn.Module):
     """``out[t] = sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden[t])`` over this rank's experts.
 
@@ -145,12 +179,17 @@ class FusedMoE(nn.Module):
         bias: create ``w13_bias`` and ``w2_bias``.
         tp_rank, tp_size: split of I; ep_rank, ep_size: split of the experts (see the module docstring).
         reduce_results: all-reduce the partial sums when more than one rank holds the layer.
+        quant_config, prefix: the model's ``QuantConfig`` and the layer's checkpoint name
+            (``model.layers.{i}.mlp.experts``): ``quant_config.scheme_for(prefix)`` picks the expert
+            method (None: unquantized). A scheme or split the fused MoE cannot serve is refused here,
+            naming ``prefix``.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *,
                  activation: str = "silu", bias: bool = False, tp_rank: int = 0, tp_size: int = 1,
                  ep_rank: int = 0, ep_size: int = 1, reduce_results: bool = True,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, quant_config: QuantConfig | None = None,
+                 prefix: str = "") -> None:
         super().__init__()
         if activation not in ACTIVATION_LAYOUTS:
             raise ValueError(f"activation must be one of {sorted(ACTIVATION_LAYOUTS)}, got {activation!r}")
@@ -166,10 +205,15 @@ class FusedMoE(nn.Module):
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.ep_rank, self.ep_size = ep_rank, ep_size
         self.reduce_results = reduce_results
+        self.prefix = prefix
+        where = prefix or "FusedMoE"
+        scheme = UNQUANTIZED if quant_config is None else quant_config.scheme_for(prefix)
+        online = quant_config is not None and quant_config.online
+        self.quant_method: ExpertMethod = expert_method_for(scheme, online=online, where=where)
+        self.quant_method.check_split(self, where)
         dtype = dtype or torch.get_default_dtype()
         e_r, i_r = self.shard.num_local_experts, self.shard.intermediate_size
-        self.w13_weight = self._param((e_r, 2 * i_r, hidden_size), dtype, "w13_weight")
-        self.w2_weight = self._param((e_r, hidden_size, i_r), dtype, "w2_weight")
+        self.quant_method.create_weights(self, e_r, hidden_size, i_r, dtype, self._param)
         if bias:
             self.w13_bias = self._param((e_r, 2 * i_r), dtype, "w13_bias")
             self.w2_bias = self._param((e_r, hidden_size), dtype, "w2_bias")
@@ -177,12 +221,22 @@ class FusedMoE(nn.Module):
             self.register_parameter("w13_bias", None)
             self.register_parameter("w2_bias", None)
 
-    def _param(self, shape: tuple[int, ...], dtype: torch.dtype, name: str) -> nn.Parameter:
+    @property
+    def weight_format(self) -> str | None:
+        """``"fp8_block"``, ``"fp8_channel"``, ``"mxfp4"`` or None (unquantized experts)."""
+        return self.quant_method.weight_format
+
+    def _param(self, shape: tuple[int, ...], dtype: torch.dtype, name: str, row_unit: int = 1,
+               col_unit: int | None = 1) -> nn.Parameter:
         param = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
         param.label = f"FusedMoE.{name}"
         param.weight_loader = self.weight_loader
-        param.moe_role = name  # which of the four tensors: the loader below dispatches on it
+        param.moe_role = name  # which tensor: the loader below dispatches on it
+        param.row_unit, param.col_unit = row_unit, col_unit  # see models.quantization.expert_methods
         return param
+
+    def _scale_of(self, param: nn.Parameter) -> nn.Parameter:
+        return self.w2_weight_scale if param.moe_role.startswith("w2") else self.w13_weight_scale
 
     # ---- loading --------------------------------------------------------------------------
 
@@ -219,17 +273,65 @@ class FusedMoE(nn.Module):
             return full.narrow(1, 2 * start, 2 * size)
         return torch.cat([full.narrow(1, start, size), full.narrow(1, inter + start, size)], dim=1)
 
+    def _stored(self, param: nn.Parameter, rows: int, cols: int) -> tuple[int, int]:
+        """(rows, cols) ``param`` stores for a logical [rows, cols] matrix (see ``row_unit`` / ``col_unit``)."""
+        col_unit = param.col_unit
+        return -(-rows // param.row_unit), 1 if col_unit is None else -(-cols // col_unit)
+
+    def _as_scale_rows(self, param: nn.Parameter, loaded: torch.Tensor, rows: int) -> torch.Tensor:
+        """A per-channel scale stored ``[N]`` (Quark) as ``[N, 1]``; a per-tensor one (one value) spread over
+        the N rows (exact: each row keeps the projection's scale)."""
+        if param.col_unit is not None or not param.moe_role.endswith("_scale"):
+            return loaded
+        if loaded.numel() == 1 and rows != 1:
+            return loaded.reshape(1, 1).expand(rows, 1)
+        return loaded.unsqueeze(-1) if loaded.dim() == 1 else loaded
+
     def _load_stack(self, param: nn.Parameter, full: torch.Tensor) -> None:
         e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
-        expected = {"w13_weight": (e, 2 * i, h), "w2_weight": (e, h, i), "w13_bias": (e, 2 * i),
-                    "w2_bias": (e, h)}[param.moe_role]
-        check_shape(param.label, full, expected)
+        role = param.moe_role
+        if role.endswith("_bias"):
+            check_shape(param.label, full, {"w13_bias": (e, 2 * i), "w2_bias": (e, h)}[role])
+            mine = full.narrow(0, self.shard.expert_start, self.shard.num_local_experts)
+            copy_into(param.data, self._gate_up_rows(mine) if role == "w13_bias" else mine)
+            return
+        rows, cols = (2 * i, h) if role.startswith("w13") else (h, i)
+        if getattr(param, "quantize_on_load", None) is not None:
+            check_shape(param.label, full, (e, rows, cols))
+            self._quantize_stack(param, full)
+            return
+        if self.weight_format in ("fp8_block", "fp8_channel"):
+            raise UnsupportedQuantizationError(
+                f"{self.prefix or param.label}: FP8 experts stored as one stacked tensor are not supported "
+                "(per-expert tensors with their scales are; stacked experts load unquantized, as MXFP4, or "
+                "quantized while loading)")
+        if param.col_unit == 2 and full.dim() == 4:  # gpt-oss MXFP4 blocks [E, N, K/32, 16] -> [E, N, K/2]
+            full = full.flatten(-2)
+        check_shape(param.label, full, (e, *self._stored(param, rows, cols)))
         mine = full.narrow(0, self.shard.expert_start, self.shard.num_local_experts)
-        if param.moe_role.startswith("w13"):
-            mine = self._gate_up_rows(mine)
-        elif param.moe_role == "w2_weight":
-            mine = mine.narrow(2, self.shard.intermediate_start, self.shard.intermediate_size)
+        if role.startswith("w13"):
+            mine = self._gate_up_rows(mine)  # (row_unit is 1 for every stacked format)
+        elif param.col_unit is not None:
+            unit = param.col_unit
+            mine = mine.narrow(2, self.shard.intermediate_start // unit, self.shard.intermediate_size // unit)
         copy_into(param.data, mine)
+
+    def _quantize_stack(self, param: nn.Parameter, full: torch.Tensor) -> None:
+        """Online quantization of a float stack (module layout), one local expert at a time."""
+        fmt, scale = param.quantize_on_load, self._scale_of(param)
+        start, size = self.shard.intermediate_start, self.shard.intermediate_size
+        for local in range(self.shard.num_local_experts):
+            w = full[self.shard.expert_start + local].to(param.device)
+            if param.moe_role.startswith("w13"):
+                q, s = quantize_weight(self._gate_up_rows(w[None])[0], fmt)
+            else:
+                q, s = quantize_weight(w.narrow(1, start, size), fmt, row_amax=self._row_amax(w, fmt))
+            copy_into(param.data[local], q)
+            copy_into(scale.data[local], s)
+
+    def _row_amax(self, down: torch.Tensor, fmt) -> torch.Tensor | None:
+        """Per-channel scales of the down projection are over its full rows, whichever columns this rank holds."""
+        return down.abs().amax(dim=1) if fmt.scales == "per_channel" and self.tp_size > 1 else None
 
     def _load_expert(self, param: nn.Parameter, loaded: torch.Tensor, local: int, proj: str) -> None:
         h, i = self.hidden_size, self.intermediate_size
@@ -240,17 +342,47 @@ class FusedMoE(nn.Module):
             check_shape(label, loaded, (h,))
             copy_into(param.data[local], loaded)
             return
-        if role == "w2_weight":
-            check_shape(label, loaded, (h, i))
-            copy_into(param.data[local], loaded.narrow(1, start, size))
+        if role == "w13_bias":
+            check_shape(label, loaded, (i,))
+            self._copy_gate_up(param, local, proj, loaded.narrow(0, start, size), 1)
             return
-        check_shape(label, loaded, (i, h) if role == "w13_weight" else (i,))
-        piece = loaded.narrow(0, start, size)
+        fmt = getattr(param, "quantize_on_load", None)
+        if role == "w2_weight" or role == "w2_weight_scale":
+            if fmt is not None:
+                check_shape(label, loaded, (h, i))
+                q, s = quantize_weight(loaded.narrow(1, start, size).to(param.device), fmt,
+                                       row_amax=self._row_amax(loaded, fmt))
+                copy_into(param.data[local], q)
+                copy_into(self.w2_weight_scale.data[local], s)
+                return
+            loaded = self._as_scale_rows(param, loaded, h)
+            check_shape(label, loaded, self._stored(param, h, i))
+            unit = param.col_unit
+            copy_into(param.data[local], loaded if unit is None else loaded.narrow(1, start // unit, -(-size // unit)))
+            return
+        if fmt is not None:
+            check_shape(label, loaded, (i, h))
+            q, s = quantize_weight(loaded.narrow(0, start, size).to(param.device), fmt)
+            self._copy_gate_up(param, local, proj, q, 1)
+            self._copy_gate_up(self.w13_weight_scale, local, proj, s, self.w13_weight_scale.row_unit)
+            return
+        loaded = self._as_scale_rows(param, loaded, i)
+        check_shape(label, loaded, self._stored(param, i, h))
+        unit = param.row_unit  # (a block split that is not whole blocks was refused when the layer was built)
+        self._copy_gate_up(param, local, proj, loaded.narrow(0, start // unit, -(-size // unit)), unit)
+
+    def _copy_gate_up(self, param: nn.Parameter, local: int, proj: str, piece: torch.Tensor, row_unit: int) -> None:
+        """This rank's rows of expert ``local``'s gate (w1) or up (w3) part into its place in ``param``."""
         up = proj == "w3"
         if self.layout == "interleaved":
+            if row_unit != 1:
+                raise UnsupportedQuantizationError(
+                    f"{self.prefix or param.label}: per-expert block-scaled gate/up tensors cannot be interleaved "
+                    f"({self.activation}); such experts load as one stack, quantized while loading")
             dst = param.data[local, int(up)::2]
         else:
-            dst = param.data[local].narrow(0, size if up else 0, size)
+            rows = piece.shape[0]
+            dst = param.data[local].narrow(0, rows if up else 0, rows)
         copy_into(dst, piece)
 
     # ---- forward --------------------------------------------------------------------------
@@ -268,15 +400,15 @@ class FusedMoE(nn.Module):
 
         With several ranks and ``reduce_results=False`` the result is this rank's partial sum.
         """
-        out = ops.fused_experts(hidden, self.w13_weight, self.w2_weight, topk_weights, self.local_topk_ids(topk_ids),
-                                activation=self.activation, w13_bias=self.w13_bias,
-                                w2_bias=self.w2_bias if self.tp_rank == 0 else None)
+        out = self.quant_method.apply(self, hidden, topk_weights, self.local_topk_ids(topk_ids),
+                                      self.w2_bias if self.tp_rank == 0 else None)
         if self.reduce_results and self.tp_size * self.ep_size > 1:
             dist.all_reduce(out)
         return out
 
     def extra_repr(self) -> str:
+        quant = "" if self.weight_format is None else f", quant={self.quant_method.describe()}"
         return (f"num_experts={self.num_experts}, local_experts={self.shard.num_local_experts}, "
                 f"hidden_size={self.hidden_size}, intermediate_per_rank={self.shard.intermediate_size}, "
                 f"activation={self.activation}, bias={self.w13_bias is not None}, "
-                f"tp={self.tp_rank}/{self.tp_size}, ep={self.ep_rank}/{self.ep_size}")
+                f"tp={self.tp_rank}/{self.tp_size}, ep={self.ep_rank}/{self.ep_size}{quant}")

@@ -5,7 +5,10 @@
 serve by name; ``QuantConfig.scheme_for(layer_name, packed_from=...)`` gives a linear layer its
 ``LinearScheme`` (method, weight format, activation scheme); ``linear_methods`` turns a scheme into
 the layer's parameters and forward (``UnquantizedLinear``, ``Fp8Linear``, ``Int8Linear``);
-``online_quant_config("fp8" | "fp8_block")`` is ``load_model(quantization=...)``'s config. The
+``expert_methods`` does the same for a ``FusedMoE``'s experts (unquantized, FP8 block / per-channel,
+MXFP4 kept packed); ``online_quant_config("fp8" | "fp8_block")`` is ``load_model(quantization=...)``'s
+config; ``dummy.initialize_dummy_quantized_weights`` fills a quantized model with random weights in its
+stored formats. The
 parsers are pure Python; no quantization library is imported (compressed-tensors and amd-quark
 are test dependencies only).
 """
@@ -16,6 +19,15 @@ from atom_core.models.quantization.config import (
     check_quantization_supported,
     online_quant_config,
     parse_quant_config,
+)
+from atom_core.models.quantization.dummy import initialize_dummy_quantized_weights
+from atom_core.models.quantization.expert_methods import (
+    EXPERT_WEIGHT_FORMATS,
+    ExpertMethod,
+    Fp8Experts,
+    Mxfp4Experts,
+    UnquantizedExperts,
+    expert_method_for,
 )
 from atom_core.models.quantization.linear_methods import (
     Fp8Linear,
@@ -44,6 +56,13 @@ from atom_core.models.quantization.schemes import (
 )
 
 __all__ = [
+    "EXPERT_WEIGHT_FORMATS",
+    "ExpertMethod",
+    "Fp8Experts",
+    "Mxfp4Experts",
+    "UnquantizedExperts",
+    "expert_method_for",
+    "initialize_dummy_quantized_weights",
     "FP8_BLOCK_128",
     "FP8_KV_CACHE",
     "FP8_PER_CHANNEL",

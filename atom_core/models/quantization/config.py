@@ -204,10 +204,11 @@ def check_quantization_supported(config: QuantConfig | None, architecture_class:
                                  source: str | Path | None = None) -> None:
     """Refuse a parsed checkpoint quantization that ``architecture_class`` does not load.
 
-    An architecture lists the formats it loads in ``supported_quantization``: Llama, Qwen3 and the
-    dense layers of the MoE families ``("fp8", "compressed-tensors", "quark")`` (their layers get
-    linear methods, ``linear_methods``; quantized experts are refused by name when the model is
-    built), gpt-oss ``("mxfp4",)`` (its experts decoded to the model dtype by the loader).
+    An architecture lists the formats it loads in ``supported_quantization``: Llama, Qwen3, the MoE
+    families and DeepSeek ``("fp8", "compressed-tensors", "quark")`` (dense layers get linear methods,
+    ``linear_methods``; experts expert methods, ``expert_methods``; what a layer cannot serve is refused
+    by name when the model is built), gpt-oss ``("mxfp4", "fp8")`` (its MXFP4 experts kept packed;
+    online FP8).
     """
     if config is None:
         return
@@ -233,8 +234,7 @@ ONLINE_QUANTIZATION = {
 def online_quant_config(quantization: str) -> QuantConfig:
     """The ``QuantConfig`` of ``load_model(..., quantization=...)``: ``"fp8"`` (FP8 per-channel weights,
     dynamic per-token activations) or ``"fp8_block"`` (128 x 128 block weights, 1 x 128 activation
-    groups), every linear layer (experts included, which are refused by name until fused-MoE FP8
-    lands), weights quantized while they are read (``online=True``)."""
+    groups), every linear layer and MoE expert, weights quantized while they are read (``online=True``)."""
     if quantization not in ONLINE_QUANTIZATION:
         raise UnsupportedQuantizationError(
             f"quantization={quantization!r} is not supported; choose one of {sorted(ONLINE_QUANTIZATION)} or None")

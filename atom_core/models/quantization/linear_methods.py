@@ -56,6 +56,19 @@ from atom_core.ops.reference.quant import (
 )
 
 BLOCK = FP8_BLOCK_SHAPE[0]  # 128: weight block rows = cols = activation group size
+DUMMY_CHUNK_ELEMENTS = 1 << 24  # fp32 values drawn at a time for random quantized weights (64 MiB)
+# Static input scale of random-weight layers: activations up to 16 in magnitude unclipped (a normed
+# hidden state of a random model stays well inside).
+DUMMY_INPUT_SCALE = 16.0 / 448.0
+
+
+def _offsets(sizes: Sequence[int]) -> list[tuple[int, int]]:
+    """(start, size) of consecutive parts of ``sizes`` rows."""
+    out, start = [], 0
+    for size in sizes:
+        out.append((start, size))
+        start += size
+    return out
 
 
 def make_param(shape: Sequence[int], dtype: torch.dtype, label: str, loader: Callable[..., None], *,
@@ -75,18 +88,25 @@ def make_param(shape: Sequence[int], dtype: torch.dtype, label: str, loader: Cal
 
 def quantize_weight(w: torch.Tensor, weight: WeightFormat, *, row_amax: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize an unquantized weight [N, K] (online quantization; tests use it to write offline checkpoints).
+    """Quantize an unquantized weight [N, K] (online quantization and random quantized weights; tests use
+    it to write offline checkpoints).
 
     ``FP8_PER_CHANNEL``: ``(q fp8 [N, K], scale [N, 1])``, scale = max(amax of the row, 1e-10) / 448
     (the rule of ``ops.reference.quant``); ``row_amax`` [N] replaces the amax of the rows of ``w``
-    (a row-parallel rank quantizing its columns with the full row's scale).
+    (a row-parallel rank quantizing its columns with the full row's scale). ``INT8_PER_CHANNEL``:
+    likewise with 127 and int8 rounding. ``FP8_PER_TENSOR``: ``(q fp8 [N, K], scale [1])``.
     ``FP8_BLOCK_128``: ``(q fp8 [N, K], scale [ceil(N/128), ceil(K/128)])``, one scale per 128 x 128 tile
     (``ops.reference.quant.per_block_quant``). Arithmetic in fp32 on ``w``'s device.
     """
-    if weight == FP8_PER_CHANNEL:
+    if weight in (FP8_PER_CHANNEL, INT8_PER_CHANNEL):
+        dtype = FP8_DTYPE if weight == FP8_PER_CHANNEL else INT8_DTYPE
         wf = w.float()
         amax = wf.abs().amax(dim=1) if row_amax is None else row_amax.float().to(wf.device)
-        scale = scale_from_amax(amax, FP8_DTYPE).reshape(-1, 1)
+        scale = scale_from_amax(amax, dtype).reshape(-1, 1)
+        return round_to_format(wf / scale, dtype), scale
+    if weight == FP8_PER_TENSOR:
+        wf = w.float()
+        scale = scale_from_amax(wf.abs().amax(), FP8_DTYPE).reshape(1)
         return round_to_format(wf / scale, FP8_DTYPE), scale
     if weight == FP8_BLOCK_128:
         return per_block_quant(w, FP8_DTYPE, BLOCK)
@@ -112,6 +132,12 @@ class LinearMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [T, K] (any leading dims) -> [T, N] in x's dtype, ``bias`` [N] added when given."""
         raise NotImplementedError
+
+    def init_dummy(self, layer: nn.Module, generator: torch.Generator, std: float) -> list[nn.Parameter]:
+        """Random weights in the stored format (``load_format="dummy"``): normal(0, ``std``) values quantized
+        as the scheme stores them, a chunk of rows at a time; returns the parameters filled (none for an
+        unquantized layer: the plain initializer fills it)."""
+        return []
 
     def describe(self) -> str:
         return self.scheme.describe()
@@ -187,6 +213,32 @@ class _ScaledLinear(LinearMethod):
             # for q, k and v (gate and up): the parts' scales agree. Where they do not, the largest is
             # taken (vLLM's rule): no part's activations then saturate.
             layer._a_scale = layer.input_scale.data.max().reshape(1).clone()
+
+    @torch.no_grad()
+    def init_dummy(self, layer, generator, std) -> list[nn.Parameter]:
+        weight, scale, fmt = layer.weight, layer.weight_scale, self.scheme.weight
+        rows, cols = weight.shape
+        if fmt.scales == "per_tensor":  # one scale per fused part
+            chunks = list(zip(range(len(layer.output_part_sizes)), _offsets(layer.output_part_sizes)))
+        else:  # rows in chunks of whole 128-blocks (bounds the fp32 temporary)
+            step = max(BLOCK, (DUMMY_CHUNK_ELEMENTS // max(cols, 1)) // BLOCK * BLOCK)
+            chunks = [(None, (start, min(step, rows - start))) for start in range(0, rows, step)]
+        for part, (start, size) in chunks:
+            values = torch.empty(size, cols, dtype=torch.float32, device=weight.device)
+            values.normal_(0.0, std, generator=generator)
+            q, s = quantize_weight(values, fmt)
+            weight.data.narrow(0, start, size).copy_(q)
+            if part is not None:
+                scale.data[part:part + 1].copy_(s)
+            elif fmt.scales == "per_block":
+                scale.data.narrow(0, start // BLOCK, s.shape[0]).copy_(s)
+            else:
+                scale.data.narrow(0, start, size).copy_(s)
+        filled = [weight, scale]
+        if self.scheme.activation is ActivationScheme.STATIC_PER_TENSOR:
+            layer.input_scale.data.fill_(DUMMY_INPUT_SCALE)
+            filled.append(layer.input_scale)
+        return filled
 
     def _quantize_input(self, layer, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         act = self.scheme.activation
