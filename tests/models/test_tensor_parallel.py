@@ -147,3 +147,58 @@ def test_two_ranks_with_fp8_block_scales_match_the_single_rank_quantized_model(t
         expected = _prefill_then_decode(load_model(path, dtype=torch.float32, device="cpu"))
     mp.start_processes(_fp8_block_rank, args=(os.path.join(tmp_path, "init"), path, expected), nprocs=TP, join=True,
                        start_method="fork")
+
+
+# --- FP8 block experts over two ranks ----------------------------------------------------------------------------
+
+# Layer 0 dense, layer 1 sparse: 4 experts of intermediate 256 = two 128-blocks, one per TP rank.
+FP8_MOE = {"hidden_size": 256, "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": 128, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 256,
+           "mlp_only_layers": [0], "norm_topk_prob": True}
+
+
+def _fp8_block_moe_rank(rank: int, init_file: str, path, expected: torch.Tensor, expert_parallel: bool) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=TP,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        model = load_model(path, dtype=torch.float32, device="cpu", tp_rank=rank, tp_size=TP,
+                           expert_parallel=expert_parallel)
+        experts = model.model.layers[1].mlp.experts
+        assert experts.weight_format == "fp8_block"
+        # TP: every expert, its 128 intermediate units (one row block of gate, one of up, over 2 column blocks
+        # of H; one column block of down); EP: 2 whole experts, [gate; up] of 256 rows each = 4 row blocks,
+        # down 2 x 2 blocks.
+        w13_blocks, w2_blocks = ((4, 2, 2), (4, 2, 1)) if not expert_parallel else ((2, 4, 2), (2, 2, 2))
+        assert tuple(experts.w13_weight_scale.shape) == w13_blocks and tuple(experts.w2_weight_scale.shape) == w2_blocks
+        with ops.use_backend("torch"):
+            actual = _prefill_then_decode(model)
+        # The tolerance argument of _fp8_block_rank holds here too: same 1 x 128 activation groups (a TP rank's
+        # 128 intermediate units are one group of the single rank's), same block scales.
+        scale = expected.abs().max().item()
+        row_diff = (actual - expected).abs().amax(dim=1)
+        at_fp32 = row_diff <= 1e-4 * max(1.0, scale)
+        assert at_fp32.float().mean() >= 7 / 8, f"rank {rank}: rows off by more than fp32 noise: {row_diff.tolist()}"
+        assert (row_diff <= 0.02 * scale).all(), f"rank {rank}: a row off by more than one rounding flip: " \
+                                                 f"{row_diff.max().item():.3g} of {scale:.3g}"
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
+def test_two_ranks_with_fp8_block_experts_match_the_single_rank_quantized_model(tmp_path):
+    """A Qwen3-MoE compressed-tensors FP8_BLOCK checkpoint (experts and dense layers) over TP 2, then EP 2:
+    each rank's logits match the single-rank quantized model's."""
+    pytest.importorskip("compressed_tensors")
+    from tests.models import quant_checkpoints as qc
+    from tests.models.parity_harness import ParityCase
+
+    case = ParityCase("fp8_block_moe", "qwen3_moe", "Qwen3MoeForCausalLM", FP8_MOE)
+    pair = build_moe_pair(case, tmp_path / "fp32")
+    path = qc.ct_tree_checkpoint(pair.path, tmp_path / "ckpt", "FP8_BLOCK")
+    with ops.use_backend("torch"):
+        expected = _prefill_then_decode(load_model(path, dtype=torch.float32, device="cpu"))
+    for expert_parallel in (False, True):
+        mp.start_processes(_fp8_block_moe_rank, args=(os.path.join(tmp_path, f"init{int(expert_parallel)}"), path,
+                                                      expected, expert_parallel),
+                           nprocs=TP, join=True, start_method="fork")
