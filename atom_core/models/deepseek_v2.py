@@ -63,19 +63,24 @@ from torch import nn
 from atom_core import ops
 from atom_core.models.base import QUANTIZED_DENSE_FORMATS, CausalLM, PreNormDecoderLayer
 from atom_core.models.config import ModelConfig
-from atom_core.models.layers.mla import LightningIndexer, MLACaches, MLAPagedAttention, MultiHeadLatentAttention
+from atom_core.models.layers.mla import (
+    LightningIndexer,
+    MLACaches,
+    MLAPagedAttention,
+    MultiHeadLatentAttention,
+)
 from atom_core.models.layers.mlp import GatedMLP
 from atom_core.models.layers.moe import FusedMoE, expert_params_mapping, moe_ranks
 from atom_core.models.layers.norm import RMSNorm
 from atom_core.models.layers.rotary import RotaryEmbedding
-from atom_core.models.qwen3_moe import check_silu_experts, config_int
 from atom_core.models.quantization import UnsupportedQuantizationError
+from atom_core.models.qwen3_moe import check_silu_experts, config_int
 from atom_core.models.registry import register_model
 
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 # MLA's (and DSA's indexer's) linear layers, by checkpoint name under ``self_attn``: unquantized only.
-MLA_LINEARS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
-               "indexer.wq_b", "indexer.wk", "indexer.weights_proj")
+MLA_LINEARS = ("kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+INDEXER_LINEARS = ("indexer.wq_b", "indexer.wk", "indexer.weights_proj")
 SCORING_FUNCS = ("softmax", "sigmoid")
 
 
@@ -208,12 +213,14 @@ class DeepseekV2ForCausalLM(MLACaches, CausalLM):
         return (self.num_experts > 0 and layer_idx >= config_int(config, "first_k_dense_replace", default=0)
                 and layer_idx % config_int(config, "moe_layer_freq", default=1) == 0)
 
-    def check_mla_unquantized(self, layer_idx: int) -> None:
-        """Refuse, naming it, a checkpoint config that quantizes one of layer ``layer_idx``'s MLA (or indexer)
-        linear layers (see the module docstring); online quantization leaves them unquantized."""
+    def check_mla_unquantized(self, layer_idx: int, *, indexer: bool = False) -> None:
+        """Refuse, naming it, a checkpoint config that quantizes one of layer ``layer_idx``'s MLA (or, with
+        ``indexer``, DSA indexer) linear layers (see the module docstring); online quantization leaves them
+        unquantized."""
         if self.quant_config is None or self.quant_config.online:
             return
-        for name in MLA_LINEARS:
+        q_names = ("q_proj",) if self.q_lora_rank is None else ("q_a_proj", "q_b_proj")
+        for name in q_names + MLA_LINEARS + (INDEXER_LINEARS if indexer else ()):
             prefix = f"model.layers.{layer_idx}.self_attn.{name}"
             scheme = self.quant_config.scheme_for(prefix)
             if scheme.is_quantized:
@@ -226,7 +233,7 @@ class DeepseekV2ForCausalLM(MLACaches, CausalLM):
 
     def make_attention(self, layer_idx: int, **dsa) -> MultiHeadLatentAttention:
         """Layer ``layer_idx``'s MLA block; ``dsa``: a DSA model's ``indexer`` / ``topk_share`` for it."""
-        self.check_mla_unquantized(layer_idx)
+        self.check_mla_unquantized(layer_idx, indexer=dsa.get("indexer") is not None)
         config = self.config
         return MultiHeadLatentAttention(
             config.hidden_size, config.num_attention_heads, q_lora_rank=self.q_lora_rank,
