@@ -170,8 +170,9 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, *, dtype=None, device=None, load_format: str = "auto",
-                        **engine_args) -> Engine:
-        """Load a checkpoint folder (config.json, *.safetensors, tokenizer.json); None = the built-in demo model."""
+                        quantization: str | None = None, **engine_args) -> Engine:
+        """Load a checkpoint folder (config.json, *.safetensors, tokenizer.json); None = the built-in demo model.
+        ``quantization`` (``"fp8"`` / ``"fp8_block"``): quantize an unquantized checkpoint while loading (``load_model``)."""
         from atom_core.models import load_model
 
         path = Path(path) if path is not None else DEMO_MODEL
@@ -179,7 +180,7 @@ class Engine:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         check_device(device)
         eos_token_ids, defaults = read_generation_config(path)
-        model = load_model(path, dtype=dtype, device=device, load_format=load_format)
+        model = load_model(path, dtype=dtype, device=device, load_format=load_format, quantization=quantization)
         engine = cls(model, Tokenizer.maybe_from(path), device=device, **engine_args)
         engine.eos_token_ids = engine.eos_token_ids | set(eos_token_ids)
         try:

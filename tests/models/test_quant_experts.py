@@ -260,3 +260,16 @@ def test_deepseek_quantized_mla_is_refused_by_name_and_random_weights_fall_back_
     online = build_model(DEEPSEEK_V3, device="cpu", load_format="zeros", quantization="fp8")  # MLA left as is
     assert online.model.layers[1].mlp.experts.weight_format == "fp8_channel"
     assert online.model.layers[0].self_attn.o_proj.weight.dtype == torch.float32
+
+
+def test_engine_from_pretrained_passes_quantization_to_load_model(tmp_path):
+    from atom_core.engine import Engine, SamplingParams
+
+    (tmp_path / "config.json").write_text(json.dumps({**ARCHITECTURES["qwen3_moe_step2_mlp_only"], **ALIGNED}))
+    with ops.use_backend("torch"):
+        engine = Engine.from_pretrained(tmp_path, device="cpu", load_format="dummy", quantization="fp8_block",
+                                        block_size=4, num_kv_blocks=16, max_model_len=32, warmup=False)
+        outs = engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                               use_tqdm=False)
+    assert engine.model.model.layers[1].mlp.experts.weight_format == "fp8_block"
+    assert len(outs[0].token_ids) == 3
