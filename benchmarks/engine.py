@@ -8,6 +8,17 @@ first token vs HF's forward, host overhead per step.
     python -m benchmarks.engine --section ttft         # GPU: one 128-token and one 16k-token prompt vs HF's forward
     python -m benchmarks.engine --section host         # CPU: schedule + prepare + record per decode step,
                                                        # against a plain-Python step timed in the same run
+    python -m benchmarks.engine --section latency --latency-models llama-3-8b --quantization fp8_block
+                                                       # quantized (dummy weights, quantized a layer at a time)
+                                                       # against bf16 in the same run
+    python -m benchmarks.engine --section throughput --model qwen3-30b-a3b --quantization fp8 --hf-seqs 0
+    python -m benchmarks.engine --section latency --latency-models gpt-oss-20b --quantization config
+                                                       # the config's own quantization_config (gpt-oss: MXFP4)
+
+``--quantization`` (throughput and latency): ``fp8`` / ``fp8_block`` quantize every linear layer and expert
+as ``load_model(quantization=...)`` does, ``config`` builds the config file's ``quantization_config``
+(gpt-oss-20b.json: MXFP4 experts kept packed); the bf16 baseline is the same config without it. Rows
+carry ``quantization`` and ``vs_bf16`` (the quantized row's speed over the bf16 one).
 
 Weights are dummy (random) with the real shapes from benchmarks/configs/; the shapes set the cost.
 The nano-vllm workload: seed 0, 256 sequences, prompt and output lengths uniform in [100, 1024],
@@ -55,15 +66,31 @@ def _sync():
 
 # ---------------------------------------------------------------------------------------- throughput
 
+QUANTIZATIONS = ("fp8", "fp8_block", "config")
+
+
+def build_bench_model(cfg: dict, quantization: str | None):
+    """Dummy-weight model of ``cfg``'s shapes on the GPU, bf16: ``quantization`` None builds it unquantized
+    (the config's ``quantization_config`` dropped), ``"config"`` with the config's own quantization,
+    ``"fp8"`` / ``"fp8_block"`` quantized as ``load_model(quantization=...)`` quantizes (random weights
+    drawn and quantized a layer at a time)."""
+    from atom_core.models import build_model
+
+    if quantization == "config":
+        return build_model(cfg, dtype=torch.bfloat16, device="cuda")
+    plain = {k: v for k, v in cfg.items() if k != "quantization_config"}
+    return build_model(plain, dtype=torch.bfloat16, device="cuda", quantization=quantization)
+
+
 def atom_core_throughput(cfg: dict, prompts, output_lens, *, runs: int = 1, label: str = "atom_core",
-                         **engine_args) -> list[dict]:
-    """atom_core's ``Engine.generate`` on the workload, ``runs`` times, dummy weights of ``cfg``'s shapes.
+                         quantization: str | None = None, **engine_args) -> list[dict]:
+    """atom_core's ``Engine.generate`` on the workload, ``runs`` times, dummy weights of ``cfg``'s shapes
+    (quantized per ``quantization``, see ``build_bench_model``).
     One row per run; the first carries the engine's construction time (its warm-up included). The
     model and its KV pool are freed before returning."""
     from atom_core.engine import Engine, SamplingParams
-    from atom_core.models import build_model
 
-    model = build_model(cfg, dtype=torch.bfloat16, device="cuda")
+    model = build_bench_model(cfg, quantization)
     _sync()
     t0 = time.perf_counter()
     engine = Engine(model, None, device="cuda", **engine_args)
@@ -80,7 +107,8 @@ def atom_core_throughput(cfg: dict, prompts, output_lens, *, runs: int = 1, labe
         tokens = sum(len(o.token_ids) for o in outs)
         kv = engine_args.get("kv_cache_dtype", "auto")
         rows.append({"system": label + (" (eager)" if engine_args.get("enforce_eager") else "")
-                     + ("" if kv == "auto" else f" (KV {kv})"),
+                     + ("" if kv == "auto" else f" (KV {kv})") + (f" ({quantization})" if quantization else ""),
+                     "quantization": quantization or "bf16",
                      "run": f"generate #{run + 1}", "seqs": len(prompts), "output_tokens": tokens,
                      "seconds": elapsed, "tok_per_s": tokens / elapsed, "preemptions": engine.num_preemptions,
                      "construct_s": construct_s if run == 0 else None})
@@ -91,13 +119,13 @@ def atom_core_throughput(cfg: dict, prompts, output_lens, *, runs: int = 1, labe
     return rows
 
 
-def _in_fresh_process(args, triton_cache: str, label: str) -> list[dict]:
+def _in_fresh_process(args, triton_cache: str, label: str, quantization: str | None = None) -> list[dict]:
     """``--section atom-core-runs`` in a new Python process with ``TRITON_CACHE_DIR=triton_cache``."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
         cmd = [sys.executable, "-m", "benchmarks.engine", "--section", "atom-core-runs", "--model", args.model,
                "--num-seqs", str(args.num_seqs), "--label", label, "--kv-cache-dtype", args.kv_cache_dtype,
-               "--json", out]
+               "--json", out] + (["--quantization", quantization] if quantization else [])
         subprocess.run(cmd, check=True, env={**os.environ, "TRITON_CACHE_DIR": triton_cache})
         with open(out) as f:
             data = json.load(f)
@@ -110,7 +138,7 @@ def section_atom_core_runs(args) -> list[dict]:
     prompts, output_lens = nano_vllm_workload(num_seqs=args.num_seqs)
     label = args.label or "atom_core"
     return atom_core_throughput(cfg, prompts, output_lens, runs=2, label=label, gpu_memory_utilization=0.9,
-                                kv_cache_dtype=args.kv_cache_dtype)
+                                kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
 
 
 def hf_throughput(hf_model, prompts, output_lens, mode: str) -> dict:
@@ -210,10 +238,15 @@ def section_throughput(args) -> list[dict]:
     with tempfile.TemporaryDirectory() as cache:
         rows = _in_fresh_process(args, cache, "atom_core, empty Triton cache")
         rows += _in_fresh_process(args, cache, "atom_core, Triton cache filled")
+        if args.quantization:  # the same workload quantized, against the bf16 warm run (its second generate)
+            quantized = _in_fresh_process(args, cache, "atom_core, Triton cache filled", args.quantization)
+            quantized[-1]["vs_bf16"] = quantized[-1]["tok_per_s"] / rows[3]["tok_per_s"]
     if hf_prompts:  # --hf-seqs 0: atom_core alone (e.g. to compare KV pool dtypes run by run)
         rows += _against_hf(args, cfg, hf_prompts, hf_lens)
     cold_first, cold_second = rows[0]["tok_per_s"], rows[1]["tok_per_s"]
     rows[0]["vs_warm"] = cold_first / cold_second
+    if args.quantization:
+        rows += quantized
     for r in rows:
         r["model"] = args.model
     return rows
@@ -222,14 +255,16 @@ def section_throughput(args) -> list[dict]:
 # ---------------------------------------------------------------------------------------- latency
 
 def section_latency(args) -> list[dict]:
+    """Decode ms per step at bs 1 / 64 per model (bf16, and with ``--quantization`` the quantized model in the
+    same run, ``vs_bf16`` its speedup); GB/s counts the weights as stored (fp8 one byte, MXFP4 half) plus the KV."""
     from atom_core.engine import Engine, SamplingParams
-    from atom_core.models import build_model
 
     copy_gbs = copy_bandwidth_gbs()
     rows = []
-    for name in args.latency_models:
+    variants = [None] + ([args.quantization] if args.quantization else [])
+    for name, quantization in [(n, q) for n in args.latency_models for q in variants]:
         cfg = load_config(name)
-        model = build_model(cfg, dtype=torch.bfloat16, device="cuda")
+        model = build_bench_model(cfg, quantization)
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         # (tied embeddings are one parameter: counted once, read once per step by the LM head)
         for eager in (False, True):
@@ -255,8 +290,14 @@ def section_latency(args) -> list[dict]:
                 context = prompt_len + 3 + steps // 2
                 kv_bytes = bs * context * spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 2
                 gbs = (weight_bytes + kv_bytes) / (ms * 1e-3) / 1e9
-                rows.append({"model": name, "bs": bs, "cuda_graphs": not eager, "ms_per_step": ms,
-                             "tok_per_s": bs / ms * 1e3, "GB/s": gbs, "%copy_bw": 100 * gbs / copy_gbs})
+                row = {"model": name, "quantization": quantization or "bf16", "bs": bs, "cuda_graphs": not eager,
+                       "ms_per_step": ms, "tok_per_s": bs / ms * 1e3, "weight_GB": weight_bytes / 1e9, "GB/s": gbs,
+                       "%copy_bw": 100 * gbs / copy_gbs}
+                base = next((r for r in rows if r["model"] == name and r["quantization"] == "bf16" and r["bs"] == bs
+                             and r["cuda_graphs"] == (not eager)), None)
+                if quantization and base is not None:
+                    row["vs_bf16"] = base["ms_per_step"] / ms
+                rows.append(row)
             del engine
             torch.cuda.empty_cache()
         del model
@@ -479,6 +520,9 @@ def main():
                         required=True)
     parser.add_argument("--label", default=None, help="system name in the rows of --section atom-core-runs")
     parser.add_argument("--kv-cache-dtype", default="auto", help="the engine's KV pool: auto (the model's dtype) or fp8")
+    parser.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                        help="throughput / latency: also run the model quantized (dummy weights) against bf16: fp8, "
+                             "fp8_block, or config (the config's quantization_config, e.g. gpt-oss MXFP4)")
     parser.add_argument("--model", default="qwen3-0.6b")
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--hf-seqs", type=int, default=64, help="sequences of the workload HF runs (it is slow)")

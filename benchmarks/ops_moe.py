@@ -1,5 +1,10 @@
 """One Qwen3-30B-A3B MoE layer (``benchmarks/configs/qwen3-30b-a3b.json``: E 128, K 8, H 2048,
-I 768, bf16) at T = 1, 8, 64, 512, 4096 tokens: ``fused_experts`` and its routing, ``topk_softmax``.
+I 768, bf16) at T = 1, 8, 64, 512, 4096 tokens: ``fused_experts`` and its routing, ``topk_softmax``;
+and ``fused_experts_quant`` with quantized expert weights: FP8 128 x 128 blocks (``fp8_block``) and FP8
+per-channel (``fp8_channel``) at the same Qwen3-30B-A3B shapes, MXFP4 kept packed (``mxfp4``) at
+GPT-OSS-20B's (``benchmarks/configs/gpt-oss-20b.json``: E 32, K 4, H = I = 2880, ``swiglu_clamped`` with
+biases), each against bf16 ``fused_experts`` on the same (dequantized) weights, routing and tokens, timed
+in the same run (``bf16_ms``, ``x_bf16``: the speedup of reading fewer bytes).
 
 For ``fused_experts``: median time of the op through atom_core's dispatch — on a GPU, of CUDA-graph
 replays (``ms``: what a decode step captured in a graph pays) and of eager calls (``eager_ms``:
@@ -7,7 +12,9 @@ Python and launch overhead included); the bytes of expert weights the step must 
 ``experts hit x 3 x H x I x bytes per element`` (the distinct experts in topk_ids: each needs its
 gate, up and down matrices once), over ``ms``, as GB/s and as a share of a device-to-device copy
 measured in the same run (target: >= 50% at 1-64 tokens, where reading the weights is the whole
-cost); speedup over the expert-loop twin, eager and under ``torch.compile`` (its per-expert token
+cost; for quantized weights the bytes per weight are 1 for fp8 and 0.5 + 1/32 for MXFP4, scales
+counted in; issue 12's target for fp8: >= 60% at 1-64 tokens); speedup over the expert-loop twin, eager
+and (bf16 only) under ``torch.compile`` (its per-expert token
 lists have data-dependent sizes, so the compiled twin runs in pieces between graph breaks, and
 neither can be captured in a CUDA graph). Routing rows give the time and the speedup over the twin.
 
@@ -17,6 +24,7 @@ graph requested); the row's ``timing`` column says which figures fell back to ea
 design.
 
     python -m benchmarks.ops_moe [--device cuda] [--json out.json] [--smoke] [--no-compile]
+                                 [--formats bf16 fp8_block fp8_channel mxfp4]
 
 ``--smoke`` runs tiny sizes (and no torch.compile) so the script can be checked on a CPU, where the
 Triton kernels run in the interpreter.
@@ -34,16 +42,23 @@ import torch
 from benchmarks.common import adaptive_timing, guarded, ms_of, ratio, timing_column
 
 CONFIG = Path(__file__).with_name("configs") / "qwen3-30b-a3b.json"
+GPT_OSS_CONFIG = Path(__file__).with_name("configs") / "gpt-oss-20b.json"
 TOKENS = [1, 8, 64, 512, 4096]
 SMOKE = dict(num_experts=8, top_k=2, hidden=64, inter=32, tokens=[1, 8], dtype=torch.float32)
+FORMATS = ("bf16", "fp8_block", "fp8_channel", "mxfp4")
+# Bytes of one expert weight as stored, scales included: fp8 blocks add 4 bytes per 128 x 128, per-channel
+# 4 per row (both < 0.1%: counted as 1); MXFP4 half a byte plus one e8m0 byte per 32.
+BYTES_PER_WEIGHT = {"fp8_block": 1.0, "fp8_channel": 1.0, "mxfp4": 0.5 + 1 / 32}
+MXFP4_E8M0 = 127 - 7  # random MXFP4 weights: codes of RMS 2.9 times 2**-7, about the bf16 weights' H**-0.5
 
 
-def layer_sizes(smoke: bool) -> dict:
+def layer_sizes(smoke: bool, config: Path = CONFIG) -> dict:
     if smoke:
         return SMOKE
-    cfg = json.loads(CONFIG.read_text())
-    return dict(num_experts=cfg["num_experts"], top_k=cfg["num_experts_per_tok"], hidden=cfg["hidden_size"],
-                inter=cfg["moe_intermediate_size"], tokens=TOKENS, dtype=torch.bfloat16)
+    cfg = json.loads(config.read_text())
+    return dict(num_experts=cfg.get("num_experts", cfg.get("num_local_experts")), top_k=cfg["num_experts_per_tok"],
+                hidden=cfg["hidden_size"], inter=cfg.get("moe_intermediate_size", cfg["intermediate_size"]),
+                tokens=TOKENS, dtype=torch.bfloat16)
 
 
 def make_layer(tokens: int, sizes: dict, device, seed: int = 0) -> dict:
@@ -85,11 +100,90 @@ def _moe_row(tokens, sizes, device, smoke, compile_twin, timed, copy_gbs, backen
                                                                                         dynamic=True)))
     twin_ms, compile_ms = ms_of(twin_t), ms_of(compiled)
     return {
-        "op": "fused_experts", "tokens": tokens, "backend": backend, "experts_hit": experts_hit,
+        "op": "fused_experts", "format": "bf16", "shapes": "qwen3-30b-a3b", "tokens": tokens, "backend": backend,
+        "experts_hit": experts_hit,
         "weight_MB": weight_bytes / 1e6, "ms": ms, "eager_ms": eager.ms, "GB/s": gbs, "%copy": 100 * gbs / copy_gbs,
         "twin_ms": twin_ms, "x_twin": ratio(twin_ms, ms),
         "compile_ms": compile_ms, "x_compile": ratio(compile_ms, ms),
         "timing": timing_column({"ms": ours, "eager_ms": eager, "twin_ms": twin_t, "compile_ms": compiled}),
+    }
+
+
+def quantized_layer(weight_format: str, layer: dict, sizes: dict, device, seed: int = 0) -> dict:
+    """The layer's expert weights in ``weight_format`` and the bf16 (or smoke fp32) weights they dequantize to:
+    ``w13 / w13_scale / w2 / w2_scale`` and ``w13_ref / w2_ref``. fp8: the random weights of ``make_layer``
+    quantized one expert at a time (``models.quantization.quantize_weight``); MXFP4: random codes and one
+    power-of-two scale (GPT-OSS's layout)."""
+    from atom_core.models.quantization import (
+        FP8_BLOCK_128,
+        FP8_PER_CHANNEL,
+        quantize_weight,
+    )
+    from atom_core.ops.reference.moe import dequantize_weight
+
+    out = {}
+    if weight_format == "mxfp4":
+        g = torch.Generator(device=device).manual_seed(seed + 1)
+        e, h, i = sizes["num_experts"], sizes["hidden"], sizes["inter"]
+        for name, rows, cols in (("w13", 2 * i, h), ("w2", h, i)):
+            codes = torch.randint(0, 256, (e, rows, cols // 2), generator=g, device=device, dtype=torch.int32)
+            out[name] = codes.to(torch.uint8)
+            out[f"{name}_scale"] = torch.full((e, rows, cols // 32), MXFP4_E8M0, dtype=torch.uint8, device=device)
+    else:
+        fmt = FP8_BLOCK_128 if weight_format == "fp8_block" else FP8_PER_CHANNEL
+        for name in ("w13", "w2"):
+            pairs = [quantize_weight(w, fmt) for w in layer[name]]
+            out[name] = torch.stack([q for q, _ in pairs])
+            out[f"{name}_scale"] = torch.stack([s for _, s in pairs])
+    for name in ("w13", "w2"):
+        out[f"{name}_ref"] = torch.stack([dequantize_weight(w, s, weight_format).to(sizes["dtype"])
+                                          for w, s in zip(out[name], out[f"{name}_scale"])])
+    return out
+
+
+def _quant_row(weight_format, shapes, tokens, sizes, device, timed, copy_gbs, backend):
+    """``fused_experts_quant`` against bf16 ``fused_experts`` on the weights it dequantizes to."""
+    from atom_core.ops.fused_moe import fused_experts, fused_experts_quant
+    from atom_core.ops.moe_routing import topk_softmax
+    from atom_core.ops.reference import moe as twin
+
+    layer = make_layer(tokens, sizes, device)
+    weights, ids = topk_softmax(layer["router_logits"], sizes["top_k"], renormalize=True)
+    quant = quantized_layer(weight_format, layer, sizes, device)
+    del layer["w13"], layer["w2"]
+    gpt_oss = weight_format == "mxfp4"
+    activation = "swiglu_clamped" if gpt_oss else "silu"
+    biases = {}
+    if gpt_oss:  # GPT-OSS's expert biases
+        g = torch.Generator(device=device).manual_seed(7)
+        biases = {name: (0.1 * torch.randn(sizes["num_experts"], rows, generator=g, device=device)).to(sizes["dtype"])
+                  for name, rows in (("w13_bias", 2 * sizes["inter"]), ("w2_bias", sizes["hidden"]))}
+    hidden = layer["hidden"]
+    out = torch.empty_like(hidden)
+    args = (hidden, quant["w13"], quant["w13_scale"], quant["w2"], quant["w2_scale"], weights, ids)
+
+    def call():
+        return fused_experts_quant(*args, weight_format=weight_format, activation=activation, out=out,
+                                   backend=backend, **biases)
+
+    ours = timed(call)
+    eager = timed(call, graph=False) if str(device).startswith("cuda") else ours
+    bf16_args = (hidden, quant["w13_ref"], quant["w2_ref"], weights, ids)
+    bf16_out = torch.empty_like(hidden)
+    bf16 = guarded(timed, lambda: lambda: fused_experts(*bf16_args, activation=activation, out=bf16_out,
+                                                       backend=backend, **biases))
+    twin_t = guarded(timed, lambda: lambda: twin.fused_experts_quant(*args, weight_format, activation,
+                                                                     biases.get("w13_bias"), biases.get("w2_bias")))
+    experts_hit = int(torch.unique(ids).numel())
+    weight_bytes = experts_hit * 3 * sizes["hidden"] * sizes["inter"] * BYTES_PER_WEIGHT[weight_format]
+    gbs = weight_bytes / (ours.ms * 1e-3) / 1e9
+    bf16_ms, twin_ms = ms_of(bf16), ms_of(twin_t)
+    return {
+        "op": "fused_experts_quant", "format": weight_format, "shapes": shapes, "tokens": tokens, "backend": backend,
+        "experts_hit": experts_hit, "weight_MB": weight_bytes / 1e6, "ms": ours.ms, "eager_ms": eager.ms,
+        "GB/s": gbs, "%copy": 100 * gbs / copy_gbs, "bf16_ms": bf16_ms, "x_bf16": ratio(bf16_ms, ours.ms),
+        "twin_ms": twin_ms, "x_twin": ratio(twin_ms, ours.ms), "compile_ms": None, "x_compile": None,
+        "timing": timing_column({"ms": ours, "eager_ms": eager, "bf16_ms": bf16, "twin_ms": twin_t}),
     }
 
 
@@ -104,8 +198,8 @@ def _routing_row(tokens, sizes, device, timed, backend):
             "x_twin": ratio(ms_of(twin_t), ours.ms), "timing": timing_column({"ms": ours, "twin_ms": twin_t})}
 
 
-def run(device: str = "cuda", smoke: bool = False, compile_twin: bool = True) -> list[dict]:
-    """One row per (op, token count). Times in ms; bandwidth in GB/s (1e9 bytes/s)."""
+def run(device: str = "cuda", smoke: bool = False, compile_twin: bool = True, formats=FORMATS) -> list[dict]:
+    """One row per (op, weight format, token count). Times in ms; bandwidth in GB/s (1e9 bytes/s)."""
     from atom_core.ops.dispatch import backend_available
     from benchmarks.common import copy_bandwidth_gbs
 
@@ -114,25 +208,38 @@ def run(device: str = "cuda", smoke: bool = False, compile_twin: bool = True) ->
     copy_gbs = copy_bandwidth_gbs(device, nbytes=1 << 20 if smoke else 2 << 30)
     backend = "triton" if backend_available("triton") else "torch"
     rows = []
-    for tokens in sizes["tokens"]:
-        rows.append(_moe_row(tokens, sizes, device, smoke, compile_twin, timed, copy_gbs, backend))
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+    for weight_format in formats:
+        for tokens in sizes["tokens"]:
+            if weight_format == "bf16":
+                rows.append(_moe_row(tokens, sizes, device, smoke, compile_twin, timed, copy_gbs, backend))
+            elif weight_format == "mxfp4":
+                rows.append(_quant_row(weight_format, "gpt-oss-20b", tokens, layer_sizes(smoke, GPT_OSS_CONFIG),
+                                       device, timed, copy_gbs, backend))
+            else:
+                rows.append(_quant_row(weight_format, "qwen3-30b-a3b", tokens, sizes, device, timed, copy_gbs,
+                                       backend))
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
     for tokens in sizes["tokens"]:
         rows.append(_routing_row(tokens, sizes, device, timed, backend))
     return rows
 
 
-COLUMNS = ["op", "tokens", "backend", "experts_hit", "weight_MB", "ms", "eager_ms", "GB/s", "%copy", "twin_ms",
-           "x_twin", "compile_ms", "x_compile", "timing"]
+COLUMNS = ["op", "format", "shapes", "tokens", "backend", "experts_hit", "weight_MB", "ms", "eager_ms", "GB/s",
+           "%copy", "bf16_ms", "x_bf16", "twin_ms", "x_twin", "compile_ms", "x_compile", "timing"]
 
 
 def main() -> None:
     from benchmarks.common import op_bench_args, report
 
-    args = op_bench_args(__doc__.splitlines()[0], lambda p: p.add_argument("--no-compile", action="store_true",
-                                    help="skip the torch.compile baseline"))
-    report(run(args.device, smoke=args.smoke, compile_twin=not args.no_compile), COLUMNS, args.json)
+    def flags(parser):
+        parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+        parser.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS),
+                            help="expert weight formats to run (bf16: fused_experts)")
+
+    args = op_bench_args(__doc__.splitlines()[0], flags)
+    report(run(args.device, smoke=args.smoke, compile_twin=not args.no_compile, formats=args.formats), COLUMNS,
+           args.json)
 
 
 if __name__ == "__main__":
