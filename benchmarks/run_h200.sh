@@ -27,5 +27,8 @@ run engine_latency 110 benchmarks.engine --section latency --json "$out/engine_l
 run engine_ttft 90 benchmarks.engine --section ttft --json "$out/engine_ttft.json"
 run engine_throughput_fp8_kv 200 benchmarks.engine --section throughput --kv-cache-dtype fp8 --hf-seqs 0 --json "$out/engine_throughput_fp8_kv.json"
 run ops_scaled_mm 150 benchmarks.ops_scaled_mm --json "$out/ops_scaled_mm.json"
+run engine_latency_fp8 200 benchmarks.engine --section latency --latency-models llama-3-8b --quantization fp8_block --json "$out/engine_latency_fp8.json"
+run engine_latency_gpt_oss 200 benchmarks.engine --section latency --latency-models gpt-oss-20b --quantization config --json "$out/engine_latency_gpt_oss.json"
+run engine_throughput_30b_fp8 300 benchmarks.engine --section throughput --model qwen3-30b-a3b --quantization fp8 --hf-seqs 0 --json "$out/engine_throughput_30b_fp8.json"
 run ops_attention 130 benchmarks.ops_attention --sdpa-only --json "$out/ops_attention.json"
 run ops_elementwise 70 benchmarks.ops_elementwise --json "$out/ops_elementwise.json"
