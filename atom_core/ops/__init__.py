@@ -28,6 +28,7 @@ from atom_core.ops.kv_cache import store_kv_
 from atom_core.ops.mla import mla_decode_attention, mla_prefill_attention, store_mla_
 from atom_core.ops.moe_routing import gpt_oss_topk, grouped_topk, topk_softmax
 from atom_core.ops.norm import layer_norm, rms_norm
+from atom_core.ops.penalties import apply_penalties_, apply_token_bias_
 from atom_core.ops.quant import per_group_quant, per_tensor_quant, per_token_quant
 from atom_core.ops.rope import apply_rope_, rope_cos_sin_cache, yarn_softmax_scale
 from atom_core.ops.sampling import rejection_sample_greedy, sample
@@ -36,7 +37,9 @@ from atom_core.ops.validation import debug_checks, debug_enabled, set_debug
 
 __all__ = [
     "BackendUnavailable",
+    "apply_penalties_",
     "apply_rope_",
+    "apply_token_bias_",
     "available_backends",
     "backend_available",
     "debug_checks",

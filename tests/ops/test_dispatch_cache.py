@@ -36,6 +36,7 @@ from atom_core.ops.dispatch import BackendUnavailable, Op
 from tests.ops import fake_aiter
 from tests.ops.test_dsa import DSA_DISPATCH_ARGS
 from tests.ops.test_mla import MLA_DISPATCH_ARGS
+from tests.ops.test_penalties import PENALTIES_DISPATCH_ARGS
 
 FP8 = torch.float8_e4m3fn
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -279,6 +280,7 @@ ARGS = {
 }
 ARGS.update(MLA_DISPATCH_ARGS)  # the MLA and DSA ops' nominal calls live beside their tests
 ARGS.update(DSA_DISPATCH_ARGS)
+ARGS.update(PENALTIES_DISPATCH_ARGS)
 
 
 def _nominal_options(name: str) -> list[tuple]:
