@@ -10,7 +10,13 @@ The signatures are what a kernel implements: the selected positions travel as an
 (positions in the row's sequence, -1 padded), so a sparse kernel reads K latent rows per query through
 the block table instead of the whole context; results go into ``out``; ``max_seqlen_q`` / ``max_seqlen_k``
 and ``topk`` are ints that size a launch; nothing is read on the host outside debug mode, so a CUDA graph
-can capture them. Backends: ``torch`` (the reference twins: dense-masked) only for now.
+can capture them.
+
+Backends: ``torch`` (the reference twins: dense-masked); ``triton`` (``ops/triton/mla_cache.py``: the key write;
+``dsa_indexer.py``: index scores by a Triton kernel into a ``[T, max_seqlen_k]`` buffer, then ``torch.topk``;
+``dsa_sparse.py``: absorbed MLA reading only the K selected latent rows per query, split-K, between two torch
+``bmm`` calls). No ``aiter`` backend: the AITER version the adapters follow (tests/ops/aiter_signatures.txt)
+has no indexer or sparse-MLA kernel.
 
 Legend: T = query tokens, B = rows, Hi = indexer heads, Di = indexer head dim, K = top-k, H = MLA heads,
 L = kv_lora_rank, R = qk_rope_head_dim, Dn = qk_nope_head_dim, Dv = v_head_dim, NB = pool blocks,
@@ -26,6 +32,7 @@ from torch import Tensor
 
 from atom_core.ops.dispatch import Op, call_op, custom_op
 from atom_core.ops.mla import _check_attention_args as _check_mla_attention_args
+from atom_core.ops.mla import triton_absorbed_key, triton_absorbed_refusal
 from atom_core.ops.reference import dsa as reference_dsa
 from atom_core.ops.reference.kv_cache import FP8_DTYPE
 from atom_core.ops.validation import (FLOAT_DTYPES, check_out, check_out_shape, check_same_device, check_shape,
@@ -54,9 +61,54 @@ def _torch_mla_sparse(q_nope, q_pe, mla_cache, w_uk, w_uv, topk_indices, block_t
                                                  kv_scale=kv_scale))
 
 
+# The score kernel keeps one token's indexer queries [Hi, Di] in registers (DeepSeek-V3.2: 64 x 128).
+TRITON_MAX_INDEX_HEADS = 128
+TRITON_MAX_INDEX_DIM = 256
+
+
+def _triton_store_supports(k, indexer_cache, slot_mapping) -> str | None:
+    if k.stride(-1) != 1 or indexer_cache.stride(-1) != 1:
+        return "triton store_indexer_k_ needs the last dim of k and indexer_cache contiguous"
+    return None
+
+
+def _triton_store_key(k, indexer_cache, slot_mapping):
+    """What :func:`_triton_store_supports` reads."""
+    return k.stride()[-1] == 1, indexer_cache.stride()[-1] == 1
+
+
+def _triton_topk_supports(q, weights, indexer_cache, *rest) -> str | None:
+    if q.stride(-1) != 1 or indexer_cache.stride(-1) != 1:
+        return "triton indexer_topk needs the last dim of q and indexer_cache contiguous"
+    if q.shape[1] > TRITON_MAX_INDEX_HEADS or q.shape[2] > TRITON_MAX_INDEX_DIM:
+        return (f"triton indexer_topk keeps a token's [Hi, Di] queries in registers: Hi <= {TRITON_MAX_INDEX_HEADS}, "
+                f"Di <= {TRITON_MAX_INDEX_DIM}, got {q.shape[1]} x {q.shape[2]}")
+    return None
+
+
+def _triton_topk_key(q, weights, indexer_cache, *rest):
+    """What :func:`_triton_topk_supports` reads."""
+    return (q.stride()[-1] == 1, indexer_cache.stride()[-1] == 1, q.shape[1] > TRITON_MAX_INDEX_HEADS,
+            q.shape[2] > TRITON_MAX_INDEX_DIM)
+
+
+def _triton_sparse_supports(q_nope, q_pe, mla_cache, w_uk, *rest) -> str | None:
+    return triton_absorbed_refusal(q_pe, mla_cache, w_uk.shape[-1])
+
+
+def _triton_sparse_key(q_nope, q_pe, mla_cache, w_uk, *rest):
+    return triton_absorbed_key(q_pe, mla_cache, w_uk.shape[-1])
+
+
 STORE_INDEXER_K.register("torch", _torch_store_indexer_k)
+STORE_INDEXER_K.register("triton", "atom_core.ops.triton.mla_cache:store_indexer_k_", _triton_store_supports,
+                         _triton_store_key)
 INDEXER_TOPK.register("torch", _torch_indexer_topk)
+INDEXER_TOPK.register("triton", "atom_core.ops.triton.dsa_indexer:indexer_topk", _triton_topk_supports,
+                      _triton_topk_key)
 MLA_SPARSE_ATTENTION.register("torch", _torch_mla_sparse)
+MLA_SPARSE_ATTENTION.register("triton", "atom_core.ops.triton.dsa_sparse:mla_sparse_attention",
+                              _triton_sparse_supports, _triton_sparse_key)
 
 
 @custom_op("store_indexer_k_", mutates_args=("indexer_cache",))

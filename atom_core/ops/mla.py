@@ -11,7 +11,12 @@ one per step (expanded when rows have many queries, absorbed for decode).
 The signatures are what a kernel implements: tensors in (``w_uk`` / ``w_uv`` may be strided views of
 ``kv_b_proj``'s weight), results written into ``out``, ``max_seqlen_q`` / ``max_seqlen_k`` ints that
 size a launch, and nothing read on the host outside debug mode, so a CUDA graph can capture them.
-Backends: ``torch`` (the reference twins) only for now.
+
+Backends: ``torch`` (the reference twins); ``triton`` (``ops/triton/mla_cache.py``: the row write;
+``mla_decode.py``: the absorbed form, a split-K multi-query kernel over the latent rows between two torch
+``bmm`` calls; ``mla_prefill.py``: the expanded form, per-head K/V from a GEMM over the row's pages, then the
+unified flash-attention kernel); ``aiter`` (``ops/aiter/mla.py``: ``concat_and_cache_mla``, ``mla_decode_fwd``
+for DeepSeek-shaped bf16 decode batches, ``flash_attn_varlen_func`` over the expanded K/V).
 
 Legend: T = query tokens, B = rows, H = query heads, L = kv_lora_rank, R = qk_rope_head_dim,
 Dn = qk_nope_head_dim, Dv = v_head_dim, NB = pool blocks, BS = block size, P = pages per row.
@@ -19,6 +24,7 @@ Dn = qk_nope_head_dim, Dv = v_head_dim, NB = pool blocks, BS = block size, P = p
 
 from __future__ import annotations
 
+import importlib
 from typing import Optional
 
 import torch
@@ -54,9 +60,90 @@ def _torch_mla_decode(q_nope, q_pe, mla_cache, w_uk, w_uv, block_tables, cu_seql
                                                  kv_scale=kv_scale))
 
 
+# The Triton kernels keep a q tile of [heads, L] and [heads, R] in registers (DeepSeek: L = 512, R = 64).
+TRITON_MAX_LATENT_DIM = 1024
+TRITON_MAX_ROPE_DIM = 256
+# The expanded form runs the unified attention kernel on one head dim max(Dn + R, Dv) (attention.py's limit).
+TRITON_MAX_EXPANDED_HEAD_DIM = 256
+
+
+def _no_native_fp8(cache: Tensor) -> bool:
+    return cache.dtype == FP8_DTYPE and cache.is_cuda and torch.cuda.get_device_capability(cache.device) < (8, 9)
+
+
+def _triton_store_supports(kv_c, k_pe, mla_cache, slot_mapping, kv_scale) -> str | None:
+    if any(t.stride(-1) != 1 for t in (kv_c, k_pe, mla_cache)):
+        return "triton store_mla_ needs the last dim of kv_c, k_pe and mla_cache contiguous"
+    return None
+
+
+def _triton_store_key(kv_c, k_pe, mla_cache, slot_mapping, kv_scale):
+    """What :func:`_triton_store_supports` reads."""
+    return kv_c.stride()[-1] == 1, k_pe.stride()[-1] == 1, mla_cache.stride()[-1] == 1
+
+
+def triton_absorbed_refusal(q_pe, mla_cache, latent_dim: int) -> str | None:
+    """Why the absorbed-form Triton kernels (MLA decode, DSA sparse) cannot serve, or None."""
+    if q_pe.stride(-1) != 1 or mla_cache.stride(-1) != 1:
+        return "triton MLA attention needs the last dim of q_pe and mla_cache contiguous"
+    if latent_dim > TRITON_MAX_LATENT_DIM or q_pe.shape[-1] > TRITON_MAX_ROPE_DIM:
+        return (f"triton MLA attention keeps [heads, L] and [heads, R] tiles in registers: L <= {TRITON_MAX_LATENT_DIM}"
+                f" and R <= {TRITON_MAX_ROPE_DIM}, got L = {latent_dim}, R = {q_pe.shape[-1]}")
+    if _no_native_fp8(mla_cache):
+        return "fp8 (e4m3) pools need a GPU of compute capability 8.9 or newer"
+    return None
+
+
+def triton_absorbed_key(q_pe, mla_cache, latent_dim: int):
+    """What :func:`triton_absorbed_refusal` reads (the compute capability follows from the device, in the signature)."""
+    return (q_pe.stride()[-1] == 1, mla_cache.stride()[-1] == 1, latent_dim > TRITON_MAX_LATENT_DIM,
+            q_pe.shape[-1] > TRITON_MAX_ROPE_DIM, mla_cache.dtype)
+
+
+def _triton_decode_supports(q_nope, q_pe, mla_cache, w_uk, w_uv, *rest) -> str | None:
+    return triton_absorbed_refusal(q_pe, mla_cache, w_uk.shape[-1])
+
+
+def _triton_decode_key(q_nope, q_pe, mla_cache, w_uk, w_uv, *rest):
+    return triton_absorbed_key(q_pe, mla_cache, w_uk.shape[-1])
+
+
+def _expanded_head_dim(q_nope, q_pe, w_uv) -> int:
+    return max(q_nope.shape[-1] + q_pe.shape[-1], w_uv.shape[1])
+
+
+def _triton_prefill_supports(q_nope, q_pe, mla_cache, w_uk, w_uv, *rest) -> str | None:
+    # Inputs are copied (gathered, expanded) by torch first: any strides, fp8 dequantised before the kernel.
+    head_dim = _expanded_head_dim(q_nope, q_pe, w_uv)
+    if head_dim > TRITON_MAX_EXPANDED_HEAD_DIM:
+        return (f"triton expanded MLA runs the unified attention kernel on max(Dn + R, Dv) = {head_dim} > "
+                f"{TRITON_MAX_EXPANDED_HEAD_DIM}")
+    return None
+
+
+def _triton_prefill_key(q_nope, q_pe, mla_cache, w_uk, w_uv, *rest):
+    return (_expanded_head_dim(q_nope, q_pe, w_uv) > TRITON_MAX_EXPANDED_HEAD_DIM,)
+
+
+def _aiter_rule(name: str):
+    """``supports`` / ``key`` of the AITER adapter, imported only where AITER runs."""
+    return lambda *args: getattr(importlib.import_module("atom_core.ops.aiter.mla"), name)(*args)
+
+
 STORE_MLA.register("torch", _torch_store_mla)
+STORE_MLA.register("triton", "atom_core.ops.triton.mla_cache:store_mla_", _triton_store_supports, _triton_store_key)
+STORE_MLA.register("aiter", "atom_core.ops.aiter.mla:store_mla_", _aiter_rule("store_supports"),
+                   "atom_core.ops.aiter.mla:store_key")
 MLA_PREFILL_ATTENTION.register("torch", _torch_mla_prefill)
+MLA_PREFILL_ATTENTION.register("triton", "atom_core.ops.triton.mla_prefill:mla_prefill_attention",
+                               _triton_prefill_supports, _triton_prefill_key)
+MLA_PREFILL_ATTENTION.register("aiter", "atom_core.ops.aiter.mla:mla_prefill_attention",
+                               _aiter_rule("prefill_supports"), "atom_core.ops.aiter.mla:prefill_key")
 MLA_DECODE_ATTENTION.register("torch", _torch_mla_decode)
+MLA_DECODE_ATTENTION.register("triton", "atom_core.ops.triton.mla_decode:mla_decode_attention",
+                              _triton_decode_supports, _triton_decode_key)
+MLA_DECODE_ATTENTION.register("aiter", "atom_core.ops.aiter.mla:mla_decode_attention",
+                              _aiter_rule("decode_supports"), "atom_core.ops.aiter.mla:decode_key")
 
 
 @custom_op("store_mla_", mutates_args=("mla_cache",))

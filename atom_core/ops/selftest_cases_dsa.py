@@ -7,6 +7,11 @@ its picks and break near-ties its own way. Shapes: the quick grid is small; the 
 DeepSeek-V3.2's shapes (Hi = 64, Di = 128, K = 2048 over contexts past 2048; MLA heads 16 of 128 per rank,
 L = 512, R = 64) and block size 1.
 
+The cases are the same for every backend; for the Triton kernels they reach: the score kernel's visible and
+invisible chunks (tokens at every position of a row), top-k of fewer positions than K (short contexts) and of
+K = 2048 out of up to 3000, the sparse kernel's per-entry page lookups at BS = 1, 6, 16 and 64, split-K over the
+K entries on a GPU (the long case: the split count follows the SM count), and fp8 pools.
+
 Legend: T tokens, Hi indexer heads, Di indexer head dim, K top-k, H heads, L kv_lora_rank,
 R qk_rope_head_dim, NB blocks, BS block size.
 """
@@ -152,6 +157,8 @@ def dsa_attention_cases(grid: str, device) -> list[Case]:
                 if grid == "full":
                     cases.append(make(f"{name} K=8 BS=1 {dtype}", query_lens, cached_lens, topk=8, dtype=dtype,
                                       device=device, block_size=1, **SMALL))
+                    cases.append(make(f"{name} K=8 BS=6 {dtype}", query_lens, cached_lens, topk=8, dtype=dtype,
+                                      device=device, block_size=6, **SMALL))
         if grid == "full":
             long = ([1, 1, 3], [2100, 600, 3000])   # contexts past K = 2048 and below it
             for make in (_topk_case, _sparse_case):

@@ -4,6 +4,12 @@ with the twin's under ``atom_core.ops.tolerances``. Pool slots no row owns hold 
 reads one fails. Shapes: the quick grid is small; the full grid adds DeepSeek-V3's head shapes
 (H = 16 of 128 per rank, L = 512, R = 64, Dn = 128, Dv = 128), block size 1 and fp8 pools.
 
+The cases are the same for every backend; for the Triton kernels they reach: the absorbed kernel's
+one-block-per-row path (decode, multi-token decode) and its query-block path (``mixed`` with 16 heads,
+``prefill``), split-K on a GPU (``long decode``: the split count follows the SM count), the three page
+lookups of a key tile (the page holds the tile: BS = 64; the tile holds pages: BS = 1, 16; neither:
+BS = 6), fp8 pools, and the expanded form's unified kernel on q/K/V padded to max(Dn + R, Dv).
+
 Legend: T tokens, H heads, L kv_lora_rank, R qk_rope_head_dim, Dn qk_nope_head_dim, Dv v_head_dim,
 NB blocks, BS block size.
 """
@@ -27,7 +33,7 @@ def _fp8_tol() -> dict:
 
 
 def store_mla_cases(grid: str, device) -> list[Case]:
-    shapes = [(6, 4, 16, 64, 16)] if grid == "quick" else [(1, 8, 16, 512, 64), (37, 4, 8, 64, 16), (5, 3, 1, 96, 32)]
+    shapes = [(6, 4, 16, 64, 16)] if grid == "quick" else [(1, 8, 16, 512, 64), (37, 6, 8, 64, 16), (5, 7, 1, 96, 32)]
     cases = []
     for tokens, blocks, block_size, latent, rope in shapes:
         for dtype in grid_dtypes(grid):
@@ -97,6 +103,9 @@ def mla_attention_cases(grid: str, device) -> list[Case]:
                                            block_size=1, **SMALL))
                     cases.append(_mla_case(op, f"{label} fp8 pool", query_lens, cached_lens, dtype=dtype,
                                            device=device, fp8=True, **SMALL))
+                    if name in ("mixed", "decode"):  # keys found page by page within a tile
+                        cases.append(_mla_case(op, f"{label} BS=6", query_lens, cached_lens, dtype=dtype,
+                                               device=device, block_size=6, **SMALL))
     return cases
 
 

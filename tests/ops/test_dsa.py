@@ -5,6 +5,9 @@ The twins are checked by hand (the write, a tiny top-k), against independent per
 that compute every index score and every attention weight from the formulas (top-k as sets, attention
 over the selected keys only), and against dense MLA when every visible position is selected, over
 random layouts (ragged prefill, prefix hits, decode, padding rows, block sizes 1/4/16, shuffled blocks).
+The Triton backend (strict ``backend="triton"``; the CPU interpreter here) is held to the same checks: its
+top-k as a choice (the twin's set up to exact ties), its sparse attention against the twin with shuffled and
+-1 entries, several splits, fp8 pools, and with every row it did not select poisoned (it reads only those).
 
 Legend: T tokens, Hi indexer heads, Di indexer head dim, K top-k, H heads, L kv_lora_rank,
 R qk_rope_head_dim, NB blocks, BS block size.
@@ -18,10 +21,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from atom_core import ops
-from atom_core.ops.dispatch import BackendUnavailable, trace_backends
+from atom_core.ops.dispatch import BackendUnavailable, backend_available, trace_backends
 from atom_core.ops.reference import dsa as twin
 from atom_core.ops.tolerances import ATTENTION, tolerance
-from tests.ops.test_mla import LAYOUTS, SENTINEL, MLABatch
+from tests.ops.conftest import DEVICE, needs_triton
+from tests.ops.test_mla import LAYOUTS, SENTINEL, MLABatch, on_device
 
 FP32_TOL = tolerance(torch.float32, ATTENTION)
 
@@ -143,28 +147,38 @@ def test_indexer_topk_keeps_the_positions_a_float64_score_loop_ranks_highest(lay
     assert any(pos + 1 > batch.topk for _, _, pos in batch.queries())  # some query drops positions
 
 
+def topk_args_on_device(batch: DSABatch) -> tuple:
+    """``batch.topk_args()`` on the test device (the interpreter's CPU, or the GPU)."""
+    lay = batch.layout.to(DEVICE)
+    return (batch.index_q.to(DEVICE), batch.index_w.to(DEVICE), batch.index_cache.to(DEVICE), lay.block_tables,
+            lay.cu_seqlens_q, lay.context_lens, lay.max_seqlen_q, lay.max_seqlen_k)
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
 @settings(max_examples=20, deadline=None)
 @given(rows=st.lists(st.tuples(st.integers(1, 9), st.integers(0, 20)), min_size=1, max_size=4),
        block_size=st.sampled_from([1, 4, 16]), pad_rows=st.integers(0, 2), topk=st.integers(1, 12),
        seed=st.integers(0, 2**16))
-def test_indexer_topk_matches_the_loop_on_any_layout_and_pads_padding_rows(rows, block_size, pad_rows, topk, seed):
+def test_indexer_topk_matches_the_loop_on_any_layout_and_pads_padding_rows(backend, rows, block_size, pad_rows, topk,
+                                                                           seed):
     query_lens, cached_lens = zip(*rows)
     batch = DSABatch(list(query_lens), list(cached_lens), block_size=block_size, topk=topk, seed=seed,
                      pad_rows_to=len(rows) + pad_rows)
-    got = ops.indexer_topk(*batch.topk_args(), topk=topk, scale=batch.index_scale)
+    got = ops.indexer_topk(*topk_args_on_device(batch), topk=topk, scale=batch.index_scale, backend=backend).cpu()
     assert_keeps_the_top_scores(batch, got)
     num_real = sum(query_lens)
     assert (got[num_real:] == -1).all()
 
 
-def test_indexer_topk_writes_out_and_serves_on_torch_only():
+def test_indexer_topk_writes_out_and_auto_serves_triton_wherever_it_runs():
     batch = DSABatch([2, 1], [3, 6], seed=5)
     out = torch.full((3, batch.topk), 99, dtype=torch.int32)
     with trace_backends() as calls:
         result = ops.indexer_topk(*batch.topk_args(), topk=batch.topk, scale=batch.index_scale, out=out)
-    assert result is out and not (out == 99).any() and calls == [("indexer_topk", "torch")]
-    with pytest.raises(BackendUnavailable, match="no triton implementation"):
-        ops.indexer_topk(*batch.topk_args(), topk=batch.topk, scale=batch.index_scale, backend="triton")
+    auto = "triton" if backend_available("triton") else "torch"   # no selftest record here: triton is not vetoed
+    assert result is out and not (out == 99).any() and calls == [("indexer_topk", auto)]
+    with pytest.raises(BackendUnavailable, match="no aiter implementation"):
+        ops.indexer_topk(*batch.topk_args(), topk=batch.topk, scale=batch.index_scale, backend="aiter")
     with pytest.raises(ValueError, match="out must have shape"):
         ops.indexer_topk(*batch.topk_args(), topk=batch.topk, scale=batch.index_scale,
                          out=torch.empty(3, batch.topk + 1, dtype=torch.int32))
@@ -195,17 +209,20 @@ def test_sparse_attention_equals_a_float64_loop_over_the_selected_keys_only(layo
     assert not torch.allclose(got, dense, atol=1e-3)  # the selection matters
 
 
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
 @settings(max_examples=20, deadline=None)
 @given(rows=st.lists(st.tuples(st.integers(1, 9), st.integers(0, 20)), min_size=1, max_size=4),
        block_size=st.sampled_from([1, 4, 16]), pad_rows=st.integers(0, 2), seed=st.integers(0, 2**16))
-def test_sparse_attention_with_every_visible_position_selected_equals_dense_mla(rows, block_size, pad_rows, seed):
+def test_sparse_attention_with_every_visible_position_selected_equals_dense_mla(backend, rows, block_size, pad_rows,
+                                                                                seed):
     query_lens, cached_lens = zip(*rows)
-    batch = DSABatch(list(query_lens), list(cached_lens), block_size=block_size, seed=seed,
-                     pad_rows_to=len(rows) + pad_rows)
+    batch = on_device(DSABatch(list(query_lens), list(cached_lens), block_size=block_size, seed=seed,
+                               pad_rows_to=len(rows) + pad_rows))
     topk = max(batch.context) + 3   # >= every context: the indexer keeps everything
-    indices = ops.indexer_topk(*batch.topk_args(), topk=topk, scale=batch.index_scale)
-    sparse = ops.mla_sparse_attention(*batch.args()[:5], indices, *batch.args()[5:], scale=batch.scale)
-    dense = ops.mla_decode_attention(*batch.args(), scale=batch.scale)
+    indices = ops.indexer_topk(*topk_args_on_device(batch), topk=topk, scale=batch.index_scale, backend=backend)
+    sparse = ops.mla_sparse_attention(*batch.args()[:5], indices, *batch.args()[5:], scale=batch.scale,
+                                      backend=backend).cpu()
+    dense = ops.mla_decode_attention(*batch.args(), scale=batch.scale, backend="torch").cpu()
     assert torch.isfinite(sparse).all()  # no NaN slot was read
     torch.testing.assert_close(sparse, dense, **FP32_TOL)
     num_real = sum(query_lens)
@@ -256,6 +273,105 @@ def test_debug_checks_name_indexer_weights_of_the_wrong_shape():
         ops.indexer_topk(*args, topk=batch.topk, scale=batch.index_scale)
 
 
+# ---- the Triton backend (strict: a fallback cannot pass) ----------------------------------------------------------
+
+@needs_triton
+@pytest.mark.parametrize("tokens, dim", [(6, 16), (37, 128)])   # 37 rows of 128: several programs
+def test_triton_store_indexer_k_writes_the_twins_cache_cast_to_its_dtype(tokens, dim):
+    g = torch.Generator().manual_seed(20)
+    wide = torch.randn(tokens, dim + 8, generator=g).to(device=DEVICE, dtype=torch.bfloat16)
+    k = wide[:, 4:dim + 4]                                               # a strided view, last dim contiguous
+    slots = torch.randperm(4 * (tokens + 2), generator=g)[:tokens].to(DEVICE)
+    slots[1::4] = -1                                                     # padding tokens write nothing
+    caches = [torch.full((tokens + 2, 4, dim), SENTINEL, device=DEVICE) for _ in range(2)]   # fp32 cache, bf16 keys
+    ops.store_indexer_k_(k, caches[0], slots, backend="triton")
+    twin.store_indexer_k_(k, caches[1], slots)
+    assert torch.equal(caches[0], caches[1])
+    assert (caches[0] == SENTINEL).any() and not (caches[0] == SENTINEL).all()
+
+
+def scores_of(batch: DSABatch, t: int, kept) -> list[float]:
+    """The float64 scores of the positions ``kept`` by token t, sorted (naive_scores' formula)."""
+    table_scores = naive_scores(batch)[t]
+    return sorted(table_scores[j] for j in kept)
+
+
+@needs_triton
+@pytest.mark.parametrize("layout, block_size, topk", [("ragged_prefill", 4, 3), ("chunk_after_prefix", 6, 5),
+                                                      ("decode", 1, 4), ("multi_token_decode", 16, 40)])
+def test_triton_indexer_topk_keeps_the_twins_set_up_to_exact_ties(layout, block_size, topk):
+    query_lens, cached_lens = LAYOUTS[layout]
+    batch = DSABatch(query_lens, cached_lens, block_size=block_size, topk=topk, seed=21,
+                     pad_rows_to=len(query_lens) + 1)
+    got = ops.indexer_topk(*topk_args_on_device(batch), topk=topk, scale=batch.index_scale, backend="triton").cpu()
+    want = twin.indexer_topk(*batch.topk_args(), topk=topk, scale=batch.index_scale)
+    assert got.shape == want.shape and (got[batch.layout.num_tokens - 1] == -1).all()   # the padding row
+    for t, _, _ in batch.queries():
+        kept, wanted = [int(j) for j in got[t] if j >= 0], [int(j) for j in want[t] if j >= 0]
+        assert len(kept) == len(set(kept)) == len(wanted)
+        # The same set, except where positions score exactly alike (relu zeros tie often): same scores then.
+        assert scores_of(batch, t, kept) == pytest.approx(scores_of(batch, t, wanted), abs=1e-9), f"token {t}"
+    # Every case but the last drops positions; the last keeps every position of contexts shorter than K.
+    assert any(pos + 1 > topk for _, _, pos in batch.queries()) == (topk < max(batch.context))
+
+
+def shuffled_selection(batch: DSABatch, topk: int, seed: int) -> tuple[torch.Tensor, dict[int, set[int]]]:
+    """Like ``random_selection`` but with the -1 entries scattered among the chosen ones."""
+    indices, chosen = random_selection(batch, topk, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    for t in range(indices.shape[0]):
+        indices[t] = indices[t, torch.randperm(topk, generator=g)]
+    return indices, chosen
+
+
+@needs_triton
+@pytest.mark.parametrize("num_splits, heads", [(1, 3), (2, 20), (3, 3)])   # 20 heads: blocks of 16 and of 4
+@pytest.mark.parametrize("fp8", [False, True])
+def test_triton_sparse_attention_equals_the_twin_with_shuffled_entries_and_several_splits(num_splits, heads, fp8):
+    from atom_core.ops.triton import dsa_sparse
+
+    batch = on_device(DSABatch([1, 3, 1, 2], [30, 6, 0, 11], block_size=4, heads=heads, seed=22, fp8=fp8,
+                               pad_rows_to=5))
+    indices, _ = shuffled_selection(batch, 9, seed=22)
+    indices = indices.to(DEVICE)
+    want = twin.mla_sparse_attention(*batch.args()[:5], indices, *batch.args()[5:], scale=batch.scale,
+                                     kv_scale=batch.kv_scale)
+    got = torch.full_like(want, SENTINEL)
+    dsa_sparse.mla_sparse_attention(*batch.args()[:5], indices, *batch.args()[5:], batch.scale, batch.kv_scale, got,
+                                    num_splits=num_splits)
+    torch.testing.assert_close(got.cpu(), want.cpu(), **FP32_TOL)
+    strict = ops.mla_sparse_attention(*batch.args()[:5], indices, *batch.args()[5:], scale=batch.scale,
+                                      kv_scale=batch.kv_scale, backend="triton")
+    torch.testing.assert_close(strict.cpu(), want.cpu(), **FP32_TOL)
+
+
+@needs_triton
+def test_triton_sparse_attention_reads_only_the_selected_rows():
+    batch = DSABatch([1, 2, 1], [40, 9, 25], block_size=4, seed=23)
+    indices, chosen = random_selection(batch, 5, seed=23)
+    want = twin.mla_sparse_attention(*batch.args()[:5], indices, *batch.args()[5:], scale=batch.scale)
+    selected = {batch.tables[row][j // 4] * 4 + j % 4 for t, row, _ in batch.queries() for j in chosen[t]}
+    flat = batch.cache.view(-1, batch.cache.shape[-1])
+    poisoned = torch.ones(flat.shape[0], dtype=torch.bool)
+    poisoned[sorted(selected)] = False
+    flat[poisoned] = float("nan")                      # every row no query selected: reading one gives NaN
+    on_device(batch)
+    got = ops.mla_sparse_attention(*batch.args()[:5], indices.to(DEVICE), *batch.args()[5:], scale=batch.scale,
+                                   backend="triton").cpu()
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, **FP32_TOL)
+    dense = ops.mla_sparse_attention(*batch.args()[:5], indices.to(DEVICE), *batch.args()[5:], scale=batch.scale,
+                                     backend="torch")   # the dense-masked twin reads the poisoned rows
+    assert torch.isnan(dense).any()
+
+
+@needs_triton
+def test_triton_indexer_refuses_more_heads_than_its_register_tile_by_name():
+    batch = DSABatch([2], [3], seed=24, index_heads=130)
+    with pytest.raises(BackendUnavailable, match="Hi <= 128"):
+        ops.indexer_topk(*topk_args_on_device(batch), topk=4, scale=batch.index_scale, backend="triton")
+
+
 # ---- nominal calls for tests/ops/test_dispatch_cache.py (``ARGS.update(DSA_DISPATCH_ARGS)``) -------------------------
 
 def _store_indexer_k_dispatch_args(c):
@@ -272,10 +388,10 @@ def _layout_dispatch_args(c, rows):
 
 def _indexer_topk_dispatch_args(c):
     rows, max_seqlen_q = c.vary(3, 1), c.vary(1, 4)
-    dtype, heads, topk = c.vary(torch.bfloat16, torch.float16, torch.float32), c.vary(4, 64), c.vary(8, 2048)
-    tokens = rows * max_seqlen_q
-    q, weights = c.tensor(tokens, heads, 32, dtype=dtype), c.tensor(tokens, heads)
-    cache = c.tensor(6, c.vary(16, 1, 64), 32, dtype=dtype)
+    dtype, heads, topk = c.vary(torch.bfloat16, torch.float16, torch.float32), c.vary(4, 64, 256), c.vary(8, 2048)
+    tokens, dim = rows * max_seqlen_q, c.vary(32, 512)           # 256 heads, 512 dims: past triton's register tile
+    q, weights = c.tensor(tokens, heads, dim, dtype=dtype), c.tensor(tokens, heads)
+    cache = c.tensor(6, c.vary(16, 1, 64), dim, dtype=dtype)
     return (q, weights, cache, *_layout_dispatch_args(c, rows), max_seqlen_q, c.vary(40, 8), topk, 32 ** -0.5,
             c.tensor(tokens, topk, dtype=torch.int32))
 
@@ -284,9 +400,10 @@ def _mla_sparse_dispatch_args(c):
     rows, max_seqlen_q = c.vary(3, 1), c.vary(1, 4)
     dtype, heads = c.vary(torch.bfloat16, torch.float16, torch.float32), c.vary(4, 16)
     tokens = rows * max_seqlen_q
-    q_nope, q_pe = c.tensor(tokens, heads, 32, dtype=dtype), c.tensor(tokens, heads, 16, dtype=dtype)
-    cache = c.tensor(6, c.vary(16, 1, 64), 80, dtype=c.vary(dtype, torch.float8_e4m3fn))
-    w_uk, w_uv = c.tensor(heads, 32, 64, dtype=dtype), c.tensor(heads, 24, 64, dtype=dtype)
+    latent, rope = c.vary(64, 2048), c.vary(16, 512)             # past triton's register tile
+    q_nope, q_pe = c.tensor(tokens, heads, 32, dtype=dtype), c.tensor(tokens, heads, rope, dtype=dtype)
+    cache = c.tensor(6, c.vary(16, 1, 64), latent + rope, dtype=c.vary(dtype, torch.float8_e4m3fn))
+    w_uk, w_uv = c.tensor(heads, 32, latent, dtype=dtype), c.tensor(heads, 24, latent, dtype=dtype)
     topk_indices = c.tensor(tokens, c.vary(8, 2048), dtype=torch.int32)
     return (q_nope, q_pe, cache, w_uk, w_uv, topk_indices, *_layout_dispatch_args(c, rows), max_seqlen_q,
             c.vary(40, 8), 0.1, c.maybe(False, lambda: c.tensor(1)), c.tensor(tokens, heads, 24, dtype=dtype))

@@ -4,7 +4,9 @@ DeepSeek's YaRN rope (interleaved rotation, mscale in the cos/sin table, the sof
 The twins are checked by hand (the write), against an independent per-token, per-head loop in float64
 that builds every key and value from the formulas (attention), against each other over random
 layouts (ragged prefill, prefix hits, decode, padding rows, block sizes 1/4/16, shuffled blocks), and
-against transformers' own DeepSeek rotary code (rope).
+against transformers' own DeepSeek rotary code (rope). The Triton backend (strict ``backend="triton"``,
+under the CPU interpreter here) is checked against the twins on the same kinds of layouts, plus fp8 and
+16-bit pools, strided q views, several KV splits and long query blocks; its refusals name their reason.
 
 Legend: T tokens, H heads, L kv_lora_rank, R qk_rope_head_dim, Dn qk_nope_head_dim, Dv v_head_dim,
 NB blocks, BS block size.
@@ -21,11 +23,12 @@ from hypothesis import strategies as st
 
 from atom_core import ops
 from atom_core.cache import build_step_layout
-from atom_core.ops.dispatch import BackendUnavailable, trace_backends
+from atom_core.ops.dispatch import BackendUnavailable, backend_available, trace_backends
 from atom_core.ops.reference import mla as twin
 from atom_core.ops.reference import rope as reference_rope
 from atom_core.ops.reference.kv_cache import quantize_fp8
 from atom_core.ops.tolerances import ATTENTION, tolerance
+from tests.ops.conftest import DEVICE, needs_triton
 
 FP8 = torch.float8_e4m3fn
 SENTINEL = 1000.0
@@ -153,8 +156,8 @@ def test_absorbed_decode_form_equals_expanded_prefill_form_on_any_layout(rows, b
     query_lens, cached_lens = zip(*rows)
     batch = MLABatch(list(query_lens), list(cached_lens), block_size=block_size, seed=seed,
                      pad_rows_to=len(rows) + pad_rows)
-    expanded = ops.mla_prefill_attention(*batch.args(), scale=batch.scale)
-    absorbed = ops.mla_decode_attention(*batch.args(), scale=batch.scale)
+    expanded = ops.mla_prefill_attention(*batch.args(), scale=batch.scale, backend="torch")
+    absorbed = ops.mla_decode_attention(*batch.args(), scale=batch.scale, backend="torch")
     assert torch.isfinite(expanded).all()  # no NaN slot was read
     torch.testing.assert_close(absorbed, expanded, **FP32_TOL)
     num_real = sum(query_lens)
@@ -164,34 +167,37 @@ def test_absorbed_decode_form_equals_expanded_prefill_form_on_any_layout(rows, b
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_forms_agree_in_16_bit_within_the_attention_tolerance(dtype):
     batch = MLABatch([1, 6, 1], [9, 3, 0], block_size=4, seed=3, dtype=dtype)
-    expanded = ops.mla_prefill_attention(*batch.args(), scale=batch.scale)
-    absorbed = ops.mla_decode_attention(*batch.args(), scale=batch.scale)
+    expanded = ops.mla_prefill_attention(*batch.args(), scale=batch.scale, backend="torch")
+    absorbed = ops.mla_decode_attention(*batch.args(), scale=batch.scale, backend="torch")
     assert expanded.dtype == absorbed.dtype == dtype
     torch.testing.assert_close(absorbed, expanded, **tolerance(dtype, ATTENTION))
 
 
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
 @pytest.mark.parametrize("form", ["prefill", "decode"])
-def test_fp8_pool_attends_over_row_times_kv_scale(form):
+def test_fp8_pool_attends_over_row_times_kv_scale(form, backend):
     fp8 = MLABatch([2, 1], [5, 8], block_size=4, seed=4, fp8=True)
     dequantised = MLABatch([2, 1], [5, 8], block_size=4, seed=4)
     dequantised.cache = fp8.cache.float() * fp8.kv_scale
     fn = ops.mla_prefill_attention if form == "prefill" else ops.mla_decode_attention
-    got = fn(*fp8.args(), scale=fp8.scale, kv_scale=fp8.kv_scale)
-    want = fn(*dequantised.args(), scale=dequantised.scale)
+    got = fn(*fp8.args(), scale=fp8.scale, kv_scale=fp8.kv_scale, backend=backend)
+    want = fn(*dequantised.args(), scale=dequantised.scale, backend="torch")
     torch.testing.assert_close(got, want, **FP32_TOL)
-    assert not torch.allclose(fn(*fp8.args(), scale=fp8.scale, kv_scale=torch.tensor([1.0])), want, atol=1e-2)
+    unscaled = fn(*fp8.args(), scale=fp8.scale, kv_scale=torch.tensor([1.0]), backend=backend)
+    assert not torch.allclose(unscaled, want, atol=1e-2)
 
 
-def test_public_ops_write_out_serve_on_torch_and_refuse_triton_by_name():
+def test_public_ops_write_out_and_auto_serves_triton_wherever_it_runs():
     batch = MLABatch([2, 1], [3, 6], seed=5)
     out = torch.full((3, 3, 10), SENTINEL)
     with trace_backends() as calls:
         result = ops.mla_decode_attention(*batch.args(), scale=batch.scale, out=out)
         ops.mla_prefill_attention(*batch.args(), scale=batch.scale)
     assert result is out and not (out == SENTINEL).any()
-    assert calls == [("mla_decode_attention", "torch"), ("mla_prefill_attention", "torch")]
-    with pytest.raises(BackendUnavailable, match="no triton implementation"):
-        ops.mla_decode_attention(*batch.args(), scale=batch.scale, backend="triton")
+    auto = "triton" if backend_available("triton") else "torch"   # no selftest record here: triton is not vetoed
+    assert calls == [("mla_decode_attention", auto), ("mla_prefill_attention", auto)]
+    with pytest.raises(BackendUnavailable, match="no aiter implementation|not available"):
+        ops.mla_decode_attention(*batch.args(), scale=batch.scale, backend="aiter")
     with pytest.raises(ValueError, match="out must have shape"):
         ops.mla_prefill_attention(*batch.args(), scale=batch.scale, out=torch.empty(3, 3, 12))
 
@@ -219,6 +225,208 @@ def test_debug_checks_require_kv_scale_for_an_fp8_pool():
     batch = MLABatch([1], [4], seed=8, fp8=True)
     with ops.debug_checks(), pytest.raises(ValueError, match="kv_scale is required"):
         ops.mla_prefill_attention(*batch.args(), scale=batch.scale)
+
+
+# ---- the Triton backend (strict: a fallback cannot pass) ----------------------------------------------------------
+
+def on_device(batch: MLABatch) -> MLABatch:
+    """The batch's tensors moved to the test device (the interpreter's CPU, or the GPU)."""
+    for name in ("cache", "q_nope", "q_pe", "w_kv_b", "w_uk", "w_uv", "kv_scale"):
+        value = getattr(batch, name)
+        if value is not None:
+            setattr(batch, name, value.to(DEVICE))
+    batch.layout = batch.layout.to(DEVICE)
+    return batch
+
+
+def twin_of(form: str, batch: MLABatch) -> torch.Tensor:
+    fn = twin.mla_prefill_attention if form == "prefill" else twin.mla_decode_attention
+    return fn(*batch.args(), scale=batch.scale, kv_scale=batch.kv_scale)
+
+
+@needs_triton
+@pytest.mark.parametrize("tokens, latent, rope", [(7, 16, 8), (70, 64, 16)])   # 70 rows of 80: several programs
+@pytest.mark.parametrize("fp8", [False, True])
+def test_triton_store_mla_writes_the_twins_pool_from_views_of_one_projection(fp8, tokens, latent, rope):
+    g = torch.Generator().manual_seed(9)
+    kv_a = torch.randn(tokens, latent + rope, generator=g).to(DEVICE)   # [T, L + R]: kv_c and k_pe are views
+    slots = torch.randperm(4 * (tokens + 3), generator=g)[:tokens].to(DEVICE)
+    slots[1::5] = -1                                                    # padding tokens write nothing
+    pools = [torch.full((tokens + 3, 4, latent + rope), SENTINEL, device=DEVICE).to(FP8 if fp8 else torch.float32)
+             for _ in range(2)]
+    scale = torch.tensor([0.25], device=DEVICE) if fp8 else None
+    before = pools[0].float().clone()
+    ops.store_mla_(kv_a[:, :latent], kv_a[:, latent:], pools[0], slots, kv_scale=scale, backend="triton")
+    twin.store_mla_(kv_a[:, :latent], kv_a[:, latent:], pools[1], slots, scale)
+    assert torch.equal(pools[0].float(), pools[1].float())            # fp8: the same e4m3 rounding, bit for bit
+    written = (pools[0].float() != before).any(dim=-1).flatten()
+    assert int(written.sum()) == int((slots >= 0).sum())             # every real token's row, nothing else
+
+
+@needs_triton
+@settings(max_examples=12, deadline=None)
+@given(rows=st.lists(st.tuples(st.integers(1, 9), st.integers(0, 40)), min_size=1, max_size=4),
+       block_size=st.sampled_from([1, 4, 6, 16]), pad_rows=st.integers(0, 2), num_splits=st.integers(1, 3),
+       seed=st.integers(0, 2**16))
+def test_triton_forms_equal_the_twin_on_any_layout(rows, block_size, pad_rows, num_splits, seed):
+    from atom_core.ops.triton import mla_decode
+
+    query_lens, cached_lens = zip(*rows)
+    batch = on_device(MLABatch(list(query_lens), list(cached_lens), block_size=block_size, seed=seed,
+                               pad_rows_to=len(rows) + pad_rows))
+    want = twin_of("prefill", batch)
+    expanded = ops.mla_prefill_attention(*batch.args(), scale=batch.scale, backend="triton")
+    absorbed = ops.mla_decode_attention(*batch.args(), scale=batch.scale, backend="triton")
+    split = torch.full_like(absorbed, SENTINEL)
+    mla_decode.mla_decode_attention(*batch.args(), batch.scale, None, split, num_splits=num_splits)
+    for got in (expanded, absorbed, split):
+        assert torch.isfinite(got).all()  # no NaN slot was read
+        torch.testing.assert_close(got.cpu(), want.cpu(), **FP32_TOL)
+    num_real = sum(query_lens)
+    assert torch.equal(split[num_real:].cpu(), torch.zeros_like(split[num_real:].cpu()))  # padding rows: zeros
+
+
+@needs_triton
+@pytest.mark.parametrize("num_splits, heads", [(2, 3), (3, 20), (7, 3)])   # 20 heads: blocks of 16 and of 4
+def test_triton_decode_with_several_splits_equals_the_twin_including_empty_splits(num_splits, heads):
+    from atom_core.ops.triton import mla_decode
+
+    # Contexts of 1 to 70 keys in 16-key tiles: a split holds several tiles, none, or the row's last partial one.
+    batch = on_device(MLABatch([1, 1, 2, 1], [69, 0, 37, 16], block_size=4, heads=heads, seed=10, pad_rows_to=5))
+    out = torch.full((6, heads, 10), SENTINEL, device=DEVICE)
+    mla_decode.mla_decode_attention(*batch.args(), batch.scale, None, out, num_splits=num_splits)
+    torch.testing.assert_close(out.cpu(), twin_of("decode", batch).cpu(), **FP32_TOL)
+
+
+@needs_triton
+def test_triton_absorbed_form_serves_long_queries_in_query_blocks():
+    from atom_core.ops.triton import mla_decode
+
+    batch = on_device(MLABatch([40, 3, 17], [0, 30, 5], block_size=4, seed=11, pad_rows_to=4))
+    constexprs, _ = mla_decode._launch_params(3, 16, 8, 4, batch.layout.max_seqlen_q, torch.float32, True, None)
+    assert not constexprs["ROW_PER_BLOCK"]  # the blocks numbered from T and B, not one per row
+    got = ops.mla_decode_attention(*batch.args(), scale=batch.scale, backend="triton")
+    torch.testing.assert_close(got.cpu(), twin_of("decode", batch).cpu(), **FP32_TOL)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("form", ["prefill", "decode"])
+def test_triton_16_bit_forms_on_strided_q_views_equal_the_twin_within_the_attention_tolerance(form, dtype):
+    batch = on_device(MLABatch([1, 6, 1, 3], [9, 3, 0, 20], block_size=16, seed=12, dtype=dtype))
+    q = torch.cat([batch.q_nope, batch.q_pe], dim=-1)                  # [T, H, Dn + R], as the q projection gives
+    batch.q_nope, batch.q_pe = q[..., :12], q[..., 12:]
+    fn = ops.mla_prefill_attention if form == "prefill" else ops.mla_decode_attention
+    got = fn(*batch.args(), scale=batch.scale, backend="triton")
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.cpu(), twin_of(form, batch).cpu(), **tolerance(dtype, ATTENTION))
+
+
+@needs_triton
+def test_triton_refuses_by_name_with_the_reason_and_auto_falls_back_to_the_twin():
+    batch = on_device(MLABatch([2, 1], [3, 6], seed=13))
+    wide = torch.zeros(*batch.q_pe.shape[:2], 2 * batch.q_pe.shape[2], device=DEVICE)
+    wide[..., ::2] = batch.q_pe
+    batch.q_pe = wide[..., ::2]                                        # the rope dims strided
+    with pytest.raises(BackendUnavailable, match="last dim of q_pe"):
+        ops.mla_decode_attention(*batch.args(), scale=batch.scale, backend="triton")
+    with trace_backends() as calls:
+        got = ops.mla_decode_attention(*batch.args(), scale=batch.scale)
+    assert calls == [("mla_decode_attention", "torch")]
+    torch.testing.assert_close(got, twin_of("decode", batch), **FP32_TOL)
+    big = on_device(MLABatch([1], [2], seed=14, nope=240, rope=24, v_dim=8))   # max(Dn + R, Dv) = 264
+    with pytest.raises(BackendUnavailable, match="264 > 256"):
+        ops.mla_prefill_attention(*big.args(), scale=big.scale, backend="triton")
+
+
+# ---- the AITER adapters, against the stand-in module (AITER's signatures; behaviour as AITER documents it) ----------
+
+def _concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale):
+    assert kv_cache_dtype in ("auto", "fp8") and scale.numel() == 1
+    twin.store_mla_(kv_c, k_pe, kv_cache, slot_mapping, scale if kv_cache_dtype == "fp8" else None)
+
+
+def _mla_decode_fwd(q, kv_buffer, o, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens, max_seqlen_q, sm_scale,
+                    logit_cap, num_kv_splits, num_kv_splits_indptr, work_meta_data, work_indptr, work_info_set,
+                    reduce_indptr, reduce_final_map, reduce_partial_map, q_scale, kv_scale):
+    # Pages of one token: row r's keys are kv_buffer[kv_indices[kv_indptr[r]:kv_indptr[r + 1]], 0, 0]; values are
+    # their first o.shape[-1] columns (the latent); one query token per row here. No key: undefined (NaN).
+    assert kv_buffer.shape[1:3] == (1, 1) and (kv_last_page_lens == 1).all() and max_seqlen_q == 1
+    o.fill_(float("nan"))
+    starts, ends = kv_indptr[:-1].tolist(), kv_indptr[1:].tolist()
+    for r, (first, last) in enumerate(zip(starts, ends)):
+        if last == first:
+            continue
+        rows = kv_buffer[kv_indices[first:last].long(), 0, 0].float()                          # [S, L + R]
+        t = slice(int(qo_indptr[r]), int(qo_indptr[r + 1]))
+        weights = torch.softmax(sm_scale * torch.einsum("thd,sd->ths", q[t].float(), rows), dim=-1)
+        o[t] = torch.einsum("ths,sl->thl", weights, rows[:, :o.shape[-1]]).to(o.dtype)
+
+
+@pytest.fixture
+def aiter_mla(monkeypatch):
+    from tests.ops import fake_aiter
+    from tests.ops.test_attention import _fa_varlen
+
+    fake = fake_aiter.install(monkeypatch, {"concat_and_cache_mla": _concat_and_cache_mla,
+                                            "mla_decode_fwd": _mla_decode_fwd, "flash_attn_varlen_func": _fa_varlen})
+    import importlib
+
+    from atom_core.ops import kv_cache as kv_cache_op
+    monkeypatch.setattr(kv_cache_op, "_aiter_fp8_is_e4m3fn", lambda device: True)
+    return fake, importlib.import_module("atom_core.ops.aiter.mla")  # imported against the stand-in
+
+
+def test_aiter_store_mla_passes_auto_with_a_unit_scale_or_fp8_with_kv_scale(aiter_mla):
+    fake, adapter = aiter_mla
+    kv_a = torch.randn(5, 40, generator=torch.Generator().manual_seed(30)).to(torch.bfloat16)
+    slots = torch.tensor([3, -1, 9, 0, 14])
+    for cache_dtype, scale in ((torch.bfloat16, None), (FP8, torch.tensor([0.5]))):
+        cache, want = torch.zeros(4, 4, 40, dtype=cache_dtype), torch.zeros(4, 4, 40, dtype=cache_dtype)
+        assert adapter.store_supports(kv_a[:, :32], kv_a[:, 32:], cache, slots, scale) is None
+        adapter.store_mla_(kv_a[:, :32], kv_a[:, 32:], cache, slots, scale)
+        twin.store_mla_(kv_a[:, :32], kv_a[:, 32:], want, slots, scale)
+        assert torch.equal(cache.float(), want.float())
+        name, call = fake.calls[-1]
+        assert name == "concat_and_cache_mla" and call["kv_cache_dtype"] == ("fp8" if scale is not None else "auto")
+        assert float(call["scale"]) == (0.5 if scale is not None else 1.0)
+    assert "fp16/bf16" in adapter.store_supports(kv_a.float()[:, :32], kv_a.float()[:, 32:], torch.zeros(4, 4, 40),
+                                                 slots, None)
+
+
+def test_aiter_decode_scatters_each_rows_slots_at_kv_indptr_and_zeroes_empty_rows(aiter_mla):
+    fake, adapter = aiter_mla
+    batch = MLABatch([1, 1, 1], [6, 0, 19], block_size=4, heads=16, latent=512, rope=64, nope=16, v_dim=8,
+                     dtype=torch.bfloat16, seed=31, pad_rows_to=4)
+    batch.cache = batch.cache.nan_to_num(0.0)   # unowned slots hold zeros here: the fake reads what it is told
+    out = torch.empty(4, 16, 8, dtype=torch.bfloat16)
+    args = (*batch.args(), batch.scale, None, out)
+    assert adapter.decode_supports(*args) is None
+    adapter.mla_decode_attention(*args)
+    torch.testing.assert_close(out, twin_of("decode", batch), **tolerance(torch.bfloat16, ATTENTION))
+    name, call = fake.calls[-1]
+    assert name == "mla_decode_fwd" and call["sm_scale"] == batch.scale and call["kv_buffer"].shape[1:] == (1, 1, 576)
+    assert call["kv_indptr"].tolist() == [0, 7, 8, 28, 28]                  # prefix sums of context_lens
+    table = batch.layout.block_tables
+    assert call["kv_indices"][7:8].tolist() == [int(table[1, 0]) * 4]      # row 1's single slot
+    multi = MLABatch([2, 1], [3, 4], heads=16, latent=512, rope=64, dtype=torch.bfloat16, seed=32)
+    assert "one query token per row" in adapter.decode_supports(*multi.args(), 1.0, None, None)
+    small = MLABatch([1], [3], dtype=torch.bfloat16, seed=33)
+    assert "L = 512" in adapter.decode_supports(*small.args(), 1.0, None, None)
+
+
+def test_aiter_prefill_runs_the_expanded_attention_through_flash_attn_varlen(aiter_mla):
+    fake, adapter = aiter_mla
+    batch = MLABatch([3, 5], [4, 0], block_size=4, heads=2, nope=8, rope=8, v_dim=10, dtype=torch.bfloat16, seed=34)
+    out = torch.empty(8, 2, 10, dtype=torch.bfloat16)
+    args = (*batch.args(), batch.scale, None, out)
+    assert adapter.prefill_supports(*args) is None
+    adapter.mla_prefill_attention(*args)
+    torch.testing.assert_close(out, twin_of("prefill", batch), **tolerance(torch.bfloat16, ATTENTION))
+    name, call = fake.calls[-1]
+    assert name == "flash_attn_varlen_func" and call["causal"] and call["q"].shape[-1] == 16   # max(8 + 8, 10)
+    decode = MLABatch([1, 1], [4, 0], heads=2, nope=8, rope=8, v_dim=10, dtype=torch.bfloat16, seed=35)
+    assert "head dim 16" in adapter.prefill_supports(*decode.args(), 1.0, None, None)
 
 
 # ---- DeepSeek's YaRN rope -------------------------------------------------------------------------------------------
@@ -314,22 +522,25 @@ def _store_mla_dispatch_args(c):
     return kv_c, k_pe, cache, c.tensor(tokens, dtype=torch.int64), c.maybe(False, lambda: c.tensor(1))
 
 
-def _mla_attention_dispatch_args(c):
-    """An ``mla_prefill_attention`` / ``mla_decode_attention`` call (same signature)."""
-    rows, max_seqlen_q = c.vary(3, 1), c.vary(1, 4)
-    dtype, heads = c.vary(torch.bfloat16, torch.float16, torch.float32), c.vary(4, 16)
-    tokens = rows * max_seqlen_q
-    q_nope, q_pe = c.tensor(tokens, heads, 32, dtype=dtype), c.tensor(tokens, heads, 16, dtype=dtype)
-    cache = c.tensor(6, c.vary(16, 1, 64), 80, dtype=c.vary(dtype, FP8))
-    w_uk, w_uv = c.tensor(heads, 32, 64, dtype=dtype), c.tensor(heads, 24, 64, dtype=dtype)
+def _mla_attention_dispatch_args(c, max_seqlen_q: int):
+    """An ``mla_prefill_attention`` / ``mla_decode_attention`` call (same signature). Nominal: DeepSeek's
+    L = 512, R = 64 and 16 heads in bf16 (AITER's decode kernels), decode (max_seqlen_q = 1) or a short
+    prefill (4); the variations reach every rule (head counts, register limits, expanded head dims > 256)."""
+    rows, max_seqlen_q = c.vary(3, 1), c.vary(max_seqlen_q, 4 if max_seqlen_q == 1 else 1)
+    dtype, heads = c.vary(torch.bfloat16, torch.float16, torch.float32), c.vary(16, 4, 128)
+    latent, rope, v_dim = c.vary(512, 64, 2048), c.vary(64, 16, 512), c.vary(24, 300)
+    tokens = rows * max_seqlen_q + c.vary(0, 1)                  # + 1: a decode batch with one row of two tokens
+    q_nope, q_pe = c.tensor(tokens, heads, 32, dtype=dtype), c.tensor(tokens, heads, rope, dtype=dtype)
+    cache = c.tensor(6, c.vary(16, 1, 64), latent + rope, dtype=c.vary(dtype, FP8))
+    w_uk, w_uv = c.tensor(heads, 32, latent, dtype=dtype), c.tensor(heads, v_dim, latent, dtype=dtype)
     block_tables, cu_seqlens_q = c.tensor(rows, 3, dtype=torch.int32), c.tensor(rows + 1, dtype=torch.int32)
     context_lens = c.tensor(rows, dtype=torch.int32)
     return (q_nope, q_pe, cache, w_uk, w_uv, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, c.vary(40, 8),
-            0.1, c.maybe(False, lambda: c.tensor(1)), c.tensor(tokens, heads, 24, dtype=dtype))
+            0.1, c.maybe(False, lambda: c.tensor(1)), c.tensor(tokens, heads, v_dim, dtype=dtype))
 
 
 MLA_DISPATCH_ARGS = {
     "store_mla_": _store_mla_dispatch_args,
-    "mla_prefill_attention": _mla_attention_dispatch_args,
-    "mla_decode_attention": _mla_attention_dispatch_args,
+    "mla_prefill_attention": lambda c: _mla_attention_dispatch_args(c, 4),
+    "mla_decode_attention": lambda c: _mla_attention_dispatch_args(c, 1),
 }

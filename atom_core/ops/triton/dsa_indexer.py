@@ -1,0 +1,138 @@
+"""Triton lightning indexer (``indexer_topk``, DSA): index scores over each row's paged key cache by a Triton
+kernel, then the top-k positions by ``torch.topk`` (a first version: no sort of our own).
+
+1. ``_index_scores_kernel``, one program per (query token, chunk of ``KEYS_PER_PROGRAM`` positions):
+   the token's indexer queries ``q[t]`` [Hi, Di] stay in registers; each tile of BLOCK_N keys of its row
+   (page lookups by ``attention_unified._tile_rows``) gives ``s = q[t] @ k^T`` [Hi, N] by one ``tl.dot`` and
+   ``I[t, j] = sum_h w[t, h] relu(scale s[h, j])`` [N], written to an fp32 buffer ``scores [T, W]``,
+   ``W = max_seqlen_k``. Positions the token may not see (``j > p``, or past the row's context) get -inf
+   without their keys being read; every column of the buffer is written (no memset).
+2. ``torch.topk(scores, min(K, W))``: a position scored -inf was not visible, so it becomes -1, as do the
+   columns past W. Which of exactly tied positions is kept and the order are unspecified (op contract).
+
+The buffer is ``T x W`` fp32 (32k context: 128 KiB per query token); tokens go through in chunks so that
+it stays under ``SCORE_BUFFER_BYTES``. Everything is sized from shapes and ``max_seqlen_k`` (CUDA-graph
+capturable). A later version can fuse a per-program partial top-k (radix select) into the kernel.
+
+Legend: T = query tokens, B = rows, Hi = indexer heads, Di = indexer head dim, K = top-k, W = score
+columns, BS = block size.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from atom_core.ops.dispatch import triton_interpret
+from atom_core.ops.triton.attention_unified import _tile_rows, dot_options
+from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2
+from atom_core.ops.triton.mla_decode import row_of_token
+
+SCORE_BUFFER_BYTES = 1 << 28  # the scores of one chunk of query tokens
+
+
+@triton.jit
+def _index_scores_kernel(
+    q_ptr, w_ptr, cache_ptr, scores_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
+    first_token, num_rows, num_heads, width,
+    stride_qt, stride_qh, stride_wt, stride_wh, stride_cb, stride_cs, stride_bt, stride_st,
+    scale,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEADS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    KEYS_PER_PROGRAM: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+):
+    t_local = tl.program_id(0)
+    t = first_token + t_local
+    chunk_start = tl.program_id(1) * KEYS_PER_PROGRAM
+    row = row_of_token(cu_seqlens_q_ptr, t, num_rows)
+    q_start = tl.load(cu_seqlens_q_ptr + row)
+    q_len = tl.load(cu_seqlens_q_ptr + row + 1) - q_start
+    context_len = tl.load(context_lens_ptr + row)
+    pos = context_len - q_len + (t - q_start)
+    kv_end = tl.where(context_len > 0, tl.maximum(pos + 1, 0), 0)  # positions 0 .. p are visible
+
+    offs_h = tl.arange(0, HEADS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    h_ok = offs_h < num_heads
+    d_ok = offs_d < HEAD_DIM
+    t64 = t.to(tl.int64)
+    q = tl.load(q_ptr + t64 * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
+                mask=h_ok[:, None] & d_ok[None, :], other=0.0)                       # [Hi, Di]
+    w = tl.load(w_ptr + t64 * stride_wt + offs_h * stride_wh, mask=h_ok, other=0.0)  # [Hi] fp32 (0: padded heads)
+    block_table_ptr = block_tables_ptr + row.to(tl.int64) * stride_bt
+    score_row = scores_ptr + t_local.to(tl.int64) * stride_st
+    offs_n = tl.arange(0, BLOCK_N)
+    chunk_end = tl.minimum(chunk_start + KEYS_PER_PROGRAM, width)
+    seen_end = tl.minimum(chunk_end, kv_end)
+    for start in range(chunk_start, seen_end, BLOCK_N):
+        keys = start + offs_n
+        key_ok = keys < kv_end
+        rows, _ = _tile_rows(block_table_ptr, start, kv_end, 0, stride_cb, stride_cs, 0, stride_cb, stride_cs, 0,
+                             BLOCK_N, PAGE_SIZE, True)
+        k = tl.load(cache_ptr + rows[:, None] + offs_d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+        if DOT_UPCAST:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
+        else:
+            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)      # [Hi, N]
+        score = tl.sum(w[:, None] * tl.maximum(s * scale, 0.0), axis=0)                 # [N]
+        tl.store(score_row + keys, tl.where(key_ok, score, float("-inf")), mask=keys < chunk_end)
+    for start in range(tl.maximum(seen_end, chunk_start), chunk_end, BLOCK_N):  # not visible: no key read
+        keys = start + offs_n
+        tl.store(score_row + keys, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=keys < chunk_end)
+
+
+@functools.lru_cache(maxsize=LAUNCH_CACHE_SIZE)
+def _launch_params(num_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
+                   interpret: bool) -> tuple[dict, dict]:
+    """(constexprs, launch options) of the score kernel for one shape signature."""
+    head_dim_pad = max(next_power_of_2(head_dim), 16)
+    heads_pad = max(next_power_of_2(num_heads), 16)
+    if interpret:
+        block_n, keys_per_program, warps = 16, 64, 4
+    else:
+        # [64, 128] queries x [64, 128] keys per tile; 1024 positions per program.
+        block_n, keys_per_program, warps = 64, 1024, 4 if heads_pad * block_n <= 64 * 64 else 8
+    constexprs = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, HEADS_PAD=heads_pad, BLOCK_N=block_n,
+                      KEYS_PER_PROGRAM=keys_per_program, PAGE_SIZE=page_size, **dot_options(dtype, interpret))
+    return constexprs, dict(num_warps=warps, num_stages=1 if interpret else 2)
+
+
+def index_scores(q, weights, indexer_cache, block_tables, cu_seqlens_q, context_lens, width, scale, first_token,
+                 num_tokens, scores):
+    """Write ``scores[i, j]`` (fp32 [>= num_tokens, >= width]) = I[first_token + i, j], -inf where not visible."""
+    constexprs, options = _launch_params(q.shape[1], q.shape[2], indexer_cache.shape[1], q.dtype,
+                                         triton_interpret())
+    grid = (num_tokens, cdiv(width, constexprs["KEYS_PER_PROGRAM"]))
+    _index_scores_kernel[grid](
+        q, weights, indexer_cache, scores, block_tables, cu_seqlens_q, context_lens,
+        first_token, block_tables.shape[0], q.shape[1], width,
+        q.stride(0), q.stride(1), weights.stride(0), weights.stride(1), indexer_cache.stride(0),
+        indexer_cache.stride(1), block_tables.stride(0), scores.stride(0),
+        float(scale), **constexprs, **options,
+    )
+
+
+def indexer_topk(q, weights, indexer_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k,
+                 topk, scale, out):
+    """Fill out int32 [T, K] (arguments as ``atom_core.ops.indexer_topk``)."""
+    num_tokens = q.shape[0]
+    width = max(int(max_seqlen_k), 1)
+    keep = min(topk, width)
+    if keep < topk:
+        out[:, keep:] = -1
+    if num_tokens == 0:
+        return
+    if block_tables.shape[0] == 0:
+        out.fill_(-1)
+        return
+    chunk = max(1, min(num_tokens, SCORE_BUFFER_BYTES // (4 * width)))
+    scores = torch.empty(chunk, width, dtype=torch.float32, device=q.device)
+    for first in range(0, num_tokens, chunk):
+        count = min(chunk, num_tokens - first)
+        index_scores(q, weights, indexer_cache, block_tables, cu_seqlens_q, context_lens, width, scale, first, count,
+                     scores)
+        values, positions = torch.topk(scores[:count], keep, dim=1)
+        out[first:first + count, :keep] = torch.where(values == float("-inf"), -1, positions).to(torch.int32)
