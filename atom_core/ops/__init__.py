@@ -13,6 +13,7 @@ Argument checks run in debug mode only: ``ATOM_CORE_DEBUG=1``, ``set_debug(True)
 from atom_core.ops import reference
 from atom_core.ops.activation import gelu_and_mul, silu_and_mul, swiglu_clamped
 from atom_core.ops.attention import paged_attention, paged_attention_from_layout
+from atom_core.ops.comm import all_gather, all_reduce, all_to_all
 from atom_core.ops.dispatch import (
     BackendUnavailable,
     available_backends,
@@ -37,6 +38,9 @@ from atom_core.ops.validation import debug_checks, debug_enabled, set_debug
 
 __all__ = [
     "BackendUnavailable",
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
     "apply_penalties_",
     "apply_rope_",
     "apply_token_bias_",
