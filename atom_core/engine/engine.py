@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -23,13 +24,15 @@ from atom_core.cache import BlockManager, budget_from_memory, plan_kv_pool
 from atom_core.cache.pool_sizing import check_fits_in_memory, host_memory_available_bytes
 from atom_core.cache.token_layout import build_step_layout
 from atom_core.engine.generation_config import read_generation_config
+from atom_core.engine.logits_processing import request_processing
 from atom_core.engine.outputs import RequestOutput, StepOutputs
 from atom_core.engine.request import Request
 from atom_core.engine.runner import LaunchedStep, ModelRunner, forward_logits
-from atom_core.engine.sampling_params import SamplingParams
+from atom_core.engine.sampling_params import SEED_LIMIT, SamplingParams
 from atom_core.engine.scheduler import Scheduler
 from atom_core.engine.stop_rule import StopRule
 from atom_core.engine.tokenizer import Tokenizer
+from atom_core.ops.penalties import apply_penalties_, apply_token_bias_
 from atom_core.ops.sampling import sample
 
 logger = logging.getLogger(__name__)
@@ -100,7 +103,8 @@ class Engine:
     ``enforce_eager`` runs every step without CUDA graphs (for debugging). ``kv_cache_dtype``:
     "auto" (the model's dtype) or "fp8" (``float8_e4m3fn``: one byte per element, so the pool holds
     twice the tokens of a bf16 one; the cache holds ``k / k_scale`` with the checkpoint's per-layer
-    scales, or 1.0).
+    scales, or 1.0). ``max_logprobs`` (default 20, vLLM's): the most top alternatives a request may
+    ask for per token (``SamplingParams.logprobs`` / ``prompt_logprobs``).
 
     A model writes into one KV pool at a time: an engine binds its own pool into the model before
     each step when another engine on the same model has rebound it.
@@ -110,7 +114,7 @@ class Engine:
                  num_kv_blocks: int | None = None, gpu_memory_utilization: float = 0.9, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, enforce_eager: bool = False, async_scheduling: bool = True,
-                 warmup: bool = True, kv_cache_dtype: str | torch.dtype = "auto"):
+                 warmup: bool = True, kv_cache_dtype: str | torch.dtype = "auto", max_logprobs: int = 20):
         self.model = model
         self.tokenizer = tokenizer
         self.device = check_device(device) if device is not None else next(model.parameters()).device
@@ -159,9 +163,12 @@ class Engine:
                                   enforce_eager=enforce_eager)
         # What a request without SamplingParams gets (from_pretrained: the checkpoint's generation_config.json).
         self.default_sampling_params = SamplingParams()
+        if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int) or max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be an int >= 0, got {max_logprobs!r}")
+        self.max_logprobs = max_logprobs
         self.async_scheduling = bool(async_scheduling)
         self._in_flight: LaunchedStep | None = None  # launched, its tokens not read yet
-        self._requests: dict[int, Request] = {}
+        self._requests: dict[int, list[Request]] = {}  # by the id add_request returned: the prompt's n sequences
         self._next_id = 0
         self._seed_source = random.Random()
         self.num_preemptions = 0  # requests sent back to recompute because the pool ran dry
@@ -257,19 +264,45 @@ class Engine:
                 top_p = ones * 0.9 if filtered else None
                 for logprobs in (False, True):
                     sample(logits[:rows], ones, None, top_p, None, seeds, seeds, return_logprobs=logprobs)
+        # The logits processing ops (their launches depend on the vocabulary and the entry count only).
+        state = torch.zeros(1, vocab, dtype=torch.int32, device=dev)
+        zeros = torch.zeros(16, dtype=torch.int64, device=dev)
+        apply_penalties_(logits[:1], state, zeros[:1], ones[:1] * 0, ones[:1] * 0, ones[:1])
+        for entries in (1, 16):
+            apply_token_bias_(logits[:1], zeros[:entries], zeros[:entries], torch.zeros(entries, device=dev))
 
     # ------------------------------------------------------------------ requests
 
     def add_request(self, prompt: str | Sequence[int] | np.ndarray, params: SamplingParams | None = None) -> int:
         """Queue a prompt; returns its request id. Raises (and queues nothing) when the prompt or
-        its parameters are not valid or it can never fit."""
+        its parameters are not valid or it can never fit.
+
+        With ``params.n > 1`` the prompt gets n sequences (outputs with this id and ``index``
+        0..n-1): the first computes the prompt, the others start once it has, from its blocks in
+        the prefix cache. With a seed, sequence i draws with ``seed + i``."""
         token_ids, params = self._check_request(prompt, params)
-        seed = params.seed_int64 if params.seed is not None else self._seed_source.getrandbits(62)
-        request = Request(self._next_id, token_ids, params, seed)
-        self._next_id += 1
-        self._requests[request.request_id] = request
-        self.scheduler.add(request)
-        return request.request_id
+        processing = request_processing(params, self.eos_token_ids, self.model.config.vocab_size, self.tokenizer)
+        group_id = self._next_id
+        requests = []
+        for index in range(params.n):
+            if params.seed is None:
+                seed = self._seed_source.getrandbits(62)
+            else:  # the int64 with the same 64 bits as seed + index (mod 2**64), as SamplingParams.seed_int64
+                seed = (params.seed + index) % SEED_LIMIT
+                seed = seed - SEED_LIMIT if seed >= 2**63 else seed
+            request = Request(self._next_id, token_ids, params, seed, group_id=group_id, index=index,
+                              tokenizer=self.tokenizer)
+            request.processing = processing
+            if index and params.prompt_logprobs is not None:  # computed once, by the first sequence
+                request.prompt_logprobs = requests[0].prompt_logprobs
+                request.prompt_top_logprobs = requests[0].prompt_top_logprobs
+                request.num_prompt_logprobs_scheduled = len(token_ids) - 1
+            self._next_id += 1
+            requests.append(request)
+        self._requests[group_id] = requests
+        for request in requests:
+            self.scheduler.add(request, after=None if request is requests[0] else requests[0])
+        return group_id
 
     def _check_request(self, prompt, params) -> tuple[list[int], SamplingParams]:
         params = self.default_sampling_params if params is None else params
@@ -285,7 +318,33 @@ class Engine:
         if not all(0 <= t < vocab for t in token_ids):
             bad = next(t for t in token_ids if not 0 <= t < vocab)
             raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad}")
+        self._check_params_for_model(params, vocab)
         return token_ids, params
+
+    def _check_params_for_model(self, params: SamplingParams, vocab: int) -> None:
+        """What SamplingParams cannot check alone: token ids inside this vocabulary, log-prob counts
+        under ``max_logprobs``, bad words that need a tokenizer."""
+        def outside(name, token_ids):
+            bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(f"SamplingParams.{name}: token id {bad} is outside the vocabulary [0, {vocab})")
+
+        if params.logit_bias:
+            outside("logit_bias", params.logit_bias)
+        if params.allowed_token_ids is not None:
+            outside("allowed_token_ids", params.allowed_token_ids)
+        for word in params.bad_words or ():
+            if isinstance(word, str):
+                if self.tokenizer is None:
+                    raise ValueError("SamplingParams.bad_words: string words need a tokenizer (tokenizer.json in the "
+                                     "model folder); pass token-id lists instead")
+            else:
+                outside("bad_words", word)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.max_logprobs:
+                raise ValueError(f"SamplingParams.{name}={value}: at most max_logprobs={self.max_logprobs} top "
+                                 f"alternatives (Engine(max_logprobs=...))")
 
     def _encode(self, prompt) -> list[int]:
         """A prompt as a list of Python ints: a string (through the tokenizer), a list or tuple of
@@ -318,10 +377,11 @@ class Engine:
         return token_ids
 
     def abort(self, request_id: int) -> None:
-        """Stop a request now and free its blocks. Unknown or finished ids are ignored."""
-        request = self._requests.pop(request_id, None)
-        if request is not None and not request.finished:
-            self.scheduler.finish(request, "abort")
+        """Stop a request (all its ``n`` sequences) now and free its blocks. Unknown or finished ids
+        are ignored."""
+        for request in self._requests.pop(request_id, ()):
+            if not request.finished:
+                self.scheduler.finish(request, "abort")
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -356,14 +416,20 @@ class Engine:
                 return StepOutputs([], np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), {})
             if self.async_scheduling:
                 self._in_flight = self._launch_next(scheduled)
-            tokens, logprobs = self.runner.collect(current)
-            record = self.scheduler.record(current.step, tokens, logprobs)
+            result = self.runner.collect(current)
+            record = self.scheduler.record(current.step, result.tokens, result.logprobs, result.top_logprobs,
+                                           result.prompt_logprobs)
         except BaseException:
             self._fail(scheduled)
             raise
         for i in record.finish_reasons:
-            self._requests.pop(record.requests[i].request_id, None)
+            self._forget_if_done(record.requests[i].group_id)
         return StepOutputs(record.requests, record.tokens, record.num_tokens, record.finish_reasons)
+
+    def _forget_if_done(self, group_id: int) -> None:
+        group = self._requests.get(group_id)
+        if group is not None and all(r.finished for r in group):
+            del self._requests[group_id]
 
     def _launch_next(self, scheduled: list) -> LaunchedStep | None:
         step = self.scheduler.schedule()
@@ -381,19 +447,20 @@ class Engine:
             for request in step.requests:
                 if not request.finished:
                     self.scheduler.finish(request, "error")
-                    self._requests.pop(request.request_id, None)
+                    self._forget_if_done(request.group_id)
 
     # ------------------------------------------------------------------ offline
 
     def generate(self, prompts: str | Sequence[int] | Iterable[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run prompts to completion; outputs in prompt order (generated part only).
+        """Run prompts to completion; one output per prompt, in prompt order (generated part only).
 
         ``prompts``: a string or one token-id list (one prompt), or a list of them. Every prompt is
-        checked before any is queued. ``generate`` runs only its own prompts: it refuses while
-        requests added with ``add_request`` are unfinished (step them or abort them first), so no
-        output of theirs is consumed here.
+        checked before any is queued. With ``n > 1`` a prompt's output is its sequence 0, and its
+        ``outputs`` holds all n in index order. ``generate`` runs only its own prompts: it refuses
+        while requests added with ``add_request`` are unfinished (step them or abort them first), so
+        no output of theirs is consumed here.
         """
         if self.has_unfinished_requests():
             raise RuntimeError(f"generate() runs only its own prompts, but {self._num_unfinished()} requests added "
@@ -413,14 +480,44 @@ class Engine:
                 raise type(e)(f"prompt {i}: {e}") from None
         ids = [self.add_request(token_ids, sp) for token_ids, sp in checked]
         order = {rid: i for i, rid in enumerate(ids)}
-        finished: dict[int, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="generate", disable=not use_tqdm) as bar:
+        finished: dict[int, list[RequestOutput]] = {rid: [] for rid in ids}
+        with tqdm(total=sum(sp.n for _, sp in checked), desc="generate", disable=not use_tqdm) as bar:
             while self.has_unfinished_requests():
                 for out in self.step().finished():
                     if out.request_id in order:
-                        finished[out.request_id] = out
+                        finished[out.request_id].append(out)
                         bar.update(1)
-        return [finished[rid] for rid in sorted(finished, key=order.__getitem__)]
+        results = []
+        for rid in sorted(finished, key=order.__getitem__):
+            group = sorted(finished[rid], key=lambda out: out.index)
+            if len(group) > 1:
+                for out in group:
+                    out._group = group
+            results.append(group[0])
+        return results
+
+    def chat(self, messages: Sequence[Mapping] | Sequence[Sequence[Mapping]],
+             params: SamplingParams | Sequence[SamplingParams] | None = None, *, add_generation_prompt: bool = True,
+             chat_template: str | None = None, tools: list[dict] | None = None, use_tqdm: bool = True,
+             **template_kwargs) -> list[RequestOutput]:
+        """``generate`` on conversations rendered by the checkpoint's chat template.
+
+        ``messages``: one conversation (a list of {"role": ..., "content": ...} dicts) or a list of
+        them; ``params`` as for ``generate`` (one, or one per conversation). ``chat_template``: a
+        template name or a template itself (default: the checkpoint's); ``add_generation_prompt``,
+        ``tools`` and further keywords are passed to the template (``engine.chat_template``).
+        Returns one output per conversation. Raises ``ChatTemplateError`` (a ValueError) when a
+        template is missing or refuses a conversation, before anything is queued.
+        """
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer (tokenizer.json and a chat template in the model folder)")
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages: a conversation (a non-empty list of message dicts) or a list of them")
+        conversations = list(messages) if isinstance(messages[0], (list, tuple)) else [messages]
+        prompts = [self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                      chat_template=chat_template, tools=tools, **template_kwargs)
+                   for conversation in conversations]
+        return self.generate(prompts, params, use_tqdm=use_tqdm)
 
     def _num_unfinished(self) -> int:
-        return len(self.scheduler.waiting) + len(self.scheduler.running)
+        return self.scheduler.num_unfinished

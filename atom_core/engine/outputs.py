@@ -1,10 +1,16 @@
-"""What the engine hands back: one ``RequestOutput`` per request that got a token in a step.
+"""What the engine hands back: one ``RequestOutput`` per sequence that got a token in a step.
 
 A step's outputs come as ``StepOutputs``, a sequence that builds each ``RequestOutput`` when it is
 read: a step of 256 decode rows costs no Python objects for outputs nobody looks at. An output
 carries the step's new tokens, and its request with how many tokens the request had generated
-at that step: ``token_ids`` and ``logprobs`` are sliced from the request only when read, so
-streaming ``new_token_ids`` never copies the whole output.
+at that step: ``token_ids``, ``logprobs`` and the text are taken from the request only when read,
+so streaming ``new_token_ids`` never copies the whole output, and the text of a request is
+decoded (incrementally, a few tokens per step) only when someone reads it.
+
+``n`` sequences per prompt: each sequence is its own ``RequestOutput``, with the prompt's
+``request_id`` (what ``add_request`` returned) and its ``index`` (0..n-1). ``Engine.generate``
+returns one ``RequestOutput`` per prompt: that of sequence 0, whose ``outputs`` lists all n
+(vLLM's ``RequestOutput.outputs``); a step's outputs have ``outputs == [self]``.
 """
 
 from __future__ import annotations
@@ -17,22 +23,38 @@ from atom_core.engine.request import Request
 
 
 class RequestOutput:
-    """A request's generated part as of one step.
+    """One sequence's generated part as of one step.
 
     Attributes:
-        request_id: the id ``add_request`` returned.
+        request_id: the id ``add_request`` returned (shared by a prompt's ``n`` sequences).
+        index: which of the prompt's sequences this is (0 when ``n == 1``).
         finish_reason: None while running, else "stop" (EOS, a stop token or a stop string),
             "length" (max_tokens or max_model_len), "abort", or "error" (the step that ran it raised).
         finished: ``finish_reason is not None``.
-        text: the decoded output once finished ("" before, or without a tokenizer).
+        stop_reason: once finished by a stop string or a stop token id, that string or id (vLLM's);
+            None for EOS and the other reasons.
         num_output_tokens: tokens generated up to and including this step.
         new_token_ids: the tokens this step added.
 
-    ``token_ids`` (everything generated, the prompt excluded) and ``logprobs`` are new lists taken
-    from the request when read.
+    Read when accessed (from the request, as of this step):
+        token_ids: everything generated (the prompt excluded).
+        text: the decoded output so far ("" without a tokenizer). While running it holds back the
+            last ``max(len(stop)) - 1`` characters of a request with stop strings (they may be the
+            start of one); once finished it is the final text (stop string and stop token's text
+            excluded unless ``include_stop_str_in_output``; never ending inside a character).
+        new_text: the characters this step added to ``text``: the ``new_text`` of every step of a
+            sequence, concatenated, is its final ``text``.
+        logprobs: one log-prob per output token (``SamplingParams.logprobs`` set), else None.
+        top_logprobs: per output token, {token id: log-prob} of the ``logprobs`` most likely
+            tokens, most likely first (None unless ``logprobs > 0``).
+        prompt_logprobs: per prompt token, its log-prob given the tokens before it (None for the
+            first); prompt_top_logprobs: the ``prompt_logprobs`` most likely tokens there. None
+            unless asked for (``SamplingParams.prompt_logprobs``).
+        outputs: the prompt's sequences, in index order (see the module docstring).
+        num_cached_tokens: prompt tokens its last admission took from the prefix cache.
     """
 
-    __slots__ = ("_request", "num_output_tokens", "finish_reason", "text", "new_token_ids")
+    __slots__ = ("_request", "num_output_tokens", "finish_reason", "new_token_ids", "_group")
 
     def __init__(self, request: Request, num_output_tokens: int, new_token_ids: list[int],
                  finish_reason: str | None = None):
@@ -40,11 +62,15 @@ class RequestOutput:
         self.num_output_tokens = num_output_tokens
         self.new_token_ids = new_token_ids
         self.finish_reason = finish_reason
-        self.text = request.text if finish_reason is not None else ""
+        self._group: list[RequestOutput] | None = None
 
     @property
     def request_id(self) -> int:
-        return self._request.request_id
+        return self._request.group_id
+
+    @property
+    def index(self) -> int:
+        return self._request.index
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -55,17 +81,61 @@ class RequestOutput:
         return self.finish_reason is not None
 
     @property
+    def stop_reason(self) -> str | int | None:
+        return self._request.stop_reason if self.finish_reason == "stop" else None
+
+    @property
     def token_ids(self) -> list[int]:
         start = self._request.num_prompt_tokens
         return self._request.token_ids[start:start + self.num_output_tokens]
+
+    @property
+    def text(self) -> str:
+        request = self._request
+        if request.detokenizer is None:
+            return ""
+        return request.detokenizer.text(request.visible_chars(self.num_output_tokens, self.finished))
+
+    @property
+    def new_text(self) -> str:
+        request = self._request
+        if request.detokenizer is None:
+            return ""
+        end = request.visible_chars(self.num_output_tokens, self.finished)
+        start = request.visible_chars(self.num_output_tokens - len(self.new_token_ids), False)
+        return request.detokenizer.chars(start, end)
 
     @property
     def logprobs(self) -> list[float] | None:
         logprobs = self._request.logprobs
         return None if logprobs is None else logprobs[:self.num_output_tokens]
 
+    @property
+    def top_logprobs(self) -> list[dict[int, float]] | None:
+        top = self._request.top_logprobs
+        return None if top is None else top[:self.num_output_tokens]
+
+    @property
+    def prompt_logprobs(self) -> list[float | None] | None:
+        values = self._request.prompt_logprobs
+        return None if values is None else list(values)
+
+    @property
+    def prompt_top_logprobs(self) -> list[dict[int, float] | None] | None:
+        values = self._request.prompt_top_logprobs
+        return None if values is None else list(values)
+
+    @property
+    def outputs(self) -> list[RequestOutput]:
+        return [self] if self._group is None else list(self._group)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self._request.num_cached_tokens
+
     def __repr__(self) -> str:
-        return (f"RequestOutput(request_id={self.request_id}, num_output_tokens={self.num_output_tokens}, "
+        index = f", index={self.index}" if self.index else ""
+        return (f"RequestOutput(request_id={self.request_id}{index}, num_output_tokens={self.num_output_tokens}, "
                 f"finish_reason={self.finish_reason!r})")
 
 

@@ -1,14 +1,25 @@
 """The model runner: a scheduled step in, sampled tokens out.
 
-It owns the KV pool, its binding into the model, and the CUDA graphs. ``launch`` is one step:
-the host builds the token layout from the scheduled step (``build_decode_layout`` when every row
-computes one token, else ``build_step_layout``), the device runs the model (a captured graph of
-the step's padded shape, or eagerly) and ``atom_core.ops.sample``, and the sampled tokens start
-their copy to the host. ``collect`` waits for that copy. Between the two the host is free: the
-engine schedules and launches the next step there, feeding it this step's tokens straight from
-the device (``ScheduledStep.pending_*``).
+It owns the KV pool, its binding into the model, the CUDA graphs and the token state of the
+penalties. ``launch`` is one step: the host builds the token layout from the scheduled step
+(``build_decode_layout`` when every row computes one token, else ``build_step_layout``), the
+device runs the model (a captured graph of the step's padded shape, or eagerly), the logits
+processing when a row uses it (``logits_processing``: biases and bans, then the penalties, on the
+device for the whole batch, outside the graph like sampling), and ``atom_core.ops.sample``; the
+sampled tokens start their copy to the host. ``collect`` waits for that copy. Between the two the
+host is free: the engine schedules and launches the next step there, feeding it this step's tokens
+straight from the device (``ScheduledStep.pending_*``).
 
-Legend: B = rows, T = tokens this step, V = vocabulary.
+The token state (``token_state [max_num_seqs, V]`` int32, allocated when a first request uses a
+penalty or an allow-list) is kept on the device in launch order: a slot is set before the step that
+first reads it, and each step counts its sampled tokens into it right after sampling, so the next
+step, launched before this one's tokens reach the host, already sees them.
+
+Log-probs are those of the raw logits (before processing and temperature, vLLM's default): the
+chosen token's, the top-N alternatives (``num_top_logprobs``), and prompt log-probs, which need
+every prompt position's hidden state: such a step runs eagerly.
+
+Legend: B = rows, T = tokens this step, V = vocabulary, N = top alternatives, M = prompt positions.
 """
 
 from __future__ import annotations
@@ -16,6 +27,7 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -23,10 +35,13 @@ import torch
 from atom_core.cache import KVCacheSpec, PoolPlan, StepLayout, build_step_layout
 from atom_core.cache.token_layout import build_decode_layout
 from atom_core.engine.cuda_graphs import StepGraphs, padded_input_ids
-from atom_core.engine.step import ScheduledStep
+from atom_core.engine.logits_processing import LogitsProcessing
+from atom_core.engine.step import PromptLogprobsInputs, ScheduledStep
+from atom_core.ops.penalties import apply_penalties_, apply_token_bias_, count_tokens_, init_token_state_
 from atom_core.ops.sampling import sample
 
 logger = logging.getLogger(__name__)
+PROMPT_LOGPROBS_CHUNK = 1024  # prompt positions per [chunk, V] logits tensor (V = 152k: 0.6 GB of fp32)
 
 
 @dataclass(slots=True)
@@ -38,6 +53,19 @@ class LaunchedStep:
     token_ids: torch.Tensor  # int64 [B], host
     logprobs: torch.Tensor | None  # float32 [B], host
     ready: torch.cuda.Event | None
+    top_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids int64 [B, N], log-probs f32 [B, N]), host
+    prompt_logprobs: tuple[torch.Tensor, ...] | None = None  # (log-probs [M], top ids [M, N], top [M, N]), host
+
+
+class StepResult(NamedTuple):
+    """What ``collect`` returns (numpy): token ids int64 [B]; log-probs float32 [B] or None;
+    top_logprobs (ids [B, N], log-probs [B, N]) or None; prompt_logprobs: per request of the
+    step's ``prompt_logprobs``, (log-probs [m], top ids [m, N] or None, top log-probs or None)."""
+
+    tokens: np.ndarray
+    logprobs: np.ndarray | None
+    top_logprobs: tuple[np.ndarray, np.ndarray] | None
+    prompt_logprobs: list | None
 
 
 class ModelRunner:
@@ -65,6 +93,8 @@ class ModelRunner:
                                in zip(self._kv_caches, model.kv_cache_scales())]
         self.bind()
         self._last_sampled: torch.Tensor | None = None  # the previous launch's tokens, on the device
+        self.max_num_seqs = max_num_seqs
+        self.token_state: torch.Tensor | None = None  # int32 [max_num_seqs, V], made on first use
         self.graphs = None
         if self.device.type == "cuda" and not enforce_eager:
             # The graphs get the model, not the runner: a runner <-> graphs cycle would keep the KV
@@ -118,46 +148,144 @@ class ModelRunner:
         """Queue the step's device work; returns at once on a GPU (see ``collect``)."""
         dev = self.device
         bucket = None
-        if self.graphs is not None:
+        if self.graphs is not None and step.prompt_logprobs is None:  # prompt log-probs need every hidden state
             bucket = self.graphs.bucket_for(step.num_tokens, len(step), step.is_decode)
         input_ids, layout = self.prepare(step, bucket)
+        previous_sampled = self._last_sampled
         pending = None
         if step.pending_positions is not None:
-            if self._last_sampled is None:
+            if previous_sampled is None:
                 raise RuntimeError("a step reads tokens of a previous step that was never launched")
             where = torch.from_numpy(np.stack([step.pending_positions, step.pending_sources])).to(dev, non_blocking=True)
-            pending = (where[0], self._last_sampled[where[1]])
+            pending = (where[0], previous_sampled[where[1]])
+        prompt_logprobs = None
         if bucket is not None:
             logits = self.graphs.run(bucket, torch.from_numpy(input_ids), layout, pending)
         else:
             ids = torch.from_numpy(input_ids).to(dev, non_blocking=True)
             if pending is not None:
                 ids.index_copy_(0, *pending)
-            logits = forward_logits(self.model, ids, layout.to(dev, non_blocking=True))
+            layout = layout.to(dev, non_blocking=True)
+            if step.prompt_logprobs is None:
+                logits = forward_logits(self.model, ids, layout)
+            else:
+                hidden = self.model(ids, layout.positions, layout)
+                logits = self.model.compute_logits(hidden[layout.logits_indices])
+                prompt_logprobs = self._prompt_logprobs(hidden, step.prompt_logprobs)
         s = step.sampling
-
-        def put(array):
-            return None if array is None else torch.from_numpy(array).to(dev, non_blocking=True)
-
-        result = sample(logits[:len(step)], put(s.temperature), put(s.top_k), put(s.top_p), put(s.min_p),
-                        put(s.seeds), put(s.offsets), return_logprobs=step.want_logprobs)
-        tokens, logprobs = result if step.want_logprobs else (result, None)
+        put = self._put
+        raw = logits[:len(step)]
+        processed = raw if s.processing is None else self._process(raw, s.processing, previous_sampled,
+                                                                   keep_raw=step.want_logprobs)
+        # Log-probs of the raw logits: fused into the draw when the draw sees the raw logits and no top-N is asked.
+        fused_logprobs = step.want_logprobs and processed is raw and not step.num_top_logprobs
+        result = sample(processed, put(s.temperature), put(s.top_k), put(s.top_p), put(s.min_p),
+                        put(s.seeds), put(s.offsets), return_logprobs=fused_logprobs)
+        tokens, logprobs = result if fused_logprobs else (result, None)
+        top_logprobs = None
+        if step.want_logprobs and not fused_logprobs:
+            logprobs, top_logprobs = token_logprobs(raw, tokens, step.num_top_logprobs)
+        if s.processing is not None and s.processing.slots is not None:
+            self._count_sampled(step, s.processing.slots, tokens)
         self._last_sampled = tokens
         if dev.type != "cuda":
-            return LaunchedStep(step, tokens, logprobs, None)
+            return LaunchedStep(step, tokens, logprobs, None, top_logprobs, prompt_logprobs)
+
+        def to_host(t):
+            return None if t is None else t.to("cpu", non_blocking=True)
+
         ready = torch.cuda.Event()
-        host_tokens = tokens.to("cpu", non_blocking=True)
-        host_logprobs = None if logprobs is None else logprobs.to("cpu", non_blocking=True)
+        host_tokens, host_logprobs = to_host(tokens), to_host(logprobs)
+        host_top = None if top_logprobs is None else tuple(map(to_host, top_logprobs))
+        host_prompt = None if prompt_logprobs is None else tuple(map(to_host, prompt_logprobs))
         ready.record()
-        return LaunchedStep(step, host_tokens, host_logprobs, ready)
+        return LaunchedStep(step, host_tokens, host_logprobs, ready, host_top, host_prompt)
+
+    def _put(self, array: np.ndarray | None) -> torch.Tensor | None:
+        return None if array is None else torch.from_numpy(array).to(self.device, non_blocking=True)
+
+    # ------------------------------------------------------------------ logits processing
+
+    def _process(self, logits: torch.Tensor, processing: LogitsProcessing, previous_sampled: torch.Tensor | None,
+                 keep_raw: bool) -> torch.Tensor:
+        """The step's logits [B, V] after its biases, bans and penalties (fp32; a copy when the raw
+        logits are still needed for log-probs)."""
+        put = self._put
+        x = logits.float()
+        if keep_raw and x.data_ptr() == logits.data_ptr():
+            x = x.clone()
+        if processing.slot_inits or processing.slots is not None:
+            state = self._token_state(logits.shape[1])
+            for init in processing.slot_inits:
+                init_token_state_(state, init.slot, put(init.prompt_token_ids), put(init.output_token_ids),
+                                  put(init.allowed_token_ids))
+        if processing.bias_rows is not None:
+            values = put(processing.bias_values)
+            if processing.bias_sources is not None:  # bans that hold only if the previous step sampled `required`
+                sources, required = put(processing.bias_sources), put(processing.bias_required)
+                applies = (sources < 0) | (previous_sampled[sources.clamp(min=0)] == required)
+                values = torch.where(applies, values, torch.zeros_like(values))
+            apply_token_bias_(x, put(processing.bias_rows), put(processing.bias_token_ids), values)
+        if processing.slots is not None:
+            apply_penalties_(x, state, put(processing.slots), put(processing.presence_penalty),
+                             put(processing.frequency_penalty), put(processing.repetition_penalty))
+        return x
+
+    def _token_state(self, vocab_size: int) -> torch.Tensor:
+        if self.token_state is None:
+            self.token_state = torch.zeros((self.max_num_seqs, vocab_size), dtype=torch.int32, device=self.device)
+        return self.token_state
+
+    def _count_sampled(self, step: ScheduledStep, slots: np.ndarray, tokens: torch.Tensor) -> None:
+        """Count each produced row's sampled token into its slot (rows mid-prompt sample nothing real)."""
+        produces = step.produces
+        rows = produces[slots[produces] >= 0]
+        if len(rows):
+            where = self._put(rows)
+            count_tokens_(self.token_state, self._put(slots[rows]), tokens[where])
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, inputs: PromptLogprobsInputs) -> tuple:
+        """(log-probs [M], top ids [M, N] or None, top log-probs [M, N] or None) of the prompt
+        positions, from the raw logits, PROMPT_LOGPROBS_CHUNK positions at a time."""
+        indices, targets = self._put(inputs.token_indices), self._put(inputs.target_ids)
+        values, top_ids, top_values = [], [], []
+        for start in range(0, len(inputs.token_indices), PROMPT_LOGPROBS_CHUNK):
+            chunk = slice(start, start + PROMPT_LOGPROBS_CHUNK)
+            chosen, top = token_logprobs(self.model.compute_logits(hidden[indices[chunk]]), targets[chunk],
+                                         inputs.num_top)
+            values.append(chosen)
+            if top is not None:
+                top_ids.append(top[0])
+                top_values.append(top[1])
+        if not inputs.num_top:
+            return torch.cat(values), None, None
+        return torch.cat(values), torch.cat(top_ids), torch.cat(top_values)
 
     @staticmethod
-    def collect(launched: LaunchedStep) -> tuple[np.ndarray, np.ndarray | None]:
-        """Wait for a launched step's sampled tokens: (token ids int64 [B], log-probs float32 [B] or None)."""
+    def collect(launched: LaunchedStep) -> StepResult:
+        """Wait for a launched step's results (see ``StepResult``)."""
         if launched.ready is not None:
             launched.ready.synchronize()
         logprobs = None if launched.logprobs is None else launched.logprobs.numpy()
-        return launched.token_ids.numpy(), logprobs
+        top = None if launched.top_logprobs is None else tuple(t.numpy() for t in launched.top_logprobs)
+        prompt = None
+        if launched.prompt_logprobs is not None:
+            values, ids, top_values = (None if t is None else t.numpy() for t in launched.prompt_logprobs)
+            bounds = np.cumsum([0] + launched.step.prompt_logprobs.counts)
+            prompt = [(values[a:b], None if ids is None else ids[a:b], None if top_values is None else top_values[a:b])
+                      for a, b in zip(bounds[:-1], bounds[1:])]
+        return StepResult(launched.token_ids.numpy(), logprobs, top, prompt)
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int):
+    """``log_softmax(logits)`` [R, V] at ``token_ids`` [R] (float32 [R]), and its ``num_top`` largest
+    entries ((ids int64 [R, N], log-probs float32 [R, N]), or None when ``num_top`` is 0)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, token_ids[:, None])[:, 0]
+    if not num_top:
+        return chosen, None
+    top = logprobs.topk(min(num_top, logprobs.shape[1]), dim=-1)
+    return chosen, (top.indices, top.values)
 
 
 def forward_logits(model, input_ids: torch.Tensor, layout: StepLayout) -> torch.Tensor:

@@ -49,10 +49,17 @@ class RunningBatch:
         checks_every_token: bool [S], stop strings, stop token ids or logprobs: each new token
             is looked at in Python (the others only when they may stop).
         stops_at_eos: bool [S], ``not ignore_eos``.
-        wants_logprobs: bool [S].
+        wants_logprobs: bool [S]; num_top_logprobs: int32 [S], the top alternatives wanted per token.
+        presence_penalty, frequency_penalty, repetition_penalty: float32 [S].
+        token_state_slot: int64 [S], the row's slot in the runner's token state (penalties and
+            allow-lists, see ``logits_processing``), -1 = none. Slots belong to requests while they
+            run: a slot is taken at ``add`` (and queued in ``new_slots`` for the next step to set
+            on the device) and given back at ``remove``.
+        uses_token_bias: bool [S], logit_bias, bad_words or min_tokens (sparse entries per step).
         num_using_top_k, num_using_top_p, num_using_min_p, num_stopping_at_eos,
-        num_wanting_logprobs: used rows with that filter on / that stop on EOS / that want
-            logprobs (0 lets a step skip that work for every row).
+        num_wanting_logprobs, num_wanting_top_logprobs, num_wanting_prompt_logprobs,
+        num_using_penalties, num_using_token_bias: used rows with that filter on / that stop on
+            EOS / that want logprobs / ... (0 lets a step skip that work for every row).
     """
 
     def __init__(self, max_num_seqs: int, max_model_len: int, max_pages: int):
@@ -83,13 +90,24 @@ class RunningBatch:
         self.checks_every_token = np.zeros(rows, dtype=bool)
         self.stops_at_eos = np.zeros(rows, dtype=bool)
         self.wants_logprobs = np.zeros(rows, dtype=bool)
+        self.num_top_logprobs = np.zeros(rows, dtype=np.int32)
+        self.presence_penalty = np.zeros(rows, dtype=np.float32)
+        self.frequency_penalty = np.zeros(rows, dtype=np.float32)
+        self.repetition_penalty = np.ones(rows, dtype=np.float32)
+        self.token_state_slot = np.full(rows, -1, dtype=np.int64)
+        self.uses_token_bias = np.zeros(rows, dtype=bool)
         # The arrays a row's state lives in (besides its block_table row).
         self._row_arrays = (self.num_tokens, self.num_computed_tokens, self.num_prompt_tokens, self.last_token,
                             self.pending_index, self.pending_step, self.num_pages, self.num_published_blocks,
                             self.admission_order, self.temperature, self.top_k, self.top_p, self.min_p, self.seed,
-                            self.length_limit, self.checks_every_token, self.stops_at_eos, self.wants_logprobs)
+                            self.length_limit, self.checks_every_token, self.stops_at_eos, self.wants_logprobs,
+                            self.num_top_logprobs, self.presence_penalty, self.frequency_penalty,
+                            self.repetition_penalty, self.token_state_slot, self.uses_token_bias)
         self.num_using_top_k = self.num_using_top_p = self.num_using_min_p = 0
-        self.num_stopping_at_eos = self.num_wanting_logprobs = 0
+        self.num_stopping_at_eos = self.num_wanting_logprobs = self.num_wanting_top_logprobs = 0
+        self.num_wanting_prompt_logprobs = self.num_using_penalties = self.num_using_token_bias = 0
+        self._free_slots = list(range(rows - 1, -1, -1))  # token-state slots not held by a running request
+        self.new_slots: list[tuple[Request, int]] = []  # slots taken since the last step, to set on the device
         self.num_removals = 0  # rows move only on removal: a step's rows are still valid while this is unchanged
         self._num_admitted = 0
 
@@ -139,9 +157,25 @@ class RunningBatch:
                                             or request.logprobs is not None)
         self.stops_at_eos[row] = not params.ignore_eos
         self.wants_logprobs[row] = request.logprobs is not None
+        self.num_top_logprobs[row] = params.logprobs or 0
+        self.token_state_slot[row] = -1
+        self.uses_token_bias[row] = False
+        if params.uses_penalties or params.uses_token_bias:
+            self._add_processing(request, row)
         self._count_params(request, +1)
         request.row = row
         return row
+
+    def _add_processing(self, request: Request, row: int) -> None:
+        params = request.params
+        self.presence_penalty[row] = params.presence_penalty
+        self.frequency_penalty[row] = params.frequency_penalty
+        self.repetition_penalty[row] = params.repetition_penalty
+        self.uses_token_bias[row] = params.uses_token_bias
+        if params.uses_penalties:
+            slot = self._free_slots.pop()
+            self.token_state_slot[row] = slot
+            self.new_slots.append((request, slot))
 
     def append_blocks(self, row: int, block_ids: list[int]) -> None:
         """Add pool blocks at the end of the row's table."""
@@ -162,6 +196,10 @@ class RunningBatch:
             raise ValueError(f"request {request.request_id} holds no row of this batch")
         request.row = None
         self._count_params(request, -1)
+        slot = int(self.token_state_slot[row])
+        if slot >= 0:
+            self._free_slots.append(slot)
+            self.new_slots = [(r, s) for r, s in self.new_slots if s != slot]
         last = len(self.requests) - 1
         moved = self.requests.pop()
         moved_tokens = self.token_lists.pop()
@@ -173,6 +211,7 @@ class RunningBatch:
                 array[row] = array[last]
             self.block_table[row] = self.block_table[last]
         self.block_table[last] = -1
+        self.token_state_slot[last] = -1
         self.num_removals += 1
 
     def _count_params(self, request: Request, sign: int) -> None:
@@ -182,3 +221,7 @@ class RunningBatch:
         self.num_using_top_p += sign * (params.top_p < 1)
         self.num_using_min_p += sign * (params.min_p > 0)
         self.num_stopping_at_eos += sign * (not params.ignore_eos)
+        self.num_wanting_top_logprobs += sign * bool(params.logprobs)
+        self.num_wanting_prompt_logprobs += sign * (params.prompt_logprobs is not None)
+        self.num_using_penalties += sign * params.uses_penalties
+        self.num_using_token_bias += sign * params.uses_token_bias

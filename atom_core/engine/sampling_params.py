@@ -1,4 +1,10 @@
-"""Per-request sampling settings, validated at construction: a value that passes here never fails a step."""
+"""Per-request sampling settings, validated at construction: a value that passes here never fails a step.
+
+The names and meanings are vLLM's (``vllm.SamplingParams``); docs/sampling.md gives each field's
+definition and where it is applied. What depends on the model (token ids inside the vocabulary,
+``logprobs`` under the engine's ``max_logprobs``, ``bad_words`` strings that need a tokenizer) is
+checked by ``Engine.add_request``.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ import numpy as np
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 INT32_MAX = 2**31 - 1
 SEED_LIMIT = 2**64  # seeds are 64-bit: 0 <= seed < 2**64 (torch.Generator's range)
+PENALTY_LIMIT = 2.0  # presence / frequency penalties lie in [-2, 2] (OpenAI's and vLLM's range)
 
 
 def _is_int(value) -> bool:
@@ -22,17 +29,44 @@ def _is_real(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
 
 
+def _is_token_list(value) -> bool:
+    return isinstance(value, (list, tuple)) and len(value) > 0 and all(_is_int(t) and t >= 0 for t in value)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick a request's tokens and when to stop.
+    """How to pick a request's tokens, how many sequences to make, what to return and when to stop.
 
-    temperature 0 is greedy; it must be finite and at most float32's largest value. top_k -1 (or 0)
-    keeps the whole vocabulary; top_p 1.0 and min_p 0.0 turn those filters off. ``seed`` (0 <= seed
-    < 2**64) makes the request's draws reproducible whatever its batch mates. ``logprobs``: when
-    set (any int >= 0), each output token carries its log-probability under the model
-    (log-softmax of the raw logits). ``stop``: strings that end the output (not included in the
-    text); ``stop_token_ids``: tokens that end it (the token is in ``token_ids``; its text is
-    not, as in vLLM). Ints may be Python or numpy ints; bools are refused everywhere.
+    Sampling: temperature 0 is greedy; it must be finite and at most float32's largest value.
+    top_k -1 (or 0) keeps the whole vocabulary; top_p 1.0 and min_p 0.0 turn those filters off.
+    ``seed`` (0 <= seed < 2**64) makes the request's draws reproducible whatever its batch mates.
+
+    ``n``: sequences made for the prompt (each its own draws; with a seed, sequence i uses
+    ``seed + i``). The prompt is computed once: the other sequences start after the first one's
+    prompt, and take its blocks from the prefix cache.
+
+    Logits processing, applied on the device in this order before temperature and the filters
+    (vLLM's order): ``allowed_token_ids`` (every other token gets -inf), ``bad_words`` (a
+    word's last token gets -inf when the output so far ends with the word's other tokens; a
+    string is tokenized with and without a leading space, as vLLM), ``min_tokens`` (EOS and the
+    stop token ids get -inf until the output has that many tokens), ``logit_bias`` (token id ->
+    value added to its logit), then the penalties: ``repetition_penalty`` (> 0, 1 = off; every
+    token of the prompt or the output has a positive logit divided by it and a negative one
+    multiplied, HF's and vLLM's rule), ``frequency_penalty`` and ``presence_penalty`` (in
+    [-2, 2]; subtract ``frequency_penalty * count + presence_penalty * (count > 0)`` with count =
+    the token's occurrences in the output).
+
+    What comes back: ``logprobs`` (None, or N >= 0): each output token's log-probability under
+    the model, plus the N most likely tokens with theirs (``RequestOutput.top_logprobs``);
+    ``prompt_logprobs`` (None or N >= 0): the same for each prompt token after the first
+    (such a request computes its whole prompt: no prefix-cache hit). Log-probabilities are
+    ``log_softmax`` of the raw logits, before any processing (vLLM's default).
+
+    Stopping: ``stop``: strings that end the output (not in the text unless
+    ``include_stop_str_in_output``); ``stop_token_ids``: tokens that end it (the token is in
+    ``token_ids``; its text is not unless ``include_stop_str_in_output``, as in vLLM); neither is
+    checked before ``min_tokens`` output tokens. ``skip_special_tokens`` (default True) leaves
+    special tokens out of the text. Ints may be Python or numpy ints; bools are refused everywhere.
     """
 
     temperature: float = 1.0
@@ -45,6 +79,18 @@ class SamplingParams:
     stop_token_ids: list[int] | tuple[int, ...] | None = None
     seed: int | None = None
     logprobs: int | None = None
+    # (the fields above keep their positions; the ones below came later)
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str | list[int]] | None = None
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -54,6 +100,9 @@ class SamplingParams:
         def as_type(name, value):
             object.__setattr__(self, name, value)
 
+        if not _is_int(self.n) or self.n < 1:
+            bad("n", "must be an int >= 1")
+        as_type("n", int(self.n))
         t = self.temperature
         if not _is_real(t) or not math.isfinite(t) or not 0 <= t <= FLOAT32_MAX:
             bad("temperature", f"must be a finite number in [0, {FLOAT32_MAX:.4g}] (0 = greedy)")
@@ -67,19 +116,41 @@ class SamplingParams:
         if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             bad("min_p", "must be a number in [0, 1]")
         as_type("min_p", float(self.min_p))
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -PENALTY_LIMIT <= value <= PENALTY_LIMIT:
+                bad(name, f"must be a number in [-{PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}] (0 = off)")
+            as_type(name, float(value))
+        r = self.repetition_penalty
+        if not _is_real(r) or not math.isfinite(r) or not 0 < r <= FLOAT32_MAX:
+            bad("repetition_penalty", "must be a finite number > 0 (1 = off)")
+        as_type("repetition_penalty", float(r))
+        self._check_logit_bias(bad, as_type)
+        if self.allowed_token_ids is not None:
+            if not _is_token_list(self.allowed_token_ids):
+                bad("allowed_token_ids", "must be None or a non-empty list of token ids (ints >= 0)")
+            as_type("allowed_token_ids", [int(t) for t in self.allowed_token_ids])
+        self._check_bad_words(bad, as_type)
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             bad("max_tokens", "must be an int >= 1")
         as_type("max_tokens", int(self.max_tokens))
-        if not isinstance(self.ignore_eos, (bool, np.bool_)):
-            bad("ignore_eos", "must be a bool")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            bad("min_tokens", f"must be an int in [0, max_tokens={self.max_tokens}]")
+        as_type("min_tokens", int(self.min_tokens))
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                bad(name, "must be a bool")
+            as_type(name, bool(getattr(self, name)))
         if self.seed is not None:
             if not _is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT:
                 bad("seed", "must be None or an int in [0, 2**64)")
             as_type("seed", int(self.seed))
-        if self.logprobs is not None:
-            if not _is_int(self.logprobs) or self.logprobs < 0:
-                bad("logprobs", "must be None or an int >= 0")
-            as_type("logprobs", int(self.logprobs))
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                if not _is_int(value) or value < 0:
+                    bad(name, "must be None or an int >= 0 (the number of top alternatives)")
+                as_type(name, int(value))
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if stop is not None and not isinstance(stop, (list, tuple)):
             bad("stop", "must be a string or a list of strings")
@@ -93,6 +164,41 @@ class SamplingParams:
             as_type("stop_token_ids", [int(t) for t in ids])
         object.__setattr__(self, "stop_strings", stop)
 
+    def _check_logit_bias(self, bad, as_type) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, dict):
+            bad("logit_bias", "must be None or a dict of token id -> bias")
+        checked = {}
+        for token, value in bias.items():
+            if isinstance(token, str) and token.isdigit():  # JSON object keys are strings (OpenAI's API)
+                token = int(token)
+            if not _is_int(token) or token < 0:
+                bad("logit_bias", f"keys must be token ids (ints >= 0), got {token!r}")
+            if not _is_real(value) or not math.isfinite(value):
+                bad("logit_bias", f"values must be finite numbers, got {value!r} for token {token}")
+            checked[int(token)] = float(value)
+        as_type("logit_bias", checked or None)
+
+    def _check_bad_words(self, bad, as_type) -> None:
+        words = self.bad_words
+        if words is None:
+            return
+        if isinstance(words, str) or not isinstance(words, (list, tuple)):
+            bad("bad_words", "must be None or a list of strings and/or token-id lists")
+        checked = []
+        for word in words:
+            if isinstance(word, str):
+                if not word.strip():
+                    bad("bad_words", "a word must hold more than spaces")
+                checked.append(word)
+            elif _is_token_list(word):
+                checked.append([int(t) for t in word])
+            else:
+                bad("bad_words", f"each entry is a non-empty string or a non-empty list of token ids, got {word!r}")
+        as_type("bad_words", checked or None)
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
@@ -103,3 +209,14 @@ class SamplingParams:
         if self.seed is None:
             return None
         return self.seed - SEED_LIMIT if self.seed >= 2**63 else self.seed
+
+    @property
+    def uses_penalties(self) -> bool:
+        """Whether a row needs the dense per-token state on the device: a penalty or an allow-list."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+                or self.allowed_token_ids is not None)
+
+    @property
+    def uses_token_bias(self) -> bool:
+        """Whether a row adds sparse per-token values to its logits: a bias, bad words or min_tokens."""
+        return self.logit_bias is not None or self.bad_words is not None or self.min_tokens > 0

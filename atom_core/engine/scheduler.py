@@ -21,6 +21,14 @@ scheduled has that step's token dropped.
 
 When every running request is decoding — the common step — the scheduler handles them with array
 operations and touches in Python only the rows whose next token starts a new block.
+
+A prompt with ``n > 1`` sequences is ``n`` requests: the first is queued, the others are held
+(``add(request, after=first)``) until the first's prompt is computed, then admitted ahead of the
+queue, so that they take its prompt blocks from the prefix cache instead of computing them again.
+
+Logits processing (penalties, biases, bans; ``logits_processing``) and the log-probs a step must
+return (top-N alternatives, prompt log-probs) are part of the ``ScheduledStep`` too; each is
+built only while some running row uses it (the running batch counts them).
 """
 
 from __future__ import annotations
@@ -30,10 +38,13 @@ from collections import deque
 import numpy as np
 
 from atom_core.cache import BlockManager
+from atom_core.engine.logits_processing import request_processing, step_processing
 from atom_core.engine.request import Request, Status
 from atom_core.engine.running_batch import RunningBatch
-from atom_core.engine.step import SamplingInputs, ScheduledStep, StepRecord
+from atom_core.engine.step import PromptLogprobsInputs, SamplingInputs, ScheduledStep, StepRecord
 from atom_core.engine.stop_rule import StopRule
+
+NO_VOCABULARY_LIMIT = 2**62  # what a request made outside the engine is checked against
 
 
 class Scheduler:
@@ -52,16 +63,43 @@ class Scheduler:
         self.batch = RunningBatch(max_num_seqs, max_model_len, -(-max_model_len // block_manager.block_size))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order (the batch keeps them in row order)
+        self.held: list[tuple[Request, Request]] = []  # (first sequence, a later one waiting for its prompt)
         self.num_steps = 0
         self._ones = np.ones(max_num_seqs, dtype=np.int64)
 
-    def add(self, request: Request) -> None:
+    def add(self, request: Request, after: Request | None = None) -> None:
+        """Queue ``request``; with ``after`` (the first sequence of the same prompt), hold it until
+        that one's prompt is computed (see the module docstring)."""
         request.status = Status.WAITING
         request.length_limit = self.stop_rule.length_limit(request)
-        self.waiting.append(request)
+        params = request.params
+        if request.processing is None and (params.uses_penalties or params.uses_token_bias):
+            request.processing = request_processing(params, self.stop_rule.eos_token_ids, NO_VOCABULARY_LIMIT,
+                                                    self.stop_rule.tokenizer)
+        if after is None:
+            self.waiting.append(request)
+        else:
+            self.held.append((after, request))
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.held)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.held)
+
+    def _release_held(self) -> None:
+        """Queue (first) the held sequences whose first sequence has computed its prompt (its blocks
+        are then published before admission reads the cache) or has finished."""
+        ready, still = [], []
+        for first, request in self.held:
+            if first.finished or (first.status is Status.RUNNING
+                                  and self.batch.num_computed_tokens[first.row] >= first.num_prompt_tokens):
+                ready.append(request)
+            else:
+                still.append((first, request))
+        self.held = still
+        self.waiting.extendleft(reversed(ready))
 
     # ------------------------------------------------------------------ scheduling
 
@@ -89,6 +127,8 @@ class Scheduler:
 
         # Admit waiting requests, unless this step had to preempt (the pool is already too tight).
         # They take the next rows, so a step over every row stays one over rows 0..B-1.
+        if self.held:
+            self._release_held()
         admitted_lens = []
         if self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             self.publish_computed_blocks()  # admission reads the prefix cache
@@ -187,7 +227,17 @@ class Scheduler:
     def _admit(self, request: Request, budget: int) -> int | None:
         """Move the head of the queue into the batch; its query length, or None if it does not fit."""
         bm = self.block_manager
-        cached = bm.allocate(request.request_id, request.token_ids)
+        if (request.params.prompt_logprobs is not None and bm.enable_prefix_caching
+                and request.num_prompt_logprobs_scheduled < request.num_prompt_tokens - 1):
+            # Its prompt log-probs need the logits of every prompt position: no prefix-cache hit
+            # (vLLM too). Allocated as a miss; its blocks are published like any other's.
+            bm.enable_prefix_caching = False
+            try:
+                cached = bm.allocate(request.request_id, request.token_ids)
+            finally:
+                bm.enable_prefix_caching = True
+        else:
+            cached = bm.allocate(request.request_id, request.token_ids)
         if cached is None:
             return None
         self.waiting.popleft()
@@ -217,9 +267,13 @@ class Scheduler:
             num_tokens=num_tokens, block_tables=block_tables, input_ids=input_ids,
             pending_positions=pending_positions if len(pending_positions) else None,
             pending_sources=pending_sources if len(pending_positions) else None,
-            sampling=self._sampling_inputs(rows),
+            sampling=self._sampling_inputs(requests, rows),
             want_logprobs=bool(batch.num_wanting_logprobs and batch.wants_logprobs[rows].any()),
             preempted=preempted, row_version=batch.num_removals)
+        if batch.num_wanting_top_logprobs:
+            step.num_top_logprobs = int(batch.num_top_logprobs[rows].max())
+        if batch.num_wanting_prompt_logprobs:
+            step.prompt_logprobs = self._prompt_logprobs_inputs(requests, cached, query_lens)
         self.num_steps += 1
         self._advance(step)
         return step
@@ -241,17 +295,45 @@ class Scheduler:
         input_ids = np.fromiter((t for chunk in chunks for t in chunk), dtype=np.int64, count=start)
         return input_ids, np.array(positions, dtype=np.int64), np.array(sources, dtype=np.int64)
 
-    def _sampling_inputs(self, rows) -> SamplingInputs:
+    def _sampling_inputs(self, requests, rows) -> SamplingInputs:
         batch = self.batch
 
         def filter_param(array, num_using):  # None = off in every row: the op skips the filter
             return array[rows] if num_using else None
 
+        processing = None
+        if batch.num_using_penalties or batch.num_using_token_bias or batch.new_slots:
+            processing = step_processing(batch, requests, rows)
         return SamplingInputs(
             temperature=batch.temperature[rows], top_k=filter_param(batch.top_k, batch.num_using_top_k),
             top_p=filter_param(batch.top_p, batch.num_using_top_p),
             min_p=filter_param(batch.min_p, batch.num_using_min_p), seeds=batch.seed[rows],
-            offsets=batch.num_tokens[rows] - batch.num_prompt_tokens[rows])
+            offsets=batch.num_tokens[rows] - batch.num_prompt_tokens[rows], processing=processing)
+
+    def _prompt_logprobs_inputs(self, requests, cached, query_lens) -> PromptLogprobsInputs | None:
+        """The prompt positions whose log-probs this step computes: position p of a row's chunk gives
+        the log-prob of prompt token p + 1; each position is computed once (a preempted request's
+        recomputation skips the ones already scheduled)."""
+        starts = np.cumsum(query_lens) - query_lens
+        chosen, indices, targets, counts = [], [], [], []
+        num_top = 0
+        for i, request in enumerate(requests):
+            if request.params.prompt_logprobs is None:
+                continue
+            c, q = int(cached[i]), int(query_lens[i])
+            lo = max(c, request.num_prompt_logprobs_scheduled)
+            hi = min(c + q, request.num_prompt_tokens - 1)
+            if hi <= lo:
+                continue
+            request.num_prompt_logprobs_scheduled = hi
+            chosen.append(request)
+            indices.append(np.arange(starts[i] + lo - c, starts[i] + hi - c, dtype=np.int64))
+            targets.append(np.array(request.token_ids[lo + 1:hi + 1], dtype=np.int64))
+            counts.append(hi - lo)
+            num_top = max(num_top, request.params.prompt_logprobs)
+        if not chosen:
+            return None
+        return PromptLogprobsInputs(chosen, np.concatenate(indices), np.concatenate(targets), counts, num_top)
 
     def _advance(self, step: ScheduledStep) -> None:
         """Count the step as launched: its tokens computed; a row that reaches its last token gets
@@ -273,9 +355,14 @@ class Scheduler:
 
     # ------------------------------------------------------------------ after the step
 
-    def record(self, step: ScheduledStep, sampled: np.ndarray, logprobs: np.ndarray | None = None) -> StepRecord:
-        """Read a step's sampled tokens (int [B], one per row; log-probs float [B] when asked for):
-        each row that produced appends its token, and the ones that stop are finished.
+    def record(self, step: ScheduledStep, sampled: np.ndarray, logprobs: np.ndarray | None = None,
+               top_logprobs: tuple[np.ndarray, np.ndarray] | None = None,
+               prompt_logprobs: list | None = None) -> StepRecord:
+        """Read a step's sampled tokens (int [B], one per row; log-probs float [B] when asked for;
+        ``top_logprobs``: (token ids int [B, N], log-probs float [B, N]) when the step has
+        ``num_top_logprobs = N``; ``prompt_logprobs``: per request of ``step.prompt_logprobs``,
+        (log-probs [M], top ids [M, N] or None, top log-probs [M, N] or None)): each row that
+        produced appends its token, and the ones that stop are finished.
 
         A request finished (or aborted) since the step was scheduled gets nothing; a preempted
         one still gets its token (it is part of the tokens it recomputes).
@@ -304,6 +391,12 @@ class Scheduler:
             for request, i in zip(requests, produces.tolist()):
                 if request.logprobs is not None:
                     request.logprobs.append(float(logprobs[i]))
+                    if request.top_logprobs is not None and top_logprobs is not None:
+                        n = request.params.logprobs
+                        request.top_logprobs.append(dict(zip(top_logprobs[0][i, :n].tolist(),
+                                                             top_logprobs[1][i, :n].tolist())))
+        if prompt_logprobs is not None:
+            _record_prompt_logprobs(step.prompt_logprobs, prompt_logprobs)
 
         if unmoved:
             rows, row_tokens = _index(step.rows, produces), tokens
@@ -374,9 +467,25 @@ class Scheduler:
         if request.status is Status.RUNNING:
             self._stop_running(request)
         elif request.status is Status.WAITING:
-            self.waiting.remove(request)
+            held = [pair for pair in self.held if pair[1] is request]
+            if held:
+                self.held.remove(held[0])
+            else:
+                self.waiting.remove(request)
         request.status = Status.FINISHED
         request.finish_reason = reason
+
+
+def _record_prompt_logprobs(inputs: PromptLogprobsInputs, results: list) -> None:
+    """Append each request's prompt log-probs (a finished or aborted request gets nothing)."""
+    for request, (values, top_ids, top_values) in zip(inputs.requests, results):
+        if request.finished:
+            continue
+        request.prompt_logprobs.extend(values.tolist())
+        if request.prompt_top_logprobs is not None:
+            n = request.params.prompt_logprobs
+            request.prompt_top_logprobs.extend(dict(zip(ids, lps)) for ids, lps
+                                               in zip(top_ids[:, :n].tolist(), top_values[:, :n].tolist()))
 
 
 def _is_all(rows: np.ndarray) -> bool:

@@ -10,13 +10,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from atom_core.engine.logits_processing import LogitsProcessing
 from atom_core.engine.request import Request
 
 
 @dataclass(slots=True)
 class SamplingInputs:
     """Per-row parameters of ``ops.sample`` (numpy, [B]); top_k / top_p / min_p are None when off
-    in every row (the op then skips that filter)."""
+    in every row (the op then skips that filter). ``processing``: the penalties, biases and bans
+    applied to the logits first, None when no row uses any."""
 
     temperature: np.ndarray  # float32
     top_k: np.ndarray | None  # int32
@@ -24,6 +26,24 @@ class SamplingInputs:
     min_p: np.ndarray | None  # float32
     seeds: np.ndarray  # int64
     offsets: np.ndarray  # int64, the row's output tokens so far (its draw index)
+    processing: LogitsProcessing | None = None
+
+
+@dataclass(slots=True)
+class PromptLogprobsInputs:
+    """The prompt positions whose log-probs a step computes (M positions in all).
+
+    requests: the requests they belong to, in step order; token_indices: int64 [M], the positions
+    in the step's tokens (their hidden states give the logits); target_ids: int64 [M], the prompt
+    token each position predicts; counts: positions per request; num_top: the most top
+    alternatives any of them wants (0 = none).
+    """
+
+    requests: list[Request]
+    token_indices: np.ndarray
+    target_ids: np.ndarray
+    counts: list[int]
+    num_top: int
 
 
 @dataclass(slots=True)
@@ -43,6 +63,8 @@ class ScheduledStep:
             previous_sampled[pending_sources[j]]`` (both int64 [N], or None when no token is pending).
         sampling: the rows' sampling parameters.
         want_logprobs: whether any row asked for log-probs.
+        num_top_logprobs: the most top alternatives any row wants per token (0 = none).
+        prompt_logprobs: the prompt positions whose log-probs this step computes, or None.
         produces: int64 [N], indices (into the rows) of the rows whose last token this step
             computes, so they get a sampled token; the others are mid-prompt.
         preempted: requests sent back to waiting by this step.
@@ -64,6 +86,8 @@ class ScheduledStep:
     pending_sources: np.ndarray | None
     sampling: SamplingInputs
     want_logprobs: bool
+    num_top_logprobs: int = 0
+    prompt_logprobs: PromptLogprobsInputs | None = None
     preempted: list[Request] = field(default_factory=list)
     row_version: int = 0
     produces: np.ndarray | None = None

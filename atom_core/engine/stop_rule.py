@@ -2,22 +2,26 @@
 
 A request stops after a token when:
 
-- the token is an EOS id (unless ``ignore_eos``) or one of its ``stop_token_ids`` -> "stop";
-- its decoded output contains one of its stop strings -> "stop" (the text ends before it);
+- the token is an EOS id (unless ``ignore_eos``) or one of its ``stop_token_ids`` -> "stop"
+  (``min_tokens`` keeps them from being sampled earlier: they are masked on the device);
+- its decoded output contains one of its stop strings -> "stop" (the text ends before it, or
+  after it with ``include_stop_str_in_output``; not checked before ``min_tokens`` tokens);
 - it has ``max_tokens`` output tokens or ``max_model_len`` tokens in all -> "length"
   (``length_limit``: known in advance, so the scheduler never computes past it).
 
 The engine checks every new token of every row at once for EOS and the length limit; only rows
 that may stop, or that have stop strings, stop token ids or logprobs, are looked at in Python.
+Stop strings are searched in the characters each token adds (plus a tail of the longest stop
+string's length - 1), decoded incrementally (``engine.detokenizer``): O(1) per step. The text of
+a request without stop strings is decoded only when read.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from atom_core.engine.detokenizer import INCOMPLETE_CHARACTER  # noqa: F401 (re-exported)
 from atom_core.engine.request import Request
-
-INCOMPLETE_CHARACTER = "\ufffd"  # what decoding gives for the bytes of a character not yet complete
 
 
 class StopRule:
@@ -53,26 +57,31 @@ class StopRule:
         return maybe
 
     def finish_reason(self, request: Request) -> str | None:
-        """Why ``request`` stops after its last token (setting its final ``text``), or None.
+        """Why ``request`` stops after its last token, or None; when it stops, its detokenizer is
+        told where the final text ends (decoded when read).
 
         The final text, as vLLM gives it: without a stop string or the stop token's text (the
-        token itself stays in ``token_ids``), and without a last character whose UTF-8 bytes the
-        output has not completed (a byte-level tokenizer decodes those as U+FFFD).
+        token itself stays in ``token_ids``) unless ``include_stop_str_in_output``, and without a
+        last character whose UTF-8 bytes the output has not completed.
         """
         params, token = request.params, request.token_ids[-1]
-        if params.stop_strings and self.tokenizer is not None:
-            text = self.tokenizer.decode(request.output_token_ids)
-            hits = [i for i in (text.find(s) for s in params.stop_strings) if i >= 0]
-            if hits:
-                request.text = text[: min(hits)]  # the stop string is not part of the text
+        detokenizer = request.detokenizer
+        if detokenizer is None and self.tokenizer is not None:  # a request made outside the engine
+            detokenizer = request.detokenizer = request.make_detokenizer(self.tokenizer)
+        num_output = request.num_output_tokens
+        is_eos = not params.ignore_eos and token in self._eos_token_ids
+        if is_eos or token in (params.stop_token_ids or ()):
+            request.stop_reason = None if is_eos else token
+            if detokenizer is not None:
+                detokenizer.finish(num_output if params.include_stop_str_in_output else num_output - 1)
+            return "stop"
+        if params.stop_strings and detokenizer is not None:
+            detokenizer.decode_until(request.output_tokens, num_output)
+            hit = detokenizer.find_stop() if num_output > params.min_tokens else detokenizer.skip_stop_search()
+            if hit is not None:
+                request.stop_reason, final_chars = hit
+                detokenizer.finish(num_output, final_chars)
                 return "stop"
-        output = request.output_token_ids
-        if (not params.ignore_eos and token in self._eos_token_ids) or token in (params.stop_token_ids or ()):
-            reason, output = "stop", output[:-1]  # the stop token's text is not part of the text
-        elif request.num_tokens >= request.length_limit:
-            reason = "length"
-        else:
-            return None
-        if self.tokenizer is not None:
-            request.text = self.tokenizer.decode(output).rstrip(INCOMPLETE_CHARACTER)
-        return reason
+        if request.num_tokens >= request.length_limit:
+            return "length"
+        return None

@@ -1,4 +1,5 @@
-"""Text <-> token ids, from a checkpoint folder's ``tokenizer.json`` (HF ``tokenizers``)."""
+"""Text <-> token ids, from a checkpoint folder's ``tokenizer.json`` (HF ``tokenizers``), and the
+folder's chat templates (``engine.chat_template``)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ def _read_tokenizer_config(file: Path) -> dict:
 
 
 class Tokenizer:
-    """A thin wrapper over ``tokenizers.Tokenizer``: ``encode(text) -> ids``, ``decode(ids) -> text``.
+    """A thin wrapper over ``tokenizers.Tokenizer``: ``encode(text) -> ids``, ``decode(ids) -> text``,
+    ``apply_chat_template(messages) -> ids``.
 
     A ``tokenizer.json`` the ``tokenizers`` library cannot parse, or a ``tokenizer_config.json`` that
     is not a JSON object (or whose ``add_bos_token``/``bos_token`` cannot be used), raises ValueError
@@ -38,9 +40,16 @@ class Tokenizer:
             raise ValueError(f"{file}: not a tokenizer the tokenizers library can read ({e})") from e
         self.add_bos_token = False
         self.bos_token_id = None
+        self.chat_templates: dict[str, str] = {}  # name -> Jinja source ("default" for a single one)
+        self.special_tokens: dict[str, str] = {}  # bos_token, eos_token, ...: what a chat template sees
         config = file.with_name("tokenizer_config.json")
-        if config.is_file():
-            settings = _read_tokenizer_config(config)
+        settings = _read_tokenizer_config(config) if config.is_file() else {}
+        if settings or (file.parent / "chat_template.jinja").is_file():
+            from atom_core.engine.chat_template import read_chat_templates, special_tokens_of
+
+            self.chat_templates = read_chat_templates(file.parent, settings)
+            self.special_tokens = special_tokens_of(settings)
+        if settings:
             add_bos = settings.get("add_bos_token", False)
             if not isinstance(add_bos, bool) and add_bos is not None:
                 raise ValueError(f"{config}: add_bos_token must be true or false, got {add_bos!r}")
@@ -57,14 +66,30 @@ class Tokenizer:
     def maybe_from(cls, folder: str | Path) -> Tokenizer | None:
         return cls(folder) if (Path(folder) / "tokenizer.json").is_file() else None
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; the BOS token first when tokenizer_config.json says ``add_bos_token``
+        and ``add_special_tokens`` (a chat template writes its own)."""
         ids = self._tok.encode(text, add_special_tokens=False).ids
-        if self.add_bos_token and self.bos_token_id is not None:
+        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             ids = [self.bos_token_id] + ids
         return ids
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self._tok.decode(token_ids, skip_special_tokens=True)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, conversation: list[dict], *, add_generation_prompt: bool = True,
+                            chat_template: str | None = None, tools: list[dict] | None = None,
+                            documents: list[dict] | None = None, tokenize: bool = True, **template_kwargs):
+        """One conversation (a list of {"role", "content", ...} messages) rendered by the chat template
+        (``chat_template``: a template name or a template itself; default: the checkpoint's) and,
+        with ``tokenize``, its token ids (no special tokens added: the template writes them), as
+        transformers' ``apply_chat_template``. Raises ``ChatTemplateError`` (a ValueError)."""
+        from atom_core.engine.chat_template import choose_template, render
+
+        text = render(choose_template(self.chat_templates, chat_template, tools), conversation,
+                      add_generation_prompt=add_generation_prompt, tools=tools, documents=documents,
+                      special_tokens=self.special_tokens, **template_kwargs)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
 
     @property
     def vocab_size(self) -> int:

@@ -29,3 +29,41 @@ def test_defaults_and_greedy():
 def test_invalid_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field}="):
         SamplingParams(**kwargs)
+
+
+def test_vllm_fields_defaults_and_normalised_values():
+    p = SamplingParams()
+    assert (p.n, p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_tokens) == (1, 0.0, 0.0, 1.0, 0)
+    assert p.logit_bias is p.allowed_token_ids is p.bad_words is p.prompt_logprobs is None
+    assert p.skip_special_tokens and not p.include_stop_str_in_output
+    assert not p.uses_penalties and not p.uses_token_bias
+    q = SamplingParams(logit_bias={"5": 1, 7: -2.5}, allowed_token_ids=(3, 4), bad_words=["x", (1, 2)], min_tokens=2)
+    assert q.logit_bias == {5: 1.0, 7: -2.5}  # JSON keys (strings) are token ids too
+    assert q.allowed_token_ids == [3, 4] and q.bad_words == ["x", [1, 2]]
+    assert q.uses_penalties and q.uses_token_bias  # the allow-list lives in the penalty state
+    assert SamplingParams(repetition_penalty=1.1).uses_penalties and not SamplingParams(min_tokens=0).uses_token_bias
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"n": 0}, "n"), ({"n": 2.0}, "n"), ({"n": True}, "n"),
+        ({"presence_penalty": 2.5}, "presence_penalty"), ({"presence_penalty": float("nan")}, "presence_penalty"),
+        ({"frequency_penalty": -2.1}, "frequency_penalty"), ({"frequency_penalty": "1"}, "frequency_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"), ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"logit_bias": [1, 2]}, "logit_bias"), ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"logit_bias": {1: float("nan")}}, "logit_bias"), ({"logit_bias": {"a": 1.0}}, "logit_bias"),
+        ({"logit_bias": {True: 1.0}}, "logit_bias"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"), ({"allowed_token_ids": [1, -1]}, "allowed_token_ids"),
+        ({"allowed_token_ids": 3}, "allowed_token_ids"),
+        ({"bad_words": "word"}, "bad_words"), ({"bad_words": [" "]}, "bad_words"), ({"bad_words": [[]]}, "bad_words"),
+        ({"bad_words": [[1, -2]]}, "bad_words"), ({"bad_words": [3]}, "bad_words"),
+        ({"min_tokens": -1}, "min_tokens"), ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"), ({"prompt_logprobs": 1.0}, "prompt_logprobs"),
+        ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
+        ({"skip_special_tokens": "no"}, "skip_special_tokens"),
+    ],
+)
+def test_invalid_vllm_fields_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field}="):
+        SamplingParams(**kwargs)

@@ -70,7 +70,7 @@ def test_generation_config_adds_eos_ids_and_gives_the_default_sampling_params(tm
     assert {7, 9} <= engine.eos_token_ids and 0 in engine.eos_token_ids  # config.json's EOS stays
     assert engine.default_sampling_params == SamplingParams(temperature=0.3, top_p=0.5, top_k=20, max_tokens=11)
     rid = engine.add_request([1, 2, 3])
-    assert engine._requests[rid].params == engine.default_sampling_params
+    assert engine._requests[rid][0].params == engine.default_sampling_params
 
 
 @pytest.mark.parametrize("content, message", [("{not json", "not valid JSON"),

@@ -1,0 +1,242 @@
+"""Chat templates: a checkpoint's Jinja template, rendered in a sandbox as HF transformers renders it.
+
+Where a checkpoint keeps its template (transformers' rules, ``PreTrainedTokenizerBase``):
+``chat_template.jinja`` (the default template) and ``additional_chat_templates/<name>.jinja``
+(named ones); else ``tokenizer_config.json``'s ``chat_template``, a string or a list of
+``{"name", "template"}``. With several templates, ``"default"`` is used unless a name is given
+(``"tool_use"`` when tools are passed and there is one).
+
+Rendering is transformers' ``render_jinja_template``: jinja2's ``ImmutableSandboxedEnvironment``
+(a template is untrusted code from the Hub: no attribute starting with ``_``, no mutation of the
+inputs) with ``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols`` extension and a
+``{% generation %}`` tag that renders its body; ``raise_exception(msg)``, ``strftime_now(fmt)``,
+a ``tojson`` filter that does not escape HTML, and ``dict`` / ``namespace`` that refuse dunder
+names. The template sees ``messages`` (message dicts, keys with a None value dropped, every value
+rebuilt from plain JSON types), ``tools``, ``documents``, ``add_generation_prompt``, the
+tokenizer's named special tokens (``bos_token``, ``eos_token``, ...) and any extra keyword. The
+rendered text is tokenized without adding special tokens (the template writes them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from collections.abc import Mapping
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.utils
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+CHAT_TEMPLATE_DIR = "additional_chat_templates"
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # transformers' aliases for a message's reasoning
+
+
+class ChatTemplateError(ValueError):
+    """A chat template could not be found, compiled or rendered (the template's own
+    ``raise_exception`` and sandbox refusals included)."""
+
+
+def read_chat_templates(folder: str | Path, tokenizer_config: dict) -> dict[str, str]:
+    """name -> template source of a checkpoint folder ({} without one); see the module docstring."""
+    folder = Path(folder)
+    templates: dict[str, str] = {}
+    configured = tokenizer_config.get("chat_template")
+    if isinstance(configured, str):
+        templates["default"] = configured
+    elif isinstance(configured, list):
+        for entry in configured:
+            if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) \
+                    or not isinstance(entry.get("template"), str):
+                raise ChatTemplateError(f"{folder / 'tokenizer_config.json'}: chat_template entries must be "
+                                        f"{{'name': str, 'template': str}}, got {entry!r}")
+            templates[entry["name"]] = entry["template"]
+    elif configured is not None:
+        raise ChatTemplateError(f"{folder / 'tokenizer_config.json'}: chat_template must be a string or a list of "
+                                f"named templates, got {type(configured).__name__}")
+    files = {}
+    if (folder / CHAT_TEMPLATE_FILE).is_file():
+        files["default"] = folder / CHAT_TEMPLATE_FILE
+    if (folder / CHAT_TEMPLATE_DIR).is_dir():
+        files.update({file.stem: file for file in sorted((folder / CHAT_TEMPLATE_DIR).glob("*.jinja"))})
+    if files:  # the template files replace what tokenizer_config.json says (as in transformers)
+        templates = {name: file.read_text(encoding="utf-8") for name, file in files.items()}
+    return templates
+
+
+def special_tokens_of(tokenizer_config: dict) -> dict[str, str]:
+    """The named special tokens a template sees (``bos_token``: "<s>", ...), from tokenizer_config.json."""
+    tokens = {}
+    for name in SPECIAL_TOKEN_NAMES:
+        value = tokenizer_config.get(name)
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str):
+            tokens[name] = value
+    return tokens
+
+
+def choose_template(templates: dict[str, str], chat_template: str | None, tools) -> str:
+    """The template source to render: ``chat_template`` (a name among ``templates`` or a template
+    itself), else the default (``tool_use`` with tools where there is one)."""
+    if chat_template is not None:
+        return templates.get(chat_template, chat_template)
+    if not templates:
+        raise ChatTemplateError("this tokenizer has no chat template (no chat_template in tokenizer_config.json and "
+                                "no chat_template.jinja): pass chat_template=")
+    if len(templates) == 1:
+        return next(iter(templates.values()))
+    if tools is not None and "tool_use" in templates:
+        return templates["tool_use"]
+    if "default" in templates:
+        return templates["default"]
+    raise ChatTemplateError(f"this tokenizer has several chat templates and no default: pass chat_template= one "
+                            f"of {sorted(templates)}")
+
+
+def render(template: str, conversation: list, *, add_generation_prompt: bool, tools=None, documents=None,
+           special_tokens: dict[str, str] | None = None, **kwargs) -> str:
+    """One conversation (a list of message dicts) rendered by ``template``; keyword arguments
+    are passed to the template (they override the special tokens of the same name)."""
+    if not isinstance(conversation, (list, tuple)) or not conversation:
+        raise ChatTemplateError("a conversation is a non-empty list of messages")
+    messages = []
+    for message in conversation:
+        if not isinstance(message, Mapping):
+            raise ChatTemplateError(f"chat messages are dicts, got {type(message).__name__}: {message!r}")
+        messages.append({key: value for key, value in message.items() if value is not None})
+    messages = _alias_reasoning(_plain(messages))
+    variables = _plain({**(special_tokens or {}), **kwargs})
+    try:
+        return compile_template(template).render(messages=messages, tools=_plain(tools), documents=_plain(documents),
+                                                 add_generation_prompt=add_generation_prompt, **variables)
+    except jinja2.TemplateError as e:  # SecurityError and raise_exception's TemplateError included
+        raise ChatTemplateError(f"chat template: {type(e).__name__}: {e}") from e
+
+
+@functools.lru_cache(maxsize=32)
+def compile_template(source: str) -> jinja2.Template:
+    """The template compiled in transformers' sandboxed environment (cached per source)."""
+    try:
+        return _environment().from_string(source)
+    except jinja2.TemplateError as e:
+        raise ChatTemplateError(f"chat template does not compile: {type(e).__name__}: {e}") from e
+
+
+# ---------------------------------------------------------------------- the environment (transformers')
+
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` renders its body (transformers tracks the assistant's
+    spans with it; here only the text matters)."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render_body"), [], [], body).set_lineno(lineno)
+
+    def _render_body(self, caller):
+        return caller()
+
+
+def _raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # jinja2's own tojson escapes HTML characters; templates expect plain JSON.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format):
+    return datetime.now().strftime(format)
+
+
+class _TemplateDict:
+    """``dict(...)`` without the dict type itself (no attribute access to its internals)."""
+
+    def __call__(self, *args, **kwargs):
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args, **kwargs):
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """jinja2's ``namespace`` refusing names that start with an underscore."""
+
+    def __init__(*args, **kwargs):  # jinja2's signature trick: `namespace(self=...)` still works
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+        _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check_name(name):
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"chat templates cannot set underscore-prefixed attributes on a "
+                                                  f"namespace, got {name!r}")
+
+
+@functools.lru_cache(maxsize=1)
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _TemplateNamespace
+    return env
+
+
+def _plain(value: Any) -> Any:
+    """``value`` rebuilt from plain JSON types (what a sandboxed template may see); anything else
+    becomes a placeholder naming its type (transformers' ``_plain_template_data``)."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, Mapping):
+        return {_plain(key): _plain(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_plain(item) for item in value]
+    if isinstance(value, tuple):
+        return tuple(_plain(item) for item in value)
+    if hasattr(value, "item") and callable(value.item) and getattr(value, "shape", None) == ():  # numpy scalars
+        return _plain(value.item())
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if callable(getattr(value, "model_dump", None)):  # pydantic models (the OpenAI client's messages)
+        return _plain(value.model_dump())
+    return f"<{type(value).__name__}>"
+
+
+def _alias_reasoning(messages: list[dict]) -> list[dict]:
+    """A message's reasoning under every name templates read (transformers' ``_alias_reasoning_fields``)."""
+    aliased = []
+    for message in messages:
+        reasoning = next((message[key] for key in REASONING_FIELDS if message.get(key) is not None), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        aliased.append(message)
+    return aliased
