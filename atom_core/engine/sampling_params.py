@@ -110,8 +110,8 @@ class SamplingParams:
         if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k not in (-1, 0)):
             bad("top_k", "must be -1 (off) or an int >= 1")
         as_type("top_k", int(self.top_k))
-        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            bad("top_p", "must be a number in (0, 1]")
+        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0 or np.float32(self.top_p) == 0:
+            bad("top_p", "must be a number in (0, 1], at least float32's smallest (1.4e-45)")
         as_type("top_p", float(self.top_p))
         if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             bad("min_p", "must be a number in [0, 1]")

@@ -447,9 +447,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ leaving the batch
 
-    def _stop_running(self, request: Request) -> None:
+    def _stop_running(self, request: Request, publish: bool = True) -> None:
         bm, batch, row = self.block_manager, self.batch, request.row
-        if bm.enable_prefix_caching:  # its computed blocks stay reusable after they are freed
+        if publish and bm.enable_prefix_caching:  # its computed blocks stay reusable after they are freed
             num_computed = int(batch.num_computed_tokens[row])
             bm.publish(request.request_id, request.token_ids[:num_computed], num_computed)
         self.running.remove(request)
@@ -463,9 +463,11 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def finish(self, request: Request, reason: str) -> None:
-        """Take a request out (finished or aborted) and free its blocks."""
+        """Take a request out (finished or aborted) and free its blocks. After an "error" its blocks
+        are not published to the prefix cache: the failed step may not have written them (and its
+        tokens were never read)."""
         if request.status is Status.RUNNING:
-            self._stop_running(request)
+            self._stop_running(request, publish=reason != "error")
         elif request.status is Status.WAITING:
             held = [pair for pair in self.held if pair[1] is request]
             if held:

@@ -119,7 +119,7 @@ class RaisesOnCall:
         self.calls += 1
         if self.calls == self.fail_at:
             raise RuntimeError("injected failure")
-        return self.model.forward(*args, **kwargs)
+        return type(self.model).forward(self.model, *args, **kwargs)  # (self.model.forward is this wrapper)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -189,3 +189,19 @@ def test_an_explicit_pool_larger_than_the_memory_available_is_refused_before_all
     monkeypatch.setattr(engine_module, "host_memory_available_bytes", lambda: 1 << 30)
     with pytest.raises(InsufficientMemoryError, match="a KV pool of num_kv_blocks=100000 needs an estimated"):
         Engine(model, device="cpu", max_model_len=256, num_kv_blocks=100_000, warmup=False)
+
+
+def test_a_launch_that_raises_while_a_step_is_in_flight_publishes_nothing_it_did_not_read(tiny_qwen3):
+    """Found by test_hostile_inputs: with a 1-token prompt, the third launch raising (the second still
+    in flight, its token unread) made the error path publish more tokens than the request held."""
+    folder, _ = tiny_qwen3
+    with ops.use_backend("torch"):
+        engine = Engine.from_pretrained(folder, device="cpu", dtype=torch.float32, block_size=2)
+        engine.add_request([1], SamplingParams(max_tokens=20, ignore_eos=True))
+        engine.model.forward = RaisesOnCall(engine.model, 3)
+        with pytest.raises(RuntimeError, match="injected failure"):
+            while engine.has_unfinished_requests():
+                engine.step()
+        del engine.model.forward
+    assert_idle_and_clean(engine)
+    assert engine.block_manager.num_cached_blocks == 0  # nothing of the failed request was published

@@ -67,3 +67,9 @@ def test_vllm_fields_defaults_and_normalised_values():
 def test_invalid_vllm_fields_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field}="):
         SamplingParams(**kwargs)
+
+
+def test_a_top_p_that_float32_rounds_to_zero_is_refused():
+    with pytest.raises(ValueError, match=r"SamplingParams\.top_p=.*float32's smallest"):
+        SamplingParams(top_p=6e-144)  # the sampling op takes float32: it would be 0 there
+    assert SamplingParams(top_p=1e-40).top_p == 1e-40  # a float32 subnormal: still > 0
