@@ -1,0 +1,232 @@
+"""Chat templates: rendered and tokenized exactly as transformers' ``apply_chat_template`` does (a
+Qwen-style template in tokenizer_config.json, a Llama-3-style one in chat_template.jinja, named
+templates), ``Engine.chat``, and a sandbox that refuses templates reaching for Python internals."""
+
+import json
+import shutil
+
+import jinja2
+import pytest
+import torch
+
+from atom_core import ops
+from atom_core.engine import Engine, SamplingParams
+from atom_core.engine.chat_template import ChatTemplateError, render
+from atom_core.engine.engine import DEMO_MODEL
+from atom_core.engine.tokenizer import Tokenizer
+
+QWEN_TEMPLATE = """{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}{%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}
+    {{- "\\n\\n# Tools\\n\\n<tools>" }}
+    {%- for tool in tools %}{{- "\\n" }}{{- tool | tojson }}{%- endfor %}
+    {{- "\\n</tools><|im_end|>\\n" }}
+{%- else %}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
+    {%- else %}
+        {{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}{{- '\\n' + message.content }}{%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}
+            {{- '\\n<tool_call>\\n{"name": "' }}{{- tool_call.name }}{{- '", "arguments": ' }}{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}{{- '<|im_start|>user' }}{%- endif %}
+        {{- '\\n<tool_response>\\n' }}{{- message.content }}{{- '\\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}{{- '<|im_end|>\\n' }}{%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
+
+LLAMA3_TEMPLATE = """{{- bos_token }}
+{%- set year = strftime_now("%Y") %}
+{%- if messages[0]['role'] == 'system' %}
+    {%- set system_message = messages[0]['content']|trim %}
+    {%- set messages = messages[1:] %}
+{%- else %}
+    {%- set system_message = "" %}
+{%- endif %}
+{%- set ns = namespace(turns=0) %}
+{{- "<|start_header_id|>system<|end_header_id|>\\n\\n" }}
+{{- "Cutting Knowledge Date: December 2023\\nToday: " + (date_string if date_string is defined else year) + "\\n\\n" }}
+{{- system_message }}
+{{- "<|eot_id|>" }}
+{%- for message in messages %}
+    {%- if message['role'] == 'ipython' %}{%- continue %}{%- endif %}
+    {%- if (message['role'] == 'user') != (ns.turns % 2 == 0) %}
+        {{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}
+    {%- endif %}
+    {%- set ns.turns = ns.turns + 1 %}
+    {%- if message['role'] == 'assistant' %}
+        {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% generation %}{{- message['content'] | trim + '<|eot_id|>' }}{% endgeneration %}
+    {%- else %}
+        {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + '<|eot_id|>' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
+{%- endif %}
+"""
+
+# Zephyr's: no whitespace control of its own, it relies on the environment's trim_blocks / lstrip_blocks.
+ZEPHYR_TEMPLATE = """{% for message in messages %}
+{% if message['role'] == 'user' %}
+{{ '<|user|>\n' + message['content'] + eos_token }}
+{% elif message['role'] == 'system' %}
+{{ '<|system|>\n' + message['content'] + eos_token }}
+{% elif message['role'] == 'assistant' %}
+{{ '<|assistant|>\n'  + message['content'] + eos_token }}
+{% endif %}
+{% if loop.last and add_generation_prompt %}
+{{ '<|assistant|>' }}
+{% endif %}
+{% endfor %}"""
+
+SPECIAL = ["<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hello!"}],
+    [{"role": "system", "content": "  You answer in French.  "}, {"role": "user", "content": "Où est la gare ? ☕"},
+     {"role": "assistant", "content": "Tout droit."}, {"role": "user", "content": "Merci — et après?"}],
+    [{"role": "user", "content": "What's 2+2?", "name": None}, {"role": "assistant", "content": " 4 \n"},
+     {"role": "ipython", "content": "ignored by llama"}, {"role": "user", "content": "<b>and 3+3</b>"}],
+    [{"role": "user", "content": "Weather in Paris?"},
+     {"role": "assistant", "content": "", "tool_calls": [
+         {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "°C"}}}]},
+     {"role": "tool", "content": '{"temp": 21}'}, {"role": "user", "content": "And tomorrow?"}],
+]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather <now> & later",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+def _tokenizer_folder(folder, config, template_file=None):
+    from tokenizers import Tokenizer as HFTokenizer
+
+    tok = HFTokenizer.from_file(str(DEMO_MODEL / "tokenizer.json"))
+    tok.add_special_tokens(SPECIAL)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", **config}))
+    if template_file is not None:
+        (folder / "chat_template.jinja").write_text(template_file)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("chat")
+    qwen = _tokenizer_folder(root / "qwen", {"chat_template": QWEN_TEMPLATE, "eos_token": "<|im_end|>",
+                                             "pad_token": "<|endoftext|>", "bos_token": None})
+    llama = _tokenizer_folder(root / "llama", {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>",
+                                               "add_bos_token": True,
+                                               "chat_template": "{{ 'the .jinja file replaces me' }}"},
+                              template_file=LLAMA3_TEMPLATE)
+    return {"qwen": qwen, "llama": llama}
+
+
+@pytest.mark.parametrize("style", ["qwen", "llama", "zephyr"])
+@pytest.mark.parametrize("generation_prompt", [True, False])
+def test_rendering_and_tokens_equal_transformers_apply_chat_template(folders, style, generation_prompt):
+    from transformers import AutoTokenizer
+
+    folder = folders["qwen" if style == "zephyr" else style]
+    ours, theirs = Tokenizer(folder), AutoTokenizer.from_pretrained(folder)
+    for i, conversation in enumerate(CONVERSATIONS):
+        kwargs = {"tools": TOOLS} if style == "qwen" and i == 3 else {}
+        if style == "zephyr":  # a template passed in, not the checkpoint's
+            kwargs = {"chat_template": ZEPHYR_TEMPLATE}
+        if style == "llama" and i == 3:  # a tool message: this template refuses it, with transformers too
+            with pytest.raises(jinja2.TemplateError, match="roles must alternate"):
+                theirs.apply_chat_template(conversation, tokenize=False)
+            with pytest.raises(ChatTemplateError, match="roles must alternate"):
+                ours.apply_chat_template(conversation)
+            continue
+        text = ours.apply_chat_template(conversation, add_generation_prompt=generation_prompt, tokenize=False, **kwargs)
+        assert text == theirs.apply_chat_template(conversation, add_generation_prompt=generation_prompt,
+                                                  tokenize=False, **kwargs)
+        token_ids = ours.apply_chat_template(conversation, add_generation_prompt=generation_prompt, **kwargs)
+        assert token_ids == theirs.apply_chat_template(conversation, add_generation_prompt=generation_prompt,
+                                                       tokenize=True, return_dict=False, **kwargs)
+        marker = {"qwen": SPECIAL[0], "llama": SPECIAL[3], "zephyr": "<|im_end|>"}[style]  # a special token in it
+        assert text.count(marker) == token_ids.count(ours._tok.token_to_id(marker)) > 0
+    if style == "llama":  # template variables: date_string given, and the BOS written once (by the template)
+        text = ours.apply_chat_template(CONVERSATIONS[0], tokenize=False, date_string="26 Jul 2024")
+        assert "Today: 26 Jul 2024" in text and text.count("<|begin_of_text|>") == 1
+
+
+def test_named_templates_and_the_template_argument(tmp_path):
+    folder = _tokenizer_folder(tmp_path / "named", {"chat_template": [
+        {"name": "default", "template": "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"},
+        {"name": "tool_use", "template": "{{ tools | length }} tools: {{ messages[-1].content }}"}]})
+    tok = Tokenizer(folder)
+    conversation = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(conversation, tokenize=False) == "[user]hi"
+    assert tok.apply_chat_template(conversation, tools=TOOLS, tokenize=False) == "1 tools: hi"
+    assert tok.apply_chat_template(conversation, chat_template="tool_use", tools=[], tokenize=False) == "0 tools: hi"
+    assert tok.apply_chat_template(conversation, chat_template="<{{ messages[0].role }}>", tokenize=False) == "<user>"
+
+
+@pytest.mark.parametrize("template, message", [
+    ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "SecurityError: access to attribute '__class__'"),
+    ("{{ cycler.__init__.__globals__ }}", "SecurityError"),
+    ("{% set x = messages.append({'role': 'x'}) %}", "SecurityError: access to attribute 'append'"),
+    ("{{ messages[0].content.__len__() }}", "SecurityError"),
+    ("{% set ns = namespace(_private=1) %}", "underscore-prefixed"),
+    ("{{ raise_exception('Conversation roles must alternate') }}", "Conversation roles must alternate"),
+    ("{% if %}", "does not compile"),
+])
+def test_templates_are_sandboxed_and_their_errors_are_chat_template_errors(template, message):
+    with pytest.raises(ChatTemplateError, match=message):
+        render(template, [{"role": "user", "content": "hi"}], add_generation_prompt=True)
+
+
+def test_a_tokenizer_without_a_template_refuses_by_name():
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        Tokenizer(DEMO_MODEL).apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+@pytest.fixture(scope="module")
+def chat_engine(tmp_path_factory):
+    """The demo model with a plain-text template (its own tokens only: the model has 2048)."""
+    folder = tmp_path_factory.mktemp("demo_chat") / "model"
+    shutil.copytree(DEMO_MODEL, folder)
+    (folder / "chat_template.jinja").write_text(
+        "{{ bos_token }}{% for m in messages %}{{ m.role | capitalize }}: {{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}Assistant:{% endif %}")
+    with ops.use_backend("torch"):
+        yield folder, Engine.from_pretrained(folder, device="cpu", dtype=torch.float32)
+
+
+def test_engine_chat_generates_from_the_rendered_prompt(chat_engine):
+    from transformers import AutoTokenizer
+
+    folder, engine = chat_engine
+    greedy = SamplingParams(temperature=0, max_tokens=5)
+    hf = AutoTokenizer.from_pretrained(folder)
+    with ops.use_backend("torch"):
+        one = engine.chat(CONVERSATIONS[1], greedy, use_tqdm=False)
+        many = engine.chat(CONVERSATIONS[:3], [greedy, SamplingParams(temperature=0, max_tokens=3), greedy],
+                           use_tqdm=False)
+        plain = engine.generate([hf.apply_chat_template(CONVERSATIONS[1], add_generation_prompt=True, tokenize=True,
+                                                        return_dict=False)], greedy, use_tqdm=False)
+    assert len(one) == 1 and len(many) == 3 and [len(o.token_ids) for o in many] == [5, 3, 5]
+    for conversation, out in zip(CONVERSATIONS[:3], many):
+        assert out.prompt_token_ids == hf.apply_chat_template(conversation, add_generation_prompt=True,
+                                                              tokenize=True, return_dict=False)
+    assert one[0].prompt_token_ids[0] == 0 and one[0].prompt_token_ids.count(0) == 1  # the template's BOS only
+    assert one[0].token_ids == plain[0].token_ids and many[1].token_ids == one[0].token_ids[:3]
+    with pytest.raises(ChatTemplateError, match="chat template: TemplateError: stop"):
+        engine.chat(CONVERSATIONS[0], greedy, chat_template="{{ raise_exception('stop') }}", use_tqdm=False)
+    assert not engine.has_unfinished_requests()
