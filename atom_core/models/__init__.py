@@ -5,6 +5,11 @@ folder's ``*.safetensors``; ``build_model(config)`` builds one with dummy or zer
 as the config's ``quantization_config`` or ``quantization=`` says: random weights in the stored format).
 Both return the model in eval mode. Architecture files are imported only when a model of
 that architecture is built.
+
+A model split over several processes takes ``parallel=`` (a ``ParallelContext``: this process's shard and
+the process groups its layers reduce and gather over, ``models.parallel``); without it, one process and no
+``torch.distributed`` at all. ``tp_rank`` / ``tp_size`` / ``expert_parallel`` remain as a convenience that
+builds a context over the default world group (the only place a model reads the default group).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from atom_core.models.quantization import (
 from atom_core.models.config import ModelConfig, available_memory_bytes, memory_name, parse_dtype
 from atom_core.models.dummy_weights import initialize_dummy_weights, initialize_zero_weights
 from atom_core.models.loader import LoadReport, load_weights, process_weights_after_loading
+from atom_core.models.parallel import MissingProcessGroupError, ParallelContext, resolve_parallel
 from atom_core.models.registry import (
     get_model_class,
     register_model,
@@ -38,7 +44,9 @@ from atom_core.models.registry import (
 __all__ = [
     "InsufficientMemoryError",
     "LoadReport",
+    "MissingProcessGroupError",
     "ModelConfig",
+    "ParallelContext",
     "build_model",
     "estimate_model_bytes",
     "get_model_class",
@@ -165,18 +173,16 @@ def _check_fits(config: ModelConfig, dtype: torch.dtype, device: torch.device, t
              "or use a smaller dtype, more tensor-parallel ranks or a device with more memory")
 
 
-def _instantiate(config: ModelConfig, dtype: torch.dtype, device: torch.device, tp_rank: int = 0,
-                 tp_size: int = 1, expert_parallel: bool = False, quant_config: QuantConfig | None = None) -> nn.Module:
+def _instantiate(config: ModelConfig, dtype: torch.dtype, device: torch.device, parallel: ParallelContext,
+                 quant_config: QuantConfig | None = None) -> nn.Module:
     _, cls = resolve_architecture(config.architectures)
-    # (a single-rank build passes no parallel arguments: a registered model need not take them)
-    tp = {} if (tp_rank, tp_size) == (0, 1) else {"tp_rank": tp_rank, "tp_size": tp_size}
-    if expert_parallel:
-        tp["expert_parallel"] = True
+    # (a single-rank build passes no context: a registered model need not take one)
+    extra = {} if parallel == ParallelContext.single() else {"parallel": parallel}
     if quant_config is not None:  # (likewise: only quantized builds pass it)
-        tp["quant_config"] = quant_config
+        extra["quant_config"] = quant_config
     # Parameters created without an explicit device land on `device` (no CPU detour).
     with torch.device(device):
-        return cls(config, dtype=dtype, device=device, **tp)
+        return cls(config, dtype=dtype, device=device, **extra)
 
 
 def _initialize(model: nn.Module, load_format: str, seed: int, quantized: bool = False) -> None:
@@ -191,16 +197,20 @@ def _initialize(model: nn.Module, load_format: str, seed: int, quantized: bool =
 
 def build_model(config: ModelConfig | dict[str, Any], *, dtype: torch.dtype | str | None = None,
                 device: str | torch.device | None = None, load_format: str = "dummy",
-                seed: int = 0, tp_rank: int = 0, tp_size: int = 1, expert_parallel: bool = False,
-                quantization: str | None = None) -> nn.Module:
+                seed: int = 0, parallel: ParallelContext | None = None, tp_rank: int = 0, tp_size: int = 1,
+                expert_parallel: bool = False, quantization: str | None = None) -> nn.Module:
     """A model of ``config``'s architecture with ``"dummy"`` (seeded normal(0, 0.02)) or ``"zeros"`` weights.
 
     ``config``: a ``ModelConfig`` or a config.json-style dict. ``device`` defaults to CUDA when
     available, else CPU; ``dtype`` to the config's ``torch_dtype`` on a GPU and float32 on CPU.
-    ``tp_rank``/``tp_size``: this process's tensor-parallel shard (the default process group
-    reduces across the ranks); ``expert_parallel``: a MoE model's experts are split across those
-    ranks instead of each expert's intermediate dim. Raises ``InsufficientMemoryError`` before any
-    module is built when ``estimate_model_bytes`` exceeds the memory free on ``device``.
+    ``parallel``: this process's shard and the process groups its layers communicate over
+    (``ParallelContext``; None: one rank, no ``torch.distributed``). Convenience instead of it:
+    ``tp_rank``/``tp_size`` (this process's tensor-parallel shard, reducing over the default world
+    group, which must hold exactly ``tp_size`` ranks; without an initialized group, a shard that cannot
+    communicate, to inspect) and ``expert_parallel`` (a MoE model's experts are split across those
+    ranks instead of each expert's intermediate dim); see ``models.parallel.resolve_parallel``.
+    Raises ``InsufficientMemoryError`` before any module is built when ``estimate_model_bytes`` exceeds
+    the memory free on ``device``.
 
     Quantized builds (benchmarks of the real storage formats): the config's ``quantization_config``
     is honoured as a checkpoint's would be (gpt-oss's ``mxfp4``: packed random MXFP4 experts), or
@@ -216,32 +226,31 @@ def build_model(config: ModelConfig | dict[str, Any], *, dtype: torch.dtype | st
     if not isinstance(config, ModelConfig):
         raise TypeError(f"config must be a ModelConfig or a dict, got {type(config).__name__}")
     _, cls = resolve_architecture(config.architectures)
+    parallel = resolve_parallel(parallel, tp_rank, tp_size, expert_parallel)
     device = _default_device(device)
     dtype = _default_dtype(config, dtype, device)
-    model, quantized = _build_random(config, cls, quantization, None, "this config", dtype, device, tp_rank, tp_size,
-                                     expert_parallel)
+    model, quantized = _build_random(config, cls, quantization, None, "this config", dtype, device, parallel)
     _initialize(model, load_format, seed, quantized=quantized)
     return model.eval()
 
 
 def _build_random(config: ModelConfig, cls: type, quantization: str | None, config_file: Path | None,
-                  where: str | Path, dtype: torch.dtype, device: torch.device, tp_rank: int, tp_size: int,
-                  expert_parallel: bool) -> tuple[nn.Module, bool]:
+                  where: str | Path, dtype: torch.dtype, device: torch.device,
+                  parallel: ParallelContext) -> tuple[nn.Module, bool]:
     """The model of a random-weight build (not yet filled) and whether it is quantized. The config's own
     ``quantization_config`` is honoured where atom_core serves it; where it does not (a format, or a layer
     of it, refused by name) the model is built unquantized, with a warning: random weights of the shapes
     are still what a benchmark wants. An explicit ``quantization`` is never dropped."""
     try:
         quant_config = _quant_config_of(config, cls, quantization, config_file, where)
-        _check_fits(config, dtype, device, tp_size, str(where), quant_config)
-        return _instantiate(config, dtype, device, tp_rank, tp_size, expert_parallel, quant_config), \
-            quant_config is not None
+        _check_fits(config, dtype, device, parallel.tp_size, str(where), quant_config)
+        return _instantiate(config, dtype, device, parallel, quant_config), quant_config is not None
     except UnsupportedQuantizationError as e:
         if quantization is not None or config.get("quantization_config") is None:
             raise
         logger.warning("%s: random weights built unquantized: %s", where, e)
-    _check_fits(config, dtype, device, tp_size, str(where))
-    return _instantiate(config, dtype, device, tp_rank, tp_size, expert_parallel), False
+    _check_fits(config, dtype, device, parallel.tp_size, str(where))
+    return _instantiate(config, dtype, device, parallel), False
 
 
 def _quant_config_of(config: ModelConfig, cls: type, quantization: str | None, config_file: Path | None,
@@ -263,15 +272,15 @@ def _quant_config_of(config: ModelConfig, cls: type, quantization: str | None, c
 
 
 def load_model(path: str | Path, *, dtype: torch.dtype | str | None = None,
-               device: str | torch.device | None = None, load_format: str = "auto", tp_rank: int = 0,
-               tp_size: int = 1, expert_parallel: bool = False, check_finite: bool = True,
-               quantization: str | None = None) -> nn.Module:
+               device: str | torch.device | None = None, load_format: str = "auto",
+               parallel: ParallelContext | None = None, tp_rank: int = 0, tp_size: int = 1,
+               expert_parallel: bool = False, check_finite: bool = True, quantization: str | None = None) -> nn.Module:
     """Build the model described by ``path/config.json`` and load its weights.
 
     ``load_format``: ``"auto"``/``"safetensors"`` read ``path/*.safetensors`` (see
-    ``loader.load_weights``); ``"dummy"``/``"zeros"`` skip the shards. Defaults and
-    ``tp_rank``/``tp_size``/``expert_parallel`` as in ``build_model`` (each rank keeps its shard of
-    every tensor). ``check_finite``: refuse a checkpoint tensor holding NaN or Inf, naming it and its
+    ``loader.load_weights``); ``"dummy"``/``"zeros"`` skip the shards. Defaults, ``parallel`` and the
+    ``tp_rank``/``tp_size``/``expert_parallel`` convenience as in ``build_model`` (each rank reads the
+    full tensors and keeps its shard of each). ``check_finite``: refuse a checkpoint tensor holding NaN or Inf, naming it and its
     file (one extra read of each tensor; ``check_finite=False`` skips it for a trusted checkpoint).
 
     A quantized checkpoint (``quantization_config`` in config.json: HF ``fp8``, ``compressed-tensors``,
@@ -296,11 +305,12 @@ def load_model(path: str | Path, *, dtype: torch.dtype | str | None = None,
         raise FileNotFoundError(f"no config.json in model folder {folder}")
     config = ModelConfig.from_file(folder / "config.json")
     _, cls = resolve_architecture(config.architectures)  # unsupported architecture: fail before anything is built
+    parallel = resolve_parallel(parallel, tp_rank, tp_size, expert_parallel)
     device = _default_device(device)
     dtype = _default_dtype(config, dtype, device)
     if load_format in ("dummy", "zeros"):
         model, quantized = _build_random(config, cls, quantization, folder / "config.json", folder, dtype, device,
-                                         tp_rank, tp_size, expert_parallel)
+                                         parallel)
         _initialize(model, load_format, seed=0, quantized=quantized)
         return model.eval()
     quant_config = _quant_config_of(config, cls, quantization, folder / "config.json", folder)
@@ -309,7 +319,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype | str | None = None,
             f"no *.safetensors files in {folder} (pass load_format='dummy' to build it with random weights)"
         )
     # A quantized model's weights take one byte per element (MXFP4 experts half): lower bounds.
-    _check_fits(config, dtype, device, tp_size, str(folder / "config.json"), quant_config)
-    model = _instantiate(config, dtype, device, tp_rank, tp_size, expert_parallel, quant_config)
+    _check_fits(config, dtype, device, parallel.tp_size, str(folder / "config.json"), quant_config)
+    model = _instantiate(config, dtype, device, parallel, quant_config)
     load_weights(model, folder, check_finite=check_finite)
     return model.eval()

@@ -6,7 +6,8 @@ wanted, L = layers.
 An architecture file supplies only its decoder layer (``CausalLM.make_layer``); this module
 provides the rest of the contract every model follows:
 
-- ``Cls(config, *, dtype, device)`` (and ``quant_config=`` for a quantized checkpoint, see ``CausalLM``);
+- ``Cls(config, *, dtype, device)`` (and ``quant_config=`` for a quantized checkpoint, ``parallel=`` for a
+  shard of a model split over several ranks, see ``CausalLM``);
 - ``forward(input_ids [T] int64, positions [T] int64, batch: StepLayout) -> hidden [T, D]``
   (final norm applied);
 - ``compute_logits(hidden [N, D]) -> logits [N, V]`` float32;
@@ -32,6 +33,7 @@ from atom_core.models.layers.embedding import ParallelLMHead, VocabParallelEmbed
 from atom_core.models.layers.moe import FusedMoE
 from atom_core.models.layers.norm import RMSNorm
 from atom_core.models.layers.rotary import RotaryEmbedding
+from atom_core.models.parallel import ParallelContext
 from atom_core.models.quantization import (
     QuantConfig,
     UnsupportedQuantizationError,
@@ -86,10 +88,10 @@ class DecoderModel(nn.Module):
     """HF's ``model.*``: ``embed_tokens``, ``layers``, ``norm``. Layers are built by the caller."""
 
     def __init__(self, config: ModelConfig, layers: list[nn.Module], *, dtype: torch.dtype,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
+                 tp_rank: int = 0, tp_size: int = 1, tp_group=None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
-                                                   tp_rank=tp_rank, tp_size=tp_size, dtype=dtype)
+                                                   tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, dtype=dtype)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
 
@@ -114,9 +116,12 @@ class CausalLM(nn.Module):
     per distinct (head_dim, layer type), shared by the layers that use it.
 
     ``dtype`` is the parameters' dtype (default: torch's default dtype); ``device`` where they
-    are created. ``tp_rank``/``tp_size`` split heads, MLP and vocabulary across ranks;
-    ``expert_parallel`` splits a MoE model's experts across the same ranks instead of each
-    expert's intermediate dim (``layers.moe.moe_ranks``).
+    are created. ``parallel`` (a ``models.parallel.ParallelContext``; None: one rank) says which shard
+    this process holds: ``tp_rank`` of ``tp_size`` splits heads, MLP and vocabulary, and
+    ``expert_parallel`` a MoE model's experts across the same ranks instead of each expert's
+    intermediate dim (``layers.moe.moe_ranks``); every layer that reduces or gathers gets its
+    ``tp_group`` (``self.tp_args()`` in ``make_layer``). The model keeps it as ``self.parallel``,
+    with ``tp_rank``, ``tp_size``, ``tp_group`` and ``expert_parallel`` read from it.
 
     ``quant_config`` (a checkpoint's ``QuantConfig``, or ``online_quant_config(...)``; None: every
     layer unquantized) is bound to the model's ``packed_modules_mapping`` / ``expert_params_mapping``
@@ -135,28 +140,32 @@ class CausalLM(nn.Module):
     supported_expert_formats: tuple[str, ...] = ("fp8_block", "fp8_channel")
 
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None, tp_rank: int = 0, tp_size: int = 1,
-                 expert_parallel: bool = False, quant_config: QuantConfig | None = None) -> None:
+                 device: torch.device | str | None = None, parallel: ParallelContext | None = None,
+                 quant_config: QuantConfig | None = None) -> None:
         super().__init__()
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
         if config.intermediate_size is None:
             raise ValueError(f"{type(self).__name__} needs intermediate_size in the config")
+        if parallel is not None and not isinstance(parallel, ParallelContext):
+            raise TypeError(f"parallel must be a ParallelContext, got {type(parallel).__name__}")
         self.config = config
         self.dtype = dtype or torch.get_default_dtype()
         self._build_device = None if device is None else torch.device(device)
-        self.tp_rank = tp_rank
-        self.tp_size = tp_size
-        self.expert_parallel = bool(expert_parallel)
+        self.parallel = parallel if parallel is not None else ParallelContext.single()
+        self.tp_rank = self.parallel.tp_rank
+        self.tp_size = self.parallel.tp_size
+        self.tp_group = self.parallel.tp_group
+        self.expert_parallel = self.parallel.expert_parallel
         self.quant_config = None if quant_config is None else quant_config.bind(
             self.packed_modules_mapping, getattr(self, "expert_params_mapping", None))
         self._rotary: dict[tuple[int, str | None], RotaryEmbedding] = {}
         placement = torch.device(device) if device is not None else contextlib.nullcontext()
         with placement:
             layers = [self.make_layer(i) for i in range(config.num_hidden_layers)]
-            self.model = DecoderModel(config, layers, dtype=self.dtype, tp_rank=tp_rank, tp_size=tp_size)
-            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size,
-                                          tp_rank=tp_rank, tp_size=tp_size, dtype=self.dtype)
+            tp = {"tp_rank": self.tp_rank, "tp_size": self.tp_size, "tp_group": self.tp_group}
+            self.model = DecoderModel(config, layers, dtype=self.dtype, **tp)
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype=self.dtype, **tp)
         if config.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
         del self._rotary  # only needed while building
@@ -168,6 +177,11 @@ class CausalLM(nn.Module):
     def make_layer(self, layer_idx: int) -> nn.Module:
         """Layer ``layer_idx``: ``forward(positions, hidden, residual, batch) -> (hidden, residual)``."""
         raise NotImplementedError(f"{type(self).__name__} must implement make_layer")
+
+    def tp_args(self) -> dict:
+        """A tensor-parallel layer builder's keyword arguments: ``tp_rank``, ``tp_size``, ``tp_group`` (from
+        ``self.parallel``) and ``dtype``."""
+        return {"tp_rank": self.tp_rank, "tp_size": self.tp_size, "tp_group": self.tp_group, "dtype": self.dtype}
 
     def quant_args(self, prefix: str) -> dict:
         """Keyword arguments giving a layer builder this model's quantization and the layer's

@@ -109,7 +109,7 @@ class DeepseekMoE(nn.Module):
 
     def __init__(self, config: ModelConfig, *, topk_method: str, scoring: str, renormalize: bool,
                  dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1, expert_parallel: bool = False,
-                 quant_config=None, prefix: str = "", expert_quant: dict | None = None) -> None:
+                 quant_config=None, prefix: str = "", expert_quant: dict | None = None, tp_group=None) -> None:
         super().__init__()
         num_experts = config_int(config, "n_routed_experts")
         inter = config_int(config, "moe_intermediate_size")
@@ -127,10 +127,10 @@ class DeepseekMoE(nn.Module):
             if num_experts % self.num_expert_group or not 1 <= self.topk_group <= self.num_expert_group:
                 raise ValueError(f"n_group={self.num_expert_group} must divide n_routed_experts={num_experts} and "
                                  f"topk_group={self.topk_group} lie in [1, n_group]")
-        tp = {"tp_rank": tp_rank, "tp_size": tp_size, "dtype": dtype}
+        tp = {"tp_rank": tp_rank, "tp_size": tp_size, "tp_group": tp_group, "dtype": dtype}
         self.gate = DeepseekRouter(num_experts, config.hidden_size, correction_bias=topk_method == "noaux_tc")
         self.experts = FusedMoE(num_experts, config.hidden_size, inter, activation="silu", dtype=dtype,
-                                **moe_ranks(tp_rank, tp_size, expert_parallel), **(expert_quant or {}))
+                                **moe_ranks(tp_rank, tp_size, expert_parallel, tp_group), **(expert_quant or {}))
         num_shared = config_int(config, "n_shared_experts", default=0)
         quant = {} if quant_config is None else {"quant_config": quant_config, "prefix": f"{prefix}.shared_experts"}
         self.shared_experts = (GatedMLP(config.hidden_size, inter * num_shared, config.hidden_act, **quant, **tp)
@@ -240,12 +240,12 @@ class DeepseekV2ForCausalLM(MLACaches, CausalLM):
             kv_lora_rank=self.kv_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,
             qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim,
             rotary_emb=self.mla_rotary_embedding(), scale=self.softmax_scale, rms_norm_eps=config.rms_norm_eps,
-            bias=config.attention_bias, tp_rank=self.tp_rank, tp_size=self.tp_size, dtype=self.dtype, **dsa)
+            bias=config.attention_bias, **self.tp_args(), **dsa)
 
     def make_layer(self, layer_idx: int) -> nn.Module:
         """Decoder layer ``layer_idx`` (also past ``num_hidden_layers``: the MTP blocks, ``models.mtp``)."""
         config = self.config
-        tp = {"tp_rank": self.tp_rank, "tp_size": self.tp_size, "dtype": self.dtype}
+        tp = self.tp_args()
         self_attn = self.make_attention(layer_idx)
         mlp_quant = self.quant_args(f"model.layers.{layer_idx}.mlp")
         if self.is_sparse_layer(layer_idx):

@@ -49,10 +49,10 @@ class Glm4MoeAttention(LlamaAttention):
 
     def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, *, sliding_window: int | None,
                  dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1, quant_config=None,
-                 prefix: str = "") -> None:
+                 prefix: str = "", tp_group=None) -> None:
         super().__init__(config, rotary_emb, sliding_window=sliding_window, dtype=dtype, tp_rank=tp_rank,
                          tp_size=tp_size, qkv_bias=config.attention_bias, o_bias=False, quant_config=quant_config,
-                         prefix=prefix)
+                         prefix=prefix, tp_group=tp_group)
         self.use_qk_norm = bool(config.get("use_qk_norm", False))
         if self.use_qk_norm:  # weights [Dh], shared by all heads: identical on every rank
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype)
@@ -91,7 +91,7 @@ class Glm4MoeSparseBlock(nn.Module):
 
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1,
                  expert_parallel: bool = False, quant_config=None, prefix: str = "",
-                 expert_quant: dict | None = None) -> None:
+                 expert_quant: dict | None = None, tp_group=None) -> None:
         super().__init__()
         num_experts = config_int(config, "n_routed_experts", "num_local_experts")
         inter = config_int(config, "moe_intermediate_size")
@@ -100,10 +100,10 @@ class Glm4MoeSparseBlock(nn.Module):
         self.topk_group = config_int(config, "topk_group", default=1)
         self.renormalize = bool(config.get("norm_topk_prob", True))
         self.routed_scaling_factor = float(config.get("routed_scaling_factor", 1.0))
-        tp = {"tp_rank": tp_rank, "tp_size": tp_size, "dtype": dtype}
+        tp = {"tp_rank": tp_rank, "tp_size": tp_size, "tp_group": tp_group, "dtype": dtype}
         self.gate = GroupedTopKRouter(num_experts, config.hidden_size)
         self.experts = FusedMoE(num_experts, config.hidden_size, inter, activation="silu", dtype=dtype,
-                                **moe_ranks(tp_rank, tp_size, expert_parallel), **(expert_quant or {}))
+                                **moe_ranks(tp_rank, tp_size, expert_parallel, tp_group), **(expert_quant or {}))
         num_shared = config_int(config, "n_shared_experts", default=0)
         quant = {} if quant_config is None else {"quant_config": quant_config, "prefix": f"{prefix}.shared_experts"}
         self.shared_experts = (GatedMLP(config.hidden_size, inter * num_shared, config.hidden_act, **quant, **tp)
@@ -138,7 +138,7 @@ class Glm4MoeForCausalLM(CausalLM):
 
     def make_layer(self, layer_idx: int) -> nn.Module:
         config = self.config
-        tp = {"tp_rank": self.tp_rank, "tp_size": self.tp_size, "dtype": self.dtype}
+        tp = self.tp_args()
         self_attn = Glm4MoeAttention(config, self.rotary_embedding(config.head_dim), sliding_window=None,
                                      **self.quant_args(f"model.layers.{layer_idx}.self_attn"), **tp)
         mlp_quant = self.quant_args(f"model.layers.{layer_idx}.mlp")

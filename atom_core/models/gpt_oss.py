@@ -63,10 +63,10 @@ class GptOssAttention(LlamaAttention):
 
     def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, *, sliding_window: int | None,
                  dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1, quant_config=None,
-                 prefix: str = "") -> None:
+                 prefix: str = "", tp_group=None) -> None:
         super().__init__(config, rotary_emb, sliding_window=sliding_window, dtype=dtype, tp_rank=tp_rank,
                          tp_size=tp_size, qkv_bias=config.attention_bias, o_bias=config.attention_bias,
-                         quant_config=quant_config, prefix=prefix)
+                         quant_config=quant_config, prefix=prefix, tp_group=tp_group)
         self.total_num_heads = config.num_attention_heads
         # fp32 whatever the model dtype: the kernels take the sinks as fp32 logits.
         self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32), requires_grad=False)
@@ -86,7 +86,7 @@ class GptOssMoE(nn.Module):
     ``prefix`` (``model.layers.{i}.mlp.experts``): the experts' quantization (MXFP4 kept packed)."""
 
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1,
-                 expert_parallel: bool = False, quant_config=None, prefix: str = "") -> None:
+                 expert_parallel: bool = False, quant_config=None, prefix: str = "", tp_group=None) -> None:
         super().__init__()
         num_experts = config_int(config, "num_local_experts", "num_experts")
         self.top_k = config_int(config, "num_experts_per_tok", "experts_per_token")
@@ -96,7 +96,7 @@ class GptOssMoE(nn.Module):
         quant = {} if quant_config is None else {"quant_config": quant_config, "prefix": prefix}
         self.experts = FusedMoE(num_experts, config.hidden_size, config.intermediate_size,
                                 activation="swiglu_clamped", bias=True, dtype=dtype,
-                                **moe_ranks(tp_rank, tp_size, expert_parallel), **quant)
+                                **moe_ranks(tp_rank, tp_size, expert_parallel, tp_group), **quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         router_logits = self.router(x)                                               # [T, E]
@@ -123,7 +123,7 @@ class GptOssForCausalLM(CausalLM):
 
     def make_layer(self, layer_idx: int) -> nn.Module:
         config = self.config
-        tp = {"tp_rank": self.tp_rank, "tp_size": self.tp_size, "dtype": self.dtype}
+        tp = self.tp_args()
         self_attn = GptOssAttention(config, self.rotary_embedding(config.head_dim, config.layer_types[layer_idx]),
                                     sliding_window=self.sliding_window_of(layer_idx),
                                     **self.quant_args(f"model.layers.{layer_idx}.self_attn"), **tp)

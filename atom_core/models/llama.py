@@ -45,12 +45,13 @@ class LlamaAttention(nn.Module):
     per-head RMSNorm); here it returns them unchanged. ``qkv_bias`` / ``o_bias`` default to
     ``config.attention_bias``; architectures that bias only q, k, v (Qwen2) pass them explicitly.
     ``quant_config`` / ``prefix`` (``model.layers.{i}.self_attn``): the projections' quantization.
+    ``tp_group``: the process group ``o_proj``'s sum runs over (``models.parallel``).
     """
 
     def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, *, sliding_window: int | None,
                  dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1,
                  qkv_bias: bool | None = None, o_bias: bool | None = None, quant_config=None,
-                 prefix: str = "") -> None:
+                 prefix: str = "", tp_group=None) -> None:
         super().__init__()
         head_dim = config.head_dim
         self.head_dim = head_dim
@@ -58,14 +59,14 @@ class LlamaAttention(nn.Module):
         o_bias = config.attention_bias if o_bias is None else o_bias
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
                                           config.num_key_value_heads, qkv_bias,
-                                          tp_rank=tp_rank, tp_size=tp_size, dtype=dtype,
+                                          tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, dtype=dtype,
                                           quant_config=quant_config, prefix=f"{prefix}.qkv_proj")
         self.num_heads = self.qkv_proj.num_heads          # H on this rank
         self.num_kv_heads = self.qkv_proj.num_kv_heads    # Hk on this rank
         self.q_size = self.qkv_proj.q_size                # H * Dh
         self.kv_size = self.qkv_proj.kv_size              # Hk * Dh
         self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size,
-                                        o_bias, tp_rank=tp_rank, tp_size=tp_size, dtype=dtype,
+                                        o_bias, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, dtype=dtype,
                                         quant_config=quant_config, prefix=f"{prefix}.o_proj")
         self.rotary_emb = rotary_emb
         self.attn = PagedAttention(self.num_heads, head_dim, self.num_kv_heads,
@@ -101,7 +102,7 @@ class LlamaForCausalLM(CausalLM):
     def make_layer(self, layer_idx: int) -> nn.Module:
         config = self.config
         layer_type = config.layer_types[layer_idx]
-        tp = {"tp_rank": self.tp_rank, "tp_size": self.tp_size, "dtype": self.dtype}
+        tp = self.tp_args()
         self_attn = self.attention_cls(config, self.rotary_embedding(config.head_dim, layer_type),
                                        sliding_window=self.sliding_window_of(layer_idx),
                                        **self.quant_args(f"model.layers.{layer_idx}.self_attn"), **tp)

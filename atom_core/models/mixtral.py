@@ -51,7 +51,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
 
     def make_layer(self, layer_idx: int) -> nn.Module:
         config = self.config
-        tp = {"tp_rank": self.tp_rank, "tp_size": self.tp_size, "dtype": self.dtype}
+        tp = self.tp_args()
         self_attn = LlamaAttention(config, self.rotary_embedding(config.head_dim, config.layer_types[layer_idx]),
                                    sliding_window=self.sliding_window_of(layer_idx),
                                    **self.quant_args(f"model.layers.{layer_idx}.self_attn"), **tp)

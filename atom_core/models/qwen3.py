@@ -31,9 +31,9 @@ class Qwen3Attention(LlamaAttention):
 
     def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, *, sliding_window: int | None,
                  dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1, quant_config=None,
-                 prefix: str = "") -> None:
-        super().__init__(config, rotary_emb, sliding_window=sliding_window, dtype=dtype,
-                         tp_rank=tp_rank, tp_size=tp_size, quant_config=quant_config, prefix=prefix)
+                 prefix: str = "", tp_group=None) -> None:
+        super().__init__(config, rotary_emb, sliding_window=sliding_window, dtype=dtype, tp_rank=tp_rank,
+                         tp_size=tp_size, quant_config=quant_config, prefix=prefix, tp_group=tp_group)
         # Norm weights are per head dim, identical on every rank: no tensor-parallel split.
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype)

@@ -64,7 +64,7 @@ class SoftmaxTopKMoE(nn.Module):
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, *,
                  renormalize: bool, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1,
-                 expert_parallel: bool = False, quant_config=None, prefix: str = "") -> None:
+                 expert_parallel: bool = False, quant_config=None, prefix: str = "", tp_group=None) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok must be in [1, {num_experts}], got {top_k}")
@@ -73,7 +73,7 @@ class SoftmaxTopKMoE(nn.Module):
         self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False, dtype=dtype)
         quant = {} if quant_config is None else {"quant_config": quant_config, "prefix": prefix}
         self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, activation="silu", dtype=dtype,
-                                **moe_ranks(tp_rank, tp_size, expert_parallel), **quant)
+                                **moe_ranks(tp_rank, tp_size, expert_parallel, tp_group), **quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         router_logits = self.gate(x)                                                   # [T, E]
@@ -111,7 +111,7 @@ class Qwen3MoeForCausalLM(CausalLM):
 
     def make_layer(self, layer_idx: int) -> nn.Module:
         config = self.config
-        tp = {"tp_rank": self.tp_rank, "tp_size": self.tp_size, "dtype": self.dtype}
+        tp = self.tp_args()
         self_attn = Qwen3Attention(config, self.rotary_embedding(config.head_dim),
                                    sliding_window=self.sliding_window_of(layer_idx),
                                    **self.quant_args(f"model.layers.{layer_idx}.self_attn"), **tp)

@@ -36,12 +36,14 @@ one opaque node (``fullgraph=True`` holds). The public functions call it only wh
 they call the backend directly.
 
 **CUDA graphs.** NCCL collectives are capturable, and ``torch.distributed``'s NCCL process group
-supports capture (it keeps captured work out of its watchdog). What torch needs: the group's NCCL
-communicator must exist before capture (NCCL creates it lazily on the group's first collective, and
-creating it is not capturable: run one collective on the group, e.g. a warm-up step, before capturing,
-or pass ``device_id`` to ``init_process_group`` for eager creation); every rank captures and replays
-the same sequence of collectives with the same shapes (the graphs are replayed in lock step, one per
-batch size); the tensors are allocated inside the capture (the graph's memory pool), which the ops do.
+supports capture since torch 2.1 (captured work is kept out of its watchdog, pytorch#103503, and
+capture begins only once the watchdog's outstanding eager work is done, pytorch#104487). What torch
+needs: the group's NCCL communicator must exist before capture (NCCL creates it lazily on the group's
+first collective, and creating it is not capturable: run one collective on the group, e.g. a warm-up
+step, before capturing, or pass ``device_id`` to ``init_process_group`` for eager creation); every
+rank captures and replays the same sequence of collectives with the same shapes (the graphs are
+replayed in lock step, one per batch size); the tensors are allocated inside the capture (the graph's
+memory pool), which the ops do.
 An ``all_to_all`` with host split sizes is captured with those sizes fixed: only a fixed-split
 exchange is graph-safe. gloo (CPU) has no graphs.
 """

@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from atom_core.models.layers import embedding as embedding_module
 from atom_core.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from atom_core.models.layers.linear import (
     ColumnParallelLinear,
@@ -221,17 +220,12 @@ def test_vocab_parallel_embedding_shards_and_masked_sum(tp_size, vocab):
     rows_per_rank = -(-vocab // tp_size)  # ceil(vocab / tp_size)
     padded = torch.cat([table, torch.zeros(rows_per_rank * tp_size - vocab, dim)])
     total = torch.zeros(vocab, dim)
-    original_all_reduce = embedding_module.dist.all_reduce
-    # Stand-in for the collective: each rank's masked partial is summed below instead.
-    embedding_module.dist.all_reduce = lambda t: t
-    try:
-        for rank in range(tp_size):
-            emb = VocabParallelEmbedding(vocab, dim, tp_rank=rank, tp_size=tp_size)
-            emb.weight.weight_loader(emb.weight, table)
-            assert torch.equal(emb.weight, padded.chunk(tp_size, dim=0)[rank])
-            total += emb(ids)
-    finally:
-        embedding_module.dist.all_reduce = original_all_reduce
+    for rank in range(tp_size):
+        # reduce_results=False: each rank's masked partial, summed below instead of by the collective
+        emb = VocabParallelEmbedding(vocab, dim, tp_rank=rank, tp_size=tp_size, reduce_results=False)
+        emb.weight.weight_loader(emb.weight, table)
+        assert torch.equal(emb.weight, padded.chunk(tp_size, dim=0)[rank])
+        total += emb(ids)
     assert torch.equal(total, table[ids])  # each id found on exactly one rank
 
 
@@ -275,12 +269,13 @@ def _two_rank_worker(rank, init_file, result_dir):
         w_row, b_row = torch.randn(3, 4, generator=g), torch.randn(3, generator=g)
         table = torch.randn(5, 4, generator=g)  # vocab 5 over 2 ranks: padded to 6
         x = torch.randn(2, 4, generator=g)
-        row = RowParallelLinear(4, 3, bias=True, tp_rank=rank, tp_size=2)
+        group = dist.new_group([0, 1])  # the layers reduce over the group they are given
+        row = RowParallelLinear(4, 3, bias=True, tp_rank=rank, tp_size=2, tp_group=group)
         row.weight.weight_loader(row.weight, w_row)
         row.bias.weight_loader(row.bias, b_row)
-        emb = VocabParallelEmbedding(5, 4, tp_rank=rank, tp_size=2)
+        emb = VocabParallelEmbedding(5, 4, tp_rank=rank, tp_size=2, tp_group=group)
         emb.weight.weight_loader(emb.weight, table)
-        head = ParallelLMHead(5, 4, tp_rank=rank, tp_size=2).tie_to(emb)
+        head = ParallelLMHead(5, 4, tp_rank=rank, tp_size=2, tp_group=group).tie_to(emb)
         ids = torch.tensor([4, 0, 2, 3])
         out = {"row": row(x.chunk(2, dim=1)[rank]), "emb": emb(ids), "logits": head(x)}
         torch.save(out, os.path.join(result_dir, f"rank{rank}.pt"))

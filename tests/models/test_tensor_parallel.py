@@ -1,6 +1,8 @@
 """Whole models split over two real ranks (two processes, gloo): each rank loads its shard of the
-HF checkpoint with ``load_model(tp_rank=, tp_size=2)`` and both must give HF's logits. The MoE
-models also run with ``expert_parallel=True`` (each rank holds half the experts, whole).
+HF checkpoint with ``load_model(parallel=ParallelContext.from_world())`` and both must give HF's logits.
+The MoE models also run with ``expert_parallel=True`` (each rank holds half the experts, whole). The FP8
+tests load through the ``tp_rank=`` / ``tp_size=`` convenience (a context over the default group); the
+same models over subgroups of a larger world: tests/models/test_parallel_context.py.
 
 One config per architecture family, chosen so the split is not trivial: KV heads split and
 replicated (MQA), a vocabulary that does not divide (padded), an odd dense intermediate size
@@ -23,7 +25,7 @@ import torch.multiprocessing as mp
 pytest.importorskip("transformers")
 
 from atom_core import ops  # noqa: E402
-from atom_core.models import load_model  # noqa: E402
+from atom_core.models import ParallelContext, load_model  # noqa: E402
 from tests.models import (  # noqa: E402
     test_parity_glm4_moe,
     test_parity_gpt_oss,
@@ -59,8 +61,9 @@ def _rank(rank: int, init_file: str, pair, full_numel: int, expert_parallel: boo
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=TP,
                             timeout=datetime.timedelta(seconds=120))
     try:
-        model = load_model(pair.path, dtype=torch.float32, device="cpu", tp_rank=rank, tp_size=TP,
-                           expert_parallel=expert_parallel)
+        parallel = ParallelContext.from_world(expert_parallel=expert_parallel)
+        assert (parallel.tp_rank, parallel.tp_size, parallel.tp_group) == (rank, TP, dist.group.WORLD)
+        model = load_model(pair.path, dtype=torch.float32, device="cpu", parallel=parallel)
         assert _numel(model) < 0.75 * full_numel, "this rank holds most of the model: nothing was split"
         with ops.use_backend("torch"):
             check_ragged_prefill(pair, model)
@@ -81,8 +84,8 @@ def test_two_ranks_match_hf(case, expert_parallel, tmp_path):
 
 
 def test_expert_parallel_splits_whole_experts_and_needs_experts(tmp_path):
-    """(No collectives: construction only.) EP rank 1 of 2 holds experts 2..3 of 4 with the full
-    intermediate size; a dense model refuses the flag."""
+    """(No collectives: construction only, a shard without a process group.) EP rank 1 of 2 holds experts
+    2..3 of 4 with the full intermediate size; a dense model refuses the flag."""
     pair = build_moe_pair(test_parity_mixtral.CASES[0], tmp_path / "moe")
     model = load_model(pair.path, device="cpu", tp_rank=1, tp_size=2, expert_parallel=True)
     experts = model.model.layers[0].mlp.experts

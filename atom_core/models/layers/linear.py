@@ -11,6 +11,12 @@ of a fused parameter that the checkpoint tensor fills (``"q"``/``"k"``/``"v"`` f
 ``None`` means the checkpoint tensor is already the whole fused tensor.
 
 With ``tp_size == 1`` every class is a plain ``F.linear`` over the full weight.
+
+**Groups.** The parallel classes take ``tp_group``, the process group of the ``tp_size`` ranks (this
+process its rank ``tp_rank``; checked when the layer is built), and ``RowParallelLinear`` sums its
+ranks' partial products over it with ``ops.all_reduce`` — never over ``torch.distributed``'s default
+group (``models.parallel``). A layer split over several ranks but built without a group (to inspect a
+shard) raises ``MissingProcessGroupError`` when it has to reduce.
 Weights are stored ``[out, in]`` like ``nn.Linear`` and are created uninitialised
 (``torch.empty``): a checkpoint or a dummy initialiser fills them.
 
@@ -42,10 +48,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from atom_core.models.layers.sharding import check_tp, divide, qkv_shard, shard_range
+from atom_core.models.parallel import check_group, reduce_over
 from atom_core.models.quantization.config import QuantConfig
 from atom_core.models.quantization.linear_methods import (
     LinearMethod,
@@ -141,13 +147,15 @@ class _Linear(nn.Module):
     def __init__(self, in_per_rank: int, out_per_rank: int, bias: bool, bias_rows: int,
                  dtype: torch.dtype | None, tp_rank: int, tp_size: int, *,
                  quant_config: QuantConfig | None = None, prefix: str = "",
-                 part_sizes: Sequence[int] | None = None) -> None:
+                 part_sizes: Sequence[int] | None = None, tp_group=None) -> None:
         super().__init__()
         check_tp(tp_rank, tp_size)
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.prefix = prefix
         name = type(self).__name__
+        check_group(tp_group, tp_rank, tp_size, f"{name} {prefix}".rstrip())
+        self.tp_group = tp_group  # a torch.distributed ProcessGroup of the tp_size ranks, or None
         self.quant_method = linear_method(quant_config, prefix)
         self.quant_method.create_weights(self, in_per_rank, list(part_sizes or [out_per_rank]),
                                          dtype or torch.get_default_dtype(), self.weight_loader)
@@ -244,7 +252,7 @@ class ColumnParallelLinear(_Linear):
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, *,
                  tp_rank: int = 0, tp_size: int = 1, dtype: torch.dtype | None = None,
-                 quant_config: QuantConfig | None = None, prefix: str = "") -> None:
+                 quant_config: QuantConfig | None = None, prefix: str = "", tp_group=None) -> None:
         _check_positive(input_size=input_size, output_size=output_size)
         check_tp(tp_rank, tp_size)
         self.input_size = input_size
@@ -252,7 +260,8 @@ class ColumnParallelLinear(_Linear):
         self.output_size_per_rank = divide(output_size, tp_size, what="output_size")
         super().__init__(input_size, self.output_size_per_rank, bias, self.output_size_per_rank,
                          dtype, tp_rank, tp_size, quant_config=quant_config, prefix=prefix,
-                         part_sizes=[o // tp_size for o in getattr(self, "output_sizes", [output_size])])
+                         part_sizes=[o // tp_size for o in getattr(self, "output_sizes", [output_size])],
+                         tp_group=tp_group)
         self._check_block_split(self._pieces(), dim="rows")
 
     def _pieces(self) -> list[_Piece]:
@@ -325,7 +334,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool = False, *,
                  tp_rank: int = 0, tp_size: int = 1, dtype: torch.dtype | None = None,
-                 quant_config: QuantConfig | None = None, prefix: str = "") -> None:
+                 quant_config: QuantConfig | None = None, prefix: str = "", tp_group=None) -> None:
         if isinstance(output_sizes, (int, str)) or len(output_sizes) == 0:
             raise ValueError(f"output_sizes must be a non-empty list of ints, got {output_sizes!r}")
         check_tp(tp_rank, tp_size)
@@ -333,8 +342,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             _check_positive(**{f"output_sizes[{i}]": size})
             divide(size, tp_size, what=f"output_sizes[{i}]")
         self.output_sizes = list(output_sizes)
-        super().__init__(input_size, sum(self.output_sizes), bias,
-                         tp_rank=tp_rank, tp_size=tp_size, dtype=dtype, quant_config=quant_config, prefix=prefix)
+        super().__init__(input_size, sum(self.output_sizes), bias, tp_rank=tp_rank, tp_size=tp_size, dtype=dtype,
+                         quant_config=quant_config, prefix=prefix, tp_group=tp_group)
 
     def _pieces(self) -> list[_Piece]:
         pieces, dst = [], 0
@@ -368,7 +377,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
                  bias: bool = False, *, tp_rank: int = 0, tp_size: int = 1,
                  dtype: torch.dtype | None = None, quant_config: QuantConfig | None = None,
-                 prefix: str = "") -> None:
+                 prefix: str = "", tp_group=None) -> None:
         _check_positive(hidden_size=hidden_size)
         shard = qkv_shard(num_heads, num_kv_heads, head_dim, tp_rank, tp_size)
         self.shard = shard
@@ -385,7 +394,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.output_size_per_rank = self.q_size + 2 * self.kv_size
         _Linear.__init__(self, hidden_size, self.output_size_per_rank, bias, self.output_size_per_rank, dtype,
                          tp_rank, tp_size, quant_config=quant_config, prefix=prefix,
-                         part_sizes=[self.q_size, self.kv_size, self.kv_size])
+                         part_sizes=[self.q_size, self.kv_size, self.kv_size], tp_group=tp_group)
         self._check_block_split(self._pieces(), dim="rows")
 
     def _pieces(self) -> list[_Piece]:
@@ -407,9 +416,8 @@ class RowParallelLinear(_Linear):
     """Input dim split across ranks: rank r holds columns ``[r*I/R, (r+1)*I/R)`` of W.
 
     forward: x [T, I/R] (this rank's slice, e.g. the output of a ColumnParallelLinear)
-    -> [T, O]. With R > 1 the partial products are summed over ranks with
-    ``torch.distributed.all_reduce`` when ``reduce_results``; otherwise each rank returns its
-    partial sum and the caller reduces. The bias (full, ``[O]``, identical on every rank) is
+    -> [T, O]. With R > 1 the partial products are summed over ``tp_group`` with ``ops.all_reduce``
+    when ``reduce_results``; otherwise each rank returns its partial sum and the caller reduces. The bias (full, ``[O]``, identical on every rank) is
     added by rank 0 only, so it appears exactly once in the sum. Per-channel and per-tensor scales
     (and ``input_scale``) are whole on every rank; block scales are cut by 128-column blocks.
     """
@@ -417,7 +425,7 @@ class RowParallelLinear(_Linear):
     def __init__(self, input_size: int, output_size: int, bias: bool = False, *,
                  reduce_results: bool = True, tp_rank: int = 0, tp_size: int = 1,
                  dtype: torch.dtype | None = None, quant_config: QuantConfig | None = None,
-                 prefix: str = "") -> None:
+                 prefix: str = "", tp_group=None) -> None:
         _check_positive(input_size=input_size, output_size=output_size)
         check_tp(tp_rank, tp_size)
         self.input_size = input_size
@@ -425,7 +433,7 @@ class RowParallelLinear(_Linear):
         self.input_size_per_rank = divide(input_size, tp_size, what="input_size")
         self.reduce_results = reduce_results
         super().__init__(self.input_size_per_rank, output_size, bias, output_size, dtype, tp_rank, tp_size,
-                         quant_config=quant_config, prefix=prefix)
+                         quant_config=quant_config, prefix=prefix, tp_group=tp_group)
         start, size = shard_range(self.input_size, tp_rank, tp_size)
         self._check_block_split([_Piece(None, input_size, start, size, 0, "")], dim="columns")
 
@@ -465,5 +473,5 @@ class RowParallelLinear(_Linear):
             return self.quant_method.apply(self, x, self.bias)
         out = self.quant_method.apply(self, x, self.bias if self.tp_rank == 0 else None)
         if self.reduce_results:
-            dist.all_reduce(out)
+            out = reduce_over(out, self.tp_group, self.tp_size, self)
         return out

@@ -240,13 +240,14 @@ class MultiHeadLatentAttention(nn.Module):
     Tensor parallelism splits the heads: ``q_proj`` / ``q_b_proj`` / ``kv_b_proj`` are column-parallel
     (their rows are head-major), ``o_proj`` row-parallel; the low-rank ``q_a_proj`` and
     ``kv_a_proj_with_mqa`` and their norms are replicated, so every rank caches the same latent rows.
+    ``tp_group``: the process group ``o_proj``'s sum runs over.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, *, q_lora_rank: int | None, kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, rotary_emb: RotaryEmbedding,
                  scale: float, rms_norm_eps: float, bias: bool = False, dtype: torch.dtype | None = None,
                  tp_rank: int = 0, tp_size: int = 1, indexer: LightningIndexer | None = None,
-                 topk_share: TopkShare | None = None) -> None:
+                 topk_share: TopkShare | None = None, tp_group=None) -> None:
         super().__init__()
         check_tp(tp_rank, tp_size)
         if indexer is not None and q_lora_rank is None:
@@ -260,7 +261,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.qk_rope_head_dim = qk_rope_head_dim
         self.v_head_dim = v_head_dim
         qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
-        tp = {"tp_rank": tp_rank, "tp_size": tp_size, "dtype": dtype}
+        tp = {"tp_rank": tp_rank, "tp_size": tp_size, "tp_group": tp_group, "dtype": dtype}
         if q_lora_rank is None:
             self.q_proj = ColumnParallelLinear(hidden_size, num_heads * qk_head_dim, False, **tp)
         else:

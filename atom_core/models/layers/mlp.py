@@ -5,7 +5,8 @@ Legend: T = tokens, D = hidden size, I = intermediate size, R = tensor-parallel 
 ``gate_up_proj`` (column-parallel) computes ``[T, 2 * I / R]`` = this rank's ``[gate | up]``;
 the activation op folds the product into ``[T, I / R]``; ``down_proj`` (row-parallel) sums the
 ranks' partial products back to ``[T, D]``. The checkpoint's ``gate_proj`` / ``up_proj`` load
-into ``gate_up_proj`` as shards 0 / 1 (``packed_modules_mapping``).
+into ``gate_up_proj`` as shards 0 / 1 (``packed_modules_mapping``). ``tp_group``: the process group
+the ``down_proj`` sum runs over (``layers.linear``).
 """
 
 from __future__ import annotations
@@ -40,19 +41,19 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu", *,
                  bias: bool = False, tp_rank: int = 0, tp_size: int = 1,
-                 dtype: torch.dtype | None = None, quant_config=None, prefix: str = "") -> None:
+                 dtype: torch.dtype | None = None, quant_config=None, prefix: str = "", tp_group=None) -> None:
         super().__init__()
         if hidden_act not in _GATED_ACTIVATIONS:
             raise ValueError(f"hidden_act {hidden_act!r} is not supported; choose one of {sorted(_GATED_ACTIVATIONS)}")
         self.hidden_act = hidden_act
         op_name, self._act_kwargs = _GATED_ACTIVATIONS[hidden_act]
         self._act = getattr(ops, op_name)
-        quant = {"quant_config": quant_config}
+        tp = {"tp_rank": tp_rank, "tp_size": tp_size, "tp_group": tp_group, "dtype": dtype,
+              "quant_config": quant_config}
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size], bias,
-                                                       tp_rank=tp_rank, tp_size=tp_size, dtype=dtype,
-                                                       prefix=_join(prefix, "gate_up_proj"), **quant)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, tp_rank=tp_rank, tp_size=tp_size,
-                                           dtype=dtype, prefix=_join(prefix, "down_proj"), **quant)
+                                                       prefix=_join(prefix, "gate_up_proj"), **tp)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, prefix=_join(prefix, "down_proj"),
+                                           **tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, D] -> [T, D] in the weights' dtype."""

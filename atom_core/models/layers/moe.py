@@ -25,8 +25,8 @@ Routing is not part of the module: the architecture's MoE block computes
 holds ``I_r = I / tp_size`` consecutive units, like the column/row-parallel MLP), and
 ``ep_size`` ranks split the experts (rank p holds ``E_r = E / ep_size`` consecutive experts).
 Both may be > 1; every rank then returns a partial sum over its experts and its I-slice, and the
-sum over all ``tp_size * ep_size`` ranks is the layer's output (``torch.distributed.all_reduce``
-over the default group when ``reduce_results``). A token's choice of an expert held elsewhere
+sum over all ``tp_size * ep_size`` ranks is the layer's output (``ops.all_reduce`` over ``group``, the
+process group of those ranks, when ``reduce_results``; never the default group, ``models.parallel``). A token's choice of an expert held elsewhere
 becomes id -1 locally (``fused_experts`` skips it). ``w2_bias`` is added by TP rank 0 only, so it
 appears once per expert in the sum. Quantized experts: FP8 block scales are cut with their
 128-blocks (a split whose I_r is not whole blocks is refused when the layer is built, naming it);
@@ -61,11 +61,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from atom_core.models.layers.linear import check_shape, copy_into
 from atom_core.models.layers.sharding import check_tp, divide
+from atom_core.models.parallel import check_group, reduce_over
 from atom_core.models.quantization.config import QuantConfig
 from atom_core.models.quantization.expert_methods import ExpertMethod, expert_method_for
 from atom_core.models.quantization.linear_methods import quantize_weight
@@ -111,14 +111,14 @@ def moe_shard(num_experts: int, intermediate_size: int, *, tp_rank: int = 0, tp_
                     intermediate_start=tp_rank * inter_per_rank, intermediate_size=inter_per_rank)
 
 
-def moe_ranks(tp_rank: int, tp_size: int, expert_parallel: bool) -> dict:
-    """``FusedMoE``'s rank arguments in a model split over ``tp_size`` ranks: by default every rank
-    holds every expert's slice of I (tensor parallel); with ``expert_parallel`` each rank holds
-    ``E / tp_size`` whole experts (expert parallel over the same ranks). Attention and dense layers
-    stay tensor-parallel either way."""
+def moe_ranks(tp_rank: int, tp_size: int, expert_parallel: bool, tp_group=None) -> dict:
+    """``FusedMoE``'s rank arguments in a model split over ``tp_size`` ranks (``tp_group``): by default every
+    rank holds every expert's slice of I (tensor parallel); with ``expert_parallel`` each rank holds
+    ``E / tp_size`` whole experts (expert parallel over the same ranks). Either way the layer reduces over
+    ``tp_group``. Attention and dense layers stay tensor-parallel."""
     if expert_parallel:
-        return {"tp_rank": 0, "tp_size": 1, "ep_rank": tp_rank, "ep_size": tp_size}
-    return {"tp_rank": tp_rank, "tp_size": tp_size}
+        return {"tp_rank": 0, "tp_size": 1, "ep_rank": tp_rank, "ep_size": tp_size, "group": tp_group}
+    return {"tp_rank": tp_rank, "tp_size": tp_size, "group": tp_group}
 
 
 def expert_params_mapping(num_experts: int, *, gate: str = "gate_proj", up: str = "up_proj",
@@ -179,6 +179,8 @@ class FusedMoE(nn.Module):
         bias: create ``w13_bias`` and ``w2_bias``.
         tp_rank, tp_size: split of I; ep_rank, ep_size: split of the experts (see the module docstring).
         reduce_results: all-reduce the partial sums when more than one rank holds the layer.
+        group: the process group of the ``tp_size * ep_size`` ranks holding the layer (the sum runs over it);
+            None for one rank (or a shard that never reduces).
         quant_config, prefix: the model's ``QuantConfig`` and the layer's checkpoint name
             (``model.layers.{i}.mlp.experts``): ``quant_config.scheme_for(prefix)`` picks the expert
             method (None: unquantized). A scheme or split the fused MoE cannot serve is refused here,
@@ -189,7 +191,7 @@ class FusedMoE(nn.Module):
                  activation: str = "silu", bias: bool = False, tp_rank: int = 0, tp_size: int = 1,
                  ep_rank: int = 0, ep_size: int = 1, reduce_results: bool = True,
                  dtype: torch.dtype | None = None, quant_config: QuantConfig | None = None,
-                 prefix: str = "") -> None:
+                 prefix: str = "", group=None) -> None:
         super().__init__()
         if activation not in ACTIVATION_LAYOUTS:
             raise ValueError(f"activation must be one of {sorted(ACTIVATION_LAYOUTS)}, got {activation!r}")
@@ -207,6 +209,9 @@ class FusedMoE(nn.Module):
         self.reduce_results = reduce_results
         self.prefix = prefix
         where = prefix or "FusedMoE"
+        # (the sum is order-free: the group's size is checked, not which rank holds which piece)
+        check_group(group, 0, tp_size * ep_size, f"FusedMoE {prefix}".rstrip(), check_rank=False)
+        self.group = group  # a torch.distributed ProcessGroup of the tp_size * ep_size ranks, or None
         scheme = UNQUANTIZED if quant_config is None else quant_config.scheme_for(prefix)
         online = quant_config is not None and quant_config.online
         self.quant_method: ExpertMethod = expert_method_for(scheme, online=online, where=where)
@@ -403,7 +408,7 @@ class FusedMoE(nn.Module):
         out = self.quant_method.apply(self, hidden, topk_weights, self.local_topk_ids(topk_ids),
                                       self.w2_bias if self.tp_rank == 0 else None)
         if self.reduce_results and self.tp_size * self.ep_size > 1:
-            dist.all_reduce(out)
+            out = reduce_over(out, self.group, self.tp_size * self.ep_size, self)
         return out
 
     def extra_repr(self) -> str:
