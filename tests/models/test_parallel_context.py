@@ -50,8 +50,17 @@ DENSE_CONFIG = {**BASE_CONFIG, **DENSE_CASE.overrides, "architectures": [DENSE_C
 
 # ---- one process ----------------------------------------------------------------------------------------------
 
-def test_a_single_process_loads_and_runs_a_model_without_initializing_torch_distributed(tmp_path):
+def test_a_single_process_loads_and_runs_a_model_without_initializing_or_calling_torch_distributed(
+        tmp_path, monkeypatch):
     pair = build_moe_pair(MOE_CASE, tmp_path / "ckpt")
+
+    def called(*args, **kwargs):
+        raise AssertionError("a single-process model called torch.distributed")
+
+    for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_to_all_single",
+                 "get_rank", "get_world_size", "new_group", "init_process_group"):
+        if hasattr(dist, name):
+            monkeypatch.setattr(dist, name, called)
     model = load_model(pair.path, dtype=torch.float32, device="cpu")
     assert model.parallel == ParallelContext.single() and model.tp_group is None
     with ops.use_backend("torch"):
