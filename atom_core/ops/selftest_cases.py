@@ -228,6 +228,7 @@ def attention_cases(grid: str, device) -> list[Case]:
 
 def all_cases(grid: str, device) -> dict[str, list[Case]]:
     """op name -> its cases, for every op."""
+    from atom_core.ops.selftest_cases_comm import comm_cases
     from atom_core.ops.selftest_cases_dsa import dsa_cases
     from atom_core.ops.selftest_cases_mla import mla_cases
     from atom_core.ops.selftest_cases_moe_quant import fused_experts_quant_cases
@@ -238,7 +239,7 @@ def all_cases(grid: str, device) -> dict[str, list[Case]]:
     by_op: dict[str, list[Case]] = {}
     for make in (norm_cases, activation_cases, rope_cases, store_kv_cases, attention_cases, sampling_cases,
                  moe_cases, fused_experts_quant_cases, quant_cases, scaled_mm_cases, mla_cases, dsa_cases,
-                 penalty_cases):
+                 penalty_cases, comm_cases):
         for case in make(grid, device):
             by_op.setdefault(case.op, []).append(case)
     return by_op

@@ -34,6 +34,7 @@ import atom_core.ops as ops_package
 from atom_core.ops import dispatch, kv_cache, quant, scaled_mm, torch_scaled_mm
 from atom_core.ops.dispatch import BackendUnavailable, Op
 from tests.ops import fake_aiter
+from tests.ops.test_comm import COMM_DISPATCH_ARGS
 from tests.ops.test_dsa import DSA_DISPATCH_ARGS
 from tests.ops.test_mla import MLA_DISPATCH_ARGS
 from tests.ops.test_penalties import PENALTIES_DISPATCH_ARGS
@@ -281,6 +282,7 @@ ARGS = {
 ARGS.update(MLA_DISPATCH_ARGS)  # the MLA and DSA ops' nominal calls live beside their tests
 ARGS.update(DSA_DISPATCH_ARGS)
 ARGS.update(PENALTIES_DISPATCH_ARGS)
+ARGS.update(COMM_DISPATCH_ARGS)
 
 
 def _nominal_options(name: str) -> list[tuple]:
