@@ -45,7 +45,7 @@ class Detokenizer:
     earlier step stays available (outputs are snapshots of their step).
     """
 
-    __slots__ = ("_tokenizer", "skip_special_tokens", "stop_strings", "include_stop_str", "holdback",
+    __slots__ = ("_tokenizer", "skip_special_tokens", "stop_strings", "include_stop_str", "holdback", "_prompt",
                  "_window", "_context_len", "_context_text", "_pieces", "_piece_ends", "_joined",
                  "_joined_pieces", "ends", "_searched", "final_tokens", "final_chars")
 
@@ -57,10 +57,10 @@ class Detokenizer:
         self.include_stop_str = include_stop_str_in_output
         longest = max((len(s) for s in self.stop_strings), default=0)
         self.holdback = 0 if include_stop_str_in_output or not longest else longest - 1
+        self._prompt = prompt_token_ids  # primes the first window on the first token (nothing decoded before)
         self._window: list[int] = []
         self._context_text = ""
-        self._prime(list(prompt_token_ids))
-        self._context_len = len(self._window)
+        self._context_len = 0
         self._pieces: list[str] = []
         self._piece_ends: list[int] = []  # cumulative characters after each piece
         self._joined = ""  # "".join(pieces[:_joined_pieces]), extended when the whole text is read
@@ -73,12 +73,14 @@ class Detokenizer:
     def _decode(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
 
-    def _prime(self, prompt: list[int]) -> None:
+    def _prime(self) -> None:
+        prompt, self._prompt = list(self._prompt), None
         shortest, longest = PROMPT_CONTEXT
         for size in range(min(shortest, len(prompt)), min(longest, len(prompt)) + 1):
             text = self._decode(prompt[-size:]) if size else ""
             if INCOMPLETE_CHARACTER not in text:
                 self._window, self._context_text = prompt[-size:] if size else [], text
+                self._context_len = len(self._window)
                 return
 
     # ------------------------------------------------------------------ decoding
@@ -95,6 +97,8 @@ class Detokenizer:
 
     def add(self, token_id: int) -> str:
         """Decode one more output token; returns the characters it completed (maybe "")."""
+        if self._prompt is not None:
+            self._prime()
         window = self._window
         window.append(token_id)
         text = self._decode(window)
