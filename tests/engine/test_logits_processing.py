@@ -227,3 +227,13 @@ def test_parameters_the_model_cannot_serve_are_refused_by_name(setup, params, me
     with pytest.raises(ValueError, match=message):
         engine.add_request(prompts[0], params)
     assert not engine.has_unfinished_requests()
+
+
+def test_n_sequences_of_one_token_each_all_finish(setup):
+    folder, _, prompts, _ = setup
+    with ops.use_backend("torch"):
+        engine = Engine.from_pretrained(folder, device="cpu", dtype=torch.float32, block_size=4)
+        out = engine.generate([prompts[2]], SamplingParams(n=4, max_tokens=1, seed=1), use_tqdm=False)[0]
+    # the first finished with its first token: the others were released then, and took its blocks
+    assert [len(o.token_ids) for o in out.outputs] == [1] * 4 and [o.index for o in out.outputs] == [0, 1, 2, 3]
+    assert not engine.has_unfinished_requests() and engine.block_manager.stats.hits > 0

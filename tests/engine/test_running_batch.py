@@ -84,3 +84,22 @@ def test_errors():
         batch.remove(make(3, [1]))
     with pytest.raises(ValueError, match="must all be >= 1"):
         RunningBatch(max_num_seqs=0, max_model_len=8, max_pages=2)
+
+
+def test_token_state_slots_follow_their_request_and_are_reused():
+    batch = RunningBatch(max_num_seqs=3, max_model_len=32, max_pages=4)
+    a, b, c = make(0, [1, 2], repetition_penalty=1.2), make(1, [3]), make(2, [4], allowed_token_ids=[4, 5])
+    for request in (a, b, c):
+        batch.add(request, [request.request_id], 0, 0)
+    slot_a, slot_c = int(batch.token_state_slot[0]), int(batch.token_state_slot[2])
+    assert batch.token_state_slot[1] == -1 and slot_a >= 0 and slot_c >= 0 and slot_a != slot_c
+    assert [(r.request_id, s) for r, s in batch.new_slots] == [(0, slot_a), (2, slot_c)]
+    assert (batch.num_using_penalties, batch.repetition_penalty[0]) == (2, np.float32(1.2))
+    batch.new_slots = []  # what a step's logits processing takes
+    batch.remove(a)  # c moves into row 0 with its slot
+    assert c.row == 0 and batch.token_state_slot[0] == slot_c and batch.token_state_slot[2] == -1
+    d = make(3, [6], presence_penalty=0.5)
+    batch.add(d, [3], 0, 0)
+    assert batch.token_state_slot[d.row] == slot_a  # the freed slot, set again for d by the next step
+    batch.remove(d)
+    assert batch.new_slots == [] and batch.num_using_penalties == 1  # d's pending set-up left with it
