@@ -447,7 +447,7 @@ def section_host(args) -> list[dict]:
 
     cfg = load_config("qwen3-0.6b") | {"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 64,
                                        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
-                                       "vocab_size": 1000}
+                                       "vocab_size": 1000, "bos_token_id": 0, "eos_token_id": 1}
     model = build_model(cfg, dtype=torch.float32, device="cpu")
     rows = []
     for running in (1, 64, 256):
