@@ -178,13 +178,16 @@ class BlockManager:
 
     # ---------------------------------------------------------------- allocation
 
-    def allocate(self, seq_id: Hashable, prompt_token_ids: Sequence[int] | np.ndarray) -> int | None:
+    def allocate(self, seq_id: Hashable, prompt_token_ids: Sequence[int] | np.ndarray, *,
+                 use_cache: bool = True) -> int | None:
         """Reserve blocks for every prompt token, taking cached full prefix blocks where possible.
 
         Args:
             seq_id: a name not currently allocated.
             prompt_token_ids: the tokens to hold, 1-D ints, at least one (after a preemption:
                 the prompt plus the tokens generated so far).
+            use_cache: False allocates every block fresh, whatever the prefix cache holds (a
+                request that needs every prompt position computed); its blocks are still published.
 
         Returns:
             The number of leading prompt tokens whose KV is already in the pool (a multiple of
@@ -201,7 +204,7 @@ class BlockManager:
         bs = self._block_size
 
         # Full blocks that may be served: all but the block holding the last prompt token.
-        num_eligible = (num_tokens - 1) // bs if self.enable_prefix_caching else 0
+        num_eligible = (num_tokens - 1) // bs if self.enable_prefix_caching and use_cache else 0
         hit_blocks: list[int] = []
         hit_hashes: list[int] = []
         hit_set: set[int] = set()

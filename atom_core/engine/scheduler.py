@@ -227,17 +227,11 @@ class Scheduler:
     def _admit(self, request: Request, budget: int) -> int | None:
         """Move the head of the queue into the batch; its query length, or None if it does not fit."""
         bm = self.block_manager
-        if (request.params.prompt_logprobs is not None and bm.enable_prefix_caching
-                and request.num_prompt_logprobs_scheduled < request.num_prompt_tokens - 1):
-            # Its prompt log-probs need the logits of every prompt position: no prefix-cache hit
-            # (vLLM too). Allocated as a miss; its blocks are published like any other's.
-            bm.enable_prefix_caching = False
-            try:
-                cached = bm.allocate(request.request_id, request.token_ids)
-            finally:
-                bm.enable_prefix_caching = True
-        else:
-            cached = bm.allocate(request.request_id, request.token_ids)
+        # Prompt log-probs need the logits of every prompt position: no prefix-cache hit (vLLM too).
+        # Allocated as a miss; its blocks are published like any other's.
+        needs_every_position = (request.params.prompt_logprobs is not None
+                                and request.num_prompt_logprobs_scheduled < request.num_prompt_tokens - 1)
+        cached = bm.allocate(request.request_id, request.token_ids, use_cache=not needs_every_position)
         if cached is None:
             return None
         self.waiting.popleft()

@@ -390,3 +390,18 @@ def test_host_bytes_per_block_estimate_is_within_a_third_of_the_measured_bookkee
         tracemalloc.stop()
     assert bm.num_free_blocks == num_blocks
     assert 0.67 * used <= num_blocks * HOST_BYTES_PER_BLOCK <= 1.33 * used
+
+
+def test_allocate_without_the_cache_takes_fresh_blocks_and_still_publishes_them():
+    bm = BlockManager(16, 4)
+    tokens = list(range(9))
+    bm.allocate("a", tokens)
+    bm.publish("a", tokens, len(tokens))
+    assert bm.allocate("b", tokens) == 8  # a hit: two full blocks
+    assert bm.allocate("c", tokens, use_cache=False) == 0
+    assert not set(bm.block_table("c")) & set(bm.block_table("a"))
+    bm.publish("c", tokens, len(tokens))
+    bm.free("a")
+    bm.free("b")
+    bm.free("c")
+    bm.check_integrity()
