@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 import random
 import time
+import weakref
 from collections.abc import Mapping
-from dataclasses import replace
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -22,16 +22,17 @@ from tqdm.auto import tqdm
 
 from atom_core.cache import BlockManager, budget_from_memory, plan_kv_pool
 from atom_core.cache.pool_sizing import check_fits_in_memory, host_memory_available_bytes
-from atom_core.cache.token_layout import build_step_layout
+from atom_core.engine.distributed import WARMUP, StepChannel, WorkerFailedError, control_group_for
 from atom_core.engine.generation_config import read_generation_config
 from atom_core.engine.logits_processing import request_processing
 from atom_core.engine.outputs import RequestOutput, StepOutputs
 from atom_core.engine.request import Request
-from atom_core.engine.runner import LaunchedStep, ModelRunner, forward_logits
+from atom_core.engine.runner import LaunchedStep, ModelRunner
 from atom_core.engine.sampling_params import SEED_LIMIT, SamplingParams
 from atom_core.engine.scheduler import Scheduler
 from atom_core.engine.stop_rule import StopRule
 from atom_core.engine.tokenizer import Tokenizer
+from atom_core.engine.workers import DEFAULT_STEP_TIMEOUT, WorkerSet, run_worker, start_ranks, stop_ranks
 from atom_core.ops.penalties import apply_penalties_, apply_token_bias_
 from atom_core.ops.sampling import sample
 
@@ -89,6 +90,55 @@ def check_device(device) -> torch.device:
     return device
 
 
+def plan_pool(model, device: torch.device, *, block_size: int, num_kv_blocks: int | None, gpu_memory_utilization: float,
+              max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, kv_cache_dtype):
+    """The KV pool of ``model`` on ``device``: (spec, extra cache specs, plan). ``num_kv_blocks`` None: sized
+    from memory (a CPU pool holds CPU_DEFAULT_POOL_SEQS requests of max_model_len, within
+    CPU_POOL_MEMORY_SHARE of the host memory available; a GPU pool takes ``gpu_memory_utilization`` of the
+    GPU less one step's activations); given: refused before allocating when it cannot fit."""
+    spec = model.kv_cache_spec(kv_cache_torch_dtype(kv_cache_dtype))
+    # Caches some models keep beside the KV pool over the same blocks (DSA's indexer keys): their
+    # bytes per block come out of the same budget.
+    extra_specs = model.extra_kv_cache_specs() if hasattr(model, "extra_kv_cache_specs") else {}
+    extra_block_bytes = sum(extra.bytes_per_block(block_size) for extra in extra_specs.values())
+    share = spec.bytes_per_block(block_size) / (spec.bytes_per_block(block_size) + extra_block_bytes)
+    sizing = dict(block_size=block_size, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+    if num_kv_blocks is not None:
+        plan = plan_kv_pool(spec, num_blocks=num_kv_blocks, **sizing)
+    elif device.type == "cpu":
+        plan = plan_kv_pool(spec, budget_bytes=int(_cpu_budget(spec, block_size, max_model_len) * share), **sizing)
+    else:
+        plan = plan_kv_pool(spec, budget_bytes=int(share * _gpu_budget(
+            model, device, gpu_memory_utilization, max_num_batched_tokens, max_num_seqs)), **sizing)
+    logger.info("KV pool: %d blocks of %d tokens (%.2f GiB)", plan.num_blocks, block_size, plan.kv_bytes / 2**30)
+    if num_kv_blocks is not None:  # a pool asked for by size: refused before allocating when it cannot fit
+        on_gpu = device.type == "cuda"
+        check_fits_in_memory(f"a KV pool of num_kv_blocks={num_kv_blocks}",
+                             plan.total_bytes + plan.num_blocks * extra_block_bytes,
+                             torch.cuda.mem_get_info(device)[0] if on_gpu else host_memory_available_bytes(),
+                             where=str(device) if on_gpu else "host memory",
+                             hint="ask for fewer num_kv_blocks, or leave it None to size the pool from memory")
+    return spec, extra_specs, plan
+
+
+def _cpu_budget(spec, block_size: int, max_model_len: int) -> int:
+    """Bytes of a CPU pool: room for CPU_DEFAULT_POOL_SEQS requests of max_model_len, within
+    CPU_POOL_MEMORY_SHARE of the host memory available (plan_kv_pool refuses, with the numbers,
+    a budget that cannot hold one request)."""
+    budget = CPU_DEFAULT_POOL_SEQS * -(-max_model_len // block_size) * spec.bytes_per_block(block_size)
+    # (the caller takes the KV pool's share of this budget when a model keeps extra caches)
+    available = host_memory_available_bytes()
+    if available is not None:
+        budget = min(budget, int(available * CPU_POOL_MEMORY_SHARE))
+    return budget
+
+
+def _gpu_budget(model, device: torch.device, utilization: float, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+    free, total = torch.cuda.mem_get_info(device)
+    activations = step_activation_bytes(model.config, max_num_batched_tokens, max_num_seqs)
+    return budget_from_memory(total, total - free + activations, utilization)
+
+
 class Engine:
     """Continuous-batching generation over a paged KV pool.
 
@@ -108,13 +158,24 @@ class Engine:
 
     A model writes into one KV pool at a time: an engine binds its own pool into the model before
     each step when another engine on the same model has rebound it.
+
+    **Several ranks.** ``from_pretrained(path, tensor_parallel_size=N, expert_parallel=...)`` starts
+    (or, under ``torchrun``, joins) N ranks. This process is rank 0: it schedules, samples and serves
+    the API; the others hold their shard and run each step's forward (``engine/workers.py``). An
+    engine may also be built here from a model split over a TP group (``load_model(..., parallel=ctx)``,
+    this process its TP rank 0) while the group's other ranks call ``run_worker(model)``; ``workers``
+    is then None, or the ``WorkerSet`` of processes the caller started. ``step_timeout`` (seconds,
+    several ranks only): the longest rank 0 waits for a worker within a step before raising
+    ``WorkerFailedError``. ``shutdown()`` (or leaving a ``with`` block, or dropping the engine, or the
+    interpreter's exit) stops the workers; a one-rank engine has nothing to stop.
     """
 
     def __init__(self, model, tokenizer: Tokenizer | None = None, *, device=None, block_size: int = 16,
                  num_kv_blocks: int | None = None, gpu_memory_utilization: float = 0.9, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, enforce_eager: bool = False, async_scheduling: bool = True,
-                 warmup: bool = True, kv_cache_dtype: str | torch.dtype = "auto", max_logprobs: int = 20):
+                 warmup: bool = True, kv_cache_dtype: str | torch.dtype = "auto", max_logprobs: int = 20,
+                 step_timeout: float = DEFAULT_STEP_TIMEOUT, workers: WorkerSet | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.device = check_device(device) if device is not None else next(model.parameters()).device
@@ -131,28 +192,14 @@ class Engine:
             logger.warning("max_model_len set to %d on CPU (the model allows %d); pass max_model_len= to change it",
                            max_model_len, limit)
         self.max_model_len = max_model_len or limit
-        spec = model.kv_cache_spec(kv_cache_torch_dtype(kv_cache_dtype))
-        # Caches some models keep beside the KV pool over the same blocks (DSA's indexer keys): their
-        # bytes per block come out of the same budget.
-        extra_specs = model.extra_kv_cache_specs() if hasattr(model, "extra_kv_cache_specs") else {}
-        extra_block_bytes = sum(extra.bytes_per_block(block_size) for extra in extra_specs.values())
-        share = spec.bytes_per_block(block_size) / (spec.bytes_per_block(block_size) + extra_block_bytes)
-        sizing = dict(block_size=block_size, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len)
-        if num_kv_blocks is not None:
-            plan = plan_kv_pool(spec, num_blocks=num_kv_blocks, **sizing)
-        elif self.device.type == "cpu":
-            plan = plan_kv_pool(spec, budget_bytes=int(self._cpu_budget(spec, block_size) * share), **sizing)
-        else:
-            plan = plan_kv_pool(spec, budget_bytes=int(share * self._gpu_budget(
-                gpu_memory_utilization, max_num_batched_tokens, max_num_seqs)), **sizing)
-        logger.info("KV pool: %d blocks of %d tokens (%.2f GiB)", plan.num_blocks, block_size, plan.kv_bytes / 2**30)
-        if num_kv_blocks is not None:  # a pool asked for by size: refused before allocating when it cannot fit
-            on_gpu = self.device.type == "cuda"
-            check_fits_in_memory(f"a KV pool of num_kv_blocks={num_kv_blocks}",
-                                 plan.total_bytes + plan.num_blocks * extra_block_bytes,
-                                 torch.cuda.mem_get_info(self.device)[0] if on_gpu else host_memory_available_bytes(),
-                                 where=str(self.device) if on_gpu else "host memory",
-                                 hint="ask for fewer num_kv_blocks, or leave it None to size the pool from memory")
+        if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int) or max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be an int >= 0, got {max_logprobs!r}")
+        pool_args = dict(block_size=block_size, num_kv_blocks=num_kv_blocks,
+                         gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
+                         max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
+                         kv_cache_dtype=kv_cache_dtype)
+        self._channel = self._open_ranks(model, step_timeout, workers)
+        spec, extra_specs, plan = self._plan_pool(pool_args, enforce_eager)
         self.stop_rule = StopRule(config.eos_token_id, self.max_model_len, tokenizer)
         self.block_manager = BlockManager(plan.num_blocks, plan.block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
@@ -160,11 +207,9 @@ class Engine:
                                    stop_rule=self.stop_rule)
         self.runner = ModelRunner(model, spec, plan, extra_specs=extra_specs, device=self.device, max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
-                                  enforce_eager=enforce_eager)
+                                  enforce_eager=enforce_eager, channel=self._channel)
         # What a request without SamplingParams gets (from_pretrained: the checkpoint's generation_config.json).
         self.default_sampling_params = SamplingParams()
-        if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int) or max_logprobs < 0:
-            raise ValueError(f"max_logprobs must be an int >= 0, got {max_logprobs!r}")
         self.max_logprobs = max_logprobs
         self.async_scheduling = bool(async_scheduling)
         self._in_flight: LaunchedStep | None = None  # launched, its tokens not read yet
@@ -177,9 +222,17 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, *, dtype=None, device=None, load_format: str = "auto",
-                        quantization: str | None = None, **engine_args) -> Engine:
+                        quantization: str | None = None, tensor_parallel_size: int = 1, expert_parallel: bool = False,
+                        **engine_args) -> Engine | None:
         """Load a checkpoint folder (config.json, *.safetensors, tokenizer.json); None = the built-in demo model.
-        ``quantization`` (``"fp8"`` / ``"fp8_block"``): quantize an unquantized checkpoint while loading (``load_model``)."""
+        ``quantization`` (``"fp8"`` / ``"fp8_block"``): quantize an unquantized checkpoint while loading (``load_model``).
+
+        ``tensor_parallel_size=N > 1``: the model split over N ranks (``expert_parallel``: a MoE model's
+        experts split whole over them instead of each expert's intermediate dim). Without a launcher,
+        this process is rank 0 and starts ranks 1..N-1 (on CUDA, rank r uses GPU r). Under ``torchrun``
+        (or with ``torch.distributed`` initialized) every rank calls this: rank 0 gets the engine; on the
+        other ranks the call serves rank 0's steps and returns None once rank 0 shuts the engine down.
+        """
         from atom_core.models import load_model
 
         path = Path(path) if path is not None else DEMO_MODEL
@@ -187,8 +240,28 @@ class Engine:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         check_device(device)
         eos_token_ids, defaults = read_generation_config(path)
-        model = load_model(path, dtype=dtype, device=device, load_format=load_format, quantization=quantization)
-        engine = cls(model, Tokenizer.maybe_from(path), device=device, **engine_args)
+        load_args = dict(dtype=dtype, load_format=load_format, quantization=quantization)
+        if tensor_parallel_size == 1:
+            model = load_model(path, device=device, **load_args)
+            engine = cls(model, Tokenizer.maybe_from(path), device=device, **engine_args)
+        else:
+            step_timeout = engine_args.get("step_timeout", DEFAULT_STEP_TIMEOUT)
+            worker_args = dict(path=str(path), dtype=None if dtype is None else str(dtype).removeprefix("torch."),
+                               load_format=load_format, quantization=quantization, device=torch.device(device).type,
+                               tensor_parallel_size=tensor_parallel_size, expert_parallel=bool(expert_parallel))
+            ranks = start_ranks(tensor_parallel_size=tensor_parallel_size, expert_parallel=expert_parallel,
+                                device=device, step_timeout=step_timeout, worker_args=worker_args)
+            try:
+                model = load_model(path, device=ranks.device, parallel=ranks.parallel, **load_args)
+                if not ranks.is_driver:  # a launcher's worker rank: serve until rank 0 shuts the engine down
+                    run_worker(model)
+                    ranks.close()
+                    return None
+                engine = cls(model, Tokenizer.maybe_from(path), device=ranks.device, workers=ranks.workers,
+                             **engine_args)
+            except BaseException:
+                ranks.close()
+                raise
         engine.eos_token_ids = engine.eos_token_ids | set(eos_token_ids)
         try:
             engine.default_sampling_params = SamplingParams(**defaults)
@@ -196,21 +269,68 @@ class Engine:
             raise ValueError(f"{path / 'generation_config.json'}: {e}") from None
         return engine
 
-    def _cpu_budget(self, spec, block_size: int) -> int:
-        """Bytes of a CPU pool: room for CPU_DEFAULT_POOL_SEQS requests of max_model_len, within
-        CPU_POOL_MEMORY_SHARE of the host memory available (plan_kv_pool refuses, with the numbers,
-        a budget that cannot hold one request)."""
-        budget = CPU_DEFAULT_POOL_SEQS * -(-self.max_model_len // block_size) * spec.bytes_per_block(block_size)
-        # (the caller takes the KV pool's share of this budget when a model keeps extra caches)
-        available = host_memory_available_bytes()
-        if available is not None:
-            budget = min(budget, int(available * CPU_POOL_MEMORY_SHARE))
-        return budget
+    # ------------------------------------------------------------------ several ranks
 
-    def _gpu_budget(self, utilization: float, max_num_batched_tokens: int, max_num_seqs: int) -> int:
-        free, total = torch.cuda.mem_get_info(self.device)
-        activations = step_activation_bytes(self.model.config, max_num_batched_tokens, max_num_seqs)
-        return budget_from_memory(total, total - free + activations, utilization)
+    def _open_ranks(self, model, step_timeout: float, workers: WorkerSet | None) -> StepChannel | None:
+        """Rank 0 of a model split over a TP group: the control group and channel to the workers (made
+        together with their ``run_worker``), and the finalizer that stops them. None for one rank."""
+        self._finalizer = None
+        self.workers = None
+        parallel = getattr(model, "parallel", None)
+        if parallel is None or parallel.tp_size == 1:
+            if workers is not None:
+                raise ValueError("workers= is for a model split over several ranks; this model is not split")
+            return None
+        if parallel.tp_group is None:
+            raise ValueError(f"the model is split over {parallel.tp_size} ranks but has no process group "
+                             "(load_model(..., parallel=ParallelContext.from_world(...)))")
+        if parallel.tp_rank != 0:
+            raise ValueError(f"the Engine runs on TP rank 0; this process is rank {parallel.tp_rank} of its group: "
+                             "call atom_core.engine.run_worker(model) there")
+        if parallel.dp_size > 1:
+            raise ValueError("data parallelism (several engine replicas) is not built yet: use a world of one TP group")
+        if isinstance(step_timeout, bool) or not isinstance(step_timeout, (int, float)) or not step_timeout > 0:
+            raise ValueError(f"step_timeout must be a number of seconds > 0, got {step_timeout!r}")
+        workers = workers or WorkerSet()
+        self.workers = workers  # the processes of the other ranks this process started (none under a launcher)
+        channel = StepChannel(parallel, control_group_for(parallel), self.device, step_timeout=step_timeout,
+                              find_failure=workers.find_failure)
+        # Holds the channel and the processes, not the engine: it runs when the engine is dropped or at exit.
+        self._finalizer = weakref.finalize(self, stop_ranks, channel, workers)
+        logger.info("engine over %d ranks (%s)", parallel.tp_size, parallel.describe())
+        return channel
+
+    def _plan_pool(self, pool_args: dict, enforce_eager: bool):
+        """``plan_pool`` here, and with several ranks the smallest block count over the ranks (each sizes
+        its own pool from its own memory; they must hold the same blocks)."""
+        channel = self._channel
+        if channel is None:
+            return plan_pool(self.model, self.device, **pool_args)
+        channel.send_object({"pool": pool_args, "enforce_eager": enforce_eager})
+        try:
+            spec, extra_specs, plan = plan_pool(self.model, self.device, **pool_args)
+        except BaseException:
+            channel.agree_min(-1)  # the workers stop waiting for this rank
+            raise
+        agreed = channel.agree_min(plan.num_blocks)
+        if agreed < 0:
+            raise WorkerFailedError("a worker rank could not size its KV pool (its own log says why)")
+        if agreed != plan.num_blocks:
+            spec, extra_specs, plan = plan_pool(self.model, self.device, **pool_args | {"num_kv_blocks": agreed})
+        return spec, extra_specs, plan
+
+    def shutdown(self) -> None:
+        """Stop the worker ranks (several ranks: they leave, or are killed after a grace period; the process
+        group the engine made is destroyed). Idempotent; a one-rank engine has nothing to stop. The engine
+        cannot step afterwards."""
+        if self._finalizer is not None:
+            self._finalizer()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
 
     def warmup(self) -> float:
         """Compile every kernel variant the engine launches and capture its CUDA graphs now, so that
@@ -225,32 +345,29 @@ class Engine:
         """
         if self.device.type != "cuda":
             return 0.0
+        if self._channel is not None:
+            self._channel.check_usable()
         t0 = time.perf_counter()
         self.runner.bind()
         graphs = self.runner.graphs
         with torch.inference_mode():
-            if graphs is not None:
-                buckets = graphs.buckets()
-                with tqdm(total=len(buckets), desc="capturing CUDA graphs", leave=False) as bar:
-                    graphs.capture_all(progress=lambda bucket: bar.update(1))
-            else:
-                self._warm_eager_forward()
+            if self._channel is not None:  # every rank runs the same forwards (their collectives) and captures
+                self._channel.send(WARMUP)
+            try:
+                if graphs is not None:
+                    with tqdm(total=len(graphs.buckets()), desc="capturing CUDA graphs", leave=False) as bar:
+                        self.runner.warm_forward(progress=lambda bucket: bar.update(1))
+                else:
+                    self.runner.warm_forward()
+            except BaseException as error:
+                if self._channel is None:
+                    raise
+                raise self._channel.fail(error) from error
             self._warm_sampling()
         torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - t0
         logger.info("engine warm-up: %.1f s (%d CUDA graphs)", seconds, graphs.num_captured if graphs else 0)
         return seconds
-
-    def _warm_eager_forward(self) -> None:
-        """One mixed step and decode steps of a few row counts, through the model with no KV written."""
-        block_size = self.block_manager.block_size
-        for rows, tokens_per_row in ((2, 17), (1, 1), (3, 1), (16, 1)):
-            pages = [[0] * -(-tokens_per_row // block_size)] * rows  # shapes only: nothing is written or read
-            layout = build_step_layout([tokens_per_row] * rows, [0] * rows, pages, block_size)
-            layout = replace(layout, slot_mapping=torch.full_like(layout.slot_mapping, -1),
-                             context_lens=torch.zeros_like(layout.context_lens)).to(self.device)
-            ids = torch.zeros(layout.num_tokens, dtype=torch.int64, device=self.device)
-            forward_logits(self.model, ids, layout)
 
     def _warm_sampling(self) -> None:
         """``ops.sample`` at every row count, with and without filters and log-probs (its launch
@@ -402,6 +519,8 @@ class Engine:
         With ``async_scheduling`` the next step is scheduled and launched before this one's tokens
         are read, so the device never waits for the host between steps.
         """
+        if self._channel is not None:
+            self._channel.check_usable()
         if not self.runner.is_bound:  # another engine on this model bound its own pool since
             self.runner.bind()
         current, self._in_flight = self._in_flight, None
@@ -421,6 +540,8 @@ class Engine:
                                            result.prompt_logprobs)
         except BaseException:
             self._fail(scheduled)
+            if self._channel is not None and self._channel.failure is not None:
+                self.shutdown()  # the ranks are out of step: stop the workers now
             raise
         for i in record.finish_reasons:
             self._forget_if_done(record.requests[i].group_id)

@@ -19,6 +19,11 @@ Log-probs are those of the raw logits (before processing and temperature, vLLM's
 chosen token's, the top-N alternatives (``num_top_logprobs``), and prompt log-probs, which need
 every prompt position's hidden state: such a step runs eagerly.
 
+Several ranks (``channel``, a ``distributed.StepChannel``): the forward part of ``launch`` is
+``_forward(StepInputs)``, which every rank runs; rank 0 sends each step's ``StepInputs`` to the
+workers before its own forward and broadcasts the sampled tokens after sampling, and a worker runs
+``run_worker_step`` on what it received (``engine/distributed.py``, ``engine/workers.py``).
+
 Legend: B = rows, T = tokens this step, V = vocabulary, N = top alternatives, M = prompt positions.
 """
 
@@ -26,8 +31,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
-from typing import NamedTuple
+from dataclasses import dataclass, replace
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -35,6 +40,7 @@ import torch
 from atom_core.cache import KVCacheSpec, PoolPlan, StepLayout, build_step_layout
 from atom_core.cache.token_layout import build_decode_layout
 from atom_core.engine.cuda_graphs import StepGraphs, padded_input_ids
+from atom_core.engine.distributed import STEP, StepChannel, StepInputs
 from atom_core.engine.logits_processing import LogitsProcessing
 from atom_core.engine.step import PromptLogprobsInputs, ScheduledStep
 from atom_core.ops.penalties import apply_penalties_, apply_token_bias_, count_tokens_, init_token_state_
@@ -55,6 +61,7 @@ class LaunchedStep:
     ready: torch.cuda.Event | None
     top_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids int64 [B, N], log-probs f32 [B, N]), host
     prompt_logprobs: tuple[torch.Tensor, ...] | None = None  # (log-probs [M], top ids [M, N], top [M, N]), host
+    wait: Callable[[torch.cuda.Event], None] | None = None  # waits for ``ready`` (bounded, with several ranks)
 
 
 class StepResult(NamedTuple):
@@ -73,8 +80,9 @@ class ModelRunner:
 
     def __init__(self, model, spec: KVCacheSpec, plan: PoolPlan, *, device, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, enforce_eager: bool = False,
-                 extra_specs: dict[str, KVCacheSpec] | None = None):
+                 extra_specs: dict[str, KVCacheSpec] | None = None, channel: StepChannel | None = None):
         self.model = model
+        self.channel = channel  # several ranks: rank 0's or a worker's link to the others (None: one rank)
         self.device = torch.device(device)
         self.plan = plan
         self.max_pages = -(-max_model_len // plan.block_size)
@@ -126,7 +134,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ one step
 
-    def prepare(self, step: ScheduledStep, bucket=None) -> tuple[np.ndarray, StepLayout]:
+    def prepare(self, step: ScheduledStep | StepInputs, bucket=None) -> tuple[np.ndarray, StepLayout]:
         """Host side: the input ids and the token layout, padded to ``bucket``'s shape when given."""
         num_rows = len(step)
         if step.is_decode:
@@ -143,35 +151,55 @@ class ModelRunner:
         assert layout.num_rows >= num_rows
         return input_ids, layout
 
-    @torch.inference_mode()
-    def launch(self, step: ScheduledStep) -> LaunchedStep:
-        """Queue the step's device work; returns at once on a GPU (see ``collect``)."""
-        dev = self.device
+    def step_inputs(self, step: ScheduledStep) -> StepInputs:
+        """What every rank needs for the step's forward, with the graph it replays (None: eagerly)."""
         bucket = None
         if self.graphs is not None and step.prompt_logprobs is None:  # prompt log-probs need every hidden state
             bucket = self.graphs.bucket_for(step.num_tokens, len(step), step.is_decode)
-        input_ids, layout = self.prepare(step, bucket)
-        previous_sampled = self._last_sampled
+        return StepInputs(step.input_ids, step.query_lens, step.cached_lens, step.block_tables,
+                          step.pending_positions, step.pending_sources,
+                          None if step.prompt_logprobs is None else step.prompt_logprobs.token_indices, bucket)
+
+    def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's logits [>= B, V] (its graph's, or eagerly) and, for prompt log-probs, every hidden
+        state [T, E] (else None). Every rank runs exactly this."""
+        dev, bucket = self.device, inputs.bucket
+        input_ids, layout = self.prepare(inputs, bucket)
         pending = None
-        if step.pending_positions is not None:
-            if previous_sampled is None:
+        if inputs.pending_positions is not None:
+            if self._last_sampled is None:
                 raise RuntimeError("a step reads tokens of a previous step that was never launched")
-            where = torch.from_numpy(np.stack([step.pending_positions, step.pending_sources])).to(dev, non_blocking=True)
-            pending = (where[0], previous_sampled[where[1]])
-        prompt_logprobs = None
+            where = torch.from_numpy(np.stack([inputs.pending_positions, inputs.pending_sources])).to(
+                dev, non_blocking=True)
+            pending = (where[0], self._last_sampled[where[1]])
         if bucket is not None:
-            logits = self.graphs.run(bucket, torch.from_numpy(input_ids), layout, pending)
-        else:
-            ids = torch.from_numpy(input_ids).to(dev, non_blocking=True)
-            if pending is not None:
-                ids.index_copy_(0, *pending)
-            layout = layout.to(dev, non_blocking=True)
-            if step.prompt_logprobs is None:
-                logits = forward_logits(self.model, ids, layout)
-            else:
-                hidden = self.model(ids, layout.positions, layout)
-                logits = self.model.compute_logits(hidden[layout.logits_indices])
-                prompt_logprobs = self._prompt_logprobs(hidden, step.prompt_logprobs)
+            return self.graphs.run(bucket, torch.from_numpy(input_ids), layout, pending), None
+        ids = torch.from_numpy(input_ids).to(dev, non_blocking=True)
+        if pending is not None:
+            ids.index_copy_(0, *pending)
+        layout = layout.to(dev, non_blocking=True)
+        if inputs.prompt_logprob_indices is None:
+            return forward_logits(self.model, ids, layout), None
+        hidden = self.model(ids, layout.positions, layout)
+        return self.model.compute_logits(hidden[layout.logits_indices]), hidden
+
+    @torch.inference_mode()
+    def launch(self, step: ScheduledStep) -> LaunchedStep:
+        """Queue the step's device work; returns at once on a GPU (see ``collect``)."""
+        inputs = self.step_inputs(step)
+        if self.channel is None:
+            return self._launch(step, inputs)
+        self.channel.send(STEP, inputs)
+        try:
+            return self._launch(step, inputs)
+        except BaseException as error:
+            raise self.channel.fail(error) from error
+
+    def _launch(self, step: ScheduledStep, inputs: StepInputs) -> LaunchedStep:
+        dev = self.device
+        previous_sampled = self._last_sampled
+        logits, hidden = self._forward(inputs)
+        prompt_logprobs = None if hidden is None else self._prompt_logprobs(hidden, step.prompt_logprobs)
         s = step.sampling
         put = self._put
         raw = logits[:len(step)]
@@ -182,6 +210,8 @@ class ModelRunner:
         result = sample(processed, put(s.temperature), put(s.top_k), put(s.top_p), put(s.min_p),
                         put(s.seeds), put(s.offsets), return_logprobs=fused_logprobs)
         tokens, logprobs = result if fused_logprobs else (result, None)
+        if self.channel is not None:  # every rank gathers the next step's pending tokens from these
+            self.channel.share_tokens(tokens)
         top_logprobs = None
         if step.want_logprobs and not fused_logprobs:
             logprobs, top_logprobs = token_logprobs(raw, tokens, step.num_top_logprobs)
@@ -199,7 +229,34 @@ class ModelRunner:
         host_top = None if top_logprobs is None else tuple(map(to_host, top_logprobs))
         host_prompt = None if prompt_logprobs is None else tuple(map(to_host, prompt_logprobs))
         ready.record()
-        return LaunchedStep(step, host_tokens, host_logprobs, ready, host_top, host_prompt)
+        wait = None if self.channel is None else self.channel.wait_event
+        return LaunchedStep(step, host_tokens, host_logprobs, ready, host_top, host_prompt, wait)
+
+    @torch.inference_mode()
+    def run_worker_step(self, inputs: StepInputs) -> None:
+        """A worker rank's share of a step: the same forward as rank 0 (and the same LM-head gathers for
+        prompt log-probs), then rank 0's sampled tokens, kept for the next step's pending tokens."""
+        _, hidden = self._forward(inputs)
+        if hidden is not None:
+            for _ in self._prompt_logits(hidden, self._put(inputs.prompt_logprob_indices)):
+                pass
+        self._last_sampled = self.channel.receive_tokens(len(inputs))
+
+    @torch.inference_mode()
+    def warm_forward(self, progress: Callable | None = None) -> None:
+        """Run the model on every shape the engine launches, without touching the KV pool: capture every
+        CUDA graph, or (eagerly) one mixed step and decode steps of a few row counts. Every rank of a
+        multi-rank engine runs it at the same time (the forward's collectives)."""
+        if self.graphs is not None:
+            self.graphs.capture_all(progress=progress)
+            return
+        for rows, tokens_per_row in ((2, 17), (1, 1), (3, 1), (16, 1)):
+            pages = [[0] * -(-tokens_per_row // self.block_size)] * rows  # shapes only: nothing is written or read
+            layout = build_step_layout([tokens_per_row] * rows, [0] * rows, pages, self.block_size)
+            layout = replace(layout, slot_mapping=torch.full_like(layout.slot_mapping, -1),
+                             context_lens=torch.zeros_like(layout.context_lens)).to(self.device)
+            ids = torch.zeros(layout.num_tokens, dtype=torch.int64, device=self.device)
+            forward_logits(self.model, ids, layout)
 
     def _put(self, array: np.ndarray | None) -> torch.Tensor | None:
         return None if array is None else torch.from_numpy(array).to(self.device, non_blocking=True)
@@ -244,15 +301,20 @@ class ModelRunner:
             where = self._put(rows)
             count_tokens_(self.token_state, self._put(slots[rows]), tokens[where])
 
+    def _prompt_logits(self, hidden: torch.Tensor, indices: torch.Tensor):
+        """(chunk, logits [chunk, V]) of the hidden states at ``indices``, PROMPT_LOGPROBS_CHUNK at a time
+        (each an LM-head call: with several ranks a gather every rank makes)."""
+        for start in range(0, len(indices), PROMPT_LOGPROBS_CHUNK):
+            chunk = slice(start, start + PROMPT_LOGPROBS_CHUNK)
+            yield chunk, self.model.compute_logits(hidden[indices[chunk]])
+
     def _prompt_logprobs(self, hidden: torch.Tensor, inputs: PromptLogprobsInputs) -> tuple:
         """(log-probs [M], top ids [M, N] or None, top log-probs [M, N] or None) of the prompt
         positions, from the raw logits, PROMPT_LOGPROBS_CHUNK positions at a time."""
         indices, targets = self._put(inputs.token_indices), self._put(inputs.target_ids)
         values, top_ids, top_values = [], [], []
-        for start in range(0, len(inputs.token_indices), PROMPT_LOGPROBS_CHUNK):
-            chunk = slice(start, start + PROMPT_LOGPROBS_CHUNK)
-            chosen, top = token_logprobs(self.model.compute_logits(hidden[indices[chunk]]), targets[chunk],
-                                         inputs.num_top)
+        for chunk, logits in self._prompt_logits(hidden, indices):
+            chosen, top = token_logprobs(logits, targets[chunk], inputs.num_top)
             values.append(chosen)
             if top is not None:
                 top_ids.append(top[0])
@@ -264,7 +326,9 @@ class ModelRunner:
     @staticmethod
     def collect(launched: LaunchedStep) -> StepResult:
         """Wait for a launched step's results (see ``StepResult``)."""
-        if launched.ready is not None:
+        if launched.wait is not None:
+            launched.wait(launched.ready)
+        elif launched.ready is not None:
             launched.ready.synchronize()
         logprobs = None if launched.logprobs is None else launched.logprobs.numpy()
         top = None if launched.top_logprobs is None else tuple(t.numpy() for t in launched.top_logprobs)

@@ -1,0 +1,294 @@
+"""The engine over two ranks (CPU, gloo): the same greedy tokens as one rank, failures turned into
+named errors within a bound, and no process left behind.
+
+Each 2-rank engine here starts a real worker process (``Engine.from_pretrained(tensor_parallel_size=2)``)
+or two launcher processes (``torch.distributed.run --nnodes 2``, one rank each, rendezvous over
+loopback: the multi-node path on one machine). The bounds below (``step_timeout``, the subprocess
+timeouts) are there so that a broken build fails instead of hanging; they claim nothing about speed.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from atom_core import ops
+from atom_core.engine import Engine, SamplingParams
+from atom_core.engine.cuda_graphs import DECODE, MIXED, Bucket
+from atom_core.engine.distributed import (
+    CONFIG,
+    HEADER_BYTES,
+    INLINE_BYTES,
+    STEP,
+    DistributedEngineError,
+    StepInputs,
+    WorkerFailedError,
+    decode,
+    encode,
+)
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not available")
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = Path(__file__).with_name("multi_rank_script.py")
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+# Chunked prefill (prompts of 13 and 20 tokens, 8 per step) and preemption (24 blocks of 2 slots for five
+# requests of up to 32 tokens), with async scheduling (the default) on.
+TIGHT = dict(block_size=2, num_kv_blocks=24, max_model_len=48, max_num_batched_tokens=8)
+PROCESS_BOUND_S = 120  # a launcher run that takes longer has hung
+
+
+@pytest.fixture(autouse=True)
+def _workers_prefer_the_torch_ops(monkeypatch):
+    """The worker processes read ATOM_CORE_BACKEND at import (rank 0 runs inside use_backend("torch"))."""
+    monkeypatch.setenv("ATOM_CORE_BACKEND", "torch")
+
+
+def _prompts(vocab: int, lengths=(7, 1, 13, 20, 3), seed=0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, vocab - 1) for _ in range(n)] for n in lengths]
+
+
+def _live_children() -> set[int]:
+    """Pids of this process's children that still exist (zombies included: not reaped is left behind)."""
+    children = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == os.getpid():
+                children.add(int(entry))
+    return children
+
+
+def _worker_pids(engine) -> list[int]:
+    return [p.pid for p in engine.workers.processes.values()]
+
+
+def _pid_exists(pid: int) -> bool:
+    return os.path.exists(f"/proc/{pid}")
+
+
+def _generate(engine, prompts, params=GREEDY):
+    outs = engine.generate(prompts, params, use_tqdm=False)
+    return [o.token_ids for o in outs]
+
+
+# ---- what crosses to the workers ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("with_extras", [False, True])
+@pytest.mark.parametrize("rows, pages", [(3, 2), (300, 128)])  # the second is over INLINE_BYTES: two broadcasts
+def test_step_message_decodes_to_the_inputs_it_encodes(rows, pages, with_extras):
+    rng = np.random.default_rng(rows)
+    tokens = rows * 2
+    inputs = StepInputs(rng.integers(0, 1000, tokens), np.full(rows, 2), rng.integers(0, 50, rows),
+                        rng.integers(-1, 99, (rows, pages)).astype(np.int32),
+                        np.arange(2) if with_extras else None, np.array([1, 0]) if with_extras else None,
+                        rng.integers(0, tokens, 5) if with_extras else None,
+                        Bucket(MIXED, 1024, 257) if with_extras else None)
+    message = encode(STEP, inputs)
+    assert (len(message) > INLINE_BYTES) == (rows == 300)
+    kind, got = _roundtrip(message)
+    assert kind == STEP
+    for name in ("input_ids", "query_lens", "cached_lens", "block_tables", "pending_positions", "pending_sources",
+                 "prompt_logprob_indices"):
+        want, have = getattr(inputs, name), getattr(got, name)
+        assert (want is None) == (have is None), name
+        if want is not None:
+            np.testing.assert_array_equal(have, want, err_msg=name)
+    assert got.bucket == inputs.bucket and got.block_tables.dtype == np.int32 and not got.is_decode
+    decode_step = StepInputs(np.arange(4), np.ones(4), np.arange(4), np.zeros((4, 1), np.int32),
+                             bucket=Bucket(DECODE, 4, 4))
+    assert _roundtrip(encode(STEP, decode_step))[1].bucket == Bucket(DECODE, 4, 4)
+    assert _roundtrip(encode(CONFIG, payload=b"xyz")) == (CONFIG, b"xyz")
+
+
+def _roundtrip(message: np.ndarray):
+    return decode(message[:HEADER_BYTES].view(np.int64), message[HEADER_BYTES:])
+
+
+# ---- two ranks give one rank's tokens ---------------------------------------------------------------------------------
+
+CASES = {
+    "qwen3-tp": ("tiny_qwen3", False),
+    "qwen3_moe-tp": ("tiny_qwen3_moe", False),
+    "qwen3_moe-ep": ("tiny_qwen3_moe", True),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_ranks_give_the_greedy_tokens_of_one_rank_with_chunked_prefill_and_preemption(request, case):
+    fixture, expert_parallel = CASES[case]
+    folder, hf_model = request.getfixturevalue(fixture)
+    prompts = _prompts(hf_model.config.vocab_size)
+    children = _live_children()
+    with ops.use_backend("torch"):
+        one = Engine.from_pretrained(folder, device="cpu", dtype=torch.float32, **TIGHT)
+        want = _generate(one, prompts)
+        with Engine.from_pretrained(folder, device="cpu", dtype=torch.float32, tensor_parallel_size=2,
+                                    expert_parallel=expert_parallel, step_timeout=60, **TIGHT) as two:
+            assert two.model.parallel.tp_size == 2 and two.model.parallel.expert_parallel == expert_parallel
+            got = _generate(two, prompts)
+            assert two.num_preemptions > 0, "the tiny pool is meant to preempt"
+            assert two.block_manager.num_blocks == one.block_manager.num_blocks
+            # a second round on the same engine: its prefix cache hits, the workers' pools hold the blocks
+            again = _generate(two, prompts[:2])
+            pids = _worker_pids(two)
+    assert one.num_preemptions > 0
+    assert got == want
+    assert again == want[:2]
+    assert _live_children() <= children and not any(map(_pid_exists, pids))
+
+
+def test_two_ranks_serve_prompt_logprobs_penalties_and_seeded_sampling_as_one_rank_does(tiny_qwen3):
+    """Steps whose extra LM-head calls are collectives too (prompt log-probs) and whose sampling state lives
+    on rank 0 only (penalties, seeds, top-N log-probs)."""
+    folder, hf_model = tiny_qwen3
+    prompts = _prompts(hf_model.config.vocab_size, lengths=(9, 4))
+    params = [SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=2, logprobs=3, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=6, repetition_penalty=1.5, presence_penalty=0.5,
+                             ignore_eos=True)]
+    with ops.use_backend("torch"):
+        one = Engine.from_pretrained(folder, device="cpu", dtype=torch.float32)
+        want = one.generate(prompts, params, use_tqdm=False)
+        with Engine.from_pretrained(folder, device="cpu", dtype=torch.float32, tensor_parallel_size=2,
+                                    step_timeout=60) as two:
+            got = two.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    np.testing.assert_allclose([lp for lp in got[0].prompt_logprobs[1:]],
+                               [lp for lp in want[0].prompt_logprobs[1:]], rtol=1e-4, atol=1e-4)
+
+
+# ---- failures and lifetime --------------------------------------------------------------------------------------------
+
+def _running_engine(folder, **kwargs):
+    engine = Engine.from_pretrained(folder, device="cpu", dtype=torch.float32, tensor_parallel_size=2, **kwargs)
+    for prompt in _prompts(96, lengths=(5, 9, 3)):
+        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    engine.step()
+    engine.step()
+    return engine
+
+
+@pytest.mark.parametrize("how", ["killed", "stopped"])
+def test_a_worker_that_dies_or_hangs_gives_a_named_error_and_leaves_no_process(tiny_qwen3, how):
+    """SIGKILL: the worker's sockets close, rank 0 names it at once. SIGSTOP: it hangs; rank 0 gives up after
+    step_timeout (3 s here, the bound stated for the test), and shutdown kills it."""
+    folder, _ = tiny_qwen3
+    children = _live_children()
+    with ops.use_backend("torch"):
+        engine = _running_engine(folder, step_timeout=3)
+        (worker,) = engine.workers.processes.values()
+        os.kill(worker.pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+        with pytest.raises(WorkerFailedError) as failure:
+            for _ in range(200):  # bounded: a step that never fails ends the loop (and the test fails)
+                engine.step()
+        with pytest.raises(DistributedEngineError, match="can no longer run"):
+            engine.step()
+    if how == "killed":
+        assert "worker rank 1" in str(failure.value) and "SIGKILL" in str(failure.value)
+    else:
+        assert "did not answer in time" in str(failure.value)
+    assert not engine.has_unfinished_requests() or all(r.finished for g in engine._requests.values() for r in g)
+    engine.shutdown()  # (already stopped by the failure: idempotent)
+    assert worker.poll() is not None and _live_children() <= children
+
+
+def test_shutdown_and_the_context_manager_stop_every_worker(tiny_qwen3):
+    folder, _ = tiny_qwen3
+    children = _live_children()
+    with ops.use_backend("torch"):
+        engine = _running_engine(folder, step_timeout=60)
+        (worker,) = engine.workers.processes.values()
+        engine.shutdown()
+        assert worker.returncode == 0, "the worker left on the shutdown message, not by being killed"
+        assert _live_children() <= children
+        with pytest.raises(DistributedEngineError, match="shut down"):
+            engine.step()
+        engine.shutdown()  # idempotent
+
+        with Engine.from_pretrained(folder, device="cpu", dtype=torch.float32, tensor_parallel_size=2) as engine:
+            (worker,) = engine.workers.processes.values()
+            assert _generate(engine, [[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3))
+        assert worker.returncode == 0 and _live_children() <= children
+
+
+def test_an_engine_dropped_without_shutdown_stops_its_workers(tiny_qwen3):
+    folder, _ = tiny_qwen3
+    children = _live_children()
+    with ops.use_backend("torch"):
+        engine = _running_engine(folder, step_timeout=60)
+        pids = _worker_pids(engine)
+        del engine
+        gc.collect()
+    assert _live_children() <= children and not any(map(_pid_exists, pids))
+
+
+def test_an_engine_left_running_at_interpreter_exit_leaves_no_process(tiny_qwen3, tmp_path):
+    folder, _ = tiny_qwen3
+    code = (f"import torch, atom_core.engine as e\n"
+            f"engine = e.Engine.from_pretrained({str(folder)!r}, device='cpu', dtype=torch.float32, "
+            f"tensor_parallel_size=2)\n"
+            f"engine.generate([[1, 2, 3]], e.SamplingParams(max_tokens=2), use_tqdm=False)\n"
+            f"print(*[p.pid for p in engine.workers.processes.values()])\n")  # and exit, engine still alive
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=PROCESS_BOUND_S, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    pids = [int(p) for p in done.stdout.split()]
+    assert len(pids) == 1
+    deadline = time.monotonic() + 10  # (an orphan would be reparented, not gone)
+    while any(map(_pid_exists, pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(map(_pid_exists, pids))
+
+
+# ---- launched by torchrun: every rank runs the same script ------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("mode", ["from_pretrained", "own-world"])
+def test_two_launcher_invocations_as_two_nodes_give_one_ranks_tokens(tiny_qwen3_moe, tmp_path, mode):
+    """``torch.distributed.run --nnodes 2 --node-rank {0,1}``: two separate launchers, one rank each, meeting
+    over loopback (the multi-node path on one machine); the script is the one a user writes."""
+    folder, _ = tiny_qwen3_moe
+    out = tmp_path / "tokens.json"
+    port = _free_port()
+    extra = ["--own-world"] if mode == "own-world" else []
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"OMP_NUM_THREADS": "1"}
+    launchers = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
+                                   str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+                                   "--master-port", str(port), str(SCRIPT), str(folder), str(out), "--expert-parallel",
+                                   *extra], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True)
+                 for node in (0, 1)]
+    try:
+        logs = [launcher.communicate(timeout=PROCESS_BOUND_S)[0] for launcher in launchers]
+    finally:
+        for launcher in launchers:
+            launcher.kill()
+    assert [launcher.returncode for launcher in launchers] == [0, 0], "\n".join(log[-3000:] for log in logs)
+    from tests.engine import multi_rank_script as script
+
+    with ops.use_backend("torch"):
+        one = Engine.from_pretrained(folder, device="cpu", dtype=torch.float32, **script.ENGINE_ARGS)
+        want = _generate(one, script.PROMPTS, script.PARAMS)
+    assert json.loads(out.read_text()) == want
