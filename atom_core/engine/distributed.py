@@ -227,7 +227,7 @@ class StepChannel:
         waited for first, bounded by ``step_timeout``: its buffer is reused)."""
         self.check_usable()
         message = encode(kind, inputs, payload)
-        self._wait_sends()
+        self.wait_sends()
         n = min(len(message), INLINE_BYTES)
         self._buffer_np[:n] = message[:n]
         try:
@@ -244,14 +244,17 @@ class StepChannel:
         """Send a picklable object (the runner's configuration, once at start)."""
         self.send(CONFIG, payload=pickle.dumps(obj))
 
-    def _wait_sends(self) -> None:
+    def wait_sends(self, timeout: float | None = None) -> None:
+        """Wait until the workers have received every message sent (within ``timeout``, default
+        ``step_timeout``)."""
         for work, _ in self._sends:
-            self.wait_work(work, "the previous message to the workers")
+            self.wait_work(work, "the previous message to the workers", timeout)
         self._sends.clear()
 
-    def wait_work(self, work, what: str) -> None:
-        """Wait for a collective's ``work`` within ``step_timeout``, checking the workers meanwhile."""
-        deadline = time.monotonic() + self.step_timeout
+    def wait_work(self, work, what: str, timeout: float | None = None) -> None:
+        """Wait for a collective's ``work`` within ``timeout`` (default ``step_timeout``), checking the
+        workers meanwhile."""
+        deadline = time.monotonic() + (self.step_timeout if timeout is None else timeout)
         spin_until = time.monotonic() + _POLL_SPIN_S
         while not work.is_completed():
             self._check_deadline(deadline, what)

@@ -125,18 +125,23 @@ class WorkerSet:
             import torch.distributed as dist
 
             self.owns_world = False
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            try:
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+            except Exception as error:  # noqa: BLE001 - after a failure its communicators may be gone already
+                logger.warning("destroying the engine's process group: %s", error)
 
 
 def stop_ranks(channel: StepChannel, workers: WorkerSet | None) -> None:
     """End a multi-rank engine (its ``shutdown``, its finalizer, or after a failure): tell the workers to
     leave (while the ranks are still in step), stop the processes rank 0 started, destroy the process
     group when rank 0 made it. Holds no reference to the engine (it runs when the engine is dropped)."""
+    if workers is not None:
+        workers.stopping = True  # from here on a worker's exit is expected
     if channel.failure is None:
         try:
             channel.send(SHUTDOWN)
-            channel._wait_sends()
+            channel.wait_sends(timeout=STOP_TIMEOUT)
         except Exception:  # noqa: BLE001 - a worker already gone: the processes are stopped below anyway
             pass
     else:
