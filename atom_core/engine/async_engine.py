@@ -1,0 +1,646 @@
+"""``AsyncEngine``: an asyncio front for an ``Engine``, stepped by one background thread.
+
+    async_engine = AsyncEngine(Engine.from_pretrained())
+    async for out in async_engine.generate("Return the number of", SamplingParams(max_tokens=16)):
+        print(out.new_text, end="")
+    await async_engine.shutdown()
+
+Threads. The engine is single-threaded: one thread, the *step thread*, makes every call into it
+(``add_request``, ``abort``, ``step`` and any function given to ``submit``). The event loop never
+touches the engine: it appends commands (add, abort, call) to a list guarded by a condition, and
+the step thread applies all queued commands between two steps, in the order they came, then runs
+one step. With nothing unfinished it sleeps on the condition. After each step it reads what every
+output added (token ids, text, log-probs: the engine's ``RequestOutput`` is read lazily from the
+request, so it is never read from another thread) into plain records and hands them to the loop
+in one ``call_soon_threadsafe`` per step. A blocking ``step()`` therefore never runs on the loop.
+
+A request's life: ``add_request`` counts it as *waiting* (at most ``max_waiting_requests``, else
+``QueueFullError``), queues the add and returns a ``RequestStream`` once the step thread has
+added it (``ValueError`` / ``TypeError`` from ``Engine.add_request`` are raised there); it is
+*running* from its first output until all its ``n`` sequences finish. Cancelling the consumer,
+``stream.abort()`` or ``AsyncEngine.abort(request_id)`` aborts it in the engine (its blocks are
+freed before the next step). A step that raises finishes the requests it ran with reason
+"error" (``Engine.step``); their streams raise ``EngineStepError`` and the loop goes on serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextvars
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from atom_core.engine.engine import Engine
+from atom_core.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_WAITING_REQUESTS = 1024
+
+
+class QueueFullError(RuntimeError):
+    """``max_waiting_requests`` requests are already waiting for their first token (an HTTP server
+    answers 503)."""
+
+
+class EngineStepError(RuntimeError):
+    """A step that ran this request raised; the request was finished with reason "error". The
+    step's exception is ``__cause__``."""
+
+
+class EngineClosedError(RuntimeError):
+    """The ``AsyncEngine`` is shut down (or its step thread died): no request runs any more."""
+
+
+@dataclass(frozen=True)
+class AsyncEngineStats:
+    """A snapshot for monitoring. Request counts are the async engine's own (requests, not their
+    n sequences): *waiting* = accepted, no token yet; *running* = a token out, not all finished.
+    Block and prefix-cache figures are the engine's as of the last step (``kv_cache_usage`` =
+    blocks in use / blocks; prefix-cache counts are full prompt blocks looked up / served)."""
+
+    num_waiting: int
+    num_running: int
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_steps: int
+    num_step_errors: int
+    num_preemptions: int
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return 1.0 - self.num_free_kv_blocks / self.num_kv_blocks if self.num_kv_blocks else 0.0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Delta:
+    """What one step added to one sequence: made on the step thread from a ``RequestOutput``."""
+
+    index: int
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[float] | None
+    new_top_logprobs: list[dict[int, float]] | None
+    num_output_tokens: int
+    finish_reason: str | None
+    stop_reason: str | int | None
+    time: float
+    prompt_token_ids: list[int] | None  # a sequence's first output only
+    num_cached_tokens: int  # its finishing output only
+    prompt_logprobs: list | None  # a sequence's first output, when asked for
+    prompt_top_logprobs: list | None
+
+
+class _Sequence:
+    """One sequence's outputs so far, kept on the loop side (appended to only)."""
+
+    __slots__ = ("pieces", "token_ids", "logprobs", "top_logprobs", "num_cached_tokens", "prompt_logprobs",
+                 "prompt_top_logprobs", "first_time", "last_time", "finished")
+
+    def __init__(self, params: SamplingParams):
+        self.pieces: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] | None = [] if params.logprobs is not None else None
+        self.top_logprobs: list[dict[int, float]] | None = [] if params.logprobs else None
+        self.num_cached_tokens = 0
+        self.prompt_logprobs = self.prompt_top_logprobs = None
+        self.first_time: float | None = None
+        self.last_time: float | None = None
+        self.finished = False
+
+
+class StreamOutput:
+    """One sequence's output as of one step, as a ``RequestStream`` yields it (the names of
+    ``RequestOutput``).
+
+    Attributes:
+        request_id: the stream's request id (a string).
+        index: which of the request's ``n`` sequences (0..n-1).
+        new_token_ids, new_text: what this step added (the ``new_text`` of a sequence's outputs,
+            concatenated, is its final ``text``).
+        new_logprobs, new_top_logprobs: the log-probs of the new tokens (``SamplingParams.logprobs``).
+        num_output_tokens: tokens generated so far.
+        finish_reason: None while running, else "stop" or "length" ("abort" and "error" end the
+            stream instead of reaching it).
+        stop_reason: the stop string or stop token id that ended it (None otherwise).
+        time: ``time.monotonic()`` when the step thread read this step's tokens.
+        first_time: ``time`` of the sequence's first output (time to first token = ``first_time -
+            stream.arrival_time``); previous_time: ``time`` of its previous output (None for the first).
+
+    Read when accessed (a snapshot of this step): ``text``, ``token_ids``, ``logprobs``,
+    ``top_logprobs``; ``prompt_logprobs`` / ``prompt_top_logprobs`` (``SamplingParams.prompt_logprobs``:
+    known from the sequence's first output on); ``num_cached_tokens`` (once finished).
+    """
+
+    __slots__ = ("request_id", "index", "new_token_ids", "new_text", "new_logprobs", "new_top_logprobs",
+                 "num_output_tokens", "finish_reason", "stop_reason", "time", "first_time", "previous_time", "_stream",
+                 "_sequence", "_num_pieces")
+
+    def __init__(self, stream: RequestStream, sequence: _Sequence, delta: _Delta, previous_time: float | None):
+        self.request_id = stream.request_id
+        self.index = delta.index
+        self.new_token_ids = delta.new_token_ids
+        self.new_text = delta.new_text
+        self.new_logprobs = delta.new_logprobs
+        self.new_top_logprobs = delta.new_top_logprobs
+        self.num_output_tokens = delta.num_output_tokens
+        self.finish_reason = delta.finish_reason
+        self.stop_reason = delta.stop_reason
+        self.time = delta.time
+        self.first_time = sequence.first_time
+        self.previous_time = previous_time
+        self._stream = stream
+        self._sequence = sequence
+        self._num_pieces = len(sequence.pieces)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def prompt_token_ids(self) -> list[int] | None:
+        return self._stream.prompt_token_ids
+
+    @property
+    def text(self) -> str:
+        return "".join(self._sequence.pieces[:self._num_pieces])
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self._sequence.token_ids[:self.num_output_tokens]
+
+    @property
+    def logprobs(self) -> list[float] | None:
+        values = self._sequence.logprobs
+        return None if values is None else values[:self.num_output_tokens]
+
+    @property
+    def top_logprobs(self) -> list[dict[int, float]] | None:
+        values = self._sequence.top_logprobs
+        return None if values is None else values[:self.num_output_tokens]
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self._sequence.num_cached_tokens
+
+    @property
+    def prompt_logprobs(self) -> list | None:
+        return self._sequence.prompt_logprobs
+
+    @property
+    def prompt_top_logprobs(self) -> list | None:
+        return self._sequence.prompt_top_logprobs
+
+    def __repr__(self) -> str:
+        return (f"StreamOutput(request_id={self.request_id!r}, index={self.index}, "
+                f"num_output_tokens={self.num_output_tokens}, finish_reason={self.finish_reason!r})")
+
+
+_END = object()  # the stream's last item: every sequence finished, or the request was aborted
+
+
+class RequestStream:
+    """The outputs of one request, in step order (its n sequences interleaved): an async iterator
+    of ``StreamOutput``. Iteration ends when every sequence has finished, or after ``abort()``;
+    it raises ``EngineStepError`` when a step that ran the request raised, ``EngineClosedError``
+    when the async engine shut down first. ``abort()`` is idempotent."""
+
+    def __init__(self, owner: AsyncEngine, request_id: str, params: SamplingParams):
+        self.request_id = request_id
+        self.params = params
+        self.arrival_time = time.monotonic()
+        self.prompt_token_ids: list[int] | None = None  # known from the first output
+        self.sequences = [_Sequence(params) for _ in range(params.n)]
+        self.state = "waiting"  # -> "running" (first output) -> "done"
+        self.aborted = False
+        self._owner = owner
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._accepted: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._num_finished = 0
+        self.engine_id: int | None = None  # the engine's id; read and written by the step thread only
+
+    @property
+    def finished(self) -> bool:
+        return self.state == "done"
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> StreamOutput:
+        item = await self._queue.get()
+        if item is _END:
+            self._queue.put_nowait(_END)  # iterating again ends again
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self._queue.put_nowait(item)
+            raise item
+        return item
+
+    def abort(self) -> None:
+        """Stop the request (all its sequences) and free its blocks; a finished one is left alone."""
+        self._owner._abort_stream(self)
+
+    # (loop side, called by the owner)
+    def _on_delta(self, delta: _Delta) -> bool:
+        """Record one sequence's step; returns True when this completed the request."""
+        if delta.prompt_token_ids is not None and self.prompt_token_ids is None:
+            self.prompt_token_ids = delta.prompt_token_ids
+        sequence = self.sequences[delta.index]
+        previous_time = sequence.last_time
+        if sequence.first_time is None:
+            sequence.first_time = delta.time
+        sequence.last_time = delta.time
+        if delta.new_text:
+            sequence.pieces.append(delta.new_text)
+        sequence.token_ids.extend(delta.new_token_ids)
+        if sequence.logprobs is not None and delta.new_logprobs is not None:
+            sequence.logprobs.extend(delta.new_logprobs)
+        if sequence.top_logprobs is not None and delta.new_top_logprobs is not None:
+            sequence.top_logprobs.extend(delta.new_top_logprobs)
+        if delta.prompt_logprobs is not None:
+            sequence.prompt_logprobs = delta.prompt_logprobs
+            sequence.prompt_top_logprobs = delta.prompt_top_logprobs
+        if delta.finish_reason is not None:
+            sequence.finished = True
+            sequence.num_cached_tokens = delta.num_cached_tokens
+            self._num_finished += 1
+        self._queue.put_nowait(StreamOutput(self, sequence, delta, previous_time))
+        if self._num_finished == self.params.n:
+            self._queue.put_nowait(_END)
+            return True
+        return False
+
+    def _end(self, error: BaseException | None = None) -> None:
+        self._queue.put_nowait(_END if error is None else error)
+        if not self._accepted.done():
+            if error is None:  # aborted before the engine took it: add_request returns an ended stream
+                self._accepted.set_result(None)
+            else:
+                self._accepted.set_exception(error)
+                self._accepted.exception()  # marked retrieved: the awaiting add_request raises it itself
+
+
+class _Live:
+    """A request the step thread has added to the engine and not seen finish."""
+
+    __slots__ = ("stream", "finished_indices")
+
+    def __init__(self, stream: RequestStream):
+        self.stream = stream
+        self.finished_indices: set[int] = set()
+
+
+class AsyncEngine:
+    """Runs an ``Engine`` on a background thread for asyncio code (see the module docstring).
+
+    ``max_waiting_requests``: requests that may wait for their first token at once; one more
+    raises ``QueueFullError`` instead of queueing without bound. The step thread starts on the
+    first ``add_request`` (or ``start()``) and binds the async engine to that event loop; it runs
+    in a copy of the context the ``AsyncEngine`` was built in (so ``with ops.use_backend(...)``
+    around the constructor applies to its steps).
+    ``shutdown()`` (or ``async with``) aborts what is left and stops the thread; the engine can
+    then be used directly again.
+    """
+
+    def __init__(self, engine: Engine, *, max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS):
+        if isinstance(max_waiting_requests, bool) or not isinstance(max_waiting_requests, int) \
+                or max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests must be an int >= 0, got {max_waiting_requests!r}")
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._context = contextvars.copy_context()  # the step thread runs in it (ops.use_backend, ...)
+        self._cond = threading.Condition()
+        self._commands: list[tuple] = []  # guarded by _cond
+        self._stopping = False  # guarded by _cond
+        self._closed = False  # loop side: no new request
+        self._dead: BaseException | None = None  # the step thread's own failure (a bug), if any
+        # loop side
+        self._streams: dict[str, RequestStream] = {}
+        self._num_waiting = 0
+        self._num_running = 0
+        # step thread side
+        self._live: dict[int, _Live] = {}
+        self._outbox: list[tuple] = []
+        self._num_steps = 0
+        self._num_step_errors = 0
+        self._engine_snapshot = self._read_engine_snapshot()  # replaced whole by the step thread
+
+    # ------------------------------------------------------------------ the loop side
+
+    def start(self) -> None:
+        """Start the step thread, bound to the running event loop (idempotent; one loop only)."""
+        if self._thread is not None:
+            if asyncio.get_running_loop() is not self._loop:
+                raise RuntimeError("this AsyncEngine serves another event loop (its step thread posts there)")
+            return
+        if self._closed:
+            raise EngineClosedError("this AsyncEngine is shut down")
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._context.run, args=(self._run,), name="atom_core-step",
+                                        daemon=True)
+        self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        """The step thread is alive and not shutting down."""
+        return self._thread is not None and self._thread.is_alive() and not self._closed and self._dead is None
+
+    async def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                          request_id: str | None = None) -> RequestStream:
+        """Queue a prompt; returns its stream once the engine has accepted it.
+
+        Raises ``QueueFullError`` (too many waiting), ``ValueError`` / ``TypeError`` (what
+        ``Engine.add_request`` refuses, or a request id already in use), ``EngineClosedError``.
+        Cancelled while waiting for the acceptance, the request is aborted."""
+        if self._closed or self._dead is not None:
+            raise EngineClosedError("this AsyncEngine is shut down" if self._dead is None else
+                                    f"the step thread died: {self._dead!r}")
+        self.start()
+        params = self.engine.default_sampling_params if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if request_id is None:
+            request_id = uuid.uuid4().hex
+        elif not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
+        elif request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if self._num_waiting >= self.max_waiting_requests:
+            raise QueueFullError(f"{self._num_waiting} requests are waiting for their first token "
+                                 f"(max_waiting_requests={self.max_waiting_requests}); try again later")
+        stream = RequestStream(self, request_id, params)
+        self._streams[request_id] = stream
+        self._num_waiting += 1
+        self._send(("add", stream, prompt, params))
+        try:
+            await stream._accepted
+        except asyncio.CancelledError:
+            self._abort_stream(stream)
+            raise
+        return stream
+
+    async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[StreamOutput]:
+        """``async for out in generate(...)``: the request's outputs as they come; leaving the loop
+        early (break, an exception, cancellation) aborts the request."""
+        stream = await self.add_request(prompt, params, request_id)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request by id (unknown or finished ids are ignored)."""
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            self._abort_stream(stream)
+
+    def stats(self) -> AsyncEngineStats:
+        snapshot = self._engine_snapshot
+        return AsyncEngineStats(num_waiting=self._num_waiting, num_running=self._num_running,
+                                num_steps=self._num_steps, num_step_errors=self._num_step_errors, **snapshot)
+
+    def submit(self, fn: Callable[[Engine], Any]) -> concurrent.futures.Future:
+        """Run ``fn(engine)`` on the step thread between two steps (from any thread); returns a
+        ``concurrent.futures.Future`` of its result. The way to read or change the engine while
+        the async engine runs."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if self._dead is not None:
+            raise EngineClosedError(f"the step thread died: {self._dead!r}")
+        with self._cond:
+            if self._stopping:
+                raise EngineClosedError("this AsyncEngine is shut down")
+            self._commands.append(("call", fn, future))
+            self._cond.notify()
+        return future
+
+    async def run_on_engine(self, fn: Callable[[Engine], Any]) -> Any:
+        """``await`` form of ``submit``."""
+        return await asyncio.wrap_future(self.submit(fn))
+
+    async def shutdown(self) -> None:
+        """Abort every request, stop the step thread; open streams raise ``EngineClosedError``."""
+        self._closed = True
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+            await asyncio.sleep(0)  # deliveries the thread posted before it stopped
+        for stream in list(self._streams.values()):
+            self._finish_stream(stream, EngineClosedError("the AsyncEngine shut down before this request finished"))
+
+    async def __aenter__(self) -> AsyncEngine:
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.shutdown()
+
+    def _send(self, command: tuple) -> None:
+        with self._cond:
+            self._commands.append(command)
+            self._cond.notify()
+
+    def _abort_stream(self, stream: RequestStream) -> None:
+        if stream.finished:
+            return
+        stream.aborted = True
+        self._finish_stream(stream, None)
+        if self._thread is not None and self._thread.is_alive():
+            self._send(("abort", stream))
+
+    def _finish_stream(self, stream: RequestStream, error: BaseException | None) -> None:
+        if stream.finished:
+            return
+        if stream.state == "waiting":
+            self._num_waiting -= 1
+        elif stream.state == "running":
+            self._num_running -= 1
+        stream.state = "done"
+        self._streams.pop(stream.request_id, None)
+        stream._end(error)
+
+    def _deliver(self, items: list[tuple]) -> None:
+        """On the loop: what the step thread posted in one round."""
+        for stream, kind, payload in items:
+            if stream.finished:  # aborted (or closed) since: drop what was in flight
+                if kind == "accepted" and not stream._accepted.done():
+                    stream._accepted.set_result(None)
+                continue
+            if kind == "accepted":
+                if not stream._accepted.done():
+                    stream._accepted.set_result(None)
+            elif kind == "delta":
+                if stream.state == "waiting":
+                    stream.state = "running"
+                    self._num_waiting -= 1
+                    self._num_running += 1
+                if stream._on_delta(payload):
+                    self._num_running -= 1
+                    stream.state = "done"
+                    self._streams.pop(stream.request_id, None)
+            else:  # "error": the add was refused, or a step failed it
+                self._finish_stream(stream, payload)
+
+    # ------------------------------------------------------------------ the step thread
+
+    def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:  # a bug of this module: fail every stream instead of hanging them
+            logger.exception("AsyncEngine step thread died")
+            self._dead = e
+            for live in self._live.values():
+                self._outbox.append((live.stream, "error", EngineClosedError(f"the step thread died: {e!r}")))
+            with self._cond:
+                commands, self._commands = self._commands, []
+            for command in commands:
+                if command[0] == "add":
+                    self._outbox.append((command[1], "error", EngineClosedError(f"the step thread died: {e!r}")))
+                elif command[0] == "call":
+                    command[2].set_exception(EngineClosedError(f"the step thread died: {e!r}"))
+            self._flush()
+
+    def _serve(self) -> None:
+        engine = self.engine
+        if engine.device.type == "cuda":
+            import torch
+
+            torch.cuda.set_device(engine.device)
+        while True:
+            with self._cond:
+                while not self._commands and not self._stopping and not engine.has_unfinished_requests():
+                    self._cond.wait()
+                commands, self._commands = self._commands, []
+                stopping = self._stopping
+            for command in commands:
+                self._apply(command, stopping)
+            if stopping:
+                for engine_id, live in list(self._live.items()):
+                    engine.abort(engine_id)
+                    self._outbox.append((live.stream, "error", EngineClosedError(
+                        "the AsyncEngine shut down before this request finished")))
+                self._live.clear()
+                self._flush()
+                return
+            if engine.has_unfinished_requests():
+                self._step()
+            self._engine_snapshot = self._read_engine_snapshot()
+            self._flush()
+
+    def _apply(self, command: tuple, stopping: bool) -> None:
+        kind = command[0]
+        if kind == "add":
+            _, stream, prompt, params = command
+            if stopping:
+                self._outbox.append((stream, "error", EngineClosedError("the AsyncEngine is shutting down")))
+                return
+            try:
+                engine_id = self.engine.add_request(prompt, params)
+            except Exception as e:  # ValueError / TypeError: refused, nothing queued
+                self._outbox.append((stream, "error", e))
+                return
+            stream.engine_id = engine_id
+            self._live[engine_id] = _Live(stream)
+            self._outbox.append((stream, "accepted", None))
+        elif kind == "abort":
+            stream = command[1]
+            if stream.engine_id is not None and self._live.pop(stream.engine_id, None) is not None:
+                self.engine.abort(stream.engine_id)
+        elif kind == "call":
+            _, fn, future = command
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(self.engine))
+                except BaseException as e:
+                    future.set_exception(e)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            self._num_step_errors += 1
+            logger.exception("engine step failed; its requests finish with reason 'error'")
+            for engine_id in self._failed_requests():
+                live = self._live.pop(engine_id)
+                self.engine.abort(engine_id)  # the group's sequences the step did not run
+                error = EngineStepError(f"a step that ran this request raised {type(e).__name__}: {e}")
+                error.__cause__ = e
+                self._outbox.append((live.stream, "error", error))
+            return
+        self._num_steps += 1
+        now = time.monotonic()
+        for out in outputs:
+            live = self._live.get(out.request_id)
+            if live is None:  # aborted meanwhile
+                continue
+            params = live.stream.params
+            new_ids = out.new_token_ids
+            k = len(new_ids)
+            finished = out.finished
+            first = out.num_output_tokens == k  # the sequence's first output: the prompt is computed
+            delta = _Delta(
+                index=out.index, new_token_ids=new_ids, new_text=out.new_text,
+                new_logprobs=out.logprobs[-k:] if params.logprobs is not None else None,
+                new_top_logprobs=out.top_logprobs[-k:] if params.logprobs else None,
+                num_output_tokens=out.num_output_tokens, finish_reason=out.finish_reason,
+                stop_reason=out.stop_reason if finished else None, time=now,
+                prompt_token_ids=list(out.prompt_token_ids) if first else None,
+                num_cached_tokens=out.num_cached_tokens if finished else 0,
+                prompt_logprobs=out.prompt_logprobs if first and params.prompt_logprobs is not None else None,
+                prompt_top_logprobs=out.prompt_top_logprobs if first and params.prompt_logprobs else None)
+            self._outbox.append((live.stream, "delta", delta))
+            if finished:
+                live.finished_indices.add(out.index)
+                if len(live.finished_indices) == params.n:
+                    del self._live[out.request_id]
+
+    def _failed_requests(self) -> list[int]:
+        """Engine ids of the live requests a failed step finished (reason "error").
+
+        ``Engine.step`` raises without outputs for them; a request group that the engine no longer
+        holds, or one with a sequence finished that no output said so, is one of them. Engine
+        hook wanted: the failed request ids on the exception (read here from ``Engine._requests``;
+        without it, every live request is failed)."""
+        groups = getattr(self.engine, "_requests", None)
+        if not isinstance(groups, dict):
+            return list(self._live)
+        failed = []
+        for engine_id, live in self._live.items():
+            group = groups.get(engine_id)
+            if group is None or any(getattr(r, "finished", True) and getattr(r, "index", -1)
+                                    not in live.finished_indices for r in group):
+                failed.append(engine_id)
+        return failed
+
+    def _read_engine_snapshot(self) -> dict:
+        bm = self.engine.block_manager
+        prefix = bm.stats
+        return dict(num_kv_blocks=bm.num_blocks, num_free_kv_blocks=bm.num_free_blocks,
+                    prefix_cache_queries=prefix.queries, prefix_cache_hits=prefix.hits,
+                    num_preemptions=self.engine.num_preemptions)
+
+    def _flush(self) -> None:
+        if not self._outbox:
+            return
+        items, self._outbox = self._outbox, []
+        try:
+            self._loop.call_soon_threadsafe(self._deliver, items)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass

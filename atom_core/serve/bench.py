@@ -1,0 +1,287 @@
+"""``atom-core bench``: offline engine throughput, and online serving against any OpenAI-compatible URL.
+
+The workload is nano-vllm's by default: 256 requests, prompt and output lengths uniform in
+[100, 1024], random token ids below 10000, EOS ignored, seed 0. Lengths that do not fit the
+model's context (``max_model_len``, read from the engine or from the server's ``/v1/models``) are
+scaled down together, and the scaling is printed.
+
+Online: requests arrive as a Poisson process at ``--rate`` requests/s (``inf``: all at once),
+each a streamed ``/v1/completions`` request with a token-id prompt (``--endpoint chat`` sends a
+text prompt of as many words to ``/v1/chat/completions`` instead, for servers that take no
+token ids). Per rate it reports throughput and the time to first token, inter-token latency
+(the gaps between streamed chunks) and end-to-end latency, p50 and p99. The HTTP client is a
+small asyncio one written here (HTTP/1.1, plain TCP), so this runs on the base install.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import numpy as np
+
+CHAT_TEMPLATE_ALLOWANCE = 32  # tokens a chat template may add around a message
+WORDS = ("the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "with", "on", "be", "by", "this", "are",
+         "value", "file", "return", "object", "list", "string", "number", "function", "module", "default")
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+    note: str = ""
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    """"MIN:MAX" (or one number) -> (min, max), 1 <= min <= max."""
+    low, _, high = text.partition(":")
+    try:
+        lo, hi = int(low), int(high or low)
+    except ValueError:
+        raise ValueError(f"expected MIN:MAX token counts, got {text!r}") from None
+    if not 1 <= lo <= hi:
+        raise ValueError(f"expected 1 <= MIN <= MAX, got {text!r}")
+    return lo, hi
+
+
+def make_workload(num_prompts: int, input_len: tuple[int, int], output_len: tuple[int, int], vocab: int, seed: int,
+                  max_model_len: int | None) -> Workload:
+    """nano-vllm's generator (``random.Random(seed)``: each prompt's length, its ids, then the output
+    lengths), with both ranges scaled by one factor when the longest request would not fit."""
+    note = ""
+    if max_model_len is not None and input_len[1] + output_len[1] > max_model_len:
+        f = max_model_len / (input_len[1] + output_len[1])
+        scaled_in = (max(1, int(input_len[0] * f)), max(1, int(input_len[1] * f)))
+        scaled_out = (max(1, int(output_len[0] * f)), max(1, int(output_len[1] * f)))
+        note = (f"lengths scaled by {f:.3g} to fit max_model_len={max_model_len}: input {scaled_in[0]}:{scaled_in[1]},"
+                f" output {scaled_out[0]}:{scaled_out[1]}")
+        input_len, output_len = scaled_in, scaled_out
+    rng = random.Random(seed)
+    prompts = [[rng.randint(0, vocab - 1) for _ in range(rng.randint(*input_len))] for _ in range(num_prompts)]
+    output_lens = [rng.randint(*output_len) for _ in range(num_prompts)]
+    return Workload(prompts, output_lens, note)
+
+
+# ---------------------------------------------------------------------------------------------- offline
+
+def run_offline(engine, workload: Workload, temperature: float) -> dict:
+    from atom_core.engine import SamplingParams
+
+    params = [SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=m, seed=i)
+              for i, m in enumerate(workload.output_lens)]
+    engine.generate(workload.prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # one-time set-up costs
+    start = time.perf_counter()
+    outputs = engine.generate(workload.prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    output_tokens = sum(len(o.token_ids) for o in outputs)
+    input_tokens = sum(len(p) for p in workload.prompts)
+    return {"requests": len(outputs), "input_tokens": input_tokens, "output_tokens": output_tokens,
+            "seconds": seconds, "output_tokens_per_s": output_tokens / seconds,
+            "total_tokens_per_s": (input_tokens + output_tokens) / seconds}
+
+
+# ---------------------------------------------------------------------------------------------- HTTP
+
+class HTTPError(Exception):
+    def __init__(self, status: int, body: str):
+        super().__init__(f"HTTP {status}: {body[:300]}")
+        self.status = status
+
+
+class _Endpoint:
+    def __init__(self, url: str, api_key: str | None):
+        parts = urlsplit(url.rstrip("/"))
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"--url must be http://HOST:PORT[/PATH] (plain HTTP), got {url!r}")
+        self.host, self.port = parts.hostname, parts.port or 80
+        self.base = parts.path if parts.path.endswith("/v1") else parts.path + "/v1"
+        self.api_key = api_key
+
+    async def request(self, method: str, path: str, body: dict | None = None):
+        """Open a connection, send the request; returns (status, a reader of the body's bytes, writer)."""
+        reader, writer = await asyncio.open_connection(self.host, self.port)
+        data = b"" if body is None else json.dumps(body).encode()
+        head = [f"{method} {self.base}{path} HTTP/1.1", f"Host: {self.host}:{self.port}", "Connection: close",
+                "Accept: application/json, text/event-stream", f"Content-Length: {len(data)}"]
+        if body is not None:
+            head.append("Content-Type: application/json")
+        if self.api_key:
+            head.append(f"Authorization: Bearer {self.api_key}")
+        writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + data)
+        await writer.drain()
+        status = int((await reader.readline()).split()[1])
+        headers = {}
+        while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
+            name, _, value = line.decode("latin-1").partition(":")
+            headers[name.strip().lower()] = value.strip()
+        return status, _body_chunks(reader, headers), writer
+
+    async def get_json(self, path: str) -> dict:
+        status, chunks, writer = await self.request("GET", path)
+        try:
+            data = b"".join([c async for c in chunks])
+        finally:
+            writer.close()
+        if status != 200:
+            raise HTTPError(status, data.decode(errors="replace"))
+        return json.loads(data)
+
+    async def stream(self, path: str, body: dict):
+        """POST and yield each server-sent event's data (str) until [DONE]."""
+        status, chunks, writer = await self.request("POST", path, body)
+        try:
+            if status != 200:
+                raise HTTPError(status, b"".join([c async for c in chunks]).decode(errors="replace"))
+            buffer = b""
+            async for chunk in chunks:
+                buffer += chunk
+                while b"\n\n" in buffer:
+                    event, buffer = buffer.split(b"\n\n", 1)
+                    for line in event.split(b"\n"):
+                        if line.startswith(b"data:"):
+                            data = line[5:].strip().decode()
+                            if data == "[DONE]":
+                                return
+                            yield data
+        finally:
+            writer.close()
+
+
+async def _body_chunks(reader: asyncio.StreamReader, headers: dict):
+    if headers.get("transfer-encoding", "").lower() == "chunked":
+        while True:
+            size = int((await reader.readline()).split(b";")[0].strip() or b"0", 16)
+            if size == 0:
+                return
+            yield await reader.readexactly(size)
+            await reader.readline()  # the chunk's CRLF
+    elif "content-length" in headers:
+        yield await reader.readexactly(int(headers["content-length"]))
+    else:
+        while chunk := await reader.read(65536):
+            yield chunk
+
+
+# ---------------------------------------------------------------------------------------------- online
+
+@dataclass
+class RequestResult:
+    ok: bool = False
+    error: str = ""
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+
+
+async def _one_request(endpoint: _Endpoint, kind: str, model: str, prompt: list[int], max_tokens: int,
+                       temperature: float, seed: int) -> RequestResult:
+    result = RequestResult()
+    body = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}, "seed": seed}
+    if kind == "chat":
+        # About one token a word; the chat template adds its own tokens: leave them room.
+        words = random.Random(seed).choices(WORDS, k=max(1, len(prompt) - CHAT_TEMPLATE_ALLOWANCE))
+        body["messages"] = [{"role": "user", "content": " ".join(words)}]
+        path = "/chat/completions"
+    else:
+        body["prompt"] = prompt
+        path = "/completions"
+    start = time.perf_counter()
+    last = None
+    chunks = 0
+    try:
+        async for data in endpoint.stream(path, body):
+            now = time.perf_counter()
+            event = json.loads(data)
+            if "error" in event:
+                raise HTTPError(200, json.dumps(event["error"]))
+            if event.get("usage"):
+                result.output_tokens = event["usage"].get("completion_tokens", 0)
+            choices = event.get("choices") or []
+            if not choices:  # the usage chunk
+                continue
+            delta = choices[0].get("delta") or {}
+            if kind == "chat" and (delta.get("role") is not None and not delta.get("content")):
+                continue  # the opening role chunk carries no token
+            chunks += 1
+            if last is None:
+                result.ttft = now - start
+            else:
+                result.itl.append(now - last)
+            last = now
+        result.e2e = time.perf_counter() - start
+        result.output_tokens = result.output_tokens or chunks
+        result.ok = chunks > 0
+        if not result.ok:
+            result.error = "no tokens streamed"
+    except (OSError, HTTPError, ValueError, asyncio.IncompleteReadError) as e:
+        result.error = str(e)
+    return result
+
+
+async def run_online(url: str, workload: Workload, rate: float, *, model: str, kind: str = "completions",
+                     api_key: str | None = None, temperature: float = 0.6, seed: int = 0) -> dict:
+    """Send the workload at ``rate`` requests/s (Poisson; inf = at once); returns the figures."""
+    endpoint = _Endpoint(url, api_key)
+    rng = random.Random(seed)
+    tasks = []
+    start = time.perf_counter()
+    next_time = 0.0
+    for i, (prompt, max_tokens) in enumerate(zip(workload.prompts, workload.output_lens)):
+        if math.isfinite(rate):
+            next_time += rng.expovariate(rate)
+            delay = start + next_time - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+        tasks.append(asyncio.ensure_future(_one_request(endpoint, kind, model, prompt, max_tokens, temperature,
+                                                        seed + i)))
+    results = await asyncio.gather(*tasks)
+    duration = time.perf_counter() - start
+    return summarize(results, duration, rate)
+
+
+def summarize(results: list[RequestResult], duration: float, rate: float) -> dict:
+    ok = [r for r in results if r.ok]
+    ms = lambda values, q: float(np.percentile(values, q) * 1000) if len(values) else float("nan")  # noqa: E731
+    ttft = [r.ttft for r in ok]
+    itl = [gap for r in ok for gap in r.itl]
+    e2e = [r.e2e for r in ok]
+    output_tokens = sum(r.output_tokens for r in ok)
+    return {"rate": rate, "requests": len(results), "failed": len(results) - len(ok), "seconds": duration,
+            "requests_per_s": len(ok) / duration, "output_tokens_per_s": output_tokens / duration,
+            "ttft_p50_ms": ms(ttft, 50), "ttft_p99_ms": ms(ttft, 99), "itl_p50_ms": ms(itl, 50),
+            "itl_p99_ms": ms(itl, 99), "e2e_p50_ms": ms(e2e, 50), "e2e_p99_ms": ms(e2e, 99),
+            "first_error": next((r.error for r in results if not r.ok), "")}
+
+
+async def server_info(url: str, api_key: str | None) -> tuple[str, int | None, int | None]:
+    """(the first model's id, its max_model_len and vocab_size where the server says: atom-core's does)."""
+    models = await _Endpoint(url, api_key).get_json("/models")
+    first = models["data"][0]
+    return first["id"], first.get("max_model_len"), first.get("vocab_size")
+
+
+def print_table(rows: list[dict], columns: list[str]) -> None:
+    def cell(value):
+        return f"{value:.1f}" if isinstance(value, float) else str(value)
+
+    widths = [max(len(c), *(len(cell(r.get(c, ""))) for r in rows)) for c in columns]
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+    for row in rows:
+        print("  ".join(cell(row.get(c, "")).rjust(w) for c, w in zip(columns, widths)))
+
+
+ONLINE_COLUMNS = ["rate", "requests", "failed", "seconds", "requests_per_s", "output_tokens_per_s", "ttft_p50_ms",
+                  "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "e2e_p50_ms", "e2e_p99_ms"]
+OFFLINE_COLUMNS = ["requests", "input_tokens", "output_tokens", "seconds", "output_tokens_per_s", "total_tokens_per_s"]
+
+
+def as_json(rows: list[dict]) -> str:
+    clean = [{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in r.items()} for r in rows]
+    return json.dumps(clean, indent=2)

@@ -1,0 +1,133 @@
+"""``POST /v1/chat/completions``: a conversation rendered by the model's chat template, streamed or not.
+
+The conversation goes through ``Tokenizer.apply_chat_template`` (the template ``Engine.chat``
+renders; the server's ``--chat-template`` replaces the model's), ``tools`` and
+``chat_template_kwargs`` are passed to the template. The assistant's text is returned as it is:
+tool calls are not parsed out of it, and ``response_format`` other than "text" (JSON output
+through a grammar) is not supported yet (400).
+
+Streaming follows OpenAI's chunks: first a ``{"role": "assistant", "content": ""}`` delta per
+choice, then ``{"content": ...}`` deltas with the choice's ``finish_reason`` on its last one, then
+a ``usage`` chunk (``stream_options.include_usage``), then ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from atom_core.engine.async_engine import EngineClosedError, EngineStepError, RequestStream
+from atom_core.serve.common import (SSE_DONE, APIError, ServerContext, logprob, now, request_id, sse,
+                                    stream_error_event, usage)
+from atom_core.serve.protocol import ChatCompletionRequest
+
+
+class ChatJob:
+    """One chat completion request from parsing to its response."""
+
+    def __init__(self, ctx: ServerContext, req: ChatCompletionRequest):
+        self.ctx, self.req = ctx, req
+        ctx.check_model(req.model)
+        if req.response_format is not None and req.response_format.type != "text":
+            raise APIError(400, f"response_format {req.response_format.type!r} is not supported yet (structured "
+                                f"output); only 'text'", param="response_format", code="unsupported")
+        if req.tool_choice not in (None, "none", "auto"):
+            raise APIError(400, "tool_choice: only 'none' and 'auto' are supported (tool calls are not parsed)",
+                           param="tool_choice", code="unsupported")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        if req.top_logprobs is not None and req.top_logprobs > ctx.max_logprobs:
+            raise APIError(400, f"top_logprobs={req.top_logprobs}: at most {ctx.max_logprobs}", param="top_logprobs")
+        if ctx.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer (tokenizer.json): chat needs one", param="messages")
+        self.prompt = self._render()
+        requested, param = req.max_completion_tokens, "max_completion_tokens"
+        if requested is None:
+            requested, param = req.max_tokens, "max_tokens"
+        max_tokens = ctx.max_tokens_for(requested, len(self.prompt), None, param=param, prompt_param="messages")
+        self.params = req.sampling_params(max_tokens=max_tokens,
+                                          logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                                          default=ctx.default_params)
+        self.id = request_id("chatcmpl")
+        self.created = now()
+        self.stream: RequestStream | None = None
+
+    def _render(self) -> list[int]:
+        from atom_core.engine.chat_template import ChatTemplateError
+
+        kwargs = dict(self.req.chat_template_kwargs or {})
+        reserved = {"messages", "conversation", "add_generation_prompt", "tools", "documents", "tokenize",
+                    "chat_template"} & kwargs.keys()
+        if reserved:
+            raise APIError(400, f"chat_template_kwargs may not set {sorted(reserved)}", param="chat_template_kwargs")
+        try:
+            token_ids = self.ctx.tokenizer.apply_chat_template(
+                self.req.conversation(), add_generation_prompt=self.req.add_generation_prompt,
+                chat_template=self.ctx.config.chat_template, tools=self.req.tools, **kwargs)
+        except ChatTemplateError as e:
+            raise APIError(400, str(e), param="messages") from None
+        if not token_ids:
+            raise APIError(400, "the chat template rendered an empty prompt", param="messages")
+        return token_ids
+
+    async def start(self) -> None:
+        self.stream = (await self.ctx.add_requests([self.prompt], self.params))[0]
+
+    def abort(self) -> None:
+        """Abort the request if it still runs (the response ended early: idempotent)."""
+        if self.stream is not None:
+            self.stream.abort()
+
+    def _logprobs(self, token_ids, values, tops) -> dict | None:
+        if values is None:
+            return None
+        text = self.ctx.token_text
+        content = []
+        for k, token_id in enumerate(token_ids):
+            token = text(token_id)
+            alternatives = [] if tops is None or tops[k] is None else [
+                {"token": text(t), "logprob": logprob(v), "bytes": list(text(t).encode("utf-8"))}
+                for t, v in tops[k].items()]
+            content.append({"token": token, "logprob": logprob(values[k]), "bytes": list(token.encode("utf-8")),
+                            "top_logprobs": alternatives})
+        return {"content": content}
+
+    def _chunk(self, choices: list[dict], **extra) -> dict:
+        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.ctx.config.model_name, "choices": choices, **extra}
+
+    async def response(self) -> dict:
+        finals = {}
+        async for _, out in self.ctx.outputs([self.stream]):
+            if out.finished:
+                finals[out.index] = out
+        choices = []
+        for index in sorted(finals):
+            out = finals[index]
+            choices.append({"index": index, "message": {"role": "assistant", "content": out.text},
+                            "logprobs": self._logprobs(out.token_ids, out.logprobs, out.top_logprobs)
+                            if self.req.logprobs else None,
+                            "finish_reason": out.finish_reason, "stop_reason": out.stop_reason})
+        completion_tokens = sum(out.num_output_tokens for out in finals.values())
+        return {"id": self.id, "object": "chat.completion", "created": self.created,
+                "model": self.ctx.config.model_name, "choices": choices,
+                "usage": usage(len(self.prompt), completion_tokens)}
+
+    async def events(self) -> AsyncIterator[str]:
+        include_usage = self.req.stream_options is not None and self.req.stream_options.include_usage
+        completion_tokens = 0
+        try:
+            for index in range(self.params.n):
+                yield sse(self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}]))
+            async for _, out in self.ctx.outputs([self.stream]):
+                logprobs = (self._logprobs(out.new_token_ids, out.new_logprobs, out.new_top_logprobs)
+                            if self.req.logprobs else None)
+                if out.finished:
+                    completion_tokens += out.num_output_tokens
+                yield sse(self._chunk([{"index": out.index, "delta": {"content": out.new_text}, "logprobs": logprobs,
+                                        "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}]))
+            if include_usage:
+                yield sse(self._chunk([], usage=usage(len(self.prompt), completion_tokens)))
+        except (EngineStepError, EngineClosedError) as e:
+            yield stream_error_event(e)
+        yield SSE_DONE

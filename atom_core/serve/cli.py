@@ -1,0 +1,297 @@
+"""atom-core: serve a model over an OpenAI-compatible HTTP API, generate text, chat, benchmark.
+
+    atom-core serve [PATH] --host 127.0.0.1 --port 8000     # needs: pip install atom_core[serve]
+    atom-core generate [PATH] --prompt "Return the number of"
+    atom-core chat [PATH]                                    # an interactive chat in the terminal
+    atom-core bench --offline [PATH]                         # the engine's throughput
+    atom-core bench --url http://127.0.0.1:8000 --rate 4 8 inf   # online, against any OpenAI-compatible server
+
+PATH is a local checkpoint folder (default: the built-in demo model). Only ``serve`` needs the
+``serve`` extra; the rest runs on the base install.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+from pathlib import Path
+
+from atom_core.serve.engine_options import (Parser, UsageError, add_engine_arguments, build_engine,
+                                            chat_template_for, finite_float, positive_int)
+
+PROG = "atom-core"
+DEFAULT_PROMPTS = ["Return the number of", "This module provides", "If the file does not exist,", "Create a new"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog=PROG, description=__doc__.splitlines()[0].split(": ", 1)[1],
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
+    commands.required = True
+
+    serve = commands.add_parser("serve", help="the OpenAI-compatible HTTP server")
+    add_engine_arguments(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="(default 8000)")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model name clients send (default: the folder's name, or 'atom_core-demo')")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1 (default: $ATOM_CORE_API_KEY, else none)")
+    serve.add_argument("--max-waiting-requests", type=int, default=1024,
+                       help="requests that may wait for their first token; more get 503 (default 1024)")
+    serve.add_argument("--max-request-bytes", type=positive_int, default=8 * 2**20,
+                       help="largest request body; larger get 413 (default 8 MiB)")
+    serve.add_argument("--max-output-tokens", type=positive_int, default=None,
+                       help="the most max_tokens a request may ask (default: max_model_len)")
+    serve.add_argument("--chat-template", default=None, help="a chat template file (or the template text) to use "
+                                                             "instead of the model's")
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+    generate = commands.add_parser("generate", help="generate text for some prompts and report tokens/s")
+    add_engine_arguments(generate)
+    _add_sampling_arguments(generate, max_tokens=48, temperature=0.7)
+    generate.add_argument("--prompt", action="append", help="a prompt (repeatable); default: a few built-in ones")
+
+    chat = commands.add_parser("chat", help="an interactive chat in the terminal (one line per message; "
+                                            "/reset forgets, /exit or end of input quits)")
+    add_engine_arguments(chat)
+    _add_sampling_arguments(chat, max_tokens=128, temperature=0.7)
+    chat.add_argument("--system", default=None, help="a system message opening the conversation")
+    chat.add_argument("--chat-template", default=None, help="a chat template file (or text) instead of the model's")
+
+    bench = commands.add_parser("bench", help="offline engine throughput (--offline) or online serving (--url)")
+    add_engine_arguments(bench)
+    mode = bench.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--offline", action="store_true", help="run the engine in this process")
+    mode.add_argument("--url", default=None, help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+    bench.add_argument("--rate", type=float, nargs="+", default=[math_inf()],
+                       help="online: request rates (requests/s, Poisson arrivals; inf = all at once); several "
+                            "run one after another (default inf)")
+    bench.add_argument("--num-prompts", type=positive_int, default=256, help="(default 256, nano-vllm's)")
+    bench.add_argument("--input-len", default="100:1024", help="prompt tokens MIN:MAX, uniform (default 100:1024)")
+    bench.add_argument("--output-len", default="100:1024", help="output tokens MIN:MAX, uniform (default 100:1024)")
+    bench.add_argument("--vocab", type=positive_int, default=10000,
+                       help="prompt token ids are drawn below this (default 10000; at most the model's vocabulary "
+                            "offline, and online where /v1/models gives vocab_size, as atom-core serve's does)")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--bench-temperature", type=finite_float(0.0, 2.0), default=0.6,
+                       help="sampling temperature of the requests (default 0.6, nano-vllm's)")
+    bench.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
+                       help="online: token-id prompts to /v1/completions, or word prompts to /v1/chat/completions")
+    bench.add_argument("--model", default=None, help="online: the model name (default: the server's first)")
+    bench.add_argument("--api-key", default=None, help="online: Bearer key (default: $ATOM_CORE_API_KEY / "
+                                                       "$OPENAI_API_KEY)")
+    bench.add_argument("--json", default=None, help="also write the results to this file")
+    return parser
+
+
+def math_inf() -> float:
+    return float("inf")
+
+
+def _add_sampling_arguments(parser, *, max_tokens: int, temperature: float) -> None:
+    parser.add_argument("--max-tokens", type=positive_int, default=max_tokens,
+                        help=f"tokens to generate (default {max_tokens})")
+    parser.add_argument("--temperature", type=finite_float(0.0, 100.0), default=temperature,
+                        help=f"0 = greedy (default {temperature})")
+    parser.add_argument("--top-p", type=finite_float(0.0, 1.0, low_open=True), default=0.9, help="(default 0.9)")
+    parser.add_argument("--seed", type=int, default=None, help="seed (generate: prompt i uses seed + i)")
+
+
+# ------------------------------------------------------------------------------------------ commands
+
+def run_serve(args) -> None:
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn
+    except ImportError as e:
+        raise UsageError(f"atom-core serve needs the serve extra ({e.name or e} is not installed): "
+                         f"pip install atom_core[serve]") from None
+    from atom_core.engine.async_engine import AsyncEngine
+    from atom_core.serve.app import create_app
+    from atom_core.serve.common import ServerConfig
+
+    if args.max_waiting_requests < 0:
+        raise UsageError("--max-waiting-requests must be >= 0")
+    engine = build_engine(args)
+    name = args.served_model_name or (Path(args.path).name if args.path else "atom_core-demo")
+    config = ServerConfig(model_name=name, api_key=args.api_key or os.environ.get("ATOM_CORE_API_KEY") or None,
+                          max_request_bytes=args.max_request_bytes, max_output_tokens=args.max_output_tokens,
+                          chat_template=chat_template_for(engine, args.chat_template))
+    app = create_app(AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests), config)
+    print(f"serving {name!r} (max_model_len {engine.max_model_len}, device {engine.device}) on "
+          f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        _shutdown(engine)
+
+
+def _shutdown(engine) -> None:
+    """Stop the engine's worker ranks (--tensor-parallel-size); nothing to do for one rank."""
+    shutdown = getattr(engine, "shutdown", None)
+    if shutdown is not None:
+        shutdown()
+
+
+def run_generate(args) -> None:
+    engine = build_engine(args)
+    try:
+        _generate(engine, args)
+    finally:
+        _shutdown(engine)
+
+
+def _generate(engine, args) -> None:
+    from atom_core.engine import SamplingParams
+
+    prompts = args.prompt or DEFAULT_PROMPTS
+    seed = args.seed if args.seed is not None else 0
+    params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
+                             seed=seed + i) for i in range(len(prompts))]
+    start = time.perf_counter()
+    outputs = engine.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    for prompt, out in zip(prompts, outputs):
+        print(f"--- {prompt!r}\n{prompt}{out.text}\n")
+    generated = sum(len(o.token_ids) for o in outputs)
+    print(f"{generated} tokens in {elapsed:.2f} s: {generated / elapsed:.1f} tokens/s ({len(prompts)} prompts, "
+          f"device {engine.device})")
+
+
+def run_chat(args, stdin=None, stdout=None) -> None:
+    engine = build_engine(args)
+    try:
+        _chat(engine, args, stdin or sys.stdin, stdout or sys.stdout)
+    finally:
+        _shutdown(engine)
+
+
+def _chat(engine, args, stdin, stdout) -> None:
+    from atom_core.engine import SamplingParams
+    from atom_core.serve.engine_options import FALLBACK_CHAT_TEMPLATE
+
+    if engine.tokenizer is None:
+        raise UsageError("chat needs a model with a tokenizer (tokenizer.json)")
+    template = chat_template_for(engine, args.chat_template)
+    # A base model under the plain fallback template writes the next "user:" line itself: stop there.
+    stop = ["\nuser:"] if template == FALLBACK_CHAT_TEMPLATE else None
+    opening = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(opening)
+    interactive = stdin.isatty()
+    if interactive:
+        print("chat with the model: one line per message; /reset forgets, /exit quits", file=sys.stderr)
+    turn = 0
+    while True:
+        if interactive:
+            print("> ", end="", file=stdout, flush=True)
+        line = stdin.readline()
+        if not line:
+            break
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            break
+        if text == "/reset":
+            messages = list(opening)
+            continue
+        messages.append({"role": "user", "content": text})
+        prompt = _fit_context(engine, messages, opening, template)
+        if prompt is None:
+            messages.pop()
+            print("error: this message alone is longer than the model's context", file=sys.stderr)
+            continue
+        room = engine.max_model_len - len(prompt)
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=min(args.max_tokens, room),
+                                stop=stop, seed=None if args.seed is None else args.seed + turn)
+        engine.add_request(prompt, params)
+        pieces = []
+        print("assistant:", end=" ", file=stdout, flush=True)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                pieces.append(out.new_text)
+                print(out.new_text, end="", file=stdout, flush=True)
+        print(file=stdout, flush=True)
+        messages.append({"role": "assistant", "content": "".join(pieces).strip()})
+        turn += 1
+
+
+def _fit_context(engine, messages: list[dict], opening: list[dict], template: str | None) -> list[int] | None:
+    """The rendered conversation's token ids, dropping the oldest turns until a reply has room."""
+    while True:
+        prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, chat_template=template)
+        if len(prompt) < engine.max_model_len:
+            return prompt
+        if len(messages) <= len(opening) + 1:
+            return None
+        del messages[len(opening)]  # the oldest message after the system one
+
+
+def run_bench(args) -> None:
+    from atom_core.serve import bench
+
+    try:
+        input_len, output_len = bench.parse_range(args.input_len), bench.parse_range(args.output_len)
+    except ValueError as e:
+        raise UsageError(f"--input-len / --output-len: {e}") from None
+    rows = []
+    if args.offline:
+        engine = build_engine(args)
+        try:
+            vocab = min(args.vocab, engine.model.config.vocab_size)
+            workload = bench.make_workload(args.num_prompts, input_len, output_len, vocab, args.seed,
+                                           engine.max_model_len)
+            if workload.note:
+                print(workload.note)
+            rows.append(bench.run_offline(engine, workload, args.bench_temperature))
+        finally:
+            _shutdown(engine)
+        bench.print_table(rows, bench.OFFLINE_COLUMNS)
+    else:
+        api_key = args.api_key or os.environ.get("ATOM_CORE_API_KEY") or os.environ.get("OPENAI_API_KEY")
+        try:
+            model, max_model_len, vocab_size = asyncio.run(bench.server_info(args.url, api_key))
+        except (OSError, bench.HTTPError, ValueError, KeyError, IndexError) as e:
+            raise UsageError(f"--url {args.url}: could not read /v1/models ({e})") from None
+        vocab = min(args.vocab, vocab_size) if isinstance(vocab_size, int) and vocab_size > 0 else args.vocab
+        workload = bench.make_workload(args.num_prompts, input_len, output_len, vocab, args.seed, max_model_len)
+        if workload.note:
+            print(workload.note)
+        for rate in args.rate:
+            if not rate > 0:
+                raise UsageError(f"--rate must be > 0 (or inf), got {rate}")
+            rows.append(asyncio.run(bench.run_online(args.url, workload, rate, model=args.model or model,
+                                                     kind=args.endpoint, api_key=api_key,
+                                                     temperature=args.bench_temperature, seed=args.seed)))
+        bench.print_table(rows, bench.ONLINE_COLUMNS)
+        for row in rows:
+            if row["first_error"]:
+                print(f"rate {row['rate']}: {row['failed']} failed; first error: {row['first_error']}",
+                      file=sys.stderr)
+    if args.json:
+        Path(args.json).write_text(bench.as_json(rows))
+
+
+COMMANDS = {"serve": run_serve, "generate": run_generate, "chat": run_chat, "bench": run_bench}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run a command; a user error prints one line, ``error: ...``, on stderr and returns 2."""
+    try:
+        args = build_parser().parse_args(argv)
+        COMMANDS[args.command](args)
+    except (UsageError, ValueError, TypeError, FileNotFoundError) as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

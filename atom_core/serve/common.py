@@ -1,0 +1,242 @@
+"""What the endpoints share: the server's settings and state, OpenAI-style errors, prompt and
+length checks, adding requests, reading their outputs (with the metrics), log-prob formatting, SSE."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from atom_core.engine.async_engine import (AsyncEngine, EngineClosedError, EngineStepError, QueueFullError,
+                                           RequestStream, StreamOutput)
+from atom_core.engine.sampling_params import SamplingParams
+from atom_core.serve.metrics import ServerMetrics
+from atom_core.serve.protocol import sampling_param_of
+
+DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
+MIN_LOGPROB = -9999.0  # JSON has no -inf: a log-prob below this is reported as this (vLLM's floor)
+SSE_DONE = "data: [DONE]\n\n"
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+               405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error", 503: "server_error"}
+
+
+class APIError(Exception):
+    """An error answered as ``{"error": {"message", "type", "param", "code"}}`` with ``status``."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+@dataclass
+class ServerConfig:
+    """Server settings (``atom-core serve`` flags).
+
+    ``max_output_tokens``: the most ``max_tokens`` a request may ask (default: max_model_len).
+    ``chat_template``: a template (the source text) used instead of the model's own.
+    """
+
+    model_name: str = "atom_core"
+    api_key: str | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    max_output_tokens: int | None = None
+    chat_template: str | None = None
+
+
+@dataclass
+class ServerContext:
+    async_engine: AsyncEngine
+    config: ServerConfig
+    metrics: ServerMetrics
+    _token_texts: dict[int, str] = field(default_factory=dict)
+
+    def __post_init__(self):
+        engine = self.async_engine.engine
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.model.config.vocab_size
+        self.max_logprobs = engine.max_logprobs
+        self.default_params: SamplingParams = engine.default_sampling_params
+        limit = self.config.max_output_tokens
+        self.max_output_tokens = self.max_model_len if limit is None else min(limit, self.max_model_len)
+
+    # ---- prompts and lengths
+
+    def encode(self, text: str, param: str = "prompt") -> list[int]:
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer (tokenizer.json): send token-id prompts", param=param)
+        token_ids = self.tokenizer.encode(text)
+        if not token_ids:
+            raise APIError(400, "the prompt is empty (no tokens)", param=param)
+        return token_ids
+
+    def check_token_ids(self, token_ids: Sequence[int], param: str = "prompt") -> None:
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param=param)
+
+    def max_tokens_for(self, requested: int | None, num_prompt_tokens: int, default: int | None,
+                       param: str = "max_tokens", prompt_param: str = "prompt") -> int:
+        """The request's max_tokens, checked against the server's limit and the context length;
+        ``default`` None = all the room the context leaves (chat)."""
+        room = self.max_model_len - num_prompt_tokens
+        if room < 1:
+            raise APIError(400, f"the prompt has {num_prompt_tokens} tokens; this model's context is "
+                                f"max_model_len={self.max_model_len} tokens (prompt + output)",
+                           param=prompt_param, code="context_length_exceeded")
+        if requested is None:
+            return min(room, self.max_output_tokens) if default is None else min(default, room)
+        if requested > self.max_output_tokens:
+            raise APIError(400, f"{param}={requested} exceeds this server's limit of {self.max_output_tokens}",
+                           param=param)
+        if requested > room:
+            raise APIError(400, f"the prompt has {num_prompt_tokens} tokens and {param}={requested}: "
+                                f"{num_prompt_tokens + requested} exceeds max_model_len={self.max_model_len}",
+                           param=param, code="context_length_exceeded")
+        return requested
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.config.model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.config.model_name!r}",
+                           param="model", code="model_not_found")
+
+    # ---- running requests
+
+    async def add_requests(self, prompts: list[list[int]], params: SamplingParams) -> list[RequestStream]:
+        """One stream per prompt; on any refusal the ones already added are aborted."""
+        streams: list[RequestStream] = []
+        try:
+            for token_ids in prompts:
+                streams.append(await self.async_engine.add_request(token_ids, params))
+        except BaseException as e:
+            for stream in streams:
+                stream.abort()
+            if isinstance(e, QueueFullError):
+                self.metrics.rejected.labels(reason="queue_full").inc()
+                raise APIError(503, str(e), code="queue_full") from None
+            if isinstance(e, EngineClosedError):
+                raise APIError(503, str(e), code="shutting_down") from None
+            if isinstance(e, (ValueError, TypeError)):
+                self.metrics.rejected.labels(reason="invalid").inc()
+                raise APIError(400, str(e), param=sampling_param_of(str(e))) from None
+            raise
+        self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
+        return streams
+
+    async def outputs(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, StreamOutput]]:
+        """(stream number, output) of every stream as they come; records the metrics. Leaving early
+        (an exception, cancellation on a client disconnect) aborts the streams still running."""
+        errored: set[int] = set()
+        reasons: dict[int, str] = {}
+        source = _one(streams[0]) if len(streams) == 1 else _merged(streams)
+        try:
+            async for i, out in _tag_errors(source, errored):
+                self.metrics.observe(out, streams[i])
+                if out.finished:
+                    reasons[i] = out.finish_reason
+                yield i, out
+        finally:
+            for i, stream in enumerate(streams):
+                if i in errored:
+                    self.metrics.request_ended(stream, "error")
+                elif stream.finished and not stream.aborted and all(s.finished for s in stream.sequences):
+                    self.metrics.request_ended(stream, reasons.get(i, "stop"))
+                else:
+                    stream.abort()
+                    self.metrics.request_ended(stream, "abort")
+
+    # ---- log-probs
+
+    def token_text(self, token_id: int) -> str:
+        """A token as text (special tokens included); "token_id:N" without a tokenizer (vLLM's form)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = (f"token_id:{token_id}" if self.tokenizer is None
+                    else self.tokenizer.decode([token_id], skip_special_tokens=False))
+            self._token_texts[token_id] = text
+        return text
+
+
+async def _one(stream: RequestStream):
+    async for out in stream:
+        yield 0, out
+
+
+async def _merged(streams: list[RequestStream]):
+    """Several streams interleaved in arrival order (a completion request with several prompts)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream):
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+            queue.put_nowait((i, None))
+        except Exception as e:
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                item.stream_index = i
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _tag_errors(source, errored: set[int]):
+    try:
+        async for item in source:
+            yield item
+    except (EngineStepError, EngineClosedError) as e:
+        errored.add(getattr(e, "stream_index", 0))
+        raise
+
+
+def logprob(value: float | None) -> float | None:
+    if value is None:
+        return None
+    return MIN_LOGPROB if math.isnan(value) or value < MIN_LOGPROB else float(value)
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def stream_error_event(e: BaseException) -> str:
+    """The SSE event sent when a request fails after its stream started (vLLM sends the same)."""
+    return sse(error_body(str(e), "server_error", code="engine_error"))

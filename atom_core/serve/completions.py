@@ -1,0 +1,164 @@
+"""``POST /v1/completions``: text or token-id prompts (one or a batch), streamed or not.
+
+Choice ``i * n + j`` is prompt i's sequence j (OpenAI's order). ``echo`` puts the prompt before
+the text (with ``logprobs``, the prompt's tokens lead the log-probs: the first has none, as in
+OpenAI's legacy API and vLLM). ``logprobs=N``: per token its text, log-prob, the N most likely
+alternatives plus the chosen one (``{text: log-prob}``), and its character offset in the text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from atom_core.engine.async_engine import EngineClosedError, EngineStepError, RequestStream
+from atom_core.serve.common import (SSE_DONE, APIError, ServerContext, logprob, now, request_id, sse,
+                                    stream_error_event, usage)
+from atom_core.serve.protocol import CompletionRequest
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+
+
+class _Prompt:
+    __slots__ = ("token_ids", "text")
+
+    def __init__(self, token_ids: list[int], text: str | None):
+        self.token_ids, self.text = token_ids, text
+
+
+class CompletionJob:
+    """One completion request from parsing to its response."""
+
+    def __init__(self, ctx: ServerContext, req: CompletionRequest):
+        self.ctx, self.req = ctx, req
+        ctx.check_model(req.model)
+        if req.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise APIError(400, "best_of must equal n (best-of selection is not supported)", param="best_of")
+        if req.logprobs is not None and req.logprobs > ctx.max_logprobs:
+            raise APIError(400, f"logprobs={req.logprobs}: at most {ctx.max_logprobs}", param="logprobs")
+        self.prompts: list[_Prompt] = []
+        for p in req.prompt:
+            if isinstance(p, str):
+                self.prompts.append(_Prompt(ctx.encode(p), p))
+            else:
+                ctx.check_token_ids(p)
+                self.prompts.append(_Prompt(list(p), None))
+        max_tokens = min(ctx.max_tokens_for(req.max_tokens, len(p.token_ids), DEFAULT_MAX_TOKENS)
+                         for p in self.prompts)
+        self.echo_logprobs = req.echo and req.logprobs is not None
+        prompt_logprobs = req.logprobs if self.echo_logprobs else None
+        self.params = req.sampling_params(max_tokens=max_tokens, logprobs=req.logprobs,
+                                          prompt_logprobs=prompt_logprobs, default=ctx.default_params)
+        self.id = request_id("cmpl")
+        self.created = now()
+        self.streams: list[RequestStream] = []
+
+    async def start(self) -> None:
+        self.streams = await self.ctx.add_requests([p.token_ids for p in self.prompts], self.params)
+
+    def abort(self) -> None:
+        """Abort the requests still running (the response ended early: idempotent)."""
+        for stream in self.streams:
+            stream.abort()
+
+    def _echo_text(self, i: int) -> str:
+        prompt = self.prompts[i]
+        if prompt.text is None:
+            tok = self.ctx.tokenizer
+            prompt.text = "" if tok is None else tok.decode(prompt.token_ids, skip_special_tokens=False)
+        return prompt.text
+
+    def _logprobs(self, token_ids, values, tops, offset: int) -> dict:
+        """OpenAI's completion log-probs of some tokens, their text offsets starting at ``offset``."""
+        text = self.ctx.token_text
+        tokens = [text(t) for t in token_ids]
+        offsets = []
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        top = []
+        for k in range(len(token_ids)):
+            entry = {} if tops is None or tops[k] is None else {text(t): logprob(v) for t, v in tops[k].items()}
+            if values[k] is not None:
+                entry.setdefault(tokens[k], logprob(values[k]))
+            top.append(entry or None)
+        return {"tokens": tokens, "token_logprobs": [logprob(v) for v in values], "top_logprobs": top,
+                "text_offset": offsets}
+
+    def _prompt_logprobs(self, i: int, out) -> dict:
+        prompt = self.prompts[i].token_ids
+        values = out.prompt_logprobs or [None] * len(prompt)
+        tops = out.prompt_top_logprobs
+        return self._logprobs(prompt, values, tops, 0)
+
+    @staticmethod
+    def _join(a: dict | None, b: dict) -> dict:
+        if a is None:
+            return b
+        return {key: a[key] + b[key] for key in b}
+
+    # ---- non-streaming
+
+    async def response(self) -> dict:
+        n = self.params.n
+        finals = {}
+        async for i, out in self.ctx.outputs(self.streams):
+            if out.finished:
+                finals[i * n + out.index] = (i, out)
+        choices = []
+        completion_tokens = 0
+        for index in sorted(finals):
+            i, out = finals[index]
+            completion_tokens += out.num_output_tokens
+            text = out.text
+            logprobs = None
+            prefix = self._echo_text(i) if self.req.echo else ""
+            if self.req.logprobs is not None:
+                logprobs = self._logprobs(out.token_ids, out.logprobs, out.top_logprobs, len(prefix))
+                if self.echo_logprobs:
+                    logprobs = self._join(self._prompt_logprobs(i, out), logprobs)
+            choices.append({"index": index, "text": prefix + text, "logprobs": logprobs,
+                            "finish_reason": out.finish_reason, "stop_reason": out.stop_reason})
+        prompt_tokens = sum(len(p.token_ids) for p in self.prompts)
+        return {"id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.ctx.config.model_name, "choices": choices,
+                "usage": usage(prompt_tokens, completion_tokens)}
+
+    # ---- streaming
+
+    async def events(self) -> AsyncIterator[str]:
+        n = self.params.n
+        offsets: dict[int, int] = {}  # choice -> characters sent so far (log-prob text offsets)
+        completion_tokens = 0
+        include_usage = self.req.stream_options is not None and self.req.stream_options.include_usage
+        try:
+            async for i, out in self.ctx.outputs(self.streams):
+                index = i * n + out.index
+                text = out.new_text
+                logprobs = None
+                if index not in offsets:
+                    offsets[index] = 0
+                    if self.req.echo:
+                        text = self._echo_text(i) + text
+                        if self.echo_logprobs:
+                            logprobs = self._prompt_logprobs(i, out)
+                if self.req.logprobs is not None:
+                    start = offsets[index] + (len(text) - len(out.new_text))
+                    new = self._logprobs(out.new_token_ids, out.new_logprobs, out.new_top_logprobs, start)
+                    logprobs = self._join(logprobs, new)
+                offsets[index] += len(text)
+                if out.finished:
+                    completion_tokens += out.num_output_tokens
+                yield sse({"id": self.id, "object": "text_completion", "created": self.created,
+                           "model": self.ctx.config.model_name,
+                           "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                                        "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}]})
+            if include_usage:
+                prompt_tokens = sum(len(p.token_ids) for p in self.prompts)
+                yield sse({"id": self.id, "object": "text_completion", "created": self.created,
+                           "model": self.ctx.config.model_name, "choices": [],
+                           "usage": usage(prompt_tokens, completion_tokens)})
+        except (EngineStepError, EngineClosedError) as e:
+            yield stream_error_event(e)
+        yield SSE_DONE

@@ -1,0 +1,148 @@
+"""The engine flags every ``atom-core`` command shares, the engine they build, and the chat template
+used for a model that has none. Imports nothing beyond the base install."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+# Used by `atom-core chat` and `atom-core serve` when a model ships no chat template (the demo model):
+# plain "role: content" lines, then "assistant:" to answer.
+FALLBACK_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+DEFAULT_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))  # as python -m atom_core.demo (see there why)
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+class UsageError(Exception):
+    """A mistake in the command line: one line on stderr, exit status 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise UsageError(message)
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def finite_float(low: float, high: float, *, low_open: bool = False):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(value) or value > high or value < low or (low_open and value == low):
+            raise argparse.ArgumentTypeError(f"expected a number in {'(' if low_open else '['}{low:g}, {high:g}], "
+                                             f"got {text!r}")
+        return value
+    return parse
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, *, with_path: bool = True) -> None:
+    if with_path:
+        parser.add_argument("path", nargs="?", default=None,
+                            help="a local checkpoint folder (config.json, *.safetensors, tokenizer.json), or with "
+                                 "--load-format dummy a config.json file; default: the built-in demo model")
+    group = parser.add_argument_group("engine")
+    group.add_argument("--max-model-len", type=positive_int, default=None,
+                       help="longest sequence (prompt + output) in tokens (default: the engine's choice)")
+    group.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    group.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the model's on GPU, "
+                                                     "float32 on CPU)")
+    group.add_argument("--max-num-seqs", type=positive_int, default=256, help="rows per step (default 256)")
+    group.add_argument("--max-num-batched-tokens", type=positive_int, default=8192,
+                       help="tokens per step (default 8192)")
+    group.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                       help="KV pool element type (default auto: the model's)")
+    group.add_argument("--num-kv-blocks", type=positive_int, default=None,
+                       help="KV pool size in blocks (default: from memory)")
+    group.add_argument("--gpu-memory-utilization", type=finite_float(0.0, 1.0, low_open=True), default=0.9,
+                       help="share of GPU memory for weights, activations and the KV pool (default 0.9)")
+    group.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (default 16)")
+    group.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    group.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy", "zeros"],
+                       help="dummy: random weights of the config's shapes (benchmarks)")
+    group.add_argument("--quantization", default=None, choices=["fp8", "fp8_block"],
+                       help="quantize an unquantized checkpoint while loading")
+    group.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
+                       help="split the model over this many ranks (this process is rank 0; on CUDA rank r uses GPU r)")
+    group.add_argument("--expert-parallel", action="store_true",
+                       help="with --tensor-parallel-size: split a MoE model's experts whole over the ranks")
+    group.add_argument("--threads", type=positive_int, default=DEFAULT_THREADS,
+                       help=f"CPU threads for torch (default {DEFAULT_THREADS}: half the cores, at most 4)")
+
+
+def model_folder(path: str | None, load_format: str) -> str | None:
+    """The checkpoint folder to load (None = the demo model); a config.json file with a dummy load
+    format is copied into a temporary folder of its own."""
+    if path is None:
+        return None
+    p = Path(path)
+    if p.is_file() and p.suffix == ".json" and load_format in ("dummy", "zeros"):
+        folder = Path(tempfile.mkdtemp(prefix="atom_core_config_"))
+        shutil.copy(p, folder / "config.json")
+        return str(folder)
+    if p.is_dir():
+        return str(p)
+    if not p.exists() and _HUB_ID.match(path):
+        raise UsageError(f"{path!r} is not a local folder, and atom_core loads only local checkpoint folders; "
+                         f"download it first (huggingface-cli download {path} --local-dir {path.rsplit('/', 1)[1]})")
+    raise UsageError(f"{path!r}: no such folder (expected a checkpoint folder with config.json, *.safetensors and "
+                     f"tokenizer.json)")
+
+
+def build_engine(args: argparse.Namespace):
+    """The ``Engine`` the flags describe (``engine.shutdown()`` stops its worker ranks, if any)."""
+    import torch
+
+    from atom_core.engine import Engine
+
+    torch.set_num_threads(args.threads)
+    if args.device is not None:
+        try:
+            torch.device(args.device)
+        except RuntimeError:
+            raise UsageError(f"--device {args.device!r}: expected cpu, cuda or cuda:N") from None
+    folder = model_folder(getattr(args, "path", None), args.load_format)
+    parallel = {}
+    if args.tensor_parallel_size > 1:
+        parallel = dict(tensor_parallel_size=args.tensor_parallel_size, expert_parallel=args.expert_parallel)
+    return Engine.from_pretrained(
+        folder, device=args.device, dtype=args.dtype, load_format=args.load_format, quantization=args.quantization,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_dtype=args.kv_cache_dtype,
+        num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
+        block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
+        enforce_eager=args.enforce_eager, **parallel)
+
+
+def chat_template_for(engine, option: str | None) -> str | None:
+    """The template to render chats with: ``option`` (a file or the template text), else None (the
+    model's own) when the model has one, else FALLBACK_CHAT_TEMPLATE (logged)."""
+    if option is not None:
+        path = Path(option)
+        return path.read_text(encoding="utf-8") if path.is_file() else option
+    if engine.tokenizer is not None and engine.tokenizer.chat_templates:
+        return None
+    logger.warning("the model has no chat template: using a plain 'role: content' one (--chat-template to choose)")
+    return FALLBACK_CHAT_TEMPLATE

@@ -1,0 +1,230 @@
+"""The OpenAI request bodies the server accepts (pydantic models), and their ``SamplingParams``.
+
+Parsing is strict (``model_validate_json`` in strict mode): a string where a number belongs, a
+bool where an int belongs, NaN or infinity, an unknown enum value or a number outside its range
+is a 400 naming the field. Fields OpenAI's API defines keep their names and ranges (temperature
+[0, 2], penalties [-2, 2], top_logprobs <= 20, ...); vLLM's extra sampling fields (``top_k``,
+``min_p``, ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos``, ...) are
+accepted too. Unknown fields are ignored, as OpenAI's own server does for fields it retired.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from atom_core.engine.sampling_params import SamplingParams
+
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a bias value; larger ones are clamped to it
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024
+MAX_N = 128
+MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS_ENTRIES = 1024
+SEED_MODULUS = 2**64  # an int64 seed (OpenAI allows negative ones) maps to the engine's [0, 2**64)
+
+__all__ = ["ChatCompletionRequest", "CompletionRequest", "RequestError", "parse_request"]
+
+
+class RequestError(ValueError):
+    """A request the server refuses with 400: ``message`` and the offending ``param``."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.code = message, param, code
+
+
+def _check_stop(value):
+    if value is None or isinstance(value, str):
+        value = None if value is None else [value]
+    elif not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise ValueError("must be a string or a list of strings")
+    if value is not None:
+        if len(value) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(value)}")
+        if any(not s or len(s) > MAX_STOP_STRING_CHARS for s in value):
+            raise ValueError(f"each stop string holds 1 to {MAX_STOP_STRING_CHARS} characters")
+    return value
+
+
+def sampling_param_of(message: str) -> str | None:
+    """The field a "SamplingParams.<field>=...: why" (or "SamplingParams.<field>: why") message names."""
+    if not message.startswith("SamplingParams."):
+        return None
+    return re.split(r"[=:\s]", message.removeprefix("SamplingParams."), maxsplit=1)[0] or None
+
+
+def _is_token_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    """Sampling fields the two endpoints share (OpenAI's, then vLLM's extras)."""
+
+    model: Optional[str] = None
+    temperature: Optional[float] = Field(None, ge=0.0, le=2.0)
+    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    stop: Any = None
+    seed: Optional[int] = Field(None, ge=-(2**63), lt=2**64)
+    presence_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    logit_bias: Optional[dict[str, float]] = None
+    user: Optional[str] = None
+    # vLLM's extras
+    top_k: Optional[int] = Field(None, ge=-1)
+    min_p: Optional[float] = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: Optional[float] = Field(None, gt=0.0, le=100.0)
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    allowed_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None
+
+    @field_validator("stop", mode="plain")
+    @classmethod
+    def _stop(cls, value):
+        return _check_stop(value)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value):
+        if value is None:
+            return None
+        if len(value) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS_ENTRIES} entries")
+        for key in value:
+            if not key.isdigit():
+                raise ValueError(f"keys are token ids (decimal strings), got {key!r}")
+        return {int(k): max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, v)) for k, v in value.items()}
+
+    def sampling_params(self, *, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
+                        default: SamplingParams | None = None) -> SamplingParams:
+        """The engine's parameters for this request; unset fields take ``default`` (the model's
+        generation_config) where it has them. Raises RequestError naming the field."""
+        default = default or SamplingParams()
+
+        def pick(value, fallback):
+            return fallback if value is None else value
+
+        try:
+            return SamplingParams(
+                n=self.n, max_tokens=max_tokens, temperature=pick(self.temperature, default.temperature),
+                top_p=pick(self.top_p, default.top_p), top_k=pick(self.top_k, default.top_k),
+                min_p=pick(self.min_p, default.min_p),
+                seed=None if self.seed is None else self.seed % SEED_MODULUS,
+                presence_penalty=pick(self.presence_penalty, 0.0), frequency_penalty=pick(self.frequency_penalty, 0.0),
+                repetition_penalty=pick(self.repetition_penalty, default.repetition_penalty),
+                logit_bias=self.logit_bias or None, stop=self.stop, stop_token_ids=self.stop_token_ids,
+                min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                skip_special_tokens=self.skip_special_tokens, allowed_token_ids=self.allowed_token_ids,
+                bad_words=self.bad_words, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        except ValueError as e:
+            raise RequestError(str(e), param=sampling_param_of(str(e))) from None
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions``."""
+
+    prompt: Any
+    max_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    best_of: Optional[int] = Field(None, ge=1, le=MAX_N)
+    suffix: Optional[str] = None
+
+    @field_validator("prompt", mode="plain")
+    @classmethod
+    def _prompt(cls, value):
+        """-> a non-empty list of prompts, each a string or a non-empty list of token ids."""
+        why = "must be a string, a list of strings, a list of token ids or a list of token-id lists"
+        if isinstance(value, str):
+            return [value]
+        if not isinstance(value, list) or not value:
+            raise ValueError(why + " (non-empty)")
+        if all(_is_token_id(t) for t in value):
+            return [value]
+        if all(isinstance(p, str) for p in value):
+            return value
+        if all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in value):
+            return value
+        raise ValueError(why + " (token ids are ints >= 0, lists non-empty)")
+
+
+class ContentPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")  # tool_calls, reasoning_content ...: passed to the template
+
+    role: str = Field(min_length=1)
+    content: Optional[Any] = None
+    name: Optional[str] = None
+
+    @field_validator("content", mode="plain")
+    @classmethod
+    def _content(cls, value):
+        if value is None or isinstance(value, str):
+            return value
+        if isinstance(value, list):
+            parts = []
+            for part in value:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError("content parts must be {'type': 'text', 'text': str} (only text is supported)")
+                parts.append(part["text"])
+            return "".join(parts)
+        raise ValueError("content must be a string or a list of text parts")
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[int] = Field(None, ge=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: Optional[ResponseFormat] = None
+    tools: Optional[list[dict]] = None
+    tool_choice: Optional[Any] = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+    def conversation(self) -> list[dict]:
+        return [m.model_dump(exclude_none=True) for m in self.messages]
+
+
+def parse_request(model: type[_Strict], body: bytes) -> Any:
+    """``model`` parsed from a JSON body; RequestError (with ``param``) for malformed JSON or a bad field."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        error = e.errors(include_url=False)[0]
+        if error["type"] == "json_invalid":
+            raise RequestError(f"the body is not valid JSON: {error['msg']}", code="invalid_json") from None
+        if not error["loc"]:
+            raise RequestError(f"the body must be a JSON object: {error['msg']}") from None
+        loc = [str(part) for part in error["loc"]]
+        message = error["msg"].removeprefix("Value error, ")
+        raise RequestError(f"{'.'.join(loc)}: {message}", param=loc[0]) from None

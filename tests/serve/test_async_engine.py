@@ -1,0 +1,224 @@
+"""AsyncEngine: streams equal the offline engine's results, cancelling a consumer aborts its request
+and frees its blocks, a step that raises reaches the consumers as an error while the loop keeps
+serving, the waiting queue is bounded, shutdown ends open streams and leaves the engine usable."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import replace
+
+import pytest
+
+from atom_core.engine import SamplingParams
+from atom_core.engine.async_engine import (AsyncEngine, EngineClosedError, EngineStepError, QueueFullError,
+                                           StreamOutput)
+from tests.serve.conftest import demo_engine
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12)
+LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+PROMPTS = ["Return the number of", "This module provides", "If the file does not exist,", "Create a new"]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return demo_engine()
+
+
+def assert_idle_and_clean(engine):
+    assert not engine.has_unfinished_requests()
+    engine.block_manager.check_integrity()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+async def collect(async_engine, prompt, params, **kwargs) -> list[StreamOutput]:
+    return [out async for out in async_engine.generate(prompt, params, **kwargs)]
+
+
+class FailingForward:
+    """Replaces a model's forward; raises on every call until ``fail`` is cleared."""
+
+    def __init__(self, model):
+        self.model, self.fail = model, True
+
+    def __call__(self, *args, **kwargs):
+        if self.fail:
+            raise RuntimeError("injected failure")
+        return type(self.model).forward(self.model, *args, **kwargs)
+
+
+def test_concurrent_streams_equal_offline_generate_and_new_text_adds_up_to_text(engine):
+    want = engine.generate(PROMPTS, GREEDY, use_tqdm=False)
+
+    async def main():
+        async with AsyncEngine(engine) as async_engine:
+            return await asyncio.gather(*(collect(async_engine, p, GREEDY) for p in PROMPTS))
+
+    results = asyncio.run(main())
+    for outs, ref in zip(results, want):
+        assert "".join(o.new_text for o in outs) == outs[-1].text == ref.text
+        assert [t for o in outs for t in o.new_token_ids] == outs[-1].token_ids == ref.token_ids
+        assert outs[-1].finish_reason == ref.finish_reason and all(not o.finished for o in outs[:-1])
+        assert outs[-1].prompt_token_ids == ref.prompt_token_ids
+    assert_idle_and_clean(engine)
+
+
+def test_n_sequences_with_a_seed_equal_offline_generate_by_index(engine):
+    params = SamplingParams(n=3, seed=11, temperature=1.0, max_tokens=10, logprobs=2)
+    want = engine.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs
+
+    async def main():
+        async with AsyncEngine(engine) as async_engine:
+            return await collect(async_engine, PROMPTS[0], params, request_id="mine")
+
+    outs = asyncio.run(main())
+    finals = {o.index: o for o in outs if o.finished}
+    assert sorted(finals) == [0, 1, 2] and all(o.request_id == "mine" for o in outs)
+    for ref in want:
+        got = finals[ref.index]
+        assert (got.text, got.token_ids) == (ref.text, ref.token_ids)
+        assert got.logprobs == pytest.approx(ref.logprobs) and got.top_logprobs == ref.top_logprobs
+        pieces = [o for o in outs if o.index == ref.index]
+        assert [lp for o in pieces for lp in o.new_logprobs] == got.logprobs
+    assert_idle_and_clean(engine)
+
+
+def test_cancelling_the_consumer_aborts_the_request_and_frees_its_blocks(engine):
+    async def main():
+        async with AsyncEngine(engine) as async_engine:
+            first = asyncio.Event()
+
+            async def consume():
+                async for _ in async_engine.generate(PROMPTS[0], LONG):
+                    first.set()
+
+            task = asyncio.create_task(consume())
+            await first.wait()
+            assert async_engine.stats().num_running == 1
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            state = await async_engine.run_on_engine(
+                lambda e: (e.has_unfinished_requests(), e.block_manager.num_free_blocks, e.block_manager.num_blocks))
+            return state, async_engine.stats()
+
+    (unfinished, free, total), stats = asyncio.run(main())
+    assert not unfinished and free == total
+    assert stats.num_running == stats.num_waiting == 0
+    assert_idle_and_clean(engine)
+
+
+def test_leaving_the_loop_early_aborts_the_request(engine):
+    async def main():
+        async with AsyncEngine(engine) as async_engine:
+            stream = await async_engine.add_request(PROMPTS[1], LONG)
+            async for _ in stream:
+                break
+            stream.abort()
+            assert stream.finished and stream.aborted
+            assert [o async for o in stream] == []  # an aborted stream ends
+            return await async_engine.run_on_engine(lambda e: e.has_unfinished_requests())
+
+    assert asyncio.run(main()) is False
+    assert_idle_and_clean(engine)
+
+
+def test_a_step_that_raises_reaches_the_consumers_and_the_loop_keeps_serving(engine):
+    want = engine.generate(PROMPTS[2], GREEDY, use_tqdm=False)[0].text
+
+    async def main():
+        async with AsyncEngine(engine) as async_engine:
+            failing = await async_engine.run_on_engine(lambda e: setattr(e.model, "forward", FailingForward(e.model))
+                                                       or e.model.forward)
+            results = await asyncio.gather(*(collect(async_engine, p, GREEDY) for p in PROMPTS[:2]),
+                                           return_exceptions=True)
+            failing.fail = False
+            await async_engine.run_on_engine(lambda e: delattr(e.model, "forward"))
+            after = await collect(async_engine, PROMPTS[2], GREEDY)
+            return results, after, async_engine.stats()
+
+    results, after, stats = asyncio.run(main())
+    assert all(isinstance(r, EngineStepError) for r in results), results
+    assert all(isinstance(r.__cause__, RuntimeError) and "injected failure" in str(r) for r in results)
+    assert after[-1].text == want and after[-1].finished
+    assert stats.num_step_errors >= 1 and stats.num_running == stats.num_waiting == 0
+    assert_idle_and_clean(engine)
+
+
+def test_the_waiting_queue_is_bounded_and_refuses_with_queue_full(engine):
+    async def main():
+        async with AsyncEngine(engine, max_waiting_requests=2) as async_engine:
+            release = threading.Event()
+            blocked = async_engine.submit(lambda e: release.wait())  # no step runs until released
+            adds = [asyncio.create_task(async_engine.add_request(p, GREEDY)) for p in PROMPTS[:2]]
+            await asyncio.sleep(0)
+            assert async_engine.stats().num_waiting == 2
+            with pytest.raises(QueueFullError, match="max_waiting_requests=2"):
+                await async_engine.add_request(PROMPTS[2], GREEDY)
+            release.set()
+            await asyncio.wrap_future(blocked)
+            streams = await asyncio.gather(*adds)
+            texts = []
+            for stream in streams:
+                texts.append([o async for o in stream][-1].text)
+            # room again once they run
+            return texts, [o async for o in async_engine.generate(PROMPTS[2], GREEDY)][-1].text
+
+    texts, third = asyncio.run(main())
+    want = engine.generate(PROMPTS[:3], GREEDY, use_tqdm=False)
+    assert texts + [third] == [o.text for o in want]
+    assert_idle_and_clean(engine)
+
+
+def test_refused_requests_raise_at_add_and_leave_nothing_behind(engine):
+    async def main():
+        async with AsyncEngine(engine) as async_engine:
+            with pytest.raises(ValueError, match="outside|must be in"):
+                await async_engine.add_request([1, 2, 10**6], GREEDY)
+            with pytest.raises(ValueError, match="max_model_len"):
+                await async_engine.add_request(list(range(1, 510)), GREEDY)
+            with pytest.raises(TypeError, match="SamplingParams"):
+                await async_engine.add_request("x", {"max_tokens": 3})
+            stream = await async_engine.add_request("x", GREEDY, request_id="a")
+            with pytest.raises(ValueError, match="already in use"):
+                await async_engine.add_request("x", GREEDY, request_id="a")
+            outs = [o async for o in stream]
+            return outs, async_engine.stats()
+
+    outs, stats = asyncio.run(main())
+    assert outs[-1].finished and stats.num_waiting == stats.num_running == 0
+    assert_idle_and_clean(engine)
+
+
+def test_shutdown_ends_open_streams_and_leaves_the_engine_usable(engine):
+    async def main():
+        async_engine = AsyncEngine(engine)
+        stream = await async_engine.add_request(PROMPTS[0], LONG)
+        await stream.__anext__()
+        await async_engine.shutdown()
+        with pytest.raises(EngineClosedError):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineClosedError):
+            await async_engine.add_request(PROMPTS[0], GREEDY)
+        assert not async_engine.is_running
+
+    asyncio.run(main())
+    assert_idle_and_clean(engine)
+    assert engine.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].text  # used directly again
+
+
+def test_default_params_are_the_engines_and_stats_see_the_pool_in_use(engine):
+    async def main():
+        async with AsyncEngine(engine) as async_engine:
+            stream = await async_engine.add_request(PROMPTS[0], replace(LONG, max_tokens=200))
+            await stream.__anext__()
+            during = async_engine.stats()
+            stream.abort()
+            outs = await collect(async_engine, PROMPTS[0], None)
+            return during, outs
+
+    during, outs = asyncio.run(main())
+    assert during.num_running == 1 and during.kv_cache_usage > 0 and during.num_steps >= 1
+    assert outs[-1].num_output_tokens <= engine.default_sampling_params.max_tokens
+    assert_idle_and_clean(engine)

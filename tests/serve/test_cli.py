@@ -1,0 +1,144 @@
+"""``atom-core``: generate, chat over stdin (answers equal ``Engine.chat``), bench offline and online
+(against the live test server), one-line user errors, and the base install (no FastAPI, uvicorn,
+prometheus_client, pydantic) running everything but ``serve``, which names the extra to install."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from atom_core.engine import SamplingParams
+from atom_core.serve import cli
+from atom_core.serve.engine_options import FALLBACK_CHAT_TEMPLATE
+from tests.serve.conftest import API_KEY, demo_engine
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVE_ONLY = ("fastapi", "uvicorn", "starlette", "prometheus_client", "pydantic", "openai")
+
+
+@pytest.fixture(autouse=True)
+def keep_torch_threads():
+    """The commands set torch's thread count (--threads); put the test session's back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_generate_prints_every_prompt_and_the_token_rate(capsys):
+    prompts = ["Return the number of", "Create a new"]
+    assert cli.main(["generate", "--max-tokens", "5", "--threads", "1", "--prompt", prompts[0],
+                     "--prompt", prompts[1], "--temperature", "0"]) == 0
+    out = capsys.readouterr().out
+    want = demo_engine().generate(prompts, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+    for prompt, ref in zip(prompts, want):
+        assert f"--- {prompt!r}\n{prompt}{ref.text}\n" in out
+    assert "tokens/s (2 prompts, device cpu)" in out
+
+
+def test_chat_answers_each_stdin_line_as_engine_chat_does_and_stops_at_exit(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Open a file\n\n/reset\nClose it\n/exit\nnever read\n"))
+    assert cli.main(["chat", "--threads", "1", "--max-tokens", "12", "--temperature", "0", "--system",
+                     "You write docstrings."]) == 0
+    out = capsys.readouterr().out
+    engine = demo_engine()
+    params = SamplingParams(temperature=0, max_tokens=12, stop=["\nuser:"])
+    system = {"role": "system", "content": "You write docstrings."}
+    want = [engine.chat([system, {"role": "user", "content": text}], params, chat_template=FALLBACK_CHAT_TEMPLATE,
+                        use_tqdm=False)[0].text
+            for text in ("Open a file", "Close it")]  # /reset: each is a fresh conversation
+    assert out == "".join(f"assistant: {w}\n" for w in want)
+
+
+def test_bench_offline_reports_throughput(tmp_path, capsys):
+    path = tmp_path / "offline.json"
+    assert cli.main(["bench", "--offline", "--threads", "1", "--num-prompts", "6", "--input-len", "8:16",
+                     "--output-len", "4:8", "--json", str(path)]) == 0
+    [row] = json.loads(path.read_text())
+    assert row["requests"] == 6 and 24 <= row["output_tokens"] <= 48 and row["output_tokens_per_s"] > 0
+    assert "output_tokens_per_s" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_bench_online_against_the_live_server_reports_latencies(server, tmp_path, endpoint):
+    path = tmp_path / "online.json"
+    assert cli.main(["bench", "--url", server.url, "--api-key", API_KEY, "--endpoint", endpoint, "--rate", "inf",
+                     "200", "--num-prompts", "8", "--input-len", "8:16", "--output-len", "4:8",
+                     "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())
+    assert [r["rate"] for r in rows] == [None, 200]  # inf is written as null
+    for row in rows:
+        assert row["requests"] == 8 and row["failed"] == 0, row
+        assert row["output_tokens_per_s"] > 0
+        assert all(math.isfinite(row[k]) for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "e2e_p99_ms"))
+    server.assert_no_block_leaked()
+
+
+def test_bench_scales_lengths_that_do_not_fit_the_context():
+    from atom_core.serve.bench import make_workload
+
+    workload = make_workload(20, (100, 1024), (100, 1024), 2048, 0, 512)
+    assert "scaled by 0.25" in workload.note
+    assert all(len(p) + m <= 512 for p, m in zip(workload.prompts, workload.output_lens))
+    assert make_workload(3, (4, 8), (2, 3), 50, 7, 512).prompts == make_workload(3, (4, 8), (2, 3), 50, 7, None).prompts
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["generate", "/no/such/folder"], "no such folder"),
+    (["generate", "Qwen/Qwen3-0.6B"], "huggingface-cli download Qwen/Qwen3-0.6B"),
+    (["generate", "--max-tokens", "0"], "--max-tokens"),
+    (["chat", "--temperature", "nan"], "--temperature"),
+    (["bench", "--offline", "--input-len", "9:3"], "--input-len"),
+    (["bench", "--url", "http://127.0.0.1:9"], "could not read /v1/models"),
+    (["bench"], "--offline"),
+    (["serve", "--device", "tpu"], "--device"),
+    (["nothing"], "invalid choice"),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_user_errors_print_one_error_line_and_return_2(argv, says, capsys):
+    assert cli.main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], lines
+
+
+def test_the_base_install_runs_generate_chat_and_offline_bench_and_serve_names_the_extra():
+    """A process where the serve extra's packages cannot be imported."""
+    script = f"""
+import json, sys
+for name in {SERVE_ONLY!r}:
+    sys.modules[name] = None  # "import fastapi" raises ImportError
+from atom_core.serve.cli import main
+codes = [main(["generate", "--max-tokens", "3", "--threads", "1", "--prompt", "Create a new"]),
+         main(["chat", "--max-tokens", "3", "--threads", "1"]),
+         main(["bench", "--offline", "--threads", "1", "--num-prompts", "2", "--input-len", "4:8",
+               "--output-len", "2:3"]),
+         main(["serve", "--threads", "1"])]
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in {SERVE_ONLY!r} and sys.modules[m] is not None)
+print(json.dumps({{"codes": codes, "loaded": loaded}}))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["OMP_NUM_THREADS"] = "1"
+    result = subprocess.run([sys.executable, "-c", script], input="hello\n", cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report == {"codes": [0, 0, 0, 2], "loaded": []}, result.stderr
+    assert "assistant:" in result.stdout and "tokens/s" in result.stdout
+    assert "pip install atom_core[serve]" in result.stderr.strip().splitlines()[-1]
+
+
+def test_the_console_script_is_declared():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["scripts"]["atom-core"] == "atom_core.serve.cli:main"
+    serve = " ".join(project["optional-dependencies"]["serve"])
+    test = " ".join(project["optional-dependencies"]["test"])
+    for package in ("fastapi", "uvicorn", "prometheus_client"):
+        assert package in serve and package in test
+    assert "openai" in test
