@@ -38,6 +38,7 @@ from atom_core.engine.distributed import (
     decode,
     encode,
 )
+from atom_core.ops.validation import debug_checks
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not available")
 
@@ -50,10 +51,23 @@ TIGHT = dict(block_size=2, num_kv_blocks=24, max_model_len=48, max_num_batched_t
 PROCESS_BOUND_S = 120  # a launcher run that takes longer has hung
 
 
+# "cuda": NCCL between two GPUs (the next GPU session runs these; skipped without two GPUs).
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(torch.cuda.device_count() < 2,
+                                                                reason="needs two GPUs"))]
+
+
 @pytest.fixture(autouse=True)
 def _workers_prefer_the_torch_ops(monkeypatch):
     """The worker processes read ATOM_CORE_BACKEND at import (rank 0 runs inside use_backend("torch"))."""
     monkeypatch.setenv("ATOM_CORE_BACKEND", "torch")
+
+
+def _backend(device: str, monkeypatch):
+    """The reference ops on the CPU (the workers too); on GPUs the default choice on every rank."""
+    if device == "cuda":
+        monkeypatch.delenv("ATOM_CORE_BACKEND")
+        return ops.use_backend(None)
+    return ops.use_backend("torch")
 
 
 def _prompts(vocab: int, lengths=(7, 1, 13, 20, 3), seed=0) -> list[list[int]]:
@@ -131,16 +145,18 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", list(CASES))
-def test_two_ranks_give_the_greedy_tokens_of_one_rank_with_chunked_prefill_and_preemption(request, case):
+def test_two_ranks_give_the_greedy_tokens_of_one_rank_with_chunked_prefill_and_preemption(request, case, device,
+                                                                                          monkeypatch):
     fixture, expert_parallel = CASES[case]
     folder, hf_model = request.getfixturevalue(fixture)
     prompts = _prompts(hf_model.config.vocab_size)
     children = _live_children()
-    with ops.use_backend("torch"):
-        one = Engine.from_pretrained(folder, device="cpu", dtype=torch.float32, **TIGHT)
+    with _backend(device, monkeypatch):
+        one = Engine.from_pretrained(folder, device=device, dtype=torch.float32, **TIGHT)
         want = _generate(one, prompts)
-        with Engine.from_pretrained(folder, device="cpu", dtype=torch.float32, tensor_parallel_size=2,
+        with Engine.from_pretrained(folder, device=device, dtype=torch.float32, tensor_parallel_size=2,
                                     expert_parallel=expert_parallel, step_timeout=60, **TIGHT) as two:
             assert two.model.parallel.tp_size == 2 and two.model.parallel.expert_parallel == expert_parallel
             got = _generate(two, prompts)
@@ -176,8 +192,8 @@ def test_two_ranks_serve_prompt_logprobs_penalties_and_seeded_sampling_as_one_ra
 
 # ---- failures and lifetime --------------------------------------------------------------------------------------------
 
-def _running_engine(folder, **kwargs):
-    engine = Engine.from_pretrained(folder, device="cpu", dtype=torch.float32, tensor_parallel_size=2, **kwargs)
+def _running_engine(folder, device="cpu", **kwargs):
+    engine = Engine.from_pretrained(folder, device=device, dtype=torch.float32, tensor_parallel_size=2, **kwargs)
     for prompt in _prompts(96, lengths=(5, 9, 3)):
         engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
     engine.step()
@@ -185,14 +201,17 @@ def _running_engine(folder, **kwargs):
     return engine
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("how", ["killed", "stopped"])
-def test_a_worker_that_dies_or_hangs_gives_a_named_error_and_leaves_no_process(tiny_qwen3, how):
+def test_a_worker_that_dies_or_hangs_gives_a_named_error_and_leaves_no_process(tiny_qwen3, how, device,
+                                                                               monkeypatch):
     """SIGKILL: the worker's sockets close, rank 0 names it at once. SIGSTOP: it hangs; rank 0 gives up after
     step_timeout (3 s here, the bound stated for the test), and shutdown kills it."""
     folder, _ = tiny_qwen3
     children = _live_children()
-    with ops.use_backend("torch"):
-        engine = _running_engine(folder, step_timeout=3)
+    # On GPUs the ops' debug checks read values on the host, which would wait for the dead rank's collectives.
+    with _backend(device, monkeypatch), debug_checks(device == "cpu"):
+        engine = _running_engine(folder, device, step_timeout=3)
         (worker,) = engine.workers.processes.values()
         os.kill(worker.pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
         with pytest.raises(WorkerFailedError) as failure:
@@ -202,8 +221,8 @@ def test_a_worker_that_dies_or_hangs_gives_a_named_error_and_leaves_no_process(t
             engine.step()
     if how == "killed":
         assert "worker rank 1" in str(failure.value) and "SIGKILL" in str(failure.value)
-    else:
-        assert "did not answer in time" in str(failure.value)
+    else:  # (gloo: the collective's own timeout; NCCL: rank 0's poll of the step's event)
+        assert "did not answer in time" in str(failure.value) or "step_timeout=3" in str(failure.value)
     assert not engine.has_unfinished_requests() or all(r.finished for g in engine._requests.values() for r in g)
     engine.shutdown()  # (already stopped by the failure: idempotent)
     assert worker.poll() is not None and _live_children() <= children
