@@ -235,6 +235,11 @@ class RequestStream:
     def finished(self) -> bool:
         return self.state == "done"
 
+    @property
+    def num_ready(self) -> int:
+        """Items the next ``__anext__`` calls return without waiting (a consumer may batch its writes)."""
+        return self._queue.qsize()
+
     def __aiter__(self) -> RequestStream:
         return self
 

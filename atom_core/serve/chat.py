@@ -115,6 +115,7 @@ class ChatJob:
     async def events(self) -> AsyncIterator[str]:
         include_usage = self.req.stream_options is not None and self.req.stream_options.include_usage
         completion_tokens = 0
+        pending: list[str] = []
         try:
             for index in range(self.params.n):
                 yield sse(self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
@@ -124,10 +125,17 @@ class ChatJob:
                             if self.req.logprobs else None)
                 if out.finished:
                     completion_tokens += out.num_output_tokens
-                yield sse(self._chunk([{"index": out.index, "delta": {"content": out.new_text}, "logprobs": logprobs,
-                                        "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}]))
+                pending.append(sse(self._chunk([{"index": out.index, "delta": {"content": out.new_text},
+                                                 "logprobs": logprobs, "finish_reason": out.finish_reason,
+                                                 "stop_reason": out.stop_reason}])))
+                if not self.ctx.more_ready([self.stream]):  # else: one write for the outputs already here
+                    yield "".join(pending)
+                    pending.clear()
+            if pending:
+                yield "".join(pending)
+                pending.clear()
             if include_usage:
                 yield sse(self._chunk([], usage=usage(len(self.prompt), completion_tokens)))
         except (EngineStepError, EngineClosedError) as e:
-            yield stream_error_event(e)
+            yield "".join(pending) + stream_error_event(e)
         yield SSE_DONE

@@ -159,6 +159,11 @@ class ServerContext:
                     stream.abort()
                     self.metrics.request_ended(stream, "abort")
 
+    @staticmethod
+    def more_ready(streams: list[RequestStream]) -> bool:
+        """Whether another output is already queued: a stream then sends its events in one write."""
+        return any(stream.num_ready for stream in streams)
+
     # ---- log-probs
 
     def token_text(self, token_id: int) -> str:

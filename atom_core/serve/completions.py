@@ -132,6 +132,7 @@ class CompletionJob:
         offsets: dict[int, int] = {}  # choice -> characters sent so far (log-prob text offsets)
         completion_tokens = 0
         include_usage = self.req.stream_options is not None and self.req.stream_options.include_usage
+        pending: list[str] = []
         try:
             async for i, out in self.ctx.outputs(self.streams):
                 index = i * n + out.index
@@ -150,15 +151,22 @@ class CompletionJob:
                 offsets[index] += len(text)
                 if out.finished:
                     completion_tokens += out.num_output_tokens
-                yield sse({"id": self.id, "object": "text_completion", "created": self.created,
-                           "model": self.ctx.config.model_name,
-                           "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                        "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}]})
+                pending.append(sse({"id": self.id, "object": "text_completion", "created": self.created,
+                                    "model": self.ctx.config.model_name,
+                                    "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                                                 "finish_reason": out.finish_reason,
+                                                 "stop_reason": out.stop_reason}]}))
+                if not self.ctx.more_ready(self.streams):  # else: one write for the outputs already here
+                    yield "".join(pending)
+                    pending.clear()
+            if pending:
+                yield "".join(pending)
+                pending.clear()
             if include_usage:
                 prompt_tokens = sum(len(p.token_ids) for p in self.prompts)
                 yield sse({"id": self.id, "object": "text_completion", "created": self.created,
                            "model": self.ctx.config.model_name, "choices": [],
                            "usage": usage(prompt_tokens, completion_tokens)})
         except (EngineStepError, EngineClosedError) as e:
-            yield stream_error_event(e)
+            yield "".join(pending) + stream_error_event(e)
         yield SSE_DONE
