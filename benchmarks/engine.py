@@ -6,6 +6,7 @@ first token vs HF's forward, host overhead per step.
     python -m benchmarks.engine --section throughput --model qwen3-30b-a3b --hf-max-tokens 256
     python -m benchmarks.engine --section latency      # GPU: ms per token at bs 1 / 64, Qwen3-0.6B and Llama-3-8B shapes
     python -m benchmarks.engine --section ttft         # GPU: one 128-token and one 16k-token prompt vs HF's forward
+    python -m benchmarks.engine --section tp --latency-models llama-3-8b   # 2 GPUs: TP 2 against TP 1
     python -m benchmarks.engine --section host         # CPU: schedule + prepare + record per decode step,
                                                        # against a plain-Python step timed in the same run
     python -m benchmarks.engine --section latency --latency-models llama-3-8b --quantization fp8_block
@@ -305,6 +306,68 @@ def section_latency(args) -> list[dict]:
     return rows
 
 
+# ---------------------------------------------------------------------------------------- tensor parallel
+
+def _config_folder(cfg: dict, folder: Path) -> Path:
+    """A checkpoint folder holding only ``config.json`` (dummy weights are drawn on each rank)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "quantization_config"}))
+    return folder
+
+
+def section_tp(args) -> list[dict]:
+    """Decode ms per step (bs 1 and 64) and nano-vllm throughput at tensor-parallel sizes 1 and
+    ``--tensor-parallel-size`` (and expert-parallel for MoE models with ``--expert-parallel``), dummy
+    weights (each rank draws its own shard: tokens differ from TP 1, speed is what is compared),
+    one GPU per rank; ``vs_tp1`` = the TP-1 figure / this one for latency, this / TP-1 for throughput."""
+    from atom_core.engine import Engine, SamplingParams
+
+    rows = []
+    prompts, output_lens = nano_vllm_workload(num_seqs=args.num_seqs)
+    for name in args.latency_models:
+        cfg = load_config(name)
+        base = {}
+        for tp in sorted({1, args.tensor_parallel_size}):
+            with tempfile.TemporaryDirectory() as tmp:
+                folder = _config_folder(cfg, Path(tmp) / name)
+                engine = Engine.from_pretrained(folder, load_format="dummy", dtype=args.dtype, device=args.device,
+                                                tensor_parallel_size=tp, expert_parallel=args.expert_parallel and tp > 1,
+                                                max_num_seqs=256, max_model_len=4096)
+                with engine:
+                    for bs in (1, 64):
+                        for i in range(bs):
+                            engine.add_request(list(range(i, i + 512)),
+                                               SamplingParams(temperature=0, max_tokens=72, ignore_eos=True))
+                        for _ in range(4):
+                            engine.step()
+                        _sync()
+                        t0 = time.perf_counter()
+                        for _ in range(64):
+                            engine.step()
+                        _sync()
+                        ms = (time.perf_counter() - t0) / 64 * 1e3
+                        while engine.has_unfinished_requests():
+                            engine.step()
+                        base.setdefault(("latency", bs), ms)
+                        rows.append({"model": name, "tp": tp, "ep": args.expert_parallel and tp > 1,
+                                     "metric": f"decode ms/step bs{bs}", "value": ms,
+                                     "vs_tp1": base[("latency", bs)] / ms})
+                    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in output_lens]
+                    _sync()
+                    t0 = time.perf_counter()
+                    outs = engine.generate(prompts, params, use_tqdm=False)
+                    _sync()
+                    tok_s = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
+                    base.setdefault("throughput", tok_s)
+                    rows.append({"model": name, "tp": tp, "ep": args.expert_parallel and tp > 1,
+                                 "metric": "nano-vllm output tok/s", "value": tok_s,
+                                 "vs_tp1": tok_s / base["throughput"]})
+                    print(rows[-1], flush=True)
+            gc.collect()
+            torch.cuda.empty_cache()
+    return rows
+
+
 # ---------------------------------------------------------------------------------------- time to first token
 
 def _hf_forward_ms(cfg: dict, num_tokens: int, repeats: int = 5) -> float:
@@ -516,10 +579,15 @@ def section_profile(args) -> list[dict]:
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--section", choices=["throughput", "atom-core-runs", "latency", "ttft", "host", "profile"],
+    parser.add_argument("--section", choices=["throughput", "atom-core-runs", "latency", "ttft", "host", "profile",
+                                              "tp"],
                         required=True)
     parser.add_argument("--label", default=None, help="system name in the rows of --section atom-core-runs")
     parser.add_argument("--kv-cache-dtype", default="auto", help="the engine's KV pool: auto (the model's dtype) or fp8")
+    parser.add_argument("--tensor-parallel-size", type=int, default=2, help="--section tp: the TP size against TP 1")
+    parser.add_argument("--expert-parallel", action="store_true", help="--section tp: split a MoE model's experts")
+    parser.add_argument("--device", default="cuda", help="--section tp: cuda (one GPU per rank) or cpu (a check)")
+    parser.add_argument("--dtype", default="bfloat16", help="--section tp: the model's dtype")
     parser.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                         help="throughput / latency: also run the model quantized (dummy weights) against bf16: fp8, "
                              "fp8_block, or config (the config's quantization_config, e.g. gpt-oss MXFP4)")
@@ -533,7 +601,7 @@ def main():
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     rows = {"throughput": section_throughput, "atom-core-runs": section_atom_core_runs, "latency": section_latency,
-            "ttft": section_ttft, "host": section_host, "profile": section_profile}[args.section](args)
+            "ttft": section_ttft, "host": section_host, "profile": section_profile, "tp": section_tp}[args.section](args)
     print_table(rows)
     if args.json:
         write_json(rows, args.json)
