@@ -1,9 +1,14 @@
-"""The step-based engine: requests, scheduler, runner (inputs, CUDA graphs), ``Engine``."""
+"""The step-based engine: requests, scheduler, runner (inputs, CUDA graphs), ``Engine``, the asyncio
+``AsyncEngine`` over it, and the worker side of an engine over several ranks."""
 
+from atom_core.engine.async_engine import AsyncEngine
 from atom_core.engine.engine import Engine
 from atom_core.engine.outputs import RequestOutput, StepOutputs
 from atom_core.engine.sampling_params import SamplingParams
 from atom_core.engine.scheduler import Scheduler
 from atom_core.engine.step import ScheduledStep
+from atom_core.engine.distributed import DistributedEngineError, WorkerFailedError
+from atom_core.engine.workers import run_worker
 
-__all__ = ["Engine", "RequestOutput", "SamplingParams", "ScheduledStep", "Scheduler", "StepOutputs"]
+__all__ = ["AsyncEngine", "DistributedEngineError", "Engine", "RequestOutput", "SamplingParams", "ScheduledStep",
+           "Scheduler", "StepOutputs", "WorkerFailedError", "run_worker"]

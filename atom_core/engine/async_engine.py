@@ -617,22 +617,9 @@ class AsyncEngine:
                     del self._live[out.request_id]
 
     def _failed_requests(self) -> list[int]:
-        """Engine ids of the live requests a failed step finished (reason "error").
-
-        ``Engine.step`` raises without outputs for them; a request group that the engine no longer
-        holds, or one with a sequence finished that no output said so, is one of them. Engine
-        hook wanted: the failed request ids on the exception (read here from ``Engine._requests``;
-        without it, every live request is failed)."""
-        groups = getattr(self.engine, "_requests", None)
-        if not isinstance(groups, dict):
-            return list(self._live)
-        failed = []
-        for engine_id, live in self._live.items():
-            group = groups.get(engine_id)
-            if group is None or any(getattr(r, "finished", True) and getattr(r, "index", -1)
-                                    not in live.finished_indices for r in group):
-                failed.append(engine_id)
-        return failed
+        """Engine ids of the live requests the failed step finished (reason "error"): the engine
+        names them in ``Engine.failed_request_ids``."""
+        return [engine_id for engine_id in self.engine.failed_request_ids if engine_id in self._live]
 
     def _read_engine_snapshot(self) -> dict:
         bm = self.engine.block_manager

@@ -214,6 +214,7 @@ class Engine:
         self.async_scheduling = bool(async_scheduling)
         self._in_flight: LaunchedStep | None = None  # launched, its tokens not read yet
         self._requests: dict[int, list[Request]] = {}  # by the id add_request returned: the prompt's n sequences
+        self.failed_request_ids: list[int] = []  # the requests the last step that raised finished with "error"
         self._next_id = 0
         self._seed_source = random.Random()
         self.num_preemptions = 0  # requests sent back to recompute because the pool ran dry
@@ -562,13 +563,17 @@ class Engine:
 
     def _fail(self, steps: list) -> None:
         """A step raised: finish every request of the steps in play with reason "error" (freeing
-        their blocks), so the engine is consistent and the next request runs."""
+        their blocks), so the engine is consistent and the next request runs. ``failed_request_ids``
+        then lists their ids (what ``add_request`` returned), for a caller that streams outputs."""
         self._in_flight = None
+        failed = set()
         for step in steps:
             for request in step.requests:
                 if not request.finished:
                     self.scheduler.finish(request, "error")
                     self._forget_if_done(request.group_id)
+                    failed.add(request.group_id)
+        self.failed_request_ids = sorted(failed)
 
     # ------------------------------------------------------------------ offline
 

@@ -124,8 +124,8 @@ class RaisesOnCall:
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("fail_at", [1, 2, 4])
-def test_a_step_that_raises_finishes_its_requests_and_the_engine_keeps_working(tiny_qwen3, async_scheduling,
-                                                                                 fail_at):
+def test_a_step_that_raises_finishes_its_requests_names_them_and_the_engine_keeps_working(
+        tiny_qwen3, async_scheduling, fail_at):
     folder, _ = tiny_qwen3
     with ops.use_backend("torch"):
         engine = Engine.from_pretrained(folder, device="cpu", dtype=torch.float32, block_size=4,
@@ -138,6 +138,7 @@ def test_a_step_that_raises_finishes_its_requests_and_the_engine_keeps_working(t
                 engine.step()
         del engine.model.forward  # the model's own forward again
         assert_idle_and_clean(engine)
+        assert engine.failed_request_ids == sorted(ids)  # both were in the step that raised
         for rid in ids:
             engine.abort(rid)  # finished ids are ignored
         assert engine.generate([[9, 8, 7]], GREEDY, use_tqdm=False)[0].token_ids == want
