@@ -10,8 +10,17 @@ import sys
 import pytest
 import torch
 
-from benchmarks import (common, ops_attention, ops_elementwise, ops_moe, ops_sampling, ops_scaled_mm, roofline,
-                        to_markdown)
+from benchmarks import (
+    common,
+    ops_attention,
+    ops_elementwise,
+    ops_mla,
+    ops_moe,
+    ops_sampling,
+    ops_scaled_mm,
+    roofline,
+    to_markdown,
+)
 
 # What run_metadata must record (docs/benchmarks.md, "Conventions").
 META_KEYS = {"gpu", "cuda", "hip", "torch", "triton", "transformers", "python", "commit", "dirty", "hostname",
@@ -24,6 +33,8 @@ META_KEYS = {"gpu", "cuda", "hip", "torch", "triton", "transformers", "python", 
     (ops_moe, {"op", "tokens", "backend", "ms", "x_twin", "timing"}),
     (ops_scaled_mm, {"format", "M", "N", "K", "backend", "ms", "TFLOP/s", "%copy", "x_bf16", "timing"}),
     (ops_attention, {"case", "batch", "ms"}),  # owned elsewhere: adopts ``timing`` on its own schedule
+    (ops_mla, {"case", "batch", "context", "topk", "backend", "ms", "MB_read", "GB/s", "%copy", "x_sdpa", "x_twin",
+               "x_dense", "timing"}),
 ], ids=lambda v: getattr(v, "__name__", "").rpartition(".")[2])
 def test_smoke_run_writes_complete_rows_and_meta(script, columns, tmp_path, monkeypatch):
     path = tmp_path / "out.json"
