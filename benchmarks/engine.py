@@ -83,6 +83,22 @@ def build_bench_model(cfg: dict, quantization: str | None):
     return build_model(plain, dtype=torch.bfloat16, device="cuda", quantization=quantization)
 
 
+def kv_bytes_per_token(model, cfg: dict, dtype: torch.dtype) -> dict:
+    """KV bytes per token of the engine's pool (every layer, caches kept beside it over the same blocks
+    such as DSA's indexer keys included) and of per-head K and V for the same attention, as a cache without
+    MLA would hold them: ``layers x num_key_value_heads x (qk_nope + qk_rope + v_head_dim) x bytes`` for
+    MLA (what HF's DeepSeek cache stores), the pool itself otherwise. ``kv_vs_gqa`` = pool / per-head."""
+    spec = model.kv_cache_spec(dtype)
+    extras = model.extra_kv_cache_specs() if hasattr(model, "extra_kv_cache_specs") else {}
+    pool = spec.bytes_per_token + sum(extra.bytes_per_token for extra in extras.values())
+    per_head = spec.bytes_per_token
+    if spec.is_mla:
+        heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+        dims = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"] + cfg["v_head_dim"]
+        per_head = spec.num_layers * heads * dims * dtype.itemsize
+    return {"kv_bytes_per_token": pool, "kv_bytes_per_token_gqa": per_head, "kv_vs_gqa": pool / per_head}
+
+
 def atom_core_throughput(cfg: dict, prompts, output_lens, *, runs: int = 1, label: str = "atom_core",
                          quantization: str | None = None, **engine_args) -> list[dict]:
     """atom_core's ``Engine.generate`` on the workload, ``runs`` times, dummy weights of ``cfg``'s shapes
@@ -97,6 +113,9 @@ def atom_core_throughput(cfg: dict, prompts, output_lens, *, runs: int = 1, labe
     engine = Engine(model, None, device="cuda", **engine_args)
     _sync()
     construct_s = time.perf_counter() - t0
+    kv_bytes = kv_bytes_per_token(model, cfg, engine.runner.kv_pool.dtype)
+    print(f"KV bytes per token: {kv_bytes['kv_bytes_per_token']} (per-head K/V: {kv_bytes['kv_bytes_per_token_gqa']}, "
+          f"ratio {kv_bytes['kv_vs_gqa']:.3f})", flush=True)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in output_lens]
     rows = []
     for run in range(runs):
@@ -112,7 +131,7 @@ def atom_core_throughput(cfg: dict, prompts, output_lens, *, runs: int = 1, labe
                      "quantization": quantization or "bf16",
                      "run": f"generate #{run + 1}", "seqs": len(prompts), "output_tokens": tokens,
                      "seconds": elapsed, "tok_per_s": tokens / elapsed, "preemptions": engine.num_preemptions,
-                     "construct_s": construct_s if run == 0 else None})
+                     "construct_s": construct_s if run == 0 else None, **kv_bytes})
         print(rows[-1], flush=True)
     del engine, model, outs
     gc.collect()  # everything freed, cycles included, before the next run takes the GPU
@@ -289,7 +308,7 @@ def section_latency(args) -> list[dict]:
                     engine.step()
                 spec = model.kv_cache_spec()
                 context = prompt_len + 3 + steps // 2
-                kv_bytes = bs * context * spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 2
+                kv_bytes = bs * context * spec.bytes_per_token  # bf16 K and V, or MLA's latent rows
                 gbs = (weight_bytes + kv_bytes) / (ms * 1e-3) / 1e9
                 row = {"model": name, "quantization": quantization or "bf16", "bs": bs, "cuda_graphs": not eager,
                        "ms_per_step": ms, "tok_per_s": bs / ms * 1e3, "weight_GB": weight_bytes / 1e9, "GB/s": gbs,

@@ -176,3 +176,41 @@ def test_readers_take_both_json_forms(tmp_path, monkeypatch):
     assert roofline.load("ops_moe") == rows
     new.rename(old)
     assert roofline.load("ops_moe") == rows
+
+
+# The DeepSeek shapes of benchmarks/configs shrunk to a CPU-sized model, every other key kept.
+TINY_DEEPSEEK = {"vocab_size": 101, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 24,
+                 "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 32,
+                 "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 8,
+                 "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+                 "index_n_heads": 4, "index_head_dim": 16, "index_topk": 8, "max_position_embeddings": 256,
+                 "bos_token_id": 0, "eos_token_id": 1}
+
+
+@pytest.mark.parametrize("name, q_lora_rank, indexer_bytes", [("deepseek-v2-lite", None, 0),
+                                                              ("deepseek-v3", 24, 0),
+                                                              ("deepseek-v3.2", 24, 2 * 16 * 4)])
+def test_deepseek_configs_build_and_report_kv_bytes_against_per_head_kv(name, q_lora_rank, indexer_bytes):
+    """benchmarks.engine's configs build as their architecture (the throughput section drops a
+    quantization_config as build_bench_model does), transformers reads them as build_hf_model does, and the
+    KV line counts one latent row (L + R) per layer, plus DSA's indexer key, against H x (Dn + R + Dv)."""
+    from atom_core.models import build_model
+    from benchmarks import engine as bench_engine
+
+    cfg = bench_engine.load_config(name)
+    assert cfg["kv_lora_rank"] == 512 and cfg["qk_rope_head_dim"] == 64 and cfg.get("q_lora_rank") == (
+        None if q_lora_rank is None else 1536)
+    tiny = cfg | TINY_DEEPSEEK | ({"q_lora_rank": q_lora_rank} if q_lora_rank else {})
+    model = build_model({k: v for k, v in tiny.items() if k != "quantization_config"}, device="cpu",
+                        dtype=torch.float32, load_format="zeros")
+    assert type(model).__name__ == cfg["architectures"][0]
+    kv = bench_engine.kv_bytes_per_token(model, tiny, torch.float32)
+    latent = 2 * (32 + 8) * 4                    # layers x (L + R) x fp32
+    per_head = 2 * 4 * (16 + 8 + 16) * 4         # layers x H x (Dn + R + Dv) x fp32
+    assert kv == {"kv_bytes_per_token": latent + indexer_bytes, "kv_bytes_per_token_gqa": per_head,
+                  "kv_vs_gqa": (latent + indexer_bytes) / per_head}
+    transformers = pytest.importorskip("transformers")
+    if cfg["model_type"] in ("deepseek_v2", "deepseek_v3"):
+        hf_config = transformers.AutoConfig.for_model(cfg["model_type"],
+                                                      **{k: v for k, v in tiny.items() if k != "model_type"})
+        assert hf_config.kv_lora_rank == 32 and hf_config.q_lora_rank == q_lora_rank
