@@ -11,7 +11,11 @@ never over ``torch.distributed``'s default group.
   ``tp_rank`` is this process's rank in ``tp_group`` (the LM head gathers the vocabulary in that order).
 - **EP** (``expert_parallel``): a MoE layer's experts are split, whole, over the same ``tp_group``
   instead of each expert's intermediate dim (``ep_group is tp_group``); attention and dense layers stay
-  tensor-parallel.
+  tensor-parallel. ``expert_parallel`` says how the ranks' experts combine (``ep_comm``): True or
+  ``"all_reduce"`` — every rank runs its experts on all the (replicated) tokens and one all-reduce sums
+  the partial outputs; ``"all_to_all"`` — each rank sends a slice of the tokens to the ranks holding
+  their experts and gets the outputs back (``layers.expert_exchange``; docs/architecture.md, "expert
+  parallelism: two exchanges").
 - **DP** (``dp_rank`` of ``dp_size`` in ``dp_group``): replicas of the model; the model itself does not
   communicate over it (the engine's front balances requests across replicas).
 
@@ -38,7 +42,22 @@ from atom_core.ops import comm
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["MissingProcessGroupError", "ParallelContext", "check_group", "reduce_over", "resolve_parallel"]
+__all__ = ["EP_COMM_MODES", "MissingProcessGroupError", "ParallelContext", "check_group", "ep_comm_of", "reduce_over",
+           "require_group", "resolve_parallel"]
+
+EP_COMM_MODES = ("all_reduce", "all_to_all")  # how expert-parallel ranks combine their experts' outputs
+
+
+def ep_comm_of(expert_parallel: bool | str) -> str | None:
+    """``expert_parallel`` (False, True, ``"all_reduce"`` or ``"all_to_all"``) as the exchange it names: None
+    (experts not split), ``"all_reduce"`` (True too) or ``"all_to_all"``. TypeError / ValueError otherwise."""
+    if isinstance(expert_parallel, bool):
+        return "all_reduce" if expert_parallel else None
+    if not isinstance(expert_parallel, str):
+        raise TypeError(f"expert_parallel must be a bool or one of {EP_COMM_MODES}, got {expert_parallel!r}")
+    if expert_parallel not in EP_COMM_MODES:
+        raise ValueError(f"expert_parallel must be a bool or one of {EP_COMM_MODES}, got {expert_parallel!r}")
+    return expert_parallel
 
 
 class MissingProcessGroupError(RuntimeError):
@@ -78,6 +97,13 @@ def reduce_over(x: Tensor, group: ProcessGroup | None, size: int, where: object)
     return comm.all_reduce(x, group)
 
 
+def require_group(group: ProcessGroup | None, size: int, where: object) -> ProcessGroup:
+    """``group`` of a layer split over ``size > 1`` ranks; ``MissingProcessGroupError`` when it has none."""
+    if group is None:
+        raise MissingProcessGroupError(_missing(where, size))
+    return group
+
+
 def gather_over(x: Tensor, group: ProcessGroup | None, size: int, where: object, dim: int = -1) -> Tensor:
     """``ops.all_gather(x, group, dim)`` for a layer split over ``size > 1`` ranks (see ``reduce_over``)."""
     if group is None:
@@ -102,7 +128,7 @@ class ParallelContext:
     tp_rank: int = 0
     tp_size: int = 1
     tp_group: ProcessGroup | None = None
-    expert_parallel: bool = False
+    expert_parallel: bool | str = False  # False, True (= "all_reduce"), "all_reduce" or "all_to_all"
     dp_rank: int = 0
     dp_size: int = 1
     dp_group: ProcessGroup | None = None
@@ -110,8 +136,7 @@ class ParallelContext:
     def __post_init__(self) -> None:
         check_tp(self.tp_rank, self.tp_size)
         _check_rank("dp", self.dp_rank, self.dp_size)
-        if not isinstance(self.expert_parallel, bool):
-            raise TypeError(f"expert_parallel must be a bool, got {self.expert_parallel!r}")
+        ep_comm_of(self.expert_parallel)  # (raises for anything else)
         check_group(self.tp_group, self.tp_rank, self.tp_size, "ParallelContext.tp_group")
         check_group(self.dp_group, self.dp_rank, self.dp_size, "ParallelContext.dp_group")
 
@@ -123,7 +148,7 @@ class ParallelContext:
         return cls()
 
     @classmethod
-    def from_group(cls, tp_group: ProcessGroup, *, expert_parallel: bool = False,
+    def from_group(cls, tp_group: ProcessGroup, *, expert_parallel: bool | str = False,
                    dp_group: ProcessGroup | None = None) -> ParallelContext:
         """The context of groups a framework owns: this process's rank and size in ``tp_group`` (and
         ``dp_group``), read from them."""
@@ -136,7 +161,7 @@ class ParallelContext:
 
     @classmethod
     def from_world(cls, *, tensor_parallel_size: int | None = None,
-                   expert_parallel: bool = False) -> ParallelContext:
+                   expert_parallel: bool | str = False) -> ParallelContext:
         """Split an initialized default world of W ranks into W / tp replicas of ``tensor_parallel_size`` (default
         W) ranks: TP group d is ranks ``[d * tp, (d + 1) * tp)``, DP group t the ranks ``t, t + tp, ...``. Every
         rank must call it (creating a group is collective). With tp = W the TP group is the world group itself
@@ -183,6 +208,11 @@ class ParallelContext:
         return self.tp_rank if self.expert_parallel else 0
 
     @property
+    def ep_comm(self) -> str | None:
+        """How the experts' ranks combine: ``"all_reduce"``, ``"all_to_all"``, or None when they are not split."""
+        return ep_comm_of(self.expert_parallel)
+
+    @property
     def ep_group(self) -> ProcessGroup | None:
         """The group the experts are split over (the TP group) with ``expert_parallel``, else None."""
         return self.tp_group if self.expert_parallel else None
@@ -190,7 +220,8 @@ class ParallelContext:
     def describe(self) -> str:
         parts = [f"tp {self.tp_rank}/{self.tp_size}"]
         if self.expert_parallel:
-            parts.append("experts split over the tp ranks")
+            parts.append("experts split over the tp ranks"
+                         + (" (all-to-all)" if self.ep_comm == "all_to_all" else ""))
         if self.dp_size > 1:
             parts.append(f"dp {self.dp_rank}/{self.dp_size}")
         if self.tp_size > 1 and self.tp_group is None:
@@ -199,13 +230,13 @@ class ParallelContext:
 
 
 def resolve_parallel(parallel: ParallelContext | None, tp_rank: int = 0, tp_size: int = 1,
-                     expert_parallel: bool = False) -> ParallelContext:
+                     expert_parallel: bool | str = False) -> ParallelContext:
     """``load_model`` / ``build_model``'s context: ``parallel`` when given (then the convenience arguments must
     keep their defaults), else one built from the convenience arguments ``tp_rank`` / ``tp_size`` /
     ``expert_parallel``: single-rank for (0, 1); for ``tp_size > 1`` the TP group is the default world group,
     which must then hold exactly ``tp_size`` ranks with this process at ``tp_rank`` (the only place a model
     reads the default group); without an initialized default group, a shard that cannot communicate."""
-    convenience = (tp_rank, tp_size, expert_parallel) != (0, 1, False)
+    convenience = (tp_rank, tp_size) != (0, 1) or ep_comm_of(expert_parallel) is not None
     if parallel is not None:
         if not isinstance(parallel, ParallelContext):
             raise TypeError(f"parallel must be a ParallelContext, got {type(parallel).__name__}")
@@ -216,11 +247,11 @@ def resolve_parallel(parallel: ParallelContext | None, tp_rank: int = 0, tp_size
         return parallel
     check_tp(tp_rank, tp_size)
     if tp_size == 1:
-        return ParallelContext(expert_parallel=bool(expert_parallel))
+        return ParallelContext(expert_parallel=expert_parallel)
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
-        return ParallelContext(tp_rank=tp_rank, tp_size=tp_size, expert_parallel=bool(expert_parallel))
+        return ParallelContext(tp_rank=tp_rank, tp_size=tp_size, expert_parallel=expert_parallel)
     world, rank = dist.get_world_size(), dist.get_rank()
     if (world, rank) != (tp_size, tp_rank):
         raise ValueError(
@@ -228,4 +259,4 @@ def resolve_parallel(parallel: ParallelContext | None, tp_rank: int = 0, tp_size
             f"is rank {rank} of {world} there; pass parallel=ParallelContext.from_world(tensor_parallel_size=...) "
             "or ParallelContext.from_group(your_group)")
     return ParallelContext(tp_rank=tp_rank, tp_size=tp_size, tp_group=dist.group.WORLD,
-                           expert_parallel=bool(expert_parallel))
+                           expert_parallel=expert_parallel)

@@ -27,7 +27,9 @@ holds ``I_r = I / tp_size`` consecutive units, like the column/row-parallel MLP)
 Both may be > 1; every rank then returns a partial sum over its experts and its I-slice, and the
 sum over all ``tp_size * ep_size`` ranks is the layer's output (``ops.all_reduce`` over ``group``, the
 process group of those ranks, when ``reduce_results``; never the default group, ``models.parallel``). A token's choice of an expert held elsewhere
-becomes id -1 locally (``fused_experts`` skips it). ``w2_bias`` is added by TP rank 0 only, so it
+becomes id -1 locally (``fused_experts`` skips it). That is ``ep_comm="all_reduce"``; with
+``ep_comm="all_to_all"`` (whole experts only: ``tp_size`` 1) each rank instead sends a slice of the tokens
+to the ranks holding their experts and takes the outputs back (``layers.expert_exchange``). ``w2_bias`` is added by TP rank 0 only, so it
 appears once per expert in the sum. Quantized experts: FP8 block scales are cut with their
 128-blocks (a split whose I_r is not whole blocks is refused when the layer is built, naming it);
 per-channel scales with their rows (down's whole on every rank); MXFP4 codes and e8m0 scales by
@@ -63,9 +65,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from atom_core.models.layers.expert_exchange import EXCHANGES, all_to_all_experts
 from atom_core.models.layers.linear import check_shape, copy_into
 from atom_core.models.layers.sharding import check_tp, divide
-from atom_core.models.parallel import check_group, reduce_over
+from atom_core.models.parallel import (
+    check_group,
+    ep_comm_of,
+    reduce_over,
+    require_group,
+)
 from atom_core.models.quantization.config import QuantConfig
 from atom_core.models.quantization.expert_methods import ExpertMethod, expert_method_for
 from atom_core.models.quantization.linear_methods import quantize_weight
@@ -111,13 +119,16 @@ def moe_shard(num_experts: int, intermediate_size: int, *, tp_rank: int = 0, tp_
                     intermediate_start=tp_rank * inter_per_rank, intermediate_size=inter_per_rank)
 
 
-def moe_ranks(tp_rank: int, tp_size: int, expert_parallel: bool, tp_group=None) -> dict:
+def moe_ranks(tp_rank: int, tp_size: int, expert_parallel: bool | str, tp_group=None) -> dict:
     """``FusedMoE``'s rank arguments in a model split over ``tp_size`` ranks (``tp_group``): by default every
-    rank holds every expert's slice of I (tensor parallel); with ``expert_parallel`` each rank holds
-    ``E / tp_size`` whole experts (expert parallel over the same ranks). Either way the layer reduces over
+    rank holds every expert's slice of I (tensor parallel); with ``expert_parallel`` (True / ``"all_reduce"``
+    or ``"all_to_all"``, ``models.parallel``) each rank holds ``E / tp_size`` whole experts (expert parallel
+    over the same ranks), combined by that exchange (``ep_comm``). Either way the layer communicates over
     ``tp_group``. Attention and dense layers stay tensor-parallel."""
-    if expert_parallel:
-        return {"tp_rank": 0, "tp_size": 1, "ep_rank": tp_rank, "ep_size": tp_size, "group": tp_group}
+    ep_comm = ep_comm_of(expert_parallel)
+    if ep_comm is not None:
+        return {"tp_rank": 0, "tp_size": 1, "ep_rank": tp_rank, "ep_size": tp_size, "group": tp_group,
+                "ep_comm": ep_comm}
     return {"tp_rank": tp_rank, "tp_size": tp_size, "group": tp_group}
 
 
@@ -178,9 +189,15 @@ class FusedMoE(nn.Module):
         activation: ``"silu"`` (SwiGLU, gate/up halves) or ``"swiglu_clamped"`` (GPT-OSS, interleaved).
         bias: create ``w13_bias`` and ``w2_bias``.
         tp_rank, tp_size: split of I; ep_rank, ep_size: split of the experts (see the module docstring).
-        reduce_results: all-reduce the partial sums when more than one rank holds the layer.
+        reduce_results: all-reduce the partial sums when more than one rank holds the layer (all-to-all: gather
+            the ranks' rows; False: this rank's partial sum either way).
         group: the process group of the ``tp_size * ep_size`` ranks holding the layer (the sum runs over it);
-            None for one rank (or a shard that never reduces).
+            None for one rank (or a shard that never reduces). With ``ep_comm="all_to_all"`` this process
+            must be rank ``ep_rank`` of it (it holds the experts the group's rank ``ep_rank`` is sent).
+        ep_comm: how expert-parallel ranks combine (``ep_size > 1``): ``"all_reduce"`` (every rank runs its
+            experts on all T tokens, one all-reduce sums) or ``"all_to_all"`` (tokens dispatched to the ranks
+            holding their experts and the outputs sent back: ``layers.expert_exchange``; needs ``tp_size`` 1).
+            ``ep_exchange`` (an attribute, ``"auto"``): that module's ``padded`` / ``exact`` choice.
         quant_config, prefix: the model's ``QuantConfig`` and the layer's checkpoint name
             (``model.layers.{i}.mlp.experts``): ``quant_config.scheme_for(prefix)`` picks the expert
             method (None: unquantized). A scheme or split the fused MoE cannot serve is refused here,
@@ -191,7 +208,7 @@ class FusedMoE(nn.Module):
                  activation: str = "silu", bias: bool = False, tp_rank: int = 0, tp_size: int = 1,
                  ep_rank: int = 0, ep_size: int = 1, reduce_results: bool = True,
                  dtype: torch.dtype | None = None, quant_config: QuantConfig | None = None,
-                 prefix: str = "", group=None) -> None:
+                 prefix: str = "", group=None, ep_comm: str = "all_reduce") -> None:
         super().__init__()
         if activation not in ACTIVATION_LAYOUTS:
             raise ValueError(f"activation must be one of {sorted(ACTIVATION_LAYOUTS)}, got {activation!r}")
@@ -209,8 +226,17 @@ class FusedMoE(nn.Module):
         self.reduce_results = reduce_results
         self.prefix = prefix
         where = prefix or "FusedMoE"
-        # (the sum is order-free: the group's size is checked, not which rank holds which piece)
-        check_group(group, 0, tp_size * ep_size, f"FusedMoE {prefix}".rstrip(), check_rank=False)
+        if ep_comm not in ("all_reduce", "all_to_all"):
+            raise ValueError(f"ep_comm must be 'all_reduce' or 'all_to_all', got {ep_comm!r}")
+        if ep_comm == "all_to_all" and tp_size > 1:
+            raise ValueError(f"{where}: ep_comm='all_to_all' sends tokens to whole experts, but tp_size={tp_size} "
+                             "splits each expert's intermediate dim")
+        self.ep_comm = ep_comm
+        self.ep_exchange = "auto"  # all-to-all: "auto", "padded" or "exact" (layers.expert_exchange)
+        # (a sum is order-free: the group's size is checked, not which rank holds which piece; an all-to-all
+        # sends a token's row to the group rank holding its expert, so there the rank must match)
+        a2a = ep_comm == "all_to_all" and ep_size > 1
+        check_group(group, ep_rank if a2a else 0, tp_size * ep_size, f"FusedMoE {prefix}".rstrip(), check_rank=a2a)
         self.group = group  # a torch.distributed ProcessGroup of the tp_size * ep_size ranks, or None
         scheme = UNQUANTIZED if quant_config is None else quant_config.scheme_for(prefix)
         online = quant_config is not None and quant_config.online
@@ -405,6 +431,12 @@ class FusedMoE(nn.Module):
 
         With several ranks and ``reduce_results=False`` the result is this rank's partial sum.
         """
+        if self.ep_comm == "all_to_all" and self.ep_size > 1:
+            if self.ep_exchange not in EXCHANGES:
+                raise ValueError(f"{self.prefix or 'FusedMoE'}: ep_exchange must be one of {EXCHANGES}, "
+                                 f"got {self.ep_exchange!r}")
+            group = require_group(self.group, self.ep_size, self)
+            return all_to_all_experts(self, hidden, topk_weights, topk_ids, group)
         out = self.quant_method.apply(self, hidden, topk_weights, self.local_topk_ids(topk_ids),
                                       self.w2_bias if self.tp_rank == 0 else None)
         if self.reduce_results and self.tp_size * self.ep_size > 1:
@@ -416,4 +448,5 @@ class FusedMoE(nn.Module):
         return (f"num_experts={self.num_experts}, local_experts={self.shard.num_local_experts}, "
                 f"hidden_size={self.hidden_size}, intermediate_per_rank={self.shard.intermediate_size}, "
                 f"activation={self.activation}, bias={self.w13_bias is not None}, "
-                f"tp={self.tp_rank}/{self.tp_size}, ep={self.ep_rank}/{self.ep_size}{quant}")
+                f"tp={self.tp_rank}/{self.tp_size}, ep={self.ep_rank}/{self.ep_size}"
+                f"{', all-to-all' if self.ep_comm == 'all_to_all' else ''}{quant}")
