@@ -14,7 +14,7 @@ import time
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -35,6 +35,9 @@ from atom_core.engine.tokenizer import Tokenizer
 from atom_core.engine.workers import DEFAULT_STEP_TIMEOUT, WorkerSet, run_worker, start_ranks, stop_ranks
 from atom_core.ops.penalties import apply_penalties_, apply_token_bias_
 from atom_core.ops.sampling import sample
+
+if TYPE_CHECKING:
+    from atom_core.engine.data_parallel import DataParallelEngine
 
 logger = logging.getLogger(__name__)
 
@@ -224,7 +227,7 @@ class Engine:
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, *, dtype=None, device=None, load_format: str = "auto",
                         quantization: str | None = None, tensor_parallel_size: int = 1, expert_parallel: bool = False,
-                        **engine_args) -> Engine | None:
+                        data_parallel_size: int = 1, **engine_args) -> Engine | DataParallelEngine | None:
         """Load a checkpoint folder (config.json, *.safetensors, tokenizer.json); None = the built-in demo model.
         ``quantization`` (``"fp8"`` / ``"fp8_block"``): quantize an unquantized checkpoint while loading (``load_model``).
 
@@ -233,8 +236,20 @@ class Engine:
         this process is rank 0 and starts ranks 1..N-1 (on CUDA, rank r uses GPU r). Under ``torchrun``
         (or with ``torch.distributed`` initialized) every rank calls this: rank 0 gets the engine; on the
         other ranks the call serves rank 0's steps and returns None once rank 0 shuts the engine down.
+
+        ``data_parallel_size=M > 1``: M replicas of that engine, each in its own process (on CUDA replica i
+        uses GPUs i*N..i*N+N-1), behind a ``DataParallelEngine`` front with this class's API that routes
+        each request to the replica with the fewest outstanding tokens (``engine/data_parallel.py``).
         """
         from atom_core.models import load_model
+
+        if data_parallel_size != 1:
+            from atom_core.engine.data_parallel import DataParallelEngine
+
+            return DataParallelEngine(path, data_parallel_size=data_parallel_size, dtype=dtype, device=device,
+                                      load_format=load_format, quantization=quantization,
+                                      tensor_parallel_size=tensor_parallel_size, expert_parallel=expert_parallel,
+                                      **engine_args)
 
         path = Path(path) if path is not None else DEMO_MODEL
         if device is None:

@@ -1,0 +1,656 @@
+"""Data parallelism: M engine replicas behind one front that routes each request to one of them.
+
+``Engine.from_pretrained(path, data_parallel_size=M, tensor_parallel_size=N)`` returns a
+``DataParallelEngine``: this process is the *front*; each *replica* is a fresh Python process (started
+like the engine's worker ranks: ``sys.executable -c``, no re-import of the user's script) that builds
+its own ``Engine.from_pretrained(path, tensor_parallel_size=N)`` and runs its own step loop. On CUDA,
+replica i sees GPUs ``i*N .. i*N+N-1`` (``CUDA_VISIBLE_DEVICES``); on the CPU all use the CPU and share
+its cores (``OMP_NUM_THREADS``). A replica with N > 1 starts its own worker ranks as any engine does.
+
+Front <-> replica: one Unix socket pair per replica (``multiprocessing.connection``, pickled tuples).
+
+- front -> replica: ``("add", request id, prompt token ids, SamplingParams)``, ``("abort", id)``,
+  ``("shutdown",)``. A request is checked in the front (``Engine``'s own checks, with the limits the
+  replica reported at start), so ``add_request`` raises at once and never waits for a replica.
+- replica -> front, after each of its steps: the step's outputs as arrays (sequence ids, new tokens,
+  token counts), the finished sequences (reason, stop reason, where the final text ends), and for the
+  few sequences that need them, log-probs, prompt log-probs and prefix-cache hits.
+
+The front keeps a mirror ``Request`` per sequence (prompt, tokens so far, log-probs, its own
+detokenizer) and returns the engine's own ``StepOutputs`` / ``RequestOutput`` over the mirrors, so the
+outputs are those of ``Engine`` (text decoded in the front when read). Request ids are the front's,
+unique across replicas: a replica's engine numbers a request with the front's id.
+
+Routing: least outstanding tokens. A replica's outstanding tokens are, over its unfinished
+sequences, the prompt tokens not yet prefilled (a prompt counts until its first output token) plus
+``max_tokens`` less the tokens already generated; a request goes to the replica with the fewest (ties:
+the lowest index). The front updates the counts from the outputs it reads, so routing decided between
+two ``step()`` calls sees the state as of the last one.
+
+Stepping: replicas run concurrently and never wait for the front (a reader thread per replica takes
+their messages as they come). ``step()`` returns the outputs of every replica step finished since the
+last call (a sequence may then appear once per replica step, each output with that step's token); it
+blocks until at least one arrives while requests are unfinished.
+
+Failures: a replica process that dies (its socket closes) or, while it has unfinished requests, sends
+nothing for ``step_timeout`` seconds (it hangs) makes ``step()`` raise ``ReplicaFailedError`` (a
+``WorkerFailedError`` naming the replica, its pid and signal); the front then finishes every unfinished
+request with reason "error", stops every replica, and later calls raise ``DistributedEngineError``. A
+step that raises inside a replica (its engine stays usable) raises ``ReplicaStepError`` in the front
+for that step's requests only (``failed_request_ids``), like ``Engine.step``. ``shutdown()``, leaving a
+``with`` block, dropping the front and the interpreter's exit stop every replica (and so their workers).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import weakref
+from multiprocessing.connection import Connection
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Self
+
+import numpy as np
+import torch
+
+from atom_core.engine.distributed import DistributedEngineError, WorkerFailedError
+from atom_core.engine.engine import DEMO_MODEL, Engine
+from atom_core.engine.outputs import StepOutputs
+from atom_core.engine.request import Request, Status
+from atom_core.engine.sampling_params import SamplingParams
+from atom_core.engine.tokenizer import Tokenizer
+from atom_core.engine.workers import DEFAULT_STEP_TIMEOUT, STARTUP_TIMEOUT, STOP_TIMEOUT
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DataParallelEngine", "ReplicaFailedError", "ReplicaStepError", "replica_main"]
+
+# front -> replica
+ADD, ABORT, SHUTDOWN = "add", "abort", "shutdown"
+# replica -> front (CLOSED: put by the front's reader thread when the socket closes)
+READY, START_FAILED, OUTPUTS, STEP_ERROR, FATAL, CLOSED = "ready", "start_failed", "outputs", "step_error", "fatal", \
+    "closed"
+FD_ENV = "ATOM_CORE_REPLICA_FD"
+FRONT_ENV = "ATOM_CORE_FRONT_PID"
+# A replica builds its own world (or none): a launcher's variables in the front's environment are not its own.
+_LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
+                 "MASTER_PORT", "TORCHELASTIC_RUN_ID", "ATOM_CORE_WORKER_ARGS", "ATOM_CORE_PARENT_PID")
+_ENTRY = "from atom_core.engine.data_parallel import replica_main; replica_main()"
+_WAIT_SLICE_S = 0.05  # step() checks the replicas' processes this often while it waits for outputs
+
+
+class ReplicaFailedError(WorkerFailedError):
+    """A replica process died, or sent nothing within ``step_timeout`` seconds while it had unfinished
+    requests; the message names it (index, pid, exit status). The front has stopped every replica."""
+
+
+class ReplicaStepError(RuntimeError):
+    """A step raised inside a replica (its engine is still usable): that step's requests finished with
+    reason "error" (``DataParallelEngine.failed_request_ids``); the other requests go on."""
+
+
+class _Replica:
+    """The front's handle on one replica: its process, its socket, its load."""
+
+    def __init__(self, index: int, process: subprocess.Popen, conn: Connection):
+        self.index, self.process, self.conn = index, process, conn
+        self.info: dict | None = None  # what it reported when its engine was built
+        self.outstanding = 0  # tokens it still has to compute at most (see the module docstring)
+        self.num_unfinished = 0  # its unfinished sequences
+        self.num_requests = 0  # requests routed to it so far
+        self.last_heard = time.monotonic()  # its last message (or the moment it got work while idle)
+
+    def describe_exit(self) -> str:
+        code = self.process.poll()
+        if code is None:
+            return f"replica {self.index} (pid {self.process.pid})"
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        return f"replica {self.index} (pid {self.process.pid}) {how}"
+
+
+def _read_messages(conn: Connection, index: int, inbox: queue.Queue, replica: _Replica) -> None:
+    """A reader thread: every message of replica ``index`` into ``inbox`` as it comes (so a replica never
+    waits for the front to read), then CLOSED when its socket closes."""
+    try:
+        while True:
+            message = conn.recv()
+            replica.last_heard = time.monotonic()
+            inbox.put((index, message))
+    except (EOFError, OSError):
+        inbox.put((index, (CLOSED,)))
+
+
+def _stop_replicas(replicas: list[_Replica], state: dict) -> None:
+    """Tell every replica to leave, wait up to STOP_TIMEOUT, kill and reap what is left. Holds no
+    reference to the front (it runs when the front is dropped, or at exit)."""
+    state["stopping"] = True
+    for replica in replicas:
+        if replica.process.poll() is None:
+            try:
+                replica.conn.send((SHUTDOWN,))
+            except (OSError, ValueError):  # gone already: killed below if still there
+                pass
+    deadline = time.monotonic() + STOP_TIMEOUT
+    for replica in replicas:
+        try:
+            replica.process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            replica.process.kill()
+            replica.process.wait()
+        replica.conn.close()
+
+
+class _RequestChecks:
+    """What ``Engine``'s request checks read, so that the front runs the same checks (the same messages)
+    before a request goes to a replica."""
+
+    _check_request = Engine._check_request
+    _encode = Engine._encode
+    _check_params_for_model = Engine._check_params_for_model
+
+    def __init__(self, tokenizer, max_model_len: int, max_logprobs: int, config):
+        self.tokenizer, self.max_model_len, self.max_logprobs = tokenizer, max_model_len, max_logprobs
+        self.model = SimpleNamespace(config=config)
+        self.default_sampling_params = SamplingParams()
+
+
+class DataParallelEngine:
+    """M engine replicas behind one front with ``Engine``'s API (see the module docstring).
+
+    Built by ``Engine.from_pretrained(path, data_parallel_size=M, ...)`` (or directly with the same
+    arguments): every argument but ``data_parallel_size`` goes to each replica's
+    ``Engine.from_pretrained``. ``data_parallel_size=1`` is allowed (one replica in its own process).
+
+    API: ``add_request``, ``step``, ``generate``, ``chat``, ``abort``, ``has_unfinished_requests``,
+    ``shutdown`` and the context manager, as ``Engine``'s; ``replica_of(request_id)`` says where a
+    request runs, ``requests_per_replica`` how many each got.
+    """
+
+    def __init__(self, path: str | Path | None = None, *, data_parallel_size: int, tensor_parallel_size: int = 1,
+                 expert_parallel: bool = False, dtype=None, device=None, load_format: str = "auto",
+                 quantization: str | None = None, step_timeout: float = DEFAULT_STEP_TIMEOUT, **engine_args):
+        if isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int) or data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be an int >= 1, got {data_parallel_size!r}")
+        if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) \
+                or tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tensor_parallel_size!r}")
+        if isinstance(step_timeout, bool) or not isinstance(step_timeout, (int, float)) or not step_timeout > 0:
+            raise ValueError(f"step_timeout must be a number of seconds > 0, got {step_timeout!r}")
+        if "workers" in engine_args:
+            raise ValueError("workers= is for Engine(model, ...); the replicas start their own")
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            raise ValueError("data_parallel_size > 1 starts its replicas itself; it does not run under torchrun "
+                             "(run the script with python)")
+        path = Path(path) if path is not None else DEMO_MODEL
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is not None:
+            raise ValueError(f"device={str(device)!r}: with data parallelism replica i uses GPUs "
+                             f"i*tensor_parallel_size.. (device='cuda'); hide GPUs with CUDA_VISIBLE_DEVICES")
+        ranks = data_parallel_size * tensor_parallel_size
+        visible = self._visible_gpus() if device.type == "cuda" else []
+        if device.type == "cuda" and len(visible) < ranks:
+            raise ValueError(f"data_parallel_size={data_parallel_size} x tensor_parallel_size={tensor_parallel_size} "
+                             f"needs {ranks} GPUs (one per rank), this machine shows {len(visible)}")
+        self.data_parallel_size = data_parallel_size
+        self.tensor_parallel_size = tensor_parallel_size
+        self.device = device
+        self.step_timeout = float(step_timeout)
+        self.tokenizer = Tokenizer.maybe_from(path)
+        self.failed_request_ids: list[int] = []
+        self._failure: str | None = None
+        self._inbox: queue.Queue = queue.Queue()
+        self._held: list[tuple[int, tuple]] = []  # messages taken from the inbox, not handled yet
+        self._groups: dict[int, tuple[_Replica, list[Request]]] = {}  # unfinished requests by id
+        self._sequences: dict[int, Request] = {}  # unfinished sequences by id (mirrors)
+        self._prompt_pending: set[int] = set()  # requests whose prompt is not prefilled yet
+        self._next_id = 0
+        self._state = {"stopping": False}
+        self._replicas: list[_Replica] = []
+        config = {"path": str(path), "dtype": dtype, "load_format": load_format, "quantization": quantization,
+                  "tensor_parallel_size": tensor_parallel_size, "expert_parallel": bool(expert_parallel),
+                  "step_timeout": step_timeout, "engine_args": engine_args}
+        self._finalizer = weakref.finalize(self, _stop_replicas, self._replicas, self._state)
+        try:
+            for index in range(data_parallel_size):
+                gpus = visible[index * tensor_parallel_size:(index + 1) * tensor_parallel_size]
+                self._replicas.append(self._start_replica(index, gpus, ranks, config | {"device": device.type}))
+            self._wait_ready()
+        except BaseException:
+            self.shutdown()
+            raise
+        info = self._replicas[0].info
+        self.max_model_len = info["max_model_len"]
+        self.max_logprobs = info["max_logprobs"]
+        self.default_sampling_params = info["default_sampling_params"]
+        self._eos_token_ids = info["eos_token_ids"]
+        self.config = info["config"]
+        self._checker = _RequestChecks(self.tokenizer, self.max_model_len, self.max_logprobs, self.config)
+        logger.info("data-parallel engine: %d replicas of %s (pids %s)", data_parallel_size,
+                    f"TP {tensor_parallel_size}" if tensor_parallel_size > 1 else "one rank",
+                    [r.process.pid for r in self._replicas])
+
+    # ------------------------------------------------------------------ starting and stopping
+
+    @staticmethod
+    def _visible_gpus() -> list[str]:
+        listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if listed is not None:
+            return [d.strip() for d in listed.split(",") if d.strip()][:torch.cuda.device_count()]
+        return [str(i) for i in range(torch.cuda.device_count())]
+
+    def _start_replica(self, index: int, gpus: list[str], ranks: int, config: dict) -> _Replica:
+        from atom_core.ops.dispatch import default_backend
+
+        ours, theirs = socket.socketpair()
+        package_root = str(Path(__file__).resolve().parents[2])  # so the replica imports this same atom_core
+        env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV}
+        env |= {FD_ENV: str(theirs.fileno()), FRONT_ENV: str(os.getpid()),
+                "PYTHONPATH": os.pathsep.join([package_root, *filter(None, [os.environ.get("PYTHONPATH")])])}
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+        if default_backend() is not None:  # set_default_backend: the replicas prefer the same
+            env["ATOM_CORE_BACKEND"] = default_backend()
+        if "OMP_NUM_THREADS" not in os.environ:  # the replicas (and their ranks) share the cores
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // ranks))
+        try:
+            process = subprocess.Popen([sys.executable, "-c", _ENTRY], env=env, pass_fds=(theirs.fileno(),))
+        finally:
+            theirs.close()
+        conn = Connection(ours.detach())
+        replica = _Replica(index, process, conn)
+        conn.send(("config", config))
+        threading.Thread(target=_read_messages, args=(conn, index, self._inbox, replica), daemon=True,
+                         name=f"atom_core-replica-{index}").start()
+        return replica
+
+    def _wait_ready(self) -> None:
+        """Wait until every replica has built its engine (while they stay alive, within STARTUP_TIMEOUT)."""
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        waiting = {r.index for r in self._replicas}
+        while waiting:
+            try:
+                index, message = self._inbox.get(timeout=_WAIT_SLICE_S)
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise ReplicaFailedError(f"the replicas did not start within {STARTUP_TIMEOUT:g} s") from None
+                continue
+            replica = self._replicas[index]
+            if message[0] == READY:
+                replica.info = message[1]
+                waiting.discard(index)
+            elif message[0] in (START_FAILED, CLOSED):
+                why = f": {message[1]}" if message[0] == START_FAILED else ""
+                self._reap(replica, STOP_TIMEOUT if message[0] == START_FAILED else 1.0)
+                raise ReplicaFailedError(f"{replica.describe_exit()} while starting{why}")
+
+    @staticmethod
+    def _reap(replica: _Replica, timeout: float = 1.0) -> None:
+        """A replica's socket closed: give its process a moment to be reaped (so its exit status is known)."""
+        try:
+            replica.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def shutdown(self) -> None:
+        """Stop every replica (they stop their own worker ranks); idempotent. The front cannot step afterwards."""
+        self._failure = self._failure or "the engine was shut down"
+        self._finalizer()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
+    @property
+    def processes(self) -> list[subprocess.Popen]:
+        """The replicas' processes, by replica index."""
+        return [r.process for r in self._replicas]
+
+    @property
+    def requests_per_replica(self) -> list[int]:
+        """Requests routed to each replica so far."""
+        return [r.num_requests for r in self._replicas]
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self._eos_token_ids
+
+    def replica_of(self, request_id: int) -> int | None:
+        """The replica running unfinished request ``request_id`` (None when finished or unknown)."""
+        entry = self._groups.get(request_id)
+        return None if entry is None else entry[0].index
+
+    def _check_usable(self) -> None:
+        if self._failure is not None:
+            raise DistributedEngineError(f"this data-parallel engine can no longer run: {self._failure}")
+
+    def _fail(self, error: ReplicaFailedError) -> ReplicaFailedError:
+        """A replica failed: finish every unfinished request with "error", stop every replica."""
+        self._failure = str(error)
+        self.failed_request_ids = sorted(self._groups)
+        for replica, group in list(self._groups.values()):
+            for request in group:
+                if not request.finished:
+                    self._finish(replica, request, "error")
+        self._finalizer()
+        return error
+
+    # ------------------------------------------------------------------ requests
+
+    def _check_request(self, prompt, params) -> tuple[list[int], SamplingParams]:
+        self._checker.default_sampling_params = self.default_sampling_params
+        return self._checker._check_request(prompt, params)
+
+    def add_request(self, prompt, params: SamplingParams | None = None) -> int:
+        """Queue a prompt on the replica with the fewest outstanding tokens; returns its request id (unique
+        over the replicas). Raises (and queues nothing) as ``Engine.add_request`` does."""
+        token_ids, params = self._check_request(prompt, params)
+        self._check_usable()
+        replica = min(self._replicas, key=lambda r: (r.outstanding, r.index))
+        group_id = self._next_id
+        try:
+            replica.conn.send((ADD, group_id, np.asarray(token_ids, dtype=np.int64), params))
+        except (OSError, ValueError):
+            self._reap(replica)
+            raise self._fail(ReplicaFailedError(f"{replica.describe_exit()}: it could not take a request")) from None
+        self._next_id += params.n
+        group = [Request(group_id + index, token_ids, params, 0, group_id=group_id, index=index,
+                         tokenizer=self.tokenizer) for index in range(params.n)]
+        for request in group:
+            request.status = Status.RUNNING
+            self._sequences[request.request_id] = request
+        self._groups[group_id] = (replica, group)
+        self._prompt_pending.add(group_id)
+        if replica.num_unfinished == 0:
+            replica.last_heard = time.monotonic()  # the step_timeout of an idle replica counts from here
+        replica.outstanding += len(token_ids) + params.n * params.max_tokens
+        replica.num_unfinished += params.n
+        replica.num_requests += 1
+        return group_id
+
+    def abort(self, request_id: int) -> None:
+        """Stop a request (all its ``n`` sequences) now; unknown or finished ids are ignored. Outputs its
+        replica made before it read the abort are dropped."""
+        entry = self._groups.get(request_id)
+        if entry is None:
+            return
+        replica, group = entry
+        if self._failure is None:
+            try:
+                replica.conn.send((ABORT, request_id))
+            except (OSError, ValueError):  # a dead replica: step() says so
+                pass
+        for request in group:
+            if not request.finished:
+                self._finish(replica, request, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    def _num_unfinished(self) -> int:
+        return len(self._sequences)
+
+    def _finish(self, replica: _Replica, request: Request, reason: str) -> None:
+        request.status = Status.FINISHED
+        request.finish_reason = reason
+        replica.outstanding -= request.params.max_tokens - request.num_output_tokens
+        replica.num_unfinished -= 1
+        del self._sequences[request.request_id]
+        group_id = request.group_id
+        if group_id in self._prompt_pending and all(r.finished for r in self._groups[group_id][1]):
+            self._prompt_pending.discard(group_id)
+            replica.outstanding -= request.num_prompt_tokens
+        if all(r.finished for r in self._groups[group_id][1]):
+            del self._groups[group_id]
+
+    # ------------------------------------------------------------------ stepping
+
+    def step(self) -> StepOutputs:
+        """The outputs of every replica step finished since the last call (a sequence that got several
+        tokens meanwhile has one output per token, in order). Blocks until one arrives while requests are
+        unfinished. Raises ``ReplicaFailedError`` for a replica that died or hangs, ``ReplicaStepError``
+        for a step that raised in a replica (after returning the outputs that came before it)."""
+        self._check_usable()
+        messages = self._take_messages(block=bool(self._groups))
+        requests, tokens, num_tokens, finish_reasons = [], [], [], {}
+        for position, (index, message) in enumerate(messages):
+            kind = message[0]
+            if kind == OUTPUTS:
+                self._apply(self._replicas[index], message, requests, tokens, num_tokens, finish_reasons)
+            elif kind in (STEP_ERROR, FATAL, CLOSED):
+                if requests:  # first what came before it; the error at the next call
+                    self._held = messages[position:] + self._held
+                    break
+                self._held = messages[position + 1:] + self._held
+                self._raise_for(self._replicas[index], message)
+        if not requests:
+            return StepOutputs([], np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), {})
+        return StepOutputs(requests, np.concatenate(tokens), np.concatenate(num_tokens), finish_reasons)
+
+    def _take_messages(self, block: bool) -> list[tuple[int, tuple]]:
+        messages, self._held = self._held, []
+        inbox = self._inbox
+        if not messages and block:
+            messages.append(self._wait_for_message())
+        while True:
+            try:
+                messages.append(inbox.get_nowait())
+            except queue.Empty:
+                return messages
+
+    def _wait_for_message(self) -> tuple[int, tuple]:
+        """The next message of any replica; a replica that died or hangs raises ReplicaFailedError."""
+        while True:
+            try:
+                return self._inbox.get(timeout=_WAIT_SLICE_S)
+            except queue.Empty:
+                pass
+            now = time.monotonic()
+            for replica in self._replicas:
+                if replica.process.poll() is not None:
+                    self._reap(replica)
+                    raise self._fail(ReplicaFailedError(f"{replica.describe_exit()}"))
+                if replica.num_unfinished and now - replica.last_heard > self.step_timeout:
+                    raise self._fail(ReplicaFailedError(
+                        f"{replica.describe_exit()} sent nothing within step_timeout={self.step_timeout:g} s while "
+                        f"running {replica.num_unfinished} sequences: it hangs"))
+
+    def _raise_for(self, replica: _Replica, message: tuple) -> None:
+        kind = message[0]
+        if kind == STEP_ERROR:
+            _, failed_ids, error = message
+            self.failed_request_ids = [i for i in failed_ids if i in self._groups]
+            for group_id in self.failed_request_ids:
+                for request in self._groups[group_id][1]:
+                    if not request.finished:
+                        self._finish(replica, request, "error")
+            raise ReplicaStepError(f"replica {replica.index}: a step raised {error}")
+        if kind == FATAL:
+            self._reap(replica, STOP_TIMEOUT)
+            raise self._fail(ReplicaFailedError(f"{replica.describe_exit()}: its engine can no longer run "
+                                                f"({message[1]})"))
+        if self._state["stopping"]:
+            return
+        self._reap(replica)
+        raise self._fail(ReplicaFailedError(f"{replica.describe_exit()}"))
+
+    def _apply(self, replica: _Replica, message: tuple, requests: list, tokens: list, num_tokens: list,
+               finish_reasons: dict) -> None:
+        """Append one replica step's tokens to the mirrors (dropping aborted sequences' ones), record its
+        extras and finishes, and add its outputs to the step's lists."""
+        _, sequence_ids, new_tokens, counts, extras, finishes = message
+        sequences, offset = self._sequences, len(requests)
+        step_requests, keep = [], []
+        for j, (sequence_id, token) in enumerate(zip(sequence_ids, new_tokens.tolist())):
+            request = sequences.get(sequence_id)
+            if request is None:  # aborted (or failed) since the replica ran the step
+                continue
+            request.token_ids.append(token)
+            step_requests.append(request)
+            keep.append(j)
+        if len(keep) != len(sequence_ids):
+            new_tokens, counts = new_tokens[keep], counts[keep]
+        replica.outstanding -= len(step_requests)
+        for sequence_id, (logprob, top, prompt_logprobs, num_cached_tokens) in extras.items():
+            request = sequences.get(sequence_id)
+            if request is None:
+                continue
+            if logprob is not None and request.logprobs is not None:
+                request.logprobs.append(logprob)
+                if top is not None and request.top_logprobs is not None:
+                    request.top_logprobs.append(top)
+            if prompt_logprobs is not None:
+                request.prompt_logprobs, request.prompt_top_logprobs = prompt_logprobs
+            if num_cached_tokens is not None:
+                request.num_cached_tokens = num_cached_tokens
+            if request.group_id in self._prompt_pending:  # its first token: the prompt is prefilled
+                self._prompt_pending.discard(request.group_id)
+                replica.outstanding -= request.num_prompt_tokens
+        positions = {sequence_id: offset + i for i, sequence_id in
+                     enumerate(r.request_id for r in step_requests)} if finishes else {}
+        for sequence_id, reason, stop_reason, final_tokens, final_chars, num_cached_tokens in finishes:
+            request = sequences.get(sequence_id)
+            if request is None:
+                continue
+            request.stop_reason = stop_reason
+            request.num_cached_tokens = num_cached_tokens
+            if request.detokenizer is not None and final_tokens is not None:
+                request.detokenizer.finish(final_tokens, final_chars)
+            self._finish(replica, request, reason)
+            finish_reasons[positions[sequence_id]] = reason
+        requests.extend(step_requests)
+        tokens.append(new_tokens)
+        num_tokens.append(counts)
+
+    # ------------------------------------------------------------------ offline (Engine's own)
+
+    generate = Engine.generate
+    chat = Engine.chat
+
+
+# ---- the replica process --------------------------------------------------------------------------------------------
+
+def _watch_front(front_pid: int) -> None:
+    while os.getppid() == front_pid:
+        time.sleep(0.5)
+    os._exit(1)  # the front is gone: nothing is left to serve
+
+
+def replica_main() -> None:
+    """A replica started by a ``DataParallelEngine``: build the engine it was given, then serve the front
+    until it says shutdown (or its socket closes)."""
+    conn = Connection(int(os.environ[FD_ENV]))
+    threading.Thread(target=_watch_front, args=(int(os.environ[FRONT_ENV]),), daemon=True,
+                     name="atom_core-front-watch").start()
+    try:
+        _, config = conn.recv()
+        if config["device"] == "cpu":
+            torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        engine = Engine.from_pretrained(config["path"], dtype=config["dtype"], device=config["device"],
+                                        load_format=config["load_format"], quantization=config["quantization"],
+                                        tensor_parallel_size=config["tensor_parallel_size"],
+                                        expert_parallel=config["expert_parallel"], step_timeout=config["step_timeout"],
+                                        **config["engine_args"])
+    except (EOFError, OSError):
+        os._exit(1)
+    except BaseException as error:  # noqa: BLE001 - reported to the front, then the process ends
+        traceback.print_exc()
+        try:
+            conn.send((START_FAILED, f"{type(error).__name__}: {error}"[:2000]))
+        finally:
+            os._exit(1)
+    conn.send((READY, {"max_model_len": engine.max_model_len, "max_logprobs": engine.max_logprobs,
+                       "default_sampling_params": engine.default_sampling_params,
+                       "eos_token_ids": engine.eos_token_ids, "config": engine.model.config,
+                       "num_kv_blocks": engine.block_manager.num_blocks, "pid": os.getpid()}))
+    try:
+        _serve(engine, conn)
+    except (EOFError, OSError):  # the front is gone
+        pass
+    finally:
+        engine.shutdown()
+        conn.close()
+
+
+def _serve(engine: Engine, conn: Connection) -> None:
+    """The replica's loop: take the front's commands (without waiting while requests run), step, send the
+    step's outputs."""
+    watched: dict[int, Request] = {}  # sequences whose next output carries extras (see _outputs_message)
+    while True:
+        busy = engine.has_unfinished_requests()
+        while not busy or conn.poll():
+            command = conn.recv()
+            if command[0] == ADD:
+                _, group_id, token_ids, params = command
+                engine._next_id = group_id  # the front's id, unique over the replicas (it reserved n ids)
+                try:
+                    engine.add_request(token_ids, params)
+                except Exception as error:  # noqa: BLE001 - the front checked it; what only the engine knows
+                    conn.send((STEP_ERROR, [group_id], f"(add_request) {type(error).__name__}: {error}"))
+                    continue
+                for request in engine._requests[group_id]:
+                    watched[request.request_id] = request
+            elif command[0] == ABORT:
+                engine.abort(command[1])
+            elif command[0] == SHUTDOWN:
+                return
+            busy = engine.has_unfinished_requests()
+        try:
+            outputs = engine.step()
+        except DistributedEngineError as error:  # its own worker ranks failed: this replica cannot go on
+            conn.send((FATAL, f"{type(error).__name__}: {error}"))
+            return
+        except Exception as error:  # noqa: BLE001 - the step's requests finished with "error"; others go on
+            conn.send((STEP_ERROR, list(engine.failed_request_ids), f"{type(error).__name__}: {error}"))
+            continue
+        conn.send(_outputs_message(outputs, watched))
+
+
+def _outputs_message(outputs: StepOutputs, watched: dict[int, Request]) -> tuple:
+    """One step's outputs for the front: (OUTPUTS, sequence ids, new tokens int64 [K], token counts int64
+    [K], extras {sequence id: (log-prob, top log-probs, (prompt log-probs, prompt top) or None, prefix-cache
+    hits or None)} for the watched sequences (a first token, or log-probs asked for), finishes [(sequence
+    id, reason, stop reason, final text tokens, final text chars, prefix-cache hits)])."""
+    requests = outputs._requests
+    sequence_ids = [r.request_id for r in requests]
+    extras = {}
+    if watched:
+        for i, sequence_id in enumerate(sequence_ids):
+            request = watched.get(sequence_id)
+            if request is None:
+                continue
+            num_output = int(outputs._num_tokens[i]) - request.num_prompt_tokens
+            first = num_output == 1
+            logprob = top = None
+            if request.logprobs is not None:
+                logprob = request.logprobs[num_output - 1]
+                top = None if request.top_logprobs is None else request.top_logprobs[num_output - 1]
+            prompt = None
+            if first and request.prompt_logprobs is not None:
+                prompt = (list(request.prompt_logprobs),
+                          None if request.prompt_top_logprobs is None else list(request.prompt_top_logprobs))
+            extras[sequence_id] = (logprob, top, prompt, request.num_cached_tokens if first else None)
+            if request.logprobs is None:
+                del watched[sequence_id]
+    finishes = []
+    for i, reason in outputs._finish_reasons.items():
+        request = requests[i]
+        watched.pop(request.request_id, None)
+        detokenizer = request.detokenizer
+        finishes.append((request.request_id, reason, request.stop_reason,
+                         None if detokenizer is None else detokenizer.final_tokens,
+                         None if detokenizer is None else detokenizer.final_chars, request.num_cached_tokens))
+    return (OUTPUTS, sequence_ids, np.asarray(outputs._new_token_ids, dtype=np.int64),
+            np.asarray(outputs._num_tokens, dtype=np.int64), extras, finishes)
