@@ -218,7 +218,7 @@ class DataParallelEngine:
         self._state = {"stopping": False}
         self._replicas: list[_Replica] = []
         config = {"path": str(path), "dtype": dtype, "load_format": load_format, "quantization": quantization,
-                  "tensor_parallel_size": tensor_parallel_size, "expert_parallel": bool(expert_parallel),
+                  "tensor_parallel_size": tensor_parallel_size, "expert_parallel": expert_parallel,
                   "step_timeout": step_timeout, "engine_args": engine_args}
         self._finalizer = weakref.finalize(self, _stop_replicas, self._replicas, self._state)
         try:

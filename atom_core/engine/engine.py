@@ -226,13 +226,16 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, *, dtype=None, device=None, load_format: str = "auto",
-                        quantization: str | None = None, tensor_parallel_size: int = 1, expert_parallel: bool = False,
-                        data_parallel_size: int = 1, **engine_args) -> Engine | DataParallelEngine | None:
+                        quantization: str | None = None, tensor_parallel_size: int = 1,
+                        expert_parallel: bool | str = False, data_parallel_size: int = 1,
+                        **engine_args) -> Engine | DataParallelEngine | None:
         """Load a checkpoint folder (config.json, *.safetensors, tokenizer.json); None = the built-in demo model.
         ``quantization`` (``"fp8"`` / ``"fp8_block"``): quantize an unquantized checkpoint while loading (``load_model``).
 
         ``tensor_parallel_size=N > 1``: the model split over N ranks (``expert_parallel``: a MoE model's
-        experts split whole over them instead of each expert's intermediate dim). Without a launcher,
+        experts split whole over them instead of each expert's intermediate dim, combined by one all-reduce
+        (True or ``"all_reduce"``) or by sending tokens to their experts' ranks and back (``"all_to_all"``;
+        docs/architecture.md, "expert parallelism: two exchanges")). Without a launcher,
         this process is rank 0 and starts ranks 1..N-1 (on CUDA, rank r uses GPU r). Under ``torchrun``
         (or with ``torch.distributed`` initialized) every rank calls this: rank 0 gets the engine; on the
         other ranks the call serves rank 0's steps and returns None once rank 0 shuts the engine down.
@@ -242,6 +245,7 @@ class Engine:
         each request to the replica with the fewest outstanding tokens (``engine/data_parallel.py``).
         """
         from atom_core.models import load_model
+        from atom_core.models.parallel import ep_comm_of
 
         if data_parallel_size != 1:
             from atom_core.engine.data_parallel import DataParallelEngine
@@ -261,10 +265,11 @@ class Engine:
             model = load_model(path, device=device, **load_args)
             engine = cls(model, Tokenizer.maybe_from(path), device=device, **engine_args)
         else:
+            ep_comm_of(expert_parallel)  # a bad value is refused before any rank starts
             step_timeout = engine_args.get("step_timeout", DEFAULT_STEP_TIMEOUT)
             worker_args = dict(path=str(path), dtype=None if dtype is None else str(dtype).removeprefix("torch."),
                                load_format=load_format, quantization=quantization, device=torch.device(device).type,
-                               tensor_parallel_size=tensor_parallel_size, expert_parallel=bool(expert_parallel))
+                               tensor_parallel_size=tensor_parallel_size, expert_parallel=expert_parallel)
             ranks = start_ranks(tensor_parallel_size=tensor_parallel_size, expert_parallel=expert_parallel,
                                 device=device, step_timeout=step_timeout, worker_args=worker_args)
             try:

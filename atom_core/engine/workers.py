@@ -203,7 +203,7 @@ def _rank_device(device_type: str, local_rank: int) -> torch.device:
     return device
 
 
-def start_ranks(*, tensor_parallel_size: int, expert_parallel: bool, device, step_timeout: float,
+def start_ranks(*, tensor_parallel_size: int, expert_parallel: bool | str, device, step_timeout: float,
                 worker_args: dict) -> RankStart:
     """Join or create the world of ``tensor_parallel_size`` ranks and build this rank's parallel context.
 
@@ -238,7 +238,7 @@ def start_ranks(*, tensor_parallel_size: int, expert_parallel: bool, device, ste
         _check_world(world, tensor_parallel_size)
         device = _rank_device(device_type, local_rank)
         parallel = ParallelContext.from_world(tensor_parallel_size=tensor_parallel_size,
-                                              expert_parallel=bool(expert_parallel))
+                                              expert_parallel=expert_parallel)
     except BaseException:
         workers.close()
         raise

@@ -142,6 +142,7 @@ CASES = {
     "qwen3-tp": ("tiny_qwen3", False),
     "qwen3_moe-tp": ("tiny_qwen3_moe", False),
     "qwen3_moe-ep": ("tiny_qwen3_moe", True),
+    "qwen3_moe-ep-a2a": ("tiny_qwen3_moe", "all_to_all"),  # tokens sent to their experts' rank and back
 }
 
 

@@ -1,6 +1,8 @@
 """Whole models split over two real ranks (two processes, gloo): each rank loads its shard of the
 HF checkpoint with ``load_model(parallel=ParallelContext.from_world())`` and both must give HF's logits.
-The MoE models also run with ``expert_parallel=True`` (each rank holds half the experts, whole). The FP8
+The MoE models also run with ``expert_parallel=True`` (each rank holds half the experts, whole, and one
+all-reduce combines them), and two families with ``expert_parallel="all_to_all"`` (tokens sent to the rank
+holding their experts, both the padded and the exact exchange, ``layers.expert_exchange``). The FP8
 tests load through the ``tp_rank=`` / ``tp_size=`` convenience (a context over the default group); the
 same models over subgroups of a larger world: tests/models/test_parallel_context.py.
 
@@ -26,6 +28,7 @@ pytest.importorskip("transformers")
 
 from atom_core import ops  # noqa: E402
 from atom_core.models import ParallelContext, load_model  # noqa: E402
+from atom_core.models.layers.moe import FusedMoE
 from tests.models import (  # noqa: E402
     test_parity_glm4_moe,
     test_parity_gpt_oss,
@@ -49,14 +52,19 @@ MOE_CASES = [
     test_parity_glm4_moe.CASES[1],       # shared experts, QK norm, partial rotary, tied head
     test_parity_gpt_oss.CASES[0],        # sinks split with the heads, sliding layers, expert biases
 ]
-RUNS = [(case, False) for case in DENSE_CASES + MOE_CASES] + [(case, True) for case in MOE_CASES]
+ALL_TO_ALL_CASES = [
+    test_parity_qwen3_moe.CASES[1],
+    test_parity_gpt_oss.CASES[0],        # expert biases (added once per expert, by its owner), clamped SwiGLU
+]
+RUNS = ([(case, False) for case in DENSE_CASES + MOE_CASES] + [(case, True) for case in MOE_CASES]
+        + [(case, "all_to_all") for case in ALL_TO_ALL_CASES])
 
 
 def _numel(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def _rank(rank: int, init_file: str, pair, full_numel: int, expert_parallel: bool) -> None:
+def _rank(rank: int, init_file: str, pair, full_numel: int, expert_parallel: bool | str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=TP,
                             timeout=datetime.timedelta(seconds=120))
@@ -65,16 +73,25 @@ def _rank(rank: int, init_file: str, pair, full_numel: int, expert_parallel: boo
         assert (parallel.tp_rank, parallel.tp_size, parallel.tp_group) == (rank, TP, dist.group.WORLD)
         model = load_model(pair.path, dtype=torch.float32, device="cpu", parallel=parallel)
         assert _numel(model) < 0.75 * full_numel, "this rank holds most of the model: nothing was split"
-        with ops.use_backend("torch"):
-            check_ragged_prefill(pair, model)
-            check_decode(pair, model, 4, num_decode_steps=3)
+        experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
+        # all-to-all: the padded exchange for the prefill, the exact one for the decode steps
+        checks = (("padded", lambda: check_ragged_prefill(pair, model)),
+                  ("exact", lambda: check_decode(pair, model, 4, num_decode_steps=3)))
+        for exchange, check in checks:
+            if expert_parallel == "all_to_all":
+                assert experts and all(e.ep_comm == "all_to_all" for e in experts)
+                for e in experts:
+                    e.ep_exchange = exchange
+            with ops.use_backend("torch"):
+                check()
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
 @pytest.mark.parametrize("case, expert_parallel", RUNS,
-                         ids=[f"{c.hf_family}-{c.name}{'-ep' if ep else ''}" for c, ep in RUNS])
+                         ids=[f"{c.hf_family}-{c.name}{'-ep' if ep is True else '-ep-a2a' if ep else ''}"
+                              for c, ep in RUNS])
 def test_two_ranks_match_hf(case, expert_parallel, tmp_path):
     pair = build_moe_pair(case, tmp_path / "ckpt")
     full_numel = _numel(pair.load_atom())
