@@ -10,7 +10,7 @@ its cores (``OMP_NUM_THREADS``). A replica with N > 1 starts its own worker rank
 Front <-> replica: one Unix socket pair per replica (``multiprocessing.connection``, pickled tuples).
 
 - front -> replica: ``("add", request id, prompt token ids, SamplingParams)``, ``("abort", id)``,
-  ``("shutdown",)``. A request is checked in the front (``Engine``'s own checks, with the limits the
+  ``("stats",)`` (answered with the replica engine's counters), ``("shutdown",)``. A request is checked in the front (``Engine``'s own checks, with the limits the
   replica reported at start), so ``add_request`` raises at once and never waits for a replica.
 - replica -> front, after each of its steps: the step's outputs as arrays (sequence ids, new tokens,
   token counts), the finished sequences (reason, stop reason, where the final text ends), and for the
@@ -75,7 +75,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["DataParallelEngine", "ReplicaFailedError", "ReplicaStepError", "replica_main"]
 
 # front -> replica
-ADD, ABORT, SHUTDOWN = "add", "abort", "shutdown"
+ADD, ABORT, STATS, SHUTDOWN = "add", "abort", "stats", "shutdown"
 # replica -> front (CLOSED: put by the front's reader thread when the socket closes)
 READY, START_FAILED, OUTPUTS, STEP_ERROR, FATAL, CLOSED = "ready", "start_failed", "outputs", "step_error", "fatal", \
     "closed"
@@ -332,18 +332,38 @@ class DataParallelEngine:
         entry = self._groups.get(request_id)
         return None if entry is None else entry[0].index
 
+    def replica_stats(self) -> list[dict]:
+        """Each replica engine's counters, asked for now (one round trip, between its steps): ``unfinished``
+        (sequences), ``num_preemptions``, ``free_blocks`` and ``num_blocks`` of its KV pool. Outputs that
+        arrive meanwhile are kept for the next ``step()``."""
+        self._check_usable()
+        for replica in self._replicas:
+            replica.conn.send((STATS,))
+        answers: dict[int, dict] = {}
+        while len(answers) < len(self._replicas):
+            index, message = self._wait_for_message()
+            if message[0] == STATS:
+                answers[index] = message[1]
+            else:
+                self._held.append((index, message))
+        return [answers[i] for i in range(len(self._replicas))]
+
     def _check_usable(self) -> None:
         if self._failure is not None:
             raise DistributedEngineError(f"this data-parallel engine can no longer run: {self._failure}")
 
-    def _fail(self, error: ReplicaFailedError) -> ReplicaFailedError:
-        """A replica failed: finish every unfinished request with "error", stop every replica."""
+    def _fail(self, replica: _Replica, error: ReplicaFailedError) -> ReplicaFailedError:
+        """``replica`` failed: kill it (it may hang), finish every unfinished request with "error", stop the
+        other replicas."""
+        if replica.process.poll() is None:
+            replica.process.kill()
+            replica.process.wait()
         self._failure = str(error)
         self.failed_request_ids = sorted(self._groups)
-        for replica, group in list(self._groups.values()):
+        for owner, group in list(self._groups.values()):
             for request in group:
                 if not request.finished:
-                    self._finish(replica, request, "error")
+                    self._finish(owner, request, "error")
         self._finalizer()
         return error
 
@@ -364,7 +384,8 @@ class DataParallelEngine:
             replica.conn.send((ADD, group_id, np.asarray(token_ids, dtype=np.int64), params))
         except (OSError, ValueError):
             self._reap(replica)
-            raise self._fail(ReplicaFailedError(f"{replica.describe_exit()}: it could not take a request")) from None
+            error = ReplicaFailedError(f"{replica.describe_exit()}: it could not take a request")
+            raise self._fail(replica, error) from None
         self._next_id += params.n
         group = [Request(group_id + index, token_ids, params, 0, group_id=group_id, index=index,
                          tokenizer=self.tokenizer) for index in range(params.n)]
@@ -461,9 +482,9 @@ class DataParallelEngine:
             for replica in self._replicas:
                 if replica.process.poll() is not None:
                     self._reap(replica)
-                    raise self._fail(ReplicaFailedError(f"{replica.describe_exit()}"))
+                    raise self._fail(replica, ReplicaFailedError(f"{replica.describe_exit()}"))
                 if replica.num_unfinished and now - replica.last_heard > self.step_timeout:
-                    raise self._fail(ReplicaFailedError(
+                    raise self._fail(replica, ReplicaFailedError(
                         f"{replica.describe_exit()} sent nothing within step_timeout={self.step_timeout:g} s while "
                         f"running {replica.num_unfinished} sequences: it hangs"))
 
@@ -479,12 +500,12 @@ class DataParallelEngine:
             raise ReplicaStepError(f"replica {replica.index}: a step raised {error}")
         if kind == FATAL:
             self._reap(replica, STOP_TIMEOUT)
-            raise self._fail(ReplicaFailedError(f"{replica.describe_exit()}: its engine can no longer run "
+            raise self._fail(replica, ReplicaFailedError(f"{replica.describe_exit()}: its engine can no longer run "
                                                 f"({message[1]})"))
         if self._state["stopping"]:
             return
         self._reap(replica)
-        raise self._fail(ReplicaFailedError(f"{replica.describe_exit()}"))
+        raise self._fail(replica, ReplicaFailedError(f"{replica.describe_exit()}"))
 
     def _apply(self, replica: _Replica, message: tuple, requests: list, tokens: list, num_tokens: list,
                finish_reasons: dict) -> None:
@@ -604,6 +625,10 @@ def _serve(engine: Engine, conn: Connection) -> None:
                     watched[request.request_id] = request
             elif command[0] == ABORT:
                 engine.abort(command[1])
+            elif command[0] == STATS:
+                conn.send((STATS, {"unfinished": engine._num_unfinished(), "num_preemptions": engine.num_preemptions,
+                                   "free_blocks": engine.block_manager.num_free_blocks,
+                                   "num_blocks": engine.block_manager.num_blocks}))
             elif command[0] == SHUTDOWN:
                 return
             busy = engine.has_unfinished_requests()

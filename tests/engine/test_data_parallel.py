@@ -1,0 +1,200 @@
+"""Data parallelism (CPU): two replicas behind one front give one engine's outputs, share the work by
+outstanding tokens, route aborts to the replica that runs the request, turn a dead or hung replica into a
+named error within a bound, and leave no process behind.
+
+Each ``DataParallelEngine`` here starts two real replica processes (the demo model: it has a tokenizer,
+so text, stop strings and log-probs are compared too). The module shares one front; the failure tests
+start their own. The bounds (``step_timeout``) are there so that a broken build fails instead of
+hanging; they claim nothing about speed.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from atom_core import ops
+from atom_core.engine import (
+    DataParallelEngine,
+    DistributedEngineError,
+    Engine,
+    ReplicaFailedError,
+    SamplingParams,
+    WorkerFailedError,
+)
+from tests.engine.test_multi_rank import _live_children, _pid_exists
+
+# Chunked prefill (prompts of up to 20 tokens, 8 per step) and a pool of 24 blocks of 2 slots per replica
+# (preemption when three requests of up to 32 tokens share it), async scheduling on (the default).
+ARGS = {"device": "cpu", "dtype": torch.float32, "block_size": 2, "num_kv_blocks": 24, "max_model_len": 48,
+        "max_num_batched_tokens": 8}
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def _prompts(lengths=(7, 1, 13, 20, 3, 9), seed=0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 2047) for _ in range(n)] for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def one():
+    with ops.use_backend("torch"):
+        yield Engine.from_pretrained(None, **ARGS)
+
+
+@pytest.fixture(scope="module")
+def dp():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("ATOM_CORE_BACKEND", "torch")  # the replicas read it at import
+        patch.setenv("OMP_NUM_THREADS", "1")
+        children = _live_children()
+        engine = DataParallelEngine(None, data_parallel_size=2, step_timeout=60, **ARGS)
+        yield engine
+        engine.shutdown()
+    assert all(p.returncode == 0 for p in engine.processes), "the replicas left on shutdown, not by being killed"
+    assert _live_children() <= children
+
+
+def test_two_replicas_give_one_engines_greedy_tokens_and_both_do_work(dp, one):
+    prompts = _prompts()
+    with ops.use_backend("torch"):
+        want = one.generate(prompts, GREEDY, use_tqdm=False)
+    before = dp.requests_per_replica
+    got = dp.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [(o.request_id, o.finish_reason, o.prompt_token_ids) for o in got] == \
+        [(o.request_id, "length", p) for o, p in zip(got, prompts)]
+    assert len({o.request_id for o in got}) == len(prompts)
+    routed = [a - b for a, b in zip(dp.requests_per_replica, before)]
+    assert sum(routed) == len(prompts) and min(routed) >= 2, routed
+    stats = dp.replica_stats()
+    assert [s["unfinished"] for s in stats] == [0, 0]
+    assert all(s["free_blocks"] == s["num_blocks"] for s in stats)  # every block back (or in the prefix cache)
+    assert sum(s["num_preemptions"] for s in stats) > 0, "the tiny pools are meant to preempt"
+
+
+def test_text_stop_strings_logprobs_n_and_seeds_as_one_engine(dp, one):
+    prompts = ["The function returns", "Return the value of", "This module provides"]
+    params = [SamplingParams(temperature=0, max_tokens=16, stop=[" the"], logprobs=2, prompt_logprobs=1),
+              SamplingParams(temperature=0.8, seed=7, n=2, max_tokens=10),
+              SamplingParams(temperature=0, max_tokens=8, include_stop_str_in_output=True, stop=["."])]
+    with ops.use_backend("torch"):
+        want = one.generate(prompts, params, use_tqdm=False)
+    got = dp.generate(prompts, params, use_tqdm=False)
+    for g, w in zip(got, want):
+        assert [(o.index, o.token_ids, o.text, o.finish_reason, o.stop_reason) for o in g.outputs] == \
+            [(o.index, o.token_ids, o.text, o.finish_reason, o.stop_reason) for o in w.outputs]
+    assert got[0].stop_reason == " the"
+    np.testing.assert_allclose(got[0].logprobs, want[0].logprobs, rtol=1e-4, atol=1e-5)
+    assert [list(d) for d in got[0].top_logprobs] == [list(d) for d in want[0].top_logprobs]
+    np.testing.assert_allclose(got[0].prompt_logprobs[1:], want[0].prompt_logprobs[1:], rtol=1e-4, atol=1e-5)
+    # chat: Engine's own, over the front
+    chat = dp.chat([{"role": "user", "content": "Return the value"}], GREEDY, use_tqdm=False) \
+        if dp.tokenizer.chat_templates else None
+    assert chat is None or len(chat[0].token_ids) == GREEDY.max_tokens
+
+
+def test_routing_takes_the_replica_with_the_fewest_outstanding_tokens(dp):
+    big = dp.add_request([5] * 20, SamplingParams(max_tokens=20, ignore_eos=True))  # 40 outstanding
+    small = [dp.add_request([6, 7], SamplingParams(max_tokens=4, ignore_eos=True)) for _ in range(7)]  # 6 each
+    first = dp.replica_of(big)
+    # 6, 12, .., 36 < 40 on the other replica; the seventh (42 > 40 would not be the fewest at 36 vs 40) too
+    assert [dp.replica_of(i) for i in small] == [1 - first] * 7
+    third = dp.add_request([6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert dp.replica_of(third) == first  # 42 against 40
+    while dp.has_unfinished_requests():
+        dp.step()
+
+
+def test_step_streams_every_token_and_abort_goes_to_the_replica_running_the_request(dp):
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    ids = [dp.add_request(p, params) for p in _prompts(lengths=(4, 5, 6, 7))]
+    replicas = {i: dp.replica_of(i) for i in ids}
+    assert set(replicas.values()) == {0, 1}
+    streamed = {i: [] for i in ids}
+    while not all(streamed.values()):
+        for out in dp.step():
+            streamed[out.request_id] += out.new_token_ids
+            assert out.token_ids == streamed[out.request_id]
+    victim = ids[0]
+    dp.abort(victim)
+    assert dp.replica_of(victim) is None
+    stats = dp.replica_stats()  # answered between the replicas' steps, after the abort
+    assert stats[replicas[victim]]["unfinished"] == sum(r == replicas[victim] for r in replicas.values()) - 1
+    finished = {}
+    while dp.has_unfinished_requests():
+        for out in dp.step():
+            assert out.request_id != victim, "an aborted request's outputs are dropped"
+            streamed[out.request_id] += out.new_token_ids
+            if out.finished:
+                finished[out.request_id] = out.token_ids
+    assert sorted(finished) == ids[1:]
+    assert all(finished[i] == streamed[i] and len(finished[i]) == 30 for i in ids[1:])
+    assert [s["unfinished"] for s in dp.replica_stats()] == [0, 0]
+    assert len(dp.step()) == 0 and not dp.has_unfinished_requests()
+
+
+def test_requests_are_checked_in_the_front_as_one_engine_checks_them(dp, one):
+    for prompt, params in [([], None), ([1, 5000], None), ([1] * 40, SamplingParams(max_tokens=9)),
+                           ("text", SamplingParams(logprobs=50))]:
+        with pytest.raises((ValueError, TypeError)) as ours:
+            dp.add_request(prompt, params)
+        with pytest.raises(type(ours.value)) as theirs:
+            one.add_request(prompt, params)
+        assert str(ours.value) == str(theirs.value)
+    assert not dp.has_unfinished_requests()
+
+
+def test_shutdown_stops_every_replica_and_the_front_refuses_afterwards(dp):
+    dp.add_request([1, 2, 3], SamplingParams(max_tokens=40, ignore_eos=True))
+    dp.step()
+    dp.shutdown()
+    assert all(p.poll() == 0 for p in dp.processes)
+    with pytest.raises(DistributedEngineError, match="shut down"):
+        dp.step()
+    dp.shutdown()  # idempotent
+
+
+# ---- failures -------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("how", ["killed", "stopped"])
+def test_a_replica_that_dies_or_hangs_gives_a_named_error_and_leaves_no_process(how, monkeypatch):
+    """SIGKILL: its socket closes, the front names it at once. SIGSTOP: it hangs; the front gives up after
+    step_timeout (3 s here, the bound stated for the test). Either way every replica is stopped."""
+    monkeypatch.setenv("ATOM_CORE_BACKEND", "torch")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    children = _live_children()
+    engine = Engine.from_pretrained(None, data_parallel_size=2, device="cpu", dtype=torch.float32, step_timeout=3)
+    assert isinstance(engine, DataParallelEngine)
+    ids = [engine.add_request(p, SamplingParams(max_tokens=400, ignore_eos=True)) for p in _prompts((5, 9, 3))]
+    engine.step()
+    victim = engine.processes[1]
+    os.kill(victim.pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+    t0 = time.monotonic()
+    with pytest.raises(ReplicaFailedError) as failure:
+        for _ in range(2000):  # bounded: a step that never fails ends the loop (and the test fails)
+            engine.step()
+    assert time.monotonic() - t0 < 30
+    assert isinstance(failure.value, WorkerFailedError)
+    assert "replica 1" in str(failure.value) and str(victim.pid) in str(failure.value)
+    if how == "killed":
+        assert "SIGKILL" in str(failure.value)
+    else:
+        assert "step_timeout=3" in str(failure.value)
+    assert sorted(engine.failed_request_ids) == ids and not engine.has_unfinished_requests()
+    with pytest.raises(DistributedEngineError, match="can no longer run"):
+        engine.step()
+    with pytest.raises(DistributedEngineError):
+        engine.add_request([1, 2], None)
+    pids = [p.pid for p in engine.processes]
+    engine.shutdown()  # (already stopped by the failure: idempotent)
+    del engine
+    gc.collect()
+    assert _live_children() <= children and not any(map(_pid_exists, pids))
