@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from benchmarks import (
+    comm,
     common,
     ops_attention,
     ops_elementwise,
@@ -53,6 +54,22 @@ def test_smoke_run_writes_complete_rows_and_meta(script, columns, tmp_path, monk
         assert row["ms"] > 0 and math.isfinite(row["ms"])
         if "timing" in columns:
             assert row["timing"] == "eager (cpu)"  # every figure of a CPU run: wall-clock eager calls
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not available")
+def test_comm_smoke_run_over_two_gloo_ranks_writes_both_sections(tmp_path):
+    """benchmarks/comm.py at its --smoke sizes on the CPU: two forked ranks over gloo, rank 0 writes the rows."""
+    path = tmp_path / "comm.json"
+    comm.main(["--device", "cpu", "--smoke", "--json", str(path)])
+    data = json.loads(path.read_text())
+    assert META_KEYS <= set(data["meta"])
+    reduce_rows = [r for r in data["rows"] if r["section"] == "all_reduce"]
+    moe_rows = [r for r in data["rows"] if r["section"] == "moe"]
+    assert [r["tokens"] for r in reduce_rows] == [1, 5] and all(r["ranks"] == 2 for r in data["rows"])
+    assert all(r["ops_us"] > 0 and r["torch_us"] > 0 and r["mode"] == "eager" for r in reduce_rows)
+    assert [(r["ep_comm"], r["exchange"]) for r in moe_rows[:3]] == [("all_reduce", "-"), ("all_to_all", "padded"),
+                                                                    ("all_to_all", "exact")]
+    assert all(math.isfinite(r["layer_us"]) and r["layer_us"] > 0 for r in moe_rows)
 
 
 class _FakeEvent:
