@@ -48,7 +48,7 @@ def close_outputs(got: tuple, want: tuple, tol: dict) -> str | None:
         try:
             torch.testing.assert_close(a.float(), b.float(), equal_nan=True, **tol)
         except AssertionError as error:
-            return f"output {i}: " + " ".join(str(error).split("\n")[:3])
+            return f"output {i}: " + " ".join(line for line in str(error).split("\n") if line)
     return None
 
 

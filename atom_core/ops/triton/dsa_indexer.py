@@ -94,7 +94,8 @@ def _launch_params(num_heads: int, head_dim: int, page_size: int, dtype: torch.d
         block_n, keys_per_program, warps = 16, 64, 4
     else:
         # [64, 128] queries x [64, 128] keys per tile; 1024 positions per program.
-        block_n, keys_per_program, warps = 64, 1024, 4 if heads_pad * block_n <= 64 * 64 else 8
+        block_n, keys_per_program = 64, 1024
+        warps = 4 if heads_pad * block_n <= 64 * 64 else 8
     constexprs = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, HEADS_PAD=heads_pad, BLOCK_N=block_n,
                       KEYS_PER_PROGRAM=keys_per_program, PAGE_SIZE=page_size, **dot_options(dtype, interpret))
     return constexprs, dict(num_warps=warps, num_stages=1 if interpret else 2)
