@@ -7,6 +7,8 @@ first token vs HF's forward, host overhead per step.
     python -m benchmarks.engine --section latency      # GPU: ms per token at bs 1 / 64, Qwen3-0.6B and Llama-3-8B shapes
     python -m benchmarks.engine --section ttft         # GPU: one 128-token and one 16k-token prompt vs HF's forward
     python -m benchmarks.engine --section tp --latency-models llama-3-8b   # 2 GPUs: TP 2 against TP 1
+    python -m benchmarks.engine --section tp --latency-models qwen3-30b-a3b  # 2 GPUs: TP 1, TP 2, EP 2 all-reduce,
+                                                       # EP 2 all-to-all
     python -m benchmarks.engine --section host         # CPU: schedule + prepare + record per decode step,
                                                        # against a plain-Python step timed in the same run
     python -m benchmarks.engine --section latency --latency-models llama-3-8b --quantization fp8_block
@@ -334,11 +336,25 @@ def _config_folder(cfg: dict, folder: Path) -> Path:
     return folder
 
 
+def _is_moe(cfg: dict) -> bool:
+    return bool(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts"))
+
+
+def tp_variants(cfg: dict, tensor_parallel_size: int, ep_modes) -> list[tuple[int, bool | str]]:
+    """(tp, expert_parallel) runs of one model: TP 1, TP N, and for a MoE model EP N in each of ``ep_modes``."""
+    variants = [(1, False)] + ([(tensor_parallel_size, False)] if tensor_parallel_size > 1 else [])
+    if _is_moe(cfg) and tensor_parallel_size > 1:
+        variants += [(tensor_parallel_size, mode) for mode in ep_modes]
+    return variants
+
+
 def section_tp(args) -> list[dict]:
     """Decode ms per step (bs 1 and 64) and nano-vllm throughput at tensor-parallel sizes 1 and
-    ``--tensor-parallel-size`` (and expert-parallel for MoE models with ``--expert-parallel``), dummy
-    weights (each rank draws its own shard: tokens differ from TP 1, speed is what is compared),
-    one GPU per rank; ``vs_tp1`` = the TP-1 figure / this one for latency, this / TP-1 for throughput."""
+    ``--tensor-parallel-size``, and for MoE models expert-parallel over the same ranks in each of
+    ``--ep-modes`` (``all_reduce``: every rank runs its experts on all tokens, one all-reduce;
+    ``all_to_all``: tokens sent to their experts' ranks and back), dummy weights (each rank draws its own
+    shard: tokens differ from TP 1, speed is what is compared), one GPU per rank; ``vs_tp1`` = the TP-1
+    figure / this one for latency, this / TP-1 for throughput."""
     from atom_core.engine import Engine, SamplingParams
 
     rows = []
@@ -346,11 +362,12 @@ def section_tp(args) -> list[dict]:
     for name in args.latency_models:
         cfg = load_config(name)
         base = {}
-        for tp in sorted({1, args.tensor_parallel_size}):
+        for tp, ep in tp_variants(cfg, args.tensor_parallel_size, args.ep_modes):
+            label = {"model": name, "tp": tp, "ep": ep or "-"}
             with tempfile.TemporaryDirectory() as tmp:
                 folder = _config_folder(cfg, Path(tmp) / name)
                 engine = Engine.from_pretrained(folder, load_format="dummy", dtype=args.dtype, device=args.device,
-                                                tensor_parallel_size=tp, expert_parallel=args.expert_parallel and tp > 1,
+                                                tensor_parallel_size=tp, expert_parallel=ep,
                                                 max_num_seqs=256, max_model_len=4096)
                 with engine:
                     for bs in (1, 64):
@@ -368,8 +385,7 @@ def section_tp(args) -> list[dict]:
                         while engine.has_unfinished_requests():
                             engine.step()
                         base.setdefault(("latency", bs), ms)
-                        rows.append({"model": name, "tp": tp, "ep": args.expert_parallel and tp > 1,
-                                     "metric": f"decode ms/step bs{bs}", "value": ms,
+                        rows.append({**label, "metric": f"decode ms/step bs{bs}", "value": ms,
                                      "vs_tp1": base[("latency", bs)] / ms})
                     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in output_lens]
                     _sync()
@@ -378,8 +394,7 @@ def section_tp(args) -> list[dict]:
                     _sync()
                     tok_s = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
                     base.setdefault("throughput", tok_s)
-                    rows.append({"model": name, "tp": tp, "ep": args.expert_parallel and tp > 1,
-                                 "metric": "nano-vllm output tok/s", "value": tok_s,
+                    rows.append({**label, "metric": "nano-vllm output tok/s", "value": tok_s,
                                  "vs_tp1": tok_s / base["throughput"]})
                     print(rows[-1], flush=True)
             gc.collect()
@@ -604,7 +619,10 @@ def main():
     parser.add_argument("--label", default=None, help="system name in the rows of --section atom-core-runs")
     parser.add_argument("--kv-cache-dtype", default="auto", help="the engine's KV pool: auto (the model's dtype) or fp8")
     parser.add_argument("--tensor-parallel-size", type=int, default=2, help="--section tp: the TP size against TP 1")
-    parser.add_argument("--expert-parallel", action="store_true", help="--section tp: split a MoE model's experts")
+    parser.add_argument("--ep-modes", nargs="*", default=["all_reduce", "all_to_all"],
+                        choices=["all_reduce", "all_to_all"],
+                        help="--section tp: a MoE model also runs expert-parallel over the TP ranks in each of these "
+                             "(none: TP only)")
     parser.add_argument("--device", default="cuda", help="--section tp: cuda (one GPU per rank) or cpu (a check)")
     parser.add_argument("--dtype", default="bfloat16", help="--section tp: the model's dtype")
     parser.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
