@@ -38,6 +38,7 @@ from tests.ops.test_comm import COMM_DISPATCH_ARGS
 from tests.ops.test_dsa import DSA_DISPATCH_ARGS
 from tests.ops.test_mla import MLA_DISPATCH_ARGS
 from tests.ops.test_penalties import PENALTIES_DISPATCH_ARGS
+from tests.ops.test_token_mask import TOKEN_MASK_DISPATCH_ARGS
 
 FP8 = torch.float8_e4m3fn
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -282,6 +283,7 @@ ARGS = {
 ARGS.update(MLA_DISPATCH_ARGS)  # the MLA and DSA ops' nominal calls live beside their tests
 ARGS.update(DSA_DISPATCH_ARGS)
 ARGS.update(PENALTIES_DISPATCH_ARGS)
+ARGS.update(TOKEN_MASK_DISPATCH_ARGS)
 ARGS.update(COMM_DISPATCH_ARGS)
 
 
