@@ -231,3 +231,19 @@ def test_deepseek_configs_build_and_report_kv_bytes_against_per_head_kv(name, q_
         hf_config = transformers.AutoConfig.for_model(cfg["model_type"],
                                                       **{k: v for k, v in tiny.items() if k != "model_type"})
         assert hf_config.kv_lora_rank == 32 and hf_config.q_lora_rank == q_lora_rank
+
+
+def test_engine_dp_smoke_run_compares_replicas_with_one_engine(tmp_path, monkeypatch):
+    """benchmarks/engine_dp on a CPU: one engine and a front over two replica processes, the same workload."""
+    from benchmarks import engine_dp
+
+    monkeypatch.setenv("ATOM_CORE_BACKEND", "torch")  # the replica processes read it at import
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    path = tmp_path / "out.json"
+    engine_dp.main(["--device", "cpu", "--smoke", "--num-seqs", "4", "--no-front-1", "--json", str(path)])
+    data = json.loads(path.read_text())
+    assert META_KEYS <= set(data["meta"])
+    one, two = data["rows"]
+    assert (one["system"], one["replicas"], two["replicas"]) == ("one engine", 1, 2)
+    assert one["output_tokens"] == two["output_tokens"] > 0 and one["vs_one_engine"] == 1
+    assert two["requests_per_replica"] == "2/2" and math.isfinite(two["vs_one_engine"])

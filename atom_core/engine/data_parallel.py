@@ -600,9 +600,19 @@ def replica_main() -> None:
         _serve(engine, conn)
     except (EOFError, OSError):  # the front is gone
         pass
+    except BaseException as error:  # a failure of this loop itself: tell the front why before leaving
+        try:
+            conn.send((FATAL, f"{type(error).__name__}: {error}"[:2000]))
+        except (OSError, ValueError):
+            pass
+        raise
     finally:
-        engine.shutdown()
+        engine.shutdown()  # (its worker ranks, if any, are stopped and reaped here)
         conn.close()
+    # Nothing is left to clean up: skip the interpreter's teardown (seconds of torch's exit handlers).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _serve(engine: Engine, conn: Connection) -> None:
