@@ -46,6 +46,21 @@ replayed in lock step, one per batch size); the tensors are allocated inside the
 memory pool), which the ops do.
 An ``all_to_all`` with host split sizes is captured with those sizes fixed: only a fixed-split
 exchange is graph-safe. gloo (CPU) has no graphs.
+
+**Expert parallelism** (``models/layers/expert_exchange.py``) is the ``all_to_all`` user: an equal-split
+exchange of the per-rank row counts (int64 [R]) read on the host, then the rows with those splits (the
+*exact* exchange: a host sync, not capturable), or rows at a fixed capacity per peer with equal splits
+(the *padded* exchange: no host sync, captured inside the engine's CUDA graphs). The rows carry int32
+expert ids and fp32 weights as raw bits in their last columns: every backend must move bytes unchanged
+(NaN patterns included), which NCCL and gloo do. gloo serves ``all_to_all_single`` on CPU tensors of
+every dtype used here (bf16, fp16, fp32, int32, int64) and empty splits, so no send/recv fallback is needed.
+
+**No custom all-reduce yet.** A one-shot all-reduce over peer buffers (CUDA IPC or torch symmetric memory)
+beats NCCL's ring only where a small message's latency dominates; it must be graph-capturable, choose the
+same backend on every rank, and handle buffer registration and barriers across graph replays. It is not
+written: ``benchmarks/comm.py`` measures ``all_reduce`` here against ``torch.distributed.all_reduce`` at a
+model's hidden size for 1..256 tokens (eager and graph-replayed), which is the number such a backend
+would have to beat.
 """
 
 # R ranks in the group, N rows of this rank's input

@@ -41,6 +41,11 @@ def comm_cases(grid: str, device) -> list[Case]:
             cases += [Case("all_reduce", f"one rank {tag}", reduce_run, equal_outputs),
                       Case("all_gather", f"one rank {tag}", gather_run, equal_outputs),
                       Case("all_to_all", f"one rank {tag}", to_all_run, equal_outputs)]
+    def counts_run(backend):  # expert parallelism's row counts: int64, one per rank
+        counts = seeded_randn(9, 1, dtype=BF16, device=device).abs().mul(100).long()
+        return (ops.all_to_all(counts, None, backend=backend),)
+
+    cases.append(Case("all_to_all", "one rank int64 [1] counts", counts_run, equal_outputs))
     if grid != "quick":  # 3-D, the middle dim
         def gather_3d(backend):
             return (ops.all_gather(seeded_randn(8, 3, 5, 16, dtype=BF16, device=device), None, 1, backend=backend),)

@@ -128,6 +128,16 @@ def _check_collectives(rank: int, pair: list[int], group) -> None:
     # all_to_all, equal splits: row block j of every rank goes to rank j
     z = _value(rank, 4, 2)
     assert torch.equal(ops.all_to_all(z, group), torch.cat([_value(src, 4, 2)[2 * me: 2 * me + 2] for src in pair]))
+    # what expert parallelism exchanges: int64 counts, bf16 rows whose tail holds int32 ids / fp32 weights as bits
+    # (NaN patterns included) that must arrive unchanged, and nothing at all
+    counts = torch.tensor([10 * rank, 10 * rank + 1])
+    assert ops.all_to_all(counts, group).tolist() == [10 * src + me for src in pair]
+    bits = (torch.arange(8, dtype=torch.int32) * 0x10001 + 0x7FC00001 + rank).view(4, 2)   # NaN bit patterns
+    rows = bits.view(torch.bfloat16)                                                          # [4, 4] bf16
+    got = ops.all_to_all(rows, group).view(torch.int32)
+    assert torch.equal(got, torch.cat([(torch.arange(8, dtype=torch.int32) * 0x10001 + 0x7FC00001 + src)
+                                       .view(4, 2)[2 * me: 2 * me + 2] for src in pair]))
+    assert ops.all_to_all(torch.ones(0, 3), group, [0, 0], [0, 0]).shape == (0, 3)
 
 
 def _check_compiled(rank: int, pair: list[int], group) -> None:
