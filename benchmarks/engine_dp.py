@@ -91,7 +91,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--model", default="qwen3-0.6b", help="a config of benchmarks/configs")
     parser.add_argument("--data-parallel-size", type=int, default=2, help="replicas of the data-parallel row")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks of every engine (GPUs each)")
-    parser.add_argument("--expert-parallel", action="store_true", help="a MoE model's experts split whole over TP")
+    parser.add_argument("--expert-parallel", nargs="?", const="all_reduce", default=False,
+                        choices=["all_reduce", "all_to_all"],
+                        help="a MoE model's experts split whole over each engine's TP ranks, combined by this exchange")
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--device", default="cuda", help="cuda (one GPU per rank) or cpu")
     parser.add_argument("--dtype", default=None, help="the model's dtype (default bfloat16 on cuda, float32 on cpu)")

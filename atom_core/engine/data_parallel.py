@@ -69,6 +69,7 @@ from atom_core.engine.request import Request, Status
 from atom_core.engine.sampling_params import SamplingParams
 from atom_core.engine.tokenizer import Tokenizer
 from atom_core.engine.workers import DEFAULT_STEP_TIMEOUT, STARTUP_TIMEOUT, STOP_TIMEOUT
+from atom_core.models.parallel import ep_comm_of
 
 logger = logging.getLogger(__name__)
 
@@ -176,7 +177,7 @@ class DataParallelEngine:
     """
 
     def __init__(self, path: str | Path | None = None, *, data_parallel_size: int, tensor_parallel_size: int = 1,
-                 expert_parallel: bool = False, dtype=None, device=None, load_format: str = "auto",
+                 expert_parallel: bool | str = False, dtype=None, device=None, load_format: str = "auto",
                  quantization: str | None = None, step_timeout: float = DEFAULT_STEP_TIMEOUT, **engine_args):
         if isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int) or data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be an int >= 1, got {data_parallel_size!r}")
@@ -185,6 +186,7 @@ class DataParallelEngine:
             raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tensor_parallel_size!r}")
         if isinstance(step_timeout, bool) or not isinstance(step_timeout, (int, float)) or not step_timeout > 0:
             raise ValueError(f"step_timeout must be a number of seconds > 0, got {step_timeout!r}")
+        ep_comm_of(expert_parallel)  # a bad value is refused before any replica starts
         if "workers" in engine_args:
             raise ValueError("workers= is for Engine(model, ...); the replicas start their own")
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -596,8 +598,9 @@ def replica_main() -> None:
                        "default_sampling_params": engine.default_sampling_params,
                        "eos_token_ids": engine.eos_token_ids, "config": engine.model.config,
                        "num_kv_blocks": engine.block_manager.num_blocks, "pid": os.getpid()}))
+    code = 1
     try:
-        _serve(engine, conn)
+        code = 0 if _serve(engine, conn) else 1
     except (EOFError, OSError):  # the front is gone
         pass
     except BaseException as error:  # a failure of this loop itself: tell the front why before leaving
@@ -612,12 +615,12 @@ def replica_main() -> None:
     # Nothing is left to clean up: skip the interpreter's teardown (seconds of torch's exit handlers).
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
-def _serve(engine: Engine, conn: Connection) -> None:
+def _serve(engine: Engine, conn: Connection) -> bool:
     """The replica's loop: take the front's commands (without waiting while requests run), step, send the
-    step's outputs."""
+    step's outputs. Returns True when the front said shutdown, False when the engine can no longer run."""
     watched: dict[int, Request] = {}  # sequences whose next output carries extras (see _outputs_message)
     while True:
         busy = engine.has_unfinished_requests()
@@ -640,13 +643,13 @@ def _serve(engine: Engine, conn: Connection) -> None:
                                    "free_blocks": engine.block_manager.num_free_blocks,
                                    "num_blocks": engine.block_manager.num_blocks}))
             elif command[0] == SHUTDOWN:
-                return
+                return True
             busy = engine.has_unfinished_requests()
         try:
             outputs = engine.step()
         except DistributedEngineError as error:  # its own worker ranks failed: this replica cannot go on
             conn.send((FATAL, f"{type(error).__name__}: {error}"))
-            return
+            return False
         except Exception as error:  # noqa: BLE001 - the step's requests finished with "error"; others go on
             conn.send((STEP_ERROR, list(engine.failed_request_ids), f"{type(error).__name__}: {error}"))
             continue
