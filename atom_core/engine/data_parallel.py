@@ -336,7 +336,8 @@ class DataParallelEngine:
 
     def replica_stats(self) -> list[dict]:
         """Each replica engine's counters, asked for now (one round trip, between its steps): ``unfinished``
-        (sequences), ``num_preemptions``, ``free_blocks`` and ``num_blocks`` of its KV pool. Outputs that
+        (sequences), ``num_preemptions``, ``free_blocks`` and ``num_blocks`` of its KV pool, its ``device``
+        and ``visible_gpus`` (its CUDA_VISIBLE_DEVICES, None on a CPU). Outputs that
         arrive meanwhile are kept for the next ``step()``."""
         self._check_usable()
         for replica in self._replicas:
@@ -641,7 +642,8 @@ def _serve(engine: Engine, conn: Connection) -> bool:
             elif command[0] == STATS:
                 conn.send((STATS, {"unfinished": engine._num_unfinished(), "num_preemptions": engine.num_preemptions,
                                    "free_blocks": engine.block_manager.num_free_blocks,
-                                   "num_blocks": engine.block_manager.num_blocks}))
+                                   "num_blocks": engine.block_manager.num_blocks, "device": str(engine.device),
+                                   "visible_gpus": os.environ.get("CUDA_VISIBLE_DEVICES")}))
             elif command[0] == SHUTDOWN:
                 return True
             busy = engine.has_unfinished_requests()

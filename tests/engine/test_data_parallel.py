@@ -162,6 +162,27 @@ def test_shutdown_stops_every_replica_and_the_front_refuses_afterwards(dp):
     dp.shutdown()  # idempotent
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_replicas_on_two_gpus_give_one_engines_greedy_tokens(monkeypatch):
+    """Replica i on GPU i (its CUDA_VISIBLE_DEVICES), each with its CUDA graphs; fp32 so that the tokens
+    compare exactly with one engine's on GPU 0."""
+    monkeypatch.delenv("ATOM_CORE_BACKEND", raising=False)
+    args = ARGS | {"device": "cuda"}
+    prompts = _prompts() * 4
+    one_gpu = Engine.from_pretrained(None, **args)
+    want = [o.token_ids for o in one_gpu.generate(prompts, GREEDY, use_tqdm=False)]
+    del one_gpu
+    children = _live_children()
+    with Engine.from_pretrained(None, data_parallel_size=2, step_timeout=120, **args) as engine:
+        got = [o.token_ids for o in engine.generate(prompts, GREEDY, use_tqdm=False)]
+        stats = engine.replica_stats()
+        assert min(engine.requests_per_replica) >= len(prompts) // 4
+    assert got == want
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0,1").split(",")
+    assert [s["visible_gpus"] for s in stats] == visible[:2] and all(s["device"].startswith("cuda") for s in stats)
+    assert _live_children() <= children
+
+
 # ---- failures -------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("how", ["killed", "stopped"])
