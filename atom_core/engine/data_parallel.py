@@ -13,8 +13,9 @@ Front <-> replica: one Unix socket pair per replica (``multiprocessing.connectio
   ``("stats",)`` (answered with the replica engine's counters), ``("shutdown",)``. A request is checked in the front (``Engine``'s own checks, with the limits the
   replica reported at start), so ``add_request`` raises at once and never waits for a replica.
 - replica -> front, after each of its steps: the step's outputs as arrays (sequence ids, new tokens,
-  token counts), the finished sequences (reason, stop reason, where the final text ends), and for the
-  few sequences that need them, log-probs, prompt log-probs and prefix-cache hits.
+  token counts), the finished sequences (reason, stop reason, where the final text ends), for the few
+  sequences that need them log-probs, prompt log-probs and prefix-cache hits, and every
+  COUNTERS_EVERY_S seconds its engine's counters (pool, preemptions, prefix cache).
 
 The front keeps a mirror ``Request`` per sequence (prompt, tokens so far, log-probs, its own
 detokenizer) and returns the engine's own ``StepOutputs`` / ``RequestOutput`` over the mirrors, so the
@@ -54,6 +55,7 @@ import threading
 import time
 import traceback
 import weakref
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from types import SimpleNamespace
@@ -62,6 +64,7 @@ from typing import Self
 import numpy as np
 import torch
 
+from atom_core.cache.block_manager import PrefixCacheStats
 from atom_core.engine.distributed import DistributedEngineError, WorkerFailedError
 from atom_core.engine.engine import DEMO_MODEL, Engine
 from atom_core.engine.outputs import StepOutputs
@@ -87,6 +90,7 @@ _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_
                  "MASTER_PORT", "TORCHELASTIC_RUN_ID", "ATOM_CORE_WORKER_ARGS", "ATOM_CORE_PARENT_PID")
 _ENTRY = "from atom_core.engine.data_parallel import replica_main; replica_main()"
 _WAIT_SLICE_S = 0.05  # step() checks the replicas' processes this often while it waits for outputs
+COUNTERS_EVERY_S = 0.5  # a running replica's outputs carry its engine's counters this often (and when it idles)
 
 
 class ReplicaFailedError(WorkerFailedError):
@@ -99,12 +103,22 @@ class ReplicaStepError(RuntimeError):
     reason "error" (``DataParallelEngine.failed_request_ids``); the other requests go on."""
 
 
+@dataclass(frozen=True)
+class PoolSummary:
+    """The replicas' KV pools together (``DataParallelEngine.block_manager``)."""
+
+    num_blocks: int
+    num_free_blocks: int
+    stats: PrefixCacheStats
+
+
 class _Replica:
     """The front's handle on one replica: its process, its socket, its load."""
 
     def __init__(self, index: int, process: subprocess.Popen, conn: Connection):
         self.index, self.process, self.conn = index, process, conn
         self.info: dict | None = None  # what it reported when its engine was built
+        self.counters: dict = {}  # its engine's counters as of its last report (_counters)
         self.outstanding = 0  # tokens it still has to compute at most (see the module docstring)
         self.num_unfinished = 0  # its unfinished sequences
         self.num_requests = 0  # requests routed to it so far
@@ -290,6 +304,7 @@ class DataParallelEngine:
             replica = self._replicas[index]
             if message[0] == READY:
                 replica.info = message[1]
+                replica.counters = replica.info["counters"]
                 waiting.discard(index)
             elif message[0] in (START_FAILED, CLOSED):
                 why = f": {message[1]}" if message[0] == START_FAILED else ""
@@ -329,6 +344,22 @@ class DataParallelEngine:
     def eos_token_ids(self) -> frozenset[int]:
         return self._eos_token_ids
 
+    @property
+    def num_preemptions(self) -> int:
+        """Requests the replicas sent back to recompute, as of their last reports (see ``block_manager``)."""
+        return sum(r.counters["num_preemptions"] for r in self._replicas)
+
+    @property
+    def block_manager(self) -> PoolSummary:
+        """The replicas' KV pools summed (``num_blocks``, ``num_free_blocks``, prefix-cache ``stats``) as of
+        their last reports: a running replica's outputs carry its counters every COUNTERS_EVERY_S seconds
+        and when it runs out of requests (what ``AsyncEngine``'s statistics read). ``replica_stats()``
+        asks for them now."""
+        counters = [r.counters for r in self._replicas]
+        prefix = [sum(c["prefix_cache"][i] for c in counters) for i in range(4)]
+        return PoolSummary(sum(c["num_blocks"] for c in counters), sum(c["free_blocks"] for c in counters),
+                           PrefixCacheStats(*prefix))
+
     def replica_of(self, request_id: int) -> int | None:
         """The replica running unfinished request ``request_id`` (None when finished or unknown)."""
         entry = self._groups.get(request_id)
@@ -336,8 +367,9 @@ class DataParallelEngine:
 
     def replica_stats(self) -> list[dict]:
         """Each replica engine's counters, asked for now (one round trip, between its steps): ``unfinished``
-        (sequences), ``num_preemptions``, ``free_blocks`` and ``num_blocks`` of its KV pool, its ``device``
-        and ``visible_gpus`` (its CUDA_VISIBLE_DEVICES, None on a CPU). Outputs that
+        (sequences), ``num_preemptions``, ``free_blocks`` and ``num_blocks`` of its KV pool, ``prefix_cache``
+        (queries, hits, query tokens, hit tokens), its ``device`` and ``visible_gpus`` (its
+        CUDA_VISIBLE_DEVICES, None on a CPU). Outputs that
         arrive meanwhile are kept for the next ``step()``."""
         self._check_usable()
         for replica in self._replicas:
@@ -346,7 +378,7 @@ class DataParallelEngine:
         while len(answers) < len(self._replicas):
             index, message = self._wait_for_message()
             if message[0] == STATS:
-                answers[index] = message[1]
+                answers[index] = self._replicas[index].counters = message[1]
             else:
                 self._held.append((index, message))
         return [answers[i] for i in range(len(self._replicas))]
@@ -514,7 +546,9 @@ class DataParallelEngine:
                finish_reasons: dict) -> None:
         """Append one replica step's tokens to the mirrors (dropping aborted sequences' ones), record its
         extras and finishes, and add its outputs to the step's lists."""
-        _, sequence_ids, new_tokens, counts, extras, finishes = message
+        _, sequence_ids, new_tokens, counts, extras, finishes, counters = message
+        if counters is not None:
+            replica.counters = counters
         sequences, offset = self._sequences, len(requests)
         step_requests, keep = [], []
         for j, (sequence_id, token) in enumerate(zip(sequence_ids, new_tokens.tolist())):
@@ -598,7 +632,7 @@ def replica_main() -> None:
     conn.send((READY, {"max_model_len": engine.max_model_len, "max_logprobs": engine.max_logprobs,
                        "default_sampling_params": engine.default_sampling_params,
                        "eos_token_ids": engine.eos_token_ids, "config": engine.model.config,
-                       "num_kv_blocks": engine.block_manager.num_blocks, "pid": os.getpid()}))
+                       "counters": _counters(engine), "pid": os.getpid()}))
     code = 1
     try:
         code = 0 if _serve(engine, conn) else 1
@@ -623,6 +657,7 @@ def _serve(engine: Engine, conn: Connection) -> bool:
     """The replica's loop: take the front's commands (without waiting while requests run), step, send the
     step's outputs. Returns True when the front said shutdown, False when the engine can no longer run."""
     watched: dict[int, Request] = {}  # sequences whose next output carries extras (see _outputs_message)
+    last_counters = time.monotonic()
     while True:
         busy = engine.has_unfinished_requests()
         while not busy or conn.poll():
@@ -640,10 +675,7 @@ def _serve(engine: Engine, conn: Connection) -> bool:
             elif command[0] == ABORT:
                 engine.abort(command[1])
             elif command[0] == STATS:
-                conn.send((STATS, {"unfinished": engine._num_unfinished(), "num_preemptions": engine.num_preemptions,
-                                   "free_blocks": engine.block_manager.num_free_blocks,
-                                   "num_blocks": engine.block_manager.num_blocks, "device": str(engine.device),
-                                   "visible_gpus": os.environ.get("CUDA_VISIBLE_DEVICES")}))
+                conn.send((STATS, _counters(engine)))
             elif command[0] == SHUTDOWN:
                 return True
             busy = engine.has_unfinished_requests()
@@ -655,7 +687,21 @@ def _serve(engine: Engine, conn: Connection) -> bool:
         except Exception as error:  # noqa: BLE001 - the step's requests finished with "error"; others go on
             conn.send((STEP_ERROR, list(engine.failed_request_ids), f"{type(error).__name__}: {error}"))
             continue
-        conn.send(_outputs_message(outputs, watched))
+        now = time.monotonic()
+        counters = None
+        if now - last_counters >= COUNTERS_EVERY_S or not engine.has_unfinished_requests():
+            counters, last_counters = _counters(engine), now
+        conn.send(_outputs_message(outputs, watched) + (counters,))
+
+
+def _counters(engine: Engine) -> dict:
+    """A replica engine's counters (``DataParallelEngine.replica_stats``)."""
+    bm = engine.block_manager
+    prefix = bm.stats
+    return {"unfinished": engine._num_unfinished(), "num_preemptions": engine.num_preemptions,
+            "free_blocks": bm.num_free_blocks, "num_blocks": bm.num_blocks,
+            "prefix_cache": (prefix.queries, prefix.hits, prefix.query_tokens, prefix.hit_tokens),
+            "device": str(engine.device), "visible_gpus": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
 
 def _outputs_message(outputs: StepOutputs, watched: dict[int, Request]) -> tuple:

@@ -141,6 +141,28 @@ def test_step_streams_every_token_and_abort_goes_to_the_replica_running_the_requ
     assert len(dp.step()) == 0 and not dp.has_unfinished_requests()
 
 
+def test_async_engine_streams_over_the_front(dp):
+    """AsyncEngine's step thread drives the front as it drives an Engine (its statistics read the replicas'
+    pools summed)."""
+    import asyncio
+
+    from atom_core.engine import AsyncEngine
+
+    async def collect(server, prompt):
+        return [out async for out in server.generate(prompt, GREEDY)]
+
+    async def run():
+        async with AsyncEngine(dp) as server:
+            outs = await asyncio.gather(*(collect(server, p) for p in _prompts(lengths=(3, 8, 5))))
+            return outs, server.stats()
+
+    outs, stats = asyncio.run(run())
+    assert [len(o[-1].token_ids) for o in outs] == [GREEDY.max_tokens] * 3
+    assert all(o[-1].finished and sum(len(x.new_token_ids) for x in o) == GREEDY.max_tokens for o in outs)
+    assert stats.num_kv_blocks == 2 * ARGS["num_kv_blocks"]
+    assert dp.block_manager.num_free_blocks == dp.block_manager.num_blocks
+
+
 def test_requests_are_checked_in_the_front_as_one_engine_checks_them(dp, one):
     for prompt, params in [([], None), ([1, 5000], None), ([1] * 40, SamplingParams(max_tokens=9)),
                            ("text", SamplingParams(logprobs=50))]:
