@@ -109,6 +109,11 @@ def atom_core_throughput(cfg: dict, prompts, output_lens, *, runs: int = 1, labe
     model and its KV pool are freed before returning."""
     from atom_core.engine import Engine, SamplingParams
 
+    if "kv_lora_rank" in cfg:
+        # MLA's expanded (prefill) form expands every page of a row's block table, max_model_len wide in a
+        # CUDA graph: the model's own limit (163840 for DeepSeek) would expand ~40M rows per mixed step.
+        # The workload's longest request is a 1024-token prompt with 1024 output tokens.
+        engine_args.setdefault("max_model_len", 2048)
     model = build_bench_model(cfg, quantization)
     _sync()
     t0 = time.perf_counter()
