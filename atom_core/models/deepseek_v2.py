@@ -46,12 +46,23 @@ float8_e4m3fn), bound with ``bind_kv_cache([(latent,), ...])`` or, for fp8, ``[(
 ``extra_kv_cache_specs()`` names the caches besides it (none here; DSA's indexer keys in
 ``models.deepseek_v32``), bound with ``bind_extra_kv_caches``.
 
-**Quantization** (``fp8`` / compressed-tensors / quark configs, ``load_model(quantization=...)``): the
-routed experts (FP8 block / per-channel, ``FusedMoE``), the shared experts and the dense MLPs. MLA's own
-projections (and DSA's indexer) load unquantized only: ``kv_b_proj`` is used as the ``w_uk`` / ``w_uv``
-views of its weight, not as a linear layer; a checkpoint config that quantizes any of them is refused
-naming the layer (DeepSeek-V3/R1's released FP8 checkpoints quantize them: not loadable yet). Online
-quantization leaves them in the model dtype.
+**Quantization** (``fp8`` / compressed-tensors / quark configs, ``load_model(quantization=...)``): every
+linear layer the config's rules quantize, as vLLM / ATOM serve DeepSeek-V3/R1, Kimi-K2, V3.2 and GLM-5's FP8
+releases (HF ``fp8``, 128 x 128 blocks, fp32 ``weight_scale_inv`` beside each FP8 weight). MLA's
+``q_proj`` / ``q_a_proj``, ``q_b_proj``, ``kv_a_proj_with_mqa``, ``o_proj`` and DSA's ``indexer.wq_b`` /
+``indexer.wk`` run their linear methods (``Fp8Linear`` with block scales there); each rule (``ignore``,
+``modules_to_not_convert``) applies to the checkpoint module itself (``q_a_proj`` and ``kv_a_proj_with_mqa``
+stay two layers: only gate/up fuse). ``kv_b_proj`` is used as the ``w_uk`` / ``w_uv`` views of its weight,
+not as a linear layer: a quantized one loads as stored and is dequantized to the model dtype once at load
+(2 bytes per element in bf16 on top of the FP8 copy: 32 MiB per layer for V3 at tensor-parallel size 1;
+``layers.mla.MultiHeadLatentAttention``). ``indexer.weights_proj`` stays fp32 and unquantized (DeepSeek stores
+it so; a stored FP8 one is refused by the loader, naming the tensor). The routed experts load as FP8 block /
+per-channel (``FusedMoE``), the shared experts and dense MLPs with their linear methods; the router stays fp32.
+What is refused, by name: a tensor-parallel split that cuts a 128-block (``q_b_proj`` / ``kv_b_proj`` rows,
+``o_proj`` columns), formats no dense layer serves (MXFP4 outside the experts), and what the config parsers
+refuse (V3.1 / V3.2's ``scale_fmt: "ue8m0"`` is not refused: it loads with fp32 activation scales, see
+``quantization.parse_hf``). Online quantization quantizes the same layers except ``kv_b_proj``, which stays
+in the model dtype (rounding it only to dequantize it again would lose precision and save nothing).
 """
 
 from __future__ import annotations
@@ -73,14 +84,10 @@ from atom_core.models.layers.mlp import GatedMLP
 from atom_core.models.layers.moe import FusedMoE, expert_params_mapping, moe_ranks
 from atom_core.models.layers.norm import RMSNorm
 from atom_core.models.layers.rotary import RotaryEmbedding
-from atom_core.models.quantization import UnsupportedQuantizationError
 from atom_core.models.qwen3_moe import check_silu_experts, config_int
 from atom_core.models.registry import register_model
 
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
-# MLA's (and DSA's indexer's) linear layers, by checkpoint name under ``self_attn``: unquantized only.
-MLA_LINEARS = ("kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
-INDEXER_LINEARS = ("indexer.wq_b", "indexer.wk", "indexer.weights_proj")
 SCORING_FUNCS = ("softmax", "sigmoid")
 
 
@@ -154,7 +161,7 @@ class DeepseekV2ForCausalLM(MLACaches, CausalLM):
     """DeepSeek-V2 and V2-Lite (and their Chat versions)."""
 
     model_types: tuple[str, ...] = ("deepseek_v2",)
-    supported_quantization = QUANTIZED_DENSE_FORMATS  # experts and MLPs; MLA's projections unquantized only
+    supported_quantization = QUANTIZED_DENSE_FORMATS  # MLA (kv_b_proj dequantized at load), MLPs, experts
     default_topk_method = "greedy"
     default_scoring = "softmax"
     default_norm_topk_prob = False
@@ -213,34 +220,17 @@ class DeepseekV2ForCausalLM(MLACaches, CausalLM):
         return (self.num_experts > 0 and layer_idx >= config_int(config, "first_k_dense_replace", default=0)
                 and layer_idx % config_int(config, "moe_layer_freq", default=1) == 0)
 
-    def check_mla_unquantized(self, layer_idx: int, *, indexer: bool = False) -> None:
-        """Refuse, naming it, a checkpoint config that quantizes one of layer ``layer_idx``'s MLA (or, with
-        ``indexer``, DSA indexer) linear layers (see the module docstring); online quantization leaves them
-        unquantized."""
-        if self.quant_config is None or self.quant_config.online:
-            return
-        q_names = ("q_proj",) if self.q_lora_rank is None else ("q_a_proj", "q_b_proj")
-        for name in q_names + MLA_LINEARS + (INDEXER_LINEARS if indexer else ()):
-            prefix = f"model.layers.{layer_idx}.self_attn.{name}"
-            scheme = self.quant_config.scheme_for(prefix)
-            if scheme.is_quantized:
-                where = self.quant_config.source or "quantization_config"
-                raise UnsupportedQuantizationError(
-                    f"{where}: layer {prefix!r} is quantized ({scheme.describe()}), but {type(self).__name__}'s "
-                    "MLA projections load unquantized only (kv_b_proj is split into the w_uk / w_uv views of its "
-                    "weight); the experts and MLPs load quantized: use a checkpoint whose config excludes "
-                    "self_attn, or an unquantised copy")
-
     def make_attention(self, layer_idx: int, **dsa) -> MultiHeadLatentAttention:
-        """Layer ``layer_idx``'s MLA block; ``dsa``: a DSA model's ``indexer`` / ``topk_share`` for it."""
-        self.check_mla_unquantized(layer_idx, indexer=dsa.get("indexer") is not None)
+        """Layer ``layer_idx``'s MLA block; ``dsa``: a DSA model's ``indexer`` / ``topk_share`` for it. Its linear
+        layers get the model's quantization (``self_attn.*`` rules; see the module docstring)."""
         config = self.config
         return MultiHeadLatentAttention(
             config.hidden_size, config.num_attention_heads, q_lora_rank=self.q_lora_rank,
             kv_lora_rank=self.kv_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,
             qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim,
             rotary_emb=self.mla_rotary_embedding(), scale=self.softmax_scale, rms_norm_eps=config.rms_norm_eps,
-            bias=config.attention_bias, **self.tp_args(), **dsa)
+            bias=config.attention_bias, **self.tp_args(), **dsa,
+            **self.quant_args(f"model.layers.{layer_idx}.self_attn"))
 
     def make_layer(self, layer_idx: int) -> nn.Module:
         """Decoder layer ``layer_idx`` (also past ``num_hidden_layers``: the MTP blocks, ``models.mtp``)."""

@@ -30,6 +30,10 @@ q and k with the MLA table (YaRN scale included), MLA's rope always interleaved.
 ``extra_kv_cache_specs() == {"indexer": spec}``: one tensor ``[NB, BS, Di]`` in the model's dtype per layer
 with an indexer, over the latent pool's blocks (same block tables and slot_mapping), bound with
 ``bind_extra_kv_caches({"indexer": [tensor, ...]})`` (see ``DeepseekV2ForCausalLM.extra_kv_cache_specs``).
+
+**Quantization** (the FP8 releases; see ``deepseek_v2``): MLA as V3's, and the indexer's ``wq_b`` / ``wk`` with
+the linear methods their rules give them (block FP8); ``weights_proj`` always fp32 and unquantized, as
+DeepSeek stores it. The indexer's scores stay unquantized (see DSA above).
 """
 
 from __future__ import annotations
@@ -89,13 +93,15 @@ class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
             return kinds[layer_idx] == "sparse" and self.num_experts > 0
         return super().is_sparse_layer(layer_idx)
 
-    def make_indexer(self) -> LightningIndexer:
+    def make_indexer(self, layer_idx: int) -> LightningIndexer:
+        """Layer ``layer_idx``'s indexer; ``wq_b`` / ``wk`` get the model's quantization (``weights_proj`` none)."""
         return LightningIndexer(self.config.hidden_size, self.q_lora_rank, self.index_n_heads, self.index_head_dim,
                                 self.index_topk, rotary_emb=self.mla_rotary_embedding(),
-                                rope_is_neox=self.indexer_rope_is_neox, dtype=self.dtype)
+                                rope_is_neox=self.indexer_rope_is_neox, dtype=self.dtype,
+                                **self.quant_args(f"model.layers.{layer_idx}.self_attn.indexer"))
 
     def make_attention(self, layer_idx: int, **dsa) -> MultiHeadLatentAttention:
-        indexer = self.make_indexer() if self.indexer_type(layer_idx) == "full" else None
+        indexer = self.make_indexer(layer_idx) if self.indexer_type(layer_idx) == "full" else None
         # An MTP block (past num_hidden_layers) runs in its own forward: it shares no top-k with the decoder.
         share = self.topk_share if layer_idx < self.config.num_hidden_layers else None
         return super().make_attention(layer_idx, indexer=indexer, topk_share=share)

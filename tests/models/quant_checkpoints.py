@@ -12,7 +12,9 @@
   outputs over the calibration tokens / 448, the k one times sqrt(2) (RoPE turns pairs, so a
   rotated component is at most sqrt(2) times the larger of its pair: no saturation).
 - HF ``fp8`` with 128 x 128 blocks (``hf_fp8_block_checkpoint``): compressed-tensors' FP8_BLOCK
-  tensors under HF's names (``weight_scale_inv``) and HF's config (the layouts are the same).
+  tensors under HF's names (``weight_scale_inv``) and HF's config (the layouts are the same);
+  ``deepseek_fp8_checkpoint`` does it for a DeepSeek-family checkpoint the way DeepSeek's FP8
+  releases store theirs.
 - AMD Quark (``quark_checkpoint``): ``ModelQuantizer`` with the model's ``LLMTemplate`` and
   ``export_safetensors`` (its calibration runs on the CPU in well under a second here).
 
@@ -253,6 +255,23 @@ def as_hf_fp8_block(ct_block: Path, *, not_convert: tuple[str, ...]) -> Path:
                                      "weight_block_size": [BLOCK, BLOCK], "modules_to_not_convert": list(not_convert)}
     (ct_block / "config.json").write_text(json.dumps(config, indent=2))
     return ct_block
+
+
+# Stored unquantized in DeepSeek's FP8 releases, with no rule saying so (their config has no
+# modules_to_not_convert): the MoE routers, the LM head and DSA's indexer.weights_proj.
+DEEPSEEK_UNQUANTIZED = ("lm_head", r"re:.*mlp\.gate$", r"re:.*indexer\.weights_proj$")
+
+
+def deepseek_fp8_checkpoint(unquantized: Path, folder: Path, *, not_convert: tuple[str, ...] = ()) -> Path:
+    """The fp32 DeepSeek-family checkpoint in ``unquantized`` stored the way DeepSeek-V3/R1's (and V3.2's) FP8
+    releases are: every linear layer (MLA's q_a / q_b / q_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj, DSA's
+    wq_b / wk, dense MLPs, shared and routed experts) 128 x 128 block FP8 with ``weight_scale_inv`` beside it,
+    ``quant_method: "fp8"``; the routers, LM head and ``indexer.weights_proj`` unquantized without a rule
+    (``DEEPSEEK_UNQUANTIZED``), and the modules ``not_convert`` names (full checkpoint names) unquantized and
+    listed in ``modules_to_not_convert``. The tensors are compressed-tensors' FP8_BLOCK ones
+    (``ct_tree_checkpoint``), renamed (``as_hf_fp8_block``)."""
+    ct_tree_checkpoint(unquantized, folder, "FP8_BLOCK", ignore=(*DEEPSEEK_UNQUANTIZED, *not_convert))
+    return as_hf_fp8_block(folder, not_convert=not_convert)
 
 
 def hf_fp8_block_checkpoint(model: torch.nn.Module, folder: Path, *, architecture: str,

@@ -394,7 +394,7 @@ HF_REFUSED = {
     "e5m2": ({"fmt": "e5m2"}, r"fmt: FP8 format 'e5m2'"),
     "block-64": ({"weight_block_size": [64, 64]}, r"weight_block_size: FP8 weight blocks of \[64, 64\]"),
     "block-static": ({"activation_scheme": "static"}, "with static per tensor activations are not supported"),
-    "ue8m0": ({"scale_fmt": "ue8m0"}, "scale_fmt: 'ue8m0'"),
+    "scale-fmt": ({"scale_fmt": "e8m0"}, "scale_fmt: 'e8m0' is not supported; only 'float' or 'ue8m0'"),
     "weight-only": ({"activation_scheme": None}, r"activation_scheme: null \(FP8 weight-only\)"),
     "fp4-experts": ({"expert_dtype": "fp4"}, "expert_dtype: 'fp4'"),
     "embeddings": ({"modules_to_convert": ["model.embed_tokens"]}, "modules_to_convert"),
@@ -407,6 +407,12 @@ def test_hf_fp8_unsupported_combination_is_refused_naming_file_and_key(case):
     change, message = HF_REFUSED[case]
     with pytest.raises(UnsupportedQuantizationError, match=f"^/ckpt/config.json: quantization_config.*{message}"):
         parse_quant_config({**DEEPSEEK_FP8, **change}, source_file=Path("/ckpt/config.json"))
+
+
+def test_hf_fp8_ue8m0_scale_format_loads_as_the_float_scheme():
+    """DeepSeek-V3.1 / V3.2's ``scale_fmt: "ue8m0"``: fp32 power-of-two weight scales read as stored,
+    activations scaled in fp32 (see parse_hf)."""
+    assert parse_quant_config({**DEEPSEEK_FP8, "scale_fmt": "ue8m0"}) == parse_quant_config(DEEPSEEK_FP8)
 
 
 def test_unknown_quant_method_is_refused_naming_it_and_the_file():

@@ -18,7 +18,6 @@ Checkpoints of each format against their dequantized models are in ``test_quant_
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import pytest
@@ -244,22 +243,20 @@ def test_deepseek_experts_and_mlps_quantize_while_mla_stays_unquantized():
     assert torch.isfinite(_forward_logits(model)).all()
 
 
-def test_deepseek_quantized_mla_is_refused_by_name_and_random_weights_fall_back_unquantized(tmp_path, caplog):
-    from atom_core.models.config import ModelConfig
-    from atom_core.models.deepseek_v2 import DeepseekV3ForCausalLM
-
-    config = ModelConfig.from_dict({**DEEPSEEK_V3, "quantization_config": HF_FP8_BLOCK})
-    with pytest.raises(UnsupportedQuantizationError, match=r"layer 'model.layers.0.self_attn.q_a_proj' is quantized.*"
-                                                           "MLA projections load unquantized only"):
-        DeepseekV3ForCausalLM(config, dtype=torch.float32, device="cpu",
-                              quant_config=parse_quant_config(HF_FP8_BLOCK))
-    with caplog.at_level(logging.WARNING, logger="atom_core.models"):
-        model = build_model({**DEEPSEEK_V3, "quantization_config": HF_FP8_BLOCK}, device="cpu", load_format="zeros")
-    assert model.model.layers[1].mlp.experts.weight_format is None
-    assert "random weights built unquantized" in caplog.text and "q_a_proj" in caplog.text
-    online = build_model(DEEPSEEK_V3, device="cpu", load_format="zeros", quantization="fp8")  # MLA left as is
+def test_deepseek_quantized_mla_builds_in_fp8_with_kv_b_proj_dequantized_and_online_leaves_kv_b_proj():
+    """The released FP8 config quantizes MLA's projections too (tests/models/test_quant_deepseek.py checks
+    real checkpoints): random weights are built quantized; kv_b_proj keeps its FP8 weight and a dequantized
+    copy. Online quantization leaves kv_b_proj in the model dtype."""
+    model = build_model({**DEEPSEEK_V3, "quantization_config": HF_FP8_BLOCK}, device="cpu")
+    attn = model.model.layers[0].self_attn
+    assert model.model.layers[1].mlp.experts.weight_format == "fp8_block"
+    assert attn.q_a_proj.weight.dtype == attn.o_proj.weight.dtype == attn.kv_b_proj.weight.dtype == FP8
+    assert attn.w_kv_b.dtype == torch.float32
+    assert torch.isfinite(_forward_logits(model)).all()
+    online = build_model(DEEPSEEK_V3, device="cpu", load_format="zeros", quantization="fp8")
     assert online.model.layers[1].mlp.experts.weight_format == "fp8_channel"
-    assert online.model.layers[0].self_attn.o_proj.weight.dtype == torch.float32
+    assert online.model.layers[0].self_attn.o_proj.weight.dtype == FP8
+    assert online.model.layers[0].self_attn.kv_b_proj.weight.dtype == torch.float32
 
 
 def test_engine_from_pretrained_passes_quantization_to_load_model(tmp_path):

@@ -21,7 +21,8 @@ Data flow of one layer (``MultiHeadLatentAttention.forward``)::
 ``kv_b_proj`` ([H (Dn + Dv), L], HF's name and layout) is never applied as a linear layer: its
 weight, viewed ``[H, Dn + Dv, L]``, is split into ``w_uk`` [H, Dn, L] and ``w_uv`` [H, Dv, L], which
 the attention ops either expand the cached latents with (prefill) or absorb into the query and the
-output (decode). See ``atom_core.ops.reference.mla`` for the math of both forms.
+output (decode); a quantized checkpoint's is dequantized to the model dtype once at load
+(``MultiHeadLatentAttention``'s "Quantization"), the other projections run their linear methods. See ``atom_core.ops.reference.mla`` for the math of both forms.
 
 **DSA** (DeepSeek-V3.2, GLM-5; ``LightningIndexer``): a layer with an indexer first picks, per query
 token, the ``index_topk`` context positions of highest index score, then attends over those only::
@@ -49,6 +50,7 @@ from atom_core.models.layers.linear import ColumnParallelLinear, ReplicatedLinea
 from atom_core.models.layers.norm import RMSNorm
 from atom_core.models.layers.rotary import RotaryEmbedding
 from atom_core.models.layers.sharding import check_tp, divide
+from atom_core.models.quantization.config import QuantConfig
 
 # A step whose rows have at most this many queries each runs the absorbed (decode) form: it costs
 # ~S H (L + R) per query token against the expanded form's ~S L H (Dn + Dv) per row, so the absorbed
@@ -150,6 +152,11 @@ class LayerNorm(nn.Module):
         return ops.layer_norm(x, self.weight, self.bias, self.eps)
 
 
+def _quant(quant_config: QuantConfig | None, prefix: str, name: str) -> dict:
+    """A linear layer's ``quant_config`` / ``prefix`` keyword arguments (none for an unquantized model)."""
+    return {} if quant_config is None else {"quant_config": quant_config, "prefix": f"{prefix}.{name}"}
+
+
 class TopkShare:
     """The top-k of the last DSA layer that ran its indexer this step, for the GLM-5 layers that reuse it
     (``indexer_types`` "shared"). One per model; not a module (it holds no parameters, only this step's
@@ -171,10 +178,16 @@ class LightningIndexer(nn.Module):
         rotary_emb: the MLA layers' rotary table over R = qk_rope_head_dim dims (the indexer rotates the first
             R dims of its q and k with the same cos/sin, YaRN scale included, as HF does).
         rope_is_neox: True for half-split pairs (DeepSeek-V3.2), False for interleaved (GLM-5).
+        quant_config, prefix: the model's quantization and this indexer's name (``model.layers.{i}.self_attn.
+            indexer``): ``wq_b`` and ``wk`` get the linear methods their rules give them (block FP8 in the
+            released V3.2 checkpoint); ``weights_proj`` is always unquantized fp32 (DeepSeek's release stores it
+            unquantized, and vLLM builds it without a quantization: a stored FP8 ``weights_proj`` is refused by
+            the loader's dtype check, naming the tensor).
     """
 
     def __init__(self, hidden_size: int, q_lora_rank: int, num_heads: int, head_dim: int, topk: int, *,
-                 rotary_emb: RotaryEmbedding, rope_is_neox: bool, dtype: torch.dtype | None = None) -> None:
+                 rotary_emb: RotaryEmbedding, rope_is_neox: bool, dtype: torch.dtype | None = None,
+                 quant_config: QuantConfig | None = None, prefix: str = "") -> None:
         super().__init__()
         if rotary_emb.rotary_dim > head_dim:
             raise ValueError(f"index_head_dim={head_dim} must hold the {rotary_emb.rotary_dim} rope dims")
@@ -183,8 +196,9 @@ class LightningIndexer(nn.Module):
         self.num_heads, self.head_dim, self.topk = num_heads, head_dim, topk
         self.scale = head_dim ** -0.5
         self.rope_is_neox = rope_is_neox
-        self.wq_b = ReplicatedLinear(q_lora_rank, num_heads * head_dim, False, dtype=dtype)
-        self.wk = ReplicatedLinear(hidden_size, head_dim, False, dtype=dtype)
+        self.wq_b = ReplicatedLinear(q_lora_rank, num_heads * head_dim, False, dtype=dtype,
+                                     **_quant(quant_config, prefix, "wq_b"))
+        self.wk = ReplicatedLinear(hidden_size, head_dim, False, dtype=dtype, **_quant(quant_config, prefix, "wk"))
         self.k_norm = LayerNorm(head_dim, 1e-6, dtype=dtype)
         self.weights_proj = ReplicatedLinear(hidden_size, num_heads, False, dtype=torch.float32)
         self.rotary_emb = rotary_emb
@@ -236,6 +250,20 @@ class MultiHeadLatentAttention(nn.Module):
         indexer: a ``LightningIndexer`` (DSA layers: attention over its top-k positions only), or None.
         topk_share: DSA only: the model's ``TopkShare``. A layer with an indexer writes its top-k there; a layer
             without one (GLM-5 "shared") reads the last one written instead of attending densely.
+        quant_config, prefix: the model's quantization and this block's name (``model.layers.{i}.self_attn``).
+
+    **Quantization.** ``q_proj`` / ``q_a_proj``, ``q_b_proj``, ``kv_a_proj_with_mqa`` and ``o_proj`` get the
+    linear method their rules give them (``Fp8Linear`` with 128 x 128 block scales in DeepSeek-V3/R1's FP8
+    release; each rule applies to the checkpoint module itself: ``q_a_proj`` and ``kv_a_proj_with_mqa``, which
+    vLLM fuses, are separate layers here and may differ). ``kv_b_proj`` is never a GEMM: a quantized one keeps
+    its stored FP8 / INT8 weight and scales (so the checkpoint loads as stored) and is dequantized ONCE after
+    loading (``process_weights_after_loading``, as vLLM does) into ``w_kv_b``, its weight in the model dtype,
+    which ``w_uk`` / ``w_uv`` view. Memory: ``H (Dn + Dv) L`` elements per layer per rank in the model dtype on
+    top of the 1-byte stored copy, i.e. 3 bytes per element in bf16 (DeepSeek-V3: 128 x 256 x 512 = 16.8 M
+    elements; the bf16 copy adds 32 MiB per layer at tensor-parallel size 1, 1.9 GiB over its 61 layers, 1/tp
+    of that per rank, against ~640 GiB of FP8 weights). Online quantization (``quant_config.online``) leaves
+    ``kv_b_proj`` in the model dtype: rounding it to FP8 only to dequantize it again would lose precision and
+    save nothing.
 
     Tensor parallelism splits the heads: ``q_proj`` / ``q_b_proj`` / ``kv_b_proj`` are column-parallel
     (their rows are head-major), ``o_proj`` row-parallel; the low-rank ``q_a_proj`` and
@@ -247,7 +275,8 @@ class MultiHeadLatentAttention(nn.Module):
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, rotary_emb: RotaryEmbedding,
                  scale: float, rms_norm_eps: float, bias: bool = False, dtype: torch.dtype | None = None,
                  tp_rank: int = 0, tp_size: int = 1, indexer: LightningIndexer | None = None,
-                 topk_share: TopkShare | None = None, tp_group=None) -> None:
+                 topk_share: TopkShare | None = None, tp_group=None, quant_config: QuantConfig | None = None,
+                 prefix: str = "") -> None:
         super().__init__()
         check_tp(tp_rank, tp_size)
         if indexer is not None and q_lora_rank is None:
@@ -261,25 +290,52 @@ class MultiHeadLatentAttention(nn.Module):
         self.qk_rope_head_dim = qk_rope_head_dim
         self.v_head_dim = v_head_dim
         qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
+        self.dtype = dtype or torch.get_default_dtype()
         tp = {"tp_rank": tp_rank, "tp_size": tp_size, "tp_group": tp_group, "dtype": dtype}
+
+        def quant(name: str) -> dict:
+            return _quant(quant_config, prefix, name)
+
         if q_lora_rank is None:
-            self.q_proj = ColumnParallelLinear(hidden_size, num_heads * qk_head_dim, False, **tp)
+            self.q_proj = ColumnParallelLinear(hidden_size, num_heads * qk_head_dim, False, **tp, **quant("q_proj"))
         else:
-            self.q_a_proj = ReplicatedLinear(hidden_size, q_lora_rank, bias, dtype=dtype)
+            self.q_a_proj = ReplicatedLinear(hidden_size, q_lora_rank, bias, dtype=dtype, **quant("q_a_proj"))
             self.q_a_layernorm = RMSNorm(q_lora_rank, rms_norm_eps, dtype=dtype)
-            self.q_b_proj = ColumnParallelLinear(q_lora_rank, num_heads * qk_head_dim, False, **tp)
-        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden_size, kv_lora_rank + qk_rope_head_dim, bias, dtype=dtype)
+            self.q_b_proj = ColumnParallelLinear(q_lora_rank, num_heads * qk_head_dim, False, **tp,
+                                                 **quant("q_b_proj"))
+        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden_size, kv_lora_rank + qk_rope_head_dim, bias, dtype=dtype,
+                                                   **quant("kv_a_proj_with_mqa"))
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, rms_norm_eps, dtype=dtype)
-        self.kv_b_proj = ColumnParallelLinear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), False, **tp)
-        self.o_proj = RowParallelLinear(num_heads * v_head_dim, hidden_size, bias, **tp)
+        online = quant_config is not None and quant_config.online
+        self.kv_b_proj = ColumnParallelLinear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), False, **tp,
+                                              **({} if online else quant("kv_b_proj")))
+        # kv_b_proj's weight in the model dtype, dequantized once after loading (quantized kv_b_proj only).
+        self.register_buffer("w_kv_b", None, persistent=False)
+        self.o_proj = RowParallelLinear(num_heads * v_head_dim, hidden_size, bias, **tp, **quant("o_proj"))
         self.rotary_emb = rotary_emb
         self.attn = MLAPagedAttention(self.num_heads, kv_lora_rank, qk_rope_head_dim, v_head_dim, scale=scale)
         self.indexer = indexer
         self.topk_share = topk_share
 
+    def process_weights_after_loading(self) -> None:
+        """A quantized ``kv_b_proj``: its stored values times their scales, once, into ``w_kv_b`` [H (Dn + Dv), L]
+        in the model dtype (fp32 arithmetic; idempotent). An unquantized one is viewed as it is."""
+        if self.kv_b_proj.scheme.is_quantized:
+            with torch.no_grad():
+                weight = self.kv_b_proj.quant_method.dequantized_weight(self.kv_b_proj)
+                self.w_kv_b = weight.to(self.dtype)
+
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w_uk [H, Dn, L], w_uv [H, Dv, L]): views of this rank's ``kv_b_proj.weight`` (no copy)."""
-        w = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        """(w_uk [H, Dn, L], w_uv [H, Dv, L]) in the model dtype: views of this rank's ``kv_b_proj.weight`` (no
+        copy), or of ``w_kv_b`` where ``kv_b_proj`` is quantized."""
+        if self.kv_b_proj.scheme.is_quantized:
+            if self.w_kv_b is None:
+                raise RuntimeError("MultiHeadLatentAttention: kv_b_proj is quantized and process_weights_after_loading() "
+                                   "has not dequantized it (load_model and load_weights run it)")
+            w = self.w_kv_b
+        else:
+            w = self.kv_b_proj.weight
+        w = w.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         return w[:, :self.qk_nope_head_dim], w[:, self.qk_nope_head_dim:]
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: StepLayout) -> torch.Tensor:

@@ -139,6 +139,12 @@ class LinearMethod:
         unquantized layer: the plain initializer fills it)."""
         return []
 
+    def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
+        """The layer's weight as the GEMM multiplies by it, fp32 [N, K]: the stored values times their scales
+        (read from the loaded ``weight`` / ``weight_scale``; for a layer whose weight is used as a tensor, not
+        through ``apply``: MLA's ``kv_b_proj``)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot dequantize its weight")
+
     def describe(self) -> str:
         return self.scheme.describe()
 
@@ -155,6 +161,9 @@ class UnquantizedLinear(LinearMethod):
 
     def apply(self, layer, x, bias):
         return torch.nn.functional.linear(x, layer.weight, bias)
+
+    def dequantized_weight(self, layer) -> torch.Tensor:
+        return layer.weight.float()
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
@@ -239,6 +248,16 @@ class _ScaledLinear(LinearMethod):
             layer.input_scale.data.fill_(DUMMY_INPUT_SCALE)
             filled.append(layer.input_scale)
         return filled
+
+    def dequantized_weight(self, layer) -> torch.Tensor:
+        w, scale, fmt = layer.weight.float(), layer.weight_scale.float(), self.scheme.weight
+        rows, cols = w.shape
+        if fmt.scales == "per_tensor":  # one scalar per fused part, over that part's rows
+            sizes = torch.tensor(layer.output_part_sizes, device=scale.device)
+            return w * scale.repeat_interleave(sizes).reshape(rows, 1)
+        if fmt.scales == "per_channel":
+            return w * scale.reshape(rows, 1)
+        return w * scale.repeat_interleave(BLOCK, 0)[:rows].repeat_interleave(BLOCK, 1)[:, :cols]
 
     def _quantize_input(self, layer, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         act = self.scheme.activation

@@ -15,10 +15,16 @@ vLLM-style files AMD Quark writes in its "fp8" export mode)::
   ``ignored_layers``) names (``rules.LayerRule`` kind ``"hf_module"``);
 - ``kv_cache_scheme: "static"`` (Quark's fp8 export): an FP8 KV cache with per-layer scales.
 
+``scale_fmt: "ue8m0"`` (DeepSeek-V3.1 / V3.2: trained with power-of-two scales) loads as the same
+scheme: the stored ``weight_scale_inv`` are fp32 (powers of two) and are read exactly; activations get
+fp32 per-group scales (amax / 448) rather than that amax rounded up to a power of two, i.e. at most
+one bit finer, as vLLM computes them on Hopper-class GPUs (the power-of-two form is a DeepGEMM layout
+for Blackwell).
+
 Refused by name: ``fmt`` other than ``e4m3``, ``activation_scheme`` null (FP8 weight-only) or
-unknown, ``scale_fmt: "ue8m0"`` (power-of-two activation scales, DeepSeek-V3.1/V4),
-``expert_dtype: "fp4"``, a non-empty ``modules_to_convert`` (quantized embeddings), a dynamic KV
-cache. ``dequantize`` is a loading preference of transformers and is ignored.
+unknown, ``scale_fmt`` other than ``float`` / ``ue8m0``, ``expert_dtype: "fp4"`` (DeepSeek-V4), a
+non-empty ``modules_to_convert`` (quantized embeddings), a dynamic KV cache. ``dequantize`` is a
+loading preference of transformers and is ignored.
 
 ``mxfp4`` (transformers' ``Mxfp4Config``, the gpt-oss releases)::
 
@@ -57,10 +63,10 @@ def parse_hf_fp8(qc: dict, where: str) -> ParsedRules:
     fmt = qc.get("fmt") or "e4m3"
     if fmt != "e4m3":
         raise UnsupportedQuantizationError(f"{where}.fmt: FP8 format {fmt!r} is not supported; only 'e4m3'")
-    for key, allowed in (("scale_fmt", (None, "float")), ("expert_dtype", (None, "fp8"))):
+    for key, allowed in (("scale_fmt", (None, "float", "ue8m0")), ("expert_dtype", (None, "fp8"))):
         if qc.get(key) not in allowed:
             raise UnsupportedQuantizationError(
-                f"{where}.{key}: {qc.get(key)!r} is not supported; only {allowed[1]!r}")
+                f"{where}.{key}: {qc.get(key)!r} is not supported; only {' or '.join(map(repr, allowed[1:]))}")
     if qc.get("modules_to_convert"):
         raise UnsupportedQuantizationError(
             f"{where}.modules_to_convert: quantizing modules beyond the linear layers "

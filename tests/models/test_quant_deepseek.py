@@ -1,0 +1,456 @@
+"""DeepSeek-family FP8 checkpoints (the format of DeepSeek-V3/R1, Kimi-K2, V3.2 and GLM-5's FP8 releases: HF
+``fp8``, 128 x 128 blocks, fp32 ``weight_scale_inv`` beside each FP8 weight) load and compute what their
+dequantized weights do; the FP8 latent cache runs through ``Engine``.
+
+Each case is a tiny HF model (fp32, 2 layers: a dense one, then a MoE one) stored the way the releases are
+(``quant_checkpoints.deepseek_fp8_checkpoint``: every linear layer block FP8, the routers, LM head and DSA's
+``indexer.weights_proj`` unquantized with no rule saying so), loaded with ``load_model`` (fp32, CPU, torch
+backend) and compared with the same model loaded from its DEQUANTIZED weights (``q * scale`` in fp32, no
+quantization config):
+
+- ``v3``: ``DeepseekV3ForCausalLM`` with q_lora_rank; ``modules_to_not_convert`` names layer 0's
+  ``kv_a_proj_with_mqa`` (``q_a_proj``, which vLLM fuses with it, stays FP8: here they are two layers, each
+  with its own rule) and layer 1's ``kv_b_proj``;
+- ``v2_lite``: ``DeepseekV2ForCausalLM`` without q_lora_rank (``q_proj``), greedy softmax routing; layer 1's
+  ``q_proj`` not converted (DeepSeek's packed mapping fuses only gate/up: the rule reaches ``q_proj``);
+- ``v32``: ``DeepseekV32ForCausalLM`` (DSA): the indexer's ``wq_b`` / ``wk`` in FP8, ``weights_proj`` fp32.
+
+Sizes leave partial 128-blocks in every MLA projection (q_lora_rank 192, kv_a 160 + 32, kv_b 4 x 80 = 320
+rows, o_proj 192 columns), as the releases' kv_a_proj_with_mqa (576 rows) does.
+
+1. **Weights, exactly.** Every linear layer has the scheme its rules give it and its effective weight (stored
+   values times the scale its GEMM reads) equals the dequantized checkpoint's; a quantized ``kv_b_proj`` keeps
+   its FP8 tensors and its ``w_uk`` / ``w_uv`` (``w_kv_b``, dequantized once at load) equal the dequantized
+   weight; the experts likewise.
+2. **Logits, within the activation-quantization bound** of ``test_quant_checkpoints``: relative RMS error at
+   most ``2 sqrt(G) delta_fp8`` with G the quantized GEMMs on a token's path (MLA's q_a + q_b or q_proj,
+   kv_a, o; a dense MLP's gate_up, down; the experts' 2 and the shared experts' 2; minus the layers not
+   converted). ``kv_b_proj`` is no GEMM: it is dequantized exactly and adds no error. The logits are those of
+   a ragged prefill (expanded form) and of decode steps (absorbed form; DSA: sparse), over the tokens both
+   models routed to the same experts (a flipped near-tie of the router is discontinuous: counted, at most
+   10%), with DSA's top-k covering the context (its selection is discontinuous too); the indexer's own FP8
+   GEMMs are checked on their outputs (``wk``: G = 1, ``wq_b``: 2) and the positions it selects compared.
+   Measured: 0.060 - 0.070 against bars of 0.24 - 0.27; indexer 0.025 / 0.036 against 0.072 / 0.10, 377 of
+   380 top-k positions alike.
+3. **Engine greedy tokens** on the FP8 checkpoint against the dequantized one, and an FP8 latent pool
+   (``kv_cache_dtype="fp8"``: every row written is checked to e4m3 precision) against the fp32 pool:
+   agreement reported and bounded below (random tiny models have sharp logits: a near-tie flips and the
+   continuation then follows another path). Measured (common prefixes of 6 x 8 greedy tokens): FP8 weights
+   42 / 35 / 22 of 48 (v3 / v2_lite / v32), FP8 latent pool 31 / 19 / 13 of 48; first tokens 6 / 5 / 5 and
+   6 / 5 / 3 of 6.
+4. **Online quantization** (``quantization="fp8"`` / ``"fp8_block"``) quantizes MLA's projections (not
+   ``kv_b_proj``) exactly as ``quantize_weight`` does.
+5. **Refusals by name**: a tensor-parallel split that cuts a 128-block of ``kv_b_proj``, a stored FP8
+   ``indexer.weights_proj``.
+"""
+
+# T tokens, E hidden, H heads, L kv_lora_rank, R qk_rope_head_dim, Dn / Dv nope / v head dims
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+pytest.importorskip("transformers")
+pytest.importorskip("compressed_tensors")
+
+from atom_core import ops
+from atom_core.models import load_model
+from atom_core.models.deepseek_v2 import DeepseekMoE
+from atom_core.models.layers.linear import _Linear
+from atom_core.models.layers.mla import LightningIndexer, MultiHeadLatentAttention
+from atom_core.models.layers.moe import FusedMoE
+from atom_core.models.quantization import (
+    FP8_BLOCK_128,
+    FP8_PER_CHANNEL,
+    UNQUANTIZED,
+    ActivationScheme,
+    UnsupportedQuantizationError,
+    quantize_weight,
+)
+from atom_core.models.quantization.schemes import make_scheme
+from tests.models import quant_checkpoints as qc
+from tests.models.parity_harness import (  # noqa: F401  (single_thread_torch is an autouse fixture)
+    PagedRunner,
+    ParityCase,
+    random_tokens,
+    single_thread_torch,
+)
+from tests.models.test_parity_deepseek import build_deepseek_pair
+from tests.models.test_parity_deepseek_v32 import V32  # (registers the DSA families)
+from tests.models.test_quant_checkpoints import (
+    FP8_DELTA,
+    effective_experts,
+    effective_weight,
+)
+
+BLOCK_FP8 = make_scheme(FP8_BLOCK_128, ActivationScheme.DYNAMIC_PER_GROUP_128, where="t")
+MLA_SIZES = {"hidden_size": 256, "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 4,
+             "kv_lora_rank": 160, "qk_nope_head_dim": 32, "qk_rope_head_dim": 32, "v_head_dim": 48,
+             "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128, "n_shared_experts": 1,
+             "first_k_dense_replace": 1}
+V3_SIZES = {**MLA_SIZES, "q_lora_rank": 192, "n_group": 2, "topk_group": 1, "norm_topk_prob": True,
+            "routed_scaling_factor": 2.5}
+
+
+@dataclass(frozen=True)
+class Case:
+    parity: ParityCase
+    not_convert: tuple[str, ...] = ()
+
+
+CASES = [
+    Case(ParityCase("v3", "deepseek_v3", "DeepseekV3ForCausalLM", V3_SIZES),
+         ("model.layers.0.self_attn.kv_a_proj_with_mqa", "model.layers.1.self_attn.kv_b_proj")),
+    Case(ParityCase("v2_lite", "deepseek_v2", "DeepseekV2ForCausalLM",
+                    {**MLA_SIZES, "q_lora_rank": None, "n_group": 1, "topk_group": 1, "topk_method": "greedy",
+                     "norm_topk_prob": False, "routed_scaling_factor": 1.0}),
+         ("model.layers.1.self_attn.q_proj",)),
+    Case(ParityCase("v32", "deepseek_v32", V32,
+                    {**V3_SIZES, "index_n_heads": 4, "index_head_dim": 64, "index_topk": 8})),
+]
+PROMPT_LENGTHS = (1, 7, 13, 4)
+DECODE_STEPS = 3
+
+
+@dataclass
+class Loaded:
+    case: Case
+    path: Path          # the FP8 checkpoint
+    dequantized_path: Path
+    unquantized_path: Path
+    quantized: torch.nn.Module
+    dequantized: torch.nn.Module
+
+
+def build(case: Case, folder: Path) -> tuple[Path, Path, Path]:
+    """(FP8 checkpoint, its dequantized twin, the fp32 checkpoint it was quantized from)."""
+    pair = build_deepseek_pair(case.parity, folder / "fp32")
+    path = qc.deepseek_fp8_checkpoint(pair.path, folder / "fp8", not_convert=case.not_convert)
+    return path, qc.dequantized_checkpoint(path, folder / "dequantized"), pair.path
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[c.parity.name for c in CASES])
+def loaded(request, tmp_path_factory) -> Loaded:
+    case = request.param
+    path, deq, fp32 = build(case, tmp_path_factory.mktemp(case.parity.name))
+    return Loaded(case, path, deq, fp32, load_model(path, dtype=torch.float32, device="cpu"),
+                  load_model(deq, dtype=torch.float32, device="cpu"))
+
+
+def linear_layers(model) -> dict[str, _Linear]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, _Linear) and name.startswith("model.")}
+
+
+def logits(model, vocab: int, routes: list | None = None) -> torch.Tensor:
+    """A ragged prefill of the prompts (the expanded form), then DECODE_STEPS one-token steps of every row
+    (absorbed; DSA: sparse), each fed a fixed token: every position's logits, concatenated. ``routes``: filled
+    with each step's expert choice per token, ``[tokens, sparse layers, K]`` (sorted ids)."""
+    runner = PagedRunner(model, block_size=4, num_blocks=64, seed=1)
+    rows = [(f"s{i}", random_tokens(n, vocab, seed=10 + i)) for i, n in enumerate(PROMPT_LENGTHS)]
+    chosen: list[torch.Tensor] = []
+    original = ops.grouped_topk
+
+    def grouped_topk(*args, **kwargs):
+        weights, ids = original(*args, **kwargs)
+        chosen.append(ids.sort(dim=-1).values)
+        return weights, ids
+
+    out = []
+    with ops.use_backend("torch"), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ops, "grouped_topk", grouped_topk)
+        for step in range(DECODE_STEPS + 1):
+            chosen.clear()
+            new = rows if step == 0 else [(seq, [(7 * step + i) % vocab]) for i, (seq, _) in enumerate(rows)]
+            step_logits = torch.cat(runner.step(new))
+            out.append(step_logits)
+            if routes is not None:
+                routes.append(torch.stack([c[:step_logits.shape[0]] for c in chosen], dim=1))
+    return torch.cat(out)
+
+
+def logits_and_flips(quantized, dequantized) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Both models' logits and, per token, whether any MoE layer routed it to other experts in the quantized
+    model (near-ties of the router flipped by activation rounding)."""
+    vocab = quantized.config.vocab_size
+    routes_q, routes_d = [], []
+    actual, expected = logits(quantized, vocab, routes_q), logits(dequantized, vocab, routes_d)
+    flipped = torch.cat([(a != b).flatten(1).any(-1) for a, b in zip(routes_q, routes_d)])
+    return actual, expected, flipped
+
+
+def quantized_gemms(model) -> int:
+    """G: quantized GEMMs on a token's path to the logits (kv_b_proj is no GEMM; a sparse layer's experts count 2;
+    DSA's indexer, whose top-k covers the context in the logits test, none)."""
+    dense = sum(layer.scheme.is_quantized for name, layer in linear_layers(model).items()
+                if not name.endswith(".kv_b_proj") and ".indexer." not in name)
+    experts = sum(2 for m in model.modules() if isinstance(m, FusedMoE) and m.weight_format is not None)
+    return dense + experts
+
+
+def test_every_layer_has_its_rule_and_its_effective_weight_is_the_dequantized_one(loaded):
+    case, model = loaded.case, loaded.quantized
+    deq_layers, layers = linear_layers(loaded.dequantized), linear_layers(model)
+    assert set(layers) == set(deq_layers)
+    mla = {name for name in layers if ".self_attn." in name}
+    assert mla, "no MLA projection"
+    for name, layer in layers.items():
+        if name.endswith(("mlp.gate", "indexer.weights_proj")):  # stored unquantized, no rule about them
+            assert layer.scheme == UNQUANTIZED and layer.weight.dtype == torch.float32, name
+        else:
+            assert layer.scheme == (UNQUANTIZED if name in case.not_convert else BLOCK_FP8), name
+        if name.endswith(".kv_b_proj"):
+            continue
+        assert torch.equal(effective_weight(layer), deq_layers[name].weight), name
+    for i, block in enumerate(model.model.layers):
+        attn, deq_attn = block.self_attn, loaded.dequantized.model.layers[i].self_attn
+        assert isinstance(attn, MultiHeadLatentAttention)
+        kv_b = attn.kv_b_proj
+        quantized = f"model.layers.{i}.self_attn.kv_b_proj" not in case.not_convert
+        assert (kv_b.weight.dtype == torch.float8_e4m3fn) == quantized
+        assert (attn.w_kv_b is not None) == quantized  # the dequantized copy exists only where it must
+        for got, want in zip(attn.absorbed_weights(), deq_attn.absorbed_weights()):
+            assert got.dtype == torch.float32 and torch.equal(got, want), f"layer {i} w_uk / w_uv"
+    experts = {name: m for name, m in model.named_modules() if isinstance(m, FusedMoE)}
+    deq = dict(loaded.dequantized.named_modules())
+    for name, layer in experts.items():
+        assert layer.weight_format == "fp8_block", name
+        w13, w2 = effective_experts(layer)
+        assert torch.equal(w13, deq[name].w13_weight) and torch.equal(w2, deq[name].w2_weight), name
+    if case.parity.architecture == V32:
+        indexers = [name for name in layers if ".indexer." in name]
+        assert len(indexers) == 3 * len(model.model.layers)
+
+
+@contextlib.contextmanager
+def dense_indexers(*models):
+    """DSA's top-k raised above every context here: attention over every position, as the harness checks it
+    with ``index_topk`` 64. The selection is discontinuous in the index scores: with K = 8 of up to 16
+    positions and random weights (which, unlike trained ones, give a dropped position any attention weight),
+    one near-tie flipped by activation rounding moves the logits by far more than the rounding; the
+    indexer's own quantized GEMMs are checked on its scores instead."""
+    indexers = [m for model in models for m in model.modules() if isinstance(m, LightningIndexer)]
+    topks = [m.topk for m in indexers]
+    for m in indexers:
+        m.topk = 1024
+    try:
+        yield
+    finally:
+        for m, k in zip(indexers, topks):
+            m.topk = k
+
+
+def test_logits_match_the_dequantized_model_within_the_activation_quantization_bound(loaded):
+    """Over the tokens every MoE layer routed alike in both models: routing is discontinuous in the router
+    logits, and a near-tie flipped by activation rounding sends a token to another expert (measured: 0 - 2 of
+    37 tokens, logits then 0.6 - 0.8 off). The sparse layer is the last one here, so a flip moves its own
+    token's logits only. Flipped tokens are counted and bounded (at most 10%)."""
+    with dense_indexers(loaded.quantized, loaded.dequantized):
+        actual, expected, flipped = logits_and_flips(loaded.quantized, loaded.dequantized)
+    kept = ~flipped
+    relative = ((actual - expected)[kept].norm() / expected[kept].norm()).item()
+    gemms = quantized_gemms(loaded.quantized)
+    bound = 2 * math.sqrt(gemms) * FP8_DELTA
+    print(f"{loaded.case.parity.name}: relative RMS logit error {relative:.4f} over {int(kept.sum())} tokens, "
+          f"G = {gemms}, bound {bound:.4f}; {int(flipped.sum())} tokens routed to other experts")
+    assert FP8_DELTA / 10 < relative <= bound, f"relative RMS logit error {relative:.4g}, bound {bound:.4g}"
+    assert flipped.sum() <= 0.1 * flipped.numel()
+    assert isinstance(loaded.quantized.model.layers[-1].mlp, DeepseekMoE)  # (the last layer: see above)
+
+
+def test_the_indexer_scores_its_fp8_gemms_compute_match_the_dequantized_ones_within_the_bound(loaded):
+    """Layer 0's indexer (its inputs carry no other layer's error): ``wk(x)`` (one quantized GEMM) and
+    ``wq_b(q_resid)`` (two: q_a_proj, then wq_b) against the dequantized model's, relative RMS error within
+    ``2 sqrt(G) delta``; the top-k positions the two models select at ``index_topk`` 8 reported."""
+    if loaded.case.parity.architecture != V32:
+        pytest.skip("DSA only")
+    outputs = {}
+
+    def capture(model, key):
+        indexer = model.model.layers[0].self_attn.indexer
+        hooks = [getattr(indexer, name).register_forward_hook(
+            lambda m, args, out, name=name: outputs.setdefault((key, name), []).append(out.detach().clone()))
+            for name in ("wq_b", "wk")]
+        original = ops.indexer_topk
+
+        def topk(*args, **kwargs):
+            out = original(*args, **kwargs)
+            outputs.setdefault((key, "topk"), []).append(out.clone())
+            return out
+        return hooks, topk
+
+    for key, model in (("fp8", loaded.quantized), ("deq", loaded.dequantized)):
+        hooks, topk = capture(model, key)
+        try:
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(ops, "indexer_topk", topk)
+                logits(model, model.config.vocab_size)
+        finally:
+            for hook in hooks:
+                hook.remove()
+    for name, gemms in (("wk", 1), ("wq_b", 2)):
+        got, want = torch.cat(outputs[("fp8", name)]), torch.cat(outputs[("deq", name)])
+        relative = ((got - want).norm() / want.norm()).item()
+        print(f"indexer.{name}: relative RMS error {relative:.4f}, bound {2 * math.sqrt(gemms) * FP8_DELTA:.4f}")
+        assert FP8_DELTA / 10 < relative <= 2 * math.sqrt(gemms) * FP8_DELTA, name
+    same = total = 0
+    for got, want in zip(outputs[("fp8", "topk")], outputs[("deq", "topk")]):
+        for g, w in zip(got.tolist(), want.tolist()):
+            chosen = {p for p in w if p >= 0}
+            same, total = same + len(chosen & {p for p in g if p >= 0}), total + len(chosen)
+    print(f"top-k positions selected by both models: {same}/{total}")
+    assert total and same >= 0.8 * total
+
+
+# --- through Engine ----------------------------------------------------------------------------------------
+
+GREEDY_LENGTHS = (6, 1, 11, 17, 3, 9)
+MAX_TOKENS = 8
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def engine_greedy(source, vocab: int, **engine_args) -> tuple[list[list[int]], object]:
+    from atom_core.engine import Engine, SamplingParams
+
+    prompts = [random_tokens(n, vocab, seed=40 + i) for i, n in enumerate(GREEDY_LENGTHS)]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    with ops.use_backend("torch"):
+        if isinstance(source, Path):
+            engine = Engine.from_pretrained(source, device="cpu", dtype=torch.float32, block_size=4,
+                                            max_num_batched_tokens=8, **engine_args)
+        else:
+            engine = Engine(source, device="cpu", block_size=4, max_num_batched_tokens=8, num_kv_blocks=64,
+                            warmup=False, **engine_args)
+        outs = engine.generate(prompts, params, use_tqdm=False)
+    return [o.token_ids for o in outs], engine
+
+
+def agreement(actual: list[list[int]], expected: list[list[int]]) -> tuple[int, int, int]:
+    """(tokens on the outputs' common prefixes, tokens, prompts whose first token agrees).
+
+    The bar (half the first tokens, a quarter of the tokens) only catches a broken path (unrelated outputs
+    agree on ~1% of the tokens of a 101-token vocabulary): these random models' logits are sharp, so a
+    perturbation of a few percent flips near-ties (measured first-token agreement 3/6 - 6/6) and a greedy
+    continuation then follows another path; the numbers are printed (``-s``)."""
+    agreed = sum(_common_prefix(a, b) for a, b in zip(actual, expected))
+    return agreed, sum(len(b) for b in expected), sum(a[0] == b[0] for a, b in zip(actual, expected))
+
+
+def test_engine_greedy_tokens_on_the_fp8_checkpoint_against_the_dequantized_one(loaded):
+    vocab = loaded.quantized.config.vocab_size
+    fp8, _ = engine_greedy(loaded.path, vocab)
+    deq, _ = engine_greedy(loaded.dequantized_path, vocab)
+    agreed, total, first = agreement(fp8, deq)
+    print(f"{loaded.case.parity.name}: FP8 checkpoint's greedy tokens agree with the dequantized one's on "
+          f"{agreed}/{total} tokens (common prefixes), first token {first}/{len(deq)}")
+    assert 2 * first >= len(deq) and agreed >= 0.25 * total
+
+
+def test_an_fp8_latent_pool_stores_each_row_to_e4m3_precision_and_generates_alike(loaded):
+    """``Engine(kv_cache_dtype="fp8")`` on the FP8 checkpoint: a float8_e4m3fn latent pool with scale 1.0 (no
+    checkpoint scale) in which every row a step writes, in every layer, is that step's ``[kv_c, k_pe]`` to
+    within e4m3's rounding (3 mantissa bits: 2**-4 relative, or half the smallest subnormal step, 2**-10);
+    greedy tokens against the fp32 pool's."""
+    model, vocab = loaded.quantized, loaded.quantized.config.vocab_size
+    checked, worst = [0], [0.0]
+
+    def spy(attn, original):
+        def forward(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, batch, topk_indices=None):
+            out = original(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, batch, topk_indices)
+            if attn.mla_cache.dtype == torch.float8_e4m3fn:
+                keep = batch.slot_mapping >= 0
+                row = torch.cat([kv_c, k_pe], dim=-1)[keep].float()
+                stored = attn.mla_cache.view(-1, attn.row_size)[batch.slot_mapping[keep]].float() * attn.kv_scale
+                excess = (stored - row).abs() - (2**-4 * row.abs() + 2**-10)
+                worst[0] = max(worst[0], excess.max().item())
+                checked[0] += int(keep.sum())
+            return out
+        return forward
+
+    tokens = {}
+    for attn in model._mla_layers:
+        attn.forward = spy(attn, attn.forward)
+    try:
+        for kv_cache_dtype in ("auto", "fp8"):
+            tokens[kv_cache_dtype], engine = engine_greedy(model, vocab, kv_cache_dtype=kv_cache_dtype)
+            want = torch.float8_e4m3fn if kv_cache_dtype == "fp8" else torch.float32
+            assert all(attn.mla_cache.dtype == want for attn in model._mla_layers)
+            if kv_cache_dtype == "fp8":
+                assert all(attn.kv_scale.item() == 1.0 for attn in model._mla_layers)
+            del engine
+    finally:
+        for attn in model._mla_layers:
+            del attn.forward
+    assert checked[0] > 0 and worst[0] <= 0, f"a stored row exceeds e4m3 rounding by {worst[0]:.3g}"
+    agreed, total, first = agreement(tokens["fp8"], tokens["auto"])
+    print(f"{loaded.case.parity.name}: FP8 latent pool's greedy tokens agree with the fp32 pool's on "
+          f"{agreed}/{total} tokens (common prefixes), first token {first}/{len(tokens['auto'])}")
+    assert 2 * first >= len(tokens["auto"]) and agreed >= 0.25 * total
+
+
+# --- online quantization ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("quantization, weight_format", [("fp8", FP8_PER_CHANNEL), ("fp8_block", FP8_BLOCK_128)])
+def test_online_quantization_quantizes_the_mla_projections_but_kv_b_proj(loaded, quantization, weight_format):
+    if loaded.case.parity.name != "v3":
+        pytest.skip("one case is enough")
+    model = load_model(loaded.unquantized_path, dtype=torch.float32, device="cpu", quantization=quantization)
+    with safe_open(str(loaded.unquantized_path / "model.safetensors"), "pt") as f:
+        stored = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (a safe_open handle)
+    for i, block in enumerate(model.model.layers):
+        attn = block.self_attn
+        assert attn.kv_b_proj.scheme == UNQUANTIZED and attn.w_kv_b is None
+        assert torch.equal(attn.kv_b_proj.weight, stored[f"model.layers.{i}.self_attn.kv_b_proj.weight"])
+        for name in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"):
+            layer = getattr(attn, name)
+            assert layer.weight.dtype == torch.float8_e4m3fn and layer.scheme.weight == weight_format, name
+            q, scale = quantize_weight(stored[f"model.layers.{i}.self_attn.{name}.weight"], weight_format)
+            assert torch.equal(layer.weight.float(), q.float()) and torch.equal(layer.weight_scale, scale), name
+    vocab = model.config.vocab_size
+    unquantized = load_model(loaded.unquantized_path, dtype=torch.float32, device="cpu")
+    actual, expected = logits(model, vocab), logits(unquantized, vocab)
+    relative = ((actual - expected).norm() / expected.norm()).item()
+    assert relative <= 0.5, f"relative RMS logit error {relative:.4g}"  # weights rounded too: a loose sanity bar
+
+
+# --- refused by name ----------------------------------------------------------------------------------------
+
+def test_a_tensor_parallel_split_cutting_a_block_of_kv_b_proj_is_refused_naming_it(loaded):
+    """kv_b_proj's 320 rows over two ranks: 160 each, not whole 128-blocks."""
+    if loaded.case.parity.name != "v3":
+        pytest.skip("one case is enough")
+    config = json.loads((loaded.path / "config.json").read_text())
+    assert config["quantization_config"]["weight_block_size"] == [128, 128]
+    with pytest.raises(UnsupportedQuantizationError,
+                       match=r"model\.layers\.0\.self_attn\.kv_b_proj: FP8 128 x 128 block scales cannot follow"):
+        load_model(loaded.path, dtype=torch.float32, device="cpu", tp_rank=0, tp_size=2)
+
+
+def test_a_stored_fp8_indexer_weights_proj_is_refused_naming_the_tensor(loaded, tmp_path):
+    """DSA's weights_proj is always built unquantized fp32 (as DeepSeek stores it and vLLM builds it)."""
+    if loaded.case.parity.architecture != V32:
+        pytest.skip("DSA only")
+    folder = tmp_path / "fp8_weights_proj"
+    folder.mkdir()
+    (folder / "config.json").write_text((loaded.path / "config.json").read_text())
+    with safe_open(str(loaded.path / "model.safetensors"), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (a safe_open handle)
+    name = "model.layers.1.self_attn.indexer.weights_proj.weight"
+    tensors[name], tensors[name + "_scale_inv"] = quantize_weight(tensors[name], FP8_BLOCK_128)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"{name}.*float8_e4m3fn.*FP8 values load only into a quantized layer"):
+        load_model(folder, dtype=torch.float32, device="cpu")
