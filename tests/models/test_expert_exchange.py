@@ -136,3 +136,59 @@ def _rank(rank: int, init_file: str) -> None:
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
 def test_all_to_all_experts_over_two_ranks_equal_the_single_rank_layer(tmp_path):
     mp.start_processes(_rank, args=(os.path.join(tmp_path, "init"),), nprocs=RANKS, join=True, start_method="fork")
+
+
+# ---- two GPUs, NCCL: eager exchanges, and the padded exchange captured in a CUDA graph and replayed ------------
+
+def _gpu_rank(rank: int, init_file: str) -> None:
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=RANKS,
+                            timeout=datetime.timedelta(seconds=120), device_id=device)
+    try:
+        group = dist.group.WORLD
+        whole = _layers("silu", False, None).to(device, torch.bfloat16)
+        mine = _layers("silu", False, rank, group).to(device, torch.bfloat16)
+
+        def inputs(tokens: int, top_k: int, seed: int):
+            gen = torch.Generator().manual_seed(seed)  # drawn on the host: the same on both ranks
+            hidden = torch.randn(tokens, H, generator=gen).to(device, torch.bfloat16)
+            weights, ids = torch.topk(torch.randn(tokens, X, generator=gen).softmax(-1), top_k)
+            return hidden, weights.float().to(device), ids.int().to(device)
+
+        def check(got, hidden, weights, ids, where):
+            want = whole(hidden, weights, ids).float()
+            torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item(), msg=where)
+
+        for exchange in ("padded", "exact"):
+            mine.ep_exchange = exchange
+            for tokens in (1, 5, 64):
+                hidden, weights, ids = inputs(tokens, K, tokens)
+                check(mine(hidden, weights, ids), hidden, weights, ids, f"rank {rank} {exchange} T={tokens}")
+        # K = 1: "auto" is exact eagerly (fill 0.5) and must take the padded exchange while capturing
+        mine.ep_exchange = "auto"
+        static = inputs(8, 1, 100)
+        with ops.debug_checks(False):
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                mine(*static)
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = mine(*static)
+            for seed in (101, 102, 103):
+                fresh = inputs(8, 1, seed)
+                for buffer, value in zip(static, fresh):
+                    buffer.copy_(value)
+                graph.replay()
+                torch.cuda.synchronize(device)
+                check(out, *fresh, f"rank {rank} graph replay {seed}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_all_to_all_experts_over_two_gpus_eagerly_and_replayed_from_a_cuda_graph(tmp_path):
+    mp.start_processes(_gpu_rank, args=(os.path.join(tmp_path, "init"),), nprocs=RANKS, join=True,
+                       start_method="spawn")
