@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 
 from atom_core import ops
 from atom_core.models.layers.expert_exchange import (
+    all_to_all_experts,
     choose_exchange,
     expected_fill,
     local_ids_per_rank,
@@ -129,6 +130,14 @@ def _rank(rank: int, init_file: str) -> None:
                                 got = ops.all_reduce(got, group)
                             where = f"rank {rank} {activation} reduce={reduce_results} {exchange} T={tokens}"
                             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=where)
+                # each rank's own tokens (data-parallel attention): unequal counts (exact), equal ones (padded)
+                for exchange, counts in (("exact", (5, 3)), ("exact", (0, 4)), ("padded", (4, 4))):
+                    mine.ep_exchange = exchange
+                    hidden, weights, ids = _inputs(counts[rank] + 10 * rank)
+                    hidden, weights, ids = hidden[:counts[rank]], weights[:counts[rank]], ids[:counts[rank]]
+                    got = all_to_all_experts(mine, hidden, weights, ids, group, tokens_replicated=False)
+                    torch.testing.assert_close(got, whole(hidden, weights, ids), rtol=1e-5, atol=1e-5,
+                                               msg=f"rank {rank} own tokens {exchange} {counts}")
     finally:
         dist.destroy_process_group()
 

@@ -25,6 +25,10 @@ per rank (rank j holds experts ``[j * X_r, (j + 1) * X_r)``), P rows this rank s
    (``reduce_results=False``: instead, this rank's rows in place and zeros elsewhere, a partial sum that
    the caller's all-reduce completes).
 
+Where activations are NOT replicated (data-parallel attention: each rank holds its own tokens),
+``all_to_all_experts(..., tokens_replicated=False)`` runs steps 2-4 on the rank's own tokens: no slice,
+no gather.
+
 **Two exchanges.** ``exact``: the counts of rows each rank sends each other one are exchanged first
 (an ``all_to_all`` of R ints, read on the host), then exactly the rows needed move; one host sync per
 layer, variable shapes, so it cannot be captured in a CUDA graph. ``padded``: every rank sends every
@@ -150,10 +154,19 @@ def choose_exchange(layer: FusedMoE, x: torch.Tensor, top_k: int) -> str:
 
 
 def all_to_all_experts(layer: FusedMoE, hidden: torch.Tensor, topk_weights: torch.Tensor,
-                       topk_ids: torch.Tensor, group) -> torch.Tensor:
+                       topk_ids: torch.Tensor, group, *, tokens_replicated: bool = True) -> torch.Tensor:
     """``layer``'s output for hidden [T, H] (the same on every rank of ``group``), topk_weights [T, K] fp32,
     topk_ids [T, K] global ids -> [T, H]: the whole layer's output with ``layer.reduce_results``, else this
-    rank's partial sum (its dispatched rows, zeros elsewhere). See the module docstring."""
+    rank's partial sum (its dispatched rows, zeros elsewhere). See the module docstring.
+
+    ``tokens_replicated=False``: the tokens are this rank's own (data-parallel attention: each rank's T may
+    differ; for the padded exchange every rank must pass the same T, e.g. padded to a common bucket): no
+    slice and no gather, the output is these tokens' [T, H] whatever ``reduce_results``."""
+    if not tokens_replicated:
+        top_k = topk_ids.shape[1]
+        dest_ids = local_ids_per_rank(topk_ids, layer.shard.num_local_experts, layer.ep_size)
+        exchange = _exchange_padded if choose_exchange(layer, hidden, top_k) == "padded" else _exchange_exact
+        return exchange(layer, hidden.contiguous(), topk_weights, dest_ids, group)
     ranks, rank = layer.ep_size, layer.ep_rank
     num_tokens, top_k = topk_ids.shape
     start, stop, n = token_slice(num_tokens, ranks, rank)
