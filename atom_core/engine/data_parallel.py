@@ -243,6 +243,9 @@ class DataParallelEngine:
                 self._replicas.append(self._start_replica(index, gpus, ranks, config | {"device": device.type}))
             self._wait_ready()
         except BaseException:
+            for replica in self._replicas:  # still loading (deaf to a shutdown message), or failed
+                if replica.process.poll() is None:
+                    replica.process.kill()
             self.shutdown()
             raise
         info = self._replicas[0].info

@@ -218,6 +218,8 @@ def test_a_replica_that_dies_or_hangs_gives_a_named_error_and_leaves_no_process(
     assert isinstance(engine, DataParallelEngine)
     ids = [engine.add_request(p, SamplingParams(max_tokens=400, ignore_eos=True)) for p in _prompts((5, 9, 3))]
     engine.step()
+    on_victim = {i for i in ids if engine.replica_of(i) == 1}
+    assert on_victim
     victim = engine.processes[1]
     os.kill(victim.pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
     t0 = time.monotonic()
@@ -231,7 +233,8 @@ def test_a_replica_that_dies_or_hangs_gives_a_named_error_and_leaves_no_process(
         assert "SIGKILL" in str(failure.value)
     else:
         assert "step_timeout=3" in str(failure.value)
-    assert sorted(engine.failed_request_ids) == ids and not engine.has_unfinished_requests()
+    # (replica 0's requests may have finished meanwhile: the failed ones are those unfinished at the failure)
+    assert on_victim <= set(engine.failed_request_ids) <= set(ids) and not engine.has_unfinished_requests()
     with pytest.raises(DistributedEngineError, match="can no longer run"):
         engine.step()
     with pytest.raises(DistributedEngineError):
