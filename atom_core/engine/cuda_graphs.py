@@ -148,8 +148,11 @@ class StepGraphs:
 
     def _capture(self, bucket: Bucket) -> _Graph:
         layout = self.static_layout(bucket)
-        # Zero-length rows with no context: the warm-up and capture runs read and write nothing.
-        self.cu_seqlens_q.zero_()
+        # Rows with no context (padding: attention reads nothing and outputs zeros) and no slots (nothing
+        # written): one query token per row, the last row the rest, a layout the ops' debug checks accept.
+        rows = bucket.num_rows
+        self.cu_seqlens_q[:rows] = torch.arange(rows, dtype=self.cu_seqlens_q.dtype, device=self.device)
+        self.cu_seqlens_q[rows:] = bucket.num_tokens
         self.context_lens.zero_()
         self.slot_mapping.fill_(-1)
         ids = self.input_ids[:bucket.num_tokens]

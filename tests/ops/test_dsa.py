@@ -433,3 +433,14 @@ def test_selftest_cases_pass_on_the_twins_and_the_top_k_check_refuses_a_wrong_ch
     assert "keeps" in topk_case.check((lowest,), (want,))
     shifted = torch.where(want > 0, want - 1, want)  # plausible positions, wrong choice
     assert topk_case.check((shifted,), (want,)) is not None
+
+
+@pytest.mark.parametrize("num_heads, head_dim", [(64, 128), (32, 128), (4, 64)])
+def test_indexer_launch_parameters_for_the_compiled_kernel_pick_warps_by_tile_size(num_heads, head_dim):
+    # The compiled path (a GPU) is the one the interpreter never takes: its parameters are plain Python.
+    from atom_core.ops.triton.dsa_indexer import _launch_params
+
+    constexprs, options = _launch_params(num_heads, head_dim, 64, torch.bfloat16, False)
+    tile = constexprs["HEADS_PAD"] * constexprs["BLOCK_N"]
+    assert constexprs["BLOCK_N"] == 64 and constexprs["KEYS_PER_PROGRAM"] % constexprs["BLOCK_N"] == 0
+    assert options["num_warps"] == (4 if tile <= 64 * 64 else 8)

@@ -177,8 +177,9 @@ def test_scaled_mm_rules(every_backend_here):
     assert "fp8 operands only" in rules.supports_per_token(a.view(INT8), a_scale, w.view(INT8), w_scale, None, BF16)
     assert "bf16 only" in rules.supports_per_token(a, a_scale, w, w_scale, None, FP16)
     assert "multiples of 16" in rules.supports_per_tensor(a[:, :120].contiguous(), a_scale, w[:, :120].contiguous(),
-                                                          w_scale, None, FP32)
-    assert "row-major" in rules.supports_per_tensor(a, a_scale, w.t().contiguous().t(), w_scale, None, FP32)
+                                                          w_scale, None, BF16)
+    assert "row-major" in rules.supports_per_tensor(a, a_scale, w.t().contiguous().t(), w_scale, None, BF16)
+    assert "fp32 accuracy" in rules.supports_per_tensor(a, a_scale, w, w_scale, None, FP32)
     a, a_scale, w, w_scale, _ = make_inputs("block", FP8, 3, 256, 384)
     assert rules.supports_block(a, a_scale, w, w_scale, None, BF16) is None
     assert "multiples of 128" in rules.supports_block(a, a_scale, w[:144].contiguous(), w_scale[:2], None, BF16)
