@@ -370,7 +370,8 @@ class DataParallelEngine:
 
     def replica_stats(self) -> list[dict]:
         """Each replica engine's counters, asked for now (one round trip, between its steps): ``unfinished``
-        (sequences), ``num_preemptions``, ``free_blocks`` and ``num_blocks`` of its KV pool, ``prefix_cache``
+        (sequences), ``unfinished_ids`` (its unfinished request ids), ``num_preemptions``, ``free_blocks`` and
+        ``num_blocks`` of its KV pool, ``prefix_cache``
         (queries, hits, query tokens, hit tokens), its ``device`` and ``visible_gpus`` (its
         CUDA_VISIBLE_DEVICES, None on a CPU). Outputs that
         arrive meanwhile are kept for the next ``step()``."""
@@ -701,7 +702,8 @@ def _counters(engine: Engine) -> dict:
     """A replica engine's counters (``DataParallelEngine.replica_stats``)."""
     bm = engine.block_manager
     prefix = bm.stats
-    return {"unfinished": engine._num_unfinished(), "num_preemptions": engine.num_preemptions,
+    return {"unfinished": engine._num_unfinished(), "unfinished_ids": sorted(engine._requests),
+            "num_preemptions": engine.num_preemptions,
             "free_blocks": bm.num_free_blocks, "num_blocks": bm.num_blocks,
             "prefix_cache": (prefix.queries, prefix.hits, prefix.query_tokens, prefix.hit_tokens),
             "device": str(engine.device), "visible_gpus": os.environ.get("CUDA_VISIBLE_DEVICES")}
