@@ -15,8 +15,9 @@ quantization config):
   ``q_proj`` not converted (DeepSeek's packed mapping fuses only gate/up: the rule reaches ``q_proj``);
 - ``v32``: ``DeepseekV32ForCausalLM`` (DSA): the indexer's ``wq_b`` / ``wk`` in FP8, ``weights_proj`` fp32.
 
-Sizes leave partial 128-blocks in every MLA projection (q_lora_rank 192, kv_a 160 + 32, kv_b 4 x 80 = 320
-rows, o_proj 192 columns), as the releases' kv_a_proj_with_mqa (576 rows) does.
+Sizes leave partial 128-blocks in every MLA projection (q_a_proj 192 rows, q_b_proj 192 columns, kv_a 160 +
+32 rows, kv_b_proj 160 columns, V2-Lite's kv_b_proj 4 x 80 = 320 rows and o_proj 192 columns), as the
+releases' kv_a_proj_with_mqa (576 rows) does.
 
 1. **Weights, exactly.** Every linear layer has the scheme its rules give it and its effective weight (stored
    values times the scale its GEMM reads) equals the dequantized checkpoint's; a quantized ``kv_b_proj`` keeps
@@ -30,17 +31,19 @@ rows, o_proj 192 columns), as the releases' kv_a_proj_with_mqa (576 rows) does.
    models routed to the same experts (a flipped near-tie of the router is discontinuous: counted, at most
    10%), with DSA's top-k covering the context (its selection is discontinuous too); the indexer's own FP8
    GEMMs are checked on their outputs (``wk``: G = 1, ``wq_b``: 2) and the positions it selects compared.
-   Measured: 0.060 - 0.070 against bars of 0.24 - 0.27; indexer 0.025 / 0.036 against 0.072 / 0.10, 377 of
-   380 top-k positions alike.
+   Measured: 0.059 - 0.068 against bars of 0.24 - 0.27 (0 - 1 tokens routed otherwise); indexer 0.026 /
+   0.036 against 0.072 / 0.10, 376 of 380 top-k positions alike.
 3. **Engine greedy tokens** on the FP8 checkpoint against the dequantized one, and an FP8 latent pool
    (``kv_cache_dtype="fp8"``: every row written is checked to e4m3 precision) against the fp32 pool:
    agreement reported and bounded below (random tiny models have sharp logits: a near-tie flips and the
    continuation then follows another path). Measured (common prefixes of 6 x 8 greedy tokens): FP8 weights
-   42 / 35 / 22 of 48 (v3 / v2_lite / v32), FP8 latent pool 31 / 19 / 13 of 48; first tokens 6 / 5 / 5 and
-   6 / 5 / 3 of 6.
+   19 / 35 / 28 of 48 (v3 / v2_lite / v32), FP8 latent pool 40 / 19 / 29 of 48; first tokens 4 / 5 / 5 and
+   5 / 5 / 6 of 6.
 4. **Online quantization** (``quantization="fp8"`` / ``"fp8_block"``) quantizes MLA's projections (not
    ``kv_b_proj``) exactly as ``quantize_weight`` does.
-5. **Refusals by name**: a tensor-parallel split that cuts a 128-block of ``kv_b_proj``, a stored FP8
+5. **Tensor parallelism** (two ranks, each built alone to inspect it): each rank's ``w_kv_b`` and the
+   effective weights of its ``q_b_proj`` / ``o_proj`` pieces are its rows / columns of the one-rank model's.
+6. **Refusals by name**: a tensor-parallel split that cuts a 128-block of ``kv_b_proj``, a stored FP8
    ``indexer.weights_proj``.
 """
 
@@ -97,8 +100,11 @@ MLA_SIZES = {"hidden_size": 256, "intermediate_size": 256, "num_attention_heads"
              "kv_lora_rank": 160, "qk_nope_head_dim": 32, "qk_rope_head_dim": 32, "v_head_dim": 48,
              "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128, "n_shared_experts": 1,
              "first_k_dense_replace": 1}
-V3_SIZES = {**MLA_SIZES, "q_lora_rank": 192, "n_group": 2, "topk_group": 1, "norm_topk_prob": True,
-            "routed_scaling_factor": 2.5}
+# V3 / V3.2: 8 heads of Dn = R = Dv = 32, so that two tensor-parallel ranks hold whole 128-blocks of q_b_proj
+# (4 x 64 rows), kv_b_proj (4 x 64 rows) and o_proj (4 x 32 columns), and of the experts (256 / 2 rows).
+V3_SIZES = {**MLA_SIZES, "num_attention_heads": 8, "num_key_value_heads": 8, "v_head_dim": 32,
+            "moe_intermediate_size": 256, "q_lora_rank": 192, "n_group": 2, "topk_group": 1,
+            "norm_topk_prob": True, "routed_scaling_factor": 2.5}
 
 
 @dataclass(frozen=True)
@@ -150,11 +156,13 @@ def linear_layers(model) -> dict[str, _Linear]:
     return {name: m for name, m in model.named_modules() if isinstance(m, _Linear) and name.startswith("model.")}
 
 
-def logits(model, vocab: int, routes: list | None = None) -> torch.Tensor:
+def logits(model, vocab: int, routes: list | None = None, *, backend: str | None = "torch") -> torch.Tensor:
     """A ragged prefill of the prompts (the expanded form), then DECODE_STEPS one-token steps of every row
-    (absorbed; DSA: sparse), each fed a fixed token: every position's logits, concatenated. ``routes``: filled
-    with each step's expert choice per token, ``[tokens, sparse layers, K]`` (sorted ids)."""
-    runner = PagedRunner(model, block_size=4, num_blocks=64, seed=1)
+    (absorbed; DSA: sparse), each fed a fixed token: every position's logits (fp32, CPU), concatenated.
+    ``routes``: filled with each step's expert choice per token, ``[tokens, sparse layers, K]`` (sorted ids).
+    ``backend``: the ops backend (None: the automatic choice)."""
+    device = next(model.parameters()).device
+    runner = PagedRunner(model, block_size=4, num_blocks=64, seed=1, device=device)
     rows = [(f"s{i}", random_tokens(n, vocab, seed=10 + i)) for i, n in enumerate(PROMPT_LENGTHS)]
     chosen: list[torch.Tensor] = []
     original = ops.grouped_topk
@@ -165,7 +173,8 @@ def logits(model, vocab: int, routes: list | None = None) -> torch.Tensor:
         return weights, ids
 
     out = []
-    with ops.use_backend("torch"), pytest.MonkeyPatch.context() as mp:
+    use = ops.use_backend(backend) if backend is not None else contextlib.nullcontext()
+    with use, pytest.MonkeyPatch.context() as mp:
         mp.setattr(ops, "grouped_topk", grouped_topk)
         for step in range(DECODE_STEPS + 1):
             chosen.clear()
@@ -173,16 +182,18 @@ def logits(model, vocab: int, routes: list | None = None) -> torch.Tensor:
             step_logits = torch.cat(runner.step(new))
             out.append(step_logits)
             if routes is not None:
-                routes.append(torch.stack([c[:step_logits.shape[0]] for c in chosen], dim=1))
+                routes.append(torch.stack([c[:step_logits.shape[0]].cpu() for c in chosen], dim=1))
     return torch.cat(out)
 
 
-def logits_and_flips(quantized, dequantized) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def logits_and_flips(quantized, dequantized, *, backend: str | None = "torch"
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Both models' logits and, per token, whether any MoE layer routed it to other experts in the quantized
     model (near-ties of the router flipped by activation rounding)."""
     vocab = quantized.config.vocab_size
     routes_q, routes_d = [], []
-    actual, expected = logits(quantized, vocab, routes_q), logits(dequantized, vocab, routes_d)
+    actual = logits(quantized, vocab, routes_q, backend=backend)
+    expected = logits(dequantized, vocab, routes_d, backend=backend)
     flipped = torch.cat([(a != b).flatten(1).any(-1) for a, b in zip(routes_q, routes_d)])
     return actual, expected, flipped
 
@@ -259,8 +270,10 @@ def test_logits_match_the_dequantized_model_within_the_activation_quantization_b
     relative = ((actual - expected)[kept].norm() / expected[kept].norm()).item()
     gemms = quantized_gemms(loaded.quantized)
     bound = 2 * math.sqrt(gemms) * FP8_DELTA
+    same_argmax = int((actual.argmax(-1) == expected.argmax(-1)).sum())
     print(f"{loaded.case.parity.name}: relative RMS logit error {relative:.4f} over {int(kept.sum())} tokens, "
-          f"G = {gemms}, bound {bound:.4f}; {int(flipped.sum())} tokens routed to other experts")
+          f"G = {gemms}, bound {bound:.4f}; {int(flipped.sum())} tokens routed to other experts; argmax alike at "
+          f"{same_argmax}/{len(actual)} positions")
     assert FP8_DELTA / 10 < relative <= bound, f"relative RMS logit error {relative:.4g}, bound {bound:.4g}"
     assert flipped.sum() <= 0.1 * flipped.numel()
     assert isinstance(loaded.quantized.model.layers[-1].mlp, DeepseekMoE)  # (the last layer: see above)
@@ -323,17 +336,19 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def engine_greedy(source, vocab: int, **engine_args) -> tuple[list[list[int]], object]:
+def engine_greedy(source, vocab: int, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                  backend: str | None = "torch", **engine_args) -> tuple[list[list[int]], object]:
+    """Greedy tokens of GREEDY_LENGTHS prompts through ``Engine`` (a checkpoint folder or a loaded model)."""
     from atom_core.engine import Engine, SamplingParams
 
     prompts = [random_tokens(n, vocab, seed=40 + i) for i, n in enumerate(GREEDY_LENGTHS)]
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    with ops.use_backend("torch"):
+    with ops.use_backend(backend) if backend is not None else contextlib.nullcontext():
         if isinstance(source, Path):
-            engine = Engine.from_pretrained(source, device="cpu", dtype=torch.float32, block_size=4,
+            engine = Engine.from_pretrained(source, device=device, dtype=dtype, block_size=4,
                                             max_num_batched_tokens=8, **engine_args)
         else:
-            engine = Engine(source, device="cpu", block_size=4, max_num_batched_tokens=8, num_kv_blocks=64,
+            engine = Engine(source, device=device, block_size=4, max_num_batched_tokens=8, num_kv_blocks=64,
                             warmup=False, **engine_args)
         outs = engine.generate(prompts, params, use_tqdm=False)
     return [o.token_ids for o in outs], engine
@@ -429,9 +444,29 @@ def test_online_quantization_quantizes_the_mla_projections_but_kv_b_proj(loaded,
 
 # --- refused by name ----------------------------------------------------------------------------------------
 
-def test_a_tensor_parallel_split_cutting_a_block_of_kv_b_proj_is_refused_naming_it(loaded):
-    """kv_b_proj's 320 rows over two ranks: 160 each, not whole 128-blocks."""
+def test_each_tensor_parallel_rank_dequantizes_its_own_rows_of_kv_b_proj(loaded):
     if loaded.case.parity.name != "v3":
+        pytest.skip("one case is enough")
+    full = loaded.quantized
+    for rank in range(2):
+        shard = load_model(loaded.path, dtype=torch.float32, device="cpu", tp_rank=rank, tp_size=2)
+        for i, (block, full_block) in enumerate(zip(shard.model.layers, full.model.layers)):
+            attn, full_attn = block.self_attn, full_block.self_attn
+            w_kv_b, full_w_kv_b = (a.w_kv_b if a.kv_b_proj.scheme.is_quantized else a.kv_b_proj.weight
+                                   for a in (attn, full_attn))
+            rows = full_w_kv_b.shape[0] // 2
+            assert torch.equal(w_kv_b, full_w_kv_b[rank * rows:(rank + 1) * rows]), f"layer {i}"
+            rows = full_attn.q_b_proj.weight.shape[0] // 2
+            assert torch.equal(effective_weight(attn.q_b_proj),
+                               effective_weight(full_attn.q_b_proj)[rank * rows:(rank + 1) * rows])
+            cols = full_attn.o_proj.weight.shape[1] // 2
+            assert torch.equal(effective_weight(attn.o_proj),
+                               effective_weight(full_attn.o_proj)[:, rank * cols:(rank + 1) * cols])
+
+
+def test_a_tensor_parallel_split_cutting_a_block_of_kv_b_proj_is_refused_naming_it(loaded):
+    """V2-Lite-style kv_b_proj: 320 rows over two ranks, 160 each, not whole 128-blocks."""
+    if loaded.case.parity.name != "v2_lite":
         pytest.skip("one case is enough")
     config = json.loads((loaded.path / "config.json").read_text())
     assert config["quantization_config"]["weight_block_size"] == [128, 128]
@@ -454,3 +489,40 @@ def test_a_stored_fp8_indexer_weights_proj_is_refused_naming_the_tensor(loaded, 
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=rf"{name}.*float8_e4m3fn.*FP8 values load only into a quantized layer"):
         load_model(folder, dtype=torch.float32, device="cpu")
+
+
+# --- on a GPU ------------------------------------------------------------------------------------------------
+
+def check_bf16(loaded: Loaded, device: str, backend: str | None) -> set[tuple[str, str]]:
+    """The FP8 checkpoint and its dequantized twin in bf16 on ``device``: logits within the bound of the fp32
+    test (bf16's own rounding, 2**-9, is ~30x below delta_fp8), then ``Engine`` with an FP8 latent pool on
+    the FP8 checkpoint against the bf16 pool (agreement printed and bounded as on the CPU). Returns the
+    (op, backend) pairs that served the logits."""
+    quantized = load_model(loaded.path, dtype=torch.bfloat16, device=device)
+    dequantized = load_model(loaded.dequantized_path, dtype=torch.bfloat16, device=device)
+    with ops.trace_backends() as calls, dense_indexers(quantized, dequantized):
+        actual, expected, flipped = logits_and_flips(quantized, dequantized, backend=backend)
+    kept = ~flipped
+    relative = ((actual - expected)[kept].norm() / expected[kept].norm()).item()
+    bound = 2 * math.sqrt(quantized_gemms(quantized)) * FP8_DELTA
+    print(f"{loaded.case.parity.name} bf16 on {device}: relative RMS logit error {relative:.4f}, bound {bound:.4f}; "
+          f"{int(flipped.sum())} tokens routed to other experts")
+    assert FP8_DELTA / 10 < relative <= bound and flipped.sum() <= 0.1 * flipped.numel()
+    del dequantized
+    vocab, tokens = quantized.config.vocab_size, {}
+    for kv_cache_dtype in ("auto", "fp8"):
+        tokens[kv_cache_dtype], engine = engine_greedy(quantized, vocab, device=device, dtype=torch.bfloat16,
+                                                       backend=backend, kv_cache_dtype=kv_cache_dtype)
+        del engine
+    agreed, total, first = agreement(tokens["fp8"], tokens["auto"])
+    print(f"{loaded.case.parity.name} bf16 on {device}: FP8 latent pool's greedy tokens agree with the bf16 "
+          f"pool's on {agreed}/{total} tokens (common prefixes), first token {first}/{len(tokens['auto'])}")
+    assert 2 * first >= len(tokens["auto"]) and agreed >= 0.25 * total
+    return set(calls)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_the_fp8_checkpoint_runs_its_block_gemms_in_triton_and_matches_in_bf16(loaded):
+    used = check_bf16(loaded, "cuda", "triton")
+    assert ("scaled_mm_block", "triton") in used, sorted(used)
