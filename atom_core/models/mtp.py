@@ -38,7 +38,9 @@ modules are used.
 
 **Loading.** ``load_mtp_module(path, target)`` builds the module next to a loaded target (same dtype,
 device and tensor-parallel shard) and fills it from the checkpoint's MTP tensors; ``load_model`` keeps
-skipping them (``loader``: layers >= ``num_hidden_layers``).
+skipping them (``loader``: layers >= ``num_hidden_layers``). A quantized checkpoint's MTP layer (DeepSeek-V3's
+FP8 release stores it in block FP8 like the others) loads as stored: the block is built with the target's
+quantization.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ import torch
 from torch import nn
 
 from atom_core.cache.token_layout import StepLayout
+from atom_core.models.base import QUANTIZED_DENSE_FORMATS
 from atom_core.models.layers.linear import ReplicatedLinear
 from atom_core.models.layers.mla import LightningIndexer, MLACaches, MLAPagedAttention
 from atom_core.models.layers.norm import RMSNorm
@@ -91,6 +94,10 @@ class MultiTokenPredictor(MLACaches, nn.Module):
     uninitialised on the target's device in its dtype; ``load_mtp_module`` fills them. The target's
     ``model.embed_tokens`` and ``lm_head`` are used, not copied (and are not parameters of this module).
     """
+
+    # Its blocks are the target's own layers (``target.make_layer``), built with the target's quantization: a
+    # quantized checkpoint loads here in the formats the target's class loads (the target refused the others).
+    supported_quantization = QUANTIZED_DENSE_FORMATS
 
     def __init__(self, target: nn.Module, *, num_layers: int | None = None) -> None:
         super().__init__()

@@ -43,7 +43,8 @@ releases' kv_a_proj_with_mqa (576 rows) does.
    ``kv_b_proj``) exactly as ``quantize_weight`` does.
 5. **Tensor parallelism** (two ranks, each built alone to inspect it): each rank's ``w_kv_b`` and the
    effective weights of its ``q_b_proj`` / ``o_proj`` pieces are its rows / columns of the one-rank model's.
-6. **Refusals by name**: a tensor-parallel split that cuts a 128-block of ``kv_b_proj``, a stored FP8
+6. **MTP**: the draft module of an FP8 checkpoint loads its block in FP8 (``models.mtp``).
+7. **Refusals by name**: a tensor-parallel split that cuts a 128-block of ``kv_b_proj``, a stored FP8
    ``indexer.weights_proj``.
 """
 
@@ -440,6 +441,39 @@ def test_online_quantization_quantizes_the_mla_projections_but_kv_b_proj(loaded,
     actual, expected = logits(model, vocab), logits(unquantized, vocab)
     relative = ((actual - expected).norm() / expected.norm()).item()
     assert relative <= 0.5, f"relative RMS logit error {relative:.4g}"  # weights rounded too: a loose sanity bar
+
+
+def test_the_mtp_draft_of_an_fp8_checkpoint_loads_its_block_in_fp8(loaded, tmp_path):
+    """The released checkpoints' MTP layer is stored like the others (block FP8, kv_b_proj included). The V3.2
+    checkpoint relabelled with one decoder layer and ``num_nextn_predict_layers: 1`` (its layer 1 is then
+    the MTP block, with glue tensors added): the draft's block has the full model's layer 1 FP8 weights and
+    dequantized ``w_kv_b``, indexer included."""
+    from atom_core.models.mtp import load_mtp_module
+
+    if loaded.case.parity.architecture != V32:
+        pytest.skip("one case is enough")
+    folder = tmp_path / "mtp"
+    folder.mkdir()
+    config = json.loads((loaded.path / "config.json").read_text())
+    config.update(num_hidden_layers=1, num_nextn_predict_layers=1)
+    (folder / "config.json").write_text(json.dumps(config))
+    with safe_open(str(loaded.path / "model.safetensors"), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (a safe_open handle)
+    hidden = config["hidden_size"]
+    tensors.update({f"model.layers.1.{name}.weight": torch.ones(hidden) for name in ("enorm", "hnorm",
+                                                                                      "shared_head.norm")})
+    tensors["model.layers.1.eh_proj.weight"] = torch.randn(hidden, 2 * hidden) / math.sqrt(2 * hidden)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    target = load_model(folder, dtype=torch.float32, device="cpu")
+    block = load_mtp_module(folder, target).layers[0].mtp_block
+    full = loaded.quantized.model.layers[1]
+    full_layers = {name: m for name, m in full.named_modules() if isinstance(m, _Linear)}
+    for name, layer in ((n, m) for n, m in block.named_modules() if isinstance(m, _Linear)):
+        assert layer.scheme == full_layers[name].scheme, name
+        assert torch.equal(effective_weight(layer), effective_weight(full_layers[name])), name
+    assert block.self_attn.q_a_proj.scheme == BLOCK_FP8 and block.self_attn.indexer.wq_b.scheme == BLOCK_FP8
+    assert torch.equal(block.self_attn.w_kv_b, full.self_attn.w_kv_b)
+    assert block.mlp.experts.weight_format == "fp8_block"
 
 
 # --- refused by name ----------------------------------------------------------------------------------------
