@@ -171,11 +171,14 @@ class _RequestChecks:
     _check_request = Engine._check_request
     _encode = Engine._encode
     _check_params_for_model = Engine._check_params_for_model
+    grammar_compiler = getattr(Engine, "grammar_compiler", None)  # structured output: checks compile the grammar
 
-    def __init__(self, tokenizer, max_model_len: int, max_logprobs: int, config):
+    def __init__(self, tokenizer, max_model_len: int, max_logprobs: int, config, eos_token_ids):
         self.tokenizer, self.max_model_len, self.max_logprobs = tokenizer, max_model_len, max_logprobs
         self.model = SimpleNamespace(config=config)
+        self.eos_token_ids = eos_token_ids
         self.default_sampling_params = SamplingParams()
+        self._grammar_compiler = None
 
 
 class DataParallelEngine:
@@ -254,7 +257,8 @@ class DataParallelEngine:
         self.default_sampling_params = info["default_sampling_params"]
         self._eos_token_ids = info["eos_token_ids"]
         self.config = info["config"]
-        self._checker = _RequestChecks(self.tokenizer, self.max_model_len, self.max_logprobs, self.config)
+        self._checker = _RequestChecks(self.tokenizer, self.max_model_len, self.max_logprobs, self.config,
+                                       self._eos_token_ids)
         logger.info("data-parallel engine: %d replicas of %s (pids %s)", data_parallel_size,
                     f"TP {tensor_parallel_size}" if tensor_parallel_size > 1 else "one rank",
                     [r.process.pid for r in self._replicas])
