@@ -7,8 +7,8 @@
 - ``build_model(..., quantization=...)`` / a config's ``quantization_config`` with dummy weights: the
   stored dtypes and shapes of every quantized layer, random values of the unquantized initializer's scale
   once dequantized, a forward through the paged KV cache that gives finite logits; DeepSeek's experts
-  quantized while its MLA stays unquantized (a config quantizing MLA refused by name, or, for random
-  weights, built unquantized with a warning).
+  quantized while its MLA stays unquantized where the config excludes it, and MLA in FP8 (kv_b_proj
+  dequantized at load) where it does not.
 
 Checkpoints of each format against their dequantized models are in ``test_quant_checkpoints``.
 """
