@@ -39,9 +39,9 @@ PARITY_LENGTHS = (7, 1, 13, 20, 3, 9, 17, 5, 11, 19, 2, 15)
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
-def _prompts(lengths=(7, 1, 13, 20, 3, 9), seed=0) -> list[list[int]]:
+def _prompts(lengths=(7, 1, 13, 20, 3, 9), seed=0, vocab=2048) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(1, 2047) for _ in range(n)] for n in lengths]
+    return [[rng.randrange(1, vocab - 1) for _ in range(n)] for n in lengths]
 
 
 @pytest.fixture(scope="module")
@@ -189,17 +189,18 @@ def test_shutdown_stops_every_replica_and_the_front_refuses_afterwards(dp):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_two_replicas_on_two_gpus_give_one_engines_greedy_tokens(monkeypatch):
-    """Replica i on GPU i (its CUDA_VISIBLE_DEVICES), each with its CUDA graphs; fp32 so that the tokens
-    compare exactly with one engine's on GPU 0."""
+def test_two_replicas_on_two_gpus_give_one_engines_greedy_tokens(tiny_qwen3, monkeypatch):
+    """Replica i on GPU i (its CUDA_VISIBLE_DEVICES), each with its CUDA graphs; fp32 and a model with large
+    logit margins (tiny_qwen3) so that the tokens compare exactly with one engine's on GPU 0."""
     monkeypatch.delenv("ATOM_CORE_BACKEND", raising=False)
+    folder, hf_model = tiny_qwen3
     args = ARGS | {"device": "cuda"}
-    prompts = _prompts(PARITY_LENGTHS) * 2
-    one_gpu = Engine.from_pretrained(None, **args)
+    prompts = _prompts(PARITY_LENGTHS, vocab=hf_model.config.vocab_size) * 2
+    one_gpu = Engine.from_pretrained(folder, **args)
     want = [o.token_ids for o in one_gpu.generate(prompts, GREEDY, use_tqdm=False)]
     del one_gpu
     children = _live_children()
-    with Engine.from_pretrained(None, data_parallel_size=2, step_timeout=120, **args) as engine:
+    with Engine.from_pretrained(folder, data_parallel_size=2, step_timeout=120, **args) as engine:
         got = [o.token_ids for o in engine.generate(prompts, GREEDY, use_tqdm=False)]
         stats = engine.replica_stats()
         assert min(engine.requests_per_replica) >= len(prompts) // 4
