@@ -210,6 +210,25 @@ def test_two_replicas_on_two_gpus_give_one_engines_greedy_tokens(tiny_qwen3, mon
     assert _live_children() <= children
 
 
+def test_bad_arguments_are_refused_before_any_replica_starts(monkeypatch):
+    children = _live_children()
+    for kwargs, error in [({"data_parallel_size": 0}, "data_parallel_size must be"),
+                          ({"data_parallel_size": 2, "tensor_parallel_size": 0}, "tensor_parallel_size must be"),
+                          ({"data_parallel_size": 2, "expert_parallel": "bogus"}, "expert_parallel must be"),
+                          ({"data_parallel_size": 2, "device": "cuda:1"}, "CUDA_VISIBLE_DEVICES"),
+                          ({"data_parallel_size": 2, "step_timeout": 0}, "step_timeout must be")]:
+        with pytest.raises(ValueError, match=error):
+            DataParallelEngine(None, **{"device": "cpu"} | kwargs)
+    if torch.cuda.device_count() < 4:
+        with pytest.raises(ValueError, match="needs 4 GPUs"):
+            Engine.from_pretrained(None, data_parallel_size=2, tensor_parallel_size=2, device="cuda")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="torchrun"):
+        Engine.from_pretrained(None, data_parallel_size=2, device="cpu")
+    assert _live_children() <= children
+
+
 # ---- failures -------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("how", ["killed", "stopped"])
