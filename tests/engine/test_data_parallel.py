@@ -167,6 +167,31 @@ def test_async_engine_streams_over_the_front(dp):
     assert dp.block_manager.num_free_blocks == dp.block_manager.num_blocks
 
 
+def test_a_step_that_raises_in_a_replica_fails_its_requests_only(dp):
+    """What the front does with a replica's step error (injected as the replica would send it): raise
+    ReplicaStepError naming the replica, finish that step's requests with "error", keep serving the rest."""
+    from atom_core.engine import ReplicaStepError
+    from atom_core.engine.data_parallel import ABORT, STEP_ERROR
+
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    ids = [dp.add_request(p, params) for p in _prompts(lengths=(4, 5))]
+    failed = ids[0]
+    owner = dp.replica_of(failed)
+    dp._inbox.put((owner, (STEP_ERROR, [failed], "RuntimeError: boom")))
+    with pytest.raises(ReplicaStepError, match=f"replica {owner}: a step raised RuntimeError: boom"):
+        for _ in range(100):
+            dp.step()
+    dp._replicas[owner].conn.send((ABORT, failed))  # (the replica itself never failed: stop its copy)
+    assert dp.failed_request_ids == [failed] and dp.replica_of(failed) is None
+    done = {}
+    while dp.has_unfinished_requests():
+        for out in dp.step():
+            assert out.request_id != failed
+            done[out.request_id] = out
+    assert list(done) == [ids[1]] and len(done[ids[1]].token_ids) == 20
+    assert [r.outstanding for r in dp._replicas] == [0, 0]
+
+
 def test_requests_are_checked_in_the_front_as_one_engine_checks_them(dp, one):
     for prompt, params in [([], None), ([1, 5000], None), ([1] * 60, SamplingParams(max_tokens=9)),
                            ("text", SamplingParams(logprobs=50))]:
