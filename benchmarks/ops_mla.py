@@ -30,7 +30,10 @@ Every figure is timed the same way (``benchmarks.common.adaptive_timing``, warm-
 compilation never lands in a timed call, and a CUDA graph requested); the ``timing`` column says which
 figures fell back to eager calls and why.
 
-    python -m benchmarks.ops_mla [--device cuda] [--json out.json] [--smoke] [--no-twin]
+    python -m benchmarks.ops_mla [--device cuda] [--json out.json] [--smoke] [--no-twin] [--sweep]
+
+``--sweep`` times the decode kernel's tile configs (heads per program, rows per tile, warps, stages) at
+64 x 4096 instead, the default config first (a few minutes: each config compiles).
 
 ``--smoke`` runs tiny sizes in fp32 so the script can be checked on a CPU, where the Triton kernels run in
 the interpreter.
@@ -58,6 +61,14 @@ DSA = [(1, 32768), (64, 32768)]
 # K and V expanded for the SDPA baseline: 64 x 4096 needs 21.5 GB; 64 x 16384 would need 86 GB.
 SDPA_MAX_EXPANDED_BYTES = 32 << 30
 TWIN_MAX_CONTEXT_TOKENS = 64 * 4096
+def _configs():
+    """(the sweep's tile configs, the smoke sweep's); imported late: Triton's interpreter is switched on first."""
+    from atom_core.ops.triton.mla_decode import MLAConfig
+
+    return ([MLAConfig(h, n, w, st) for h in (16, 32, 64) for n in (16, 32) for w in (4, 8) for st in (1, 2)],
+            [MLAConfig(4, 16, 4, 1)])
+
+
 SMOKE = {"heads": 4, "latent": 32, "rope": 8, "nope": 16, "v_dim": 16, "index_heads": 4, "index_dim": 16, "topk": 8,
          "block_size": 4, "dtype": torch.float32, "decode": [(2, 20)], "dsa": [(2, 40)]}
 
@@ -240,13 +251,46 @@ def _dsa_rows(rows, context, s, device, timed, copy_gbs) -> list[dict]:
     return out_rows
 
 
-def run(device: str = "cuda", smoke: bool = False, twin_baseline: bool = True) -> list[dict]:
-    """One row per case. Times in ms; bandwidth in GB/s (1e9 bytes/s) and % of the copy bandwidth."""
+def _sweep_rows(s, device, timed, copy_gbs, smoke) -> list[dict]:
+    """The Triton decode kernel's tile configs (``mla_decode.MLAConfig``) at the first decode case, each
+    timed alone; the default config is the one ``default_config`` picks."""
+    from atom_core.ops.dispatch import triton_interpret
+    from atom_core.ops.triton import mla_decode
+
+    rows, context = s["decode"][0]
+    p = make_problem(rows, context, s, device)
+    out = torch.empty(rows, s["heads"], s["v_dim"], dtype=s["dtype"], device=device)
+    default = mla_decode.default_config(s["heads"], mla_decode.latent_pads(s["latent"], s["rope"])[0], s["dtype"],
+                                        triton_interpret())
+    configs = _configs()[1 if smoke else 0]
+    out_rows = []
+    for config in [default] + [c for c in configs if c != default]:
+        def call(config=config):
+            mla_decode.mla_decode_attention(p.q_nope, p.q_pe, p.mla_cache, p.w_uk, p.w_uv, *p.layout(), p.scale, None,
+                                            out, config=config)
+
+        timing = guarded(timed, lambda call=call: call)
+        row = {"case": "mla decode config" + (" (default)" if config == default else ""), "batch": rows,
+               "context": context, "backend": "triton", "block_h": config.block_h, "block_n": config.block_n,
+               "num_warps": config.num_warps, "num_stages": config.num_stages, "ms": ms_of(timing),
+               "timing": timing_column({"ms": timing})}
+        if timing is not None:
+            row |= _bandwidth(p.latent_bytes, timing.ms, copy_gbs)
+        out_rows.append(row)
+        print(row, flush=True)
+    return out_rows
+
+
+def run(device: str = "cuda", smoke: bool = False, twin_baseline: bool = True, sweep: bool = False) -> list[dict]:
+    """One row per case. Times in ms; bandwidth in GB/s (1e9 bytes/s) and % of the copy bandwidth. ``sweep``:
+    the decode kernel's tile configs at the first decode case instead."""
     from benchmarks.common import copy_bandwidth_gbs
 
     s = sizes(smoke)
     timed = adaptive_timing(device, smoke)
     copy_gbs = copy_bandwidth_gbs(device, nbytes=1 << 20 if smoke else 2 << 30)
+    if sweep:
+        return _sweep_rows(s, device, timed, copy_gbs, smoke)
     rows = []
     for batch, context in s["decode"]:
         rows.append(_decode_row(batch, context, s, device, timed, copy_gbs, twin_baseline))
@@ -262,6 +306,8 @@ def run(device: str = "cuda", smoke: bool = False, twin_baseline: bool = True) -
     return rows
 
 
+SWEEP_COLUMNS = ["case", "batch", "context", "block_h", "block_n", "num_warps", "num_stages", "ms", "GB/s", "%copy",
+                 "timing"]
 COLUMNS = ["case", "batch", "context", "topk", "backend", "splits", "ms", "MB_read", "GB/s", "%copy", "sdpa_ms",
            "x_sdpa", "max_diff_vs_sdpa", "twin_ms", "x_twin", "x_dense", "timing"]
 
@@ -269,9 +315,14 @@ COLUMNS = ["case", "batch", "context", "topk", "backend", "splits", "ms", "MB_re
 def main() -> None:
     from benchmarks.common import op_bench_args, report
 
-    args = op_bench_args(__doc__.splitlines()[0], lambda p: p.add_argument(
-        "--no-twin", action="store_true", help="baselines: SDPA only (skip the slow reference twin)"))
-    report(run(args.device, smoke=args.smoke, twin_baseline=not args.no_twin), COLUMNS, args.json)
+    def flags(parser):
+        parser.add_argument("--no-twin", action="store_true", help="baselines: SDPA only (skip the slow reference twin)")
+        parser.add_argument("--sweep", action="store_true",
+                            help="instead: the decode kernel's tile configs at batch 64 x 4096 (a few minutes)")
+
+    args = op_bench_args(__doc__.splitlines()[0], flags)
+    report(run(args.device, smoke=args.smoke, twin_baseline=not args.no_twin, sweep=args.sweep),
+           SWEEP_COLUMNS if args.sweep else COLUMNS, args.json)
 
 
 if __name__ == "__main__":
