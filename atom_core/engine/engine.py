@@ -227,6 +227,7 @@ class Engine:
         self._next_id = 0
         self._seed_source = random.Random()
         self.num_preemptions = 0  # requests sent back to recompute because the pool ran dry
+        self._grammar_compiler = None  # structured output's GrammarCompiler, made on first use
         if warmup:
             self.warmup()
 
@@ -437,6 +438,9 @@ class Engine:
             request = Request(self._next_id, token_ids, params, seed, group_id=group_id, index=index,
                               tokenizer=self.tokenizer)
             request.processing = processing
+            if params.structured_outputs is not None:  # compiled (and checked) by _check_request; cached
+                request.grammar = self.grammar_compiler.new_state(
+                    self.grammar_compiler.compile(params.structured_outputs))
             if index and params.prompt_logprobs is not None:  # computed once, by the first sequence
                 request.prompt_logprobs = requests[0].prompt_logprobs
                 request.prompt_top_logprobs = requests[0].prompt_top_logprobs
@@ -484,11 +488,27 @@ class Engine:
                                      "model folder); pass token-id lists instead")
             else:
                 outside("bad_words", word)
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise ValueError("SamplingParams.structured_outputs: structured output needs a tokenizer "
+                                 "(tokenizer.json in the model folder)")
+            self.grammar_compiler.compile(params.structured_outputs)  # ValueError naming the problem
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > self.max_logprobs:
                 raise ValueError(f"SamplingParams.{name}={value}: at most max_logprobs={self.max_logprobs} top "
                                  f"alternatives (Engine(max_logprobs=...))")
+
+    @property
+    def grammar_compiler(self):
+        """Structured output's ``GrammarCompiler`` over this engine's tokenizer (made on first use;
+        ``StructuredOutputUnavailableError`` without the ``structured`` extra)."""
+        if self._grammar_compiler is None:
+            from atom_core.engine.structured_output import GrammarCompiler
+
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model.config.vocab_size,
+                                                     self.eos_token_ids)
+        return self._grammar_compiler
 
     def _encode(self, prompt) -> list[int]:
         """A prompt as a list of Python ints: a string (through the tokenizer), a list or tuple of
@@ -560,7 +580,8 @@ class Engine:
                     raise RuntimeError("the scheduler could not run any request: the pool is too small for the "
                                        "waiting requests")
                 return StepOutputs([], np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), {})
-            if self.async_scheduling:
+            # Structured output needs each step's tokens on the host before the next step's masks.
+            if self.async_scheduling and not self.scheduler.num_structured:
                 self._in_flight = self._launch_next(scheduled)
             result = self.runner.collect(current)
             record = self.scheduler.record(current.step, result.tokens, result.logprobs, result.top_logprobs,

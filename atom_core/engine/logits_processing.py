@@ -115,6 +115,9 @@ class LogitsProcessing:
     bias_sources, bias_required: int64 [E]: an entry with ``bias_sources[e] >= 0`` applies only
         when ``previous_sampled[bias_sources[e]] == bias_required[e]`` (the previous step's sampled
         tokens, as ``ScheduledStep.pending_sources``); None when every entry applies.
+    mask_rows: int64 [G], the step rows constrained by a grammar (structured output), and
+        token_bitmask: int32 [G, ceil(V / 32)], their allowed next tokens (``ops.apply_token_mask_``),
+        applied first; None when no row of the step samples a constrained token.
     """
 
     slots: np.ndarray | None = None
@@ -127,6 +130,8 @@ class LogitsProcessing:
     bias_values: np.ndarray | None = None
     bias_sources: np.ndarray | None = None
     bias_required: np.ndarray | None = None
+    mask_rows: np.ndarray | None = None
+    token_bitmask: np.ndarray | None = None
 
 
 def step_processing(batch, requests, rows) -> LogitsProcessing | None:

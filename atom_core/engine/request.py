@@ -42,6 +42,8 @@ class Request:
         prompt_logprobs, prompt_top_logprobs: the same per prompt token (None for the first).
         num_prompt_logprobs_scheduled: prompt positions whose log-probs a launched step computes.
         processing: what it adds to its logits (``logits_processing.RequestProcessing``) or None.
+        grammar: its structured output's ``GrammarState`` (``engine.structured_output``) while it
+            is unfinished, else None.
         num_cached_tokens: prompt tokens served by the prefix cache at its last admission.
         num_preemptions: times it was sent back to recompute.
         row: its row in the scheduler's running batch while it runs, else None.
@@ -50,7 +52,7 @@ class Request:
     __slots__ = ("request_id", "group_id", "index", "prompt_token_ids", "token_ids", "params", "seed",
                  "length_limit", "status", "finish_reason", "stop_reason", "logprobs", "top_logprobs",
                  "prompt_logprobs", "prompt_top_logprobs", "num_prompt_logprobs_scheduled", "detokenizer", "processing",
-                 "num_cached_tokens", "num_preemptions", "row", "_output_view")
+                 "grammar", "num_cached_tokens", "num_preemptions", "row", "_output_view")
 
     def __init__(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams, seed: int, *,
                  group_id: int | None = None, index: int = 0, tokenizer=None):
@@ -75,6 +77,7 @@ class Request:
         self.num_prompt_logprobs_scheduled = 0
         self.detokenizer = None if tokenizer is None else self.make_detokenizer(tokenizer)
         self.processing = None  # its RequestProcessing (logits_processing), set when it is added
+        self.grammar = None  # its GrammarState (structured output), set when it is added
         self.num_cached_tokens = 0
         self.num_preemptions = 0
         self.row: int | None = None

@@ -4,7 +4,7 @@ It owns the KV pool, its binding into the model, the CUDA graphs and the token s
 penalties. ``launch`` is one step: the host builds the token layout from the scheduled step
 (``build_decode_layout`` when every row computes one token, else ``build_step_layout``), the
 device runs the model (a captured graph of the step's padded shape, or eagerly), the logits
-processing when a row uses it (``logits_processing``: biases and bans, then the penalties, on the
+processing when a row uses it (``logits_processing``: grammar masks, biases and bans, then the penalties, on the
 device for the whole batch, outside the graph like sampling), and ``atom_core.ops.sample``; the
 sampled tokens start their copy to the host. ``collect`` waits for that copy. Between the two the
 host is free: the engine schedules and launches the next step there, feeding it this step's tokens
@@ -45,6 +45,7 @@ from atom_core.engine.logits_processing import LogitsProcessing
 from atom_core.engine.step import PromptLogprobsInputs, ScheduledStep
 from atom_core.ops.penalties import apply_penalties_, apply_token_bias_, count_tokens_, init_token_state_
 from atom_core.ops.sampling import sample
+from atom_core.ops.token_mask import apply_token_mask_
 
 logger = logging.getLogger(__name__)
 PROMPT_LOGPROBS_CHUNK = 1024  # prompt positions per [chunk, V] logits tensor (V = 152k: 0.6 GB of fp32)
@@ -265,12 +266,14 @@ class ModelRunner:
 
     def _process(self, logits: torch.Tensor, processing: LogitsProcessing, previous_sampled: torch.Tensor | None,
                  keep_raw: bool) -> torch.Tensor:
-        """The step's logits [B, V] after its biases, bans and penalties (fp32; a copy when the raw
-        logits are still needed for log-probs)."""
+        """The step's logits [B, V] after its grammar masks, biases, bans and penalties (fp32; a copy
+        when the raw logits are still needed for log-probs)."""
         put = self._put
         x = logits.float()
         if keep_raw and x.data_ptr() == logits.data_ptr():
             x = x.clone()
+        if processing.mask_rows is not None:  # structured output first (vLLM's order)
+            apply_token_mask_(x, put(processing.token_bitmask), put(processing.mask_rows))
         if processing.slot_inits or processing.slots is not None:
             state = self._token_state(logits.shape[1])
             for init in processing.slot_inits:

@@ -8,6 +8,7 @@ checked by ``Engine.add_request``.
 
 from __future__ import annotations
 
+import json as _json
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -31,6 +32,78 @@ def _is_real(value) -> bool:
 
 def _is_token_list(value) -> bool:
     return isinstance(value, (list, tuple)) and len(value) > 0 and all(_is_int(t) and t >= 0 for t in value)
+
+
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What a request's output must match (vLLM's ``StructuredOutputsParams``; exactly one of):
+
+    ``json``: a JSON schema (a dict, or its JSON text); ``regex``: a regular expression the whole
+    output matches; ``choice``: a list of strings, the output is one of them; ``grammar``: an EBNF
+    grammar in xgrammar's dialect (GBNF-like: ``root ::= ...``); ``json_object``: True, any JSON
+    object. ``disable_any_whitespace`` (default True here, False in vLLM): JSON output uses the
+    separators ``", "`` and ``": "`` and no other whitespace between tokens, instead of allowing
+    any run of whitespace (which a weak model can fill until ``max_tokens``).
+
+    Checked here: the types, one kind set, the JSON text parses. Whether the schema, regex or
+    grammar compiles is checked by ``Engine.add_request`` (it needs the tokenizer and the grammar
+    library; see ``engine.structured_output``).
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = True
+    json_schema_text: str | None = field(init=False, repr=False, default=None)
+
+    def __post_init__(self):
+        def bad(name, why):
+            raise ValueError(f"SamplingParams.structured_outputs.{name}={getattr(self, name)!r}: {why}")
+
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"SamplingParams.structured_outputs: exactly one of {', '.join(STRUCTURED_KINDS)} "
+                             f"must be set, got {given or 'none'}")
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = _json.loads(schema)
+                except ValueError as e:
+                    bad("json", f"not valid JSON ({e})")
+            if not isinstance(schema, (dict, bool)):
+                bad("json", "must be a JSON schema: a dict (or its JSON text)")
+            try:
+                text = _json.dumps(schema)
+            except (TypeError, ValueError) as e:
+                bad("json", f"not JSON-serializable ({e})")
+            object.__setattr__(self, "json_schema_text", text)
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                bad(name, "must be a non-empty string")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                bad("choice", "must be a non-empty list of non-empty strings")
+            object.__setattr__(self, "choice", list(self.choice))
+        if self.json_object is not None and self.json_object is not True:
+            bad("json_object", "must be True (or None)")
+        if not isinstance(self.disable_any_whitespace, (bool, np.bool_)):
+            bad("disable_any_whitespace", "must be a bool")
+
+    @property
+    def kind(self) -> str:
+        """Which of json, regex, choice, grammar, json_object is set."""
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+
+GuidedDecodingParams = StructuredOutputsParams  # vLLM's older name
 
 
 @dataclass(frozen=True)
@@ -67,6 +140,10 @@ class SamplingParams:
     ``token_ids``; its text is not unless ``include_stop_str_in_output``, as in vLLM); neither is
     checked before ``min_tokens`` output tokens. ``skip_special_tokens`` (default True) leaves
     special tokens out of the text. Ints may be Python or numpy ints; bools are refused everywhere.
+
+    Structured output: ``structured_outputs`` (a ``StructuredOutputsParams``, or a dict of its fields):
+    the output matches a JSON schema, a regex, one of a list of strings or a grammar; a sequence
+    whose grammar is complete finishes with "stop". Needs the ``structured`` extra (xgrammar).
     """
 
     temperature: float = 1.0
@@ -91,6 +168,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | dict | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -163,6 +241,15 @@ class SamplingParams:
         if ids is not None:
             as_type("stop_token_ids", [int(t) for t in ids])
         object.__setattr__(self, "stop_strings", stop)
+        structured = self.structured_outputs
+        if isinstance(structured, dict):
+            try:
+                structured = StructuredOutputsParams(**structured)
+            except TypeError as e:
+                bad("structured_outputs", f"not StructuredOutputsParams fields ({e})")
+            as_type("structured_outputs", structured)
+        elif structured is not None and not isinstance(structured, StructuredOutputsParams):
+            bad("structured_outputs", "must be None, a StructuredOutputsParams or a dict of its fields")
 
     def _check_logit_bias(self, bad, as_type) -> None:
         bias = self.logit_bias

@@ -29,6 +29,12 @@ queue, so that they take its prompt blocks from the prefix cache instead of comp
 Logits processing (penalties, biases, bans; ``logits_processing``) and the log-probs a step must
 return (top-N alternatives, prompt log-probs) are part of the ``ScheduledStep`` too; each is
 built only while some running row uses it (the running batch counts them).
+
+Structured output (``structured_output``): a request with a grammar holds a ``GrammarState``; the
+step's bitmask of its constrained rows is filled when the step is made, and ``record`` advances the
+grammars by the sampled tokens (a sequence whose grammar is complete finishes with "stop"). The
+masks need the previous tokens on the host: while ``num_structured`` > 0 the engine schedules a
+step only after the previous one is recorded.
 """
 
 from __future__ import annotations
@@ -38,7 +44,8 @@ from collections import deque
 import numpy as np
 
 from atom_core.cache import BlockManager
-from atom_core.engine.logits_processing import request_processing, step_processing
+from atom_core.engine import structured_output
+from atom_core.engine.logits_processing import LogitsProcessing, request_processing, step_processing
 from atom_core.engine.request import Request, Status
 from atom_core.engine.running_batch import RunningBatch
 from atom_core.engine.step import PromptLogprobsInputs, SamplingInputs, ScheduledStep, StepRecord
@@ -65,6 +72,7 @@ class Scheduler:
         self.running: list[Request] = []  # admission order (the batch keeps them in row order)
         self.held: list[tuple[Request, Request]] = []  # (first sequence, a later one waiting for its prompt)
         self.num_steps = 0
+        self.num_structured = 0  # unfinished requests with a grammar (structured output)
         self._ones = np.ones(max_num_seqs, dtype=np.int64)
 
     def add(self, request: Request, after: Request | None = None) -> None:
@@ -76,6 +84,8 @@ class Scheduler:
         if request.processing is None and (params.uses_penalties or params.uses_token_bias):
             request.processing = request_processing(params, self.stop_rule.eos_token_ids, NO_VOCABULARY_LIMIT,
                                                     self.stop_rule.tokenizer)
+        if request.grammar is not None:
+            self.num_structured += 1
         if after is None:
             self.waiting.append(request)
         else:
@@ -268,6 +278,8 @@ class Scheduler:
             step.num_top_logprobs = int(batch.num_top_logprobs[rows].max())
         if batch.num_wanting_prompt_logprobs:
             step.prompt_logprobs = self._prompt_logprobs_inputs(requests, cached, query_lens)
+        if self.num_structured:
+            self._grammar_masks(step)
         self.num_steps += 1
         self._advance(step)
         return step
@@ -303,6 +315,20 @@ class Scheduler:
             top_p=filter_param(batch.top_p, batch.num_using_top_p),
             min_p=filter_param(batch.min_p, batch.num_using_min_p), seeds=batch.seed[rows],
             offsets=batch.num_tokens[rows] - batch.num_prompt_tokens[rows], processing=processing)
+
+    def _grammar_masks(self, step: ScheduledStep) -> None:
+        """The bitmask of the step's rows that sample a token under a grammar (before ``_advance``:
+        a row samples when this step computes its last known token). Their previous tokens are all
+        recorded: the engine does not schedule ahead while a request has a grammar."""
+        produces = step.cached_lens + step.query_lens == self.batch.num_tokens[step.rows]
+        rows = [i for i, r in enumerate(step.requests) if r.grammar is not None and produces[i]]
+        if not rows:
+            return
+        if step.sampling.processing is None:
+            step.sampling.processing = LogitsProcessing()
+        step.sampling.processing.mask_rows = np.array(rows, dtype=np.int64)
+        step.sampling.processing.token_bitmask = structured_output.fill_bitmask(
+            [step.requests[i].grammar for i in rows])
 
     def _prompt_logprobs_inputs(self, requests, cached, query_lens) -> PromptLogprobsInputs | None:
         """The prompt positions whose log-probs this step computes: position p of a row's chunk gives
@@ -402,12 +428,27 @@ class Scheduler:
         batch.pending_index[rows[batch.pending_step[rows] == step.step_id]] = -1
 
         finish_reasons = {}
-        for i in np.flatnonzero(self.stop_rule.may_stop(tokens, num_tokens, limits, stops_at_eos, checks)).tolist():
+        may_stop = self.stop_rule.may_stop(tokens, num_tokens, limits, stops_at_eos, checks)
+        if self.num_structured:  # advance the grammars; one that is complete finishes its request
+            may_stop |= structured_output.advance(requests, token_list)
+        for i in np.flatnonzero(may_stop).tolist():
             reason = self.stop_rule.finish_reason(requests[i])
+            if reason is None and requests[i].grammar is not None and requests[i].grammar.done:
+                reason = self._grammar_finish(requests[i])
             if reason is not None:
                 self.finish(requests[i], reason)
                 finish_reasons[i] = reason
         return StepRecord(requests, tokens, num_tokens, finish_reasons)
+
+    def _grammar_finish(self, request: Request) -> str:
+        """A request whose grammar is complete (its last token a stop token the grammar accepted, whose
+        text is left out, as EOS's) or refused a token: "stop"."""
+        detokenizer, num_output = request.detokenizer, request.num_output_tokens
+        is_stop_token = request.token_ids[-1] in self.stop_rule.eos_token_ids
+        if detokenizer is not None:
+            keep_last = request.params.include_stop_str_in_output or not is_stop_token
+            detokenizer.finish(num_output if keep_last else num_output - 1)
+        return "stop"
 
     # ------------------------------------------------------------------ prefix cache
 
@@ -470,6 +511,9 @@ class Scheduler:
                 self.waiting.remove(request)
         request.status = Status.FINISHED
         request.finish_reason = reason
+        if request.grammar is not None:  # the matcher's memory goes now, whatever ended the request
+            request.grammar = None
+            self.num_structured -= 1
 
 
 def _record_prompt_logprobs(inputs: PromptLogprobsInputs, results: list) -> None:

@@ -92,5 +92,10 @@ class Tokenizer:
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
     @property
+    def backend(self):
+        """The underlying ``tokenizers.Tokenizer`` (what a grammar library reads the vocabulary from)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()

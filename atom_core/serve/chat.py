@@ -3,8 +3,8 @@
 The conversation goes through ``Tokenizer.apply_chat_template`` (the template ``Engine.chat``
 renders; the server's ``--chat-template`` replaces the model's), ``tools`` and
 ``chat_template_kwargs`` are passed to the template. The assistant's text is returned as it is:
-tool calls are not parsed out of it, and ``response_format`` other than "text" (JSON output
-through a grammar) is not supported yet (400).
+tool calls are not parsed out of it. ``response_format`` (json_object, json_schema) and vLLM's
+``guided_*`` / ``structured_outputs`` constrain it through a grammar (docs/serving.md).
 
 Streaming follows OpenAI's chunks: first a ``{"role": "assistant", "content": ""}`` delta per
 choice, then ``{"content": ...}`` deltas with the choice's ``finish_reason`` on its last one, then
@@ -27,9 +27,6 @@ class ChatJob:
     def __init__(self, ctx: ServerContext, req: ChatCompletionRequest):
         self.ctx, self.req = ctx, req
         ctx.check_model(req.model)
-        if req.response_format is not None and req.response_format.type != "text":
-            raise APIError(400, f"response_format {req.response_format.type!r} is not supported yet (structured "
-                                f"output); only 'text'", param="response_format", code="unsupported")
         if req.tool_choice not in (None, "none", "auto"):
             raise APIError(400, "tool_choice: only 'none' and 'auto' are supported (tool calls are not parsed)",
                            param="tool_choice", code="unsupported")
@@ -70,7 +67,8 @@ class ChatJob:
         return token_ids
 
     async def start(self) -> None:
-        self.stream = (await self.ctx.add_requests([self.prompt], self.params))[0]
+        self.stream = (await self.ctx.add_requests([self.prompt], self.params,
+                                                   structured_param=self.req.structured_output()[1]))[0]
 
     def abort(self) -> None:
         """Abort the request if it still runs (the response ended early: idempotent)."""

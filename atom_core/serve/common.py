@@ -116,8 +116,11 @@ class ServerContext:
 
     # ---- running requests
 
-    async def add_requests(self, prompts: list[list[int]], params: SamplingParams) -> list[RequestStream]:
-        """One stream per prompt; on any refusal the ones already added are aborted."""
+    async def add_requests(self, prompts: list[list[int]], params: SamplingParams,
+                           structured_param: str | None = None) -> list[RequestStream]:
+        """One stream per prompt; on any refusal the ones already added are aborted. A structured-output
+        constraint the engine refuses (a schema, regex or grammar that does not compile) is a 400
+        naming ``structured_param``, the request field that asked for it."""
         streams: list[RequestStream] = []
         try:
             for token_ids in prompts:
@@ -132,7 +135,10 @@ class ServerContext:
                 raise APIError(503, str(e), code="shutting_down") from None
             if isinstance(e, (ValueError, TypeError)):
                 self.metrics.rejected.labels(reason="invalid").inc()
-                raise APIError(400, str(e), param=sampling_param_of(str(e))) from None
+                param = sampling_param_of(str(e))
+                if structured_param and param and param.startswith("structured_outputs"):
+                    param = structured_param
+                raise APIError(400, str(e), param=param) from None
             raise
         self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
         return streams

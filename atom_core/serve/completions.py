@@ -55,7 +55,8 @@ class CompletionJob:
         self.streams: list[RequestStream] = []
 
     async def start(self) -> None:
-        self.streams = await self.ctx.add_requests([p.token_ids for p in self.prompts], self.params)
+        self.streams = await self.ctx.add_requests([p.token_ids for p in self.prompts], self.params,
+                                                   structured_param=self.req.structured_output()[1])
 
     def abort(self) -> None:
         """Abort the requests still running (the response ended early: idempotent)."""

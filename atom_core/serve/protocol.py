@@ -6,6 +6,11 @@ is a 400 naming the field. Fields OpenAI's API defines keep their names and rang
 [0, 2], penalties [-2, 2], top_logprobs <= 20, ...); vLLM's extra sampling fields (``top_k``,
 ``min_p``, ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos``, ...) are
 accepted too. Unknown fields are ignored, as OpenAI's own server does for fields it retired.
+
+Structured output, on both endpoints: OpenAI's ``response_format`` (``{"type": "text"}``,
+``{"type": "json_object"}``, ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``)
+and vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` or
+``structured_outputs`` (a dict of ``StructuredOutputsParams`` fields); at most one of them.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from atom_core.engine.sampling_params import SamplingParams
+from atom_core.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a bias value; larger ones are clamped to it
 MAX_STOP_STRINGS = 16
@@ -68,6 +73,21 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    """``response_format.json_schema``: OpenAI's. ``strict`` is accepted either way: the output always
+    follows the schema (xgrammar's strict mode: no properties the schema does not name)."""
+
+    name: str = Field(min_length=1, max_length=64)
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
 class _SamplingFields(_Strict):
     """Sampling fields the two endpoints share (OpenAI's, then vLLM's extras)."""
 
@@ -94,6 +114,53 @@ class _SamplingFields(_Strict):
     skip_special_tokens: bool = True
     allowed_token_ids: Optional[list[int]] = None
     bad_words: Optional[list[str]] = None
+    # structured output: OpenAI's response_format, or vLLM's extras
+    response_format: Optional[ResponseFormat] = None
+    guided_json: Optional[Any] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    structured_outputs: Optional[dict[str, Any]] = None
+
+    @field_validator("guided_json", mode="plain")
+    @classmethod
+    def _guided_json(cls, value):
+        if value is not None and not isinstance(value, (dict, str)):
+            raise ValueError("must be a JSON schema (an object) or its JSON text")
+        return value
+
+    def structured_output(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The request's ``StructuredOutputsParams`` and the field that asked (None, None without);
+        RequestError naming the field."""
+        asked = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type != "text":
+            if fmt.type == "json_object":
+                asked.append(("response_format", {"json_object": True}))
+            elif fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise RequestError("response_format: type 'json_schema' needs json_schema.schema", "response_format")
+            else:
+                asked.append(("response_format", {"json": fmt.json_schema.schema_}))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                          ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                asked.append((name, {key: getattr(self, name)}))
+        if self.structured_outputs is not None:
+            asked.append(("structured_outputs", self.structured_outputs))
+        if not asked:
+            return None, None
+        if len(asked) > 1:
+            names = [name for name, _ in asked]
+            raise RequestError(f"structured output: at most one of response_format (json), guided_json, guided_regex, "
+                               f"guided_choice, guided_grammar and structured_outputs, got {names}", names[1])
+        param, fields = asked[0]
+        try:
+            return StructuredOutputsParams(**fields), param
+        except TypeError as e:
+            raise RequestError(f"{param}: not StructuredOutputsParams fields ({e})", param) from None
+        except ValueError as e:
+            message = str(e).removeprefix("SamplingParams.structured_outputs")
+            raise RequestError(f"{param}{'' if message.startswith(':') else ' '}{message}", param) from None
 
     @field_validator("stop", mode="plain")
     @classmethod
@@ -117,6 +184,7 @@ class _SamplingFields(_Strict):
         """The engine's parameters for this request; unset fields take ``default`` (the model's
         generation_config) where it has them. Raises RequestError naming the field."""
         default = default or SamplingParams()
+        structured, _ = self.structured_output()
 
         def pick(value, fallback):
             return fallback if value is None else value
@@ -133,7 +201,8 @@ class _SamplingFields(_Strict):
                 min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens, allowed_token_ids=self.allowed_token_ids,
-                bad_words=self.bad_words, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                bad_words=self.bad_words, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                structured_outputs=structured)
         except ValueError as e:
             raise RequestError(str(e), param=sampling_param_of(str(e))) from None
 
@@ -193,10 +262,6 @@ class ChatMessage(BaseModel):
         raise ValueError("content must be a string or a list of text parts")
 
 
-class ResponseFormat(_Strict):
-    type: Literal["text", "json_object", "json_schema"]
-
-
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``."""
 
@@ -205,7 +270,6 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    response_format: Optional[ResponseFormat] = None
     tools: Optional[list[dict]] = None
     tool_choice: Optional[Any] = None
     add_generation_prompt: bool = True

@@ -127,11 +127,25 @@ def test_absurd_values_are_a_400(server, unharmed, path, body, param):
     assert_error(request(server, "POST", path, body), 400, param=param)
 
 
-@pytest.mark.parametrize("format", [{"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x"}}])
-def test_structured_output_says_not_supported_yet(server, unharmed, format):
-    error = assert_error(request(server, "POST", "/v1/chat/completions", chat(response_format=format)), 400,
-                         param="response_format", code="unsupported")
-    assert "not supported yet" in error["message"]
+@pytest.mark.parametrize("path, body, param, message", [
+    ("/v1/chat/completions", chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+     "response_format", "needs json_schema.schema"),
+    ("/v1/chat/completions", chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "nonsense"}}}), "response_format", "Unsupported type"),
+    ("/v1/completions", completion(guided_regex="[a-z"), "guided_regex", "Unclosed"),
+    ("/v1/completions", completion(guided_json=5), "guided_json", "JSON schema"),
+    ("/v1/completions", completion(guided_choice=[]), "guided_choice", "non-empty list"),
+    ("/v1/completions", completion(guided_grammar='root ::= "a" |'), "guided_grammar", "EBNF"),
+    ("/v1/completions", completion(structured_outputs={"regex": "a", "choice": ["b"]}), "structured_outputs",
+     "exactly one of"),
+    ("/v1/completions", completion(structured_outputs={"jsn": {}}), "structured_outputs", "not StructuredOutputs"),
+    ("/v1/chat/completions", chat(response_format={"type": "json_object"}, guided_regex="a+"), "guided_regex",
+     "at most one of"),
+], ids=lambda v: json.dumps(v)[:60] if isinstance(v, dict) else None)
+def test_bad_structured_output_is_a_400_naming_the_field(server, unharmed, path, body, param, message):
+    pytest.importorskip("xgrammar")
+    error = assert_error(request(server, "POST", path, body), 400, param=param)
+    assert message in error["message"]
 
 
 def test_too_long_prompts_are_a_400_context_length_exceeded(server, unharmed):

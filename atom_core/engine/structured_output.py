@@ -1,0 +1,174 @@
+"""Structured output: a request's output constrained by a JSON schema, a regex, a choice of strings or
+a grammar, through the grammar library xgrammar (the ``structured`` extra; docs/sampling.md says why
+xgrammar, with the measured numbers).
+
+The pieces, and who owns them:
+
+* ``StructuredOutputsParams`` (``sampling_params``): what a request asks for, checked alone.
+* ``GrammarCompiler`` (one per engine, made at the first request that asks): the tokenizer's
+  vocabulary as xgrammar sees it and xgrammar's compiler with its cache (a schema asked for twice
+  compiles once). ``compile`` turns a request's ``StructuredOutputsParams`` into a compiled grammar,
+  or raises ValueError naming the problem — ``Engine.add_request`` calls it before queueing.
+* ``GrammarState`` (one per sequence, ``Request.grammar``): a matcher advanced by each of the
+  sequence's accepted tokens (``Scheduler.record``); freed (set to None) when the request finishes
+  or is aborted. A preemption keeps it: the recomputed request continues from the same tokens, so
+  the matcher that consumed them stays right.
+* The step's mask: ``Scheduler`` asks :func:`fill_bitmask` for the packed bitmask (int32 [G, W]) of
+  the G rows of the step that sample a constrained token, and the runner applies it on the device
+  (``ops.apply_token_mask_``) before any other logits processing.
+
+Masks need each row's previous token on the host, so the engine does not launch a step ahead
+(async scheduling) while a request with structured output is unfinished: those steps run in order,
+with the host between them (docs/sampling.md, "Structured output").
+
+``import atom_core`` never imports xgrammar; a request that asks for structured output without it
+installed gets ``StructuredOutputUnavailableError`` (a ValueError) naming the extra.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+
+import numpy as np
+
+from atom_core.engine.sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+EXTRA = "structured"
+INSTALL_HINT = f"pip install 'atom_core[{EXTRA}]'"
+MAX_COMPILE_THREADS = 8
+_XGRAMMAR_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+
+
+class StructuredOutputUnavailableError(ValueError):
+    """Structured output was asked for, but the grammar library is not installed."""
+
+
+def import_xgrammar():
+    """The xgrammar module, or StructuredOutputUnavailableError naming the extra to install."""
+    try:
+        import xgrammar
+    except ImportError as e:
+        raise StructuredOutputUnavailableError(
+            f"SamplingParams.structured_outputs: structured output needs the grammar library xgrammar, which "
+            f"is not installed ({e}): {INSTALL_HINT}") from None
+    return xgrammar
+
+
+def _library_message(error: Exception) -> str:
+    """xgrammar's error text without its log prefix ("[09:05:14] /project/cpp/x.cc:94: ")."""
+    return _XGRAMMAR_LOG_PREFIX.sub("", str(error).strip())
+
+
+def choice_grammar(choices) -> str:
+    """An EBNF grammar (xgrammar's dialect) whose language is exactly the given strings."""
+    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+
+
+class GrammarCompiler:
+    """xgrammar's view of a tokenizer's vocabulary, and a caching compiler over it.
+
+    ``tokenizer``: the engine's ``Tokenizer``; ``vocab_size``: the model's (the logits' width, which
+    may exceed the tokenizer's: the extra ids are never allowed); ``stop_token_ids``: the ids that
+    end a completed grammar (the engine's EOS ids).
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids):
+        xgr = import_xgrammar()
+        self.xgr = xgr
+        backend = tokenizer.backend
+        encoded = [""] * vocab_size
+        for token, i in backend.get_vocab(with_added_tokens=True).items():
+            if i < vocab_size:
+                encoded[i] = token
+        # xgrammar reads the vocabulary's encoding (byte-level, byte-fallback or raw) and whether a
+        # leading space is added from the tokenizer.json, as its own from_huggingface does.
+        metadata = xgr.TokenizerInfo._detect_metadata_from_hf(backend.to_str())
+        stop = sorted(int(t) for t in stop_token_ids if 0 <= t < vocab_size)
+        self.info = xgr.TokenizerInfo(encoded, vocab_type=metadata["vocab_type"], vocab_size=vocab_size,
+                                      stop_token_ids=stop or None, add_prefix_space=metadata["add_prefix_space"])
+        self.vocab_size = vocab_size
+        threads = max(1, min(MAX_COMPILE_THREADS, os.cpu_count() or 1))
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=threads, cache_enabled=True)
+
+    def compile(self, spec: StructuredOutputsParams):
+        """The compiled grammar of ``spec`` (cached by xgrammar); ValueError naming the field and why."""
+        kind = spec.kind
+        whitespace = not spec.disable_any_whitespace
+        try:
+            if kind == "json":
+                return self.compiler.compile_json_schema(spec.json_schema_text, any_whitespace=whitespace)
+            if kind == "json_object":  # any JSON object (strict_mode=False: any properties)
+                return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=whitespace,
+                                                         strict_mode=False)
+            if kind == "regex":
+                return self.compiler.compile_regex(spec.regex)
+            if kind == "choice":
+                return self.compiler.compile_grammar(choice_grammar(spec.choice))
+            return self.compiler.compile_grammar(spec.grammar)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise ValueError(f"SamplingParams.structured_outputs.{kind}: {_library_message(e)}") from None
+
+    def new_state(self, compiled) -> GrammarState:
+        return GrammarState(self.xgr.GrammarMatcher(compiled), self.vocab_size)
+
+
+class GrammarState:
+    """One sequence's place in its grammar: ``accept(token)`` after each sampled token, ``fill(bitmask,
+    i)`` for the next token's mask. ``done``: the grammar reached its end (a stop token accepted) or
+    refused a token (only when the sampler could not follow the mask: every allowed token was banned
+    by another rule, e.g. ``min_tokens`` banning the EOS a finished grammar asks for)."""
+
+    __slots__ = ("__weakref__", "matcher", "num_accepted", "refused", "vocab_size")
+
+    def __init__(self, matcher, vocab_size: int):
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+        self.num_accepted = 0
+        self.refused = False
+
+    def accept(self, token: int) -> bool:
+        if self.matcher.accept_token(token):
+            self.num_accepted += 1
+            return True
+        self.refused = True
+        return False
+
+    @property
+    def terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    @property
+    def done(self) -> bool:
+        return self.refused or self.matcher.is_terminated()
+
+
+def fill_bitmask(states: list[GrammarState]) -> np.ndarray:
+    """int32 [G, W] (W = ceil(V / 32)): the next-token bitmask of each state (``ops.apply_token_mask_``'s
+    layout: bit v % 32 of word v // 32 = token v allowed)."""
+    import torch
+
+    bitmask = torch.full((len(states), (states[0].vocab_size + 31) // 32), -1, dtype=torch.int32)
+    for i, state in enumerate(states):
+        if not state.done:
+            state.matcher.fill_next_token_bitmask(bitmask, i)
+    return bitmask.numpy()
+
+
+def advance(requests, tokens: list[int]) -> np.ndarray:
+    """Feed each request's new token to its grammar (requests without one are skipped); bool [N]: the
+    rows whose grammar is now done (they finish)."""
+    done = np.zeros(len(requests), dtype=bool)
+    for i, (request, token) in enumerate(zip(requests, tokens)):
+        state = request.grammar
+        if state is None:
+            continue
+        if not state.accept(token):
+            logger.warning("request %d: token %d is outside its grammar (every token the grammar allowed was "
+                           "banned by another rule); it stops here", request.request_id, token)
+        done[i] = state.done
+    return done

@@ -1,0 +1,210 @@
+"""Structured output through the engine, on the demo model (random-ish text: the tokens mean nothing, but
+every output must satisfy its constraint): JSON schema, regex, choice, EBNF grammar and any JSON
+object, with async scheduling on and off, beside plain requests that must not notice; a complete
+grammar finishes the request ("stop", also with ignore_eos); preemption keeps the matcher in step;
+abort and finish free it and async scheduling resumes; refusals before anything is queued."""
+
+import gc
+import json
+import re
+import subprocess
+import sys
+import weakref
+
+import pytest
+
+from atom_core import ops
+from atom_core.engine import Engine, SamplingParams
+from atom_core.engine.sampling_params import StructuredOutputsParams
+
+pytest.importorskip("xgrammar")
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "member": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"type": "string", "enum": ["red", "green"]}, "maxItems": 2},
+    },
+    "required": ["name", "age", "member", "tags"],
+    "additionalProperties": False,
+}
+REGEX = r"[a-z]{2,5}( [a-z]{2,5}){0,2}\."
+CHOICES = ["yes", "no", "maybe later"]
+GRAMMAR = 'root ::= "(" [0-9] [0-9]? (("+" | "*") [0-9] [0-9]?)? ")"'
+GRAMMAR_REGEX = r"\([0-9][0-9]?([+*][0-9][0-9]?)?\)"
+
+
+def check_schema(value) -> None:
+    """SCHEMA, checked by hand."""
+    assert isinstance(value, dict) and set(value) == {"name", "age", "member", "tags"}
+    assert isinstance(value["name"], str) and len(value["name"]) <= 6
+    assert isinstance(value["age"], int) and not isinstance(value["age"], bool) and 0 <= value["age"] <= 120
+    assert isinstance(value["member"], bool)
+    assert isinstance(value["tags"], list) and len(value["tags"]) <= 2
+    assert all(t in ("red", "green") for t in value["tags"])
+
+
+def check(kind: str, out) -> None:
+    """The output satisfies its constraint (a complete one: each of these grammars ends)."""
+    assert out.finish_reason == "stop", (kind, out.text)
+    if kind == "json":
+        check_schema(json.loads(out.text))
+    elif kind == "regex":
+        assert re.fullmatch(REGEX, out.text), out.text
+    elif kind == "choice":
+        assert out.text in CHOICES
+    elif kind == "grammar":
+        assert re.fullmatch(GRAMMAR_REGEX, out.text), out.text
+
+
+CONSTRAINTS = {
+    "json": StructuredOutputsParams(json=SCHEMA),
+    "regex": StructuredOutputsParams(regex=REGEX),
+    "choice": StructuredOutputsParams(choice=CHOICES),
+    "grammar": StructuredOutputsParams(grammar=GRAMMAR),
+}
+PROMPTS = ["Return the value of", "If the file does not exist,", "The default is", "Note that the"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _torch_backend():
+    """The reference ops (the suite sets TRITON_INTERPRET=1, under which auto picks Triton's CPU
+    interpreter for some ops: seconds per step); the Triton mask kernel is tested in tests/ops."""
+    with ops.use_backend("torch"):
+        yield
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine.from_pretrained(max_num_seqs=16)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_every_output_satisfies_its_constraint_and_plain_rows_do_not_notice(engine, async_scheduling):
+    engine.async_scheduling = async_scheduling
+    plain = SamplingParams(temperature=1.0, seed=7, max_tokens=24, ignore_eos=True)
+    alone = engine.generate(PROMPTS[0], plain, use_tqdm=False)[0].token_ids
+    kinds, params = [], []
+    for seed in range(2):
+        for kind, constraint in CONSTRAINTS.items():
+            kinds.append(kind)
+            params.append(SamplingParams(temperature=1.0, seed=seed, max_tokens=100, structured_outputs=constraint))
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
+    outs = engine.generate(prompts + [PROMPTS[0]], params + [plain], use_tqdm=False)
+    for kind, out in zip(kinds, outs):
+        check(kind, out)
+    assert outs[-1].token_ids == alone  # the plain row is not masked by its batch mates' grammars
+    assert engine.scheduler.num_structured == 0
+
+
+def test_any_json_object_is_json_or_a_prefix_of_one(engine):
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=40, structured_outputs={"json_object": True})
+    out = engine.generate("The default is", params, use_tqdm=False)[0]
+    assert out.text.startswith("{")
+    if out.finish_reason == "stop":
+        assert isinstance(json.loads(out.text), dict)
+    else:
+        assert out.finish_reason == "length" and len(out.token_ids) == 40
+
+
+def test_a_complete_grammar_finishes_the_request_even_with_ignore_eos(engine):
+    params = SamplingParams(temperature=1.0, seed=0, max_tokens=50, ignore_eos=True, structured_outputs={
+        "choice": CHOICES})
+    out = engine.generate("Note that the", params, use_tqdm=False)[0]
+    assert out.finish_reason == "stop" and out.text in CHOICES
+    assert out.token_ids[-1] in engine.eos_token_ids  # the stop token the grammar asked for ends it
+    assert len(out.token_ids) < 50
+
+
+def test_n_sequences_each_follow_the_grammar(engine):
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=60, structured_outputs={"regex": REGEX})
+    out = engine.generate("Return the value of", params, use_tqdm=False)[0]
+    assert [seq.index for seq in out.outputs] == [0, 1, 2]
+    for seq in out.outputs:
+        check("regex", seq)
+
+
+def test_preemption_keeps_the_grammar_in_step_with_the_recomputed_tokens():
+    """Greedy outputs with preemptions (a pool too small for every row) equal those without."""
+    params = [SamplingParams(temperature=0.0, max_tokens=100, structured_outputs=CONSTRAINTS[kind])
+              for kind in ("json", "regex", "grammar", "json")]
+    prompts = [PROMPTS[i] * 3 for i in range(4)]  # longer prompts: more blocks to take back
+    roomy = Engine.from_pretrained(max_num_seqs=8)
+    want = [o.token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
+    del roomy
+    tight = Engine.from_pretrained(max_num_seqs=8, block_size=4, num_kv_blocks=34, max_model_len=128)
+    outs = tight.generate(prompts, params, use_tqdm=False)
+    assert tight.num_preemptions > 0
+    assert [o.token_ids for o in outs] == want
+    for kind, out in zip(("json", "regex", "grammar", "json"), outs):
+        check(kind, out)
+
+
+def test_abort_and_finish_free_the_matcher_and_async_scheduling_resumes(engine):
+    engine.async_scheduling = True
+    rid = engine.add_request("Return the value of", SamplingParams(max_tokens=80, structured_outputs={
+        "json": SCHEMA}))
+    request = engine._requests[rid][0]
+    engine.step()
+    engine.step()
+    assert engine._in_flight is None  # no step launched ahead while a grammar runs
+    state = weakref.ref(request.grammar)
+    assert request.grammar.num_accepted >= 1
+    engine.abort(rid)
+    assert request.grammar is None and engine.scheduler.num_structured == 0
+    gc.collect()
+    assert state() is None  # nothing else holds the matcher
+    engine.add_request("The default is", SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.step()
+    assert engine._in_flight is not None  # plain requests only: the next step is launched ahead again
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("structured, match", [
+    ({"json": {"type": "nonsense"}}, r"structured_outputs\.json: Unsupported type"),
+    ({"json": {"$ref": "#/missing"}}, r"structured_outputs\.json: .*missing"),
+    ({"regex": "[a-z"}, r"structured_outputs\.regex: .*Unclosed"),
+    ({"grammar": 'root ::= "a" |'}, r"structured_outputs\.grammar: EBNF parser error"),
+    ({"json": "{not json"}, r"structured_outputs\.json=.*not valid JSON"),
+    ({"regex": "a", "choice": ["b"]}, "exactly one of json, regex, choice, grammar, json_object"),
+    ({"choice": []}, r"structured_outputs\.choice=\[\]: must be a non-empty list"),
+    ({"jsn": {}}, "not StructuredOutputsParams fields"),
+])
+def test_bad_constraints_are_refused_by_name_before_anything_is_queued(engine, structured, match):
+    with pytest.raises(ValueError, match=match):
+        engine.add_request("Return the", SamplingParams(structured_outputs=structured))
+    with pytest.raises(ValueError, match=match):  # generate checks every prompt before queueing any
+        engine.generate(["Return the", "The file"], [SamplingParams(), SamplingParams(structured_outputs=structured)],
+                        use_tqdm=False)
+    assert not engine.has_unfinished_requests()
+
+
+def test_without_a_tokenizer_or_without_xgrammar_the_request_is_refused(engine, monkeypatch):
+    from atom_core.engine import structured_output
+
+    params = SamplingParams(structured_outputs={"regex": "a+"})
+    bare = Engine(engine.model, None, max_num_seqs=2, warmup=False)
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        bare.add_request([1, 2, 3], params)
+    del bare
+    engine.runner.bind()
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # import xgrammar -> ImportError
+    with pytest.raises(structured_output.StructuredOutputUnavailableError, match=r"atom_core\[structured\]"):
+        structured_output.import_xgrammar()
+    fresh = Engine(engine.model, engine.tokenizer, max_num_seqs=2, warmup=False)
+    with pytest.raises(ValueError, match=r"pip install 'atom_core\[structured\]'"):
+        fresh.add_request("Return the", params)
+    assert not fresh.has_unfinished_requests()
+    del fresh
+    engine.runner.bind()
+
+
+def test_importing_atom_core_does_not_import_the_grammar_library():
+    code = ("import sys, atom_core, atom_core.engine, atom_core.engine.structured_output; "
+            "from atom_core.engine import Engine, SamplingParams; "
+            "assert 'xgrammar' not in sys.modules, 'xgrammar imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
