@@ -9,7 +9,9 @@
 Rows: ``one engine`` (``Engine.from_pretrained`` in this process: what a user runs without data
 parallelism, the baseline), ``front, 1 replica`` (the same engine in a replica process behind the front:
 what the front costs; ``--no-front-1`` leaves it out) and ``front, M replicas``; ``vs_one_engine`` is a
-row's throughput over the baseline's. Each system builds its engine(s), runs a warm-up ``generate`` of 8
+row's throughput over the baseline's. ``steps`` / ``ms_per_step``: per engine, its ``step()`` calls in
+the timed run and their mean wall time (M replicas scale by about ``steps x ms`` of one engine over the
+slowest replica's: the step time at 1/M of the rows is what data parallelism buys). Each system builds its engine(s), runs a warm-up ``generate`` of 8
 short requests, then the whole workload once (timed: output tokens / wall time of ``generate``).
 
 Weights are dummy (random, drawn by each replica: the tokens differ between systems, their count does
@@ -59,25 +61,47 @@ def run_system(label: str, folder: Path, args, prompts, output_lens, data_parall
         engine = DataParallelEngine(folder, data_parallel_size=data_parallel_size, **engine_args)
     construct_s = time.perf_counter() - t0
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in output_lens]
+    steps = [0, 0.0]  # one engine's step() calls in the timed run and their time
+    if data_parallel_size is None:
+        step = engine.step
+
+        def timed_step():
+            start = time.perf_counter()
+            try:
+                return step()
+            finally:
+                steps[0] += 1
+                steps[1] += time.perf_counter() - start
+
     with engine:
         engine.generate([p[:16] for p in prompts[:8]], SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=8),
                         use_tqdm=False)  # warm-up
-        before = engine.requests_per_replica if data_parallel_size is not None else None
+        if data_parallel_size is None:
+            engine.step = timed_step  # (generate calls self.step)
+            before = None
+        else:
+            before = engine.requests_per_replica, engine.replica_stats()
         _sync(args.device)
         t0 = time.perf_counter()
         outs = engine.generate(prompts, params, use_tqdm=False)
         _sync(args.device)
         seconds = time.perf_counter() - t0
         if data_parallel_size is None:
-            preemptions, per_replica = engine.num_preemptions, [len(prompts)]
+            preemptions, per_replica, step_counts = engine.num_preemptions, [len(prompts)], [steps]
         else:
-            preemptions = sum(s["num_preemptions"] for s in engine.replica_stats())
-            per_replica = [n - b for n, b in zip(engine.requests_per_replica, before)]  # the workload's only
+            after = engine.replica_stats()
+            preemptions = sum(a["num_preemptions"] - b["num_preemptions"] for a, b in zip(after, before[1]))
+            per_replica = [n - b for n, b in zip(engine.requests_per_replica, before[0])]  # the workload's only
+            step_counts = [(a["steps"] - b["steps"], a["step_seconds"] - b["step_seconds"])
+                           for a, b in zip(after, before[1])]
     tokens = sum(len(o.token_ids) for o in outs)
     row = {"model": args.model, "system": label, "replicas": data_parallel_size or 1, "tp": args.tensor_parallel_size,
            "seqs": len(prompts), "output_tokens": tokens, "seconds": seconds, "tok_per_s": tokens / seconds,
            "construct_s": construct_s, "preemptions": preemptions,
-           "requests_per_replica": "/".join(map(str, per_replica))}
+           "requests_per_replica": "/".join(map(str, per_replica)),
+           # per engine: steps of the timed run and the mean wall time of one engine.step() call
+           "steps": "/".join(str(n) for n, _ in step_counts),
+           "ms_per_step": "/".join(f"{t / max(n, 1) * 1e3:.2f}" for n, t in step_counts)}
     print(row, flush=True)
     del engine, outs
     gc.collect()

@@ -376,8 +376,9 @@ class DataParallelEngine:
         """Each replica engine's counters, asked for now (one round trip, between its steps): ``unfinished``
         (sequences), ``unfinished_ids`` (its unfinished request ids), ``num_preemptions``, ``free_blocks`` and
         ``num_blocks`` of its KV pool, ``prefix_cache``
-        (queries, hits, query tokens, hit tokens), its ``device`` and ``visible_gpus`` (its
-        CUDA_VISIBLE_DEVICES, None on a CPU). Outputs that
+        (queries, hits, query tokens, hit tokens), ``steps`` and ``step_seconds`` (its ``engine.step()``
+        calls so far and their time), its ``device`` and ``visible_gpus`` (its CUDA_VISIBLE_DEVICES, None
+        on a CPU). Outputs that
         arrive meanwhile are kept for the next ``step()``."""
         self._check_usable()
         for replica in self._replicas:
@@ -666,6 +667,7 @@ def _serve(engine: Engine, conn: Connection) -> bool:
     step's outputs. Returns True when the front said shutdown, False when the engine can no longer run."""
     watched: dict[int, Request] = {}  # sequences whose next output carries extras (see _outputs_message)
     last_counters = time.monotonic()
+    timing = {"steps": 0, "step_seconds": 0.0}  # engine.step() calls and the time spent in them
     while True:
         busy = engine.has_unfinished_requests()
         while not busy or conn.poll():
@@ -683,10 +685,11 @@ def _serve(engine: Engine, conn: Connection) -> bool:
             elif command[0] == ABORT:
                 engine.abort(command[1])
             elif command[0] == STATS:
-                conn.send((STATS, _counters(engine)))
+                conn.send((STATS, _counters(engine, timing)))
             elif command[0] == SHUTDOWN:
                 return True
             busy = engine.has_unfinished_requests()
+        start = time.perf_counter()
         try:
             outputs = engine.step()
         except DistributedEngineError as error:  # its own worker ranks failed: this replica cannot go on
@@ -695,22 +698,25 @@ def _serve(engine: Engine, conn: Connection) -> bool:
         except Exception as error:  # noqa: BLE001 - the step's requests finished with "error"; others go on
             conn.send((STEP_ERROR, list(engine.failed_request_ids), f"{type(error).__name__}: {error}"))
             continue
+        timing["steps"] += 1
+        timing["step_seconds"] += time.perf_counter() - start
         now = time.monotonic()
         counters = None
         if now - last_counters >= COUNTERS_EVERY_S or not engine.has_unfinished_requests():
-            counters, last_counters = _counters(engine), now
+            counters, last_counters = _counters(engine, timing), now
         conn.send(_outputs_message(outputs, watched) + (counters,))
 
 
-def _counters(engine: Engine) -> dict:
-    """A replica engine's counters (``DataParallelEngine.replica_stats``)."""
+def _counters(engine: Engine, timing: dict | None = None) -> dict:
+    """A replica engine's counters (``DataParallelEngine.replica_stats``); ``timing``: its steps so far."""
     bm = engine.block_manager
     prefix = bm.stats
     return {"unfinished": engine._num_unfinished(), "unfinished_ids": sorted(engine._requests),
             "num_preemptions": engine.num_preemptions,
             "free_blocks": bm.num_free_blocks, "num_blocks": bm.num_blocks,
             "prefix_cache": (prefix.queries, prefix.hits, prefix.query_tokens, prefix.hit_tokens),
-            "device": str(engine.device), "visible_gpus": os.environ.get("CUDA_VISIBLE_DEVICES")}
+            "device": str(engine.device), "visible_gpus": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            **(timing or {"steps": 0, "step_seconds": 0.0})}
 
 
 def _outputs_message(outputs: StepOutputs, watched: dict[int, Request]) -> tuple:
