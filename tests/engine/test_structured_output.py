@@ -208,3 +208,14 @@ def test_importing_atom_core_does_not_import_the_grammar_library():
             "from atom_core.engine import Engine, SamplingParams; "
             "assert 'xgrammar' not in sys.modules, 'xgrammar imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_the_benchmark_script_runs_and_records_the_library_versions(tmp_path):
+    from benchmarks import structured_output as bench
+
+    path = tmp_path / "out.json"
+    bench.main(["--smoke", "--section", "libraries", "--libraries", "xgrammar", "--json", str(path)])
+    data = json.loads(path.read_text())
+    assert data["meta"]["libraries"]["xgrammar"] and data["meta"]["tokenizer"]["sha256"]
+    assert {row["case"] for row in data["rows"]} == {"json", "regex"}
+    assert all(row["mask_us_p50"] > 0 for row in data["rows"])
