@@ -199,11 +199,13 @@ def _check_topk_args(q, weights, indexer_cache, block_tables, cu_seqlens_q, cont
 
 def check_topk_indices(topk_indices: Tensor, cu_seqlens_q: Tensor, context_lens: Tensor) -> None:
     """Contents (debug mode): every entry is -1 or a position the query may see (0 .. p, p its position),
-    and no position repeats within a query's entries."""
+    and no position repeats within a query's entries. Padding rows (context 0) are not read."""
     if not contents_readable(topk_indices, cu_seqlens_q, context_lens):
         return
     indices, cu, context = topk_indices.cpu().long(), cu_seqlens_q.cpu().long(), context_lens.cpu().long()
     for row in range(context.numel()):
+        if int(context[row]) == 0:  # padding: attention reads nothing and outputs zeros, whatever it selects
+            continue
         first, last = int(cu[row]), int(cu[row + 1])
         position = int(context[row]) - (last - first) + torch.arange(last - first)        # p of each query
         block = indices[first:last]

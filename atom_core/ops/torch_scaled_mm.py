@@ -127,7 +127,8 @@ def block_scales_for_cublas(a_scale, w_scale):
     (the torch meta registration's rules for BlockWise1x128 x BlockWise128x128)."""
     groups = a_scale.shape[1]
     padded = -(-groups // 4) * 4
-    scale_a = a_scale.t().contiguous().t()
+    scale_a = torch.empty_strided(a_scale.shape, (1, a_scale.shape[0]), dtype=a_scale.dtype, device=a_scale.device)
+    scale_a.copy_(a_scale)  # strides (1, M) exactly: .t().contiguous().t() keeps a size-1 dim's stride
     scale_b = w_scale.new_zeros(w_scale.shape[0], padded)
     scale_b[:, :groups] = w_scale
     return scale_a, scale_b.t()

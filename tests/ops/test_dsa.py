@@ -444,3 +444,16 @@ def test_indexer_launch_parameters_for_the_compiled_kernel_pick_warps_by_tile_si
     tile = constexprs["HEADS_PAD"] * constexprs["BLOCK_N"]
     assert constexprs["BLOCK_N"] == 64 and constexprs["KEYS_PER_PROGRAM"] % constexprs["BLOCK_N"] == 0
     assert options["num_warps"] == (4 if tile <= 64 * 64 else 8)
+
+
+def test_topk_index_check_skips_padding_rows_and_still_refuses_a_real_rows_future_position():
+    from atom_core.ops.dsa import check_topk_indices
+
+    # Row 0: two queries at positions 3 and 4 (context 5); row 1: padding (context 0) holding three queries,
+    # as a CUDA graph's padding row does; its entries are never read.
+    cu, context = torch.tensor([0, 2, 5], dtype=torch.int32), torch.tensor([5, 0], dtype=torch.int32)
+    indices = torch.tensor([[3, 0], [4, 1], [7, 9], [-1, -1], [2, 2]], dtype=torch.int32)
+    check_topk_indices(indices, cu, context)
+    indices[0, 0] = 4  # position 4 is after the query at 3
+    with pytest.raises(ValueError, match=r"topk_indices\[0, 0\] = 4: the query at position 3"):
+        check_topk_indices(indices, cu, context)
