@@ -39,8 +39,8 @@ releases' kv_a_proj_with_mqa (576 rows) does.
    continuation then follows another path). Measured (common prefixes of 6 x 8 greedy tokens, v3 / v2_lite /
    v32): FP8 weights against dequantized 19 / 35 / 28 of 48 (first tokens 4 / 5 / 5 of 6); FP8 latent pool
    against fp32 pool 40 / 19 / 29 with FP8 weights, 27 / 33 / 29 with the dequantized weights (first tokens
-   5 - 6 of 6). Teacher-forced (the logits test), argmax agrees at 27 / 35 / 35 of 37 positions, each
-   disagreement where the dequantized model's top two logits lie within 0.09 of the logits' RMS.
+   5 - 6 of 6). Teacher-forced (the logits test), argmax agrees at 27 / 35 / 35 of 37 positions (v3: each
+   disagreement where the dequantized model's top two logits lie within 0.09 of the logits' RMS).
 4. **Online quantization** (``quantization="fp8"`` / ``"fp8_block"``) quantizes MLA's projections (not
    ``kv_b_proj``) exactly as ``quantize_weight`` does.
 5. **Tensor parallelism** (two ranks, each built alone to inspect it): each rank's ``w_kv_b`` and the
