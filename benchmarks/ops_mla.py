@@ -15,7 +15,8 @@ speedups over
 * ``sdpa``: torch ``scaled_dot_product_attention`` (torch picks its backend) over per-head K/V already
   expanded out of the latent cache, ``K = [w_uk c_kv, k_pe]`` [B, H, S, Dn + R] and ``V = w_uv c_kv``
   [B, H, S, Dv] (what attention costs without the latent cache; the expansion is built outside the timed
-  call; skipped past ``SDPA_MAX_EXPANDED_BYTES`` of K + V),
+  call; skipped past ``SDPA_MAX_EXPANDED_BYTES`` of K + V; ``max_diff_vs_sdpa``: max |ours - SDPA's output|,
+  so a baseline computing something else shows),
 * ``twin``: the reference twin (per-row gather, fp32), eager (it reads lengths on the host: no graph);
   only up to ``TWIN_MAX_CONTEXT_TOKENS`` context tokens in the batch.
 
