@@ -7,7 +7,8 @@ Two sections (``--section libraries``, ``engine``, or ``all``, the default):
   tokenizer, for a JSON schema and a regex: compile time, then, walking the tokens of a valid
   output, the time to fill one row's token bitmask per step (median and p90, microseconds), the time
   to advance the matcher by one token, and the time to fill the bitmask of 64 rows in one step
-  (64 matchers, one after another on this thread; llguidance also with its thread-pool executor).
+  (64 matchers, one after another on this thread, and on the library's threads: xgrammar's
+  BatchGrammarMatcher, llguidance's executor).
   The tokenizer: ``--tokenizer PATH`` (a ``tokenizer.json`` or a folder with one), else a byte-level
   BPE of ``--vocab-size`` tokens (default 151,643: Qwen3's count of regular tokens) trained with the
   ``tokenizers`` library on the ``.py`` files of the environment's site-packages (code and its
@@ -177,6 +178,7 @@ class XGrammar:
                                  stop_token_ids=[eos], add_prefix_space=metadata["add_prefix_space"])
         self.xgr, self.torch = xgr, torch
         self.compiler = xgr.GrammarCompiler(info, max_threads=os.cpu_count() or 1, cache_enabled=False)
+        self.batch = xgr.BatchGrammarMatcher(max_threads=min(8, os.cpu_count() or 1))  # as the engine
         self.vocab_size = len(vocab)
 
     def compile(self, kind, spec):
@@ -199,6 +201,9 @@ class XGrammar:
     def fill_batch(self, matchers, bitmask):
         for row, m in enumerate(matchers):
             m.fill_next_token_bitmask(bitmask, row)
+
+    def fill_batch_parallel(self, matchers, bitmask):
+        self.batch.batch_fill_next_token_bitmask(matchers, bitmask)
 
 
 class LLGuidance:

@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 EXTRA = "structured"
 INSTALL_HINT = f"pip install 'atom_core[{EXTRA}]'"
 MAX_COMPILE_THREADS = 8
+MAX_MASK_THREADS = 8  # threads that fill one step's masks (xgrammar's BatchGrammarMatcher)
 _XGRAMMAR_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
 
@@ -94,6 +95,7 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         threads = max(1, min(MAX_COMPILE_THREADS, os.cpu_count() or 1))
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=threads, cache_enabled=True)
+        self.batch_matcher = xgr.BatchGrammarMatcher(max_threads=max(1, min(MAX_MASK_THREADS, os.cpu_count() or 1)))
 
     def compile(self, spec: StructuredOutputsParams):
         """The compiled grammar of ``spec`` (cached by xgrammar); ValueError naming the field and why."""
@@ -114,7 +116,7 @@ class GrammarCompiler:
             raise ValueError(f"SamplingParams.structured_outputs.{kind}: {_library_message(e)}") from None
 
     def new_state(self, compiled) -> GrammarState:
-        return GrammarState(self.xgr.GrammarMatcher(compiled), self.vocab_size)
+        return GrammarState(self.xgr.GrammarMatcher(compiled), self.vocab_size, self.batch_matcher)
 
 
 class GrammarState:
@@ -123,11 +125,12 @@ class GrammarState:
     refused a token (only when the sampler could not follow the mask: every allowed token was banned
     by another rule, e.g. ``min_tokens`` banning the EOS a finished grammar asks for)."""
 
-    __slots__ = ("__weakref__", "matcher", "num_accepted", "refused", "vocab_size")
+    __slots__ = ("__weakref__", "batch_matcher", "matcher", "num_accepted", "refused", "vocab_size")
 
-    def __init__(self, matcher, vocab_size: int):
+    def __init__(self, matcher, vocab_size: int, batch_matcher=None):
         self.matcher = matcher
         self.vocab_size = vocab_size
+        self.batch_matcher = batch_matcher  # the compiler's (shared): fills several masks on threads
         self.num_accepted = 0
         self.refused = False
 
@@ -149,13 +152,18 @@ class GrammarState:
 
 def fill_bitmask(states: list[GrammarState]) -> np.ndarray:
     """int32 [G, W] (W = ceil(V / 32)): the next-token bitmask of each state (``ops.apply_token_mask_``'s
-    layout: bit v % 32 of word v // 32 = token v allowed)."""
+    layout: bit v % 32 of word v // 32 = token v allowed); several rows are filled on xgrammar's
+    threads (``BatchGrammarMatcher``, up to MAX_MASK_THREADS)."""
     import torch
 
     bitmask = torch.full((len(states), (states[0].vocab_size + 31) // 32), -1, dtype=torch.int32)
-    for i, state in enumerate(states):
-        if not state.done:
-            state.matcher.fill_next_token_bitmask(bitmask, i)
+    live = [i for i, state in enumerate(states) if not state.done]
+    batch_matcher = states[0].batch_matcher
+    if len(live) > 1 and batch_matcher is not None:
+        batch_matcher.batch_fill_next_token_bitmask([states[i].matcher for i in live], bitmask, live)
+    else:
+        for i in live:
+            states[i].matcher.fill_next_token_bitmask(bitmask, i)
     return bitmask.numpy()
 
 
