@@ -15,7 +15,8 @@ operand cuBLAS wants) and K, N multiples of 16:
   where the fp32 tolerance is 1e-4); bf16/fp16 rounding hides that;
 - per-token x per-channel (row-wise scales): NVIDIA sm90+, bf16 output (the row-wise kernels write
   bf16 only); not used on AMD (unverified);
-- block: NVIDIA sm90+, K and N multiples of 128, bf16 output. cuBLAS wants the scales in other
+- block: NVIDIA sm90+, K and N multiples of 128, M a multiple of 4 (M = 1 fails in cuBLAS on an H200),
+  bf16 output. cuBLAS wants the scales in other
   layouts (a_scale column-major; w_scale transposed, its K-groups padded to a multiple of 4), so each
   call re-lays them: two small copies of M * K/128 and N/128 * K/128 floats. The bias is added
   afterwards. **Never run**: the CPU build has no block-wise kernel; tests check the re-layout
@@ -98,11 +99,15 @@ def supports_block(a, a_scale, w, w_scale, bias, out_dtype) -> str | None:
         return f"block-wise torch scaled_mm needs K and N multiples of {BLOCK}, got K = {a.shape[1]}, N = {w.shape[0]}"
     if out_dtype != torch.bfloat16:
         return f"block-wise torch scaled_mm writes bf16 only, not {out_dtype}"
+    if a.shape[0] % 4:
+        return (f"block-wise torch scaled_mm is used for M a multiple of 4 only (M = 1 is not supported by cuBLAS's "
+                f"heuristic on an H200; M = 300 runs), got M = {a.shape[0]}")
     return None
 
 
 def key_block(a, a_scale, w, w_scale, bias, out_dtype):
-    return _common_key(a, w), a.shape[1] % BLOCK == 0, w.shape[0] % BLOCK == 0, out_dtype
+    return (_common_key(a, w), a.shape[1] % BLOCK == 0, w.shape[0] % BLOCK == 0, out_dtype,
+            a.shape[0] % 4 == 0)
 
 
 def _epilogue_bias(bias, out_dtype):

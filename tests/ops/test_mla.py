@@ -544,3 +544,21 @@ MLA_DISPATCH_ARGS = {
     "mla_prefill_attention": lambda c: _mla_attention_dispatch_args(c, 4),
     "mla_decode_attention": lambda c: _mla_attention_dispatch_args(c, 1),
 }
+
+
+@needs_triton
+@pytest.mark.parametrize("block_h, block_n, num_warps", [(64, 32, 8), (32, 16, 4), (16, 32, 4)])
+def test_triton_decode_tile_configs_all_equal_the_twin_at_128_heads(block_h, block_n, num_warps):
+    # The tile shapes the H200 sweep times (benchmarks/ops_mla.py --sweep), the default among them, on
+    # DeepSeek-V3's head count with small latent widths: head blocks, masks and splits by config.
+    from atom_core.ops.triton import mla_decode
+    from benchmarks.ops_mla import make_problem
+
+    s = {"heads": 128, "latent": 32, "rope": 16, "nope": 16, "v_dim": 16, "block_size": 4, "dtype": torch.float32}
+    p = make_problem(3, 29, s, DEVICE)
+    want = ops.mla_decode_attention(p.q_nope, p.q_pe, p.mla_cache, p.w_uk, p.w_uv, *p.layout(), scale=p.scale,
+                                    backend="torch")
+    got = torch.empty_like(want)
+    mla_decode.mla_decode_attention(p.q_nope, p.q_pe, p.mla_cache, p.w_uk, p.w_uv, *p.layout(), p.scale, None, got,
+                                    config=mla_decode.MLAConfig(block_h, block_n, num_warps, 2))
+    torch.testing.assert_close(got, want, **tolerance(torch.float32, ATTENTION))

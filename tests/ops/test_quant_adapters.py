@@ -180,8 +180,9 @@ def test_scaled_mm_rules(every_backend_here):
                                                           w_scale, None, BF16)
     assert "row-major" in rules.supports_per_tensor(a, a_scale, w.t().contiguous().t(), w_scale, None, BF16)
     assert "fp32 accuracy" in rules.supports_per_tensor(a, a_scale, w, w_scale, None, FP32)
-    a, a_scale, w, w_scale, _ = make_inputs("block", FP8, 3, 256, 384)
+    a, a_scale, w, w_scale, _ = make_inputs("block", FP8, 4, 256, 384)
     assert rules.supports_block(a, a_scale, w, w_scale, None, BF16) is None
+    assert "multiple of 4" in rules.supports_block(a[:3], a_scale[:3], w, w_scale, None, BF16)
     assert "multiples of 128" in rules.supports_block(a, a_scale, w[:144].contiguous(), w_scale[:2], None, BF16)
 
 

@@ -242,13 +242,16 @@ MAX_TILE_ROWS = 64
 
 
 def default_config(num_heads: int, latent_pad: int, dtype: torch.dtype, interpret: bool) -> MLAConfig:
-    """The config the absorbed kernels launch with (not yet tuned on a GPU: the H200 session sweeps it)."""
+    """The config the absorbed kernels launch with (bf16/fp16 on a GPU: from the H200 sweep below)."""
     if interpret:
         return MLAConfig(min(next_power_of_2(num_heads), 16), 16, 4, 1)
     if dtype == torch.float32:
         return MLAConfig(min(next_power_of_2(num_heads), 16), 16, 4, 1)
-    # bf16/fp16: [16, 512] q and fp32 accumulator over 4 warps, [32, 576] latent tiles double-buffered.
-    return MLAConfig(min(next_power_of_2(num_heads), 16), 32 if latent_pad <= 512 else 16, 4, 2)
+    # bf16/fp16: [64, 512] q and fp32 accumulator over 8 warps, [32, 576] latent tiles double-buffered:
+    # the fastest of the 24 configs of `python -m benchmarks.ops_mla --sweep` on an H200 (DeepSeek-V3 heads,
+    # bs 64 x 4k: 0.456 ms against 0.595 ms for [16, 512] over 4 warps; benchmarks/results/h200_ops_mla_sweep.json).
+    return MLAConfig(min(next_power_of_2(num_heads), MAX_TILE_ROWS), 32 if latent_pad <= 512 else 16,
+                     8 if num_heads >= 64 else 4, 2)
 
 
 def latent_pads(latent_dim: int, rope_dim: int) -> tuple[int, int]:
