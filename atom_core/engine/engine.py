@@ -33,6 +33,7 @@ from atom_core.engine.scheduler import Scheduler
 from atom_core.engine.stop_rule import StopRule
 from atom_core.engine.tokenizer import Tokenizer
 from atom_core.engine.workers import DEFAULT_STEP_TIMEOUT, WorkerSet, run_worker, start_ranks, stop_ranks
+from atom_core.models.layers.mla import EXPANDED_MAX_SLOTS_PER_TOKEN
 from atom_core.ops.penalties import apply_penalties_, apply_token_bias_
 from atom_core.ops.sampling import sample
 
@@ -61,7 +62,22 @@ def step_activation_bytes(cfg, num_tokens: int, num_rows: int) -> int:
     if top_k:
         expert_size = cfg.get("moe_intermediate_size") or cfg.intermediate_size
         mlp_width = max(mlp_width, top_k * (3 * expert_size + cfg.hidden_size))
-    return 4 * (num_tokens * (8 * cfg.hidden_size + mlp_width) + num_rows * cfg.vocab_size * SAMPLING_COPIES)
+    return 4 * (num_tokens * (8 * cfg.hidden_size + mlp_width + mla_expansion_width(cfg))
+                + num_rows * cfg.vocab_size * SAMPLING_COPIES)
+
+
+def mla_expansion_width(cfg) -> int:
+    """Values per query token of MLA's expanded form at its bound (``layers.mla.EXPANDED_MAX_SLOTS_PER_TOKEN``
+    slots per token, each gathered (L + R), expanded to K and V [H, D] from two GEMM outputs [H, Dn] and
+    [H, Dv]; q and the output [H, D] per token); 0 for other attention."""
+    latent = cfg.get("kv_lora_rank")
+    if not latent:
+        return 0
+    heads, nope, rope, v_dim = (cfg.num_attention_heads, cfg.get("qk_nope_head_dim"), cfg.get("qk_rope_head_dim"),
+                                cfg.get("v_head_dim"))
+    head_dim = max(nope + rope, v_dim)
+    per_slot = heads * (2 * head_dim + nope + v_dim) + latent + rope
+    return EXPANDED_MAX_SLOTS_PER_TOKEN * per_slot + 2 * heads * head_dim
 
 
 # fp32-wide copies of the [rows, V] logits a step holds at once: the logits, the sampler's scaled copy,

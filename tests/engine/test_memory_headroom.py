@@ -134,3 +134,17 @@ def test_bound_covers_the_measured_peak_of_a_full_step(name, overrides, num_rows
     finally:
         model = step = None  # the model and its pool go before the next case builds its own
         torch.cuda.empty_cache()
+
+
+@settings(max_examples=30, deadline=None)
+@given(name=st.sampled_from(["deepseek-v3", "deepseek-v2-lite"]), tokens=st.integers(1, 65536))
+def test_mla_bound_covers_the_expanded_forms_k_and_v_at_its_slot_limit(name, tokens):
+    # MLA's expanded form allocates K and V of [slots, H, max(Dn + R, Dv)] each (ops/triton/mla_prefill.py),
+    # with at most EXPANDED_MAX_SLOTS_PER_TOKEN slots per query token (layers/mla.py's auto rule).
+    from atom_core.models.layers.mla import EXPANDED_MAX_SLOTS_PER_TOKEN
+
+    cfg = config(name)
+    head_dim = max(cfg.get("qk_nope_head_dim") + cfg.get("qk_rope_head_dim"), cfg.get("v_head_dim"))
+    k_and_v = 4 * 2 * EXPANDED_MAX_SLOTS_PER_TOKEN * tokens * cfg.num_attention_heads * head_dim
+    assert step_activation_bytes(cfg, tokens, 1) - step_activation_bytes(cfg.__class__.from_dict(
+        {k: v for k, v in config_dict(name).items() if k != "kv_lora_rank"}), tokens, 1) >= k_and_v

@@ -57,6 +57,13 @@ from atom_core.models.quantization.config import QuantConfig
 # form wins until a row has about L (Dn + Dv) / (L + R) ~ 200 queries (DeepSeek-V3 shapes); a small
 # bound keeps prefill chunks on the expanded form, whose kernels are plain attention.
 ABSORBED_MAX_QUERY_LEN = 8
+# The expanded form turns every page of every row's block table into per-head K/V (B P BS slots of
+# H (Dn + R + Dv) values, ``ops.mla_prefill_attention``), whatever the row's own query count: decode rows
+# of a mixed step expand their whole contexts, a prefix hit its whole prefix, a CUDA graph's static table
+# max_model_len per row. Past this many slots per query token of the step the absorbed form runs instead
+# (it expands nothing), so the temporary stays within EXPANDED_MAX_SLOTS_PER_TOKEN x T slots
+# (``step_activation_bytes`` reserves it): prefill-dominated steps expand, the others absorb.
+EXPANDED_MAX_SLOTS_PER_TOKEN = 2
 FORMS = ("auto", "expanded", "absorbed")
 
 
@@ -66,7 +73,8 @@ class MLAPagedAttention(nn.Module):
     Args:
         num_heads: H on this rank. kv_lora_rank: L. qk_rope_head_dim: R. v_head_dim: Dv.
         scale: softmax scale of q.k over Dn + R dims (``ops.yarn_softmax_scale``).
-        form: "auto" (absorbed when ``batch.max_seqlen_q <= ABSORBED_MAX_QUERY_LEN``, else expanded),
+        form: "auto" (absorbed when ``batch.max_seqlen_q <= ABSORBED_MAX_QUERY_LEN`` or the block table
+            spans more than ``EXPANDED_MAX_SLOTS_PER_TOKEN`` slots per query token, else expanded),
             or always "expanded" / "absorbed" (the two give the same result; tests pin both).
     """
 
@@ -101,10 +109,14 @@ class MLAPagedAttention(nn.Module):
         self.mla_cache, self.kv_scale = mla_cache, kv_scale
 
     def uses_absorbed(self, batch: StepLayout) -> bool:
-        """Whether this step runs the absorbed form (a function of an int of the layout, fixed per CUDA-graph bucket)."""
+        """Whether this step runs the absorbed form (a function of the layout's shapes and ints, fixed per
+        CUDA-graph bucket: no host read)."""
         if self.form != "auto":
             return self.form == "absorbed"
-        return batch.max_seqlen_q <= ABSORBED_MAX_QUERY_LEN
+        rows, pages = batch.block_tables.shape
+        slots = rows * pages * self.mla_cache.shape[1]
+        return (batch.max_seqlen_q <= ABSORBED_MAX_QUERY_LEN
+                or slots > EXPANDED_MAX_SLOTS_PER_TOKEN * batch.positions.shape[0])
 
     def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
                 w_uk: torch.Tensor, w_uv: torch.Tensor, batch: StepLayout,
