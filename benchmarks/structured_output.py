@@ -1,7 +1,7 @@
 """Structured output: the grammar libraries' per-step mask time at a ~150k vocabulary, and the
 engine's per-step time with and without structured output at batch size 64.
 
-Two sections (``--section libraries``, ``engine``, or ``all``, the default):
+Three sections (``--section libraries``, ``engine``, ``op``, or ``all``, the default):
 
 * **libraries** — xgrammar, llguidance and outlines-core (whichever are installed) on the same
   tokenizer, for a JSON schema and a regex: compile time, then, walking the tokens of a valid
@@ -18,6 +18,9 @@ Two sections (``--section libraries``, ``engine``, or ``all``, the default):
   ``--model`` (default the demo model; with ``--load-format dummy`` a ``config.json`` such as
   ``benchmarks/configs/qwen3-0.6b.json`` with random weights and ``--tokenizer``'s tokenizer), plain
   against every row constrained by a JSON schema (and by a regex), and the difference per step.
+
+* **op** — ``ops.apply_token_mask_`` alone on [``--batch-size``, ``--vocab-size``] logits, every row
+  masked, per backend (the twin; Triton on a GPU), and with the bitmask's host-to-device copy.
 
 ``python -m benchmarks.structured_output --json out.json`` prints the tables and writes
 ``{"meta": run_metadata(), "rows": [...]}`` with the libraries' versions in ``meta["libraries"]``.
@@ -440,9 +443,35 @@ def engine_section(args, tokenizer_path: Path | None) -> list[dict]:
              "overhead_ms": ms - baseline, "x_plain": ms / baseline} for case, (ms, n) in best.items()]
 
 
+def op_section(args, vocab: int) -> list[dict]:
+    """``ops.apply_token_mask_`` on [batch_size, vocab] float32 logits, every row masked, per backend
+    available on the device (the twin; Triton on a GPU), with the bitmask's copy to the device."""
+    import torch
+
+    from atom_core.ops.dispatch import backend_available
+    from atom_core.ops.selftest_cases_token_mask import token_mask_inputs
+    from atom_core.ops.token_mask import apply_token_mask_
+    from benchmarks.common import bench_timed
+
+    device = args.device
+    logits, bitmask, _ = token_mask_inputs(args.batch_size, vocab, torch.float32, device)
+    rows = torch.arange(args.batch_size, device=device)
+    bitmask = torch.cat([bitmask, bitmask])[:args.batch_size]
+    host = bitmask.cpu().pin_memory() if device == "cuda" else bitmask
+    backends = ["torch"] + (["triton"] if device == "cuda" and backend_available("triton") else [])
+    out = []
+    for backend in backends:
+        mask_only = bench_timed(lambda b=backend: apply_token_mask_(logits, bitmask, rows, backend=b), device=device)
+        with_copy = bench_timed(lambda b=backend: apply_token_mask_(logits, host.to(device, non_blocking=True), rows,
+                                                                    backend=b), device=device, graph=False)
+        out.append({"op": "apply_token_mask_", "backend": backend, "rows": args.batch_size, "vocab": vocab,
+                    "ms": mask_only.ms, "ms_with_copy": with_copy.ms, "timing": mask_only.mode})
+    return out
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--section", choices=("libraries", "engine", "all"), default="all")
+    parser.add_argument("--section", choices=("libraries", "engine", "op", "all"), default="all")
     parser.add_argument("--tokenizer", help="a tokenizer.json (or a folder with one); default: a trained BPE")
     parser.add_argument("--vocab-size", type=int, default=151_643)
     parser.add_argument("--libraries", nargs="+", choices=LIBRARIES, default=list(LIBRARIES))
@@ -478,6 +507,11 @@ def main(argv=None) -> None:
         print(f"\nengine decode step at {args.batch_size} rows ({args.device})")
         print_table(eng_rows)
         rows += [{"section": "engine", **r} for r in eng_rows]
+    if args.section in ("op", "all"):
+        op_rows = op_section(args, args.vocab_size)
+        print(f"\napply_token_mask_ at {args.batch_size} x {args.vocab_size} ({args.device})")
+        print_table(op_rows)
+        rows += [{"section": "op", **r} for r in op_rows]
     if args.json:
         meta = run_metadata()
         meta["libraries"] = versions()

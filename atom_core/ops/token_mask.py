@@ -39,7 +39,7 @@ def bitmask_words(vocab_size: int) -> int:
 
 
 def _torch_apply_token_mask(logits, bitmask, rows):
-    logits.copy_(reference_token_mask.apply_token_mask(logits, bitmask, rows))
+    reference_token_mask.apply_token_mask_(logits, bitmask, rows)
 
 
 def _triton_supports(logits, bitmask, rows) -> str | None:
