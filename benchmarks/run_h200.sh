@@ -1,34 +1,89 @@
 #!/usr/bin/env bash
-# Every H200 figure in docs/benchmarks.md, in one go (about 9 minutes).
-#   bash benchmarks/run_h200.sh OUT_DIR        (from the repository root, on the GPU machine)
-# Each JSON records its run (GPU, versions, commit, Triton cache state: benchmarks/common.py
-# run_metadata). Where the tree has no .git, set ATOM_CORE_COMMIT to the commit it was copied from.
-# Triton caches: the engine tests get their own, so that the benchmarks' cache is still empty for
-# the first benchmark (engine_throughput: the cold run); every later script reuses it (warm).
+# Every H200 figure in docs/benchmarks.md and every GPU test, in parts that each fit one 10-minute call.
+#   bash benchmarks/run_h200.sh OUT_DIR [PART ...]      (from the repository root, on the GPU machine)
+# PARTs (default: all, in this order):
+#   tests       the GPU tests (engine, models incl. DeepSeek and quantized checkpoints, op semantics)
+#   selftest    python -m atom_core.ops.selftest, full grid, every backend here (writes no record)
+#   core        engine throughput (cold, then warm), latency, TTFT; attention and elementwise ops
+#   quant       FP8 GEMMs; Llama-3-8B fp8_block and GPT-OSS-20B MXFP4 decode; Qwen3-30B-A3B fp8 and the fp8 KV pool
+#   deepseek    MLA / DSA ops; the DeepSeek-V2-Lite engine against HF
+# Each command runs under its own time limit; when it is reached the command gets SIGINT (pytest still
+# prints its summary) and the next one starts. Each JSON records its run (GPU, versions, commit, Triton
+# cache state: benchmarks/common.py run_metadata). Where the tree has no .git, set ATOM_CORE_COMMIT to
+# the commit it was copied from. Triton caches: the tests get their own, so that the benchmarks' cache is
+# still empty for the first benchmark of the core part (engine_throughput: the cold run); every later
+# script reuses it (warm).
 set -u
-out=${1:?usage: run_h200.sh OUT_DIR}
+out=${1:?usage: run_h200.sh OUT_DIR [tests|selftest|core|quant|deepseek ...]}
+shift
+parts=${*:-tests selftest core quant deepseek}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 cache="$out/triton_cache"
-rm -rf "$cache" && mkdir -p "$cache"
+mkdir -p "$cache"
+
 run() {  # run NAME SECONDS MODULE ARGS...   (with TRITON_CACHE_DIR=$cache)
     local name=$1 limit=$2
     shift 2
     echo "=== $name (Triton cache $cache: $(ls -A "$cache" | grep -q . && echo warm || echo cold))"
-    TRITON_CACHE_DIR="$cache" timeout "$limit" python -m "$@" 2>&1 | grep -vE "Warning|warnings.warn|^$" \
-        | tee "$out/$name.log" | tail -30
+    TRITON_CACHE_DIR="$cache" timeout -s INT "$limit" python -m "$@" 2>&1 | grep -vE "Warning|warnings.warn|^$" \
+        > "$out/$name.log"
+    tail -30 "$out/$name.log"
 }
-echo "=== GPU engine tests"
-TRITON_CACHE_DIR="$out/triton_cache_tests" timeout 120 python -m pytest tests/engine/test_engine_gpu.py \
-    tests/engine/test_engine_binding.py tests/engine/test_engine_lifetime.py -q \
-    -p no:cacheprovider 2>&1 | tail -5
-run engine_throughput 240 benchmarks.engine --section throughput --hf-seqs 64 --hf-timeout 80 --json "$out/engine_throughput.json"
-run engine_latency 110 benchmarks.engine --section latency --json "$out/engine_latency.json"
-run engine_ttft 90 benchmarks.engine --section ttft --json "$out/engine_ttft.json"
-run engine_throughput_fp8_kv 200 benchmarks.engine --section throughput --kv-cache-dtype fp8 --hf-seqs 0 --json "$out/engine_throughput_fp8_kv.json"
-run ops_scaled_mm 150 benchmarks.ops_scaled_mm --json "$out/ops_scaled_mm.json"
-run engine_latency_fp8 200 benchmarks.engine --section latency --latency-models llama-3-8b --quantization fp8_block --json "$out/engine_latency_fp8.json"
-run engine_latency_gpt_oss 200 benchmarks.engine --section latency --latency-models gpt-oss-20b --quantization config --json "$out/engine_latency_gpt_oss.json"
-run engine_throughput_30b_fp8 300 benchmarks.engine --section throughput --model qwen3-30b-a3b --quantization fp8 --hf-seqs 0 --json "$out/engine_throughput_30b_fp8.json"
-run ops_attention 130 benchmarks.ops_attention --sdpa-only --json "$out/ops_attention.json"
-run ops_elementwise 70 benchmarks.ops_elementwise --json "$out/ops_elementwise.json"
+
+tests() {  # tests NAME SECONDS PATHS...
+    local name=$1 limit=$2
+    shift 2
+    echo "=== tests: $name"
+    TRITON_CACHE_DIR="$out/triton_cache_tests" timeout -s INT "$limit" python -m pytest -q -p no:cacheprovider \
+        --tb=short -rfE "$@" > "$out/tests_$name.log" 2>&1
+    grep -E "^(FAILED|ERROR)|passed|failed|no tests ran" "$out/tests_$name.log" | cut -c1-300 | tail -15
+}
+
+for part in $parts; do
+    case $part in
+    tests)
+        tests engine 150 tests/engine/test_engine_gpu.py tests/engine/test_engine_binding.py \
+            tests/engine/test_engine_lifetime.py tests/engine/test_memory_headroom.py tests/engine/test_fp8_kv_cache.py
+        tests models 200 tests/models/test_parity_llama.py tests/models/test_parity_qwen3.py \
+            tests/models/test_moe_gpu.py tests/models/test_quant_checkpoints.py tests/models/test_quant_deepseek.py
+        tests deepseek 150 tests/models/test_deepseek_gpu.py
+        tests ops 90 tests/ops/test_sampling_semantics.py tests/ops/test_quant.py tests/ops/test_scaled_mm.py \
+            tests/ops/test_fused_moe_quant.py tests/ops/test_token_mask.py
+        ;;
+    selftest)
+        echo "=== selftest"
+        TRITON_CACHE_DIR="$out/triton_cache_tests" timeout -s INT 480 python -m atom_core.ops.selftest --no-write \
+            > "$out/selftest.log" 2>&1
+        grep -E "FAILED|no verdict" -A2 "$out/selftest.log" | cut -c1-400; grep -c passed "$out/selftest.log"
+        ;;
+    core)
+        run engine_throughput 240 benchmarks.engine --section throughput --hf-seqs 64 --hf-timeout 80 \
+            --json "$out/engine_throughput.json"
+        run engine_latency 110 benchmarks.engine --section latency --json "$out/engine_latency.json"
+        run engine_ttft 90 benchmarks.engine --section ttft --json "$out/engine_ttft.json"
+        run ops_attention 80 benchmarks.ops_attention --sdpa-only --json "$out/ops_attention.json"
+        run ops_elementwise 60 benchmarks.ops_elementwise --json "$out/ops_elementwise.json"
+        ;;
+    quant)
+        run ops_scaled_mm 150 benchmarks.ops_scaled_mm --json "$out/ops_scaled_mm.json"
+        run ops_moe_quant 90 benchmarks.ops_moe --no-compile --json "$out/ops_moe.json"
+        run engine_latency_fp8 150 benchmarks.engine --section latency --latency-models llama-3-8b \
+            --quantization fp8_block --json "$out/engine_latency_fp8.json"
+        run engine_latency_gpt_oss 150 benchmarks.engine --section latency --latency-models gpt-oss-20b \
+            --quantization config --json "$out/engine_latency_gpt_oss.json"
+        run engine_throughput_30b_fp8 300 benchmarks.engine --section throughput --model qwen3-30b-a3b \
+            --quantization fp8 --hf-seqs 0 --json "$out/engine_throughput_30b_fp8.json"
+        run engine_throughput_fp8_kv 150 benchmarks.engine --section throughput --kv-cache-dtype fp8 --hf-seqs 0 \
+            --json "$out/engine_throughput_fp8_kv.json"
+        ;;
+    deepseek)
+        run ops_mla 120 benchmarks.ops_mla --no-twin --json "$out/ops_mla.json"
+        run engine_throughput_v2_lite 420 benchmarks.engine --section throughput --model deepseek-v2-lite \
+            --hf-seqs 64 --hf-max-tokens 128 --hf-timeout 100 --json "$out/engine_throughput_v2_lite.json"
+        ;;
+    *)
+        echo "unknown part $part (tests, selftest, core, quant, deepseek)"; exit 2
+        ;;
+    esac
+done

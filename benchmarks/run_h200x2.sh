@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The two-GPU figures and tests (tensor, expert and data parallelism over NCCL), on nvidia-h200-x2.
+#   bash benchmarks/run_h200x2.sh OUT_DIR [PART ...]      (from the repository root)
+# PARTs (default: all, in this order):
+#   tests   the NCCL variants of the multi-rank, expert-exchange and data-parallel tests
+#   comm    all-reduce (ours vs torch.distributed) at hidden sizes for 1..256 tokens; one MoE layer per EP mode
+#   tp      Llama-3-8B bs1/bs64 decode and throughput at TP 1 and 2; Qwen3-30B-A3B at TP 2, EP 2 (all-reduce
+#           and all-to-all) against TP 1
+#   dp      the nano-vllm workload with one engine and with two replicas (one GPU each)
+# Each command runs under its own time limit (SIGINT when reached). JSONs record their run (run_metadata).
+set -u
+out=${1:?usage: run_h200x2.sh OUT_DIR [tests|comm|tp|dp ...]}
+shift
+parts=${*:-tests comm tp dp}
+mkdir -p "$out"
+export PYTHONPATH=. PYTHONUNBUFFERED=1 TRITON_CACHE_DIR="$out/triton_cache"
+
+run() {  # run NAME SECONDS MODULE ARGS...
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name"
+    timeout -s INT "$limit" python -m "$@" 2>&1 | grep -vE "Warning|warnings.warn|^$" > "$out/$name.log"
+    tail -25 "$out/$name.log"
+}
+
+for part in $parts; do
+    case $part in
+    tests)
+        echo "=== tests"
+        timeout -s INT 240 python -m pytest -q -p no:cacheprovider --tb=short -rfE -k "gpu or cuda" \
+            tests/engine/test_multi_rank.py tests/models/test_expert_exchange.py tests/engine/test_data_parallel.py \
+            > "$out/tests.log" 2>&1
+        grep -E "^(FAILED|ERROR)|passed|failed" "$out/tests.log" | cut -c1-300 | tail -15
+        ;;
+    comm) run comm 150 benchmarks.comm --nproc 2 --json "$out/comm.json" ;;
+    tp)
+        run tp_llama 240 benchmarks.engine --section tp --latency-models llama-3-8b --json "$out/engine_tp_llama.json"
+        run tp_30b 420 benchmarks.engine --section tp --latency-models qwen3-30b-a3b --json "$out/engine_tp_30b.json"
+        ;;
+    dp) run dp 300 benchmarks.engine_dp --json "$out/engine_dp.json" ;;
+    *) echo "unknown part $part (tests, comm, tp, dp)"; exit 2 ;;
+    esac
+done
