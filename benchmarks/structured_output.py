@@ -224,9 +224,9 @@ class LLGuidance:
 
     def compile(self, kind, spec):
         ll = self.ll.LLMatcher
-        grammar = ll.grammar_from_json_schema(json.dumps(spec), defaults={"whitespace_flexible": False, "item_separator": ",",
-                                                                   "key_separator": ":"}) \
-            if kind == "json" else ll.grammar_from_regex(spec)
+        compact = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+        grammar = ll.grammar_from_json_schema(json.dumps(spec), defaults=compact) if kind == "json" \
+            else ll.grammar_from_regex(spec)
         matcher = self.ll.LLMatcher(self.tokenizer, grammar)  # compiles; a matcher per request
         assert not matcher.is_error(), matcher.get_error()
         return grammar
@@ -344,7 +344,8 @@ def measure_library(lib, case: str, spec, token_ids: list[int], batch_size: int,
                 lib.accept(matchers[row], token_ids[where[row]])
                 where[row] += 1
     row = {"library": lib.name, "case": case, "vocab": lib.vocab_size, "tokens": len(token_ids),
-           "compile_ms": compile_ms, "mask_us_mean": statistics.fmean(fill_us), "mask_us_p50": statistics.median(fill_us),
+           "compile_ms": compile_ms, "mask_us_mean": statistics.fmean(fill_us),
+           "mask_us_p50": statistics.median(fill_us),
            "mask_us_p90": statistics.quantiles(fill_us, n=10)[-1] if len(fill_us) > 1 else fill_us[0],
            "mask_us_max": max(fill_us), "accept_us_p50": statistics.median(accept_us),
            f"mask_bs{batch_size}_ms": statistics.median(batch_ms),
