@@ -42,7 +42,10 @@ loads them into a draft module.
 **KV pool contract** (what a runner allocates): ``kv_cache_spec(dtype)`` is ``KVCacheSpec.mla(num_layers,
 L, R, dtype)``; per layer ONE tensor ``[num_blocks, block_size, L + R]`` of ``dtype`` (model dtype, or
 float8_e4m3fn), bound with ``bind_kv_cache([(latent,), ...])`` or, for fp8, ``[(latent, kv_scale), ...]``
-(fp32 [1]); ``kv_cache_scales()`` gives ``[(checkpoint scale or None,), ...]``, one per layer.
+(fp32 [1]); ``kv_cache_scales()`` gives ``[(checkpoint scale or None,), ...]``, one per layer: a checkpoint's
+per-layer ``self_attn.k_scale`` (compressed-tensors; ``kv_scale`` likewise, or a lone ``v_scale``) is the latent
+cache's scale, as vLLM's MLA layers use it (an fp8 pool then stores ``row / k_scale``; a pool in the model dtype
+ignores it).
 ``extra_kv_cache_specs()`` names the caches besides it (none here; DSA's indexer keys in
 ``models.deepseek_v32``), bound with ``bind_extra_kv_caches``.
 
@@ -53,9 +56,9 @@ releases (HF ``fp8``, 128 x 128 blocks, fp32 ``weight_scale_inv`` beside each FP
 ``indexer.wk`` run their linear methods (``Fp8Linear`` with block scales there); each rule (``ignore``,
 ``modules_to_not_convert``) applies to the checkpoint module itself (``q_a_proj`` and ``kv_a_proj_with_mqa``
 stay two layers: only gate/up fuse). ``kv_b_proj`` is used as the ``w_uk`` / ``w_uv`` views of its weight,
-not as a linear layer: a quantized one loads as stored and is dequantized to the model dtype once at load
-(2 bytes per element in bf16 on top of the FP8 copy: 32 MiB per layer for V3 at tensor-parallel size 1;
-``layers.mla.MultiHeadLatentAttention``). ``indexer.weights_proj`` stays fp32 and unquantized (DeepSeek stores
+not as a linear layer: a quantized one loads as stored and is dequantized to the model dtype once at load,
+the stored copy then freed (2 bytes per element in bf16 where the checkpoint stores 1: 32 MiB per layer for V3
+at tensor-parallel size 1; ``layers.mla.MultiHeadLatentAttention``). ``indexer.weights_proj`` stays fp32 and unquantized (DeepSeek stores
 it so; a stored FP8 one is refused by the loader, naming the tensor). The routed experts load as FP8 block /
 per-channel (``FusedMoE``), the shared experts and dense MLPs with their linear methods; the router stays fp32.
 What is refused, by name: a tensor-parallel split that cuts a 128-block (``q_b_proj`` / ``kv_b_proj`` rows,

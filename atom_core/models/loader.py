@@ -35,8 +35,9 @@ Name mapping, in order:
 Checkpoint FP8 KV-cache scales go to the attention layers, not to parameters: ``...self_attn.k_scale``
 / ``v_scale`` (compressed-tensors) and ``...self_attn.k_proj.output_scale`` / ``v_proj.output_scale``
 (AMD Quark) set ``checkpoint_k_scale`` / ``checkpoint_v_scale`` (fp32 [1]) of the ``PagedAttention``
-at ``...self_attn.attn``; the runner binds them with an FP8 pool. Names with no such attention layer
-are left unused; each scale must be one finite value > 0.
+(or MLA's ``MLAPagedAttention``, whose latent cache takes the k one) at ``...self_attn.attn``; the older
+single ``...self_attn.kv_scale`` sets both (vLLM's reading of it). The runner binds them with an FP8 pool.
+Names with no such attention layer are left unused; each scale must be one finite value > 0.
 
 Quantized layers (``models.quantization.linear_methods``) own their scale parameters
 (``weight_scale``, ``input_scale``) and load them through the same ``weight_loader``s; a scale a
@@ -399,14 +400,15 @@ def _check_dtype(param: nn.Parameter, tensor: torch.Tensor, target: _Target, ckp
 
 
 # Checkpoint names of per-layer FP8 KV-cache scales -> (attention module prefix, "k" or "v"):
-# compressed-tensors ``...self_attn.k_scale``, Quark ``...self_attn.k_proj.output_scale``.
-_KV_SCALE_NAMES = (re.compile(r"^(?P<attn>.+)\.(?P<kv>[kv])_scale$"),
+# compressed-tensors ``...self_attn.k_scale`` (older: one ``kv_scale`` for both), Quark
+# ``...self_attn.k_proj.output_scale``.
+_KV_SCALE_NAMES = (re.compile(r"^(?P<attn>.+)\.(?P<kv>kv|k|v)_scale$"),
                    re.compile(r"^(?P<attn>.+)\.(?P<kv>[kv])_proj\.output_scale$"))
 
 
 def _kv_scale_target(name: str, modules: dict[str, nn.Module]) -> tuple[nn.Module, str] | None:
-    """The attention layer (a module with ``checkpoint_k_scale``, at ``<attn>.attn``) and ``"k"``/``"v"``
-    that checkpoint tensor ``name`` is a KV-cache scale of, or None."""
+    """The attention layer (a module with ``checkpoint_k_scale``, at ``<attn>.attn``) and ``"k"``, ``"v"`` or
+    ``"kv"`` (both) that checkpoint tensor ``name`` is a KV-cache scale of, or None."""
     for pattern in _KV_SCALE_NAMES:
         m = pattern.match(name)
         if m is not None:
@@ -422,7 +424,8 @@ def _set_kv_scale(attn: nn.Module, which: str, tensor: torch.Tensor, ckpt_name: 
     if value.numel() != 1 or not math.isfinite(value.item()) or value.item() <= 0:
         raise ValueError(f"checkpoint tensor {ckpt_name!r} in {file}: a KV-cache scale must be one finite value "
                          f"> 0, got shape {tuple(tensor.shape)}" + (f" value {value.item()}" if value.numel() == 1 else ""))
-    setattr(attn, f"checkpoint_{which}_scale", value.to(device))
+    for one in ("k", "v") if which == "kv" else (which,):
+        setattr(attn, f"checkpoint_{one}_scale", value.to(device))
 
 
 def _load_one(param: nn.Parameter, tensor: torch.Tensor, target: _Target, ckpt_name: str, file: Path) -> None:

@@ -344,3 +344,41 @@ def dequantized_checkpoint(quantized: Path, folder: Path) -> Path:
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder
 
+
+
+def attention_kv_cache_scales(model: torch.nn.Module, calib: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Per-layer FP8 KV-cache scales of an HF model as compressed-tensors' ``kv_cache_scheme`` (8-bit float,
+    ``tensor`` strategy, static, symmetric) defines them: ``calculate_qparams`` (the tool's rule: amax / 448) on
+    the min / max of the key and value states the attention writes to its cache over the calibration tokens,
+    stored as ``model.layers.{i}.self_attn.k_scale`` / ``v_scale`` (fp32 [1], the names
+    ``initialize_attn_qparams`` gives them). The states are read from HF's own cache after a forward: for
+    DeepSeek's MLA the expanded, rotated keys ``[k_nope, k_pe]`` per head and the values (what its HF
+    attention caches; vLLM then writes the latent cache with the k scale)."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    calib = calibration_tokens(model.config.vocab_size) if calib is None else calib
+    with torch.no_grad():
+        out = model(calib, use_cache=True)
+    cache = out["cache"] if "cache" in out else out["past_key_values"]  # (transformers 5 renamed it)
+    args = QuantizationArgs(num_bits=8, type="float", strategy="tensor", dynamic=False, symmetric=True)
+    out = {}
+    for i, layer in enumerate(cache.layers):
+        for kv, states in (("k", layer.keys), ("v", layer.values)):
+            scale, _ = calculate_qparams(states.amin().reshape(1), states.amax().reshape(1), args)
+            out[f"model.layers.{i}.self_attn.{kv}_scale"] = scale.float().reshape(1)
+    return out
+
+
+def with_kv_cache_scales(folder: Path, scales: dict[str, torch.Tensor]) -> Path:
+    """The compressed-tensors checkpoint in ``folder`` given per-layer KV-cache ``scales`` (tensor name ->
+    fp32 [1]) and the ``kv_cache_scheme`` compressed-tensors writes with them, in place."""
+    path = folder / "model.safetensors"
+    with safe_open(str(path), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (a safe_open handle, not a dict)
+    save_file({**tensors, **scales}, str(path), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"]["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor",
+                                                        "dynamic": False, "symmetric": True}
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder

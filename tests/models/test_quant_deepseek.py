@@ -72,7 +72,7 @@ from atom_core import ops
 from atom_core.models import load_model
 from atom_core.models.deepseek_v2 import DeepseekMoE
 from atom_core.models.layers.linear import _Linear
-from atom_core.models.layers.mla import LightningIndexer, MultiHeadLatentAttention
+from atom_core.models.layers.mla import DequantizedProjection, LightningIndexer, MultiHeadLatentAttention
 from atom_core.models.layers.moe import FusedMoE
 from atom_core.models.quantization import (
     FP8_BLOCK_128,
@@ -213,7 +213,8 @@ def quantized_gemms(model) -> int:
 def test_every_layer_has_its_rule_and_its_effective_weight_is_the_dequantized_one(loaded):
     case, model = loaded.case, loaded.quantized
     deq_layers, layers = linear_layers(loaded.dequantized), linear_layers(model)
-    assert set(layers) == set(deq_layers)
+    freed = {f"model.layers.{i}.self_attn.kv_b_proj" for i in range(len(model.model.layers))} - set(case.not_convert)
+    assert set(layers) == set(deq_layers) - freed  # a quantized kv_b_proj is no linear layer once dequantized
     mla = {name for name in layers if ".self_attn." in name}
     assert mla, "no MLA projection"
     for name, layer in layers.items():
@@ -229,7 +230,8 @@ def test_every_layer_has_its_rule_and_its_effective_weight_is_the_dequantized_on
         assert isinstance(attn, MultiHeadLatentAttention)
         kv_b = attn.kv_b_proj
         quantized = f"model.layers.{i}.self_attn.kv_b_proj" not in case.not_convert
-        assert (kv_b.weight.dtype == torch.float8_e4m3fn) == quantized
+        assert isinstance(kv_b, DequantizedProjection) == quantized, f"layer {i}"
+        assert kv_b.scheme == (BLOCK_FP8 if quantized else UNQUANTIZED)
         assert (attn.w_kv_b is not None) == quantized  # the dequantized copy exists only where it must
         for got, want in zip(attn.absorbed_weights(), deq_attn.absorbed_weights()):
             assert got.dtype == torch.float32 and torch.equal(got, want), f"layer {i} w_uk / w_uv"
@@ -378,33 +380,57 @@ def test_engine_greedy_tokens_on_the_fp8_checkpoint_against_the_dequantized_one(
     assert 2 * first >= len(deq) and agreed >= 0.25 * total
 
 
-@pytest.mark.parametrize("weights", ["fp8", "dequantized"])
-def test_an_fp8_latent_pool_stores_each_row_to_e4m3_precision_and_generates_alike(loaded, weights):
-    """``Engine(kv_cache_dtype="fp8")`` on the FP8 checkpoint and on its dequantized twin (the latent pool's
-    rounding alone): a float8_e4m3fn latent pool with scale 1.0 (no checkpoint scale) in which every row a step
-    writes, in every layer, is that step's ``[kv_c, k_pe]`` to within e4m3's rounding (3 mantissa bits: 2**-4
-    relative, or half the smallest subnormal step, 2**-10); greedy tokens against the fp32 pool's."""
-    model = loaded.quantized if weights == "fp8" else loaded.dequantized
-    vocab = model.config.vocab_size
-    checked, worst = [0], [0.0]
+@dataclass
+class StoredRows:
+    """What ``checked_latent_rows`` saw: rows checked, the worst excess over e4m3 rounding, values clamped."""
+    checked: int = 0
+    worst: float = 0.0
+    saturated: int = 0
+
+
+@contextlib.contextmanager
+def checked_latent_rows(model):
+    """While active, every row a step writes into an FP8 latent pool, in every MLA layer, is compared with that
+    step's ``[kv_c, k_pe]``: the pool's value times its scale s must be ``clamp(row, -448 s, 448 s)`` to within
+    e4m3's rounding (3 mantissa bits: 2**-4 relative, or half the smallest subnormal step, 2**-10 s). Yields
+    a ``StoredRows``."""
+    seen = StoredRows()
 
     def spy(attn, original):
         def forward(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, batch, topk_indices=None):
             out = original(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, batch, topk_indices)
             if attn.mla_cache.dtype == torch.float8_e4m3fn:
                 keep = batch.slot_mapping >= 0
+                scale = attn.kv_scale.float()
                 row = torch.cat([kv_c, k_pe], dim=-1)[keep].float()
-                stored = attn.mla_cache.view(-1, attn.row_size)[batch.slot_mapping[keep]].float() * attn.kv_scale
-                excess = (stored - row).abs() - (2**-4 * row.abs() + 2**-10)
-                worst[0] = max(worst[0], excess.max().item())
-                checked[0] += int(keep.sum())
+                want = torch.maximum(torch.minimum(row, 448 * scale), -448 * scale)
+                stored = attn.mla_cache.view(-1, attn.row_size)[batch.slot_mapping[keep]].float() * scale
+                excess = (stored - want).abs() - (2**-4 * want.abs() + 2**-10 * scale)
+                seen.worst = max(seen.worst, excess.max().item())
+                seen.checked += int(keep.sum())
+                seen.saturated += int((row.abs() > 448 * scale).sum())
             return out
         return forward
 
-    tokens = {}
     for attn in model._mla_layers:
         attn.forward = spy(attn, attn.forward)
     try:
+        yield seen
+    finally:
+        for attn in model._mla_layers:
+            del attn.forward
+
+
+@pytest.mark.parametrize("weights", ["fp8", "dequantized"])
+def test_an_fp8_latent_pool_stores_each_row_to_e4m3_precision_and_generates_alike(loaded, weights):
+    """``Engine(kv_cache_dtype="fp8")`` on the FP8 checkpoint and on its dequantized twin (the latent pool's
+    rounding alone): a float8_e4m3fn latent pool with scale 1.0 (no checkpoint scale) in which every row a step
+    writes, in every layer, is that step's ``[kv_c, k_pe]`` to within e4m3's rounding (``checked_latent_rows``);
+    greedy tokens against the fp32 pool's."""
+    model = loaded.quantized if weights == "fp8" else loaded.dequantized
+    vocab = model.config.vocab_size
+    tokens = {}
+    with checked_latent_rows(model) as seen:
         for kv_cache_dtype in ("auto", "fp8"):
             tokens[kv_cache_dtype], engine = engine_greedy(model, vocab, kv_cache_dtype=kv_cache_dtype)
             want = torch.float8_e4m3fn if kv_cache_dtype == "fp8" else torch.float32
@@ -412,13 +438,49 @@ def test_an_fp8_latent_pool_stores_each_row_to_e4m3_precision_and_generates_alik
             if kv_cache_dtype == "fp8":
                 assert all(attn.kv_scale.item() == 1.0 for attn in model._mla_layers)
             del engine
-    finally:
-        for attn in model._mla_layers:
-            del attn.forward
-    assert checked[0] > 0 and worst[0] <= 0, f"a stored row exceeds e4m3 rounding by {worst[0]:.3g}"
+    assert seen.checked > 0 and seen.worst <= 0, f"a stored row exceeds e4m3 rounding by {seen.worst:.3g}"
     agreed, total, first = agreement(tokens["fp8"], tokens["auto"])
     print(f"{loaded.case.parity.name} ({weights} weights): FP8 latent pool's greedy tokens agree with the fp32 "
           f"pool's on {agreed}/{total} tokens (common prefixes), first token {first}/{len(tokens['auto'])}")
+    assert 2 * first >= len(tokens["auto"]) and agreed >= 0.25 * total
+
+
+def test_a_compressed_tensors_k_scale_is_the_fp8_latent_pool_scale(loaded, tmp_path):
+    """A compressed-tensors FP8_BLOCK checkpoint of the V3 model with the per-layer KV-cache scales and
+    ``kv_cache_scheme`` the tool writes (``quant_checkpoints.attention_kv_cache_scales``: amax / 448 of the
+    keys and values HF's attention caches, ``self_attn.k_scale`` / ``v_scale``): the k one of each layer is
+    what ``kv_cache_scales()`` gives and what ``Engine(kv_cache_dtype="fp8")`` binds to the latent pool (vLLM's
+    MLA writes its latent cache with ``k_scale``), every row written decodes to its value within e4m3 rounding
+    (``checked_latent_rows``), and greedy tokens are reported against the fp32 pool, which ignores the scales."""
+    import transformers
+
+    if loaded.case.parity.name != "v3":
+        pytest.skip("one case is enough")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(loaded.unquantized_path, dtype=torch.float32).eval()
+    scales = qc.attention_kv_cache_scales(hf)
+    path = qc.with_kv_cache_scales(qc.ct_tree_checkpoint(loaded.unquantized_path, tmp_path / "ct", "FP8_BLOCK",
+                                                         ignore=qc.DEEPSEEK_UNQUANTIZED), scales)
+    model = load_model(path, dtype=torch.float32, device="cpu")
+    k_scales = [scales[f"model.layers.{i}.self_attn.k_scale"] for i in range(len(model._mla_layers))]
+    assert all(not torch.equal(k, scales[name.replace("k_scale", "v_scale")]) for name, k in scales.items()
+               if name.endswith("k_scale"))  # (so that the k one is seen chosen)
+    assert all(torch.equal(got, want) for (got,), want in zip(model.kv_cache_scales(), k_scales, strict=True))
+    vocab, tokens = model.config.vocab_size, {}
+    with checked_latent_rows(model) as seen:
+        for kv_cache_dtype in ("auto", "fp8"):
+            tokens[kv_cache_dtype], engine = engine_greedy(model, vocab, kv_cache_dtype=kv_cache_dtype)
+            for attn, k_scale in zip(model._mla_layers, k_scales):
+                if kv_cache_dtype == "fp8":
+                    assert attn.mla_cache.dtype == torch.float8_e4m3fn and torch.equal(attn.kv_scale, k_scale)
+                else:  # a pool in the model dtype: the checkpoint scale is not used
+                    assert attn.mla_cache.dtype == torch.float32 and attn.kv_scale is None
+            del engine
+    assert seen.checked > 0 and seen.worst <= 0, f"a stored row exceeds e4m3 rounding by {seen.worst:.3g}"
+    agreed, total, first = agreement(tokens["fp8"], tokens["auto"])
+    print(f"v3 compressed-tensors, k_scale {[round(k.item(), 5) for k in k_scales]}: FP8 latent pool's greedy "
+          f"tokens agree with the fp32 pool's on {agreed}/{total} tokens (common prefixes), first token "
+          f"{first}/{len(tokens['auto'])}; {seen.saturated} of {seen.checked} x {model._mla_layers[0].row_size} "
+          "values clamped at 448 k_scale")
     assert 2 * first >= len(tokens["auto"]) and agreed >= 0.25 * total
 
 

@@ -245,12 +245,13 @@ def test_deepseek_experts_and_mlps_quantize_while_mla_stays_unquantized():
 
 def test_deepseek_quantized_mla_builds_in_fp8_with_kv_b_proj_dequantized_and_online_leaves_kv_b_proj():
     """The released FP8 config quantizes MLA's projections too (tests/models/test_quant_deepseek.py checks
-    real checkpoints): random weights are built quantized; kv_b_proj keeps its FP8 weight and a dequantized
-    copy. Online quantization leaves kv_b_proj in the model dtype."""
+    real checkpoints): random weights are built quantized; kv_b_proj is drawn in FP8, then dequantized into
+    w_kv_b and its FP8 tensors freed. Online quantization leaves kv_b_proj in the model dtype."""
     model = build_model({**DEEPSEEK_V3, "quantization_config": HF_FP8_BLOCK}, device="cpu")
     attn = model.model.layers[0].self_attn
     assert model.model.layers[1].mlp.experts.weight_format == "fp8_block"
-    assert attn.q_a_proj.weight.dtype == attn.o_proj.weight.dtype == attn.kv_b_proj.weight.dtype == FP8
+    assert attn.q_a_proj.weight.dtype == attn.o_proj.weight.dtype == FP8
+    assert attn.kv_b_proj.scheme.is_quantized and not list(attn.kv_b_proj.parameters())
     assert attn.w_kv_b.dtype == torch.float32
     assert torch.isfinite(_forward_logits(model)).all()
     online = build_model(DEEPSEEK_V3, device="cpu", load_format="zeros", quantization="fp8")

@@ -91,8 +91,17 @@ class MLAPagedAttention(nn.Module):
         self.form = form
         self.mla_cache: torch.Tensor | None = None
         self.kv_scale: torch.Tensor | None = None
-        # An FP8 scale a checkpoint ships for the latent cache (fp32 [1]); none is read yet.
-        self.checkpoint_kv_scale: torch.Tensor | None = None
+        # FP8 KV-cache scales a checkpoint ships beside this layer (fp32 [1] each; set by the loader under the
+        # names ``PagedAttention`` uses): ``checkpoint_kv_scale`` is the latent cache's.
+        self.checkpoint_k_scale: torch.Tensor | None = None
+        self.checkpoint_v_scale: torch.Tensor | None = None
+
+    @property
+    def checkpoint_kv_scale(self) -> torch.Tensor | None:
+        """The latent cache's FP8 scale from the checkpoint (fp32 [1]), or None: its ``k_scale`` (``kv_scale``
+        loads as both), or its ``v_scale`` where that is the only one stored. vLLM's rule: its MLA layers write
+        and read the latent cache with ``k_scale`` (a lone scale of the two counts for both)."""
+        return self.checkpoint_k_scale if self.checkpoint_k_scale is not None else self.checkpoint_v_scale
 
     @property
     def row_size(self) -> int:
@@ -248,6 +257,19 @@ class LightningIndexer(nn.Module):
                 f"rope_is_neox={self.rope_is_neox}, bound={self.indexer_cache is not None}")
 
 
+class DequantizedProjection(nn.Module):
+    """What a quantized ``kv_b_proj`` leaves once ``MultiHeadLatentAttention.w_kv_b`` holds its weight: no tensors
+    (its stored weight and scales are freed), its ``scheme`` (what the checkpoint stored), ``prefix`` (its
+    checkpoint name) and ``shape`` (this rank's [H (Dn + Dv), L])."""
+
+    def __init__(self, scheme, prefix: str, shape: tuple[int, ...]) -> None:
+        super().__init__()
+        self.scheme, self.prefix, self.shape = scheme, prefix, shape
+
+    def extra_repr(self) -> str:
+        return f"{self.scheme.describe()}, dequantized into w_kv_b {list(self.shape)}"
+
+
 class MultiHeadLatentAttention(nn.Module):
     """DeepSeek-V2/V3's attention block, HF's parameter names (see the module docstring for the data flow).
 
@@ -267,13 +289,17 @@ class MultiHeadLatentAttention(nn.Module):
     **Quantization.** ``q_proj`` / ``q_a_proj``, ``q_b_proj``, ``kv_a_proj_with_mqa`` and ``o_proj`` get the
     linear method their rules give them (``Fp8Linear`` with 128 x 128 block scales in DeepSeek-V3/R1's FP8
     release; each rule applies to the checkpoint module itself: ``q_a_proj`` and ``kv_a_proj_with_mqa``, which
-    vLLM fuses, are separate layers here and may differ). ``kv_b_proj`` is never a GEMM: a quantized one keeps
-    its stored FP8 / INT8 weight and scales (so the checkpoint loads as stored) and is dequantized ONCE after
-    loading (``process_weights_after_loading``, as vLLM does) into ``w_kv_b``, its weight in the model dtype,
-    which ``w_uk`` / ``w_uv`` view. Memory: ``H (Dn + Dv) L`` elements per layer per rank in the model dtype on
-    top of the 1-byte stored copy, i.e. 3 bytes per element in bf16 (DeepSeek-V3: 128 x 256 x 512 = 16.8 M
-    elements; the bf16 copy adds 32 MiB per layer at tensor-parallel size 1, 1.9 GiB over its 61 layers, 1/tp
-    of that per rank, against ~640 GiB of FP8 weights). Online quantization (``quant_config.online``) leaves
+    vLLM fuses, are separate layers here and may differ). ``kv_b_proj`` is never a GEMM: a quantized one is
+    built with its stored FP8 / INT8 weight and scales (so the checkpoint loads as stored, through the same
+    weight loaders and tensor-parallel splits) and is dequantized ONCE after loading
+    (``process_weights_after_loading``, as vLLM does) into ``w_kv_b``, its weight in the model dtype, which
+    ``w_uk`` / ``w_uv`` view; the quantized layer is then replaced by a ``DequantizedProjection`` holding no
+    tensors (its scheme and name only), so the stored copy is freed. Memory: ``H (Dn + Dv) L`` elements per
+    layer per rank in the model dtype, 2 bytes per element in bf16 where the checkpoint stores 1 (DeepSeek-V3:
+    128 x 256 x 512 = 16.8 M elements, 32 MiB per layer at tensor-parallel size 1, 1.9 GiB over its 61 layers,
+    1/tp of that per rank, against ~640 GiB of FP8 weights; the FP8 copy freed is 16 MiB a layer, 0.95 GiB).
+    ``w_kv_b`` is a buffer of the module (``state_dict`` carries it once loaded; weights load into a model
+    that has not yet been processed: a fresh one). Online quantization (``quant_config.online``) leaves
     ``kv_b_proj`` in the model dtype: rounding it to FP8 only to dequantize it again would lose precision and
     save nothing.
 
@@ -322,7 +348,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_b_proj = ColumnParallelLinear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), False, **tp,
                                               **({} if online else quant("kv_b_proj")))
         # kv_b_proj's weight in the model dtype, dequantized once after loading (quantized kv_b_proj only).
-        self.register_buffer("w_kv_b", None, persistent=False)
+        self.register_buffer("w_kv_b", None)
         self.o_proj = RowParallelLinear(num_heads * v_head_dim, hidden_size, bias, **tp, **quant("o_proj"))
         self.rotary_emb = rotary_emb
         self.attn = MLAPagedAttention(self.num_heads, kv_lora_rank, qk_rope_head_dim, v_head_dim, scale=scale)
@@ -331,20 +357,24 @@ class MultiHeadLatentAttention(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         """A quantized ``kv_b_proj``: its stored values times their scales, once, into ``w_kv_b`` [H (Dn + Dv), L]
-        in the model dtype (fp32 arithmetic; idempotent). An unquantized one is viewed as it is."""
-        if self.kv_b_proj.scheme.is_quantized:
-            with torch.no_grad():
-                weight = self.kv_b_proj.quant_method.dequantized_weight(self.kv_b_proj)
-                self.w_kv_b = weight.to(self.dtype)
+        in the model dtype (fp32 arithmetic), then the quantized layer is replaced by a ``DequantizedProjection``
+        (its weight and scales freed; idempotent). An unquantized one is viewed as it is."""
+        kv_b = self.kv_b_proj
+        if isinstance(kv_b, DequantizedProjection) or not kv_b.scheme.is_quantized:
+            return
+        with torch.no_grad():
+            self.w_kv_b = kv_b.quant_method.dequantized_weight(kv_b).to(self.dtype)
+        # (the loader calls this before kv_b_proj's own hook: the replacement is what it visits next)
+        self.kv_b_proj = DequantizedProjection(kv_b.scheme, kv_b.prefix, tuple(self.w_kv_b.shape))
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(w_uk [H, Dn, L], w_uv [H, Dv, L]) in the model dtype: views of this rank's ``kv_b_proj.weight`` (no
         copy), or of ``w_kv_b`` where ``kv_b_proj`` is quantized."""
-        if self.kv_b_proj.scheme.is_quantized:
-            if self.w_kv_b is None:
-                raise RuntimeError("MultiHeadLatentAttention: kv_b_proj is quantized and process_weights_after_loading() "
-                                   "has not dequantized it (load_model and load_weights run it)")
+        if self.w_kv_b is not None:
             w = self.w_kv_b
+        elif self.kv_b_proj.scheme.is_quantized:
+            raise RuntimeError("MultiHeadLatentAttention: kv_b_proj is quantized and process_weights_after_loading() "
+                               "has not dequantized it (load_model and load_weights run it)")
         else:
             w = self.kv_b_proj.weight
         w = w.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
