@@ -6,16 +6,10 @@ like the engine's worker ranks: ``sys.executable -c``, no re-import of the user'
 its own ``Engine.from_pretrained(path, tensor_parallel_size=N)`` and runs its own step loop. On CUDA,
 replica i sees GPUs ``i*N .. i*N+N-1`` (``CUDA_VISIBLE_DEVICES``); on the CPU all use the CPU and share
 its cores (``OMP_NUM_THREADS``). A replica with N > 1 starts its own worker ranks as any engine does.
+The replica's process, its loop and the messages between front and replica: ``engine/dp_replica.py``.
 
-Front <-> replica: one Unix socket pair per replica (``multiprocessing.connection``, pickled tuples).
-
-- front -> replica: ``("add", request id, prompt token ids, SamplingParams)``, ``("abort", id)``,
-  ``("stats",)`` (answered with the replica engine's counters), ``("shutdown",)``. A request is checked in the front (``Engine``'s own checks, with the limits the
-  replica reported at start), so ``add_request`` raises at once and never waits for a replica.
-- replica -> front, after each of its steps: the step's outputs as arrays (sequence ids, new tokens,
-  token counts), the finished sequences (reason, stop reason, where the final text ends), for the few
-  sequences that need them log-probs, prompt log-probs and prefix-cache hits, and every
-  COUNTERS_EVERY_S seconds its engine's counters (pool, preemptions, prefix cache).
+A request is checked in the front (``Engine``'s own checks, with the limits the replica reported at
+start), so ``add_request`` raises at once and never waits for a replica.
 
 The front keeps a mirror ``Request`` per sequence (prompt, tokens so far, log-probs, its own
 detokenizer) and returns the engine's own ``StepOutputs`` / ``RequestOutput`` over the mirrors, so the
@@ -47,16 +41,10 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import signal
-import socket
 import subprocess
-import sys
-import threading
 import time
-import traceback
 import weakref
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Self
@@ -66,6 +54,21 @@ import torch
 
 from atom_core.cache.block_manager import PrefixCacheStats
 from atom_core.engine.distributed import DistributedEngineError, WorkerFailedError
+from atom_core.engine.dp_replica import (
+    ABORT,
+    ADD,
+    CLOSED,
+    FATAL,
+    OUTPUTS,
+    READY,
+    START_FAILED,
+    STATS,
+    STEP_ERROR,
+    ReplicaHandle,
+    replica_main,
+    start_replica,
+    stop_replicas,
+)
 from atom_core.engine.engine import DEMO_MODEL, Engine
 from atom_core.engine.outputs import StepOutputs
 from atom_core.engine.request import Request, Status
@@ -78,19 +81,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DataParallelEngine", "ReplicaFailedError", "ReplicaStepError", "replica_main"]
 
-# front -> replica
-ADD, ABORT, STATS, SHUTDOWN = "add", "abort", "stats", "shutdown"
-# replica -> front (CLOSED: put by the front's reader thread when the socket closes)
-READY, START_FAILED, OUTPUTS, STEP_ERROR, FATAL, CLOSED = "ready", "start_failed", "outputs", "step_error", "fatal", \
-    "closed"
-FD_ENV = "ATOM_CORE_REPLICA_FD"
-FRONT_ENV = "ATOM_CORE_FRONT_PID"
-# A replica builds its own world (or none): a launcher's variables in the front's environment are not its own.
-_LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
-                 "MASTER_PORT", "TORCHELASTIC_RUN_ID", "ATOM_CORE_WORKER_ARGS", "ATOM_CORE_PARENT_PID")
-_ENTRY = "from atom_core.engine.data_parallel import replica_main; replica_main()"
 _WAIT_SLICE_S = 0.05  # step() checks the replicas' processes this often while it waits for outputs
-COUNTERS_EVERY_S = 0.5  # a running replica's outputs carry its engine's counters this often (and when it idles)
 
 
 class ReplicaFailedError(WorkerFailedError):
@@ -110,58 +101,6 @@ class PoolSummary:
     num_blocks: int
     num_free_blocks: int
     stats: PrefixCacheStats
-
-
-class _Replica:
-    """The front's handle on one replica: its process, its socket, its load."""
-
-    def __init__(self, index: int, process: subprocess.Popen, conn: Connection):
-        self.index, self.process, self.conn = index, process, conn
-        self.info: dict | None = None  # what it reported when its engine was built
-        self.counters: dict = {}  # its engine's counters as of its last report (_counters)
-        self.outstanding = 0  # tokens it still has to compute at most (see the module docstring)
-        self.num_unfinished = 0  # its unfinished sequences
-        self.num_requests = 0  # requests routed to it so far
-        self.last_heard = time.monotonic()  # its last message (or the moment it got work while idle)
-
-    def describe_exit(self) -> str:
-        code = self.process.poll()
-        if code is None:
-            return f"replica {self.index} (pid {self.process.pid})"
-        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-        return f"replica {self.index} (pid {self.process.pid}) {how}"
-
-
-def _read_messages(conn: Connection, index: int, inbox: queue.Queue, replica: _Replica) -> None:
-    """A reader thread: every message of replica ``index`` into ``inbox`` as it comes (so a replica never
-    waits for the front to read), then CLOSED when its socket closes."""
-    try:
-        while True:
-            message = conn.recv()
-            replica.last_heard = time.monotonic()
-            inbox.put((index, message))
-    except (EOFError, OSError):
-        inbox.put((index, (CLOSED,)))
-
-
-def _stop_replicas(replicas: list[_Replica], state: dict) -> None:
-    """Tell every replica to leave, wait up to STOP_TIMEOUT, kill and reap what is left. Holds no
-    reference to the front (it runs when the front is dropped, or at exit)."""
-    state["stopping"] = True
-    for replica in replicas:
-        if replica.process.poll() is None:
-            try:
-                replica.conn.send((SHUTDOWN,))
-            except (OSError, ValueError):  # gone already: killed below if still there
-                pass
-    deadline = time.monotonic() + STOP_TIMEOUT
-    for replica in replicas:
-        try:
-            replica.process.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            replica.process.kill()
-            replica.process.wait()
-        replica.conn.close()
 
 
 class _RequestChecks:
@@ -230,20 +169,21 @@ class DataParallelEngine:
         self._failure: str | None = None
         self._inbox: queue.Queue = queue.Queue()
         self._held: list[tuple[int, tuple]] = []  # messages taken from the inbox, not handled yet
-        self._groups: dict[int, tuple[_Replica, list[Request]]] = {}  # unfinished requests by id
+        self._groups: dict[int, tuple[ReplicaHandle, list[Request]]] = {}  # unfinished requests by id
         self._sequences: dict[int, Request] = {}  # unfinished sequences by id (mirrors)
         self._prompt_pending: set[int] = set()  # requests whose prompt is not prefilled yet
         self._next_id = 0
         self._state = {"stopping": False}
-        self._replicas: list[_Replica] = []
+        self._replicas: list[ReplicaHandle] = []
         config = {"path": str(path), "dtype": dtype, "load_format": load_format, "quantization": quantization,
                   "tensor_parallel_size": tensor_parallel_size, "expert_parallel": expert_parallel,
                   "step_timeout": step_timeout, "engine_args": engine_args}
-        self._finalizer = weakref.finalize(self, _stop_replicas, self._replicas, self._state)
+        self._finalizer = weakref.finalize(self, stop_replicas, self._replicas, self._state)
         try:
             for index in range(data_parallel_size):
                 gpus = visible[index * tensor_parallel_size:(index + 1) * tensor_parallel_size]
-                self._replicas.append(self._start_replica(index, gpus, ranks, config | {"device": device.type}))
+                self._replicas.append(start_replica(index, gpus, ranks, config | {"device": device.type},
+                                                    self._inbox))
             self._wait_ready()
         except BaseException:
             for replica in self._replicas:  # still loading (deaf to a shutdown message), or failed
@@ -272,31 +212,6 @@ class DataParallelEngine:
             return [d.strip() for d in listed.split(",") if d.strip()][:torch.cuda.device_count()]
         return [str(i) for i in range(torch.cuda.device_count())]
 
-    def _start_replica(self, index: int, gpus: list[str], ranks: int, config: dict) -> _Replica:
-        from atom_core.ops.dispatch import default_backend
-
-        ours, theirs = socket.socketpair()
-        package_root = str(Path(__file__).resolve().parents[2])  # so the replica imports this same atom_core
-        env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV}
-        env |= {FD_ENV: str(theirs.fileno()), FRONT_ENV: str(os.getpid()),
-                "PYTHONPATH": os.pathsep.join([package_root, *filter(None, [os.environ.get("PYTHONPATH")])])}
-        if gpus:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
-        if default_backend() is not None:  # set_default_backend: the replicas prefer the same
-            env["ATOM_CORE_BACKEND"] = default_backend()
-        if "OMP_NUM_THREADS" not in os.environ:  # the replicas (and their ranks) share the cores
-            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // ranks))
-        try:
-            process = subprocess.Popen([sys.executable, "-c", _ENTRY], env=env, pass_fds=(theirs.fileno(),))
-        finally:
-            theirs.close()
-        conn = Connection(ours.detach())
-        replica = _Replica(index, process, conn)
-        conn.send(("config", config))
-        threading.Thread(target=_read_messages, args=(conn, index, self._inbox, replica), daemon=True,
-                         name=f"atom_core-replica-{index}").start()
-        return replica
-
     def _wait_ready(self) -> None:
         """Wait until every replica has built its engine (while they stay alive, within STARTUP_TIMEOUT)."""
         deadline = time.monotonic() + STARTUP_TIMEOUT
@@ -315,16 +230,8 @@ class DataParallelEngine:
                 waiting.discard(index)
             elif message[0] in (START_FAILED, CLOSED):
                 why = f": {message[1]}" if message[0] == START_FAILED else ""
-                self._reap(replica, STOP_TIMEOUT if message[0] == START_FAILED else 1.0)
+                replica.reap(STOP_TIMEOUT if message[0] == START_FAILED else 1.0)
                 raise ReplicaFailedError(f"{replica.describe_exit()} while starting{why}")
-
-    @staticmethod
-    def _reap(replica: _Replica, timeout: float = 1.0) -> None:
-        """A replica's socket closed: give its process a moment to be reaped (so its exit status is known)."""
-        try:
-            replica.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pass
 
     def shutdown(self) -> None:
         """Stop every replica (they stop their own worker ranks); idempotent. The front cannot step afterwards."""
@@ -359,9 +266,9 @@ class DataParallelEngine:
     @property
     def block_manager(self) -> PoolSummary:
         """The replicas' KV pools summed (``num_blocks``, ``num_free_blocks``, prefix-cache ``stats``) as of
-        their last reports: a running replica's outputs carry its counters every COUNTERS_EVERY_S seconds
-        and when it runs out of requests (what ``AsyncEngine``'s statistics read). ``replica_stats()``
-        asks for them now."""
+        their last reports: a running replica's outputs carry its counters every ``COUNTERS_EVERY_S``
+        seconds (``engine/dp_replica.py``) and when it runs out of requests (what ``AsyncEngine``'s
+        statistics read). ``replica_stats()`` asks for them now."""
         counters = [r.counters for r in self._replicas]
         prefix = [sum(c["prefix_cache"][i] for c in counters) for i in range(4)]
         return PoolSummary(sum(c["num_blocks"] for c in counters), sum(c["free_blocks"] for c in counters),
@@ -396,7 +303,7 @@ class DataParallelEngine:
         if self._failure is not None:
             raise DistributedEngineError(f"this data-parallel engine can no longer run: {self._failure}")
 
-    def _fail(self, replica: _Replica, error: ReplicaFailedError) -> ReplicaFailedError:
+    def _fail(self, replica: ReplicaHandle, error: ReplicaFailedError) -> ReplicaFailedError:
         """``replica`` failed: kill it (it may hang), finish every unfinished request with "error", stop the
         other replicas."""
         if replica.process.poll() is None:
@@ -427,7 +334,7 @@ class DataParallelEngine:
         try:
             replica.conn.send((ADD, group_id, np.asarray(token_ids, dtype=np.int64), params))
         except (OSError, ValueError):
-            self._reap(replica)
+            replica.reap()
             error = ReplicaFailedError(f"{replica.describe_exit()}: it could not take a request")
             raise self._fail(replica, error) from None
         self._next_id += params.n
@@ -467,7 +374,7 @@ class DataParallelEngine:
     def _num_unfinished(self) -> int:
         return len(self._sequences)
 
-    def _finish(self, replica: _Replica, request: Request, reason: str) -> None:
+    def _finish(self, replica: ReplicaHandle, request: Request, reason: str) -> None:
         request.status = Status.FINISHED
         request.finish_reason = reason
         replica.outstanding -= request.params.max_tokens - request.num_output_tokens
@@ -525,14 +432,14 @@ class DataParallelEngine:
             now = time.monotonic()
             for replica in self._replicas:
                 if replica.process.poll() is not None:
-                    self._reap(replica)
+                    replica.reap()
                     raise self._fail(replica, ReplicaFailedError(f"{replica.describe_exit()}"))
                 if replica.num_unfinished and now - replica.last_heard > self.step_timeout:
                     raise self._fail(replica, ReplicaFailedError(
                         f"{replica.describe_exit()} sent nothing within step_timeout={self.step_timeout:g} s while "
                         f"running {replica.num_unfinished} sequences: it hangs"))
 
-    def _raise_for(self, replica: _Replica, message: tuple) -> None:
+    def _raise_for(self, replica: ReplicaHandle, message: tuple) -> None:
         kind = message[0]
         if kind == STEP_ERROR:
             _, failed_ids, error = message
@@ -543,15 +450,15 @@ class DataParallelEngine:
                         self._finish(replica, request, "error")
             raise ReplicaStepError(f"replica {replica.index}: a step raised {error}")
         if kind == FATAL:
-            self._reap(replica, STOP_TIMEOUT)
+            replica.reap(STOP_TIMEOUT)
             raise self._fail(replica, ReplicaFailedError(f"{replica.describe_exit()}: its engine can no longer run "
                                                 f"({message[1]})"))
         if self._state["stopping"]:
             return
-        self._reap(replica)
+        replica.reap()
         raise self._fail(replica, ReplicaFailedError(f"{replica.describe_exit()}"))
 
-    def _apply(self, replica: _Replica, message: tuple, requests: list, tokens: list, num_tokens: list,
+    def _apply(self, replica: ReplicaHandle, message: tuple, requests: list, tokens: list, num_tokens: list,
                finish_reasons: dict) -> None:
         """Append one replica step's tokens to the mirrors (dropping aborted sequences' ones), record its
         extras and finishes, and add its outputs to the step's lists."""
@@ -605,153 +512,3 @@ class DataParallelEngine:
 
     generate = Engine.generate
     chat = Engine.chat
-
-
-# ---- the replica process --------------------------------------------------------------------------------------------
-
-def _watch_front(front_pid: int) -> None:
-    while os.getppid() == front_pid:
-        time.sleep(0.5)
-    os._exit(1)  # the front is gone: nothing is left to serve
-
-
-def replica_main() -> None:
-    """A replica started by a ``DataParallelEngine``: build the engine it was given, then serve the front
-    until it says shutdown (or its socket closes)."""
-    conn = Connection(int(os.environ[FD_ENV]))
-    threading.Thread(target=_watch_front, args=(int(os.environ[FRONT_ENV]),), daemon=True,
-                     name="atom_core-front-watch").start()
-    try:
-        _, config = conn.recv()
-        if config["device"] == "cpu":
-            torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-        engine = Engine.from_pretrained(config["path"], dtype=config["dtype"], device=config["device"],
-                                        load_format=config["load_format"], quantization=config["quantization"],
-                                        tensor_parallel_size=config["tensor_parallel_size"],
-                                        expert_parallel=config["expert_parallel"], step_timeout=config["step_timeout"],
-                                        **config["engine_args"])
-    except (EOFError, OSError):
-        os._exit(1)
-    except BaseException as error:  # noqa: BLE001 - reported to the front, then the process ends
-        traceback.print_exc()
-        try:
-            conn.send((START_FAILED, f"{type(error).__name__}: {error}"[:2000]))
-        finally:
-            os._exit(1)
-    conn.send((READY, {"max_model_len": engine.max_model_len, "max_logprobs": engine.max_logprobs,
-                       "default_sampling_params": engine.default_sampling_params,
-                       "eos_token_ids": engine.eos_token_ids, "config": engine.model.config,
-                       "counters": _counters(engine), "pid": os.getpid()}))
-    code = 1
-    try:
-        code = 0 if _serve(engine, conn) else 1
-    except (EOFError, OSError):  # the front is gone
-        pass
-    except BaseException as error:  # a failure of this loop itself: tell the front why before leaving
-        try:
-            conn.send((FATAL, f"{type(error).__name__}: {error}"[:2000]))
-        except (OSError, ValueError):
-            pass
-        raise
-    finally:
-        engine.shutdown()  # (its worker ranks, if any, are stopped and reaped here)
-        conn.close()
-    # Nothing is left to clean up: skip the interpreter's teardown (seconds of torch's exit handlers).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def _serve(engine: Engine, conn: Connection) -> bool:
-    """The replica's loop: take the front's commands (without waiting while requests run), step, send the
-    step's outputs. Returns True when the front said shutdown, False when the engine can no longer run."""
-    watched: dict[int, Request] = {}  # sequences whose next output carries extras (see _outputs_message)
-    last_counters = time.monotonic()
-    timing = {"steps": 0, "step_seconds": 0.0}  # engine.step() calls and the time spent in them
-    while True:
-        busy = engine.has_unfinished_requests()
-        while not busy or conn.poll():
-            command = conn.recv()
-            if command[0] == ADD:
-                _, group_id, token_ids, params = command
-                engine._next_id = group_id  # the front's id, unique over the replicas (it reserved n ids)
-                try:
-                    engine.add_request(token_ids, params)
-                except Exception as error:  # noqa: BLE001 - the front checked it; what only the engine knows
-                    conn.send((STEP_ERROR, [group_id], f"(add_request) {type(error).__name__}: {error}"))
-                    continue
-                for request in engine._requests[group_id]:
-                    watched[request.request_id] = request
-            elif command[0] == ABORT:
-                engine.abort(command[1])
-            elif command[0] == STATS:
-                conn.send((STATS, _counters(engine, timing)))
-            elif command[0] == SHUTDOWN:
-                return True
-            busy = engine.has_unfinished_requests()
-        start = time.perf_counter()
-        try:
-            outputs = engine.step()
-        except DistributedEngineError as error:  # its own worker ranks failed: this replica cannot go on
-            conn.send((FATAL, f"{type(error).__name__}: {error}"))
-            return False
-        except Exception as error:  # noqa: BLE001 - the step's requests finished with "error"; others go on
-            conn.send((STEP_ERROR, list(engine.failed_request_ids), f"{type(error).__name__}: {error}"))
-            continue
-        timing["steps"] += 1
-        timing["step_seconds"] += time.perf_counter() - start
-        now = time.monotonic()
-        counters = None
-        if now - last_counters >= COUNTERS_EVERY_S or not engine.has_unfinished_requests():
-            counters, last_counters = _counters(engine, timing), now
-        conn.send(_outputs_message(outputs, watched) + (counters,))
-
-
-def _counters(engine: Engine, timing: dict | None = None) -> dict:
-    """A replica engine's counters (``DataParallelEngine.replica_stats``); ``timing``: its steps so far."""
-    bm = engine.block_manager
-    prefix = bm.stats
-    return {"unfinished": engine._num_unfinished(), "unfinished_ids": sorted(engine._requests),
-            "num_preemptions": engine.num_preemptions,
-            "free_blocks": bm.num_free_blocks, "num_blocks": bm.num_blocks,
-            "prefix_cache": (prefix.queries, prefix.hits, prefix.query_tokens, prefix.hit_tokens),
-            "device": str(engine.device), "visible_gpus": os.environ.get("CUDA_VISIBLE_DEVICES"),
-            **(timing or {"steps": 0, "step_seconds": 0.0})}
-
-
-def _outputs_message(outputs: StepOutputs, watched: dict[int, Request]) -> tuple:
-    """One step's outputs for the front: (OUTPUTS, sequence ids, new tokens int64 [K], token counts int64
-    [K], extras {sequence id: (log-prob, top log-probs, (prompt log-probs, prompt top) or None, prefix-cache
-    hits or None)} for the watched sequences (a first token, or log-probs asked for), finishes [(sequence
-    id, reason, stop reason, final text tokens, final text chars, prefix-cache hits)])."""
-    requests = outputs._requests
-    sequence_ids = [r.request_id for r in requests]
-    extras = {}
-    if watched:
-        for i, sequence_id in enumerate(sequence_ids):
-            request = watched.get(sequence_id)
-            if request is None:
-                continue
-            num_output = int(outputs._num_tokens[i]) - request.num_prompt_tokens
-            first = num_output == 1
-            logprob = top = None
-            if request.logprobs is not None:
-                logprob = request.logprobs[num_output - 1]
-                top = None if request.top_logprobs is None else request.top_logprobs[num_output - 1]
-            prompt = None
-            if first and request.prompt_logprobs is not None:
-                prompt = (list(request.prompt_logprobs),
-                          None if request.prompt_top_logprobs is None else list(request.prompt_top_logprobs))
-            extras[sequence_id] = (logprob, top, prompt, request.num_cached_tokens if first else None)
-            if request.logprobs is None:
-                del watched[sequence_id]
-    finishes = []
-    for i, reason in outputs._finish_reasons.items():
-        request = requests[i]
-        watched.pop(request.request_id, None)
-        detokenizer = request.detokenizer
-        finishes.append((request.request_id, reason, request.stop_reason,
-                         None if detokenizer is None else detokenizer.final_tokens,
-                         None if detokenizer is None else detokenizer.final_chars, request.num_cached_tokens))
-    return (OUTPUTS, sequence_ids, np.asarray(outputs._new_token_ids, dtype=np.int64),
-            np.asarray(outputs._num_tokens, dtype=np.int64), extras, finishes)

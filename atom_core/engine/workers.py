@@ -37,6 +37,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,7 +55,8 @@ from atom_core.engine.distributed import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RankStart", "WorkerSet", "run_worker", "start_ranks", "stop_ranks", "worker_main"]
+__all__ = ["RankStart", "WorkerSet", "exit_status", "run_worker", "start_interpreter", "start_ranks", "stop_processes",
+           "stop_ranks", "watch_parent", "worker_main"]
 
 DEFAULT_STEP_TIMEOUT = 300.0  # seconds rank 0 waits for a worker within a step before WorkerFailedError
 STARTUP_TIMEOUT = 1800.0  # seconds rank 0 waits for its workers to start and load (while they stay alive)
@@ -83,8 +85,7 @@ class WorkerSet:
         for rank, process in self.processes.items():
             code = process.poll()
             if code is not None:
-                how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-                return f"worker rank {rank} (pid {process.pid}) {how}{self._error_of(rank)}"
+                return f"worker rank {rank} (pid {process.pid}) {exit_status(code)}{self._error_of(rank)}"
         return None
 
     def _error_of(self, rank: int) -> str:
@@ -99,16 +100,7 @@ class WorkerSet:
     def stop(self, timeout: float = STOP_TIMEOUT) -> None:
         """Wait up to ``timeout`` s for the workers to leave, then kill the ones still there, and reap them."""
         self.stopping = True
-        deadline = time.monotonic() + timeout
-        for process in self.processes.values():
-            try:
-                process.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for process in self.processes.values():
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+        stop_processes(self.processes.values(), timeout)
 
     def close(self) -> None:
         """Give up at once (a failed start) or finish (a worker rank whose engine stopped): kill the processes
@@ -130,6 +122,57 @@ class WorkerSet:
                     dist.destroy_process_group()
             except Exception as error:  # noqa: BLE001 - after a failure its communicators may be gone already
                 logger.warning("destroying the engine's process group: %s", error)
+
+
+def exit_status(code: int) -> str:
+    """How a child process ended, from its return code: "exited with code 1", "was killed by SIGKILL"."""
+    return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+
+
+def stop_processes(processes: Iterable[subprocess.Popen], timeout: float) -> None:
+    """Wait up to ``timeout`` s (in all) for ``processes`` to leave, then kill the ones still there, and
+    reap them all."""
+    processes = list(processes)
+    deadline = time.monotonic() + timeout
+    for process in processes:
+        try:
+            process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def start_interpreter(entry: str, env: dict[str, str], *, cores_shared_by: int | None = None,
+                      pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
+    """Start ``python -c entry`` as a fresh interpreter (not ``multiprocessing``'s spawn: the user's script
+    is not imported again) with ``env`` and: ``PYTHONPATH`` that imports this same atom_core, the backend
+    this process prefers (``set_default_backend``), and, when ``cores_shared_by`` processes share the
+    cores, its share of them (``OMP_NUM_THREADS``, unless this process has it set)."""
+    from atom_core.ops.dispatch import default_backend
+
+    package_root = str(Path(__file__).resolve().parents[2])
+    env = env | {"PYTHONPATH": os.pathsep.join([package_root, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    if default_backend() is not None:
+        env["ATOM_CORE_BACKEND"] = default_backend()
+    if cores_shared_by is not None and "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // cores_shared_by))
+    return subprocess.Popen([sys.executable, "-c", entry], env=env, pass_fds=pass_fds)
+
+
+def watch_parent(parent_pid: int) -> None:
+    """End this process (exit code 1) once its parent ``parent_pid`` is gone: a daemon thread checks every
+    0.5 s (a child the engine started has nothing left to serve then)."""
+    threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True,
+                     name="atom_core-parent-watch").start()
+
+
+def _exit_when_orphaned(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(0.5)
+    os._exit(1)
 
 
 def stop_ranks(channel: StepChannel, workers: WorkerSet | None) -> None:
@@ -262,17 +305,11 @@ def _init_from_env(rank: int, world: int, device_type: str, step_timeout: float)
         return
     # Started by an engine: say so on its store first (it waits for that, watching this process, before
     # it joins the world itself), and leave when the parent is gone.
-    threading.Thread(target=_watch_parent, args=(int(parent),), daemon=True, name="atom_core-parent-watch").start()
+    watch_parent(int(parent))
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False,
                           datetime.timedelta(seconds=STARTUP_TIMEOUT))
     store.set(_STARTED_KEY.format(rank=rank), "1")
     dist.init_process_group(_backend(device_type), store=store, rank=rank, world_size=world, timeout=timeout)
-
-
-def _watch_parent(parent_pid: int) -> None:
-    while os.getppid() == parent_pid:
-        time.sleep(0.5)
-    os._exit(1)  # the engine's process is gone: nothing is left to serve
 
 
 def _spawn_workers(world: int, device_type: str, step_timeout: float, worker_args: dict) -> WorkerSet:
@@ -280,25 +317,17 @@ def _spawn_workers(world: int, device_type: str, step_timeout: float, worker_arg
     it stays alive), join the world."""
     import torch.distributed as dist
 
-    from atom_core.ops.dispatch import default_backend
-
     store = dist.TCPStore("127.0.0.1", 0, world, True, datetime.timedelta(seconds=STARTUP_TIMEOUT),
                           wait_for_workers=False)
     workers = WorkerSet(store=store, owns_world=True)
-    package_root = str(Path(__file__).resolve().parents[2])  # so the worker imports this same atom_core
     base_env = os.environ | {
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "WORLD_SIZE": str(world),
         "LOCAL_WORLD_SIZE": str(world), PARENT_ENV: str(os.getpid()),
-        ARGS_ENV: json.dumps(worker_args | {"step_timeout": step_timeout}),
-        "PYTHONPATH": os.pathsep.join([package_root, *filter(None, [os.environ.get("PYTHONPATH")])])}
-    if default_backend() is not None:  # set_default_backend: the workers prefer the same
-        base_env["ATOM_CORE_BACKEND"] = default_backend()
-    if device_type == "cpu" and "OMP_NUM_THREADS" not in os.environ:  # the ranks share the cores
-        base_env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world))
+        ARGS_ENV: json.dumps(worker_args | {"step_timeout": step_timeout})}
     try:
-        for rank in range(1, world):
-            workers.processes[rank] = subprocess.Popen([sys.executable, "-c", _ENTRY],
-                                                       env=base_env | {"RANK": str(rank), "LOCAL_RANK": str(rank)})
+        for rank in range(1, world):  # on the CPU the ranks share the cores
+            workers.processes[rank] = start_interpreter(_ENTRY, base_env | {"RANK": str(rank), "LOCAL_RANK": str(rank)},
+                                                        cores_shared_by=world if device_type == "cpu" else None)
         keys = [_STARTED_KEY.format(rank=rank) for rank in range(1, world)]
         deadline = time.monotonic() + STARTUP_TIMEOUT
         while not store.check(keys):

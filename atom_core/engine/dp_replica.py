@@ -1,0 +1,282 @@
+"""One replica of a data-parallel engine: its process (started, read and stopped by the front, the
+``DataParallelEngine`` of ``engine/data_parallel.py``), what runs inside it, and the messages between the two.
+
+A replica is a fresh Python process started like the engine's worker ranks (``start_interpreter``:
+``sys.executable -c``, no re-import of the user's script) that builds its own ``Engine.from_pretrained``
+with the arguments the front sends first, then runs its own step loop (``replica_main``). It leaves when
+the front says shutdown, when its socket closes, or when the front's process is gone.
+
+Front <-> replica: one Unix socket pair per replica (``multiprocessing.connection``, pickled tuples).
+
+- front -> replica: ``("config", engine arguments)`` once, then ``("add", request id, prompt token ids,
+  SamplingParams)``, ``("abort", id)``, ``("stats",)`` (answered with the replica engine's counters),
+  ``("shutdown",)``.
+- replica -> front: ``("ready", its limits and counters)`` or ``("start_failed", why)`` once its engine is
+  built (or not); then after each of its steps the step's outputs as arrays (sequence ids, new tokens,
+  token counts), the finished sequences (reason, stop reason, where the final text ends), for the few
+  sequences that need them log-probs, prompt log-probs and prefix-cache hits, and every COUNTERS_EVERY_S
+  seconds its engine's counters (pool, preemptions, prefix cache) (``_outputs_message``);
+  ``("step_error", request ids, why)`` for a step that raised (its engine stays usable);
+  ``("fatal", why)`` when its engine can no longer run.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection
+
+import numpy as np
+import torch
+
+from atom_core.engine.distributed import DistributedEngineError
+from atom_core.engine.engine import Engine
+from atom_core.engine.outputs import StepOutputs
+from atom_core.engine.request import Request
+from atom_core.engine.workers import (
+    STOP_TIMEOUT,
+    exit_status,
+    start_interpreter,
+    stop_processes,
+    watch_parent,
+)
+
+__all__ = ["ReplicaHandle", "replica_main", "start_replica", "stop_replicas"]
+
+# front -> replica
+CONFIG, ADD, ABORT, STATS, SHUTDOWN = "config", "add", "abort", "stats", "shutdown"
+# replica -> front (CLOSED: put by the front's reader thread when the socket closes)
+READY, START_FAILED, OUTPUTS, STEP_ERROR, FATAL, CLOSED = "ready", "start_failed", "outputs", "step_error", "fatal", \
+    "closed"
+FD_ENV = "ATOM_CORE_REPLICA_FD"
+FRONT_ENV = "ATOM_CORE_FRONT_PID"
+# A replica builds its own world (or none): a launcher's variables in the front's environment are not its own.
+_LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
+                 "MASTER_PORT", "TORCHELASTIC_RUN_ID", "ATOM_CORE_WORKER_ARGS", "ATOM_CORE_PARENT_PID")
+_ENTRY = "from atom_core.engine.dp_replica import replica_main; replica_main()"
+COUNTERS_EVERY_S = 0.5  # a running replica's outputs carry its engine's counters this often (and when it idles)
+
+
+# ---- the front's side -----------------------------------------------------------------------------------------------
+
+class ReplicaHandle:
+    """The front's handle on one replica: its process, its socket, its load."""
+
+    def __init__(self, index: int, process: subprocess.Popen, conn: Connection):
+        self.index, self.process, self.conn = index, process, conn
+        self.info: dict | None = None  # what it reported when its engine was built
+        self.counters: dict = {}  # its engine's counters as of its last report (_counters)
+        self.outstanding = 0  # tokens it still has to compute at most (routing: see engine/data_parallel.py)
+        self.num_unfinished = 0  # its unfinished sequences
+        self.num_requests = 0  # requests routed to it so far
+        self.last_heard = time.monotonic()  # its last message (or the moment it got work while idle)
+
+    def describe_exit(self) -> str:
+        code = self.process.poll()
+        if code is None:
+            return f"replica {self.index} (pid {self.process.pid})"
+        return f"replica {self.index} (pid {self.process.pid}) {exit_status(code)}"
+
+    def reap(self, timeout: float = 1.0) -> None:
+        """Its socket closed: give its process a moment to be reaped (so its exit status is known)."""
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def start_replica(index: int, gpus: list[str], ranks: int, config: dict, inbox: queue.Queue) -> ReplicaHandle:
+    """Start replica ``index`` on ``gpus`` (its CUDA_VISIBLE_DEVICES; none on the CPU, where ``ranks``
+    processes share the cores), send it ``config`` (its ``Engine.from_pretrained`` arguments) and start the
+    thread that puts its messages into ``inbox`` as ``(index, message)``."""
+    ours, theirs = socket.socketpair()
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV}
+    env |= {FD_ENV: str(theirs.fileno()), FRONT_ENV: str(os.getpid())}
+    if gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+    try:
+        process = start_interpreter(_ENTRY, env, cores_shared_by=ranks, pass_fds=(theirs.fileno(),))
+    finally:
+        theirs.close()
+    conn = Connection(ours.detach())
+    replica = ReplicaHandle(index, process, conn)
+    conn.send((CONFIG, config))
+    threading.Thread(target=_read_messages, args=(conn, index, inbox, replica), daemon=True,
+                     name=f"atom_core-replica-{index}").start()
+    return replica
+
+
+def _read_messages(conn: Connection, index: int, inbox: queue.Queue, replica: ReplicaHandle) -> None:
+    """A reader thread: every message of replica ``index`` into ``inbox`` as it comes (so a replica never
+    waits for the front to read), then CLOSED when its socket closes."""
+    try:
+        while True:
+            message = conn.recv()
+            replica.last_heard = time.monotonic()
+            inbox.put((index, message))
+    except (EOFError, OSError):
+        inbox.put((index, (CLOSED,)))
+
+
+def stop_replicas(replicas: list[ReplicaHandle], state: dict) -> None:
+    """Tell every replica to leave, wait up to STOP_TIMEOUT, kill and reap what is left. Holds no
+    reference to the front (it runs when the front is dropped, or at exit)."""
+    state["stopping"] = True
+    for replica in replicas:
+        if replica.process.poll() is None:
+            try:
+                replica.conn.send((SHUTDOWN,))
+            except (OSError, ValueError):  # gone already: killed below if still there
+                pass
+    stop_processes([r.process for r in replicas], STOP_TIMEOUT)
+    for replica in replicas:
+        replica.conn.close()
+
+
+# ---- the replica process --------------------------------------------------------------------------------------------
+
+def replica_main() -> None:
+    """A replica started by a ``DataParallelEngine``: build the engine it was given, then serve the front
+    until it says shutdown (or its socket closes)."""
+    conn = Connection(int(os.environ[FD_ENV]))
+    watch_parent(int(os.environ[FRONT_ENV]))  # the front is gone: nothing is left to serve
+    try:
+        _, config = conn.recv()
+        if config["device"] == "cpu":
+            torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        engine = Engine.from_pretrained(config["path"], dtype=config["dtype"], device=config["device"],
+                                        load_format=config["load_format"], quantization=config["quantization"],
+                                        tensor_parallel_size=config["tensor_parallel_size"],
+                                        expert_parallel=config["expert_parallel"], step_timeout=config["step_timeout"],
+                                        **config["engine_args"])
+    except (EOFError, OSError):
+        os._exit(1)
+    except BaseException as error:  # noqa: BLE001 - reported to the front, then the process ends
+        traceback.print_exc()
+        try:
+            conn.send((START_FAILED, f"{type(error).__name__}: {error}"[:2000]))
+        finally:
+            os._exit(1)
+    conn.send((READY, {"max_model_len": engine.max_model_len, "max_logprobs": engine.max_logprobs,
+                       "default_sampling_params": engine.default_sampling_params,
+                       "eos_token_ids": engine.eos_token_ids, "config": engine.model.config,
+                       "counters": _counters(engine), "pid": os.getpid()}))
+    code = 1
+    try:
+        code = 0 if _serve(engine, conn) else 1
+    except (EOFError, OSError):  # the front is gone
+        pass
+    except BaseException as error:  # a failure of this loop itself: tell the front why before leaving
+        try:
+            conn.send((FATAL, f"{type(error).__name__}: {error}"[:2000]))
+        except (OSError, ValueError):
+            pass
+        raise
+    finally:
+        engine.shutdown()  # (its worker ranks, if any, are stopped and reaped here)
+        conn.close()
+    # Nothing is left to clean up: skip the interpreter's teardown (seconds of torch's exit handlers).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _serve(engine: Engine, conn: Connection) -> bool:
+    """The replica's loop: take the front's commands (without waiting while requests run), step, send the
+    step's outputs. Returns True when the front said shutdown, False when the engine can no longer run."""
+    watched: dict[int, Request] = {}  # sequences whose next output carries extras (see _outputs_message)
+    last_counters = time.monotonic()
+    timing = {"steps": 0, "step_seconds": 0.0}  # engine.step() calls and the time spent in them
+    while True:
+        busy = engine.has_unfinished_requests()
+        while not busy or conn.poll():
+            command = conn.recv()
+            if command[0] == ADD:
+                _, group_id, token_ids, params = command
+                engine._next_id = group_id  # the front's id, unique over the replicas (it reserved n ids)
+                try:
+                    engine.add_request(token_ids, params)
+                except Exception as error:  # noqa: BLE001 - the front checked it; what only the engine knows
+                    conn.send((STEP_ERROR, [group_id], f"(add_request) {type(error).__name__}: {error}"))
+                    continue
+                for request in engine._requests[group_id]:
+                    watched[request.request_id] = request
+            elif command[0] == ABORT:
+                engine.abort(command[1])
+            elif command[0] == STATS:
+                conn.send((STATS, _counters(engine, timing)))
+            elif command[0] == SHUTDOWN:
+                return True
+            busy = engine.has_unfinished_requests()
+        start = time.perf_counter()
+        try:
+            outputs = engine.step()
+        except DistributedEngineError as error:  # its own worker ranks failed: this replica cannot go on
+            conn.send((FATAL, f"{type(error).__name__}: {error}"))
+            return False
+        except Exception as error:  # noqa: BLE001 - the step's requests finished with "error"; others go on
+            conn.send((STEP_ERROR, list(engine.failed_request_ids), f"{type(error).__name__}: {error}"))
+            continue
+        timing["steps"] += 1
+        timing["step_seconds"] += time.perf_counter() - start
+        now = time.monotonic()
+        counters = None
+        if now - last_counters >= COUNTERS_EVERY_S or not engine.has_unfinished_requests():
+            counters, last_counters = _counters(engine, timing), now
+        conn.send(_outputs_message(outputs, watched) + (counters,))
+
+
+def _counters(engine: Engine, timing: dict | None = None) -> dict:
+    """A replica engine's counters (``DataParallelEngine.replica_stats``); ``timing``: its steps so far."""
+    bm = engine.block_manager
+    prefix = bm.stats
+    return {"unfinished": engine._num_unfinished(), "unfinished_ids": sorted(engine._requests),
+            "num_preemptions": engine.num_preemptions,
+            "free_blocks": bm.num_free_blocks, "num_blocks": bm.num_blocks,
+            "prefix_cache": (prefix.queries, prefix.hits, prefix.query_tokens, prefix.hit_tokens),
+            "device": str(engine.device), "visible_gpus": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            **(timing or {"steps": 0, "step_seconds": 0.0})}
+
+
+def _outputs_message(outputs: StepOutputs, watched: dict[int, Request]) -> tuple:
+    """One step's outputs for the front: (OUTPUTS, sequence ids, new tokens int64 [K], token counts int64
+    [K], extras {sequence id: (log-prob, top log-probs, (prompt log-probs, prompt top) or None, prefix-cache
+    hits or None)} for the watched sequences (a first token, or log-probs asked for), finishes [(sequence
+    id, reason, stop reason, final text tokens, final text chars, prefix-cache hits)])."""
+    requests = outputs._requests
+    sequence_ids = [r.request_id for r in requests]
+    extras = {}
+    if watched:
+        for i, sequence_id in enumerate(sequence_ids):
+            request = watched.get(sequence_id)
+            if request is None:
+                continue
+            num_output = int(outputs._num_tokens[i]) - request.num_prompt_tokens
+            first = num_output == 1
+            logprob = top = None
+            if request.logprobs is not None:
+                logprob = request.logprobs[num_output - 1]
+                top = None if request.top_logprobs is None else request.top_logprobs[num_output - 1]
+            prompt = None
+            if first and request.prompt_logprobs is not None:
+                prompt = (list(request.prompt_logprobs),
+                          None if request.prompt_top_logprobs is None else list(request.prompt_top_logprobs))
+            extras[sequence_id] = (logprob, top, prompt, request.num_cached_tokens if first else None)
+            if request.logprobs is None:
+                del watched[sequence_id]
+    finishes = []
+    for i, reason in outputs._finish_reasons.items():
+        request = requests[i]
+        watched.pop(request.request_id, None)
+        detokenizer = request.detokenizer
+        finishes.append((request.request_id, reason, request.stop_reason,
+                         None if detokenizer is None else detokenizer.final_tokens,
+                         None if detokenizer is None else detokenizer.final_chars, request.num_cached_tokens))
+    return (OUTPUTS, sequence_ids, np.asarray(outputs._new_token_ids, dtype=np.int64),
+            np.asarray(outputs._num_tokens, dtype=np.int64), extras, finishes)
