@@ -102,7 +102,8 @@ def _num_sparse_layers(config: ModelConfig) -> int:
 
 
 def estimate_model_bytes(config: ModelConfig, dtype: torch.dtype, *, tp_size: int = 1,
-                         expert_bytes_per_weight: float | None = None) -> tuple[int, str]:
+                         expert_bytes_per_weight: float | None = None,
+                         kv_b_bytes_per_weight: float | None = None) -> tuple[int, str]:
     """A lower bound of the bytes one rank's model of ``config`` takes, and what they are made of.
 
     Parameters in ``dtype`` (E hidden, V vocabulary, L layers, H/Hk heads, D head dim, I intermediate,
@@ -114,6 +115,8 @@ def estimate_model_bytes(config: ModelConfig, dtype: torch.dtype, *, tp_size: in
     cos/sin table(s), ``max_position_embeddings x rotary dim``, one per rope layer type.
     ``expert_bytes_per_weight``: the routed experts' bytes per weight when they are stored otherwise than
     ``dtype`` (MXFP4: 0.5 + 1/32; scales included or not, a lower bound stays one).
+    ``kv_b_bytes_per_weight``: MLA's ``Lr H (Dn + Dv)`` of ``kv_b_proj`` when it is held otherwise than
+    ``dtype`` (a quantized checkpoint's is dequantized to the model dtype at load: ``w_kv_b``).
     """
     e, v, layers, d = config.hidden_size, config.vocab_size, config.num_hidden_layers, config.head_dim
     h, hk = config.num_attention_heads, config.num_key_value_heads
@@ -124,18 +127,21 @@ def estimate_model_bytes(config: ModelConfig, dtype: torch.dtype, *, tp_size: in
     shared = _extra_count(config, "n_shared_experts")
     per_param = dtype.itemsize / tp_size
     per_expert_param = per_param if expert_bytes_per_weight is None else expert_bytes_per_weight / tp_size
+    per_kv_b_param = per_param if kv_b_bytes_per_weight is None else kv_b_bytes_per_weight / tp_size
     attention, rotary_dim = e * (h + 2 * hk) * d + h * d * e, d
+    kv_b = 0
     kv_lora = _extra_count(config, "kv_lora_rank")
     if kv_lora:  # MLA: q (through q_lora_rank or not), the latent down/up projections, o_proj
         nope, rope = _extra_count(config, "qk_nope_head_dim"), _extra_count(config, "qk_rope_head_dim")
         v_dim, q_lora = _extra_count(config, "v_head_dim"), _extra_count(config, "q_lora_rank")
         q = e * q_lora + q_lora * h * (nope + rope) if q_lora else e * h * (nope + rope)
-        attention = q + e * (kv_lora + rope) + kv_lora * h * (nope + v_dim) + h * v_dim * e
+        attention = q + e * (kv_lora + rope) + h * v_dim * e
+        kv_b = kv_lora * h * (nope + v_dim)
         rotary_dim = rope
     parts = {
         "embedding": v * e * per_param,
         "lm head": 0 if config.tie_word_embeddings else v * e * per_param,
-        f"{layers} layers' attention": layers * attention * per_param,
+        f"{layers} layers' attention": layers * (attention * per_param + kv_b * per_kv_b_param),
         f"{layers - sparse} dense MLPs": (layers - sparse) * 3 * e * inter * per_param,
         f"{sparse} x {experts} experts": sparse * (experts * 3 * e * moe_inter * per_expert_param
                                                     + (e * experts + shared * 3 * e * moe_inter) * per_param),
@@ -153,12 +159,13 @@ def estimate_model_bytes(config: ModelConfig, dtype: torch.dtype, *, tp_size: in
 def _estimate_args(quant_config: QuantConfig | None, dtype: torch.dtype) -> dict:
     """``estimate_model_bytes``' dtype and expert bytes for a model built with ``quant_config`` (lower bounds):
     MXFP4 (gpt-oss: experts only) keeps the dense layers in ``dtype`` and counts the experts at half a byte;
-    the 8-bit formats count one byte per element."""
+    the 8-bit formats count one byte per element, but MLA's ``kv_b_proj``, held in ``dtype`` however it is
+    stored (dequantized at load into ``w_kv_b``, its stored copy freed; online quantization leaves it)."""
     if quant_config is None:
         return {"dtype": dtype}
     if quant_config.quant_method == "mxfp4":
         return {"dtype": dtype, "expert_bytes_per_weight": 0.5}
-    return {"dtype": torch.float8_e4m3fn}
+    return {"dtype": torch.float8_e4m3fn, "kv_b_bytes_per_weight": dtype.itemsize}
 
 
 def _check_fits(config: ModelConfig, dtype: torch.dtype, device: torch.device, tp_size: int, source: str,
