@@ -7,6 +7,11 @@
 #   core        engine throughput (cold, then warm), latency, TTFT; attention and elementwise ops
 #   quant       FP8 GEMMs; Llama-3-8B fp8_block and GPT-OSS-20B MXFP4 decode; Qwen3-30B-A3B fp8 and the fp8 KV pool
 #   deepseek    MLA / DSA ops; the DeepSeek-V2-Lite engine against HF
+#   serve       structured output (tests, the mask op, per-step overhead at bs 64), then the online serving
+#               benchmark: atom-core serve against transformers serve, and offline Engine.generate (Qwen3-0.6B
+#               shapes, random weights). Needs the serve / structured extras' packages: where the machine lacks
+#               them, put their wheels in .whl/ (installed into /tmp/site first). STRUCTURED_TOKENIZER: a
+#               151k-token tokenizer.json for the structured-output benchmark (else it trains one: ~2 minutes).
 # Each command runs under its own time limit; when it is reached the command gets SIGINT (pytest still
 # prints its summary) and the next one starts. Each JSON records its run (GPU, versions, commit, Triton
 # cache state: benchmarks/common.py run_metadata). Where the tree has no .git, set ATOM_CORE_COMMIT to
@@ -16,7 +21,7 @@
 set -u
 out=${1:?usage: run_h200.sh OUT_DIR [tests|selftest|core|quant|deepseek ...]}
 shift
-parts=${*:-tests selftest core quant deepseek}
+parts=${*:-tests selftest core quant deepseek serve}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 cache="$out/triton_cache"
@@ -38,6 +43,39 @@ tests() {  # tests NAME SECONDS PATHS...
     TRITON_CACHE_DIR="$out/triton_cache_tests" timeout -s INT "$limit" python -m pytest -q -p no:cacheprovider \
         --tb=short -rfE "$@" > "$out/tests_$name.log" 2>&1
     grep -E "^(FAILED|ERROR)|passed|failed|no tests ran" "$out/tests_$name.log" | cut -c1-300 | tail -15
+}
+
+serving() {  # atom-core serve and transformers serve on one random-weight Qwen3-0.6B folder (docs/serving.md)
+    local folder="$out/qwen3-0.6b-random" cli=(python -m atom_core.serve.cli)
+    python - "$folder" <<'PY'
+import pathlib, shutil, sys
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+import atom_core
+folder = pathlib.Path(sys.argv[1])
+Qwen3ForCausalLM(Qwen3Config.from_json_file("benchmarks/configs/qwen3-0.6b.json")).to(torch.bfloat16).save_pretrained(folder)
+for name in ("tokenizer.json", "tokenizer_config.json"):
+    shutil.copy(pathlib.Path(atom_core.__file__).parent / "demo_model" / name, folder)
+PY
+    echo "=== serving: offline"
+    timeout -s INT 120 "${cli[@]}" bench --offline "$folder" --json "$out/serve_offline.json" > "$out/serve_offline.log" 2>&1
+    tail -8 "$out/serve_offline.log"
+    for server in atom_core transformers; do
+        local port=8000 start=("${cli[@]}" serve "$folder" --port 8000)
+        [ $server = transformers ] && port=8001 start=(transformers serve "$folder" --continuous-batching --port 8001)
+        "${start[@]}" > "$out/serve_${server}_server.log" 2>&1 &
+        local pid=$!
+        for _ in $(seq 120); do
+            python -c "import urllib.request,sys; urllib.request.urlopen(sys.argv[1], timeout=1)" \
+                "http://127.0.0.1:$port/v1/models" 2>/dev/null && break
+            sleep 1
+        done
+        echo "=== serving: $server"
+        timeout -s INT 200 "${cli[@]}" bench --url "http://127.0.0.1:$port" --rate 4 16 64 inf \
+            --json "$out/serve_${server}_online.json" > "$out/serve_${server}_online.log" 2>&1
+        tail -8 "$out/serve_${server}_online.log"
+        kill -INT $pid; sleep 3; kill -9 $pid 2>/dev/null
+    done
 }
 
 for part in $parts; do
@@ -82,8 +120,23 @@ for part in $parts; do
         run engine_throughput_v2_lite 420 benchmarks.engine --section throughput --model deepseek-v2-lite \
             --hf-seqs 64 --hf-max-tokens 128 --hf-timeout 100 --json "$out/engine_throughput_v2_lite.json"
         ;;
+    serve)
+        if [ -d .whl ]; then
+            python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+                .whl/*.whl && export PYTHONPATH=.:/tmp/site
+        fi
+        tests structured 150 tests/ops/test_token_mask.py tests/engine/test_structured_output.py \
+            tests/serve/test_structured_output.py
+        tokenizer=(); [ -n "${STRUCTURED_TOKENIZER:-}" ] && tokenizer=(--tokenizer "$STRUCTURED_TOKENIZER")
+        run structured_output_op 90 benchmarks.structured_output --section op --device cuda "${tokenizer[@]}" \
+            --json "$out/structured_output_op.json"
+        run structured_output_engine 150 benchmarks.structured_output --section engine --device cuda "${tokenizer[@]}" \
+            --model benchmarks/configs/qwen3-0.6b.json --load-format dummy --dtype bfloat16 \
+            --json "$out/structured_output_engine.json"
+        serving
+        ;;
     *)
-        echo "unknown part $part (tests, selftest, core, quant, deepseek)"; exit 2
+        echo "unknown part $part (tests, selftest, core, quant, deepseek, serve)"; exit 2
         ;;
     esac
 done
