@@ -2,9 +2,10 @@
 
     python multi_rank_script.py MODEL_DIR OUT.json [--own-world] [--expert-parallel]
 
-Every rank runs this same file. ``Engine.from_pretrained(..., tensor_parallel_size=2)`` joins the
-world the launcher describes (``torchrun``'s environment); rank 0 gets the engine, generates and
-writes the greedy tokens to OUT.json; the other ranks serve inside the call and get None.
+Every rank runs this same file. ``Engine.from_pretrained(..., tensor_parallel_size=N)`` joins the
+world the launcher describes (``torchrun``'s environment; N is its ``WORLD_SIZE``: nodes x processes
+per node); rank 0 gets the engine, generates and writes the greedy tokens to OUT.json; the other ranks
+serve inside the call and get None.
 
 ``--own-world``: the script owns its process group and its model (a framework's case): it
 initializes ``torch.distributed`` itself, builds ``ParallelContext.from_world``, loads its shard,
@@ -12,6 +13,7 @@ and passes the model to ``Engine(...)`` on rank 0 / ``run_worker(model)`` on the
 """
 
 import json
+import os
 import sys
 
 import torch
@@ -44,7 +46,7 @@ def main() -> None:
         finally:
             dist.destroy_process_group()
     else:
-        engine = Engine.from_pretrained(folder, device="cpu", dtype=torch.float32, tensor_parallel_size=2,
+        engine = Engine.from_pretrained(folder, device="cpu", dtype=torch.float32, tensor_parallel_size=int(os.environ["WORLD_SIZE"]),
                                         expert_parallel=expert_parallel, **ENGINE_ARGS)
         if engine is None:  # a worker rank: it served rank 0's steps until rank 0 shut the engine down
             return

@@ -285,17 +285,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("mode", ["from_pretrained", "own-world"])
-def test_two_launcher_invocations_as_two_nodes_give_one_ranks_tokens(tiny_qwen3_moe, tmp_path, mode):
-    """``torch.distributed.run --nnodes 2 --node-rank {0,1}``: two separate launchers, one rank each, meeting
-    over loopback (the multi-node path on one machine); the script is the one a user writes."""
+@pytest.mark.parametrize("mode, per_node", [("from_pretrained", 2), ("own-world", 1)])
+def test_two_launcher_invocations_as_two_nodes_give_one_ranks_tokens(tiny_qwen3_moe, tmp_path, mode, per_node):
+    """``torch.distributed.run --nnodes 2 --node-rank {0,1}``: two separate launchers meeting over loopback (the
+    multi-node path on one machine); the script is the one a user writes. ``from_pretrained``: two ranks per
+    node, TP 4 across the nodes (KV heads replicated, 4 experts per rank; measured on 2 shared cores: ~15 s);
+    ``own-world``: one rank per node."""
     folder, _ = tiny_qwen3_moe
     out = tmp_path / "tokens.json"
     port = _free_port()
     extra = ["--own-world"] if mode == "own-world" else []
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"OMP_NUM_THREADS": "1"}
     launchers = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
-                                   str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+                                   str(node), "--nproc-per-node", str(per_node), "--master-addr", "127.0.0.1",
                                    "--master-port", str(port), str(SCRIPT), str(folder), str(out), "--expert-parallel",
                                    *extra], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   text=True)
@@ -312,3 +314,56 @@ def test_two_launcher_invocations_as_two_nodes_give_one_ranks_tokens(tiny_qwen3_
         one = Engine.from_pretrained(folder, device="cpu", dtype=torch.float32, **script.ENGINE_ARGS)
         want = _generate(one, script.PROMPTS, script.PARAMS)
     assert json.loads(out.read_text()) == want
+
+
+# ---- four ranks: KV heads replicated, a quarter of the experts each ---------------------------------------------------
+
+# 8 query heads over 2 KV heads: at 4 ranks each rank holds 2 query heads and one KV head, replicated on 2 ranks
+# (at 8 ranks, 4: tests/models/test_tensor_parallel.py). 16 experts: 4 whole experts per rank under EP.
+WIDE_HEADS = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+              "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 256,
+              "initializer_range": 0.3, "eos_token_id": 95, "bos_token_id": 0}
+FOUR_RANK_CASES = {"qwen3-tp4": ("dense", False), "qwen3_moe-ep4": ("moe", "all_reduce"),
+                   "qwen3_moe-ep4-a2a": ("moe", "all_to_all")}
+
+
+@pytest.fixture(scope="module")
+def wide_head_checkpoints(tmp_path_factory):
+    from transformers import (
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
+
+    from tests.engine.conftest import _save
+
+    dense = Qwen3Config(**WIDE_HEADS, tie_word_embeddings=True)
+    moe = Qwen3MoeConfig(**WIDE_HEADS, moe_intermediate_size=32, num_experts=16, num_experts_per_tok=4,
+                         norm_topk_prob=True, tie_word_embeddings=False)
+    return {"dense": _save(tmp_path_factory, "qwen3_wide", Qwen3ForCausalLM, dense)[0],
+            "moe": _save(tmp_path_factory, "qwen3_moe_wide", Qwen3MoeForCausalLM, moe)[0]}
+
+
+@pytest.mark.parametrize("case", list(FOUR_RANK_CASES))
+def test_four_ranks_give_the_greedy_tokens_of_one_rank(wide_head_checkpoints, case):
+    """A 4-rank engine (three worker processes). Few tokens, one prefill step: chunking, preemption and
+    the rest are the 2-rank tests' (same code, any N; 8 ranks: the model-level test in tests/models/test_tensor_parallel.py).
+    Measured on 2 shared cores: 7 - 8 s each (14 s for the first of a session), most of it the workers' start."""
+    kind, expert_parallel = FOUR_RANK_CASES[case]
+    folder = wide_head_checkpoints[kind]
+    prompts = _prompts(96, lengths=(7, 1, 13))
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    children = _live_children()
+    with ops.use_backend("torch"):
+        want = _generate(Engine.from_pretrained(folder, device="cpu", dtype=torch.float32), prompts, params)
+        with Engine.from_pretrained(folder, device="cpu", dtype=torch.float32, tensor_parallel_size=4,
+                                    expert_parallel=expert_parallel, step_timeout=60) as four:
+            parallel = four.model.parallel
+            assert (parallel.tp_size, parallel.tp_rank, parallel.ep_comm if expert_parallel else None) == (
+                4, 0, expert_parallel or None)
+            got = _generate(four, prompts, params)
+            pids = _worker_pids(four)
+    assert len(pids) == 3
+    assert got == want
+    assert _live_children() <= children and not any(map(_pid_exists, pids))

@@ -38,7 +38,13 @@ from tests.models import (  # noqa: E402
     test_parity_qwen3_moe,
 )
 from tests.models.moe_parity import build_moe_pair  # noqa: E402
-from tests.models.parity_harness import PagedRunner, check_decode, check_ragged_prefill, random_tokens  # noqa: E402
+from tests.models.parity_harness import (
+    PagedRunner,
+    ParityCase,
+    check_decode,
+    check_ragged_prefill,
+    random_tokens,
+)
 
 TP = 2
 DENSE_CASES = [
@@ -222,3 +228,128 @@ def test_two_ranks_with_fp8_block_experts_match_the_single_rank_quantized_model(
         mp.start_processes(_fp8_block_moe_rank, args=(os.path.join(tmp_path, f"init{int(expert_parallel)}"), path,
                                                       expected, expert_parallel),
                            nprocs=TP, join=True, start_method="fork")
+
+
+# --- eight ranks: KV heads replicated 4 ways, a padded vocabulary, one expert pair each (one spawn) ---------------
+
+# 8 query heads over 2 KV heads (each KV head on 4 ranks), vocabulary 101 padded to 104, intermediate 96 = 8 x 12;
+# 16 experts of top-4: 2 whole experts per rank under EP.
+WIDE = {"num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 96}
+EIGHT_RANK_RUNS = [
+    (ParityCase("gqa4_wide", "qwen3", "Qwen3ForCausalLM", WIDE), False),
+    (ParityCase("e16_k4_wide", "qwen3_moe", "Qwen3MoeForCausalLM",
+                {**WIDE, "num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 24,
+                 "norm_topk_prob": True}), "all_reduce"),
+]
+
+
+def _eight_rank(rank: int, init_file: str, pairs, world: int) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        for pair, expert_parallel, full_numel in pairs:
+            modes = ["all_reduce", "all_to_all"] if expert_parallel else [False]
+            for mode in modes:
+                parallel = ParallelContext.from_world(expert_parallel=mode)
+                assert (parallel.tp_rank, parallel.tp_size) == (rank, world)
+                model = load_model(pair.path, dtype=torch.float32, device="cpu", parallel=parallel)
+                assert _numel(model) < 0.5 * full_numel, "this rank holds most of the model: nothing was split"
+                attn = model.model.layers[0].self_attn
+                assert attn.qkv_proj.shard.kv_replicas == world // 2, "each KV head on world / 2 ranks"
+                experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
+                assert all(e.w13_weight.shape[0] == 16 // world and e.ep_comm == mode for e in experts)
+                for e in experts:  # all-to-all: the padded exchange for the prefill, the exact one for the decode
+                    e.ep_exchange = "padded"
+                with ops.use_backend("torch"):
+                    check_ragged_prefill(pair, model, lengths=(1, 7, 4))
+                    for e in experts:
+                        e.ep_exchange = "exact"
+                    check_decode(pair, model, 4, num_decode_steps=2)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
+def test_eight_ranks_match_hf_dense_and_moe_in_both_expert_exchanges(tmp_path):
+    """One spawn of eight forked gloo ranks runs a dense Qwen3 (TP 8) and a Qwen3-MoE (EP 8, all-reduce, then
+    all-to-all) against HF: ragged prefill and decode steps. (The engine over 4 ranks:
+    tests/engine/test_multi_rank.py; the engine's code is the same for any N.) Measured on 2 shared cores:
+    ~9 s."""
+    world = 8
+    pairs = []
+    for case, expert_parallel in EIGHT_RANK_RUNS:
+        pair = build_moe_pair(case, tmp_path / case.name)
+        pairs.append((pair, expert_parallel, _numel(pair.load_atom())))
+    mp.start_processes(_eight_rank, args=(os.path.join(tmp_path, "init"), pairs, world), nprocs=world, join=True,
+                       start_method="fork")
+
+
+# --- DeepSeek-V3 FP8 (128 x 128 blocks) over four ranks ----------------------------------------------------------
+
+# The v3 case of test_quant_deepseek with 16 heads and 512-wide MLPs, so that each of 4 ranks holds whole 128-blocks:
+# q_b_proj 16 x (32 + 32) / 4 = 256 rows, kv_b_proj 16 x (32 + 32) / 4 = 256 rows, o_proj 16 x 32 / 4 = 128 columns,
+# the dense MLP's and each expert's (and the shared expert's) 512 intermediate units / 4 = 128. q_a_proj (192 rows)
+# and kv_a_proj_with_mqa (160 + 32 rows) are replicated, with their partial blocks.
+DEEPSEEK_TP4 = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 16, "num_key_value_heads": 16,
+                "kv_lora_rank": 160, "qk_nope_head_dim": 32, "qk_rope_head_dim": 32, "v_head_dim": 32,
+                "q_lora_rank": 192, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 512,
+                "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1,
+                "norm_topk_prob": True, "routed_scaling_factor": 2.5}
+
+
+def _deepseek_fp8_rank(rank: int, init_file: str, path, full, expected: torch.Tensor, world: int) -> None:
+    from tests.models.test_quant_checkpoints import effective_weight
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        model = load_model(path, dtype=torch.float32, device="cpu", tp_rank=rank, tp_size=world)
+        for i, (block, full_block) in enumerate(zip(model.model.layers, full.model.layers)):
+            attn, full_attn = block.self_attn, full_block.self_attn
+            assert attn.num_heads == 16 // world
+            heads = slice(rank * attn.num_heads, (rank + 1) * attn.num_heads)
+            for got, want in zip(attn.absorbed_weights(), full_attn.absorbed_weights()):  # w_uk, w_uv
+                assert torch.equal(got, want[heads]), f"layer {i}: this rank's heads of kv_b_proj"
+            rows = full_attn.q_b_proj.weight.shape[0] // world
+            assert torch.equal(effective_weight(attn.q_b_proj),
+                               effective_weight(full_attn.q_b_proj)[rank * rows:(rank + 1) * rows]), f"layer {i}"
+            cols = full_attn.o_proj.weight.shape[1] // world
+            assert torch.equal(effective_weight(attn.o_proj),
+                               effective_weight(full_attn.o_proj)[:, rank * cols:(rank + 1) * cols]), f"layer {i}"
+            assert tuple(attn.o_proj.weight_scale.shape) == (2, 1)  # 256 rows x 128 columns: whole blocks
+        experts = model.model.layers[1].mlp.experts
+        assert experts.weight_format == "fp8_block"
+        assert tuple(experts.w13_weight_scale.shape) == (4, 2, 2) and tuple(experts.w2_weight_scale.shape) == (4, 2, 1)
+        with ops.use_backend("torch"):
+            actual = _prefill_then_decode(model)
+        # The tolerance argument of _fp8_block_rank: same 1 x 128 activation groups, same block scales; a row
+        # differs by fp32 summation order unless that order flips one activation's FP8 rounding.
+        scale = expected.abs().max().item()
+        row_diff = (actual - expected).abs().amax(dim=1)
+        at_fp32 = row_diff <= 1e-4 * max(1.0, scale)
+        assert at_fp32.float().mean() >= 7 / 8, f"rank {rank}: rows off by more than fp32 noise: {row_diff.tolist()}"
+        assert (row_diff <= 0.02 * scale).all(), f"rank {rank}: a row off by more than one rounding flip: " \
+                                                 f"{row_diff.max().item():.3g} of {scale:.3g}"
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
+def test_four_ranks_of_a_deepseek_v3_fp8_block_checkpoint_match_the_single_rank_model(tmp_path):
+    """A DeepSeek-V3 FP8 checkpoint stored as the releases are (``quant_checkpoints.deepseek_fp8_checkpoint``)
+    over TP 4 (forked gloo ranks): each rank's MLA pieces are its heads' rows / columns of the one-rank model's,
+    and its logits (ragged prefill, decode) match the one-rank FP8 model's. Measured on 2 shared cores: ~6 s."""
+    pytest.importorskip("compressed_tensors")
+    from tests.models import quant_checkpoints as qc
+    from tests.models.test_parity_deepseek import build_deepseek_pair
+
+    pair = build_deepseek_pair(ParityCase("v3_tp4", "deepseek_v3", "DeepseekV3ForCausalLM", DEEPSEEK_TP4),
+                               tmp_path / "fp32")
+    path = qc.deepseek_fp8_checkpoint(pair.path, tmp_path / "fp8")
+    full = load_model(path, dtype=torch.float32, device="cpu")
+    with ops.use_backend("torch"):
+        expected = _prefill_then_decode(full)
+    mp.start_processes(_deepseek_fp8_rank, args=(os.path.join(tmp_path, "init"), path, full, expected, 4), nprocs=4,
+                       join=True, start_method="fork")
