@@ -420,7 +420,10 @@ class DataParallelEngine:
             try:
                 messages.append(inbox.get_nowait())
             except queue.Empty:
-                return messages
+                break
+        # Also while other replicas keep sending: a hung one must not hide behind their messages.
+        self._raise_if_hung(time.monotonic())
+        return messages
 
     def _wait_for_message(self) -> tuple[int, tuple]:
         """The next message of any replica; a replica that died or hangs raises ReplicaFailedError."""
@@ -429,15 +432,20 @@ class DataParallelEngine:
                 return self._inbox.get(timeout=_WAIT_SLICE_S)
             except queue.Empty:
                 pass
-            now = time.monotonic()
             for replica in self._replicas:
                 if replica.process.poll() is not None:
                     replica.reap()
                     raise self._fail(replica, ReplicaFailedError(f"{replica.describe_exit()}"))
-                if replica.num_unfinished and now - replica.last_heard > self.step_timeout:
-                    raise self._fail(replica, ReplicaFailedError(
-                        f"{replica.describe_exit()} sent nothing within step_timeout={self.step_timeout:g} s while "
-                        f"running {replica.num_unfinished} sequences: it hangs"))
+            self._raise_if_hung(time.monotonic())
+
+    def _raise_if_hung(self, now: float) -> None:
+        """ReplicaFailedError for a replica with unfinished sequences that sent nothing for step_timeout
+        (its reader thread stamps every message as it arrives)."""
+        for replica in self._replicas:
+            if replica.num_unfinished and now - replica.last_heard > self.step_timeout:
+                raise self._fail(replica, ReplicaFailedError(
+                    f"{replica.describe_exit()} sent nothing within step_timeout={self.step_timeout:g} s while "
+                    f"running {replica.num_unfinished} sequences: it hangs"))
 
     def _raise_for(self, replica: ReplicaHandle, message: tuple) -> None:
         kind = message[0]
