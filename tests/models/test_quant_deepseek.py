@@ -20,9 +20,11 @@ Sizes leave partial 128-blocks in every MLA projection (q_a_proj 192 rows, q_b_p
 releases' kv_a_proj_with_mqa (576 rows) does.
 
 1. **Weights, exactly.** Every linear layer has the scheme its rules give it and its effective weight (stored
-   values times the scale its GEMM reads) equals the dequantized checkpoint's; a quantized ``kv_b_proj`` keeps
-   its FP8 tensors and its ``w_uk`` / ``w_uv`` (``w_kv_b``, dequantized once at load) equal the dequantized
-   weight; the experts likewise.
+   values times the scale its GEMM reads) equals the dequantized checkpoint's; a quantized ``kv_b_proj``'s
+   ``w_uk`` / ``w_uv`` (``w_kv_b``, dequantized once at load) equal the dequantized weight, and the layer
+   itself holds no tensor any more (``DequantizedProjection``: its FP8 weight and scales freed; the
+   ``state_dict`` carries ``w_kv_b`` and round-trips; ``load_model``'s pre-build estimate counts it in the
+   model dtype); the experts likewise.
 2. **Logits, within the activation-quantization bound** of ``test_quant_checkpoints``: relative RMS error at
    most ``2 sqrt(G) delta_fp8`` with G the quantized GEMMs on a token's path (MLA's q_a + q_b or q_proj,
    kv_a, o; a dense MLP's gate_up, down; the experts' 2 and the shared experts' 2; minus the layers not
@@ -41,6 +43,8 @@ releases' kv_a_proj_with_mqa (576 rows) does.
    against fp32 pool 40 / 19 / 29 with FP8 weights, 27 / 33 / 29 with the dequantized weights (first tokens
    5 - 6 of 6). Teacher-forced (the logits test), argmax agrees at 27 / 35 / 35 of 37 positions (v3: each
    disagreement where the dequantized model's top two logits lie within 0.09 of the logits' RMS).
+   A compressed-tensors copy of v3 with the tool's per-layer KV-cache scales: the latent pool takes each
+   layer's ``k_scale`` (vLLM's rule), 29 / 48 tokens alike with the fp32 pool (first tokens 5 / 6).
 4. **Online quantization** (``quantization="fp8"`` / ``"fp8_block"``) quantizes MLA's projections (not
    ``kv_b_proj``) exactly as ``quantize_weight`` does.
 5. **Tensor parallelism** (two ranks, each built alone to inspect it): each rank's ``w_kv_b`` and the
