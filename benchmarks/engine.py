@@ -9,6 +9,12 @@ first token vs HF's forward, host overhead per step.
     python -m benchmarks.engine --section tp --latency-models llama-3-8b   # 2 GPUs: TP 2 against TP 1
     python -m benchmarks.engine --section tp --latency-models qwen3-30b-a3b  # 2 GPUs: TP 1, TP 2, EP 2 all-reduce,
                                                        # EP 2 all-to-all
+    python -m benchmarks.engine --section tp --latency-models llama-3-70b --tp-sizes 4 8   # 8 GPUs: bs1 decode
+                                                       # against the aggregate copy bandwidth (%agg_copy_bw)
+    python -m benchmarks.engine --section tp --latency-models qwen3-30b-a3b --tp-sizes 1 8   # TP 8, EP 8 both ways
+    python -m benchmarks.engine --section tp --latency-models deepseek-v3 --tp-sizes 8 --ep-sizes --quantization fp8_block
+    python -m benchmarks.engine --section tp --smoke --device cpu --dtype float32 --tp-sizes 4   # a check on a CPU
+                                                       # (gloo; ATOM_CORE_BACKEND=torch)
     python -m benchmarks.engine --section host         # CPU: schedule + prepare + record per decode step,
                                                        # against a plain-Python step timed in the same run
     python -m benchmarks.engine --section latency --latency-models llama-3-8b --quantization fp8_block
@@ -334,10 +340,12 @@ def section_latency(args) -> list[dict]:
 
 # ---------------------------------------------------------------------------------------- tensor parallel
 
-def _config_folder(cfg: dict, folder: Path) -> Path:
-    """A checkpoint folder holding only ``config.json`` (dummy weights are drawn on each rank)."""
+def _config_folder(cfg: dict, folder: Path, *, keep_quantization: bool = False) -> Path:
+    """A checkpoint folder holding only ``config.json`` (dummy weights are drawn on each rank); the config's
+    ``quantization_config`` dropped unless ``keep_quantization``."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "quantization_config"}))
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in cfg.items()
+                                                    if keep_quantization or k != "quantization_config"}))
     return folder
 
 
@@ -345,53 +353,92 @@ def _is_moe(cfg: dict) -> bool:
     return bool(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts"))
 
 
-def tp_variants(cfg: dict, tensor_parallel_size: int, ep_modes) -> list[tuple[int, bool | str]]:
-    """(tp, expert_parallel) runs of one model: TP 1, TP N, and for a MoE model EP N in each of ``ep_modes``."""
-    variants = [(1, False)] + ([(tensor_parallel_size, False)] if tensor_parallel_size > 1 else [])
-    if _is_moe(cfg) and tensor_parallel_size > 1:
-        variants += [(tensor_parallel_size, mode) for mode in ep_modes]
+def tp_variants(cfg: dict, tp_sizes, ep_modes, ep_sizes=None) -> list[tuple[int, bool | str]]:
+    """(ranks, expert_parallel) runs of one model, in order: each of ``tp_sizes`` tensor-parallel (a MoE
+    model's experts split by their intermediate dim), then for a MoE model each of ``ep_sizes`` (None: the
+    TP sizes above 1) expert-parallel in each of ``ep_modes``."""
+    variants = [(n, False) for n in tp_sizes]
+    if _is_moe(cfg):
+        sizes = [n for n in tp_sizes if n > 1] if ep_sizes is None else ep_sizes
+        variants += [(n, mode) for n in sizes if n > 1 for mode in ep_modes]
     return variants
 
 
+# --smoke (--section tp): a CPU-sized model of the family (8 heads, so it splits up to 8 ways), short requests.
+TP_SMOKE_SHAPES = {"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 64, "num_attention_heads": 8,
+                   "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 1000, "bos_token_id": 0, "eos_token_id": 1,
+                   "max_position_embeddings": 256, "moe_intermediate_size": 32}
+
+
 def section_tp(args) -> list[dict]:
-    """Decode ms per step (bs 1 and 64) and nano-vllm throughput at tensor-parallel sizes 1 and
-    ``--tensor-parallel-size``, and for MoE models expert-parallel over the same ranks in each of
-    ``--ep-modes`` (``all_reduce``: every rank runs its experts on all tokens, one all-reduce;
-    ``all_to_all``: tokens sent to their experts' ranks and back), dummy weights (each rank draws its own
-    shard: tokens differ from TP 1, speed is what is compared), one GPU per rank; ``vs_tp1`` = the TP-1
-    figure / this one for latency, this / TP-1 for throughput."""
+    """Decode ms per step (bs 1 and 64) and nano-vllm throughput at each of ``--tp-sizes`` (default 1 2), and
+    for MoE models expert-parallel at each of ``--ep-sizes`` (default: the TP sizes above 1) in each of
+    ``--ep-modes`` (``all_reduce``: every rank runs its experts on all tokens, one all-reduce; ``all_to_all``:
+    tokens sent to their experts' ranks and back), dummy weights (each rank draws its own shard: tokens differ
+    from TP 1, speed is what is compared), one GPU per rank. ``--quantization``: the model built that way
+    (``fp8`` / ``fp8_block`` quantized at build, ``config`` the config's own ``quantization_config``), no bf16
+    run beside it (DeepSeek-V3 in bf16 does not fit on eight H200s).
+
+    ``vs_first``: against the model's first run (TP 1 by default) — its time / this one for latency, this
+    throughput / its for throughput. Decode rows of a dense model also give ``weight_GB_per_rank`` (rank 0's
+    parameters), ``GB/s_per_rank`` (its weights plus its KV rows read, over the step time) and
+    ``%agg_copy_bw``: the bytes every rank reads per step over the time, against N x the copy bandwidth of
+    GPU 0 measured in the same run (= the per-rank rate over one GPU's copy bandwidth; the ranks read their
+    shards at once). A MoE step reads only its tokens' experts: no such figure."""
     from atom_core.engine import Engine, SamplingParams
 
     rows = []
-    prompts, output_lens = nano_vllm_workload(num_seqs=args.num_seqs)
+    smoke = args.smoke
+    batch_sizes, timed_steps, prompt_len = ((1, 4), 4, 8) if smoke else ((1, 64), 64, 512)
+    if smoke:
+        prompts, output_lens = nano_vllm_workload(num_seqs=min(args.num_seqs, 4), min_len=4, max_len=12, vocab=1000)
+    else:
+        prompts, output_lens = nano_vllm_workload(num_seqs=args.num_seqs)
+    copy_gbs = copy_bandwidth_gbs(args.device, nbytes=(64 << 20) if args.device == "cpu" else (2 << 30))
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # (the copy's 4 GiB back before rank 0 sizes its KV pool)
+    quantization = None if args.quantization in (None, "config") else args.quantization
     for name in args.latency_models:
-        cfg = load_config(name)
+        cfg = load_config(name) | (TP_SMOKE_SHAPES if smoke else {})
+        dense = not _is_moe(cfg)
+        # MLA's expanded prefill form expands max_model_len rows per mixed step (section_throughput's note).
+        max_model_len = 64 if smoke else 2048 if "kv_lora_rank" in cfg else 4096
         base = {}
-        for tp, ep in tp_variants(cfg, args.tensor_parallel_size, args.ep_modes):
-            label = {"model": name, "tp": tp, "ep": ep or "-"}
+        for tp, ep in tp_variants(cfg, args.tp_sizes, args.ep_modes, args.ep_sizes):
+            label = {"model": name, "quantization": args.quantization or args.dtype, "tp": tp, "ep": ep or "-"}
             with tempfile.TemporaryDirectory() as tmp:
-                folder = _config_folder(cfg, Path(tmp) / name)
+                folder = _config_folder(cfg, Path(tmp) / name, keep_quantization=args.quantization == "config")
                 engine = Engine.from_pretrained(folder, load_format="dummy", dtype=args.dtype, device=args.device,
-                                                tensor_parallel_size=tp, expert_parallel=ep,
-                                                max_num_seqs=256, max_model_len=4096)
+                                                quantization=quantization, tensor_parallel_size=tp,
+                                                expert_parallel=ep, max_num_seqs=256, max_model_len=max_model_len)
                 with engine:
-                    for bs in (1, 64):
+                    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+                    kv_per_token = engine.model.kv_cache_spec().bytes_per_token  # this rank's KV (or MLA) rows
+                    for bs in batch_sizes:
                         for i in range(bs):
-                            engine.add_request(list(range(i, i + 512)),
-                                               SamplingParams(temperature=0, max_tokens=72, ignore_eos=True))
+                            engine.add_request(list(range(i, i + prompt_len)),
+                                               SamplingParams(temperature=0, max_tokens=timed_steps + 8,
+                                                              ignore_eos=True))
                         for _ in range(4):
                             engine.step()
                         _sync()
                         t0 = time.perf_counter()
-                        for _ in range(64):
+                        for _ in range(timed_steps):
                             engine.step()
                         _sync()
-                        ms = (time.perf_counter() - t0) / 64 * 1e3
+                        ms = (time.perf_counter() - t0) / timed_steps * 1e3
                         while engine.has_unfinished_requests():
                             engine.step()
                         base.setdefault(("latency", bs), ms)
-                        rows.append({**label, "metric": f"decode ms/step bs{bs}", "value": ms,
-                                     "vs_tp1": base[("latency", bs)] / ms})
+                        row = {**label, "metric": f"decode ms/step bs{bs}", "value": ms,
+                               "vs_first": base[("latency", bs)] / ms}
+                        if dense:
+                            context = prompt_len + 3 + timed_steps // 2
+                            gbs = (weight_bytes + bs * context * kv_per_token) / (ms * 1e-3) / 1e9
+                            row |= {"weight_GB_per_rank": weight_bytes / 1e9, "GB/s_per_rank": gbs,
+                                    "%agg_copy_bw": 100 * gbs / copy_gbs}
+                        rows.append(row)
+                        print(rows[-1], flush=True)
                     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in output_lens]
                     _sync()
                     t0 = time.perf_counter()
@@ -400,10 +447,11 @@ def section_tp(args) -> list[dict]:
                     tok_s = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
                     base.setdefault("throughput", tok_s)
                     rows.append({**label, "metric": "nano-vllm output tok/s", "value": tok_s,
-                                 "vs_tp1": tok_s / base["throughput"]})
+                                 "vs_first": tok_s / base["throughput"]})
                     print(rows[-1], flush=True)
             gc.collect()
-            torch.cuda.empty_cache()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
     return rows
 
 
@@ -623,7 +671,14 @@ def main():
                         required=True)
     parser.add_argument("--label", default=None, help="system name in the rows of --section atom-core-runs")
     parser.add_argument("--kv-cache-dtype", default="auto", help="the engine's KV pool: auto (the model's dtype) or fp8")
-    parser.add_argument("--tensor-parallel-size", type=int, default=2, help="--section tp: the TP size against TP 1")
+    parser.add_argument("--tp-sizes", type=int, nargs="*", default=[1, 2],
+                        help="--section tp: the tensor-parallel sizes run, in order (the first run is the vs_first "
+                             "base; none: only the EP runs)")
+    parser.add_argument("--ep-sizes", type=int, nargs="*", default=None,
+                        help="--section tp: the expert-parallel sizes a MoE model runs (default: the TP sizes above 1; "
+                             "none: no EP run)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="--section tp: a CPU-sized model of the family and 4 short requests (a check)")
     parser.add_argument("--ep-modes", nargs="*", default=["all_reduce", "all_to_all"],
                         choices=["all_reduce", "all_to_all"],
                         help="--section tp: a MoE model also runs expert-parallel over the TP ranks in each of these "
@@ -632,7 +687,8 @@ def main():
     parser.add_argument("--dtype", default="bfloat16", help="--section tp: the model's dtype")
     parser.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                         help="throughput / latency: also run the model quantized (dummy weights) against bf16: fp8, "
-                             "fp8_block, or config (the config's quantization_config, e.g. gpt-oss MXFP4)")
+                             "fp8_block, or config (the config's quantization_config, e.g. gpt-oss MXFP4); "
+                             "tp: run it quantized only")
     parser.add_argument("--model", default="qwen3-0.6b")
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--hf-seqs", type=int, default=64, help="sequences of the workload HF runs (it is slow)")

@@ -247,3 +247,38 @@ def test_engine_dp_smoke_run_compares_replicas_with_one_engine(tmp_path, monkeyp
     assert (one["system"], one["replicas"], two["replicas"]) == ("one engine", 1, 2)
     assert one["output_tokens"] == two["output_tokens"] > 0 and one["vs_one_engine"] == 1
     assert two["requests_per_replica"] == "2/2" and math.isfinite(two["vs_one_engine"])
+
+
+def test_engine_tp_variants_default_to_tp_1_and_2_and_take_any_sizes():
+    from benchmarks.engine import load_config, tp_variants
+
+    dense, moe = load_config("llama-3-70b"), load_config("qwen3-30b-a3b")
+    modes = ["all_reduce", "all_to_all"]
+    assert tp_variants(moe, [1, 2], modes) == [(1, False), (2, False), (2, "all_reduce"), (2, "all_to_all")]
+    assert tp_variants(dense, [4, 8], modes) == [(4, False), (8, False)]
+    assert tp_variants(moe, [1, 8], modes, ep_sizes=[4, 8]) == [(1, False), (8, False), (4, "all_reduce"),
+                                                                (4, "all_to_all"), (8, "all_reduce"), (8, "all_to_all")]
+    assert tp_variants(moe, [8], modes, ep_sizes=[]) == [(8, False)]
+    assert tp_variants(moe, [], ["all_to_all"], ep_sizes=[8]) == [(8, "all_to_all")]
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not available")
+def test_engine_tp_smoke_run_at_four_gloo_ranks_gives_the_copy_bandwidth_fraction(tmp_path, monkeypatch):
+    """benchmarks/engine --section tp on a CPU: Llama-3-70B's family at CPU size over 4 ranks (three worker
+    processes). Measured on 2 shared cores: ~9 s."""
+    from benchmarks import engine
+
+    monkeypatch.setenv("ATOM_CORE_BACKEND", "torch")  # the worker processes read it at import
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    path = tmp_path / "out.json"
+    monkeypatch.setattr(sys, "argv", ["engine", "--section", "tp", "--smoke", "--device", "cpu", "--dtype", "float32",
+                                      "--latency-models", "llama-3-70b", "--tp-sizes", "4", "--json", str(path)])
+    engine.main()
+    data = json.loads(path.read_text())
+    assert META_KEYS <= set(data["meta"])
+    rows = data["rows"]
+    assert [(r["tp"], r["metric"]) for r in rows] == [(4, "decode ms/step bs1"), (4, "decode ms/step bs4"),
+                                                      (4, "nano-vllm output tok/s")]
+    assert all(r["vs_first"] == 1 and r["value"] > 0 for r in rows)
+    for row in rows[:2]:
+        assert 0 < row["weight_GB_per_rank"] and 0 < row["%agg_copy_bw"] and math.isfinite(row["%agg_copy_bw"])
