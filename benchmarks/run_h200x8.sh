@@ -3,6 +3,8 @@
 # nvidia-h200-x4); dummy weights of the real shapes, one GPU per rank.
 #   bash benchmarks/run_h200x8.sh OUT_DIR [PART ...]      (from the repository root)
 # PARTs (default: all, in this order; each fits one 10-minute call):
+#   tests          the engine over 4 and 8 GPUs (NCCL): greedy tokens of one rank for a dense model (KV heads
+#                  replicated) and Qwen3-MoE with EP all-reduce and all-to-all (tests/engine/test_multi_rank.py)
 #   llama70b_tp4   Llama-3-70B at TP 4: bs1 / bs64 decode ms/step, the fraction of the aggregate copy bandwidth
 #                  (%agg_copy_bw: each rank's weights + KV rows per step over the step time, against N x one
 #                  GPU's copy bandwidth measured in the same run), nano-vllm output throughput
@@ -20,9 +22,9 @@
 # has no MTP drafter), so the "MTP on" figures of issue 16 wait for both.
 # Each command runs under its own time limit (SIGINT when reached). JSONs record their run (run_metadata).
 set -u
-out=${1:?usage: run_h200x8.sh OUT_DIR [llama70b_tp4|llama70b_tp8|moe30b_ep4|moe30b_ep8|dsv3_tp8|dsv3_ep8 ...]}
+out=${1:?usage: run_h200x8.sh OUT_DIR [tests|llama70b_tp4|llama70b_tp8|moe30b_ep4|moe30b_ep8|dsv3_tp8|dsv3_ep8 ...]}
 shift
-parts=${*:-llama70b_tp4 llama70b_tp8 moe30b_ep4 moe30b_ep8 dsv3_tp8 dsv3_ep8}
+parts=${*:-tests llama70b_tp4 llama70b_tp8 moe30b_ep4 moe30b_ep8 dsv3_tp8 dsv3_ep8}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 TRITON_CACHE_DIR="$out/triton_cache"
 gpus=$(python -c "import torch; print(torch.cuda.device_count())")
@@ -38,6 +40,12 @@ run() {  # run NAME SECONDS RANKS MODULE ARGS...
 
 for part in $parts; do
     case $part in
+    tests)
+        echo "=== tests"
+        timeout -s INT 300 python -m pytest -q -p no:cacheprovider --tb=short -rfE -k "four_and_eight and cuda" \
+            tests/engine/test_multi_rank.py > "$out/tests.log" 2>&1
+        grep -E "^(FAILED|ERROR)|passed|failed" "$out/tests.log" | cut -c1-300 | tail -15
+        ;;
     llama70b_tp4) run llama70b_tp4 540 4 benchmarks.engine --section tp --latency-models llama-3-70b --tp-sizes 4 \
                       --json "$out/engine_tp4_llama70b.json" ;;
     llama70b_tp8) run llama70b_tp8 540 8 benchmarks.engine --section tp --latency-models llama-3-70b --tp-sizes 8 \
@@ -50,6 +58,6 @@ for part in $parts; do
                   --ep-sizes --quantization fp8_block --json "$out/engine_tp8_dsv3_fp8.json" ;;
     dsv3_ep8) run dsv3_ep8 570 8 benchmarks.engine --section tp --latency-models deepseek-v3 --tp-sizes \
                   --ep-sizes 8 --quantization fp8_block --json "$out/engine_ep8_dsv3_fp8.json" ;;
-    *) echo "unknown part $part (llama70b_tp4, llama70b_tp8, moe30b_ep4, moe30b_ep8, dsv3_tp8, dsv3_ep8)"; exit 2 ;;
+    *) echo "unknown part $part (tests, llama70b_tp4, llama70b_tp8, moe30b_ep4, moe30b_ep8, dsv3_tp8, dsv3_ep8)"; exit 2 ;;
     esac
 done

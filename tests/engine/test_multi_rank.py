@@ -316,15 +316,20 @@ def test_two_launcher_invocations_as_two_nodes_give_one_ranks_tokens(tiny_qwen3_
     assert json.loads(out.read_text()) == want
 
 
-# ---- four ranks: KV heads replicated, a quarter of the experts each ---------------------------------------------------
+# ---- four and eight ranks: KV heads replicated, a quarter (an eighth) of the experts each ------------------------------
 
 # 8 query heads over 2 KV heads: at 4 ranks each rank holds 2 query heads and one KV head, replicated on 2 ranks
-# (at 8 ranks, 4: tests/models/test_tensor_parallel.py). 16 experts: 4 whole experts per rank under EP.
+# (at 8 ranks: 1 query head, each KV head on 4 ranks). 16 experts: 4 (2) whole experts per rank under EP.
 WIDE_HEADS = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
               "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 256,
               "initializer_range": 0.3, "eos_token_id": 95, "bos_token_id": 0}
-FOUR_RANK_CASES = {"qwen3-tp4": ("dense", False), "qwen3_moe-ep4": ("moe", "all_reduce"),
-                   "qwen3_moe-ep4-a2a": ("moe", "all_to_all")}
+WIDE_CASES = {"qwen3-tp": ("dense", False), "qwen3_moe-ep": ("moe", "all_reduce"),
+              "qwen3_moe-ep-a2a": ("moe", "all_to_all")}
+# CPU: 4 ranks (8 processes on CI's 2 cores would take ~25 s per engine: 8 ranks run at model level on the CPU,
+# tests/models/test_tensor_parallel.py). GPU (NCCL, benchmarks/run_h200x8.sh): 4 and 8 ranks where there are as
+# many GPUs.
+WIDE_RANKS = [("cpu", 4)] + [pytest.param("cuda", n, id=f"cuda-{n}", marks=pytest.mark.skipif(
+    torch.cuda.device_count() < n, reason=f"needs {n} GPUs")) for n in (4, 8)]
 
 
 @pytest.fixture(scope="module")
@@ -345,25 +350,27 @@ def wide_head_checkpoints(tmp_path_factory):
             "moe": _save(tmp_path_factory, "qwen3_moe_wide", Qwen3MoeForCausalLM, moe)[0]}
 
 
-@pytest.mark.parametrize("case", list(FOUR_RANK_CASES))
-def test_four_ranks_give_the_greedy_tokens_of_one_rank(wide_head_checkpoints, case):
-    """A 4-rank engine (three worker processes). Few tokens, one prefill step: chunking, preemption and
-    the rest are the 2-rank tests' (same code, any N; 8 ranks: the model-level test in tests/models/test_tensor_parallel.py).
-    Measured on 2 shared cores: 7 - 8 s each (14 s for the first of a session), most of it the workers' start."""
-    kind, expert_parallel = FOUR_RANK_CASES[case]
+@pytest.mark.parametrize("device, ranks", WIDE_RANKS)
+@pytest.mark.parametrize("case", list(WIDE_CASES))
+def test_four_and_eight_ranks_give_the_greedy_tokens_of_one_rank(wide_head_checkpoints, case, device, ranks,
+                                                                 monkeypatch):
+    """A 4-rank engine (three worker processes; on GPUs also 8). Few tokens, one prefill step: chunking,
+    preemption and the rest are the 2-rank tests' (the same code for any N). Measured on 2 shared cores
+    (other work running): 8 - 9 s each, up to 14 s for the first of a session, most of it the workers' start."""
+    kind, expert_parallel = WIDE_CASES[case]
     folder = wide_head_checkpoints[kind]
     prompts = _prompts(96, lengths=(7, 1, 13))
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     children = _live_children()
-    with ops.use_backend("torch"):
-        want = _generate(Engine.from_pretrained(folder, device="cpu", dtype=torch.float32), prompts, params)
-        with Engine.from_pretrained(folder, device="cpu", dtype=torch.float32, tensor_parallel_size=4,
-                                    expert_parallel=expert_parallel, step_timeout=60) as four:
-            parallel = four.model.parallel
+    with _backend(device, monkeypatch):
+        want = _generate(Engine.from_pretrained(folder, device=device, dtype=torch.float32), prompts, params)
+        with Engine.from_pretrained(folder, device=device, dtype=torch.float32, tensor_parallel_size=ranks,
+                                    expert_parallel=expert_parallel, step_timeout=60) as engine:
+            parallel = engine.model.parallel
             assert (parallel.tp_size, parallel.tp_rank, parallel.ep_comm if expert_parallel else None) == (
-                4, 0, expert_parallel or None)
-            got = _generate(four, prompts, params)
-            pids = _worker_pids(four)
-    assert len(pids) == 3
+                ranks, 0, expert_parallel or None)
+            got = _generate(engine, prompts, params)
+            pids = _worker_pids(engine)
+    assert len(pids) == ranks - 1
     assert got == want
     assert _live_children() <= children and not any(map(_pid_exists, pids))
