@@ -49,6 +49,7 @@ releases' kv_a_proj_with_mqa (576 rows) does.
    ``kv_b_proj``) exactly as ``quantize_weight`` does.
 5. **Tensor parallelism** (two ranks, each built alone to inspect it): each rank's ``w_kv_b`` and the
    effective weights of its ``q_b_proj`` / ``o_proj`` pieces are its rows / columns of the one-rank model's.
+   Four ranks over gloo, with the logits: tests/models/test_tensor_parallel.py (16 heads: whole blocks per rank).
 6. **MTP**: the draft module of an FP8 checkpoint loads its block in FP8 (``models.mtp``).
 7. **Refusals by name**: a tensor-parallel split that cuts a 128-block of ``kv_b_proj``, a stored FP8
    ``indexer.weights_proj``.
