@@ -423,8 +423,8 @@ class MLACaches:
                                qk_rope_head_dim=first.qk_rope_head_dim, dtype=dtype or self.dtype)
 
     def kv_cache_scales(self) -> list[tuple[torch.Tensor | None]]:
-        """Per layer ``(kv_scale,)``: the checkpoint's fp8 scale of the latent cache (fp32 [1]), or None (an fp8
-        pool then uses 1.0)."""
+        """Per layer ``(kv_scale,)``: the checkpoint's fp8 scale of the latent cache (fp32 [1]; its ``k_scale``, see
+        ``MLAPagedAttention.checkpoint_kv_scale``), or None (an fp8 pool then uses 1.0)."""
         return [(attn.checkpoint_kv_scale,) for attn in self._mla_layers]
 
     def bind_kv_cache(self, kv_caches: list) -> None:
