@@ -289,8 +289,8 @@ def _free_port() -> int:
 def test_two_launcher_invocations_as_two_nodes_give_one_ranks_tokens(tiny_qwen3_moe, tmp_path, mode, per_node):
     """``torch.distributed.run --nnodes 2 --node-rank {0,1}``: two separate launchers meeting over loopback (the
     multi-node path on one machine); the script is the one a user writes. ``from_pretrained``: two ranks per
-    node, TP 4 across the nodes (KV heads replicated, 4 experts per rank; measured on 2 shared cores: ~15 s);
-    ``own-world``: one rank per node."""
+    node, TP 4 across the nodes (KV heads replicated, 4 experts per rank; measured on 2 shared cores: 7 s, 3 s
+    more than one rank per node); ``own-world``: one rank per node."""
     folder, _ = tiny_qwen3_moe
     out = tmp_path / "tokens.json"
     port = _free_port()
@@ -355,8 +355,8 @@ def wide_head_checkpoints(tmp_path_factory):
 def test_four_and_eight_ranks_give_the_greedy_tokens_of_one_rank(wide_head_checkpoints, case, device, ranks,
                                                                  monkeypatch):
     """A 4-rank engine (three worker processes; on GPUs also 8). Few tokens, one prefill step: chunking,
-    preemption and the rest are the 2-rank tests' (the same code for any N). Measured on 2 shared cores
-    (other work running): 8 - 9 s each, up to 14 s for the first of a session, most of it the workers' start."""
+    preemption and the rest are the 2-rank tests' (the same code for any N). Measured on 2 shared cores:
+    4 - 6 s each (8 - 14 s with other work on the cores), most of it the workers' start."""
     kind, expert_parallel = WIDE_CASES[case]
     folder = wide_head_checkpoints[kind]
     prompts = _prompts(96, lengths=(7, 1, 13))
