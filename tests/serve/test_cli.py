@@ -43,6 +43,16 @@ def test_generate_prints_every_prompt_and_the_token_rate(capsys):
     assert "tokens/s (2 prompts, device cpu)" in out
 
 
+def test_generate_over_two_data_parallel_replicas_prints_the_one_engine_text(capsys):
+    prompts = ["Return the number of", "Create a new", "Open the"]
+    argv = ["generate", "--max-tokens", "5", "--threads", "1", "--temperature", "0", "--data-parallel-size", "2"]
+    assert cli.main(argv + [arg for prompt in prompts for arg in ("--prompt", prompt)]) == 0
+    out = capsys.readouterr().out
+    want = demo_engine().generate(prompts, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+    for prompt, ref in zip(prompts, want):
+        assert f"--- {prompt!r}\n{prompt}{ref.text}\n" in out
+
+
 def test_chat_answers_each_stdin_line_as_engine_chat_does_and_stops_at_exit(capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.StringIO("Open a file\n\n/reset\nClose it\n/exit\nnever read\n"))
     assert cli.main(["chat", "--threads", "1", "--max-tokens", "12", "--temperature", "0", "--system",
@@ -99,6 +109,8 @@ def test_bench_scales_lengths_that_do_not_fit_the_context():
     (["bench", "--url", "http://127.0.0.1:9"], "could not read /v1/models"),
     (["bench"], "--offline"),
     (["serve", "--device", "tpu"], "--device"),
+    (["generate", "--expert-parallel", "all_gather"], "--expert-parallel"),
+    (["generate", "--data-parallel-size", "0"], "--data-parallel-size"),
     (["nothing"], "invalid choice"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
 def test_user_errors_print_one_error_line_and_return_2(argv, says, capsys):
