@@ -70,8 +70,10 @@ def _library_message(error: Exception) -> str:
 
 
 def choice_grammar(choices) -> str:
-    """An EBNF grammar (xgrammar's dialect) whose language is exactly the given strings."""
-    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+    """An EBNF grammar (xgrammar's dialect) whose language is exactly the given strings. Characters are
+    written as themselves (``ensure_ascii=False``): the grammar reads an escaped surrogate pair as two
+    separate code points, so an ASCII-escaped emoji would not be the emoji."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
 class GrammarCompiler:

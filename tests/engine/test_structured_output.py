@@ -118,6 +118,14 @@ def test_a_complete_grammar_finishes_the_request_even_with_ignore_eos(engine):
     assert len(out.token_ids) < 50
 
 
+def test_a_choice_with_a_character_outside_the_bmp_is_generated_as_written(engine):
+    # (JSON's ASCII escapes write such a character as two surrogate escapes, which the grammar
+    # would read as two separate, unencodable code points.)
+    params = SamplingParams(temperature=1.0, seed=1, max_tokens=20, structured_outputs={"choice": ["\U0001F600 yes"]})
+    out = engine.generate("The default is", params, use_tqdm=False)[0]
+    assert (out.text, out.finish_reason) == ("\U0001F600 yes", "stop")
+
+
 def test_n_sequences_each_follow_the_grammar(engine):
     params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=60, structured_outputs={"regex": REGEX})
     out = engine.generate("Return the value of", params, use_tqdm=False)[0]
