@@ -209,6 +209,7 @@ def _serve(engine: Engine, conn: Connection) -> bool:
                     watched[request.request_id] = request
             elif command[0] == ABORT:
                 engine.abort(command[1])
+                _forget_finished(watched)
             elif command[0] == STATS:
                 conn.send((STATS, _counters(engine, timing)))
             elif command[0] == SHUTDOWN:
@@ -221,6 +222,7 @@ def _serve(engine: Engine, conn: Connection) -> bool:
             conn.send((FATAL, f"{type(error).__name__}: {error}"))
             return False
         except Exception as error:  # noqa: BLE001 - the step's requests finished with "error"; others go on
+            _forget_finished(watched)
             conn.send((STEP_ERROR, list(engine.failed_request_ids), f"{type(error).__name__}: {error}"))
             continue
         timing["steps"] += 1
@@ -230,6 +232,12 @@ def _serve(engine: Engine, conn: Connection) -> bool:
         if now - last_counters >= COUNTERS_EVERY_S or not engine.has_unfinished_requests():
             counters, last_counters = _counters(engine, timing), now
         conn.send(_outputs_message(outputs, watched) + (counters,))
+
+
+def _forget_finished(watched: dict[int, Request]) -> None:
+    """Drop the sequences that finished without an output saying so (aborted, or failed in a step)."""
+    for sequence_id in [i for i, request in watched.items() if request.finished]:
+        del watched[sequence_id]
 
 
 def _counters(engine: Engine, timing: dict | None = None) -> dict:

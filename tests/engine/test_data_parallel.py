@@ -293,3 +293,41 @@ def test_a_replica_that_dies_or_hangs_gives_a_named_error_and_leaves_no_process(
     del engine
     gc.collect()
     assert _live_children() <= children and not any(map(_pid_exists, pids))
+
+
+def test_no_dict_of_a_replica_holds_a_request_it_aborted(one):
+    """The replica's loop (``dp_replica._serve``, driven in this process by a scripted connection): once a
+    request with log-probs is aborted after its first steps and the engine is idle, no dict refers to it
+    (the engine's tables dropped it; the loop's own table of sequences to report must too)."""
+    from atom_core.engine.dp_replica import ABORT, ADD, OUTPUTS, SHUTDOWN, _serve
+
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=1)
+    group_id = one._next_id + 100
+
+    class Script:
+        def __init__(self):
+            self.commands = [(ADD, group_id, np.arange(1, 6, dtype=np.int64), params)]
+            self.steps = 0
+            self.aborted = []  # the aborted request (a list: not a dict)
+            self.dicts_holding_it = None
+
+        def poll(self):
+            if self.steps == 3 and not self.aborted:  # abort after three steps
+                self.aborted.append(one._requests[group_id][0])
+                self.commands.append((ABORT, group_id))
+            return bool(self.commands)
+
+        def recv(self):
+            if not self.commands:  # idle after the abort: what still refers to the request?
+                gc.collect()
+                self.dicts_holding_it = sum(isinstance(r, dict) for r in gc.get_referrers(self.aborted[0]))
+                return (SHUTDOWN,)
+            return self.commands.pop(0)
+
+        def send(self, message):
+            self.steps += message[0] == OUTPUTS
+
+    script = Script()
+    with ops.use_backend("torch"):
+        assert _serve(one, script)
+    assert script.aborted and script.dicts_holding_it == 0
