@@ -128,8 +128,8 @@ class DataParallelEngine:
     ``Engine.from_pretrained``. ``data_parallel_size=1`` is allowed (one replica in its own process).
 
     API: ``add_request``, ``step``, ``generate``, ``chat``, ``abort``, ``has_unfinished_requests``,
-    ``shutdown`` and the context manager, as ``Engine``'s; ``replica_of(request_id)`` says where a
-    request runs, ``requests_per_replica`` how many each got.
+    ``shutdown`` and the context manager, as ``Engine``'s (and ``model.config``: the replicas' model config,
+    no module); ``replica_of(request_id)`` says where a request runs, ``requests_per_replica`` how many each got.
     """
 
     def __init__(self, path: str | Path | None = None, *, data_parallel_size: int, tensor_parallel_size: int = 1,
@@ -197,6 +197,8 @@ class DataParallelEngine:
         self.default_sampling_params = info["default_sampling_params"]
         self._eos_token_ids = info["eos_token_ids"]
         self.config = info["config"]
+        # ``model.config`` as an Engine has it (what servers and benchmarks read); the model runs in the replicas.
+        self.model = SimpleNamespace(config=self.config)
         self._checker = _RequestChecks(self.tokenizer, self.max_model_len, self.max_logprobs, self.config,
                                        self._eos_token_ids)
         logger.info("data-parallel engine: %d replicas of %s (pids %s)", data_parallel_size,

@@ -53,6 +53,22 @@ def test_generate_over_two_data_parallel_replicas_prints_the_one_engine_text(cap
         assert f"--- {prompt!r}\n{prompt}{ref.text}\n" in out
 
 
+def test_a_server_over_two_data_parallel_replicas_answers_as_one_engine(monkeypatch):
+    from atom_core.engine import DataParallelEngine
+    from tests.serve.conftest import LiveServer
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    prompts = ["Return the number of", "Create a new"]
+    want = demo_engine().generate(prompts, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+    with DataParallelEngine(None, data_parallel_size=2, device="cpu", step_timeout=60) as front:
+        live = LiveServer(front).start()
+        try:
+            got = live.client().completions.create(model="demo", prompt=prompts, max_tokens=5, temperature=0)
+        finally:
+            live.stop()
+    assert [choice.text for choice in sorted(got.choices, key=lambda c: c.index)] == [ref.text for ref in want]
+
+
 def test_chat_answers_each_stdin_line_as_engine_chat_does_and_stops_at_exit(capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.StringIO("Open a file\n\n/reset\nClose it\n/exit\nnever read\n"))
     assert cli.main(["chat", "--threads", "1", "--max-tokens", "12", "--temperature", "0", "--system",
