@@ -86,10 +86,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, with_path: bool = T
                        help="quantize an unquantized checkpoint while loading")
     group.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
                        help="split the model over this many ranks (this process is rank 0; on CUDA rank r uses GPU r)")
-    group.add_argument("--expert-parallel", nargs="?", const="all_reduce", default=False,
-                       choices=["all_reduce", "all_to_all"],
-                       help="with --tensor-parallel-size: split a MoE model's experts whole over the ranks, their "
-                            "outputs combined by an all-reduce (the default) or tokens exchanged all-to-all")
+    group.add_argument("--expert-parallel", action="store_true",
+                       help="with --tensor-parallel-size: split a MoE model's experts whole over the ranks")
+    group.add_argument("--expert-exchange", default="all_reduce", choices=["all_reduce", "all_to_all"],
+                       help="with --expert-parallel: combine the experts' outputs by an all-reduce over replicated "
+                            "tokens (default), or send each token to the ranks of its experts (all-to-all)")
     group.add_argument("--data-parallel-size", "-dp", type=positive_int, default=1,
                        help="this many engine replicas, each its own process (on CUDA replica i uses GPUs "
                             "i*TP .. i*TP+TP-1), requests routed to the least loaded")
@@ -131,7 +132,8 @@ def build_engine(args: argparse.Namespace):
     folder = model_folder(getattr(args, "path", None), args.load_format)
     parallel = {}
     if args.tensor_parallel_size > 1:
-        parallel = dict(tensor_parallel_size=args.tensor_parallel_size, expert_parallel=args.expert_parallel)
+        parallel = dict(tensor_parallel_size=args.tensor_parallel_size,
+                        expert_parallel=args.expert_parallel and args.expert_exchange)
     if args.data_parallel_size > 1:
         parallel["data_parallel_size"] = args.data_parallel_size
     return Engine.from_pretrained(

@@ -125,7 +125,7 @@ def test_bench_scales_lengths_that_do_not_fit_the_context():
     (["bench", "--url", "http://127.0.0.1:9"], "could not read /v1/models"),
     (["bench"], "--offline"),
     (["serve", "--device", "tpu"], "--device"),
-    (["generate", "--expert-parallel", "all_gather"], "--expert-parallel"),
+    (["generate", "--expert-exchange", "all_gather"], "--expert-exchange"),
     (["generate", "--data-parallel-size", "0"], "--data-parallel-size"),
     (["nothing"], "invalid choice"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
@@ -170,3 +170,24 @@ def test_the_console_script_is_declared():
     for package in ("fastapi", "uvicorn", "prometheus_client"):
         assert package in serve and package in test
     assert "openai" in test
+
+
+@pytest.mark.parametrize("flags, want", [
+    ([], {}),
+    (["-tp", "2"], {"tensor_parallel_size": 2, "expert_parallel": False}),
+    (["-tp", "2", "--expert-parallel"], {"tensor_parallel_size": 2, "expert_parallel": "all_reduce"}),
+    (["-tp", "2", "--expert-parallel", "--expert-exchange", "all_to_all"],
+     {"tensor_parallel_size": 2, "expert_parallel": "all_to_all"}),
+    (["-dp", "2"], {"data_parallel_size": 2}),
+])
+def test_parallel_flags_reach_engine_from_pretrained_as_its_arguments(flags, want, monkeypatch):
+    from atom_core.engine import Engine
+    from atom_core.serve.engine_options import Parser, add_engine_arguments, build_engine
+
+    seen = {}
+    monkeypatch.setattr(Engine, "from_pretrained", classmethod(lambda cls, path, **kwargs: seen.update(kwargs)))
+    parser = Parser()
+    add_engine_arguments(parser)
+    build_engine(parser.parse_args(flags + ["--threads", "1"]))
+    names = ("tensor_parallel_size", "expert_parallel", "data_parallel_size")
+    assert {k: v for k, v in seen.items() if k in names} == want
