@@ -36,6 +36,7 @@ from atom_core.engine.workers import DEFAULT_STEP_TIMEOUT, WorkerSet, run_worker
 from atom_core.models.layers.mla import EXPANDED_MAX_SLOTS_PER_TOKEN
 from atom_core.ops.penalties import apply_penalties_, apply_token_bias_
 from atom_core.ops.sampling import sample
+from atom_core.ops.token_mask import apply_token_mask_
 
 if TYPE_CHECKING:
     from atom_core.engine.data_parallel import DataParallelEngine
@@ -431,6 +432,8 @@ class Engine:
         apply_penalties_(logits[:1], state, zeros[:1], ones[:1] * 0, ones[:1] * 0, ones[:1])
         for entries in (1, 16):
             apply_token_bias_(logits[:1], zeros[:entries], zeros[:entries], torch.zeros(entries, device=dev))
+        # Structured output's mask (its bitmask is ceil(V / 32) words a row): every bit set, nothing masked.
+        apply_token_mask_(logits[:1], torch.full((1, -(-vocab // 32)), -1, dtype=torch.int32, device=dev), zeros[:1])
 
     # ------------------------------------------------------------------ requests
 

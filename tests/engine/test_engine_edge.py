@@ -206,3 +206,12 @@ def test_a_launch_that_raises_while_a_step_is_in_flight_publishes_nothing_it_did
         del engine.model.forward
     assert_idle_and_clean(engine)
     assert engine.block_manager.num_cached_blocks == 0  # nothing of the failed request was published
+
+
+def test_warmups_sampling_part_runs_the_sampler_and_every_logits_processing_op(engine):
+    # What a request can launch after warm-up must have run (and so compiled) in it: on a GPU the first
+    # structured-output request would otherwise compile the mask kernel inside a served step. (On the CPU
+    # warmup() returns at once: its sampling part is called directly.)
+    with ops.trace_backends() as calls, torch.inference_mode():
+        engine._warm_sampling()
+    assert {"sample", "apply_penalties_", "apply_token_bias_", "apply_token_mask_"} <= {op for op, _ in calls}
