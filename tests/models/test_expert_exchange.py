@@ -69,6 +69,19 @@ def test_local_ids_per_rank_and_the_expected_fill():
     assert choose_exchange(layer, torch.zeros(1, H), 1) == "padded"
 
 
+def test_a_forced_exact_exchange_is_refused_by_name_while_a_cuda_graph_is_captured(monkeypatch):
+    # (choose_exchange reads only x.is_cuda and the capture state: both stood in for on the CPU)
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    on_gpu = SimpleNamespace(is_cuda=True)
+    layer = FusedMoE(X, H, I, ep_rank=0, ep_size=2, ep_comm="all_to_all")
+    assert choose_exchange(layer, on_gpu, 1) == "padded"  # auto: padded while capturing, whatever the fill
+    layer.ep_exchange = "exact"
+    with pytest.raises(RuntimeError, match="ep_exchange='exact'.*capture"):
+        choose_exchange(layer, on_gpu, 1)
+
+
 def test_the_option_names_its_exchange_and_refuses_what_it_cannot_do():
     assert [ep_comm_of(v) for v in (False, True, "all_reduce", "all_to_all")] == \
         [None, "all_reduce", "all_reduce", "all_to_all"]

@@ -146,9 +146,13 @@ def _exchange_exact(layer: FusedMoE, x: torch.Tensor, weights: torch.Tensor, des
 
 def choose_exchange(layer: FusedMoE, x: torch.Tensor, top_k: int) -> str:
     """``layer.ep_exchange`` resolved (see the module docstring): the same answer on every rank."""
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    if layer.ep_exchange == "exact" and capturing:
+        raise RuntimeError("ep_exchange='exact' reads its row counts on the host, which a CUDA graph capture cannot: "
+                           "use 'padded' or 'auto' (padded while capturing), or run the engine with enforce_eager")
     if layer.ep_exchange != "auto":
         return layer.ep_exchange
-    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+    if capturing:
         return "padded"
     return "padded" if expected_fill(layer.num_experts, top_k, layer.ep_size) >= PADDED_FILL else "exact"
 
