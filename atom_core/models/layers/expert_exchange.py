@@ -141,7 +141,11 @@ def _exchange_exact(layer: FusedMoE, x: torch.Tensor, weights: torch.Tensor, des
     payload = pack_rows(x[token], dest_ids[dest, token], weights[token])               # [P, H + M]
     rows, ids, wts = unpack_rows(comm.all_to_all(payload, group, recv, send), hidden, top_k)
     back = comm.all_to_all(_run_experts(layer, rows, wts, ids), group, send, recv)    # [P, H]
-    return x.new_zeros((n, hidden)).index_add_(0, token, back)
+    # Each (rank, token) pair comes back once: placed, then summed over the ranks in rank order (the same
+    # order every run, unlike an index_add_ whose CUDA atomics add in arrival order).
+    placed = x.new_zeros((dest_ids.shape[0], n, hidden))
+    placed[dest, token] = back
+    return placed.sum(dim=0)
 
 
 def choose_exchange(layer: FusedMoE, x: torch.Tensor, top_k: int) -> str:
