@@ -42,6 +42,7 @@ import logging
 import os
 import queue
 import subprocess
+import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -110,6 +111,7 @@ class _RequestChecks:
     _check_request = Engine._check_request
     _encode = Engine._encode
     _check_params_for_model = Engine._check_params_for_model
+    _check_grammar = Engine._check_grammar
     grammar_compiler = getattr(Engine, "grammar_compiler", None)  # structured output: checks compile the grammar
 
     def __init__(self, tokenizer, max_model_len: int, max_logprobs: int, config, eos_token_ids):
@@ -118,6 +120,7 @@ class _RequestChecks:
         self.eos_token_ids = eos_token_ids
         self.default_sampling_params = SamplingParams()
         self._grammar_compiler = None
+        self._grammar_compiler_lock = threading.Lock()
 
 
 class DataParallelEngine:

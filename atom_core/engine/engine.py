@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 import weakref
 from collections.abc import Mapping
@@ -40,6 +41,7 @@ from atom_core.ops.token_mask import apply_token_mask_
 
 if TYPE_CHECKING:
     from atom_core.engine.data_parallel import DataParallelEngine
+    from atom_core.engine.structured_output import CompiledStructuredOutput
 
 logger = logging.getLogger(__name__)
 
@@ -245,6 +247,7 @@ class Engine:
         self._seed_source = random.Random()
         self.num_preemptions = 0  # requests sent back to recompute because the pool ran dry
         self._grammar_compiler = None  # structured output's GrammarCompiler, made on first use
+        self._grammar_compiler_lock = threading.Lock()  # compile_structured may run on other threads
         if warmup:
             self.warmup()
 
@@ -437,14 +440,20 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
 
-    def add_request(self, prompt: str | Sequence[int] | np.ndarray, params: SamplingParams | None = None) -> int:
+    def add_request(self, prompt: str | Sequence[int] | np.ndarray, params: SamplingParams | None = None, *,
+                    grammar: CompiledStructuredOutput | None = None) -> int:
         """Queue a prompt; returns its request id. Raises (and queues nothing) when the prompt or
         its parameters are not valid or it can never fit.
 
         With ``params.n > 1`` the prompt gets n sequences (outputs with this id and ``index``
         0..n-1): the first computes the prompt, the others start once it has, from its blocks in
-        the prefix cache. With a seed, sequence i draws with ``seed + i``."""
-        token_ids, params = self._check_request(prompt, params)
+        the prefix cache. With a seed, sequence i draws with ``seed + i``.
+
+        ``grammar``: ``params.structured_outputs`` already compiled by :meth:`compile_structured`
+        (on another thread, say); without it, a request with structured output is compiled here."""
+        token_ids, params = self._check_request(prompt, params, grammar)
+        if grammar is None and params.structured_outputs is not None:
+            grammar = self.compile_structured(params)  # a cache hit: the check above compiled it
         processing = request_processing(params, self.eos_token_ids, self.model.config.vocab_size, self.tokenizer)
         group_id = self._next_id
         requests = []
@@ -457,9 +466,8 @@ class Engine:
             request = Request(self._next_id, token_ids, params, seed, group_id=group_id, index=index,
                               tokenizer=self.tokenizer)
             request.processing = processing
-            if params.structured_outputs is not None:  # compiled (and checked) by _check_request; cached
-                request.grammar = self.grammar_compiler.new_state(
-                    self.grammar_compiler.compile(params.structured_outputs))
+            if grammar is not None:
+                request.grammar = grammar.compiler.new_state(grammar)
             if index and params.prompt_logprobs is not None:  # computed once, by the first sequence
                 request.prompt_logprobs = requests[0].prompt_logprobs
                 request.prompt_top_logprobs = requests[0].prompt_top_logprobs
@@ -471,7 +479,7 @@ class Engine:
             self.scheduler.add(request, after=None if request is requests[0] else requests[0])
         return group_id
 
-    def _check_request(self, prompt, params) -> tuple[list[int], SamplingParams]:
+    def _check_request(self, prompt, params, grammar=None) -> tuple[list[int], SamplingParams]:
         params = self.default_sampling_params if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -485,12 +493,13 @@ class Engine:
         if not all(0 <= t < vocab for t in token_ids):
             bad = next(t for t in token_ids if not 0 <= t < vocab)
             raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad}")
-        self._check_params_for_model(params, vocab)
+        self._check_params_for_model(params, vocab, grammar)
         return token_ids, params
 
-    def _check_params_for_model(self, params: SamplingParams, vocab: int) -> None:
+    def _check_params_for_model(self, params: SamplingParams, vocab: int, grammar=None) -> None:
         """What SamplingParams cannot check alone: token ids inside this vocabulary, log-prob counts
-        under ``max_logprobs``, bad words that need a tokenizer."""
+        under ``max_logprobs``, bad words that need a tokenizer, a structured output's constraint (or
+        that ``grammar``, compiled already, is this engine's compilation of it)."""
         def outside(name, token_ids):
             bad = next((t for t in token_ids if not 0 <= t < vocab), None)
             if bad is not None:
@@ -511,22 +520,60 @@ class Engine:
             if self.tokenizer is None:
                 raise ValueError("SamplingParams.structured_outputs: structured output needs a tokenizer "
                                  "(tokenizer.json in the model folder)")
-            self.grammar_compiler.compile(params.structured_outputs)  # ValueError naming the problem
+            if grammar is None:
+                self._check_grammar(params.structured_outputs)  # ValueError naming the problem
+        if grammar is not None:
+            self._check_compiled(grammar, params)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > self.max_logprobs:
                 raise ValueError(f"SamplingParams.{name}={value}: at most max_logprobs={self.max_logprobs} top "
                                  f"alternatives (Engine(max_logprobs=...))")
 
+    def compile_structured(self, params: SamplingParams | None) -> CompiledStructuredOutput | None:
+        """``params.structured_outputs`` compiled for this engine (None when it asks for none), for
+        ``add_request(..., grammar=...)``; ValueError naming the problem, as ``add_request`` raises.
+
+        Any thread may call it while another steps the engine: a new schema costs tens of
+        milliseconds at a 150k vocabulary, and the first call also builds the compiler over the
+        vocabulary, so a server compiles away from its step thread (``AsyncEngine`` does)."""
+        params = self.default_sampling_params if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if params.structured_outputs is None:
+            return None
+        if self.tokenizer is None:
+            raise ValueError("SamplingParams.structured_outputs: structured output needs a tokenizer "
+                             "(tokenizer.json in the model folder)")
+        return self.grammar_compiler.compile(params.structured_outputs)
+
+    def _check_grammar(self, spec) -> None:
+        """A constraint that does not compile is refused (compiled and cached by xgrammar: the request's
+        own compilation is then a cache hit)."""
+        self.grammar_compiler.compile(spec)
+
+    def _check_compiled(self, grammar, params: SamplingParams) -> None:
+        from atom_core.engine.structured_output import CompiledStructuredOutput
+
+        if not isinstance(grammar, CompiledStructuredOutput):
+            raise TypeError(f"grammar must come from Engine.compile_structured, got {type(grammar).__name__}")
+        if grammar.compiler is not self._grammar_compiler:
+            raise ValueError("grammar was compiled by another engine (compile_structured of the engine that runs it)")
+        if grammar.spec != params.structured_outputs:
+            raise ValueError(f"grammar was compiled for structured_outputs={grammar.spec!r}, the request asks for "
+                             f"{params.structured_outputs!r}")
+
     @property
     def grammar_compiler(self):
-        """Structured output's ``GrammarCompiler`` over this engine's tokenizer (made on first use;
-        ``StructuredOutputUnavailableError`` without the ``structured`` extra)."""
+        """Structured output's ``GrammarCompiler`` over this engine's tokenizer (made on first use, once
+        whichever thread asks; ``StructuredOutputUnavailableError`` without the ``structured`` extra)."""
         if self._grammar_compiler is None:
-            from atom_core.engine.structured_output import GrammarCompiler
+            with self._grammar_compiler_lock:
+                if self._grammar_compiler is None:
+                    from atom_core.engine.structured_output import GrammarCompiler
 
-            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model.config.vocab_size,
-                                                     self.eos_token_ids)
+                    self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model.config.vocab_size,
+                                                             self.eos_token_ids)
         return self._grammar_compiler
 
     def _encode(self, prompt) -> list[int]:

@@ -7,8 +7,10 @@ The pieces, and who owns them:
 * ``StructuredOutputsParams`` (``sampling_params``): what a request asks for, checked alone.
 * ``GrammarCompiler`` (one per engine, made at the first request that asks): the tokenizer's
   vocabulary as xgrammar sees it and xgrammar's compiler with its cache (a schema asked for twice
-  compiles once). ``compile`` turns a request's ``StructuredOutputsParams`` into a compiled grammar,
-  or raises ValueError naming the problem — ``Engine.add_request`` calls it before queueing.
+  compiles once). ``compile`` turns a request's ``StructuredOutputsParams`` into a
+  ``CompiledStructuredOutput``, or raises ValueError naming the problem — ``Engine.add_request`` calls it
+  before queueing, unless the caller compiled it already (``Engine.compile_structured``, which any thread
+  may call: ``AsyncEngine`` compiles on a worker thread, so a new schema never stalls the step thread).
 * ``GrammarState`` (one per sequence, ``Request.grammar``): a matcher advanced by each of the
   sequence's accepted tokens (``Scheduler.record``); freed (set to None) when the request finishes
   or is aborted. A preemption keeps it: the recomputed request continues from the same tokens, so
@@ -103,26 +105,45 @@ class GrammarCompiler:
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=threads, cache_enabled=True)
         self.batch_matcher = xgr.BatchGrammarMatcher(max_threads=max(1, min(MAX_MASK_THREADS, os.cpu_count() or 1)))
 
-    def compile(self, spec: StructuredOutputsParams):
-        """The compiled grammar of ``spec`` (cached by xgrammar); ValueError naming the field and why."""
+    def compile(self, spec: StructuredOutputsParams) -> CompiledStructuredOutput:
+        """``spec`` compiled over this vocabulary (cached by xgrammar); ValueError naming the field and why.
+        Safe from several threads at once (xgrammar's compiler guards its cache; the compile itself runs
+        without the GIL)."""
         kind = spec.kind
         whitespace = not spec.disable_any_whitespace
         try:
             if kind == "json":
-                return self.compiler.compile_json_schema(spec.json_schema_text, any_whitespace=whitespace)
-            if kind == "json_object":  # any JSON object (strict_mode=False: any properties)
-                return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=whitespace,
-                                                         strict_mode=False)
-            if kind == "regex":
-                return self.compiler.compile_regex(spec.regex)
-            if kind == "choice":
-                return self.compiler.compile_grammar(choice_grammar(spec.choice))
-            return self.compiler.compile_grammar(spec.grammar)
+                compiled = self.compiler.compile_json_schema(spec.json_schema_text, any_whitespace=whitespace)
+            elif kind == "json_object":  # any JSON object (strict_mode=False: any properties)
+                compiled = self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=whitespace,
+                                                             strict_mode=False)
+            elif kind == "regex":
+                compiled = self.compiler.compile_regex(spec.regex)
+            elif kind == "choice":
+                compiled = self.compiler.compile_grammar(choice_grammar(spec.choice))
+            else:
+                compiled = self.compiler.compile_grammar(spec.grammar)
         except (RuntimeError, ValueError, TypeError) as e:
             raise ValueError(f"SamplingParams.structured_outputs.{kind}: {_library_message(e)}") from None
+        return CompiledStructuredOutput(spec, compiled, self)
 
-    def new_state(self, compiled) -> GrammarState:
-        return GrammarState(self.xgr.GrammarMatcher(compiled), self.vocab_size, self.batch_matcher)
+    def new_state(self, compiled: CompiledStructuredOutput) -> GrammarState:
+        return GrammarState(self.xgr.GrammarMatcher(compiled.grammar), self.vocab_size, self.batch_matcher)
+
+
+class CompiledStructuredOutput:
+    """A request's constraint compiled for one engine (``Engine.compile_structured``), to hand to its
+    ``add_request(..., grammar=...)``: ``spec`` (the ``StructuredOutputsParams`` it was compiled from),
+    ``grammar`` (xgrammar's compiled grammar), ``compiler`` (the ``GrammarCompiler`` that made it: the
+    vocabulary it is valid for)."""
+
+    __slots__ = ("compiler", "grammar", "spec")
+
+    def __init__(self, spec: StructuredOutputsParams, grammar, compiler: GrammarCompiler):
+        self.spec, self.grammar, self.compiler = spec, grammar, compiler
+
+    def __repr__(self) -> str:
+        return f"CompiledStructuredOutput({self.spec.kind})"
 
 
 class GrammarState:

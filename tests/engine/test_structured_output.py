@@ -172,6 +172,22 @@ def test_abort_and_finish_free_the_matcher_and_async_scheduling_resumes(engine):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
+def test_a_grammar_compiled_beforehand_is_used_as_it_is_and_must_be_the_requests(engine, monkeypatch):
+    params = SamplingParams(temperature=1.0, seed=2, max_tokens=20, structured_outputs={"choice": CHOICES})
+    grammar = engine.compile_structured(params)
+    assert engine.compile_structured(SamplingParams()) is None
+    monkeypatch.setattr(engine.grammar_compiler, "compile", lambda spec: pytest.fail("compiled again"))
+    with pytest.raises(ValueError, match="compiled for"):
+        engine.add_request("Note that the", SamplingParams(structured_outputs={"regex": "a+"}), grammar=grammar)
+    with pytest.raises(ValueError, match="compiled for"):
+        engine.add_request("Note that the", SamplingParams(), grammar=grammar)
+    rid = engine.add_request("Note that the", params, grammar=grammar)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.request_id == rid and o.finished]
+    assert outs[0].text in CHOICES and outs[0].finish_reason == "stop"
+
+
 @pytest.mark.parametrize("structured, match", [
     ({"json": {"type": "nonsense"}}, r"structured_outputs\.json: Unsupported type"),
     ({"json": {"$ref": "#/missing"}}, r"structured_outputs\.json: .*missing"),

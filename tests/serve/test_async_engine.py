@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from dataclasses import replace
 
 import pytest
@@ -221,4 +222,57 @@ def test_default_params_are_the_engines_and_stats_see_the_pool_in_use(engine):
     during, outs = asyncio.run(main())
     assert during.num_running == 1 and during.kv_cache_usage > 0 and during.num_steps >= 1
     assert outs[-1].num_output_tokens <= engine.default_sampling_params.max_tokens
+    assert_idle_and_clean(engine)
+
+
+def test_a_grammar_compiles_off_the_step_thread_while_running_streams_keep_their_tokens(engine, monkeypatch):
+    """The compile of a new request's grammar (held here until the running stream has read three more
+    tokens) runs beside the steps, once, and a constraint that does not compile is still refused at add."""
+    pytest.importorskip("xgrammar")
+    from atom_core import ops
+
+    compiler = engine.grammar_compiler
+    real_compile = compiler.compile
+    started, release = threading.Event(), threading.Event()
+    calls = []  # (thread name, monotonic time at start, at end) of each compile
+
+    def held_compile(spec):
+        start = time.monotonic()
+        started.set()
+        release.wait(timeout=5)  # (only a broken build gets here without the release: its steps wait)
+        calls.append((threading.current_thread().name, start, time.monotonic()))
+        return real_compile(spec)
+
+    monkeypatch.setattr(compiler, "compile", held_compile)
+    structured = SamplingParams(temperature=0, max_tokens=20, structured_outputs={"choice": ["yes", "no"]})
+
+    async def main():
+        with ops.use_backend("torch"):
+            async_engine = AsyncEngine(engine)
+        async with async_engine:
+            running = await async_engine.add_request(PROMPTS[0], LONG)
+            adding = asyncio.create_task(async_engine.add_request(PROMPTS[1], structured))
+            await asyncio.to_thread(started.wait, 5)
+            compile_start = time.monotonic()
+            during = []
+            async for out in running:
+                if out.time > compile_start:
+                    during.append(out)
+                if len(during) == 3:
+                    break
+            release.set()
+            stream = await adding
+            text = [o async for o in stream][-1].text
+            running.abort()
+            with pytest.raises(ValueError, match=r"structured_outputs\.regex: .*Unclosed"):
+                await async_engine.add_request(PROMPTS[1], replace(structured, structured_outputs={"regex": "[a-"}))
+            return during, text, async_engine.stats()
+
+    during, text, stats = asyncio.run(main())
+    (thread, start, end), *more = calls
+    assert len(during) == 3 and all(start < out.time < end for out in during)  # steps ran while it compiled
+    assert thread != "atom_core-step"
+    assert len(more) == 1 and more[0][0] != "atom_core-step"  # the refused one; add_request compiled nothing
+    assert text in ("yes", "no")
+    assert stats.num_waiting == stats.num_running == 0
     assert_idle_and_clean(engine)
