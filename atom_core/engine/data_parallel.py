@@ -42,7 +42,6 @@ import logging
 import os
 import queue
 import subprocess
-import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -54,6 +53,7 @@ import numpy as np
 import torch
 
 from atom_core.cache.block_manager import PrefixCacheStats
+from atom_core.engine import structured_output
 from atom_core.engine.distributed import DistributedEngineError, WorkerFailedError
 from atom_core.engine.dp_replica import (
     ABORT,
@@ -111,16 +111,15 @@ class _RequestChecks:
     _check_request = Engine._check_request
     _encode = Engine._encode
     _check_params_for_model = Engine._check_params_for_model
-    _check_grammar = Engine._check_grammar
-    grammar_compiler = getattr(Engine, "grammar_compiler", None)  # structured output: checks compile the grammar
+    # Structured output: the constraint is parsed, not compiled (no compiler over the vocabulary in the
+    # front; the replica compiles it, and refuses the rare constraint only a compile refuses as a step error).
+    _check_grammar = staticmethod(structured_output.check_grammar)
 
     def __init__(self, tokenizer, max_model_len: int, max_logprobs: int, config, eos_token_ids):
         self.tokenizer, self.max_model_len, self.max_logprobs = tokenizer, max_model_len, max_logprobs
         self.model = SimpleNamespace(config=config)
         self.eos_token_ids = eos_token_ids
         self.default_sampling_params = SamplingParams()
-        self._grammar_compiler = None
-        self._grammar_compiler_lock = threading.Lock()
 
 
 class DataParallelEngine:

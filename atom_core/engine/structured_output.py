@@ -71,6 +71,29 @@ def _library_message(error: Exception) -> str:
     return _XGRAMMAR_LOG_PREFIX.sub("", str(error).strip())
 
 
+def check_grammar(spec: StructuredOutputsParams) -> None:
+    """Refuse a constraint that would not compile, without a vocabulary: its schema, regex or grammar is
+    only parsed into xgrammar's grammar (``xgr.Grammar.from_*``), not compiled over the tokens, so no
+    ``GrammarCompiler`` is built (seconds and memory at a 150k vocabulary) and a schema costs about a
+    millisecond instead of tens. The errors are the ones ``GrammarCompiler.compile`` gives (it parses
+    first; each refusal of the tests is a parse error). The data-parallel front checks with it: the
+    replica compiles, and a constraint refused by its compile alone fails there, as a step error."""
+    xgr = import_xgrammar()
+    kind = spec.kind
+    whitespace = not spec.disable_any_whitespace
+    try:
+        if kind == "json":
+            xgr.Grammar.from_json_schema(spec.json_schema_text, any_whitespace=whitespace)
+        elif kind == "json_object":
+            xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=whitespace, strict_mode=False)
+        elif kind == "regex":
+            xgr.Grammar.from_regex(spec.regex)
+        else:
+            xgr.Grammar.from_ebnf(choice_grammar(spec.choice) if kind == "choice" else spec.grammar)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise ValueError(f"SamplingParams.structured_outputs.{kind}: {_library_message(e)}") from None
+
+
 def choice_grammar(choices) -> str:
     """An EBNF grammar (xgrammar's dialect) whose language is exactly the given strings. Characters are
     written as themselves (``ensure_ascii=False``): the grammar reads an escaped surrogate pair as two
