@@ -680,6 +680,9 @@ class Engine:
         then lists their ids (what ``add_request`` returned), for a caller that streams outputs."""
         self._in_flight = None
         failed = set()
+        for request in self.scheduler.failed_requests:  # finished by the scheduler: a step's masks failed
+            self._forget_if_done(request.group_id)
+            failed.add(request.group_id)
         for step in steps:
             for request in step.requests:
                 if not request.finished:

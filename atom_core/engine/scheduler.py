@@ -34,7 +34,10 @@ Structured output (``structured_output``): a request with a grammar holds a ``Gr
 step's bitmask of its constrained rows is filled when the step is made, and ``record`` advances the
 grammars by the sampled tokens (a sequence whose grammar is complete finishes with "stop"). The
 masks need the previous tokens on the host: while ``num_structured`` > 0 the engine schedules a
-step only after the previous one is recorded.
+step only after the previous one is recorded. When filling the masks raises (the grammar library
+failed), ``schedule`` finishes the requests whose masks it was filling with "error" (their blocks
+freed, listed in ``failed_requests``) and raises that exception; nothing else of the step has
+happened yet (its other rows are scheduled again by the next call).
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ class Scheduler:
         self.held: list[tuple[Request, Request]] = []  # (first sequence, a later one waiting for its prompt)
         self.num_steps = 0
         self.num_structured = 0  # unfinished requests with a grammar (structured output)
+        self.failed_requests: list[Request] = []  # what the last schedule() finished with "error" before raising
         self._ones = np.ones(max_num_seqs, dtype=np.int64)
 
     def add(self, request: Request, after: Request | None = None) -> None:
@@ -115,6 +119,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledStep | None:
         """The next step, counted as launched (see the module docstring); None when no row can run."""
+        self.failed_requests = []
         batch, budget = self.batch, self.max_num_batched_tokens
         preempted: list[Request] = []
         decode_rows = self._decode_rows(budget)
@@ -257,6 +262,8 @@ class Scheduler:
         """The step's inputs, then advance the rows as if it ran (see the module docstring)."""
         batch = self.batch
         cached = batch.num_computed_tokens[rows].copy()
+        # First, before anything that counts the step as made: a mask that fails leaves the rest untouched.
+        masks = self._grammar_masks(requests, rows, cached, query_lens) if self.num_structured else None
         block_tables = batch.block_table[rows, :int(batch.num_pages[rows].max())]
         if num_tokens == len(requests) and (batch.num_tokens[rows] - cached == 1).all():
             # Every row computes its last token: the row's last_token, or its pending one.
@@ -278,8 +285,10 @@ class Scheduler:
             step.num_top_logprobs = int(batch.num_top_logprobs[rows].max())
         if batch.num_wanting_prompt_logprobs:
             step.prompt_logprobs = self._prompt_logprobs_inputs(requests, cached, query_lens)
-        if self.num_structured:
-            self._grammar_masks(step)
+        if masks is not None:
+            if step.sampling.processing is None:
+                step.sampling.processing = LogitsProcessing()
+            step.sampling.processing.mask_rows, step.sampling.processing.token_bitmask = masks
         self.num_steps += 1
         self._advance(step)
         return step
@@ -316,19 +325,23 @@ class Scheduler:
             min_p=filter_param(batch.min_p, batch.num_using_min_p), seeds=batch.seed[rows],
             offsets=batch.num_tokens[rows] - batch.num_prompt_tokens[rows], processing=processing)
 
-    def _grammar_masks(self, step: ScheduledStep) -> None:
-        """The bitmask of the step's rows that sample a token under a grammar (before ``_advance``:
-        a row samples when this step computes its last known token). Their previous tokens are all
-        recorded: the engine does not schedule ahead while a request has a grammar."""
-        produces = step.cached_lens + step.query_lens == self.batch.num_tokens[step.rows]
-        rows = [i for i, r in enumerate(step.requests) if r.grammar is not None and produces[i]]
-        if not rows:
-            return
-        if step.sampling.processing is None:
-            step.sampling.processing = LogitsProcessing()
-        step.sampling.processing.mask_rows = np.array(rows, dtype=np.int64)
-        step.sampling.processing.token_bitmask = structured_output.fill_bitmask(
-            [step.requests[i].grammar for i in rows])
+    def _grammar_masks(self, requests, rows, cached, query_lens) -> tuple[np.ndarray, np.ndarray] | None:
+        """(the step's indices of its rows that sample a token under a grammar, their bitmask), or None
+        when it has none (a row samples when this step computes its last known token). Their previous
+        tokens are all recorded: the engine does not schedule ahead while a request has a grammar.
+        When the fill raises, those requests finish with "error" (``failed_requests``) and it raises."""
+        produces = cached + query_lens == self.batch.num_tokens[rows]
+        masked = [i for i, r in enumerate(requests) if r.grammar is not None and produces[i]]
+        if not masked:
+            return None
+        try:
+            bitmask = structured_output.fill_bitmask([requests[i].grammar for i in masked])
+        except BaseException:
+            self.failed_requests = [requests[i] for i in masked]
+            for request in self.failed_requests:
+                self.finish(request, "error")
+            raise
+        return np.array(masked, dtype=np.int64), bitmask
 
     def _prompt_logprobs_inputs(self, requests, cached, query_lens) -> PromptLogprobsInputs | None:
         """The prompt positions whose log-probs this step computes: position p of a row's chunk gives

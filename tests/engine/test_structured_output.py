@@ -188,6 +188,43 @@ def test_a_grammar_compiled_beforehand_is_used_as_it_is_and_must_be_the_requests
     assert outs[0].text in CHOICES and outs[0].finish_reason == "stop"
 
 
+class RaisingMatcher:
+    """A grammar's matcher whose mask fill raises (the grammar library failing); the rest is the real one."""
+
+    def __init__(self, matcher):
+        self.matcher = matcher
+
+    def fill_next_token_bitmask(self, *args, **kwargs):
+        raise RuntimeError("injected mask failure")
+
+    def __getattr__(self, name):
+        return getattr(self.matcher, name)
+
+
+def test_a_mask_that_raises_fails_its_request_once_and_the_engine_goes_on(engine):
+    engine.async_scheduling = True
+    plain = SamplingParams(temperature=1.0, seed=7, max_tokens=24, ignore_eos=True)
+    alone = engine.generate(PROMPTS[0], plain, use_tqdm=False)[0].token_ids
+    plain_id = engine.add_request(PROMPTS[0], plain)
+    bad_id = engine.add_request(PROMPTS[1], SamplingParams(max_tokens=40, structured_outputs={"json": SCHEMA}))
+    bad = engine._requests[bad_id][0]
+    bad.grammar.matcher = RaisingMatcher(bad.grammar.matcher)
+    with pytest.raises(RuntimeError, match="injected mask failure"):
+        engine.step()
+    assert (bad.finish_reason, bad.grammar, engine.scheduler.num_structured) == ("error", None, 0)
+    assert engine.failed_request_ids == [bad_id]  # (what AsyncEngine reads to fail its stream)
+    good_id = engine.add_request(PROMPTS[2], SamplingParams(temperature=0, max_tokens=60, structured_outputs={
+        "regex": REGEX}))
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished |= {out.request_id: out for out in engine.step() if out.finished}  # nothing raises again
+    assert finished.keys() == {plain_id, good_id}
+    assert finished[plain_id].token_ids == alone  # its row, made in the failed schedule, is none the worse
+    check("regex", finished[good_id])
+    engine.block_manager.check_integrity()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
 @pytest.mark.parametrize("structured, match", [
     ({"json": {"type": "nonsense"}}, r"structured_outputs\.json: Unsupported type"),
     ({"json": {"$ref": "#/missing"}}, r"structured_outputs\.json: .*missing"),
