@@ -36,8 +36,9 @@ grammars by the sampled tokens (a sequence whose grammar is complete finishes wi
 masks need the previous tokens on the host: while ``num_structured`` > 0 the engine schedules a
 step only after the previous one is recorded. When filling the masks raises (the grammar library
 failed), ``schedule`` finishes the requests whose masks it was filling with "error" (their blocks
-freed, listed in ``failed_requests``) and raises that exception; nothing else of the step has
-happened yet (its other rows are scheduled again by the next call).
+freed, listed in ``failed_requests``) and raises that exception. The masks are filled before
+anything counts the step as made: its other rows stay admitted with nothing counted as computed,
+and the next call schedules them again.
 """
 
 from __future__ import annotations
