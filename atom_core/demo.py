@@ -7,12 +7,12 @@ standard-library docstrings by scripts/train_demo_model.py).
 from __future__ import annotations
 
 import argparse
-import math
-import os
-import re
 import sys
 import time
 from pathlib import Path
+
+from atom_core.serve.engine_options import (DEFAULT_THREADS, HUB_ID, Parser, UsageError, finite_float,
+                                             positive_int)
 
 PROG = "python -m atom_core.demo"
 
@@ -23,66 +23,26 @@ DEFAULT_PROMPTS = [
     "Create a new",
 ]
 
-# Half the cores, at most 4. Measured with the demo model on a 2-core machine shared with one
-# other busy process: 1 thread ~590 tokens/s, 2 threads ~160 (torch's default, one per core: its
-# worker threads wait on each other whenever another process holds a core). Small models gain
-# little from more threads; leaving cores free keeps the machine usable.
-DEFAULT_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
-
-# "owner/name" that is not a local path: what a Hugging Face Hub model id looks like.
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-class UsageError(Exception):
-    """A mistake in the command line or its values: reported in one line, exit status 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # argparse's own errors (unknown flag, bad value): one line too
-        raise UsageError(message)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
-
-def _finite_float(low: float, high: float, *, low_open: bool = False):
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not math.isfinite(value) or value > high or value < low or (low_open and value == low):
-            bounds = f"{'(' if low_open else '['}{low:g}, {high:g}]"
-            raise argparse.ArgumentTypeError(f"expected a number in {bounds}, got {text!r}")
-        return value
-    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog=PROG, description=__doc__.splitlines()[0].split(": ", 1)[1])
+    parser = Parser(prog=PROG, description=__doc__.splitlines()[0].split(": ", 1)[1])
     parser.add_argument("--model", default=None,
                         help="a local checkpoint folder (config.json, *.safetensors, tokenizer.json); "
                              "default: the built-in demo model")
     parser.add_argument("--prompt", action="append", help="a prompt (repeatable); default: a few built-in ones")
-    parser.add_argument("--max-tokens", type=_positive_int, default=48, help="tokens to generate per prompt (default 48)")
-    parser.add_argument("--temperature", type=_finite_float(0.0, 100.0), default=0.7,
+    parser.add_argument("--max-tokens", type=positive_int, default=48, help="tokens to generate per prompt (default 48)")
+    parser.add_argument("--temperature", type=finite_float(0.0, 100.0), default=0.7,
                         help="sampling temperature; 0 = greedy (default 0.7)")
-    parser.add_argument("--top-p", type=_finite_float(0.0, 1.0, low_open=True), default=0.9, help="(default 0.9)")
+    parser.add_argument("--top-p", type=finite_float(0.0, 1.0, low_open=True), default=0.9, help="(default 0.9)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the first prompt; prompt i uses seed + i")
-    parser.add_argument("--max-model-len", type=_positive_int, default=None,
+    parser.add_argument("--max-model-len", type=positive_int, default=None,
                         help="longest sequence (prompt + output) in tokens; sizes the KV pool "
                              "(default: the engine's choice for the model)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--dtype", default=None,
                         help="float32, bfloat16 or float16 (default: the model's on GPU, float32 on CPU)")
-    parser.add_argument("--threads", type=_positive_int, default=DEFAULT_THREADS,
+    parser.add_argument("--threads", type=positive_int, default=DEFAULT_THREADS,
                         help=f"CPU threads for torch (default {DEFAULT_THREADS}: half the cores, at most 4). "
                              "One thread per core oversubscribes a machine whose cores other processes use: "
                              "on 2 shared cores the demo ran at ~590 tokens/s with 1 thread, ~160 with 2")
@@ -92,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _check_model_folder(model: str | None) -> None:
     if model is None or Path(model).is_dir():
         return
-    if not Path(model).exists() and _HUB_ID.match(model):
+    if not Path(model).exists() and HUB_ID.match(model):
         folder = model.rsplit("/", 1)[1]
         raise UsageError(f"{model!r} is not a local folder, and atom_core loads only local checkpoint folders; "
                          f"download it first (huggingface-cli download {model} --local-dir {folder}) "

@@ -21,8 +21,13 @@ FALLBACK_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
 
-DEFAULT_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))  # as python -m atom_core.demo (see there why)
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# Half the cores, at most 4. Measured with the demo model on a 2-core machine shared with one
+# other busy process: 1 thread ~590 tokens/s, 2 threads ~160 (torch's default, one per core: its
+# worker threads wait on each other whenever another process holds a core). Small models gain
+# little from more threads; leaving cores free keeps the machine usable.
+DEFAULT_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
+# "owner/name" that is not a local path: what a Hugging Face Hub model id looks like.
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 class UsageError(Exception):
@@ -110,7 +115,7 @@ def model_folder(path: str | None, load_format: str) -> str | None:
         return str(folder)
     if p.is_dir():
         return str(p)
-    if not p.exists() and _HUB_ID.match(path):
+    if not p.exists() and HUB_ID.match(path):
         raise UsageError(f"{path!r} is not a local folder, and atom_core loads only local checkpoint folders; "
                          f"download it first (huggingface-cli download {path} --local-dir {path.rsplit('/', 1)[1]})")
     raise UsageError(f"{path!r}: no such folder (expected a checkpoint folder with config.json, *.safetensors and "
