@@ -21,10 +21,10 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from atom_core.cache import BlockManager, budget_from_memory, plan_kv_pool
-from atom_core.cache.pool_sizing import check_fits_in_memory, host_memory_available_bytes
+from atom_core.cache import BlockManager
 from atom_core.engine.distributed import WARMUP, StepChannel, WorkerFailedError, control_group_for
 from atom_core.engine.generation_config import read_generation_config
+from atom_core.engine.kv_pool import plan_pool
 from atom_core.engine.logits_processing import request_processing
 from atom_core.engine.outputs import RequestOutput, StepOutputs
 from atom_core.engine.request import Request
@@ -34,7 +34,6 @@ from atom_core.engine.scheduler import Scheduler
 from atom_core.engine.stop_rule import StopRule
 from atom_core.engine.tokenizer import Tokenizer
 from atom_core.engine.workers import DEFAULT_STEP_TIMEOUT, WorkerSet, run_worker, start_ranks, stop_ranks
-from atom_core.models.layers.mla import EXPANDED_MAX_SLOTS_PER_TOKEN
 from atom_core.ops.penalties import apply_penalties_, apply_token_bias_
 from atom_core.ops.sampling import sample
 from atom_core.ops.token_mask import apply_token_mask_
@@ -46,64 +45,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "demo_model"
-CPU_DEFAULT_POOL_SEQS = 16  # without num_kv_blocks, a CPU pool holds at most this many max_model_len requests
-CPU_POOL_MEMORY_SHARE = 0.25  # ... and at most this share of the host memory available when it is built
 CPU_MAX_MODEL_LEN = 4096  # on CPU, max_model_len defaults to no more than this (a CPU is slow past it anyway)
-
-
-def step_activation_bytes(cfg, num_tokens: int, num_rows: int) -> int:
-    """Headroom for one step's activations, in bytes (fp32 upper bound): hidden states and the
-    widest MLP of ``num_tokens`` tokens, plus logits and sampling temporaries for ``num_rows`` rows.
-
-    A dense MLP holds gate, up and their product (3 x intermediate_size per token). A MoE layer
-    holds the same for each of its top-k experts plus each expert's down output before the
-    weighted combine (K x (3 x moe_intermediate_size + hidden_size) per token), which for
-    many-expert models (GLM-4.5, Qwen3-MoE) is the larger of the two.
-    """
-    mlp_width = 3 * cfg.intermediate_size
-    top_k = cfg.get("num_experts_per_tok")
-    if top_k:
-        expert_size = cfg.get("moe_intermediate_size") or cfg.intermediate_size
-        mlp_width = max(mlp_width, top_k * (3 * expert_size + cfg.hidden_size))
-    return 4 * (num_tokens * (8 * cfg.hidden_size + mlp_width + mla_expansion_width(cfg))
-                + num_rows * cfg.vocab_size * SAMPLING_COPIES)
-
-
-def mla_expansion_width(cfg) -> int:
-    """Values per query token of MLA's expanded form at its bound (``layers.mla.EXPANDED_MAX_SLOTS_PER_TOKEN``
-    slots per token, each gathered (L + R), expanded to K and V [H, D] from two GEMM outputs [H, Dn] and
-    [H, Dv]; q and the output [H, D] per token); 0 for other attention."""
-    latent = cfg.get("kv_lora_rank")
-    if not latent:
-        return 0
-    heads, nope, rope, v_dim = (cfg.num_attention_heads, cfg.get("qk_nope_head_dim"), cfg.get("qk_rope_head_dim"),
-                                cfg.get("v_head_dim"))
-    head_dim = max(nope + rope, v_dim)
-    per_slot = heads * (2 * head_dim + nope + v_dim) + latent + rope
-    return EXPANDED_MAX_SLOTS_PER_TOKEN * per_slot + 2 * heads * head_dim
-
-
-# fp32-wide copies of the [rows, V] logits a step holds at once: the logits, the sampler's scaled copy,
-# a sort's values and int64 indices (three widths), the log-probs. Measured on an H200 (Qwen3-0.6B,
-# 256 rows, every filter and log-probs, debug checks on): 5.3 beyond the forward's own activations.
-SAMPLING_COPIES = 6
-
-
-KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
-
-
-def kv_cache_torch_dtype(kv_cache_dtype: str | torch.dtype) -> torch.dtype | None:
-    """The pool's element type for ``Engine(kv_cache_dtype=...)``; None = the model's dtype ("auto")."""
-    if kv_cache_dtype == "auto":
-        return None
-    if isinstance(kv_cache_dtype, torch.dtype):
-        if kv_cache_dtype not in (torch.float8_e4m3fn, torch.bfloat16, torch.float16, torch.float32):
-            raise ValueError(f"kv_cache_dtype={kv_cache_dtype}: the pool holds float8_e4m3fn, bfloat16, float16 "
-                             f"or float32")
-        return kv_cache_dtype
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: choose 'auto' or one of {sorted(KV_CACHE_DTYPES)}")
-    return KV_CACHE_DTYPES[kv_cache_dtype]
 
 
 def check_device(device) -> torch.device:
@@ -116,55 +58,6 @@ def check_device(device) -> torch.device:
     if device.type not in ("cuda", "cpu"):
         raise ValueError(f"device {str(device)!r}: the engine runs on 'cuda' or 'cpu'")
     return device
-
-
-def plan_pool(model, device: torch.device, *, block_size: int, num_kv_blocks: int | None, gpu_memory_utilization: float,
-              max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, kv_cache_dtype):
-    """The KV pool of ``model`` on ``device``: (spec, extra cache specs, plan). ``num_kv_blocks`` None: sized
-    from memory (a CPU pool holds CPU_DEFAULT_POOL_SEQS requests of max_model_len, within
-    CPU_POOL_MEMORY_SHARE of the host memory available; a GPU pool takes ``gpu_memory_utilization`` of the
-    GPU less one step's activations); given: refused before allocating when it cannot fit."""
-    spec = model.kv_cache_spec(kv_cache_torch_dtype(kv_cache_dtype))
-    # Caches some models keep beside the KV pool over the same blocks (DSA's indexer keys): their
-    # bytes per block come out of the same budget.
-    extra_specs = model.extra_kv_cache_specs() if hasattr(model, "extra_kv_cache_specs") else {}
-    extra_block_bytes = sum(extra.bytes_per_block(block_size) for extra in extra_specs.values())
-    share = spec.bytes_per_block(block_size) / (spec.bytes_per_block(block_size) + extra_block_bytes)
-    sizing = dict(block_size=block_size, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
-    if num_kv_blocks is not None:
-        plan = plan_kv_pool(spec, num_blocks=num_kv_blocks, **sizing)
-    elif device.type == "cpu":
-        plan = plan_kv_pool(spec, budget_bytes=int(_cpu_budget(spec, block_size, max_model_len) * share), **sizing)
-    else:
-        plan = plan_kv_pool(spec, budget_bytes=int(share * _gpu_budget(
-            model, device, gpu_memory_utilization, max_num_batched_tokens, max_num_seqs)), **sizing)
-    logger.info("KV pool: %d blocks of %d tokens (%.2f GiB)", plan.num_blocks, block_size, plan.kv_bytes / 2**30)
-    if num_kv_blocks is not None:  # a pool asked for by size: refused before allocating when it cannot fit
-        on_gpu = device.type == "cuda"
-        check_fits_in_memory(f"a KV pool of num_kv_blocks={num_kv_blocks}",
-                             plan.total_bytes + plan.num_blocks * extra_block_bytes,
-                             torch.cuda.mem_get_info(device)[0] if on_gpu else host_memory_available_bytes(),
-                             where=str(device) if on_gpu else "host memory",
-                             hint="ask for fewer num_kv_blocks, or leave it None to size the pool from memory")
-    return spec, extra_specs, plan
-
-
-def _cpu_budget(spec, block_size: int, max_model_len: int) -> int:
-    """Bytes of a CPU pool: room for CPU_DEFAULT_POOL_SEQS requests of max_model_len, within
-    CPU_POOL_MEMORY_SHARE of the host memory available (plan_kv_pool refuses, with the numbers,
-    a budget that cannot hold one request)."""
-    budget = CPU_DEFAULT_POOL_SEQS * -(-max_model_len // block_size) * spec.bytes_per_block(block_size)
-    # (the caller takes the KV pool's share of this budget when a model keeps extra caches)
-    available = host_memory_available_bytes()
-    if available is not None:
-        budget = min(budget, int(available * CPU_POOL_MEMORY_SHARE))
-    return budget
-
-
-def _gpu_budget(model, device: torch.device, utilization: float, max_num_batched_tokens: int, max_num_seqs: int) -> int:
-    free, total = torch.cuda.mem_get_info(device)
-    activations = step_activation_bytes(model.config, max_num_batched_tokens, max_num_seqs)
-    return budget_from_memory(total, total - free + activations, utilization)
 
 
 class Engine:

@@ -393,7 +393,7 @@ def run_worker(model) -> None:
     each step's ``StepInputs`` arrive and this rank runs the same forward and receives the sampled
     tokens. Returns when rank 0 shuts the engine down; raises when rank 0 dies (its connection closes).
     """
-    from atom_core.engine.engine import plan_pool  # (engine imports this module)
+    from atom_core.engine.kv_pool import plan_pool
     from atom_core.engine.runner import ModelRunner
 
     parallel = getattr(model, "parallel", None)

@@ -159,35 +159,36 @@ def _qwen3_06b_shapes_model():
 
 def test_on_cpu_max_model_len_is_capped_and_the_pool_fits_the_memory_available(monkeypatch, caplog):
     from atom_core.engine import engine as engine_module
+    from atom_core.engine import kv_pool
 
     model = _qwen3_06b_shapes_model()
     assert model.config.max_position_embeddings == 40960
-    monkeypatch.setattr(engine_module, "host_memory_available_bytes", lambda: 8 << 30)
+    monkeypatch.setattr(kv_pool, "host_memory_available_bytes", lambda: 8 << 30)
     with caplog.at_level("WARNING"):
         engine = Engine(model, device="cpu", warmup=False)
     assert engine.max_model_len == engine_module.CPU_MAX_MODEL_LEN and "max_model_len set to 4096 on CPU" in caplog.text
     pool_bytes = engine.runner.kv_pool.numel() * engine.runner.kv_pool.element_size()
-    assert pool_bytes <= engine_module.CPU_POOL_MEMORY_SHARE * (8 << 30)
+    assert pool_bytes <= kv_pool.CPU_POOL_MEMORY_SHARE * (8 << 30)
     explicit = Engine(model, device="cpu", max_model_len=8192, warmup=False)  # asked for: not capped
     assert explicit.max_model_len == 8192
 
 
 def test_on_cpu_a_pool_that_cannot_hold_one_request_in_the_memory_available_is_refused_with_the_numbers(
         monkeypatch):
-    from atom_core.engine import engine as engine_module
+    from atom_core.engine import kv_pool
 
     model = _qwen3_06b_shapes_model()
-    monkeypatch.setattr(engine_module, "host_memory_available_bytes", lambda: 1 << 20)  # 1 MiB: 256 KiB for the pool
+    monkeypatch.setattr(kv_pool, "host_memory_available_bytes", lambda: 1 << 20)  # 1 MiB: 256 KiB for the pool
     with pytest.raises(ValueError, match="smallest budget that works"):
         Engine(model, device="cpu", max_model_len=256, warmup=False)
 
 
 def test_an_explicit_pool_larger_than_the_memory_available_is_refused_before_allocating(monkeypatch):
-    from atom_core.engine import engine as engine_module
+    from atom_core.engine import kv_pool
     from atom_core.models import InsufficientMemoryError
 
     model = _qwen3_06b_shapes_model()
-    monkeypatch.setattr(engine_module, "host_memory_available_bytes", lambda: 1 << 30)
+    monkeypatch.setattr(kv_pool, "host_memory_available_bytes", lambda: 1 << 30)
     with pytest.raises(InsufficientMemoryError, match="a KV pool of num_kv_blocks=100000 needs an estimated"):
         Engine(model, device="cpu", max_model_len=256, num_kv_blocks=100_000, warmup=False)
 

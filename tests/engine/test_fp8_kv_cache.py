@@ -14,10 +14,10 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
 def test_an_fp8_pool_holds_one_byte_per_element_so_a_budget_buys_more_blocks(tiny_qwen3, monkeypatch):
-    from atom_core.engine import engine as engine_module
+    from atom_core.engine import kv_pool
 
     folder, _ = tiny_qwen3
-    monkeypatch.setattr(engine_module, "host_memory_available_bytes", lambda: 256 << 10)  # the pool gets 64 KiB
+    monkeypatch.setattr(kv_pool, "host_memory_available_bytes", lambda: 256 << 10)  # the pool gets 64 KiB
     blocks = {}
     for kv_cache_dtype in ("auto", "fp8"):
         engine = Engine.from_pretrained(folder, device="cpu", dtype=torch.float32, kv_cache_dtype=kv_cache_dtype,

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from atom_core import ops
 from atom_core.cache import build_step_layout
-from atom_core.engine.engine import step_activation_bytes
+from atom_core.engine.kv_pool import step_activation_bytes
 from atom_core.engine.runner import forward_logits
 from atom_core.models.config import ModelConfig
 
