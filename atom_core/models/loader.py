@@ -54,7 +54,8 @@ one of ``model.expected_missing`` (``fnmatch`` patterns on the parameter name); 
 tensors that fill nothing are logged and listed in the returned ``LoadReport``. Afterwards
 ``process_weights_after_loading()`` runs on every module that defines it.
 
-What is refused, each error naming the file (and the tensor where there is one):
+What is refused, each error naming the file (and the tensor where there is one; the shard files, their
+headers and their reads are ``models.checkpoint_files``):
 
 - a shard whose header is corrupt or whose data is truncated: every shard's header is checked
   against its file size (dtype, shape, contiguous ``data_offsets`` covering the data exactly)
@@ -79,12 +80,9 @@ when they differ, a warning names it and the largest difference.
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
-import json
 import logging
 import math
-import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -92,25 +90,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from atom_core.models.checkpoint_files import (INDEX_FILE, checkpoint_files, get_tensor, open_shard,
+                                               read_safetensors_header, read_tensor)
 from atom_core.models.config import ModelConfig
 from atom_core.models.layers.linear import default_weight_loader
 from atom_core.models.quantization import check_quantization_supported, parse_quant_config
 
 logger = logging.getLogger(__name__)
 
-INDEX_FILE = "model.safetensors.index.json"
-_MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit on the JSON header
-# Bits per element of each safetensors dtype (the format's own list); sub-byte types are not size-checked.
-_DTYPE_BITS = {
-    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8,
-    "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32,
-    "I64": 64, "U64": 64, "F64": 64, "C64": 64, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
-}
 _FINITE_CHUNK = 1 << 22  # elements summed at a time by the NaN/Inf check (bounds its temporaries)
-_HF_CACHE_REPO_PREFIX = "models--"  # huggingface_hub's cache: <cache>/models--org--name/{snapshots,blobs}
 _ROTARY_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _TIED_REASON = "tied to the input embedding"
@@ -134,138 +124,6 @@ class _Target:
     param_name: str
     shard_id: Any = None
     rows: tuple[int, int] | None = None  # (start, size) along dim 0 of the checkpoint tensor
-
-
-def read_safetensors_header(path: str | Path) -> dict[str, dict]:
-    """Tensor entries of a ``.safetensors`` file's JSON header (name -> {dtype, shape, data_offsets}).
-
-    Reads only the 8-byte length and the header, never the tensor data, and checks the header
-    against the file: known dtypes, shapes of ints >= 0, ``data_offsets`` that hold exactly
-    ``numel x element size`` bytes, follow each other without gap or overlap and end where the
-    file does. ValueError naming the file (and tensor) otherwise: a truncated or corrupt file.
-    """
-    path = Path(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ValueError(f"{path}: too short to be a safetensors file")
-        n = int.from_bytes(head, "little")
-        size = os.fstat(f.fileno()).st_size
-        if n > min(size - 8, _MAX_HEADER_BYTES):
-            raise ValueError(f"{path}: corrupt safetensors header (length {n}, file size {size})")
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{path}: corrupt safetensors header ({e})") from e
-    if not isinstance(header, dict):
-        raise ValueError(f"{path}: corrupt safetensors header (not a JSON object)")
-    header.pop("__metadata__", None)
-    _check_header_entries(path, header, data_bytes=size - 8 - n)
-    return header
-
-
-def _check_header_entries(path: Path, header: dict, data_bytes: int) -> None:
-    """The rules safetensors applies on opening, checked here so that the error names the file."""
-    spans = []
-    for name, entry in header.items():
-        ok = (isinstance(entry, dict) and entry.get("dtype") in _DTYPE_BITS
-              and isinstance(entry.get("shape"), list)
-              and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in entry["shape"])
-              and isinstance(entry.get("data_offsets"), list) and len(entry["data_offsets"]) == 2
-              and all(isinstance(x, int) and not isinstance(x, bool) for x in entry["data_offsets"]))
-        if not ok:
-            raise ValueError(f"{path}: corrupt safetensors header: bad entry for tensor {name!r}: {entry!r}")
-        begin, end = entry["data_offsets"]
-        bits = _DTYPE_BITS[entry["dtype"]]
-        numel = math.prod(entry["shape"])
-        if begin > end or (bits % 8 == 0 and end - begin != numel * bits // 8):
-            raise ValueError(f"{path}: corrupt safetensors header: tensor {name!r} ({entry['dtype']} "
-                             f"{entry['shape']}) has data_offsets {entry['data_offsets']}")
-        spans.append((begin, end, name))
-    position = 0
-    for begin, end, name in sorted(spans):
-        if begin != position:
-            raise ValueError(f"{path}: corrupt safetensors header: tensor {name!r} starts at byte {begin} of the "
-                             f"data, the previous tensor ends at {position}")
-        position = end
-    if position > data_bytes:
-        raise ValueError(f"{path}: truncated: its header places tensor data up to byte {position} after the "
-                         f"header, but the file holds only {data_bytes} bytes there")
-    if position < data_bytes:
-        raise ValueError(f"{path}: corrupt safetensors file: {data_bytes - position} bytes after the last "
-                         "tensor's data")
-
-
-def _link_root(folder: Path) -> Path:
-    """Where the shards of ``folder`` may resolve to: the folder itself, or, for a Hugging Face
-    cache snapshot (``models--org--name/snapshots/<rev>``), the whole cache repository, whose
-    ``blobs/`` holds the files the snapshot's links point at."""
-    root = folder.resolve()
-    repo = root.parent.parent
-    if root.parent.name == "snapshots" and repo.name.startswith(_HF_CACHE_REPO_PREFIX):
-        return repo
-    return root
-
-
-def _inside(folder: Path, file_name: str) -> Path:
-    """``folder / file_name`` after refusing names that leave the folder (absolute, ``..``) and links
-    whose target leaves it (or, for a cache snapshot, leaves its cache repository; see ``_link_root``)."""
-    if not isinstance(file_name, str) or not file_name:
-        raise ValueError(f"{INDEX_FILE}: bad file entry {file_name!r}")
-    if os.path.isabs(file_name):
-        raise ValueError(f"{INDEX_FILE}: refusing absolute shard path {file_name!r}")
-    path = Path(os.path.normpath(folder / file_name))
-    if os.path.normpath(file_name).split(os.sep)[0] == os.pardir:
-        raise ValueError(f"{INDEX_FILE}: refusing shard path {file_name!r} that resolves outside {folder}")
-    root = _link_root(folder)
-    resolved = path.resolve()
-    if resolved != root and root not in resolved.parents:
-        raise ValueError(f"{INDEX_FILE}: refusing shard path {file_name!r} that resolves outside {root} "
-                         f"(to {resolved})")
-    return path
-
-
-def checkpoint_files(folder: str | Path) -> dict[Path, list[str] | None]:
-    """Shard files of a checkpoint folder -> tensor names the index assigns to them.
-
-    With ``model.safetensors.index.json``: the files its ``weight_map`` names (each checked to
-    lie inside the folder, see ``_inside``), as paths inside the folder, with their names; a
-    tensor listed twice keeps its first entry. Without an index: every ``*.safetensors`` file in
-    the folder, sorted, with ``None`` (names come from the headers).
-    """
-    folder = Path(folder)
-    index_path = folder / INDEX_FILE
-    if not index_path.is_file():
-        files = sorted(folder.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors files in {folder}")
-        return {f: None for f in files}
-
-    def first_wins(pairs: list[tuple[str, Any]]) -> dict:
-        out: dict = {}
-        for key, value in pairs:
-            if key in out:
-                logger.warning("%s: duplicate entry %r ignored", index_path, key)
-                continue
-            out[key] = value
-        return out
-
-    try:
-        index = json.loads(index_path.read_text(), object_pairs_hook=first_wins)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{index_path}: not valid JSON ({e})") from e
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict):
-        raise ValueError(f"{index_path}: no 'weight_map' object")
-    files: dict[Path, list[str]] = {}
-    for name, file_name in weight_map.items():
-        path = _inside(folder, file_name)
-        files.setdefault(path, []).append(name)
-    for path in files:
-        if not path.is_file():
-            broken = f" (a link to {path.resolve()}, which is missing)" if path.is_symlink() else ""
-            raise FileNotFoundError(f"{index_path} names {path.name}, which does not exist{broken}")
-    return files
 
 
 class _NameMapper:
@@ -501,37 +359,11 @@ def _matches(name: str, patterns: Iterable[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
-@contextlib.contextmanager
-def _open_shard(path: Path):
-    """``safe_open`` of a shard, its errors re-raised as ValueError naming the file."""
-    try:
-        handle = safe_open(str(path), framework="pt", device="cpu")
-    except (SafetensorError, OSError) as e:
-        raise ValueError(f"{path}: cannot open as safetensors ({e})") from e
-    with handle as f:
-        yield f
-
-
-def _get_tensor(f, name: str, path: Path) -> torch.Tensor:
-    try:
-        return f.get_tensor(name)
-    except (SafetensorError, OSError) as e:
-        raise ValueError(f"{path}: cannot read tensor {name!r} ({e})") from e
-
-
-def _read_tensor(open_file, open_path: Path | None, name: str, path: Path) -> torch.Tensor:
-    """Tensor ``name`` from ``path``: from the already open ``open_file`` when that is the same file."""
-    if path == open_path:
-        return _get_tensor(open_file, name, path)
-    with _open_shard(path) as f:
-        return _get_tensor(f, name, path)
-
-
 def _warn_if_tied_head_differs(head_name: str, embedding_name: str, file_of: dict[str, Path]) -> str | None:
     """Compare a stored ``lm_head.weight`` that tying skips with the embedding the model uses in its
     place; log a warning and return what differs, or None when they are identical."""
-    head = _read_tensor(None, None, head_name, file_of[head_name])
-    embedding = _read_tensor(None, None, embedding_name, file_of[embedding_name])
+    head = read_tensor(None, None, head_name, file_of[head_name])
+    embedding = read_tensor(None, None, embedding_name, file_of[embedding_name])
     if head.shape != embedding.shape:
         difference = f"shape {tuple(head.shape)} vs {tuple(embedding.shape)}"
     elif torch.equal(head, embedding):
@@ -623,9 +455,9 @@ def load_weights(model: nn.Module, path: str | Path, *, strict: bool = True,
     loaded: dict[str, set] = {}
     for file, entries in plan.items():
         report.files_read.append(str(file))
-        with _open_shard(file) as f:
+        with open_shard(file) as f:
             for name, targets in entries:
-                tensor = _get_tensor(f, name, file)
+                tensor = get_tensor(f, name, file)
                 if check_finite:
                     _check_finite(tensor, name, file)
                 for target in targets:
@@ -635,7 +467,7 @@ def load_weights(model: nn.Module, path: str | Path, *, strict: bool = True,
 
     device = next((p.device for p in params.values()), torch.device("cpu"))
     for name, file, attn, which in kv_scales:
-        _set_kv_scale(attn, which, _read_tensor(None, None, name, file), name, file, device)
+        _set_kv_scale(attn, which, read_tensor(None, None, name, file), name, file, device)
         report.kv_scales.append(name)
 
     embedding = whole_source.get(_tied_parameter(model, params) or "")

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-import atom_core.models.loader as loader_module
+import atom_core.models.checkpoint_files as checkpoint_files_module
 from atom_core.models import ModelConfig, build_model, load_model, register_model, supported_architectures
 from atom_core.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from atom_core.models.layers.linear import (
@@ -21,7 +21,8 @@ from atom_core.models.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
 )
-from atom_core.models.loader import load_weights, read_safetensors_header
+from atom_core.models.checkpoint_files import read_safetensors_header
+from atom_core.models.loader import load_weights
 
 # V = vocab, D = hidden, H/K = query/KV heads, hd = head dim, I = intermediate
 V, D, H, K, HD, I, LAYERS = 10, 8, 4, 2, 2, 6, 2
@@ -178,13 +179,13 @@ def test_sharded_index_skips_shards_holding_nothing_wanted(tmp_path, monkeypatch
                                                  "mtp.safetensors": layer2})
     save_file({"model.norm.weight": torch.zeros(D)}, str(folder / "stray.safetensors"))  # not in the index
     opened = []
-    real_safe_open = loader_module.safe_open
+    real_safe_open = checkpoint_files_module.safe_open
 
     def spy(path, *args, **kwargs):
         opened.append(path)
         return real_safe_open(path, *args, **kwargs)
 
-    monkeypatch.setattr(loader_module, "safe_open", spy)
+    monkeypatch.setattr(checkpoint_files_module, "safe_open", spy)
     model = model_of()
     report = load_weights(model, folder)
     assert_matches_checkpoint(model, t)

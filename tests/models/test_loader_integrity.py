@@ -11,9 +11,11 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+import atom_core.models.checkpoint_files as checkpoint_files_module
 import atom_core.models.loader as loader_module
 from atom_core.models import load_model
-from atom_core.models.loader import count_non_finite, load_weights, max_abs_difference, read_safetensors_header
+from atom_core.models.checkpoint_files import read_safetensors_header
+from atom_core.models.loader import count_non_finite, load_weights, max_abs_difference
 from tests.models.test_loader import (
     assert_matches_checkpoint,
     hf_tensors,
@@ -39,13 +41,13 @@ def write_raw(path, header, body):
 
 def spy_on_safe_open(monkeypatch):
     opened = []
-    real = loader_module.safe_open
+    real = checkpoint_files_module.safe_open
 
     def spy(path, *args, **kwargs):
         opened.append(path)
         return real(path, *args, **kwargs)
 
-    monkeypatch.setattr(loader_module, "safe_open", spy)
+    monkeypatch.setattr(checkpoint_files_module, "safe_open", spy)
     return opened
 
 
