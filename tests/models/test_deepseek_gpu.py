@@ -199,7 +199,10 @@ def test_bf16_triton_with_real_top_k_paged_decode_is_off_at_no_more_positions_th
 
 ENGINE_ARGS = {"block_size": 16, "max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 128,
                "num_kv_blocks": 64}
-ENGINE_PROMPT_LENS = (30, 1, 41)
+# The first step (64-token budget) holds the 41-token prompt and 23 tokens of the 30-token one: a block table
+# of 2 rows x 3 pages (96 slots, within layers.mla.EXPANDED_MAX_SLOTS_PER_TOKEN x 64), so MLA's expanded form
+# runs; the later steps (the rest of that prompt, the 1-token one, decodes) run the absorbed form.
+ENGINE_PROMPT_LENS = (41, 30, 1)
 
 
 def engine_greedy(pair, dtype: torch.dtype, max_tokens: int) -> tuple[list[list[int]], list[list[int]]]:

@@ -104,6 +104,31 @@ def test_triton_block_matches_twin(out_dtype, m, n, k):
 
 
 @needs_triton
+@pytest.mark.parametrize("fmt", ["per_tensor", "per_token", "block"])
+@pytest.mark.parametrize("split_k, k", [(2, 256), (3, 300), (4, 700)])  # 700: 6 groups in 3 ranges of 2
+def test_triton_split_k_partials_sum_to_the_twin(fmt, split_k, k, monkeypatch):
+    from atom_core.ops.triton import scaled_mm as triton_scaled_mm
+
+    sums = []
+    kernel = triton_scaled_mm._sum_splits_kernel
+
+    class Counted:
+        def __getitem__(self, grid):
+            sums.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(triton_scaled_mm, "_sum_splits_kernel", Counted())
+    args = make_inputs(fmt, FP8, 5, 200, k, bias=True, seed=k)
+    config = triton_scaled_mm.LaunchConfig(16, 64, 64, 4, 1, split_k=split_k)
+    kind = {"per_tensor": triton_scaled_mm.PER_TENSOR, "per_token": triton_scaled_mm.PER_TOKEN,
+            "block": triton_scaled_mm.BLOCKWISE}[fmt].value
+    got = triton_scaled_mm._scaled_mm(kind, *args, FP32, config)
+    assert len(sums) == 1, "the partial products were not summed by the split-K reduction"
+    want = getattr(reference, f"scaled_mm_{fmt}")(*args, FP32)
+    torch.testing.assert_close(got, want, **tolerance(FP32, SCALED_MM))
+
+
+@needs_triton
 def test_triton_block_scales_vary_across_groups_and_blocks():
     # Random scales per group and block (not the ones quantization produced): a kernel that reads the
     # wrong group or block is off by whole factors.

@@ -12,9 +12,14 @@ in BLOCK_K steps with ``tl.dot`` on the fp8 (fp32 accumulator) or int8 (int32 ac
 
 On sm90 (H100/H200) the fp8 tensor cores sum their products at reduced precision, and Triton lets a
 chained fp8 ``tl.dot`` accumulate that way over the whole K by default (measured on an H200: 8e-3 off
-the twin at K = 1024 for outputs of order 1; 1e-3 within the block format's 128-wide steps). Every
-fp8 ``tl.dot`` here asks for ``max_num_imprecise_acc=0``: each instruction's partial sum (32 products) is added to the fp32
-accumulator, as cuBLAS-free fp8 GEMMs (DeepGEMM) promote theirs.
+the twin at K = 1024 for outputs of order 1; 1e-3 within one 128-wide step). ``MAX_IMPRECISE`` bounds
+that run: fp32 outputs ask for 0 (every instruction's partial sum of 32 products joins the fp32
+accumulator), bf16 / fp16 outputs for BLOCK_K (promotion once per K step of 128 products, as DeepGEMM
+does: 1e-3 is below their rounding, and per-instruction promotion costs over half the tensor-core rate).
+
+``SPLIT_K`` > 1 (few output tiles: small M and N) gives each program a K range of its tile; the
+partial products, already scaled, go to an fp32 workspace [SPLIT_K, M, N] that a second kernel sums
+into the output, so that enough programs stream the weight to fill every SM.
 
 Programs walk the tiles in groups of GROUP_M row tiles per column tile, so neighbouring programs
 share weight tiles in L2. Row offsets are int64 (M * K can pass 2**31).
@@ -24,6 +29,7 @@ against float64), so no upcast is needed there.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -42,12 +48,15 @@ BLOCKWISE = tl.constexpr(2)
 
 @triton.jit
 def _scaled_mm_kernel(
-    a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K,
+    a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K, K_PER_SPLIT,
     stride_am, stride_ak, stride_wn, stride_wk, stride_as_m, stride_as_k, stride_ws_n, stride_ws_k, stride_om,
+    stride_osplit,
     SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, IS_INT8: tl.constexpr, SCALE_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    MAX_IMPRECISE: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    split = tl.program_id(1)  # this program's K range: [split * K_PER_SPLIT, + K_PER_SPLIT)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * tiles_n
@@ -61,14 +70,16 @@ def _scaled_mm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     n_ok = offs_n < N
-    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
-    w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk  # w^T tile [K, N]
+    k_start = split * K_PER_SPLIT
+    k_end = tl.minimum(K, k_start + K_PER_SPLIT)
+    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + (k_start + offs_k[None, :]) * stride_ak
+    w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + (k_start + offs_k[:, None]) * stride_wk  # w^T [K, N]
     if IS_INT8:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = offs_k < K - k0
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k_ok = offs_k < k_end - k0
         a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if SCALES == BLOCKWISE:
@@ -76,11 +87,11 @@ def _scaled_mm_kernel(
             a_scale = tl.load(a_scale_ptr + offs_m * stride_as_m + group * stride_as_k, mask=m_ok, other=0.0)
             w_scale = tl.load(w_scale_ptr + (offs_n // SCALE_BLOCK) * stride_ws_n + group * stride_ws_k,
                               mask=n_ok, other=0.0)
-            acc += tl.dot(a, w, max_num_imprecise_acc=0) * a_scale[:, None] * w_scale[None, :]
+            acc += tl.dot(a, w, max_num_imprecise_acc=MAX_IMPRECISE) * a_scale[:, None] * w_scale[None, :]
         elif IS_INT8:
             acc = tl.dot(a, w, acc, out_dtype=tl.int32)
-        else:  # fp8: every tensor-core instruction's partial sum joins the fp32 accumulator (module docstring)
-            acc = tl.dot(a, w, acc, max_num_imprecise_acc=0)
+        else:  # fp8: partial sums join the fp32 accumulator every MAX_IMPRECISE products (module docstring)
+            acc = tl.dot(a, w, acc, max_num_imprecise_acc=MAX_IMPRECISE)
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs += BLOCK_K * stride_wk
 
@@ -91,44 +102,81 @@ def _scaled_mm_kernel(
         a_scale = tl.load(a_scale_ptr + offs_m * stride_as_m, mask=m_ok, other=0.0)
         w_scale = tl.load(w_scale_ptr + offs_n * stride_ws_n, mask=n_ok, other=0.0)
         out = out * a_scale[:, None] * w_scale[None, :]
-    if HAS_BIAS:
-        out += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    if HAS_BIAS:  # (once: by the first K range)
+        bias = tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        out += tl.where(split == 0, bias, 0.0)[None, :]
+    out_ptrs = out_ptr + split.to(tl.int64) * stride_osplit + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _sum_splits_kernel(ws_ptr, out_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    """out[i] = sum over s of ws[s, i] (fp32), in out's dtype."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < numel
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(SPLIT_K):
+        total += tl.load(ws_ptr + s * numel + offs, mask=ok, other=0.0)
+    tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """One launch of ``_scaled_mm_kernel``: tile sizes, warps, pipeline stages, K ranges per tile, and how
+    many fp8 products the tensor cores may sum before promotion (module docstring)."""
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    split_k: int = 1
+    max_imprecise: int | None = 0  # <= block_k; None: Triton's default (no promotion within the K loop)
+
+
 @functools.lru_cache(maxsize=LAUNCH_CACHE_SIZE)
-def _launch_config(m: int, n: int, interpret: bool) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). BLOCK_K divides the 128 of the block format.
+def launch_config(m: int, n: int, k: int, precise: bool, interpret: bool) -> LaunchConfig:
+    """The launch for an [m, k] x [n, k] GEMM; ``precise``: fp32 output (module docstring).
+    BLOCK_K divides the 128 of the block format.
 
     GPU tiles are a starting point (not tuned: the benchmark of docs/benchmarks.md decides);
     the interpreter gets few, larger programs (each program costs numpy overhead, not FLOPs)."""
     if interpret:
-        return max(16, min(next_power_of_2(m), 64)), 64, 64, 4, 1
+        return LaunchConfig(max(16, min(next_power_of_2(m), 64)), 64, 64, 4, 1)
     block_m = max(16, min(next_power_of_2(m), 128))
     block_n = 64 if m <= 16 else 128  # small M: more programs over N to cover the SMs
-    return block_m, block_n, 128, 4 if block_m <= 64 else 8, 3
+    return LaunchConfig(block_m, block_n, 128, 4 if block_m <= 64 else 8, 3,
+                        max_imprecise=0 if precise else 128)  # (= BLOCK_K: once per K step)
 
 
-def _scaled_mm(scales, a, a_scale, w, w_scale, bias, out_dtype):
+def _scaled_mm(scales, a, a_scale, w, w_scale, bias, out_dtype, config: LaunchConfig | None = None):
     (m, k), n = a.shape, w.shape[0]
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return out
-    block_m, block_n, block_k, num_warps, num_stages = _launch_config(m, n, triton_interpret())
+    if config is None:
+        config = launch_config(m, n, k, out_dtype == torch.float32, triton_interpret())
     if scales == PER_TOKEN.value:
         scale_strides = (a_scale.stride(0), 0, w_scale.stride(0), 0)
     elif scales == BLOCKWISE.value:
         scale_strides = (*a_scale.stride(), *w_scale.stride())
     else:
         scale_strides = (0, 0, 0, 0)
-    grid = (cdiv(m, block_m) * cdiv(n, block_n),)
+    # K ranges of whole 128-wide groups (the block format's scales), at most split_k of them
+    k_per_split = cdiv(cdiv(k, BLOCK), config.split_k) * BLOCK
+    splits = cdiv(k, k_per_split)
+    target = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=a.device)
+    grid = (cdiv(m, config.block_m) * cdiv(n, config.block_n), splits)
     _scaled_mm_kernel[grid](
-        a, w, a_scale, w_scale, bias if bias is not None else out, out, m, n, k,
-        a.stride(0), a.stride(1), w.stride(0), w.stride(1), *scale_strides, out.stride(0),
+        a, w, a_scale, w_scale, bias if bias is not None else out, target, m, n, k, k_per_split,
+        a.stride(0), a.stride(1), w.stride(0), w.stride(1), *scale_strides, target.stride(-2),
+        target.stride(0) if splits > 1 else 0,
         SCALES=scales, HAS_BIAS=bias is not None, IS_INT8=a.dtype == INT8_DTYPE, SCALE_BLOCK=BLOCK,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=8,
+        MAX_IMPRECISE=config.max_imprecise, num_warps=config.num_warps, num_stages=config.num_stages,
     )
+    if splits > 1:
+        block = 1024
+        _sum_splits_kernel[(cdiv(m * n, block),)](target, out, m * n, SPLIT_K=splits, BLOCK=block, num_warps=4)
     return out
 
 
