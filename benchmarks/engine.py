@@ -449,6 +449,7 @@ def section_tp(args) -> list[dict]:
                     rows.append({**label, "metric": "nano-vllm output tok/s", "value": tok_s,
                                  "vs_first": tok_s / base["throughput"]})
                     print(rows[-1], flush=True)
+            engine = outs = None  # its KV pool and weights freed before the next variant sizes its own
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()

@@ -126,6 +126,14 @@ class StepGraphs:
     def num_captured(self) -> int:
         return len(self._graphs)
 
+    def release(self) -> None:
+        """Destroy every captured graph now (the static buffers stay). NCCL frees a communicator only once
+        the graphs that captured its collectives are gone: a multi-rank engine calls this before its process
+        group is destroyed or aborted. A later ``run`` captures again."""
+        for captured in self._graphs.values():
+            captured.graph.reset()
+        self._graphs.clear()
+
     def static_layout(self, bucket: Bucket) -> StepLayout:
         """The static buffers' view of ``bucket``'s shape (what the graph was captured on)."""
         t, b = bucket.num_tokens, bucket.num_rows

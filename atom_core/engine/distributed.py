@@ -219,6 +219,9 @@ class StepChannel:
         self._buffer = torch.zeros(INLINE_BYTES, dtype=torch.uint8)
         self._buffer_np = self._buffer.numpy()
         self._sends: list = []  # (work, tensor) of rank 0's sends not known complete
+        # This rank's captured CUDA graphs (``StepGraphs``, set by its runner): they hold the TP group's
+        # NCCL communicator until released (``release_graphs``).
+        self.graphs = None
 
     # ------------------------------------------------------------------ rank 0
 
@@ -333,6 +336,13 @@ class StepChannel:
                  if late else "a worker rank failed: a collective of the step failed") + f" ({error})"))
         self.failure = f"rank 0 raised in the middle of a step ({type(error).__name__}: {error})"
         return error
+
+    def release_graphs(self) -> None:
+        """Destroy this rank's CUDA graphs: NCCL's destroy and abort of a communicator wait until no graph
+        that captured its collectives is left (a graph still running is freed once its kernels end, which
+        an abort makes them do)."""
+        if self.graphs is not None:
+            self.graphs.release()
 
     def abort(self) -> None:
         """Best effort, after a failure: abort the TP group's communicator so that device work waiting on

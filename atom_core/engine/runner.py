@@ -111,6 +111,8 @@ class ModelRunner:
             self.graphs = StepGraphs(functools.partial(forward_logits, model), device=self.device,
                                      max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                      max_pages=self.max_pages, max_model_len=max_model_len)
+            if channel is not None:
+                channel.graphs = self.graphs  # released before the ranks' communicator is torn down
 
     def _scales(self, checkpoint_scales) -> tuple[torch.Tensor, torch.Tensor]:
         return tuple(torch.ones(1, dtype=torch.float32, device=self.device) if scale is None

@@ -61,6 +61,7 @@ __all__ = ["RankStart", "WorkerSet", "exit_status", "run_worker", "start_interpr
 DEFAULT_STEP_TIMEOUT = 300.0  # seconds rank 0 waits for a worker within a step before WorkerFailedError
 STARTUP_TIMEOUT = 1800.0  # seconds rank 0 waits for its workers to start and load (while they stay alive)
 STOP_TIMEOUT = 10.0  # seconds a worker gets to leave after the shutdown message before it is killed
+TEARDOWN_TIMEOUT = 30.0  # seconds destroying or aborting the process group may take before it is left behind
 ARGS_ENV = "ATOM_CORE_WORKER_ARGS"
 PARENT_ENV = "ATOM_CORE_PARENT_PID"
 _STARTED_KEY = "atom_core/started/{rank}"
@@ -117,11 +118,29 @@ class WorkerSet:
             import torch.distributed as dist
 
             self.owns_world = False
-            try:
-                if dist.is_initialized():
-                    dist.destroy_process_group()
-            except Exception as error:  # noqa: BLE001 - after a failure its communicators may be gone already
-                logger.warning("destroying the engine's process group: %s", error)
+            if dist.is_initialized():
+                bounded(dist.destroy_process_group, "destroying the engine's process group")
+
+
+def bounded(fn, what: str, timeout: float = TEARDOWN_TIMEOUT) -> bool:
+    """Run ``fn()`` (a teardown that can block in a communication library) on a daemon thread and wait up
+    to ``timeout`` s: True if it finished. A failure or an overrun is logged, never raised: the engine is
+    stopping either way, and a call still blocked is left to the process's exit."""
+    done = threading.Event()
+
+    def run():
+        try:
+            fn()
+        except Exception as error:  # noqa: BLE001 - after a failure the communicators may be gone already
+            logger.warning("%s: %s", what, error)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, daemon=True, name="atom_core-teardown").start()
+    if done.wait(timeout):
+        return True
+    logger.warning("%s did not finish within %g s; it is left to the process's exit", what, timeout)
+    return False
 
 
 def exit_status(code: int) -> str:
@@ -187,8 +206,9 @@ def stop_ranks(channel: StepChannel, workers: WorkerSet | None) -> None:
             channel.wait_sends(timeout=STOP_TIMEOUT)
         except Exception:  # noqa: BLE001 - a worker already gone: the processes are stopped below anyway
             pass
-    else:
-        channel.abort()
+    channel.release_graphs()  # (NCCL destroys or aborts a communicator only once its graphs are gone)
+    if channel.failure is not None:
+        bounded(channel.abort, "aborting the engine's TP communicator")
     graceful = channel.failure is None
     channel.failure = channel.failure or "the engine was shut down"
     if workers is not None:
@@ -432,6 +452,7 @@ def run_worker(model) -> None:
         elif kind == WARMUP:
             runner.warm_forward()
         elif kind == SHUTDOWN:
+            channel.release_graphs()  # before the process group goes (see StepChannel.release_graphs)
             return
         else:
             raise RuntimeError(f"a worker got an unknown message kind {kind}")

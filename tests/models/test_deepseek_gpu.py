@@ -75,11 +75,13 @@ def fixed_choice_case(case: ParityCase) -> ParityCase:
     return dataclasses.replace(fixed, overrides={**fixed.overrides, "index_topk": COVERING_TOPK})
 
 
-def triton_served(case: ParityCase, run, *, decodes: bool = True) -> None:
+def triton_served(case: ParityCase, run, *, decodes: bool = True, expands: bool = True) -> None:
     """``run()`` under ``use_backend("triton")``: every op by Triton, the family's ops among them; DSA
     through the sparse kernel alone (the Triton module's kernel launched, neither dense MLA op called).
-    ``decodes``: ``run`` has steps of few queries per row, so MLA's absorbed form (the decode kernel) runs
-    besides the expanded one (a single long prefill runs the expanded form alone)."""
+    ``decodes``: ``run`` has steps of few queries per row, so MLA's absorbed form (the decode kernel) runs.
+    ``expands``: ``run`` has a prefill step whose block table spans few slots per query token, so the
+    expanded form runs too (an engine's CUDA graphs hold max_model_len pages per row: every step they
+    serve runs the absorbed form, ``layers.mla.EXPANDED_MAX_SLOTS_PER_TOKEN``)."""
     from atom_core.ops.triton import dsa_sparse, mla_decode
 
     launches = {"sparse": 0, "dense": 0}
@@ -111,7 +113,8 @@ def triton_served(case: ParityCase, run, *, decodes: bool = True) -> None:
         assert not names & {"mla_decode_attention", "mla_prefill_attention"}, sorted(names)
         assert launches["sparse"] > 0 and launches["dense"] == 0, launches
     else:
-        wanted = MLA_OPS | {"mla_prefill_attention"} | ({"mla_decode_attention"} if decodes else set())
+        wanted = MLA_OPS | ({"mla_prefill_attention"} if expands else set()) | (
+            {"mla_decode_attention"} if decodes else set())
         assert wanted <= names, f"never called: {sorted(wanted - names)}"
         assert launches["sparse"] == 0 and (launches["dense"] > 0 or not decodes), launches
 
@@ -199,14 +202,12 @@ def test_bf16_triton_with_real_top_k_paged_decode_is_off_at_no_more_positions_th
 
 ENGINE_ARGS = {"block_size": 16, "max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 128,
                "num_kv_blocks": 64}
-# The first step (64-token budget) holds the 41-token prompt and 23 tokens of the 30-token one: a block table
-# of 2 rows x 3 pages (96 slots, within layers.mla.EXPANDED_MAX_SLOTS_PER_TOKEN x 64), so MLA's expanded form
-# runs; the later steps (the rest of that prompt, the 1-token one, decodes) run the absorbed form.
-ENGINE_PROMPT_LENS = (41, 30, 1)
+ENGINE_PROMPT_LENS = (30, 1, 41)
 
 
 def engine_greedy(pair, dtype: torch.dtype, max_tokens: int) -> tuple[list[list[int]], list[list[int]]]:
-    """Prompts and the engine's greedy tokens (CUDA graphs, Triton, chunked prefill under a 64-token budget)."""
+    """Prompts and the engine's greedy tokens (CUDA graphs, Triton, chunked prefill under a 64-token budget;
+    every step is served by a graph, so MLA runs its absorbed form throughout)."""
     from atom_core.engine import Engine, SamplingParams
 
     vocab = pair.hf_model.config.vocab_size
@@ -219,7 +220,7 @@ def engine_greedy(pair, dtype: torch.dtype, max_tokens: int) -> tuple[list[list[
         outs.extend(engine.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
                                     use_tqdm=False))
 
-    triton_served(pair.case, run)
+    triton_served(pair.case, run, expands=False)
     return prompts, [out.token_ids for out in outs]
 
 

@@ -206,6 +206,7 @@ def _gpu_rank(rank: int, init_file: str) -> None:
                 graph.replay()
                 torch.cuda.synchronize(device)
                 check(out, *fresh, f"rank {rank} graph replay {seed}")
+            graph.reset()  # NCCL destroys a communicator only once the graphs that captured it are gone
     finally:
         dist.destroy_process_group()
 
