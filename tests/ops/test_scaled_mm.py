@@ -4,6 +4,8 @@ unquantized product."""
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from atom_core import ops
 from atom_core.ops.dispatch import trace_backends
@@ -213,3 +215,15 @@ _A, _AS, _W, _WS, _ = make_inputs("per_token", FP8, 2, 16, 32)
 def test_bad_arguments_are_named(call, match):
     with pytest.raises((ValueError, TypeError), match=match):
         call()
+
+
+@given(m=st.integers(1, 20000), n=st.integers(1, 60000), k=st.integers(1, 20000),
+       out_dtype=st.sampled_from(OUT_DTYPES), scales=st.integers(0, 2), num_sms=st.integers(1, 200))
+def test_every_gpu_launch_config_is_one_the_kernel_accepts(m, n, k, out_dtype, scales, num_sms):
+    from atom_core.ops.triton.scaled_mm import LaunchConfig, launch_config
+
+    config = launch_config(m, n, k, out_dtype, scales, num_sms, False)
+    assert isinstance(config, LaunchConfig) and 128 % config.block_k == 0  # (the block format's groups)
+    assert 1 <= config.split_k <= max(1, -(-k // 128))  # never a K range without a 128-wide group
+    # fp32 outputs promote every instruction; otherwise Triton allows at most the dot's K between promotions
+    assert config.max_imprecise == 0 if out_dtype == FP32 else (config.max_imprecise or 0) <= config.block_k

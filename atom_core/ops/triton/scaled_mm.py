@@ -13,9 +13,9 @@ in BLOCK_K steps with ``tl.dot`` on the fp8 (fp32 accumulator) or int8 (int32 ac
 On sm90 (H100/H200) the fp8 tensor cores sum their products at reduced precision, and Triton lets a
 chained fp8 ``tl.dot`` accumulate that way over the whole K by default (measured on an H200: 8e-3 off
 the twin at K = 1024 for outputs of order 1; 1e-3 within one 128-wide step). ``MAX_IMPRECISE`` bounds
-that run: fp32 outputs ask for 0 (every instruction's partial sum of 32 products joins the fp32
-accumulator), bf16 / fp16 outputs for BLOCK_K (promotion once per K step of 128 products, as DeepGEMM
-does: 1e-3 is below their rounding, and per-instruction promotion costs over half the tensor-core rate).
+that run (``launch_config`` picks it per output dtype): 0 promotes every instruction's partial sum of 32
+products into the fp32 accumulator (fp32 outputs), BLOCK_K once per K step (as DeepGEMM does; fp16
+outputs), None never within the K loop (bf16 outputs: the speed of cuBLAS, within bf16's tolerance).
 
 ``SPLIT_K`` > 1 (few output tiles: small M and N) gives each program a K range of its tile; the
 partial products, already scaled, go to an fp32 workspace [SPLIT_K, M, N] that a second kernel sums
@@ -134,18 +134,40 @@ class LaunchConfig:
 
 
 @functools.lru_cache(maxsize=LAUNCH_CACHE_SIZE)
-def launch_config(m: int, n: int, k: int, precise: bool, interpret: bool) -> LaunchConfig:
-    """The launch for an [m, k] x [n, k] GEMM; ``precise``: fp32 output (module docstring).
-    BLOCK_K divides the 128 of the block format.
+def launch_config(m: int, n: int, k: int, out_dtype: torch.dtype, scales: int, num_sms: int,
+                  interpret: bool) -> LaunchConfig:
+    """The launch for an [m, k] x [n, k] GEMM into ``out_dtype`` in the ``scales`` format, on ``num_sms``
+    multiprocessors. BLOCK_K divides the 128 of the block format.
 
-    GPU tiles are a starting point (not tuned: the benchmark of docs/benchmarks.md decides);
-    the interpreter gets few, larger programs (each program costs numpy overhead, not FLOPs)."""
+    GPU choices are the best rows of ``benchmarks/ops_scaled_mm_sweep.py`` on an H200 (docs/benchmarks.md,
+    "FP8 GEMM launch sweep"):
+    - M <= 16 (decode): 16 x 64 tiles, and K split so that about two programs per multiprocessor stream
+      the weight (at most 4 ranges: more only adds partials to sum);
+    - larger M: 128 x 256 tiles where they give at least two tiles per multiprocessor, else 128 x 128
+      (and smaller row tiles for M < 128);
+    - promotion (module docstring): fp32 outputs every instruction, fp16 once per K step, bf16 never
+      within the K loop (the tensor cores' own accumulation, as cuBLAS's and CUTLASS's "fast accumulation"
+      fp8 kernels do: measured 4e-3 of max |out| at K = 4096 and 1e-2 at K = 14336, against 1.5e-4 when
+      promoting once per K step, which costs ~40% of the speed). The block format's dot spans one
+      128-wide group, so its promotion is per group whatever the setting.
+    The interpreter gets few, larger programs (each program costs numpy overhead, not FLOPs)."""
     if interpret:
         return LaunchConfig(max(16, min(next_power_of_2(m), 64)), 64, 64, 4, 1)
+    block_k = 128
+    max_imprecise = 0 if out_dtype == torch.float32 else block_k if out_dtype == torch.float16 else None
+    if m <= 16:
+        tiles = cdiv(n, 64)
+        split_k = min(4, cdiv(k, block_k), next_power_of_2(cdiv(2 * num_sms, tiles)))
+        return LaunchConfig(16, 64, block_k, 4, 4, split_k=split_k, max_imprecise=max_imprecise)
     block_m = max(16, min(next_power_of_2(m), 128))
-    block_n = 64 if m <= 16 else 128  # small M: more programs over N to cover the SMs
-    return LaunchConfig(block_m, block_n, 128, 4 if block_m <= 64 else 8, 3,
-                        max_imprecise=0 if precise else 128)  # (= BLOCK_K: once per K step)
+    wide = scales != BLOCKWISE.value and block_m == 128 and cdiv(m, 128) * cdiv(n, 256) >= 2 * num_sms
+    return LaunchConfig(block_m, 256 if wide else 128, block_k, 4 if block_m <= 64 else 8, 3,
+                        max_imprecise=max_imprecise)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def _scaled_mm(scales, a, a_scale, w, w_scale, bias, out_dtype, config: LaunchConfig | None = None):
@@ -154,7 +176,9 @@ def _scaled_mm(scales, a, a_scale, w, w_scale, bias, out_dtype, config: LaunchCo
     if m == 0 or n == 0:
         return out
     if config is None:
-        config = launch_config(m, n, k, out_dtype == torch.float32, triton_interpret())
+        interpret = triton_interpret()
+        num_sms = 1 if interpret else _num_sms(a.device.index or 0)
+        config = launch_config(m, n, k, out_dtype, scales, num_sms, interpret)
     if scales == PER_TOKEN.value:
         scale_strides = (a_scale.stride(0), 0, w_scale.stride(0), 0)
     elif scales == BLOCKWISE.value:
