@@ -31,7 +31,7 @@ run() {  # run NAME SECONDS MODULE ARGS...   (with TRITON_CACHE_DIR=$cache)
     local name=$1 limit=$2
     shift 2
     echo "=== $name (Triton cache $cache: $(ls -A "$cache" | grep -q . && echo warm || echo cold))"
-    TRITON_CACHE_DIR="$cache" timeout -s INT "$limit" python -m "$@" 2>&1 | grep -vE "Warning|warnings.warn|^$" \
+    TRITON_CACHE_DIR="$cache" timeout -k 10 -s INT "$limit" python -m "$@" 2>&1 | grep -vE "Warning|warnings.warn|^$" \
         > "$out/$name.log"
     tail -30 "$out/$name.log"
 }
@@ -40,7 +40,7 @@ tests() {  # tests NAME SECONDS PATHS...
     local name=$1 limit=$2
     shift 2
     echo "=== tests: $name"
-    TRITON_CACHE_DIR="$out/triton_cache_tests" timeout -s INT "$limit" python -m pytest -q -p no:cacheprovider \
+    TRITON_CACHE_DIR="$out/triton_cache_tests" timeout -k 10 -s INT "$limit" python -m pytest -q -p no:cacheprovider \
         --tb=short -rfE "$@" > "$out/tests_$name.log" 2>&1
     grep -E "^(FAILED|ERROR)|passed|failed|no tests ran" "$out/tests_$name.log" | cut -c1-300 | tail -15
 }

@@ -19,7 +19,7 @@ run() {  # run NAME SECONDS MODULE ARGS...
     local name=$1 limit=$2
     shift 2
     echo "=== $name"
-    timeout -s INT "$limit" python -m "$@" 2>&1 | grep -vE "Warning|warnings.warn|^$" > "$out/$name.log"
+    timeout -k 10 -s INT "$limit" python -m "$@" 2>&1 | grep -vE "Warning|warnings.warn|^$" > "$out/$name.log"
     tail -25 "$out/$name.log"
 }
 
@@ -27,7 +27,7 @@ for part in $parts; do
     case $part in
     tests)
         echo "=== tests"
-        timeout -s INT 240 python -m pytest -q -p no:cacheprovider --tb=short -rfE -k "gpu or cuda" \
+        timeout -k 10 -s INT 240 python -m pytest -q -p no:cacheprovider --tb=short -rfE -k "gpu or cuda" \
             tests/engine/test_multi_rank.py tests/models/test_expert_exchange.py tests/engine/test_data_parallel.py \
             > "$out/tests.log" 2>&1
         grep -E "^(FAILED|ERROR)|passed|failed" "$out/tests.log" | cut -c1-300 | tail -15
