@@ -25,12 +25,15 @@ run() {  # run NAME SECONDS MODULE ARGS...
 
 for part in $parts; do
     case $part in
-    tests)
-        echo "=== tests"
-        timeout -k 10 -s INT 240 python -m pytest -q -p no:cacheprovider --tb=short -rfE -k "gpu or cuda" \
-            tests/engine/test_multi_rank.py tests/models/test_expert_exchange.py tests/engine/test_data_parallel.py \
-            > "$out/tests.log" 2>&1
-        grep -E "^(FAILED|ERROR)|passed|failed" "$out/tests.log" | cut -c1-300 | tail -15
+    tests)  # one pytest per file (a hang costs its own limit only); faulthandler dumps the stacks of a slow test
+        for spec in exchange:90:tests/models/test_expert_exchange.py dp:120:tests/engine/test_data_parallel.py \
+                multi_rank:420:tests/engine/test_multi_rank.py; do
+            IFS=: read -r name limit path <<< "$spec"
+            echo "=== tests: $name"
+            timeout -k 10 -s INT "$limit" python -m pytest -q -p no:cacheprovider --tb=short -rfE \
+                -o faulthandler_timeout=120 -k "gpu or cuda" "$path" > "$out/tests_$name.log" 2>&1
+            grep -E "^(FAILED|ERROR)|passed|failed" "$out/tests_$name.log" | cut -c1-300 | tail -15
+        done
         ;;
     comm) run comm 150 benchmarks.comm --nproc 2 --json "$out/comm.json" ;;
     tp)
