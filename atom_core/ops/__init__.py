@@ -33,7 +33,7 @@ from atom_core.ops.penalties import apply_penalties_, apply_token_bias_
 from atom_core.ops.quant import per_group_quant, per_tensor_quant, per_token_quant
 from atom_core.ops.rope import apply_rope_, rope_cos_sin_cache, yarn_softmax_scale
 from atom_core.ops.sampling import rejection_sample_greedy, sample
-from atom_core.ops.scaled_mm import scaled_mm_block, scaled_mm_per_tensor, scaled_mm_per_token
+from atom_core.ops.scaled_mm import fp8_block_linear, scaled_mm_block, scaled_mm_per_tensor, scaled_mm_per_token
 from atom_core.ops.token_mask import apply_token_mask_
 from atom_core.ops.validation import debug_checks, debug_enabled, set_debug
 
@@ -72,6 +72,7 @@ __all__ = [
     "rope_cos_sin_cache",
     "sample",
     "scaled_mm_block",
+    "fp8_block_linear",
     "scaled_mm_per_tensor",
     "scaled_mm_per_token",
     "set_debug",

@@ -1,5 +1,6 @@
 """Scaled GEMMs of quantized linear layers: ``scaled_mm_per_tensor``, ``scaled_mm_per_token``,
-``scaled_mm_block``.
+``scaled_mm_block``, and ``fp8_block_linear`` (the block format's activation quantization and GEMM
+in one op: the Triton backend fuses them for decode-sized M).
 
 Legend: M = tokens, N = output features, K = input features. ``out [M, N] = (a * a_scale) @ (w * w_scale)^T
 (+ bias)`` with w stored [N, K] like ``nn.Linear.weight``, fp32 accumulation, output in ``out_dtype``
@@ -13,6 +14,9 @@ Legend: M = tokens, N = output features, K = input features. ``out [M, N] = (a *
 | scaled_mm_block | fp8 e4m3fn | [M, ceil(K/128)] (per_group_quant) | [ceil(N/128), ceil(K/128)] (``weight_scale_inv``) |
 
 A per-tensor weight scale used with per-token activations is expanded to [N, 1] once, at load time.
+``fp8_block_linear(x, w, w_scale)`` takes the float activation x [M, K] and is exactly
+``scaled_mm_block(*per_group_quant(x), w, w_scale)``: the Triton backend quantizes each K step's
+1 x 128 group inside the GEMM for M <= 16 (one launch instead of two) and runs the two ops above it.
 Backends: torch (the twin), triton, aiter (``gemm_a8w8_CK``, ``gemm_a8w8_blockscale``) and
 scaled_mm (``torch._scaled_mm``, cuBLASLt / hipBLASLt; ``atom_core.ops.torch_scaled_mm``).
 """
@@ -34,6 +38,7 @@ SCALED_MM_PER_TENSOR = Op("scaled_mm_per_tensor")
 SCALED_MM_PER_TOKEN = Op("scaled_mm_per_token")
 SCALED_MM_BLOCK = Op("scaled_mm_block")
 _OPS = {"per_tensor": SCALED_MM_PER_TENSOR, "per_token": SCALED_MM_PER_TOKEN, "block": SCALED_MM_BLOCK}
+FP8_BLOCK_LINEAR = Op("fp8_block_linear")
 
 
 def _triton_supports(a, a_scale, w, w_scale, bias, out_dtype) -> str | None:
@@ -86,6 +91,29 @@ SCALED_MM_BLOCK.register("aiter", "atom_core.ops.aiter.scaled_mm:scaled_mm_block
                          _aiter_block_key)
 
 
+def _linear_triton_supports(x, w, w_scale, bias, out_dtype) -> str | None:
+    return _triton_supports(w, None, w, w_scale, bias, out_dtype)
+
+
+def _linear_triton_key(x, w, w_scale, bias, out_dtype):
+    return w.dtype
+
+
+def _linear_aiter_supports(x, w, w_scale, bias, out_dtype) -> str | None:
+    return _aiter_block_supports(w, w_scale, w, w_scale, bias, out_dtype)  # (x's layout: quantized first)
+
+
+def _linear_aiter_key(x, w, w_scale, bias, out_dtype):
+    return _aiter_block_key(w, w_scale, w, w_scale, bias, out_dtype)
+
+
+FP8_BLOCK_LINEAR.register("torch", reference_scaled_mm.fp8_block_linear)
+FP8_BLOCK_LINEAR.register("triton", "atom_core.ops.triton.scaled_mm:fp8_block_linear", _linear_triton_supports,
+                          _linear_triton_key)
+FP8_BLOCK_LINEAR.register("aiter", "atom_core.ops.aiter.scaled_mm:fp8_block_linear", _linear_aiter_supports,
+                          _linear_aiter_key)
+
+
 def _fake(a, a_scale, w, w_scale, bias, out_dtype, backend):
     return a.new_empty((a.shape[0], w.shape[0]), dtype=out_dtype)
 
@@ -110,6 +138,17 @@ def _scaled_mm_block_op(a: Tensor, a_scale: Tensor, w: Tensor, w_scale: Tensor, 
 
 for _registered in (_scaled_mm_per_tensor_op, _scaled_mm_per_token_op, _scaled_mm_block_op):
     _registered.register_fake(_fake)
+
+
+@custom_op("fp8_block_linear", mutates_args=())
+def _fp8_block_linear_op(x: Tensor, w: Tensor, w_scale: Tensor, bias: Tensor | None, out_dtype: torch.dtype,
+                         backend: str | None) -> Tensor:
+    return FP8_BLOCK_LINEAR(x, w, w_scale, bias, out_dtype, backend=backend)
+
+
+@_fp8_block_linear_op.register_fake
+def _(x, w, w_scale, bias, out_dtype, backend):
+    return x.new_empty((x.shape[0], w.shape[0]), dtype=out_dtype)
 
 
 def _check(a, a_scale, w, w_scale, bias, out_dtype, *, dtypes, a_scale_shape, w_scale_shape) -> None:
@@ -166,3 +205,25 @@ def scaled_mm_block(a: Tensor, a_scale: Tensor, w: Tensor, w_scale: Tensor, *,
         _check(a, a_scale, w, w_scale, bias, out_dtype, dtypes=(FP8_DTYPE,), a_scale_shape=(a.shape[0], groups),
                w_scale_shape=(-(-w.shape[0] // BLOCK), groups))
     return call_op("scaled_mm_block", a, a_scale, w, w_scale, bias, out_dtype, backend)
+
+
+def fp8_block_linear(x: Tensor, w: Tensor, w_scale: Tensor, *, out_dtype: torch.dtype | None = None,
+                     bias: Tensor | None = None, backend: str | None = None) -> Tensor:
+    """x [M, K] fp32/fp16/bf16, quantized to fp8 e4m3fn per 1 x 128 group as ``per_group_quant`` does, times
+    w [N, K] fp8 e4m3fn with w_scale [ceil(N/128), ceil(K/128)] → out [M, N] of ``out_dtype`` (default:
+    x's dtype); bias [N] in fp32. Equal to ``scaled_mm_block(*per_group_quant(x), w, w_scale)``."""
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if debug_enabled():
+        check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+        check_tensor("w", w, ndim=2, dtypes=(FP8_DTYPE,))
+        if w.shape[1] != x.shape[1]:
+            raise ValueError(f"x [M, K] and w [N, K] must share K, got {tuple(x.shape)} and {tuple(w.shape)}")
+        check_tensor("w_scale", w_scale, dtypes=(torch.float32,))
+        check_shape("w_scale", w_scale, (-(-w.shape[0] // BLOCK), -(-x.shape[1] // BLOCK)))
+        if bias is not None:
+            check_tensor("bias", bias, dtypes=FLOAT_DTYPES)
+            check_shape("bias", bias, (w.shape[0],))
+        if out_dtype not in FLOAT_DTYPES:
+            raise TypeError(f"out_dtype must be one of {[str(d) for d in FLOAT_DTYPES]}, got {out_dtype}")
+        check_same_device(x=x, w=w, w_scale=w_scale, bias=bias)
+    return call_op("fp8_block_linear", x, w, w_scale, bias, out_dtype, backend)

@@ -227,3 +227,44 @@ def test_every_gpu_launch_config_is_one_the_kernel_accepts(m, n, k, out_dtype, s
     assert 1 <= config.split_k <= max(1, -(-k // 128))  # never a K range without a 128-wide group
     # fp32 outputs promote every instruction; otherwise Triton allows at most the dot's K between promotions
     assert config.max_imprecise == 0 if out_dtype == FP32 else (config.max_imprecise or 0) <= config.block_k
+
+
+# ---- fp8_block_linear: the block format's activation quantization and GEMM as one op ---------------------------
+
+def _linear_inputs(m: int, n: int, k: int, x_dtype, bias: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(x_dtype)
+    w_q, w_scale = reference_quant.per_block_quant(torch.randn(n, k, generator=g) * k ** -0.5)
+    return x, w_q, w_scale, torch.randn(n, generator=g) if bias else None
+
+
+@needs_triton
+@pytest.mark.parametrize("x_dtype", [FP32, BF16])
+@pytest.mark.parametrize("m", [1, 5, 16, 33])  # the fused range of the Triton backend (M <= 16), and above it
+@pytest.mark.parametrize("n, k", [(256, 256), (200, 300)])
+def test_triton_fp8_block_linear_equals_per_group_quant_then_scaled_mm_block_exactly(x_dtype, m, n, k):
+    from atom_core.ops.triton.scaled_mm import FUSED_QUANT_MAX_ROWS
+
+    x, w, w_scale, bias = _linear_inputs(m, n, k, x_dtype, bias=m == 5, seed=m + k)
+    with trace_backends() as calls:
+        got = ops.fp8_block_linear(x, w, w_scale, bias=bias, backend="triton")
+    fused = m <= FUSED_QUANT_MAX_ROWS
+    # fused: one op, the activation quantized inside the GEMM; above the range, the quantization op runs first
+    assert calls == [("fp8_block_linear", "triton")] + ([] if fused else [("per_group_quant", "triton")])
+    q, a_scale = ops.per_group_quant(x, backend="triton")
+    want = ops.scaled_mm_block(q, a_scale, w, w_scale, out_dtype=x_dtype, bias=bias, backend="triton")
+    assert got.dtype == x_dtype and torch.equal(got, want)
+    torch.testing.assert_close(got, reference.fp8_block_linear(x, w, w_scale, bias, x_dtype),
+                               **tolerance(x_dtype, SCALED_MM))
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda x, w, s: ops.fp8_block_linear(x.to(torch.int8), w, s), "x dtype"),
+    (lambda x, w, s: ops.fp8_block_linear(x, w.float(), s), "w dtype"),
+    (lambda x, w, s: ops.fp8_block_linear(x, w, s[:, :1]), "w_scale"),
+    (lambda x, w, s: ops.fp8_block_linear(x[:, :100], w, s), "share K"),
+])
+def test_fp8_block_linear_bad_arguments_are_named(call, match):
+    x, w, w_scale, _ = _linear_inputs(3, 200, 300, BF16, bias=False)
+    with ops.debug_checks(True), pytest.raises((TypeError, ValueError), match=match):
+        call(x, w, w_scale)

@@ -9,7 +9,7 @@ B = 128 (the FP8 block / activation-group size). Scales are float32 and multiply
 | ``UnquantizedLinear`` | ``weight`` [N, K] model dtype | ``F.linear`` |
 | ``Fp8Linear`` per-tensor | ``weight`` fp8 [N, K], ``weight_scale`` [P] (one per part) | activation quant, scaled GEMM |
 | ``Fp8Linear`` per-channel | ``weight`` fp8 [N, K], ``weight_scale`` [N, 1] | activation quant, ``scaled_mm_per_token`` |
-| ``Fp8Linear`` block 128 | ``weight`` fp8 [N, K], ``weight_scale`` [ceil(N/B), ceil(K/B)] | ``per_group_quant``, ``scaled_mm_block`` |
+| ``Fp8Linear`` block 128 | ``weight`` fp8 [N, K], ``weight_scale`` [ceil(N/B), ceil(K/B)] | ``fp8_block_linear`` (``per_group_quant`` + ``scaled_mm_block``) |
 | ``Int8Linear`` per-channel | ``weight`` int8 [N, K], ``weight_scale`` [N, 1] | ``per_token_quant`` int8, ``scaled_mm_per_token`` |
 
 Static activations add ``input_scale`` [P] (one per part, from the checkpoint). The block format's
@@ -276,9 +276,13 @@ class _ScaledLinear(LinearMethod):
             raise RuntimeError(f"{type(layer).__name__}: process_weights_after_loading() has not run "
                                "(load_model and load_weights run it)")
         x2 = _flat(x)
-        q, a_scale = self._quantize_input(layer, x2)
         w, w_scale = layer.weight, layer._w_scale
         kwargs = {"out_dtype": x.dtype, "bias": bias}
+        if (self.scheme.weight.scales == "per_block" and self.weight_dtype == FP8_DTYPE
+                and self.scheme.activation is ActivationScheme.DYNAMIC_PER_GROUP_128):
+            out = ops.fp8_block_linear(x2, w, w_scale, **kwargs)  # (quantization fused into the GEMM for decode)
+            return out.reshape(*x.shape[:-1], out.shape[-1])
+        q, a_scale = self._quantize_input(layer, x2)
         if self.scheme.weight.scales == "per_block":
             out = ops.scaled_mm_block(q, a_scale, w, w_scale, **kwargs)
         elif w_scale.numel() == 1 and a_scale.numel() == 1:
