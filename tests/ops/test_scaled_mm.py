@@ -268,3 +268,13 @@ def test_fp8_block_linear_bad_arguments_are_named(call, match):
     x, w, w_scale, _ = _linear_inputs(3, 200, 300, BF16, bias=False)
     with ops.debug_checks(True), pytest.raises((TypeError, ValueError), match=match):
         call(x, w, w_scale)
+
+
+def test_fp8_block_linear_compiles_with_fullgraph():
+    x, w, w_scale, bias = _linear_inputs(3, 200, 300, FP32, bias=True)
+
+    def linear(x, w, w_scale, bias):
+        return ops.fp8_block_linear(x, w, w_scale, bias=bias, backend="torch") + 1
+
+    torch.testing.assert_close(torch.compile(linear, fullgraph=True, backend="aot_eager")(x, w, w_scale, bias),
+                               linear(x, w, w_scale, bias))
