@@ -1,5 +1,7 @@
 """Communication benchmarks over N ranks: the all-reduce at a model's hidden size for 1..256 tokens, our op
-path (``ops.all_reduce``) against ``torch.distributed.all_reduce`` in the same run; and one MoE layer's
+path (``ops.all_reduce``) against ``torch.distributed.all_reduce`` in the same run (and, on GPUs, torch's
+symmetric-memory one-shot all-reduce: ``one_shot_us``, what a custom small-message backend would reach);
+and one MoE layer's
 expert-parallel combine, all-reduce against all-to-all (padded and exact exchanges), at the same token
 counts and at prefill sizes.
 
@@ -76,6 +78,23 @@ def _graph_us(fn, *, iters: int, repeats: int, device: torch.device, group) -> f
     return _timed_us(graph.replay, iters=1, repeats=repeats, device=device, group=group) / iters
 
 
+def _symm_mem_one_shot(x: torch.Tensor, group):
+    """(fn, note): torch's symmetric-memory one-shot all-reduce of ``x`` over ``group`` (every rank reads
+    its peers' buffers over NVLink and sums: the candidate for a small-message backend beside NCCL), or
+    (None, why not). Setting it up is collective: every rank gets the same answer or the same error."""
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        buffer = symm_mem.empty(x.numel(), dtype=x.dtype, device=x.device)
+        symm_mem.rendezvous(buffer, group.group_name)
+        fn = functools.partial(torch.ops.symm_mem.one_shot_all_reduce_copy, buffer, x.view(-1), "sum",
+                               group.group_name)
+        fn()
+        return fn, "symm_mem.one_shot_all_reduce_copy"
+    except Exception as e:  # noqa: BLE001 - reported in the row: a torch build or machine without it
+        return None, f"not run: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+
+
 def section_all_reduce(args, device, group, control) -> list[dict]:
     from atom_core import ops
 
@@ -91,14 +110,24 @@ def section_all_reduce(args, device, group, control) -> list[dict]:
             theirs = functools.partial(dist.all_reduce, x, group=group)
             for fn in (ours, theirs):  # warm-up: the communicator, the op's backend choice
                 fn()
+            one_shot, one_shot_note = _symm_mem_one_shot(x, group) if device.type == "cuda" else (None, "no GPU")
             modes = [("eager", _timed_us)] + ([("graph", _graph_us)] if device.type == "cuda" else [])
             for mode, timer in modes:
                 timing = {"iters": args.iters, "repeats": args.repeats, "device": device, "group": control}
                 ours_us, torch_us = timer(ours, **timing), timer(theirs, **timing)
+                one_shot_us, note = None, one_shot_note
+                if one_shot is not None:
+                    try:
+                        one_shot_us = timer(one_shot, **timing)
+                    except Exception as e:  # noqa: BLE001 - e.g. a capture it does not allow: said in the row
+                        note = f"{mode} not run: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
                 rows.append({"section": "all_reduce", "model": name, "hidden": hidden, "tokens": tokens,
                              "dtype": args.dtype, "bytes": nbytes, "ranks": ranks, "mode": mode,
                              "ops_us": ours_us, "torch_us": torch_us, "ops_vs_torch": torch_us / ours_us,
-                             "busbw_GBps": 2 * (ranks - 1) / ranks * nbytes / (torch_us * 1e-6) / 1e9})
+                             "busbw_GBps": 2 * (ranks - 1) / ranks * nbytes / (torch_us * 1e-6) / 1e9,
+                             "one_shot_us": one_shot_us,
+                             "one_shot_vs_torch": None if one_shot_us is None else torch_us / one_shot_us,
+                             "one_shot_note": note})
                 if dist.get_rank() == 0:
                     print(rows[-1], flush=True)
     return rows
