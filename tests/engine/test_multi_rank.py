@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -238,6 +239,22 @@ def test_a_worker_that_dies_or_hangs_gives_a_named_error_and_leaves_no_process(t
     assert not engine.has_unfinished_requests() or all(r.finished for g in engine._requests.values() for r in g)
     engine.shutdown()  # (already stopped by the failure: idempotent)
     assert worker.poll() is not None and _live_children() <= children
+
+
+def test_a_teardown_that_blocks_is_left_behind_after_its_bound_and_one_that_raises_is_logged(caplog):
+    """The process group's destroy / abort run through ``workers.bounded``: shutdown cannot hang on them."""
+    from atom_core.engine.workers import bounded
+
+    release = threading.Event()
+    t0 = time.monotonic()
+    with caplog.at_level("WARNING", logger="atom_core.engine.workers"):
+        assert bounded(release.wait, "a blocked teardown", timeout=0.2) is False
+        waited = time.monotonic() - t0
+        assert bounded(lambda: 1 / 0, "a failing teardown", timeout=5) is True
+    release.set()
+    assert 0.2 <= waited < 2
+    assert "a blocked teardown did not finish within 0.2 s" in caplog.text
+    assert "a failing teardown: division by zero" in caplog.text
 
 
 def test_shutdown_and_the_context_manager_stop_every_worker(tiny_qwen3):
