@@ -5,7 +5,7 @@ with its accumulation error (fp32 output, the same launch) against the fp32 prod
 operands, as a share of max |out|. The defaults of
 ``scaled_mm.launch_config`` are read off this table.
 
-    python -m benchmarks.ops_scaled_mm_sweep [--json out.json] [--tokens 1 16 1024 8192] [--smoke]
+    python -m benchmarks.ops_scaled_mm_sweep [--json out.json] [--tokens 1 16 128 1024 8192] [--smoke]
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from benchmarks.ops_scaled_mm import SHAPES, SMOKE_SHAPES, _operands
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, split-K, promotion interval: "bk" = BLOCK_K, None = Triton's)
 SMALL_M = [(16, bn, 128, 4, 4, sk, "bk") for bn in (32, 64) for sk in (1, 2, 4, 8)]
+MID_M = [(bm, bn, 128, 4 if bm <= 64 else 8, 3, sk, imp) for bm in (64, 128) for bn in (64, 128) for sk in (1, 2, 4)
+         for imp in (None,)]
 LARGE_M = [(bm, bn, bk, w, st, 1, imp)
            for bm, bn, bk, w, st in [(128, 128, 128, 8, 3), (128, 256, 64, 8, 3), (128, 256, 128, 8, 3),
                                      (64, 256, 128, 4, 4)]
@@ -27,7 +29,7 @@ LARGE_M = [(bm, bn, bk, w, st, 1, imp)
 def _configs(m: int):
     from atom_core.ops.triton.scaled_mm import LaunchConfig
 
-    for bm, bn, bk, warps, stages, split, imprecise in (SMALL_M if m <= 16 else LARGE_M):
+    for bm, bn, bk, warps, stages, split, imprecise in (SMALL_M if m <= 16 else MID_M if m <= 256 else LARGE_M):
         yield LaunchConfig(bm, bn, bk, warps, stages, split, bk if imprecise == "bk" else imprecise)
 
 
@@ -73,7 +75,7 @@ def run(tokens: list[int], json_path: str | None, device: str = "cuda", smoke: b
 
 def main() -> None:
     args = op_bench_args(__doc__.splitlines()[0], lambda parser: parser.add_argument(
-        "--tokens", type=int, nargs="+", default=[1, 16, 1024, 8192]))
+        "--tokens", type=int, nargs="+", default=[1, 16, 128, 1024, 8192]))
     rows = run([1, 16] if args.smoke else args.tokens, args.json, args.device, args.smoke)
     best = {}
     for r in rows:

@@ -149,7 +149,9 @@ def launch_config(m: int, n: int, k: int, out_dtype: torch.dtype, scales: int, n
     - M <= 16 (decode): 16 x 64 tiles, and K split so that about two programs per multiprocessor stream
       the weight (at most 4 ranges: more only adds partials to sum);
     - larger M: 128 x 256 tiles where they give at least two tiles per multiprocessor, else 128 x 128
-      (and smaller row tiles for M < 128);
+      (and smaller row tiles for M < 128); for 16 < M < 1024, where that leaves fewer tiles than
+      multiprocessors (the first launch ran llama's qkv_proj at M = 128 on 48 programs, 0.3x of cuBLAS),
+      64-wide tiles and then K ranges, as for M <= 16 (the sweep's M = 128 rows are still to be run);
     - promotion (module docstring): fp32 outputs every instruction, fp16 once per K step, bf16 never
       within the K loop (the tensor cores' own accumulation, as cuBLAS's and CUTLASS's "fast accumulation"
       fp8 kernels do: measured 4e-3 of max |out| at K = 4096 and 1e-2 at K = 14336, against 1.5e-4 when
@@ -166,7 +168,13 @@ def launch_config(m: int, n: int, k: int, out_dtype: torch.dtype, scales: int, n
         return LaunchConfig(16, 64, block_k, 4, 4, split_k=split_k, max_imprecise=max_imprecise)
     block_m = max(16, min(next_power_of_2(m), 128))
     wide = scales != BLOCKWISE.value and block_m == 128 and cdiv(m, 128) * cdiv(n, 256) >= 2 * num_sms
-    return LaunchConfig(block_m, 256 if wide else 128, block_k, 4 if block_m <= 64 else 8, 3,
+    block_n, split_k = 256 if wide else 128, 1
+    if m < 1024 and cdiv(m, block_m) * cdiv(n, block_n) < num_sms:  # fewer tiles than multiprocessors:
+        block_n = 64                                                  # narrower tiles, then K ranges
+        tiles = cdiv(m, block_m) * cdiv(n, block_n)
+        if tiles < num_sms:
+            split_k = min(4, cdiv(k, block_k), next_power_of_2(cdiv(num_sms, tiles)))
+    return LaunchConfig(block_m, block_n, block_k, 4 if block_m <= 64 else 8, 3, split_k=split_k,
                         max_imprecise=max_imprecise)
 
 
