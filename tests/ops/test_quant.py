@@ -11,7 +11,7 @@ from atom_core import ops
 from atom_core.ops import quant as quant_module
 from atom_core.ops.dispatch import BackendUnavailable, backend_available, trace_backends
 from atom_core.ops.reference import quant as reference
-from tests.ops.conftest import needs_triton, non_contiguous_rows
+from tests.ops.conftest import DEVICE, needs_triton, non_contiguous_rows
 
 FP8, INT8 = torch.float8_e4m3fn, torch.int8
 QUANT_DTYPES = [FP8, INT8]
@@ -93,8 +93,8 @@ def test_twins_equal_an_independent_float64_definition(dtype):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_rounding_ties_and_saturation_with_a_static_scale(backend):
     # x / 1.0 exactly: int8 rounds half to even; fp8 ties go to the even mantissa (17 -> 16, 19 -> 20).
-    x = torch.tensor([[0.5, 1.5, 2.5, -2.5, 3.5, 126.5, 127.4, 1000.0, -1000.0, 17.0, 19.0, 464.0]])
-    one = torch.tensor([1.0])
+    x = torch.tensor([[0.5, 1.5, 2.5, -2.5, 3.5, 126.5, 127.4, 1000.0, -1000.0, 17.0, 19.0, 464.0]], device=DEVICE)
+    one = torch.tensor([1.0], device=DEVICE)
     q, scale = ops.per_tensor_quant(x, dtype=INT8, scale=one, backend=backend)
     assert q.tolist() == [[0, 2, 2, -2, 4, 126, 127, 127, -127, 17, 19, 127]] and scale.tolist() == [1.0]
     q, _ = ops.per_tensor_quant(x, dtype=FP8, scale=one, backend=backend)
@@ -104,7 +104,7 @@ def test_rounding_ties_and_saturation_with_a_static_scale(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", QUANT_DTYPES)
 def test_all_zero_rows_and_groups_quantize_to_zero_with_the_floor_scale(backend, dtype):
-    x = torch.randn(3, 300)
+    x = torch.randn(3, 300, device=DEVICE)
     x[1] = 0.0
     x[2, 128:256] = 0.0  # the second group of row 2
     floor = 1e-10 / reference.qmax(dtype)
@@ -113,7 +113,7 @@ def test_all_zero_rows_and_groups_quantize_to_zero_with_the_floor_scale(backend,
     q, scale = ops.per_group_quant(x, dtype=dtype, backend=backend)
     assert scale.shape == (3, 3) and scale[1].tolist() == pytest.approx([floor] * 3, rel=1e-6)
     assert scale[2, 1].item() == pytest.approx(floor, rel=1e-6) and not q[2, 128:256].float().any()
-    q, scale = ops.per_tensor_quant(torch.zeros(2, 5), dtype=dtype, backend=backend)
+    q, scale = ops.per_tensor_quant(torch.zeros(2, 5, device=DEVICE), dtype=dtype, backend=backend)
     assert scale.item() == pytest.approx(floor, rel=1e-6) and not q.float().any()
 
 
@@ -121,7 +121,7 @@ def test_all_zero_rows_and_groups_quantize_to_zero_with_the_floor_scale(backend,
 @pytest.mark.parametrize("dtype", QUANT_DTYPES)
 @pytest.mark.parametrize("granularity", ["tensor", "token", "group"])
 def test_round_trip_within_the_formats_error_and_the_largest_value_at_qmax(backend, dtype, granularity):
-    x = torch.randn(7, 300, generator=torch.Generator().manual_seed(3)) * 4
+    x = (torch.randn(7, 300, generator=torch.Generator().manual_seed(3)) * 4).to(DEVICE)
     q, scale = getattr(ops, f"per_{granularity}_quant")(x, dtype=dtype, backend=backend)
     expanded = reference.expand_group_scales(scale, 300) if granularity == "group" else scale
     back = reference.dequantize(q, scale, 128 if granularity == "group" else None)
@@ -138,7 +138,7 @@ def test_round_trip_within_the_formats_error_and_the_largest_value_at_qmax(backe
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("rows, cols", [(1, 100), (7, 300), (33, 256)])
 def test_triton_equals_the_twin_bit_for_bit(dtype, x_dtype, rows, cols):
-    x = (torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows + cols)) * 3).to(x_dtype)
+    x = (torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows + cols)) * 3).to(DEVICE, x_dtype)
     x[0, : cols // 3] = 0.0
     for granularity in ("tensor", "token", "group"):
         call = getattr(ops, f"per_{granularity}_quant")
@@ -153,7 +153,7 @@ def test_triton_equals_the_twin_bit_for_bit(dtype, x_dtype, rows, cols):
 
 @needs_triton
 def test_triton_group_sizes_other_than_128_strided_rows_and_long_rows():
-    x = non_contiguous_rows(torch.randn(5, 9000))  # rows padded; per-token loops over 3 steps of 4096
+    x = non_contiguous_rows(torch.randn(5, 9000, device=DEVICE))  # rows padded; per-token: 3 steps of 4096
     for dtype in QUANT_DTYPES:
         for call, twin in ((lambda t: ops.per_token_quant(t, dtype=dtype, backend="triton"),
                             lambda t: reference.per_token_quant(t, dtype)),
@@ -164,7 +164,7 @@ def test_triton_group_sizes_other_than_128_strided_rows_and_long_rows():
 
 
 def test_non_contiguous_last_dim_falls_back_to_torch_unless_triton_named():
-    x = torch.randn(64, 6).t()  # [6, 64], last-dim stride 6
+    x = torch.randn(64, 6, device=DEVICE).t()  # [6, 64], last-dim stride 6
     with trace_backends() as calls:
         q, _ = ops.per_token_quant(x)
     assert calls == [("per_token_quant", "torch")]

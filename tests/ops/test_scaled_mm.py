@@ -12,7 +12,7 @@ from atom_core.ops.dispatch import trace_backends
 from atom_core.ops.reference import quant as reference_quant
 from atom_core.ops.reference import scaled_mm as reference
 from atom_core.ops.tolerances import SCALED_MM, tolerance
-from tests.ops.conftest import needs_triton, non_contiguous_rows
+from tests.ops.conftest import DEVICE, needs_triton, non_contiguous_rows
 
 FP8, INT8 = torch.float8_e4m3fn, torch.int8
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -29,7 +29,8 @@ def make_inputs(fmt: str, quant_dtype, m: int, n: int, k: int, *, bias: bool = F
         (a_q, a_scale), (w_q, w_scale) = (reference_quant.per_token_quant(t, quant_dtype) for t in (a, w))
     else:
         (a_q, a_scale), (w_q, w_scale) = (reference_quant.per_tensor_quant(t, quant_dtype) for t in (a, w))
-    return a_q, a_scale, w_q, w_scale, torch.randn(n, generator=g) if bias else None
+    out = a_q, a_scale, w_q, w_scale, torch.randn(n, generator=g) if bias else None
+    return tuple(None if t is None else t.to(DEVICE) for t in out)
 
 
 def _float64_product(a, a_scale_of, w, w_scale_of, bias):
@@ -136,7 +137,8 @@ def test_triton_block_scales_vary_across_groups_and_blocks():
     # wrong group or block is off by whole factors.
     a, _, w, _, _ = make_inputs("block", FP8, 5, 300, 400)
     g = torch.Generator().manual_seed(9)
-    a_scale, w_scale = torch.rand(5, 4, generator=g) + 0.1, torch.rand(3, 4, generator=g) + 0.1
+    a_scale = (torch.rand(5, 4, generator=g) + 0.1).to(DEVICE)
+    w_scale = (torch.rand(3, 4, generator=g) + 0.1).to(DEVICE)
     got = ops.scaled_mm_block(a, a_scale, w, w_scale, out_dtype=FP32, backend="triton")
     torch.testing.assert_close(got, reference.scaled_mm_block(a, a_scale, w, w_scale, None, FP32),
                                **tolerance(FP32, SCALED_MM))
@@ -156,13 +158,15 @@ def test_triton_strided_operands_and_scales(fmt):
 
 
 @needs_triton
-def test_triton_fp8_and_int8_dots_are_exact_in_the_interpreter():
-    # Unit scales and small integers: every product and partial sum is exact in fp32 / int32.
+def test_triton_fp8_and_int8_dots_are_exact_on_small_integers():
+    # Unit scales and small integers: every product and partial sum is exact in fp32 / int32 (fp32 outputs
+    # promote every fp8 instruction on a GPU; the interpreter multiplies exactly).
     g = torch.Generator().manual_seed(4)
+    one = torch.ones(1, device=DEVICE)
     for dtype in (FP8, INT8):
-        a = torch.randint(-8, 9, (17, 300), generator=g).to(dtype)
-        w = torch.randint(-8, 9, (40, 300), generator=g).to(dtype)
-        got = ops.scaled_mm_per_tensor(a, torch.ones(1), w, torch.ones(1), out_dtype=FP32, backend="triton")
+        a = torch.randint(-8, 9, (17, 300), generator=g).to(DEVICE, dtype)
+        w = torch.randint(-8, 9, (40, 300), generator=g).to(DEVICE, dtype)
+        got = ops.scaled_mm_per_tensor(a, one, w, one, out_dtype=FP32, backend="triton")
         assert torch.equal(got.double(), a.double() @ w.double().t())
 
 
@@ -172,7 +176,8 @@ def test_triton_fp8_and_int8_dots_are_exact_in_the_interpreter():
 def test_quantize_then_gemm_is_close_to_the_unquantized_product(backend, fmt, quant_dtype):
     # The activation is quantized by the op itself; the error is the formats' rounding of both operands.
     g = torch.Generator().manual_seed(6)
-    x, weight = torch.randn(9, 384, generator=g), torch.randn(64, 384, generator=g) * 384 ** -0.5
+    x = torch.randn(9, 384, generator=g).to(DEVICE)
+    weight = (torch.randn(64, 384, generator=g) * 384 ** -0.5).to(DEVICE)
     if fmt == "block":
         (a, a_scale), (w, w_scale) = ops.per_group_quant(x, backend=backend), reference_quant.per_block_quant(weight)
     else:
@@ -235,7 +240,8 @@ def _linear_inputs(m: int, n: int, k: int, x_dtype, bias: bool, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g).to(x_dtype)
     w_q, w_scale = reference_quant.per_block_quant(torch.randn(n, k, generator=g) * k ** -0.5)
-    return x, w_q, w_scale, torch.randn(n, generator=g) if bias else None
+    out = x, w_q, w_scale, torch.randn(n, generator=g) if bias else None
+    return tuple(None if t is None else t.to(DEVICE) for t in out)
 
 
 @needs_triton
