@@ -55,8 +55,8 @@ from atom_core.engine.distributed import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RankStart", "WorkerSet", "exit_status", "run_worker", "start_interpreter", "start_ranks", "stop_processes",
-           "stop_ranks", "watch_parent", "worker_main"]
+__all__ = ["RankStart", "WorkerSet", "bounded", "exit_status", "run_worker", "start_interpreter", "start_ranks",
+           "stop_processes", "stop_ranks", "watch_parent", "worker_main"]
 
 DEFAULT_STEP_TIMEOUT = 300.0  # seconds rank 0 waits for a worker within a step before WorkerFailedError
 STARTUP_TIMEOUT = 1800.0  # seconds rank 0 waits for its workers to start and load (while they stay alive)
