@@ -7,11 +7,14 @@
 #   tp      Llama-3-8B bs1/bs64 decode and throughput at TP 1 and 2; Qwen3-30B-A3B at TP 2, EP 2 (all-reduce
 #           and all-to-all) against TP 1
 #   dp      the nano-vllm workload with one engine and with two replicas (one GPU each)
+#   single  run_h200.sh's one-GPU parts, one run per GPU at once: GPU0_PARTS (default "tests selftest core")
+#           and GPU1_PARTS (default "quant deepseek serve"), into OUT_DIR/gpu0 and OUT_DIR/gpu1 (the two
+#           runs share the host's cores: the figures say so only through this note)
 # Each command runs under its own time limit (SIGINT when reached). JSONs record their run (run_metadata).
 set -u
 out=${1:?usage: run_h200x2.sh OUT_DIR [tests|comm|tp|dp ...]}
 shift
-parts=${*:-tests comm tp dp}
+parts=${*:-tests comm tp dp}  # ("single" only when named)
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 TRITON_CACHE_DIR="$out/triton_cache"
 
@@ -41,6 +44,14 @@ for part in $parts; do
         run tp_30b 420 benchmarks.engine --section tp --latency-models qwen3-30b-a3b --json "$out/engine_tp_30b.json"
         ;;
     dp) run dp 300 benchmarks.engine_dp --json "$out/engine_dp.json" ;;
-    *) echo "unknown part $part (tests, comm, tp, dp)"; exit 2 ;;
+    single)
+        CUDA_VISIBLE_DEVICES=0 bash benchmarks/run_h200.sh "$out/gpu0" ${GPU0_PARTS:-tests selftest core} \
+            > "$out/gpu0.log" 2>&1 &
+        CUDA_VISIBLE_DEVICES=1 bash benchmarks/run_h200.sh "$out/gpu1" ${GPU1_PARTS:-quant deepseek serve} \
+            > "$out/gpu1.log" 2>&1 &
+        wait
+        tail -40 "$out/gpu0.log" "$out/gpu1.log"
+        ;;
+    *) echo "unknown part $part (tests, comm, tp, dp, single)"; exit 2 ;;
     esac
 done
