@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from atom_core.ops import torch_scaled_mm
+from atom_core.ops import quant, torch_scaled_mm
 from atom_core.ops.dispatch import Op, call_op, custom_op
 from atom_core.ops.quant import fp8_e4m3fn_native
 from atom_core.ops.reference import scaled_mm as reference_scaled_mm
@@ -91,20 +91,24 @@ SCALED_MM_BLOCK.register("aiter", "atom_core.ops.aiter.scaled_mm:scaled_mm_block
                          _aiter_block_key)
 
 
+# fp8_block_linear's backends quantize x with their own per_group_quant, then run their block GEMM on
+# the result (fresh and contiguous, like w): a backend serves the call where it serves both steps.
+
 def _linear_triton_supports(x, w, w_scale, bias, out_dtype) -> str | None:
-    return _triton_supports(w, None, w, w_scale, bias, out_dtype)
+    return quant._triton_supports(x, w, w_scale)  # (x's layout and the fp8 GPU: the GEMM's rule reads no more)
 
 
 def _linear_triton_key(x, w, w_scale, bias, out_dtype):
-    return w.dtype
+    return quant._triton_key(x, w, w_scale)
 
 
 def _linear_aiter_supports(x, w, w_scale, bias, out_dtype) -> str | None:
-    return _aiter_block_supports(w, w_scale, w, w_scale, bias, out_dtype)  # (x's layout: quantized first)
+    return (quant._aiter_group_supports(x, BLOCK, w, w_scale)
+            or _aiter_block_supports(w, w_scale, w, w_scale, bias, out_dtype))
 
 
 def _linear_aiter_key(x, w, w_scale, bias, out_dtype):
-    return _aiter_block_key(w, w_scale, w, w_scale, bias, out_dtype)
+    return quant._aiter_group_key(x, BLOCK, w, w_scale), _aiter_block_key(w, w_scale, w, w_scale, bias, out_dtype)
 
 
 FP8_BLOCK_LINEAR.register("torch", reference_scaled_mm.fp8_block_linear)

@@ -103,7 +103,8 @@ def scaled_mm_cases(grid: str, device) -> list[Case]:
 
 def fp8_block_linear_cases(grid: str, device) -> list[Case]:
     # (M, N, K): the fused range (M <= 16 on Triton) and above it, K off the 128 grid.
-    shapes = [(5, 48, 160)] if grid == "quick" else [(1, 256, 256), (16, 300, 260), (33, 300, 260), (300, 512, 1024)]
+    shapes = [(5, 48, 160)] if grid == "quick" else [(1, 256, 256), (16, 300, 260), (33, 300, 260),
+                                                     (300, 512, 1024)]
     cases = []
     for (m, n, k) in shapes:
         for x_dtype in grid_dtypes(grid):
@@ -117,5 +118,6 @@ def fp8_block_linear_cases(grid: str, device) -> list[Case]:
 
             tol = tolerance(x_dtype, SCALED_MM)
             label = f"M={m} N={n} K={k} {x_dtype}{' bias' if with_bias else ''}"
-            cases.append(Case("fp8_block_linear", label, run, lambda got, want, tol=tol: close_outputs(got, want, tol)))
+            cases.append(Case("fp8_block_linear", label, run,
+                              lambda got, want, tol=tol: close_outputs(got, want, tol)))
     return cases

@@ -248,13 +248,8 @@ FUSED_QUANT_MAX_ROWS = 16
 def fp8_block_linear(x, w, w_scale, bias, out_dtype):
     """``per_group_quant(x)`` then ``scaled_mm_block``: fused into one GEMM for up to
     ``FUSED_QUANT_MAX_ROWS`` rows, the two Triton ops above."""
-    if x.shape[0] <= FUSED_QUANT_MAX_ROWS:
-        n, k = w.shape
-        interpret = triton_interpret()
-        config = launch_config(x.shape[0], n, k, out_dtype, BLOCKWISE.value, 1 if interpret else _num_sms(
-            x.device.index or 0), interpret)
-        if config.block_k == BLOCK:
-            return _scaled_mm(BLOCKWISE.value, x, None, w, w_scale, bias, out_dtype, config, quant_a=True)
+    if x.shape[0] <= FUSED_QUANT_MAX_ROWS:  # (every launch_config has BLOCK_K = 128, as quant_a needs)
+        return _scaled_mm(BLOCKWISE.value, x, None, w, w_scale, bias, out_dtype, quant_a=True)
     from atom_core import ops
 
     q, a_scale = ops.per_group_quant(x, dtype=w.dtype, group_size=BLOCK, backend="triton")
