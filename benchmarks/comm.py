@@ -1,8 +1,7 @@
 """Communication benchmarks over N ranks: the all-reduce at a model's hidden size for 1..256 tokens, our op
 path (``ops.all_reduce``) against ``torch.distributed.all_reduce`` in the same run (and, on GPUs, torch's
 symmetric-memory one-shot all-reduce: ``one_shot_us``, what a custom small-message backend would reach);
-and one MoE layer's
-expert-parallel combine, all-reduce against all-to-all (padded and exact exchanges), at the same token
+and one MoE layer's expert-parallel combine, all-reduce against all-to-all (padded and exact exchanges), at the same token
 counts and at prefill sizes.
 
     python -m benchmarks.comm --nproc 2                          # GPUs: NCCL, one spawned rank per GPU
@@ -34,7 +33,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import print_table, write_json
+from benchmarks.common import _first_cause, _reason, print_table, write_json
 from benchmarks.engine import load_config
 
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -92,7 +91,7 @@ def _symm_mem_one_shot(x: torch.Tensor, group):
         fn()
         return fn, "symm_mem.one_shot_all_reduce_copy"
     except Exception as e:  # noqa: BLE001 - reported in the row: a torch build or machine without it
-        return None, f"not run: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+        return None, f"not run: {_reason(e)}"
 
 
 def section_all_reduce(args, device, group, control) -> list[dict]:
@@ -120,7 +119,7 @@ def section_all_reduce(args, device, group, control) -> list[dict]:
                     try:
                         one_shot_us = timer(one_shot, **timing)
                     except Exception as e:  # noqa: BLE001 - e.g. a capture it does not allow: said in the row
-                        note = f"{mode} not run: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+                        note = f"{mode} not run: {_reason(_first_cause(e))}"
                 rows.append({"section": "all_reduce", "model": name, "hidden": hidden, "tokens": tokens,
                              "dtype": args.dtype, "bytes": nbytes, "ranks": ranks, "mode": mode,
                              "ops_us": ours_us, "torch_us": torch_us, "ops_vs_torch": torch_us / ours_us,

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.common import (adaptive_timing, copy_bandwidth_gbs, guarded, ms_of, op_bench_args, print_table, ratio,
-                               write_json)
+from benchmarks.common import (_reason, adaptive_timing, copy_bandwidth_gbs, guarded, ms_of, op_bench_args,
+                               print_table, ratio, write_json)
 from benchmarks.ops_scaled_mm import SHAPES, SMOKE_SHAPES, _operands
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, split-K, promotion interval: "bk" = BLOCK_K, None = Triton's)
@@ -60,7 +60,7 @@ def run(tokens: list[int], json_path: str | None, device: str = "cuda", smoke: b
                         err = (call(out_dtype=torch.float32) - want).abs().max().item() / want.abs().max().item()
                         ms = ms_of(timed(call))
                     except Exception as e:  # noqa: BLE001 - a config that does not compile is a row too
-                        rows.append({**row, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"})
+                        rows.append({**row, "error": _reason(e)})
                         continue
                     rows.append({**row, "ms": ms, "TFLOP/s": 2 * m * n * k / (ms * 1e-3) / 1e12,
                                  "%copy": 100 * nbytes / (ms * 1e-3) / 1e9 / copy_gbs, "rel_err": err,
