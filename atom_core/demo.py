@@ -8,21 +8,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
-from atom_core.serve.engine_options import (DEFAULT_THREADS, HUB_ID, Parser, UsageError, finite_float,
-                                             positive_int)
+from atom_core.serve.engine_options import (DEFAULT_PROMPTS, DEFAULT_THREADS, HUB_ID, Parser, UsageError,
+                                             finite_float, generate_and_print, positive_int)
 
 PROG = "python -m atom_core.demo"
-
-DEFAULT_PROMPTS = [
-    "Return the number of",
-    "This module provides",
-    "If the file does not exist,",
-    "Create a new",
-]
-
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,14 +70,7 @@ def run(args: argparse.Namespace) -> None:
     params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                              seed=args.seed + i) for i in range(len(prompts))]
     engine.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up: one-time set-up costs
-    start = time.perf_counter()
-    outputs = engine.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    for prompt, out in zip(prompts, outputs):
-        print(f"--- {prompt!r}\n{prompt}{out.text}\n")
-    generated = sum(len(o.token_ids) for o in outputs)
-    print(f"{generated} tokens in {elapsed:.2f} s: {generated / elapsed:.1f} tokens/s "
-          f"({len(prompts)} prompts, device {engine.device}, {args.threads} CPU thread(s))")
+    generate_and_print(engine, prompts, params, note=f", {args.threads} CPU thread(s)")
 
 
 def main(argv: list[str] | None = None) -> int:

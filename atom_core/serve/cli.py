@@ -16,14 +16,13 @@ import argparse
 import asyncio
 import os
 import sys
-import time
 from pathlib import Path
 
-from atom_core.serve.engine_options import (Parser, UsageError, add_engine_arguments, build_engine,
-                                            chat_template_for, finite_float, positive_int)
+from atom_core.serve.engine_options import (DEFAULT_PROMPTS, Parser, UsageError, add_engine_arguments,
+                                            build_engine, chat_template_for, finite_float, generate_and_print,
+                                            positive_int)
 
 PROG = "atom-core"
-DEFAULT_PROMPTS = ["Return the number of", "This module provides", "If the file does not exist,", "Create a new"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -153,14 +152,7 @@ def _generate(engine, args) -> None:
     seed = args.seed if args.seed is not None else 0
     params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                              seed=seed + i) for i in range(len(prompts))]
-    start = time.perf_counter()
-    outputs = engine.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    for prompt, out in zip(prompts, outputs):
-        print(f"--- {prompt!r}\n{prompt}{out.text}\n")
-    generated = sum(len(o.token_ids) for o in outputs)
-    print(f"{generated} tokens in {elapsed:.2f} s: {generated / elapsed:.1f} tokens/s ({len(prompts)} prompts, "
-          f"device {engine.device})")
+    generate_and_print(engine, prompts, params)
 
 
 def run_chat(args, stdin=None, stdout=None) -> None:

@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -160,3 +161,20 @@ def chat_template_for(engine, option: str | None) -> str | None:
         return None
     logger.warning("the model has no chat template: using a plain 'role: content' one (--chat-template to choose)")
     return FALLBACK_CHAT_TEMPLATE
+
+
+# What ``atom-core generate`` and ``python -m atom_core.demo`` complete when given no --prompt.
+DEFAULT_PROMPTS = ["Return the number of", "This module provides", "If the file does not exist,", "Create a new"]
+
+
+def generate_and_print(engine, prompts: list[str], params, note: str = "") -> None:
+    """``engine.generate(prompts, params)``, then each prompt with its completion and one line of
+    throughput (``note`` ends that line's parenthesis)."""
+    start = time.perf_counter()
+    outputs = engine.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    for prompt, out in zip(prompts, outputs):
+        print(f"--- {prompt!r}\n{prompt}{out.text}\n")
+    generated = sum(len(o.token_ids) for o in outputs)
+    print(f"{generated} tokens in {elapsed:.2f} s: {generated / elapsed:.1f} tokens/s ({len(prompts)} prompts, "
+          f"device {engine.device}{note})")
