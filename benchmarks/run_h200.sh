@@ -7,10 +7,12 @@
 #   core        engine throughput (cold, then warm), latency, TTFT; attention and elementwise ops
 #   quant       FP8 GEMMs; Llama-3-8B fp8_block and GPT-OSS-20B MXFP4 decode; Qwen3-30B-A3B fp8 and the fp8 KV pool
 #   deepseek    MLA / DSA ops; the DeepSeek-V2-Lite engine against HF
-#   serve       structured output (tests, the mask op, per-step overhead at bs 64), then the online serving
-#               benchmark: atom-core serve against transformers serve, and offline Engine.generate (Qwen3-0.6B
-#               shapes, random weights). Needs the serve / structured extras' packages: where the machine lacks
-#               them, put their wheels in .whl/ (installed into /tmp/site first). STRUCTURED_TOKENIZER: a
+#   serve       = structured, then serving:
+#   structured  structured output (tests, the mask op, per-step overhead at bs 64)
+#   serving     the online serving benchmark: atom-core serve against transformers serve, and offline
+#               Engine.generate (Qwen3-0.6B shapes, random weights). These three need the serve / structured
+#               extras' packages: where the machine lacks them, put their wheels in .whl/ (installed into
+#               /tmp/site first). SERVE_RATES: the online benchmark's request rates (default "4 16 64 inf"). STRUCTURED_TOKENIZER: a
 #               151k-token tokenizer.json for the structured-output benchmark (else it trains one: ~2 minutes).
 # Each command runs under its own time limit; when it is reached the command gets SIGINT (pytest still
 # prints its summary) and the next one starts. Each JSON records its run (GPU, versions, commit, Triton
@@ -71,7 +73,7 @@ PY
             sleep 1
         done
         echo "=== serving: $server"
-        timeout -s INT 200 "${cli[@]}" bench --url "http://127.0.0.1:$port" --rate 4 16 64 inf \
+        timeout -s INT 200 "${cli[@]}" bench --url "http://127.0.0.1:$port" --rate ${SERVE_RATES:-4 16 64 inf} \
             --json "$out/serve_${server}_online.json" > "$out/serve_${server}_online.log" 2>&1
         tail -8 "$out/serve_${server}_online.log"
         kill -INT $pid; sleep 3; kill -9 $pid 2>/dev/null
@@ -120,23 +122,25 @@ for part in $parts; do
         run engine_throughput_v2_lite 420 benchmarks.engine --section throughput --model deepseek-v2-lite \
             --hf-seqs 64 --hf-max-tokens 128 --hf-timeout 100 --json "$out/engine_throughput_v2_lite.json"
         ;;
-    serve)
-        if [ -d .whl ]; then
+    serve|structured|serving)
+        if [ -d .whl ] && [ -z "${serve_site:-}" ]; then
             python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-                .whl/*.whl && export PYTHONPATH=.:/tmp/site
+                .whl/*.whl && export PYTHONPATH=.:/tmp/site serve_site=1
         fi
-        tests structured 150 tests/ops/test_token_mask.py tests/engine/test_structured_output.py \
-            tests/serve/test_structured_output.py
-        tokenizer=(); [ -n "${STRUCTURED_TOKENIZER:-}" ] && tokenizer=(--tokenizer "$STRUCTURED_TOKENIZER")
-        run structured_output_op 90 benchmarks.structured_output --section op --device cuda "${tokenizer[@]}" \
-            --json "$out/structured_output_op.json"
-        run structured_output_engine 150 benchmarks.structured_output --section engine --device cuda "${tokenizer[@]}" \
-            --model benchmarks/configs/qwen3-0.6b.json --load-format dummy --dtype bfloat16 \
-            --json "$out/structured_output_engine.json"
-        serving
+        if [ $part != serving ]; then
+            tests structured 150 tests/ops/test_token_mask.py tests/engine/test_structured_output.py \
+                tests/serve/test_structured_output.py
+            tokenizer=(); [ -n "${STRUCTURED_TOKENIZER:-}" ] && tokenizer=(--tokenizer "$STRUCTURED_TOKENIZER")
+            run structured_output_op 90 benchmarks.structured_output --section op --device cuda "${tokenizer[@]}" \
+                --json "$out/structured_output_op.json"
+            run structured_output_engine 150 benchmarks.structured_output --section engine --device cuda \
+                "${tokenizer[@]}" --model benchmarks/configs/qwen3-0.6b.json --load-format dummy --dtype bfloat16 \
+                --json "$out/structured_output_engine.json"
+        fi
+        [ $part != structured ] && serving
         ;;
     *)
-        echo "unknown part $part (tests, selftest, core, quant, deepseek, serve)"; exit 2
+        echo "unknown part $part (tests, selftest, core, quant, deepseek, serve, structured, serving)"; exit 2
         ;;
     esac
 done

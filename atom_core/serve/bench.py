@@ -282,6 +282,38 @@ ONLINE_COLUMNS = ["rate", "requests", "failed", "seconds", "requests_per_s", "ou
 OFFLINE_COLUMNS = ["requests", "input_tokens", "output_tokens", "seconds", "output_tokens_per_s", "total_tokens_per_s"]
 
 
+def run_info() -> dict:
+    """What a result file says about its run: this machine's GPU (or "cpu"), versions, the commit
+    (``ATOM_CORE_COMMIT`` where set, else ``git rev-parse HEAD`` beside the package, else None), when, how."""
+    import importlib.metadata
+    import os
+    import platform
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    def version(name: str) -> str | None:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    commit = os.environ.get("ATOM_CORE_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                                    text=True, timeout=10, check=True).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            commit = None
+    return {"gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+            "torch": torch.__version__, "triton": version("triton"), "transformers": version("transformers"),
+            "python": platform.python_version(), "atom_core": version("atom_core"), "commit": commit,
+            "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": " ".join(sys.argv)}
+
+
 def as_json(rows: list[dict]) -> str:
+    """``{"meta": run_info(), "rows": rows}`` as JSON (non-finite floats, e.g. rate inf, as null)."""
     clean = [{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in r.items()} for r in rows]
-    return json.dumps(clean, indent=2)
+    return json.dumps({"meta": run_info(), "rows": clean}, indent=2)

@@ -231,6 +231,8 @@ def run_bench(args) -> None:
         input_len, output_len = bench.parse_range(args.input_len), bench.parse_range(args.output_len)
     except ValueError as e:
         raise UsageError(f"--input-len / --output-len: {e}") from None
+    if not all(rate > 0 for rate in args.rate):
+        raise UsageError(f"--rate must be > 0 (or inf), got {' '.join(map(str, args.rate))}")
     rows = []
     if args.offline:
         engine = build_engine(args)
@@ -255,11 +257,11 @@ def run_bench(args) -> None:
         if workload.note:
             print(workload.note)
         for rate in args.rate:
-            if not rate > 0:
-                raise UsageError(f"--rate must be > 0 (or inf), got {rate}")
             rows.append(asyncio.run(bench.run_online(args.url, workload, rate, model=args.model or model,
                                                      kind=args.endpoint, api_key=api_key,
                                                      temperature=args.bench_temperature, seed=args.seed)))
+            if args.json:  # after each rate: a run stopped at a later rate keeps the earlier ones
+                Path(args.json).write_text(bench.as_json(rows))
         bench.print_table(rows, bench.ONLINE_COLUMNS)
         for row in rows:
             if row["first_error"]:

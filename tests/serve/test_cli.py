@@ -87,7 +87,9 @@ def test_bench_offline_reports_throughput(tmp_path, capsys):
     path = tmp_path / "offline.json"
     assert cli.main(["bench", "--offline", "--threads", "1", "--num-prompts", "6", "--input-len", "8:16",
                      "--output-len", "4:8", "--json", str(path)]) == 0
-    [row] = json.loads(path.read_text())
+    result = json.loads(path.read_text())
+    [row] = result["rows"]
+    assert result["meta"]["torch"] == torch.__version__ and result["meta"]["gpu"]
     assert row["requests"] == 6 and 24 <= row["output_tokens"] <= 48 and row["output_tokens_per_s"] > 0
     assert "output_tokens_per_s" in capsys.readouterr().out
 
@@ -98,7 +100,7 @@ def test_bench_online_against_the_live_server_reports_latencies(server, tmp_path
     assert cli.main(["bench", "--url", server.url, "--api-key", API_KEY, "--endpoint", endpoint, "--rate", "inf",
                      "200", "--num-prompts", "8", "--input-len", "8:16", "--output-len", "4:8",
                      "--json", str(path)]) == 0
-    rows = json.loads(path.read_text())
+    rows = json.loads(path.read_text())["rows"]
     assert [r["rate"] for r in rows] == [None, 200]  # inf is written as null
     for row in rows:
         assert row["requests"] == 8 and row["failed"] == 0, row
