@@ -62,20 +62,30 @@ PY
     echo "=== serving: offline"
     timeout -s INT 120 "${cli[@]}" bench --offline "$folder" --json "$out/serve_offline.json" > "$out/serve_offline.log" 2>&1
     tail -8 "$out/serve_offline.log"
+    # atom-core: token-id prompts (completions) and text prompts (chat); transformers serve: chat (it takes no
+    # token ids). Its /v1/models lists the HF cache's models: an empty cache, and the folder named per request.
     for server in atom_core transformers; do
-        local port=8000 start=("${cli[@]}" serve "$folder" --port 8000)
-        [ $server = transformers ] && port=8001 start=(transformers serve "$folder" --continuous-batching --port 8001)
+        local port=8000 endpoints="completions chat" model=() start=("${cli[@]}" serve "$folder" --port 8000)
+        if [ $server = transformers ]; then
+            port=8001 endpoints=chat model=(--model "$folder")
+            mkdir -p "$out/hf_hub_cache"
+            start=(env HF_HUB_CACHE="$out/hf_hub_cache" transformers serve "$folder" --continuous-batching --port 8001)
+        fi
         "${start[@]}" > "$out/serve_${server}_server.log" 2>&1 &
         local pid=$!
-        for _ in $(seq 120); do
-            python -c "import urllib.request,sys; urllib.request.urlopen(sys.argv[1], timeout=1)" \
-                "http://127.0.0.1:$port/v1/models" 2>/dev/null && break
+        for _ in $(seq 120); do  # up once it answers at all
+            python -c "import urllib.request as u, urllib.error as e, sys
+try: u.urlopen(sys.argv[1], timeout=1)
+except e.HTTPError: pass" "http://127.0.0.1:$port/v1/models" 2>/dev/null && break
             sleep 1
         done
-        echo "=== serving: $server"
-        timeout -s INT 200 "${cli[@]}" bench --url "http://127.0.0.1:$port" --rate ${SERVE_RATES:-4 16 64 inf} \
-            --json "$out/serve_${server}_online.json" > "$out/serve_${server}_online.log" 2>&1
-        tail -8 "$out/serve_${server}_online.log"
+        for endpoint in $endpoints; do
+            echo "=== serving: $server, $endpoint"
+            timeout -s INT 200 "${cli[@]}" bench --url "http://127.0.0.1:$port" --endpoint $endpoint "${model[@]}" \
+                --rate ${SERVE_RATES:-4 16 64 inf} --json "$out/serve_${server}_${endpoint}.json" \
+                > "$out/serve_${server}_${endpoint}.log" 2>&1
+            tail -8 "$out/serve_${server}_${endpoint}.log"
+        done
         kill -INT $pid; sleep 3; kill -9 $pid 2>/dev/null
     done
 }

@@ -51,6 +51,7 @@ import numpy as np
 import torch
 
 from atom_core.engine.cuda_graphs import DECODE, MIXED, Bucket
+from atom_core.ops import comm
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -198,12 +199,13 @@ class StepChannel:
         parallel: this rank's context (its ``tp_group`` carries the sampled tokens).
         control_group: the gloo group of the same ranks (``control_group_for``).
         device: this rank's device (the sampled tokens live there).
+        dtype: the model's activation dtype (``ops.comm.enable_one_shot_all_reduce`` for the TP group).
         step_timeout: seconds rank 0 waits for a worker before raising ``WorkerFailedError``.
         find_failure: rank 0's check of its workers' processes: a sentence naming a dead one, or None.
     """
 
-    def __init__(self, parallel: ParallelContext, control_group: ProcessGroup, device, *, step_timeout: float,
-                 find_failure: Callable[[], str | None] | None = None):
+    def __init__(self, parallel: ParallelContext, control_group: ProcessGroup, device, *, dtype: torch.dtype,
+                 step_timeout: float, find_failure: Callable[[], str | None] | None = None):
         import torch.distributed as dist
 
         self._dist = dist
@@ -220,8 +222,10 @@ class StepChannel:
         self._buffer_np = self._buffer.numpy()
         self._sends: list = []  # (work, tensor) of rank 0's sends not known complete
         # This rank's captured CUDA graphs (``StepGraphs``, set by its runner): they hold the TP group's
-        # NCCL communicator until released (``release_graphs``).
+        # NCCL communicator until released (``release_device_state``).
         self.graphs = None
+        # Small all-reduces of the model's activations (dtype) through the one-shot kernel (``ops.comm``).
+        self.one_shot_all_reduce = comm.enable_one_shot_all_reduce(parallel.tp_group, dtype, self.device)
 
     # ------------------------------------------------------------------ rank 0
 
@@ -337,12 +341,13 @@ class StepChannel:
         self.failure = f"rank 0 raised in the middle of a step ({type(error).__name__}: {error})"
         return error
 
-    def release_graphs(self) -> None:
+    def release_device_state(self) -> None:
         """Destroy this rank's CUDA graphs: NCCL's destroy and abort of a communicator wait until no graph
         that captured its collectives is left (a graph still running is freed once its kernels end, which
-        an abort makes them do)."""
+        an abort makes them do); then drop the group's one-shot all-reduce buffer, which the graphs read."""
         if self.graphs is not None:
             self.graphs.release()
+        comm.disable_one_shot_all_reduce(self.device_group)
 
     def abort(self) -> None:
         """Best effort, after a failure: abort the TP group's communicator so that device work waiting on

@@ -49,7 +49,9 @@ CPU_MAX_MODEL_LEN = 4096  # on CPU, max_model_len defaults to no more than this 
 
 
 def check_device(device) -> torch.device:
-    """``device`` as a torch.device, refused by name when this machine cannot use it."""
+    """``device`` as a torch.device, refused by name when this machine cannot use it. ``"cuda"`` without an
+    index becomes this thread's current device (``cuda:N``): the engine's other threads (``AsyncEngine``'s
+    step thread) start on device 0 and must be told which one the engine's tensors live on."""
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {str(device)!r}: this machine has no usable CUDA (torch {torch.__version__}, "
@@ -57,6 +59,8 @@ def check_device(device) -> torch.device:
                          f"use device='cpu'")
     if device.type not in ("cuda", "cpu"):
         raise ValueError(f"device {str(device)!r}: the engine runs on 'cuda' or 'cpu'")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     return device
 
 
@@ -234,8 +238,8 @@ class Engine:
             raise ValueError(f"step_timeout must be a number of seconds > 0, got {step_timeout!r}")
         workers = workers or WorkerSet()
         self.workers = workers  # the processes of the other ranks this process started (none under a launcher)
-        channel = StepChannel(parallel, control_group_for(parallel), self.device, step_timeout=step_timeout,
-                              find_failure=workers.find_failure)
+        channel = StepChannel(parallel, control_group_for(parallel), self.device, dtype=self.model.dtype,
+                              step_timeout=step_timeout, find_failure=workers.find_failure)
         # Holds the channel and the processes, not the engine: it runs when the engine is dropped or at exit.
         self._finalizer = weakref.finalize(self, stop_ranks, channel, workers)
         logger.info("engine over %d ranks (%s)", parallel.tp_size, parallel.describe())

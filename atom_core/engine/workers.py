@@ -206,7 +206,7 @@ def stop_ranks(channel: StepChannel, workers: WorkerSet | None) -> None:
             channel.wait_sends(timeout=STOP_TIMEOUT)
         except Exception:  # noqa: BLE001 - a worker already gone: the processes are stopped below anyway
             pass
-    channel.release_graphs()  # (NCCL destroys or aborts a communicator only once its graphs are gone)
+    channel.release_device_state()  # (NCCL destroys or aborts a communicator only once its graphs are gone)
     if channel.failure is not None:
         bounded(channel.abort, "aborting the engine's TP communicator")
     graceful = channel.failure is None
@@ -423,7 +423,8 @@ def run_worker(model) -> None:
     if parallel.tp_rank == 0:
         raise ValueError("TP rank 0 runs the Engine itself (Engine(model, ...)); run_worker is for the other ranks")
     device = next(model.parameters()).device
-    channel = StepChannel(parallel, control_group_for(parallel), device, step_timeout=DEFAULT_STEP_TIMEOUT)
+    channel = StepChannel(parallel, control_group_for(parallel), device, dtype=model.dtype,
+                          step_timeout=DEFAULT_STEP_TIMEOUT)
     kind, payload = channel.recv()
     if kind == SHUTDOWN:
         return
@@ -452,7 +453,7 @@ def run_worker(model) -> None:
         elif kind == WARMUP:
             runner.warm_forward()
         elif kind == SHUTDOWN:
-            channel.release_graphs()  # before the process group goes (see StepChannel.release_graphs)
+            channel.release_device_state()  # before the process group goes (see StepChannel.release_device_state)
             return
         else:
             raise RuntimeError(f"a worker got an unknown message kind {kind}")

@@ -260,9 +260,12 @@ def summarize(results: list[RequestResult], duration: float, rate: float) -> dic
             "first_error": next((r.error for r in results if not r.ok), "")}
 
 
-async def server_info(url: str, api_key: str | None) -> tuple[str, int | None, int | None]:
-    """(the first model's id, its max_model_len and vocab_size where the server says: atom-core's does)."""
+async def server_info(url: str, api_key: str | None) -> tuple[str | None, int | None, int | None]:
+    """(the first model's id, its max_model_len and vocab_size where the server says: atom-core's does);
+    (None, None, None) when it lists no model (``transformers serve`` lists its cache's, loads on demand)."""
     models = await _Endpoint(url, api_key).get_json("/models")
+    if not models["data"]:
+        return None, None, None
     first = models["data"][0]
     return first["id"], first.get("max_model_len"), first.get("vocab_size")
 

@@ -252,6 +252,8 @@ def run_bench(args) -> None:
             model, max_model_len, vocab_size = asyncio.run(bench.server_info(args.url, api_key))
         except (OSError, bench.HTTPError, ValueError, KeyError, IndexError) as e:
             raise UsageError(f"--url {args.url}: could not read /v1/models ({e})") from None
+        if model is None and args.model is None:
+            raise UsageError(f"--url {args.url}: /v1/models lists no model; name one with --model")
         vocab = min(args.vocab, vocab_size) if isinstance(vocab_size, int) and vocab_size > 0 else args.vocab
         workload = bench.make_workload(args.num_prompts, input_len, output_len, vocab, args.seed, max_model_len)
         if workload.note:

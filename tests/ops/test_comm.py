@@ -169,6 +169,10 @@ def _worker(rank: int, init_file: str) -> None:
         group = groups[rank // 2]
         _check_collectives(rank, pair, group)
         _check_compiled(rank, pair, group)
+        # the one-shot path is CUDA only: a gloo group stays on torch.distributed (the sum in place)
+        assert not ops.comm.enable_one_shot_all_reduce(group, FP32, "cpu")
+        x = _value(rank, 4, 8)
+        assert ops.all_reduce(x, group) is x
     finally:
         dist.destroy_process_group()
 
@@ -177,3 +181,68 @@ def _worker(rank: int, init_file: str) -> None:
 def test_collectives_over_subgroups_of_a_four_rank_world_combine_only_their_group(tmp_path):
     # fork: the children reuse the imported torch; a failure in any rank raises here (and ends the others)
     mp.start_processes(_worker, args=(os.path.join(tmp_path, "init"),), nprocs=WORLD, join=True, start_method="fork")
+
+
+# ---- the one-shot all-reduce (CUDA, two GPUs) ---------------------------------------------------------------------
+
+def test_one_shot_rule_takes_only_contiguous_aligned_messages_of_its_dtype_up_to_its_buffer():
+    from atom_core.ops.comm import _OneShot
+
+    one_shot = _OneShot(torch.empty(1024, dtype=BF16), "g")
+    flat = torch.empty(4096, dtype=BF16)
+    assert one_shot.serves(flat[:1024]) and one_shot.serves(flat[8:16].view(2, 4))
+    assert not one_shot.serves(flat[:1025])                      # more than the buffer
+    assert not one_shot.serves(flat[:0])                         # nothing to sum
+    assert not one_shot.serves(flat[:64].to(FP32))               # another dtype
+    assert not one_shot.serves(flat[:64].view(8, 8).t())         # not contiguous
+    assert not one_shot.serves(flat[1:65])                       # 2-byte offset: not 16-byte aligned
+
+
+def test_one_shot_is_off_for_one_rank_without_touching_torch_distributed():
+    assert not ops.comm.enable_one_shot_all_reduce(None, BF16, "cuda")
+    assert not dist.is_initialized()
+
+
+def _one_shot_gpu_rank(rank: int, init_file: str) -> None:
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60), device_id=device)
+    group = dist.new_group([0, 1])
+    try:
+        assert not ops.comm.enable_one_shot_all_reduce(group, FP16, device)  # torch's kernel sums bf16 / fp32
+        assert ops.comm.enable_one_shot_all_reduce(group, BF16, device)
+        limit = ops.comm.one_shot_max_bytes(2) // 2                           # bf16 elements
+        for numel in (4096, limit, limit + 8):
+            x = torch.arange(numel, device=device).remainder(61).to(BF16) * (rank + 1)
+            want = torch.arange(numel, device=device).remainder(61).to(BF16) * 3
+            got = ops.all_reduce(x, group)
+            assert torch.equal(got, want), numel
+            assert (got is not x) == (numel <= limit), numel                 # one-shot: a new tensor; NCCL: x
+        # captured in a CUDA graph, replayed with new inputs
+        static = torch.zeros(16, 4096, dtype=BF16, device=device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            ops.all_reduce(static.clone(), group)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = ops.all_reduce(static.clone(), group)
+        for step in range(3):
+            static.copy_(torch.full_like(static, step + rank))
+            graph.replay()
+            torch.cuda.synchronize(device)
+            assert torch.equal(out, torch.full_like(out, 2 * step + 1)), step
+        del graph
+        ops.comm.disable_one_shot_all_reduce(group)
+        x = torch.ones(8, dtype=BF16, device=device)
+        assert ops.all_reduce(x, group) is x and torch.equal(x, torch.full_like(x, 2))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_one_shot_all_reduce_sums_small_messages_eagerly_and_in_a_cuda_graph_and_leaves_large_ones_to_nccl(tmp_path):
+    mp.start_processes(_one_shot_gpu_rank, args=(os.path.join(tmp_path, "init"),), nprocs=2, join=True,
+                       start_method="spawn")

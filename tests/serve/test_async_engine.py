@@ -276,3 +276,25 @@ def test_a_grammar_compiles_off_the_step_thread_while_running_streams_keep_their
     assert text in ("yes", "no")
     assert stats.num_waiting == stats.num_running == 0
     assert_idle_and_clean(engine)
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a GPU")
+def test_step_thread_serves_an_engine_built_on_plain_cuda_with_the_offline_tokens():
+    """device="cuda" (no index): the engine resolves it to the constructing thread's device, which the
+    step thread (a fresh thread, on device 0 otherwise) selects before its first step."""
+    import torch
+
+    from atom_core.engine import Engine
+
+    engine = Engine.from_pretrained(device="cuda")
+    assert engine.device == torch.device("cuda", torch.cuda.current_device())
+    want = engine.generate(PROMPTS, GREEDY, use_tqdm=False)
+
+    async def main():
+        async with AsyncEngine(engine) as async_engine:
+            return await asyncio.gather(*(collect(async_engine, p, GREEDY) for p in PROMPTS))
+
+    for outs, ref in zip(asyncio.run(main()), want):
+        assert outs[-1].token_ids == ref.token_ids and outs[-1].finish_reason is not None
+    assert_idle_and_clean(engine)
+    engine.shutdown()

@@ -118,6 +118,17 @@ def test_bench_scales_lengths_that_do_not_fit_the_context():
     assert make_workload(3, (4, 8), (2, 3), 50, 7, 512).prompts == make_workload(3, (4, 8), (2, 3), 50, 7, None).prompts
 
 
+def test_bench_against_a_server_listing_no_model_asks_for_model(monkeypatch, capsys):
+    from atom_core.serve import bench
+
+    async def lists_none(url, api_key):
+        return None, None, None
+
+    monkeypatch.setattr(bench, "server_info", lists_none)
+    assert cli.main(["bench", "--url", "http://127.0.0.1:9"]) == 2
+    assert "lists no model; name one with --model" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, says", [
     (["generate", "/no/such/folder"], "no such folder"),
     (["generate", "Qwen/Qwen3-0.6B"], "huggingface-cli download Qwen/Qwen3-0.6B"),
@@ -126,6 +137,7 @@ def test_bench_scales_lengths_that_do_not_fit_the_context():
     (["bench", "--offline", "--input-len", "9:3"], "--input-len"),
     (["bench", "--url", "http://127.0.0.1:9"], "could not read /v1/models"),
     (["bench"], "--offline"),
+    (["bench", "--url", "http://127.0.0.1:9", "--rate", "0"], "--rate must be > 0"),
     (["serve", "--device", "tpu"], "--device"),
     (["generate", "--expert-exchange", "all_gather"], "--expert-exchange"),
     (["generate", "--data-parallel-size", "0"], "--data-parallel-size"),
