@@ -11,7 +11,8 @@ matters for M <= 16: target >= 80%), and the time of the baselines in the same r
 format (target for M >= 1024: ours >= 0.9x of it, ``x_scaled_mm`` = its time / ours). The
 activation quantization (``per_token_quant`` / ``per_group_quant``) is timed in its own column,
 since a linear layer pays it too; block rows also time ``fp8_block_linear`` (quantization and GEMM as one
-op, fused by Triton for M <= 16: ``linear_ms``; ``x_unfused`` = (quant_ms + ms) / linear_ms).
+op, as ``Fp8Linear`` calls it: ``linear_ms``; ``x_unfused`` = (quant_ms + ms) / linear_ms, above 1 where
+a backend fuses the two).
 
     python -m benchmarks.ops_scaled_mm [--device cuda] [--json out.json] [--smoke]
 

@@ -1,6 +1,6 @@
 """Scaled GEMMs of quantized linear layers: ``scaled_mm_per_tensor``, ``scaled_mm_per_token``,
 ``scaled_mm_block``, and ``fp8_block_linear`` (the block format's activation quantization and GEMM
-in one op: the Triton backend fuses them for decode-sized M).
+in one op, so that a backend can fuse them).
 
 Legend: M = tokens, N = output features, K = input features. ``out [M, N] = (a * a_scale) @ (w * w_scale)^T
 (+ bias)`` with w stored [N, K] like ``nn.Linear.weight``, fp32 accumulation, output in ``out_dtype``
@@ -15,8 +15,7 @@ Legend: M = tokens, N = output features, K = input features. ``out [M, N] = (a *
 
 A per-tensor weight scale used with per-token activations is expanded to [N, 1] once, at load time.
 ``fp8_block_linear(x, w, w_scale)`` takes the float activation x [M, K] and is exactly
-``scaled_mm_block(*per_group_quant(x), w, w_scale)``: the Triton backend quantizes each K step's
-1 x 128 group inside the GEMM for M <= 16 (one launch instead of two) and runs the two ops above it.
+``scaled_mm_block(*per_group_quant(x), w, w_scale)``; the Triton backend runs those two ops.
 Backends: torch (the twin), triton, aiter (``gemm_a8w8_CK``, ``gemm_a8w8_blockscale``) and
 scaled_mm (``torch._scaled_mm``, cuBLASLt / hipBLASLt; ``atom_core.ops.torch_scaled_mm``).
 """

@@ -246,17 +246,13 @@ def _linear_inputs(m: int, n: int, k: int, x_dtype, bias: bool, seed: int = 0):
 
 @needs_triton
 @pytest.mark.parametrize("x_dtype", [FP32, BF16])
-@pytest.mark.parametrize("m", [1, 5, 16, 33])  # the fused range of the Triton backend (M <= 16), and above it
+@pytest.mark.parametrize("m", [1, 5, 16, 33])
 @pytest.mark.parametrize("n, k", [(256, 256), (200, 300)])
 def test_triton_fp8_block_linear_equals_per_group_quant_then_scaled_mm_block_exactly(x_dtype, m, n, k):
-    from atom_core.ops.triton.scaled_mm import FUSED_QUANT_MAX_ROWS
-
     x, w, w_scale, bias = _linear_inputs(m, n, k, x_dtype, bias=m == 5, seed=m + k)
     with trace_backends() as calls:
         got = ops.fp8_block_linear(x, w, w_scale, bias=bias, backend="triton")
-    fused = m <= FUSED_QUANT_MAX_ROWS
-    # fused: one op, the activation quantized inside the GEMM; above the range, the quantization op runs first
-    assert calls == [("fp8_block_linear", "triton")] + ([] if fused else [("per_group_quant", "triton")])
+    assert calls == [("fp8_block_linear", "triton"), ("per_group_quant", "triton")]
     q, a_scale = ops.per_group_quant(x, backend="triton")
     want = ops.scaled_mm_block(q, a_scale, w, w_scale, out_dtype=x_dtype, bias=bias, backend="triton")
     assert got.dtype == x_dtype and torch.equal(got, want)

@@ -40,7 +40,6 @@ from atom_core.ops.dispatch import triton_interpret
 from atom_core.ops.reference.quant import INT8_DTYPE
 from atom_core.ops.reference.scaled_mm import BLOCK
 from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2
-from atom_core.ops.triton.moe_quant_tiles import quantize_rows, row_scales
 
 PER_TENSOR = tl.constexpr(0)  # values of SCALES (tl.constexpr: read inside the kernel)
 PER_TOKEN = tl.constexpr(1)
@@ -54,7 +53,7 @@ def _scaled_mm_kernel(
     stride_osplit,
     SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, IS_INT8: tl.constexpr, SCALE_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    MAX_IMPRECISE: tl.constexpr, QUANT_A: tl.constexpr,
+    MAX_IMPRECISE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)  # this program's K range: [split * K_PER_SPLIT, + K_PER_SPLIT)
@@ -85,11 +84,7 @@ def _scaled_mm_kernel(
         w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if SCALES == BLOCKWISE:
             group = k0 // SCALE_BLOCK
-            if QUANT_A:  # a is the float activation: this K step's 1 x 128 group quantized here, as per_group_quant
-                a_scale = row_scales(tl.max(tl.abs(a.to(tl.float32)), axis=1))
-                a = quantize_rows(a, a_scale, w_ptr.dtype.element_ty)
-            else:
-                a_scale = tl.load(a_scale_ptr + offs_m * stride_as_m + group * stride_as_k, mask=m_ok, other=0.0)
+            a_scale = tl.load(a_scale_ptr + offs_m * stride_as_m + group * stride_as_k, mask=m_ok, other=0.0)
             w_scale = tl.load(w_scale_ptr + (offs_n // SCALE_BLOCK) * stride_ws_n + group * stride_ws_k,
                               mask=n_ok, other=0.0)
             acc += tl.dot(a, w, max_num_imprecise_acc=MAX_IMPRECISE) * a_scale[:, None] * w_scale[None, :]
@@ -183,10 +178,7 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _scaled_mm(scales, a, a_scale, w, w_scale, bias, out_dtype, config: LaunchConfig | None = None,
-               quant_a: bool = False):
-    """``quant_a``: ``a`` is the float activation and ``a_scale`` is unused (block format, BLOCK_K = 128:
-    each K step quantizes its group, ``fp8_block_linear``)."""
+def _scaled_mm(scales, a, a_scale, w, w_scale, bias, out_dtype, config: LaunchConfig | None = None):
     (m, k), n = a.shape, w.shape[0]
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
@@ -195,12 +187,7 @@ def _scaled_mm(scales, a, a_scale, w, w_scale, bias, out_dtype, config: LaunchCo
         interpret = triton_interpret()
         num_sms = 1 if interpret else _num_sms(a.device.index or 0)
         config = launch_config(m, n, k, out_dtype, scales, num_sms, interpret)
-    if quant_a:
-        if scales != BLOCKWISE.value or config.block_k != BLOCK:
-            raise ValueError("in-kernel activation quantization serves the block format with BLOCK_K = 128")
-        a_scale = w_scale  # (not read)
-        scale_strides = (0, 0, *w_scale.stride())
-    elif scales == PER_TOKEN.value:
+    if scales == PER_TOKEN.value:
         scale_strides = (a_scale.stride(0), 0, w_scale.stride(0), 0)
     elif scales == BLOCKWISE.value:
         scale_strides = (*a_scale.stride(), *w_scale.stride())
@@ -217,7 +204,7 @@ def _scaled_mm(scales, a, a_scale, w, w_scale, bias, out_dtype, config: LaunchCo
         target.stride(0) if splits > 1 else 0,
         SCALES=scales, HAS_BIAS=bias is not None, IS_INT8=a.dtype == INT8_DTYPE, SCALE_BLOCK=BLOCK,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=8,
-        MAX_IMPRECISE=config.max_imprecise, QUANT_A=quant_a, num_warps=config.num_warps,
+        MAX_IMPRECISE=config.max_imprecise, num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
     if splits > 1:
@@ -238,18 +225,10 @@ def scaled_mm_block(a, a_scale, w, w_scale, bias, out_dtype):
     return _scaled_mm(BLOCKWISE.value, a, a_scale, w, w_scale, bias, out_dtype)
 
 
-# Rows up to which ``fp8_block_linear`` quantizes the activation inside the GEMM (decode): each of the
-# program's K steps quantizes its [BLOCK_M, 128] tile again for every N tile, which costs nothing next to
-# the weight tile at a few rows and saves the separate quantization launch; above it, the launch's cost is
-# small against the GEMM and the repeated work is not.
-FUSED_QUANT_MAX_ROWS = 16
-
-
 def fp8_block_linear(x, w, w_scale, bias, out_dtype):
-    """``per_group_quant(x)`` then ``scaled_mm_block``: fused into one GEMM for up to
-    ``FUSED_QUANT_MAX_ROWS`` rows, the two Triton ops above."""
-    if x.shape[0] <= FUSED_QUANT_MAX_ROWS:  # (every launch_config has BLOCK_K = 128, as quant_a needs)
-        return _scaled_mm(BLOCKWISE.value, x, None, w, w_scale, bias, out_dtype, quant_a=True)
+    """``per_group_quant(x)`` then ``scaled_mm_block``: two launches. (Quantizing each K step's group inside
+    the GEMM instead was measured 1.5-4.7x slower at M <= 16 on an H200: every N tile redoes the quantization
+    with IEEE divisions in the K loop, which stalls the weight stream the GEMM is bound by.)"""
     from atom_core import ops
 
     q, a_scale = ops.per_group_quant(x, dtype=w.dtype, group_size=BLOCK, backend="triton")
