@@ -280,7 +280,7 @@ class _ScaledLinear(LinearMethod):
         kwargs = {"out_dtype": x.dtype, "bias": bias}
         if (self.scheme.weight.scales == "per_block" and self.weight_dtype == FP8_DTYPE
                 and self.scheme.activation is ActivationScheme.DYNAMIC_PER_GROUP_128):
-            out = ops.fp8_block_linear(x2, w, w_scale, **kwargs)  # (quantization fused into the GEMM for decode)
+            out = ops.fp8_block_linear(x2, w, w_scale, **kwargs)  # (one op: a backend may fuse the quantization)
             return out.reshape(*x.shape[:-1], out.shape[-1])
         q, a_scale = self._quantize_input(layer, x2)
         if self.scheme.weight.scales == "per_block":
