@@ -58,7 +58,7 @@ def test_twins_equal_an_independent_float64_computation(fmt):
         w_of = lambda j, kk: sw[j // 128][kk // 128]  # noqa: E731
     want = _float64_product(a, a_of, w, w_of, bias)
     got = getattr(reference, f"scaled_mm_{fmt}")(a, a_scale, w, w_scale, bias, FP32)
-    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.double().cpu(), want, atol=1e-5, rtol=1e-5)
 
 
 def test_block_twin_uses_each_blocks_own_scale():

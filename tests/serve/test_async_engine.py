@@ -284,17 +284,20 @@ def test_step_thread_serves_an_engine_built_on_plain_cuda_with_the_offline_token
     step thread (a fresh thread, on device 0 otherwise) selects before its first step."""
     import torch
 
+    from atom_core import ops
     from atom_core.engine import Engine
 
-    engine = Engine.from_pretrained(device="cuda")
-    assert engine.device == torch.device("cuda", torch.cuda.current_device())
-    want = engine.generate(PROMPTS, GREEDY, use_tqdm=False)
+    with ops.use_backend(None):  # the GPU's kernels (this package prefers the reference ops), captured in graphs
+        engine = Engine.from_pretrained(device="cuda")
+        assert engine.device == torch.device("cuda", torch.cuda.current_device())
+        want = engine.generate(PROMPTS, GREEDY, use_tqdm=False)
 
-    async def main():
-        async with AsyncEngine(engine) as async_engine:
-            return await asyncio.gather(*(collect(async_engine, p, GREEDY) for p in PROMPTS))
+        async def main():
+            async with AsyncEngine(engine) as async_engine:  # (its step thread runs in this context)
+                return await asyncio.gather(*(collect(async_engine, p, GREEDY) for p in PROMPTS))
 
-    for outs, ref in zip(asyncio.run(main()), want):
+        results = asyncio.run(main())
+    for outs, ref in zip(results, want):
         assert outs[-1].token_ids == ref.token_ids and outs[-1].finish_reason is not None
     assert_idle_and_clean(engine)
     engine.shutdown()

@@ -36,8 +36,10 @@ def qmax(dtype: torch.dtype) -> float:
 
 
 def scale_from_amax(amax: Tensor, dtype: torch.dtype) -> Tensor:
-    """fp32 scale = max(amax, AMAX_FLOOR) / qmax, elementwise."""
-    return amax.float().clamp(min=AMAX_FLOOR) / qmax(dtype)
+    """fp32 scale = max(amax, AMAX_FLOOR) / qmax, elementwise, one IEEE division. (qmax is a tensor on
+    amax's device: CUDA torch divides by a Python number as a multiplication by its reciprocal, one ulp
+    off the division the CPU, the kernels and the definition make.)"""
+    return amax.float().clamp(min=AMAX_FLOOR) / torch.tensor(qmax(dtype), dtype=torch.float32, device=amax.device)
 
 
 def round_to_format(y: Tensor, dtype: torch.dtype) -> Tensor:
