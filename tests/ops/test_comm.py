@@ -203,46 +203,52 @@ def test_one_shot_is_off_for_one_rank_without_touching_torch_distributed():
     assert not dist.is_initialized()
 
 
-def _one_shot_gpu_rank(rank: int, init_file: str) -> None:
+def _one_shot_gpu_rank(rank: int, init_dir: str) -> None:
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
-    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60), device_id=device)
-    group = dist.new_group([0, 1])
-    try:
-        assert not ops.comm.enable_one_shot_all_reduce(group, FP16, device)  # torch's kernel sums bf16 / fp32
-        assert ops.comm.enable_one_shot_all_reduce(group, BF16, device)
-        limit = ops.comm.one_shot_max_bytes(2) // 2                           # bf16 elements
-        for numel in (4096, limit, limit + 8):
-            x = torch.arange(numel, device=device).remainder(61).to(BF16) * (rank + 1)
-            want = torch.arange(numel, device=device).remainder(61).to(BF16) * 3
-            got = ops.all_reduce(x, group)
-            assert torch.equal(got, want), numel
-            assert (got is not x) == (numel <= limit), numel                 # one-shot: a new tensor; NCCL: x
-        # captured in a CUDA graph, replayed with new inputs
-        static = torch.zeros(16, 4096, dtype=BF16, device=device)
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            ops.all_reduce(static.clone(), group)
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = ops.all_reduce(static.clone(), group)
-        for step in range(3):
-            static.copy_(torch.full_like(static, step + rank))
-            graph.replay()
-            torch.cuda.synchronize(device)
-            assert torch.equal(out, torch.full_like(out, 2 * step + 1)), step
-        del graph
-        ops.comm.disable_one_shot_all_reduce(group)
-        x = torch.ones(8, dtype=BF16, device=device)
-        assert ops.all_reduce(x, group) is x and torch.equal(x, torch.full_like(x, 2))
-    finally:
-        dist.destroy_process_group()
+    # Two worlds one after the other in the same processes (as two engines in one process): the second
+    # world's group has the first one's name, which torch's symmetric memory still knows.
+    for world in range(2):
+        dist.init_process_group("nccl", init_method=f"file://{init_dir}/init{world}", rank=rank, world_size=2,
+                                timeout=datetime.timedelta(seconds=60), device_id=device)
+        try:
+            _check_one_shot(rank, dist.new_group([0, 1]), device)
+        finally:
+            dist.destroy_process_group()
+
+
+def _check_one_shot(rank: int, group, device) -> None:
+    assert not ops.comm.enable_one_shot_all_reduce(group, FP16, device)      # torch's kernel sums bf16 / fp32
+    assert not ops.comm.enable_one_shot_all_reduce(group, BF16, device, want=rank == 0)  # one rank says no
+    assert ops.comm.enable_one_shot_all_reduce(group, BF16, device)
+    limit = ops.comm.one_shot_max_bytes(2) // 2                               # bf16 elements
+    for numel in (4096, limit, limit + 8):
+        x = torch.arange(numel, device=device).remainder(61).to(BF16) * (rank + 1)
+        want = torch.arange(numel, device=device).remainder(61).to(BF16) * 3
+        got = ops.all_reduce(x, group)
+        assert torch.equal(got, want), numel
+        assert (got is not x) == (numel <= limit), numel                     # one-shot: a new tensor; NCCL: x
+    # captured in a CUDA graph, replayed with new inputs
+    static = torch.zeros(16, 4096, dtype=BF16, device=device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        ops.all_reduce(static.clone(), group)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.all_reduce(static.clone(), group)
+    for step in range(3):
+        static.copy_(torch.full_like(static, step + rank))
+        graph.replay()
+        torch.cuda.synchronize(device)
+        assert torch.equal(out, torch.full_like(out, 2 * step + 1)), step
+    del graph
+    ops.comm.disable_one_shot_all_reduce(group)
+    x = torch.ones(8, dtype=BF16, device=device)
+    assert ops.all_reduce(x, group) is x and torch.equal(x, torch.full_like(x, 2))
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_one_shot_all_reduce_sums_small_messages_eagerly_and_in_a_cuda_graph_and_leaves_large_ones_to_nccl(tmp_path):
-    mp.start_processes(_one_shot_gpu_rank, args=(os.path.join(tmp_path, "init"),), nprocs=2, join=True,
-                       start_method="spawn")
+    mp.start_processes(_one_shot_gpu_rank, args=(str(tmp_path),), nprocs=2, join=True, start_method="spawn")
