@@ -37,11 +37,13 @@ def table(rows: list[dict], columns: list[str] | None = None) -> str:
 
 
 def caption(meta: dict) -> str:
-    """One line saying where the rows come from: GPU, versions, commit, Triton cache state, date."""
+    """One line saying where the rows come from: GPU, versions, commit, Triton cache state (where the
+    file records it: ``atom-core bench`` files do not), date."""
     commit = str(meta.get("commit", "unknown"))[:10] + (" (dirty)" if meta.get("dirty") else "")
-    cache = (meta.get("triton_cache") or {}).get("state", "?")
+    cache = (meta.get("triton_cache") or {}).get("state")
+    cache = f"Triton cache {cache} at start; " if cache else ""
     versions = ", ".join(f"{name} {meta[name]}" for name in ("torch", "triton", "cuda", "hip") if meta.get(name))
-    return f"*{meta.get('gpu', '?')}; {versions}; commit {commit}; Triton cache {cache} at start; {meta.get('utc', '?')}*"
+    return f"*{meta.get('gpu', '?')}; {versions}; commit {commit}; {cache}{meta.get('utc', '?')}*"
 
 
 def render(path, columns: list[str] | None = None) -> str:
