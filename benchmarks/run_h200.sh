@@ -12,7 +12,8 @@
 #   serving     the online serving benchmark: atom-core serve against transformers serve, and offline
 #               Engine.generate (Qwen3-0.6B shapes, random weights). These three need the serve / structured
 #               extras' packages: where the machine lacks them, put their wheels in .whl/ (installed into
-#               /tmp/site first). SERVE_RATES: the online benchmark's request rates (default "4 16 64 inf"). STRUCTURED_TOKENIZER: a
+#               /tmp/site first). SERVE_RATES: the online benchmark's request rates (default "4 16 64 inf");
+#               SERVE_SERVERS: which servers it runs against (default "atom_core transformers"). STRUCTURED_TOKENIZER: a
 #               151k-token tokenizer.json for the structured-output benchmark (else it trains one: ~2 minutes).
 # Each command runs under its own time limit; when it is reached the command gets SIGINT (pytest still
 # prints its summary) and the next one starts. Each JSON records its run (GPU, versions, commit, Triton
@@ -64,7 +65,7 @@ PY
     tail -8 "$out/serve_offline.log"
     # atom-core: token-id prompts (completions) and text prompts (chat); transformers serve: chat (it takes no
     # token ids). Its /v1/models lists the HF cache's models: an empty cache, and the folder named per request.
-    for server in atom_core transformers; do
+    for server in ${SERVE_SERVERS:-atom_core transformers}; do
         local port=8000 endpoints="completions chat" model=() start=("${cli[@]}" serve "$folder" --port 8000)
         if [ $server = transformers ]; then
             port=8001 endpoints=chat model=(--model "$folder")
