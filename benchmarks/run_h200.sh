@@ -13,8 +13,9 @@
 #               Engine.generate (Qwen3-0.6B shapes, random weights). These three need the serve / structured
 #               extras' packages: where the machine lacks them, put their wheels in .whl/ (installed into
 #               /tmp/site first). SERVE_RATES: the online benchmark's request rates (default "4 16 64 inf");
-#               SERVE_SERVERS: which servers it runs against (default "atom_core transformers"). STRUCTURED_TOKENIZER: a
-#               151k-token tokenizer.json for the structured-output benchmark (else it trains one: ~2 minutes).
+#               SERVE_SERVERS: which servers it runs against (default "atom_core transformers").
+#               STRUCTURED_TOKENIZER: a 151k-token tokenizer.json for the structured-output benchmark (else
+#               it trains one: ~2 minutes).
 # Each command runs under its own time limit; when it is reached the command gets SIGINT (pytest still
 # prints its summary) and the next one starts. Each JSON records its run (GPU, versions, commit, Triton
 # cache state: benchmarks/common.py run_metadata). Where the tree has no .git, set ATOM_CORE_COMMIT to
