@@ -180,10 +180,12 @@ class RequestResult:
 
 
 async def _one_request(endpoint: _Endpoint, kind: str, model: str, prompt: list[int], max_tokens: int,
-                       temperature: float, seed: int) -> RequestResult:
+                       temperature: float, seed: int, ignore_eos: bool) -> RequestResult:
     result = RequestResult()
-    body = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "ignore_eos": True,
+    body = {"model": model, "max_tokens": max_tokens, "temperature": temperature,
             "stream": True, "stream_options": {"include_usage": True}, "seed": seed}
+    if ignore_eos:  # (vLLM's extension: servers that refuse unknown fields run without it)
+        body["ignore_eos"] = True
     if kind == "chat":
         # About one token a word; the chat template adds its own tokens: leave them room.
         words = random.Random(seed).choices(WORDS, k=max(1, len(prompt) - CHAT_TEMPLATE_ALLOWANCE))
@@ -226,7 +228,8 @@ async def _one_request(endpoint: _Endpoint, kind: str, model: str, prompt: list[
 
 
 async def run_online(url: str, workload: Workload, rate: float, *, model: str, kind: str = "completions",
-                     api_key: str | None = None, temperature: float = 0.6, seed: int = 0) -> dict:
+                     api_key: str | None = None, temperature: float = 0.6, seed: int = 0,
+                     ignore_eos: bool = True) -> dict:
     """Send the workload at ``rate`` requests/s (Poisson; inf = at once); returns the figures."""
     endpoint = _Endpoint(url, api_key)
     rng = random.Random(seed)
@@ -240,7 +243,7 @@ async def run_online(url: str, workload: Workload, rate: float, *, model: str, k
             if delay > 0:
                 await asyncio.sleep(delay)
         tasks.append(asyncio.ensure_future(_one_request(endpoint, kind, model, prompt, max_tokens, temperature,
-                                                        seed + i)))
+                                                        seed + i, ignore_eos)))
     results = await asyncio.gather(*tasks)
     duration = time.perf_counter() - start
     return summarize(results, duration, rate)

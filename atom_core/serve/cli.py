@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="prompt token ids are drawn below this (default 10000; at most the model's vocabulary "
                             "offline, and online where /v1/models gives vocab_size, as atom-core serve's does)")
     bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                       help="online: do not send ignore_eos (vLLM's extension) for servers that refuse unknown "
+                            "fields; requests may then end early at EOS (the figures count the tokens received)")
     bench.add_argument("--bench-temperature", type=finite_float(0.0, 2.0), default=0.6,
                        help="sampling temperature of the requests (default 0.6, nano-vllm's)")
     bench.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
@@ -261,7 +264,8 @@ def run_bench(args) -> None:
         for rate in args.rate:
             rows.append(asyncio.run(bench.run_online(args.url, workload, rate, model=args.model or model,
                                                      kind=args.endpoint, api_key=api_key,
-                                                     temperature=args.bench_temperature, seed=args.seed)))
+                                                     temperature=args.bench_temperature, seed=args.seed,
+                                                     ignore_eos=args.ignore_eos)))
             if args.json:  # after each rate: a run stopped at a later rate keeps the earlier ones
                 Path(args.json).write_text(bench.as_json(rows))
         bench.print_table(rows, bench.ONLINE_COLUMNS)

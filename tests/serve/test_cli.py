@@ -205,3 +205,23 @@ def test_parallel_flags_reach_engine_from_pretrained_as_its_arguments(flags, wan
     build_engine(parser.parse_args(flags + ["--threads", "1"]))
     names = ("tensor_parallel_size", "expert_parallel", "data_parallel_size")
     assert {k: v for k, v in seen.items() if k in names} == want
+
+
+@pytest.mark.parametrize("ignore_eos", [True, False])
+def test_bench_sends_ignore_eos_unless_told_not_to(monkeypatch, ignore_eos):
+    import asyncio
+
+    from atom_core.serve import bench
+
+    bodies = []
+
+    async def stream(self, path, body):
+        bodies.append(body)
+        yield json.dumps({"choices": [{"text": "x"}]})
+
+    monkeypatch.setattr(bench._Endpoint, "stream", stream)
+    workload = bench.make_workload(2, (4, 8), (2, 3), 50, 0, None)
+    row = asyncio.run(bench.run_online("http://127.0.0.1:9", workload, float("inf"), model="m",
+                                       ignore_eos=ignore_eos))
+    assert row["failed"] == 0 and len(bodies) == 2
+    assert all(("ignore_eos" in b) == ignore_eos for b in bodies)
