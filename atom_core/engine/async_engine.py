@@ -38,6 +38,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -90,9 +91,10 @@ class AsyncEngineStats:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Delta:
-    """What one step added to one sequence: made on the step thread from a ``RequestOutput``."""
+    """What one step added to one sequence: made on the step thread from a ``RequestOutput`` (not frozen:
+    a frozen dataclass pays an ``object.__setattr__`` per field, on the step thread, per output)."""
 
     index: int
     new_token_ids: list[int]
@@ -221,7 +223,11 @@ class RequestStream:
     """The outputs of one request, in step order (its n sequences interleaved): an async iterator
     of ``StreamOutput``. Iteration ends when every sequence has finished, or after ``abort()``;
     it raises ``EngineStepError`` when a step that ran the request raised, ``EngineClosedError``
-    when the async engine shut down first. ``abort()`` is idempotent."""
+    when the async engine shut down first. ``abort()`` is idempotent.
+
+    The outputs wait in a deque; a consumer with nothing to read waits on a future of its own, which
+    the next delivery resolves (an ``asyncio.Queue`` costs a few times more per output, on the loop
+    that the step thread shares the GIL with)."""
 
     def __init__(self, owner: AsyncEngine, request_id: str, params: SamplingParams):
         self.request_id = request_id
@@ -232,8 +238,11 @@ class RequestStream:
         self.state = "waiting"  # -> "running" (first output) -> "done"
         self.aborted = False
         self._owner = owner
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self._accepted: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._loop = asyncio.get_running_loop()
+        # StreamOutputs, then _END or the error, which stays: iterating again ends (raises) again
+        self._items: deque = deque()
+        self._waiters: list[asyncio.Future] = []  # consumers waiting for an item
+        self._accepted: asyncio.Future = self._loop.create_future()
         self._num_finished = 0
         self.engine_id: int | None = None  # the engine's id; read and written by the step thread only
 
@@ -244,26 +253,44 @@ class RequestStream:
     @property
     def num_ready(self) -> int:
         """Items the next ``__anext__`` calls return without waiting (a consumer may batch its writes)."""
-        return self._queue.qsize()
+        return len(self._items)
 
     def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> StreamOutput:
-        item = await self._queue.get()
+        items = self._items
+        while not items:
+            waiter = self._loop.create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            except BaseException:  # cancelled: forget the waiter (an item that came meanwhile stays queued)
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
+                raise
+        item = items[0]
+        if item.__class__ is StreamOutput:
+            items.popleft()
+            return item
         if item is _END:
-            self._queue.put_nowait(_END)  # iterating again ends again
             raise StopAsyncIteration
-        if isinstance(item, BaseException):
-            self._queue.put_nowait(item)
-            raise item
-        return item
+        raise item
 
     def abort(self) -> None:
         """Stop the request (all its sequences) and free its blocks; a finished one is left alone."""
         self._owner._abort_stream(self)
 
     # (loop side, called by the owner)
+    def _put(self, item) -> None:
+        self._items.append(item)
+        waiters = self._waiters
+        if waiters:
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
+            waiters.clear()
+
     def _on_delta(self, delta: _Delta) -> bool:
         """Record one sequence's step; returns True when this completed the request."""
         if delta.prompt_token_ids is not None and self.prompt_token_ids is None:
@@ -287,14 +314,14 @@ class RequestStream:
             sequence.finished = True
             sequence.num_cached_tokens = delta.num_cached_tokens
             self._num_finished += 1
-        self._queue.put_nowait(StreamOutput(self, sequence, delta, previous_time))
+        self._put(StreamOutput(self, sequence, delta, previous_time))
         if self._num_finished == self.params.n:
-            self._queue.put_nowait(_END)
+            self._put(_END)
             return True
         return False
 
     def _end(self, error: BaseException | None = None) -> None:
-        self._queue.put_nowait(_END if error is None else error)
+        self._put(_END if error is None else error)
         if not self._accepted.done():
             if error is None:  # aborted before the engine took it: add_request returns an ended stream
                 self._accepted.set_result(None)
@@ -491,6 +518,7 @@ class AsyncEngine:
         if stream.finished:
             return
         stream.aborted = True
+        stream._items.clear()  # outputs delivered but not read yet: the consumer asked for no more
         self._finish_stream(stream, None)
         if self._thread is not None and self._thread.is_alive():
             self._send(("abort", stream))
@@ -509,7 +537,14 @@ class AsyncEngine:
     def _deliver(self, items: list[tuple]) -> None:
         """On the loop: what the step thread posted in one round."""
         for stream, kind, payload in items:
-            if stream.finished:  # aborted (or closed) since: drop what was in flight
+            state = stream.state
+            if state == "running" and kind == "delta":  # the common case first
+                if stream._on_delta(payload):
+                    self._num_running -= 1
+                    stream.state = "done"
+                    self._streams.pop(stream.request_id, None)
+                continue
+            if state == "done":  # aborted (or closed) since: drop what was in flight
                 if kind == "accepted" and not stream._accepted.done():
                     stream._accepted.set_result(None)
                 continue
@@ -517,10 +552,9 @@ class AsyncEngine:
                 if not stream._accepted.done():
                     stream._accepted.set_result(None)
             elif kind == "delta":
-                if stream.state == "waiting":
-                    stream.state = "running"
-                    self._num_waiting -= 1
-                    self._num_running += 1
+                stream.state = "running"
+                self._num_waiting -= 1
+                self._num_running += 1
                 if stream._on_delta(payload):
                     self._num_running -= 1
                     stream.state = "done"
@@ -619,30 +653,37 @@ class AsyncEngine:
             return
         self._num_steps += 1
         now = time.monotonic()
+        lives, append = self._live, self._outbox.append
         for out in outputs:
-            live = self._live.get(out.request_id)
+            live = lives.get(out.request_id)
             if live is None:  # aborted meanwhile
                 continue
             params = live.stream.params
             new_ids = out.new_token_ids
             k = len(new_ids)
-            finished = out.finished
-            first = out.num_output_tokens == k  # the sequence's first output: the prompt is computed
-            delta = _Delta(
-                index=out.index, new_token_ids=new_ids, new_text=out.new_text,
-                new_logprobs=out.logprobs[-k:] if params.logprobs is not None else None,
-                new_top_logprobs=out.top_logprobs[-k:] if params.logprobs else None,
-                num_output_tokens=out.num_output_tokens, finish_reason=out.finish_reason,
-                stop_reason=out.stop_reason if finished else None, time=now,
-                prompt_token_ids=list(out.prompt_token_ids) if first else None,
-                num_cached_tokens=out.num_cached_tokens if finished else 0,
-                prompt_logprobs=out.prompt_logprobs if first and params.prompt_logprobs is not None else None,
-                prompt_top_logprobs=out.prompt_top_logprobs if first and params.prompt_logprobs else None)
-            self._outbox.append((live.stream, "delta", delta))
-            if finished:
-                live.finished_indices.add(out.index)
-                if len(live.finished_indices) == params.n:
-                    del self._live[out.request_id]
+            num_output_tokens = out.num_output_tokens
+            finish_reason = out.finish_reason
+            if finish_reason is None and num_output_tokens != k and params.logprobs is None:  # (most outputs)
+                delta = _Delta(out.index, new_ids, out.new_text, None, None, num_output_tokens, None, None, now,
+                               None, 0, None, None)
+            else:
+                finished = finish_reason is not None
+                first = num_output_tokens == k  # the sequence's first output: the prompt is computed
+                delta = _Delta(
+                    index=out.index, new_token_ids=new_ids, new_text=out.new_text,
+                    new_logprobs=out.logprobs[-k:] if params.logprobs is not None else None,
+                    new_top_logprobs=out.top_logprobs[-k:] if params.logprobs else None,
+                    num_output_tokens=num_output_tokens, finish_reason=finish_reason,
+                    stop_reason=out.stop_reason if finished else None, time=now,
+                    prompt_token_ids=list(out.prompt_token_ids) if first else None,
+                    num_cached_tokens=out.num_cached_tokens if finished else 0,
+                    prompt_logprobs=out.prompt_logprobs if first and params.prompt_logprobs is not None else None,
+                    prompt_top_logprobs=out.prompt_top_logprobs if first and params.prompt_logprobs else None)
+                if finished:
+                    live.finished_indices.add(delta.index)
+                    if len(live.finished_indices) == params.n:
+                        del lives[out.request_id]
+            append((live.stream, "delta", delta))
 
     def _failed_requests(self) -> list[int]:
         """Engine ids of the live requests the failed step finished (reason "error"): the engine

@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from atom_core.engine.async_engine import EngineClosedError, EngineStepError, RequestStream
-from atom_core.serve.common import (SSE_DONE, APIError, ServerContext, logprob, now, request_id, sse,
-                                    stream_error_event, usage)
+from atom_core.serve.common import (SSE_CHOICE_END, SSE_DONE, APIError, ServerContext, json_str, json_value, logprob,
+                                    now, request_id, sse, sse_head, stream_error_event, usage)
 from atom_core.serve.protocol import ChatCompletionRequest
 
 
@@ -47,6 +47,8 @@ class ChatJob:
         self.id = request_id("chatcmpl")
         self.created = now()
         self.stream: RequestStream | None = None
+        self._head = sse_head({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                               "model": ctx.config.model_name})
 
     def _render(self) -> list[int]:
         from atom_core.engine.chat_template import ChatTemplateError
@@ -110,23 +112,35 @@ class ChatJob:
                 "model": self.ctx.config.model_name, "choices": choices,
                 "usage": usage(len(self.prompt), completion_tokens)}
 
+    def delta_chunk(self, index: int, content: str, logprobs: dict | None, finish_reason: str | None,
+                    stop_reason: str | int | None) -> str:
+        """One streamed content delta: ``sse`` of ``self._chunk([{"index", "delta": {"content"}, "logprobs",
+        "finish_reason", "stop_reason"}])``, written from the request's head."""
+        if logprobs is None and finish_reason is None and stop_reason is None:  # (most chunks)
+            return (f'{self._head}"index":{index},"delta":{{"content":{json_str(content)}}},"logprobs":null,'
+                    f'"finish_reason":null,"stop_reason":null{SSE_CHOICE_END}')
+        return (f'{self._head}"index":{index},"delta":{{"content":{json_str(content)}}},'
+                f'"logprobs":{json_value(logprobs)},"finish_reason":{json_value(finish_reason)},'
+                f'"stop_reason":{json_value(stop_reason)}{SSE_CHOICE_END}')
+
     async def events(self) -> AsyncIterator[str]:
         include_usage = self.req.stream_options is not None and self.req.stream_options.include_usage
         completion_tokens = 0
+        with_logprobs = self.req.logprobs
+        stream = self.stream
+        chunk = self.delta_chunk
         pending: list[str] = []
         try:
             for index in range(self.params.n):
                 yield sse(self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}]))
-            async for _, out in self.ctx.outputs([self.stream]):
+            async for _, out in self.ctx.outputs([stream]):
                 logprobs = (self._logprobs(out.new_token_ids, out.new_logprobs, out.new_top_logprobs)
-                            if self.req.logprobs else None)
-                if out.finished:
+                            if with_logprobs else None)
+                if out.finish_reason is not None:
                     completion_tokens += out.num_output_tokens
-                pending.append(sse(self._chunk([{"index": out.index, "delta": {"content": out.new_text},
-                                                 "logprobs": logprobs, "finish_reason": out.finish_reason,
-                                                 "stop_reason": out.stop_reason}])))
-                if not self.ctx.more_ready([self.stream]):  # else: one write for the outputs already here
+                pending.append(chunk(out.index, out.new_text, logprobs, out.finish_reason, out.stop_reason))
+                if not stream.num_ready:  # else: one write for the outputs already here
                     yield "".join(pending)
                     pending.clear()
             if pending:

@@ -1,5 +1,11 @@
 """What the endpoints share: the server's settings and state, OpenAI-style errors, prompt and
-length checks, adding requests, reading their outputs (with the metrics), log-prob formatting, SSE."""
+length checks, adding requests, reading their outputs (with the metrics), log-prob formatting, SSE.
+
+Per streamed token the event loop reads an output, records it in the metrics and writes a chunk; the
+step thread waits for the GIL meanwhile, so that path is kept short: one async-generator layer over a
+single stream, and chunks written from a per-request head (``sse_head``) plus the JSON of what
+changed (``json_value``), the same bytes as ``sse`` of the whole payload.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +22,9 @@ from atom_core.engine.async_engine import (AsyncEngine, EngineClosedError, Engin
 from atom_core.engine.sampling_params import SamplingParams
 from atom_core.serve.metrics import ServerMetrics
 from atom_core.serve.protocol import sampling_param_of
+
+_COMPACT = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))  # what sse writes (json.dumps' arguments)
+json_str = json.encoder.encode_basestring  # a str as _COMPACT writes it (ensure_ascii=False)
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
 MIN_LOGPROB = -9999.0  # JSON has no -inf: a log-prob below this is reported as this (vLLM's floor)
@@ -148,13 +157,29 @@ class ServerContext:
         (an exception, cancellation on a client disconnect) aborts the streams still running."""
         errored: set[int] = set()
         reasons: dict[int, str] = {}
-        source = _one(streams[0]) if len(streams) == 1 else _merged(streams)
+        observe = self.metrics.observe
         try:
-            async for i, out in _tag_errors(source, errored):
-                self.metrics.observe(out, streams[i])
-                if out.finished:
-                    reasons[i] = out.finish_reason
-                yield i, out
+            if len(streams) == 1:  # read here: no generator layers in between (one per token each)
+                stream = streams[0]
+                next_output = stream.__anext__
+                while True:
+                    try:
+                        out = await next_output()
+                    except StopAsyncIteration:
+                        break
+                    except (EngineStepError, EngineClosedError):
+                        errored.add(0)
+                        raise
+                    observe(out, stream)
+                    if out.finish_reason is not None:
+                        reasons[0] = out.finish_reason
+                    yield 0, out
+            else:
+                async for i, out in _tag_errors(_merged(streams), errored):
+                    observe(out, streams[i])
+                    if out.finished:
+                        reasons[i] = out.finish_reason
+                    yield i, out
         finally:
             for i, stream in enumerate(streams):
                 if i in errored:
@@ -168,7 +193,10 @@ class ServerContext:
     @staticmethod
     def more_ready(streams: list[RequestStream]) -> bool:
         """Whether another output is already queued: a stream then sends its events in one write."""
-        return any(stream.num_ready for stream in streams)
+        for stream in streams:
+            if stream.num_ready:
+                return True
+        return False
 
     # ---- log-probs
 
@@ -180,11 +208,6 @@ class ServerContext:
                     else self.tokenizer.decode([token_id], skip_special_tokens=False))
             self._token_texts[token_id] = text
         return text
-
-
-async def _one(stream: RequestStream):
-    async for out in stream:
-        yield 0, out
 
 
 async def _merged(streams: list[RequestStream]):
@@ -232,7 +255,28 @@ def logprob(value: float | None) -> float | None:
 
 
 def sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {_COMPACT.encode(payload)}\n\n"
+
+
+def sse_head(fields: dict) -> str:
+    """The start of ``sse(fields | {"choices": [choice]})`` up to the choice's first key: a stream's
+    chunks that carry one choice are this head, the choice's fields written with ``json_value`` in
+    ``sse``'s form (``"key":value``, comma-separated), then ``SSE_CHOICE_END``."""
+    body = _COMPACT.encode({**fields, "choices": [{}]})
+    assert body.endswith("[{}]}")
+    return "data: " + body[:-3]
+
+
+SSE_CHOICE_END = "}]}\n\n"
+
+
+def json_value(value) -> str:
+    """``value`` as ``sse`` writes it inside a payload."""
+    if value is None:
+        return "null"
+    if value.__class__ is str:
+        return json_str(value)
+    return _COMPACT.encode(value)
 
 
 def request_id(prefix: str) -> str:

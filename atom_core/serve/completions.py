@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from atom_core.engine.async_engine import EngineClosedError, EngineStepError, RequestStream
-from atom_core.serve.common import (SSE_DONE, APIError, ServerContext, logprob, now, request_id, sse,
-                                    stream_error_event, usage)
+from atom_core.serve.common import (SSE_CHOICE_END, SSE_DONE, APIError, ServerContext, json_str, json_value, logprob,
+                                    now, request_id, sse, sse_head, stream_error_event, usage)
 from atom_core.serve.protocol import CompletionRequest
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
@@ -53,6 +53,8 @@ class CompletionJob:
         self.id = request_id("cmpl")
         self.created = now()
         self.streams: list[RequestStream] = []
+        self._head = sse_head({"id": self.id, "object": "text_completion", "created": self.created,
+                               "model": ctx.config.model_name})
 
     async def start(self) -> None:
         self.streams = await self.ctx.add_requests([p.token_ids for p in self.prompts], self.params,
@@ -128,36 +130,47 @@ class CompletionJob:
 
     # ---- streaming
 
+    def chunk(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None,
+              stop_reason: str | int | None) -> str:
+        """One streamed choice: ``sse`` of ``{"id", "object", "created", "model", "choices": [{"index",
+        "text", "logprobs", "finish_reason", "stop_reason"}]}``, written from the request's head."""
+        if logprobs is None and finish_reason is None and stop_reason is None:  # (most chunks)
+            return (f'{self._head}"index":{index},"text":{json_str(text)},"logprobs":null,"finish_reason":null,'
+                    f'"stop_reason":null{SSE_CHOICE_END}')
+        return (f'{self._head}"index":{index},"text":{json_str(text)},"logprobs":{json_value(logprobs)},'
+                f'"finish_reason":{json_value(finish_reason)},"stop_reason":{json_value(stop_reason)}{SSE_CHOICE_END}')
+
     async def events(self) -> AsyncIterator[str]:
         n = self.params.n
         offsets: dict[int, int] = {}  # choice -> characters sent so far (log-prob text offsets)
         completion_tokens = 0
         include_usage = self.req.stream_options is not None and self.req.stream_options.include_usage
+        echo, with_logprobs = self.req.echo, self.req.logprobs is not None
+        streams = self.streams
+        more_ready = self.ctx.more_ready
+        chunk = self.chunk
         pending: list[str] = []
         try:
-            async for i, out in self.ctx.outputs(self.streams):
+            async for i, out in self.ctx.outputs(streams):
                 index = i * n + out.index
                 text = out.new_text
                 logprobs = None
-                if index not in offsets:
-                    offsets[index] = 0
-                    if self.req.echo:
-                        text = self._echo_text(i) + text
-                        if self.echo_logprobs:
-                            logprobs = self._prompt_logprobs(i, out)
-                if self.req.logprobs is not None:
-                    start = offsets[index] + (len(text) - len(out.new_text))
-                    new = self._logprobs(out.new_token_ids, out.new_logprobs, out.new_top_logprobs, start)
-                    logprobs = self._join(logprobs, new)
-                offsets[index] += len(text)
-                if out.finished:
+                if echo or with_logprobs:  # (else: the text as it is, no offsets to keep)
+                    if index not in offsets:
+                        offsets[index] = 0
+                        if echo:
+                            text = self._echo_text(i) + text
+                            if self.echo_logprobs:
+                                logprobs = self._prompt_logprobs(i, out)
+                    if with_logprobs:
+                        start = offsets[index] + (len(text) - len(out.new_text))
+                        new = self._logprobs(out.new_token_ids, out.new_logprobs, out.new_top_logprobs, start)
+                        logprobs = self._join(logprobs, new)
+                    offsets[index] += len(text)
+                if out.finish_reason is not None:
                     completion_tokens += out.num_output_tokens
-                pending.append(sse({"id": self.id, "object": "text_completion", "created": self.created,
-                                    "model": self.ctx.config.model_name,
-                                    "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                                 "finish_reason": out.finish_reason,
-                                                 "stop_reason": out.stop_reason}]}))
-                if not self.ctx.more_ready(self.streams):  # else: one write for the outputs already here
+                pending.append(chunk(index, text, logprobs, out.finish_reason, out.stop_reason))
+                if not more_ready(streams):  # else: one write for the outputs already here
                     yield "".join(pending)
                     pending.clear()
             if pending:

@@ -2,7 +2,9 @@
 
 Gauges are read from ``AsyncEngine.stats()`` when scraped; histograms and counters are updated as
 the server reads each request's outputs. Every metric is in the app's own registry (not the
-process-global one), so several servers in one process keep separate counts.
+process-global one), so several servers in one process keep separate counts. The two updated per
+streamed token (inter-token latency, generation tokens) are ``LoopHistogram`` / ``LoopCounter``:
+plain arithmetic on the event loop, read out as prometheus_client's own types would be.
 
 | metric | type | meaning |
 |---|---|---|
@@ -25,6 +27,7 @@ process-global one), so several servers in one process keep separate counts.
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -78,6 +81,70 @@ class _EngineCollector:
             yield CounterMetricFamily(name, doc, value=value)
 
 
+class LoopHistogram:
+    """A histogram observed on the event loop alone: ``observe`` is a bisect and two additions, where
+    prometheus_client's ``Histogram.observe`` walks the buckets and takes a lock per update (on the
+    loop the step thread shares the GIL with, per streamed token). A scrape reports it through an
+    unobserved ``Histogram`` of the same name (its samples, with these values), so ``/metrics`` reads
+    exactly as it would with that one observed the same values."""
+
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...]):
+        self._template = Histogram(name, documentation, buckets=buckets, registry=None)
+        bounds = [float(b) for b in buckets]
+        if bounds[-1] != float("inf"):
+            bounds.append(float("inf"))
+        self._bounds = bounds
+        self._counts = [0] * len(bounds)  # per bucket (not cumulative): the first bound >= the value
+        self._sum = 0.0
+
+    def observe(self, amount: float) -> None:
+        self._counts[bisect_left(self._bounds, amount)] += 1
+        self._sum += amount
+
+    def describe(self):
+        return self._template.describe()
+
+    def collect(self):
+        for metric in self._template.collect():
+            counts = iter(self._counts)
+            total = 0.0
+            samples = []
+            for sample in metric.samples:
+                if sample.name.endswith("_bucket"):
+                    total += next(counts)
+                    value = total
+                elif sample.name.endswith("_count"):
+                    value = total
+                elif sample.name.endswith("_sum"):
+                    value = self._sum
+                else:  # _created
+                    value = sample.value
+                samples.append(sample._replace(value=value))
+            metric.samples = samples
+            yield metric
+
+
+class LoopCounter:
+    """A counter increased on the event loop alone (an int addition, no lock), reported through an
+    unincreased prometheus_client ``Counter`` of the same name, as ``LoopHistogram`` is."""
+
+    def __init__(self, name: str, documentation: str):
+        self._template = Counter(name, documentation, registry=None)
+        self.value = 0
+
+    def inc(self, amount: int = 1) -> None:
+        self.value += amount
+
+    def describe(self):
+        return self._template.describe()
+
+    def collect(self):
+        for metric in self._template.collect():
+            metric.samples = [sample._replace(value=float(self.value)) if sample.name.endswith("_total") else sample
+                              for sample in metric.samples]
+            yield metric
+
+
 class ServerMetrics:
     """The server's registry; ``observe`` each output a handler reads, ``request_ended`` once per request."""
 
@@ -85,8 +152,9 @@ class ServerMetrics:
         self.registry = registry = CollectorRegistry(auto_describe=False)
         self.ttft = Histogram("atom_core_time_to_first_token_seconds", "Request arrival to a sequence's first token.",
                               buckets=TTFT_BUCKETS, registry=registry)
-        self.itl = Histogram("atom_core_inter_token_latency_seconds", "Time between two tokens of a sequence.",
-                             buckets=ITL_BUCKETS, registry=registry)
+        self.itl = LoopHistogram("atom_core_inter_token_latency_seconds", "Time between two tokens of a sequence.",
+                                 buckets=ITL_BUCKETS)
+        registry.register(self.itl)
         self.e2e = Histogram("atom_core_e2e_request_latency_seconds",
                              "Request arrival to its last token (finished requests).", buckets=E2E_BUCKETS,
                              registry=registry)
@@ -96,12 +164,13 @@ class ServerMetrics:
                                 ["reason"], registry=registry)
         self.prompt_tokens = Counter("atom_core_prompt_tokens", "Prompt tokens of accepted requests.",
                                      registry=registry)
-        self.generation_tokens = Counter("atom_core_generation_tokens", "Tokens generated.", registry=registry)
+        self.generation_tokens = LoopCounter("atom_core_generation_tokens", "Tokens generated.")
+        registry.register(self.generation_tokens)
         registry.register(_EngineCollector(async_engine))
 
     def observe(self, out: StreamOutput, stream: RequestStream) -> None:
         k = len(out.new_token_ids)
-        self.generation_tokens.inc(k)
+        self.generation_tokens.value += k
         if out.previous_time is None:
             self.ttft.observe(max(0.0, out.time - stream.arrival_time))
         elif k:

@@ -124,6 +124,19 @@ def test_leaving_the_loop_early_aborts_the_request(engine):
     assert_idle_and_clean(engine)
 
 
+def test_abort_drops_the_outputs_delivered_but_not_yet_read(engine):
+    async def main():
+        async with AsyncEngine(engine) as async_engine:
+            stream = await async_engine.add_request(PROMPTS[1], LONG)
+            while stream.num_ready < 3:  # steps delivered, none read
+                await asyncio.sleep(0.01)
+            stream.abort()
+            return [o async for o in stream]
+
+    assert asyncio.run(main()) == []
+    assert_idle_and_clean(engine)
+
+
 def test_a_step_that_raises_reaches_the_consumers_and_the_loop_keeps_serving(engine):
     want = engine.generate(PROMPTS[2], GREEDY, use_tqdm=False)[0].text
 
