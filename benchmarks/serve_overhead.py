@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from pathlib import Path
 
 from benchmarks.common import print_table
 
@@ -242,15 +243,24 @@ def _served(args, engine_process: bool) -> list[dict]:
 
 def run_e2e(args) -> None:
     rows = []
-    for _ in range(args.repeats):
-        row = _bench(args, ["--offline", args.path, *_engine_flags(args)])
-        rows.append({"mode": "offline", "output_tokens_per_s": row["output_tokens_per_s"], "seconds": row["seconds"]})
-    rows += _served(args, engine_process=False)
+
+    def record(new_rows: list[dict]) -> None:  # after each mode: a run stopped later keeps what it measured
+        rows.extend(new_rows)
+        offline = statistics.median(r["output_tokens_per_s"] for r in rows if r["mode"] == "offline")
+        for row in rows:
+            row["x_offline"] = row["output_tokens_per_s"] / offline
+        for row in new_rows:
+            print(row, flush=True)
+        if args.json:
+            from atom_core.serve.bench import as_json
+
+            Path(args.json).write_text(as_json(rows))
+
+    record([{"mode": "offline", **{k: row[k] for k in ("output_tokens_per_s", "seconds")}}
+            for row in (_bench(args, ["--offline", args.path, *_engine_flags(args)]) for _ in range(args.repeats))])
+    record(_served(args, engine_process=False))
     if args.engine_process:
-        rows += _served(args, engine_process=True)
-    offline = statistics.median(r["output_tokens_per_s"] for r in rows if r["mode"] == "offline")
-    for row in rows:
-        row["x_offline"] = row["output_tokens_per_s"] / offline
+        record(_served(args, engine_process=True))
     print_table(rows, ["mode", "output_tokens_per_s", "seconds", "itl_p50_ms", "failed", "x_offline"])
 
 
@@ -294,6 +304,7 @@ def main() -> None:
     e2e.add_argument("--threads", type=int, default=None)
     e2e.add_argument("--port", type=int, default=8123)
     e2e.add_argument("--repeats", type=int, default=1)
+    e2e.add_argument("--json", default=None, help="also write the rows (and the run) to this file")
     e2e.add_argument("--engine-process", action="store_true",
                      help="also serve with the engine in its own process (a one-replica DataParallelEngine)")
     tiny = commands.add_parser("tiny", help="save a tiny random Qwen3 to run e2e on a CPU")
