@@ -132,15 +132,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
         prompts, output_lens = nano_vllm_workload(num_seqs=min(args.num_seqs, 8), min_len=4, max_len=24, vocab=1000)
     else:
         prompts, output_lens = nano_vllm_workload(num_seqs=args.num_seqs)
-    systems = [("one engine", None)]
+    # The replicas first (processes of their own, gone when their front stops), the engine of this process
+    # last: an engine built here first kept its GPU's memory past its run, and replica 0 (on the same GPU)
+    # found no room for its KV pool.
+    systems = [(f"front, {args.data_parallel_size} replicas", args.data_parallel_size)]
     if not args.no_front_1:
         systems.append(("front, 1 replica", 1))
-    systems.append((f"front, {args.data_parallel_size} replicas", args.data_parallel_size))
+    systems.append(("one engine", None))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = _config_folder(cfg, Path(tmp) / args.model)
         for label, data_parallel_size in systems:
             rows.append(run_system(label, folder, args, prompts, output_lens, data_parallel_size))
+    rows.reverse()  # the one engine first: the baseline
     for row in rows:
         row["vs_one_engine"] = row["tok_per_s"] / rows[0]["tok_per_s"]
     print_table(rows)

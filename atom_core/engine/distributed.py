@@ -66,7 +66,7 @@ KIND_NAMES = {STEP: "step", WARMUP: "warmup", SHUTDOWN: "shutdown", CONFIG: "con
 HEADER_FIELDS = 16  # int64 each: kind, B, T, P, N, M, bucket kind, bucket tokens, bucket rows, payload bytes
 HEADER_BYTES = 8 * HEADER_FIELDS
 INLINE_BYTES = 128 * 1024  # the first broadcast's fixed size: a decode step of 256 rows x 120 pages fits
-ONE_SHOT_ENV = "ATOM_CORE_ONE_SHOT_ALL_REDUCE"  # "0": the TP group's all-reduces all run on NCCL
+ONE_SHOT_ENV = "ATOM_CORE_ONE_SHOT_ALL_REDUCE"  # "1" on every rank: small TP all-reduces on the one-shot kernel
 CONTROL_GROUP_TIMEOUT = datetime.timedelta(days=365)  # a worker waits for the next step as long as rank 0 idles
 _BUCKET_KINDS = {None: 0, DECODE: 1, MIXED: 2}
 _POLL_SPIN_S = 0.002  # a wait polls without sleeping this long, then sleeps POLL_SLEEP_S between polls
@@ -226,10 +226,10 @@ class StepChannel:
         # This rank's captured CUDA graphs (``StepGraphs``, set by its runner): they hold the TP group's
         # NCCL communicator until released (``release_device_state``).
         self.graphs = None
-        # Small all-reduces of the model's activations (dtype) through the one-shot kernel (``ops.comm``),
-        # unless a rank's environment says ATOM_CORE_ONE_SHOT_ALL_REDUCE=0 (then NCCL on every rank).
+        # Small all-reduces of the model's activations (dtype) through the one-shot kernel (``ops.comm``)
+        # where every rank's environment says ATOM_CORE_ONE_SHOT_ALL_REDUCE=1; NCCL otherwise (the default).
         self.one_shot_all_reduce = comm.enable_one_shot_all_reduce(
-            parallel.tp_group, dtype, self.device, want=os.environ.get(ONE_SHOT_ENV, "1") != "0")
+            parallel.tp_group, dtype, self.device, want=os.environ.get(ONE_SHOT_ENV) == "1")
 
     # ------------------------------------------------------------------ rank 0
 

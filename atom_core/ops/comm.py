@@ -68,10 +68,10 @@ The choice reads only the group's registration, ``x``'s dtype, size, contiguity 
 same on every rank of a group running the same program. It is capturable (the barrier's signals live in
 the symmetric memory, not on the host). ``disable_one_shot_all_reduce(group)`` (the engine's shutdown, after
 its graphs are released) drops the buffer. The engine enables it for its TP group on CUDA (``StepChannel``;
-``ATOM_CORE_ONE_SHOT_ALL_REDUCE=0`` in any rank's environment keeps NCCL for every message). Torch keeps
-symmetric memory's per-group state for the life of the process under the group's name, and groups made
-after ``destroy_process_group`` reuse earlier names (a second engine in one process): each enable
-registers the group under a fresh name of its own, drawn by rank 0.
+only where every rank's environment says ``ATOM_CORE_ONE_SHOT_ALL_REDUCE=1``: NCCL stays the default).
+Torch keeps symmetric memory's per-group state for the life of the process under the group's name, and
+groups made after ``destroy_process_group`` reuse earlier names: a group whose name this process already
+set up symmetric memory under stays on NCCL (a second multi-rank engine in one process).
 """
 
 # R ranks in the group, N rows of this rank's input
@@ -79,7 +79,6 @@ registers the group under a fresh name of its own, drawn by rank 0.
 from __future__ import annotations
 
 import logging
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -117,7 +116,7 @@ def _torch_all_reduce(x: Tensor, group) -> Tensor:
     if one_shot is not None and one_shot.serves(x):
         out = torch.empty_like(x)
         torch.ops.symm_mem.one_shot_all_reduce_copy_out(one_shot.buffer[:x.numel()].view_as(x), x, "sum",
-                                                        one_shot.name, out)
+                                                        group.group_name, out)
         return out
     import torch.distributed as dist
 
@@ -168,7 +167,6 @@ def one_shot_max_bytes(ranks: int) -> int:
 @dataclass(frozen=True)
 class _OneShot:
     buffer: Tensor  # this rank's symmetric buffer, flat, of the enabled dtype
-    name: str  # what torch's symmetric memory knows the group as (enable_one_shot_all_reduce)
 
     def serves(self, x: Tensor) -> bool:
         # Facts every rank of the group shares (a rank choosing NCCL while its peer waits at the one-shot
@@ -178,6 +176,7 @@ class _OneShot:
 
 
 _ONE_SHOT: dict[str, _OneShot] = {}  # by group name
+_SYMMETRIC_NAMES: set[str] = set()  # group names this process has set up symmetric memory under
 
 
 def enable_one_shot_all_reduce(group: ProcessGroup | None, dtype: torch.dtype, device, want: bool = True) -> bool:
@@ -185,17 +184,23 @@ def enable_one_shot_all_reduce(group: ProcessGroup | None, dtype: torch.dtype, d
 
     Collective: every rank of ``group`` calls it with the same ``dtype``; ``want`` is each rank's wish (any
     rank's False keeps NCCL for all). Returns whether it is on. It is not (and no collective runs) for one
-    rank, a CPU group or another dtype than bf16 / fp32. Otherwise the ranks first agree that each could
-    allocate its buffer, and only then meet in torch's rendezvous (a rank waiting there for a peer that never
-    comes would hang): all or none. Idempotent per group."""
+    rank, a CPU group or another dtype than bf16 / fp32. Otherwise the ranks first agree, and only then meet
+    in torch's rendezvous (a rank waiting there for a peer that never comes would hang): each rank says
+    whether it could allocate its buffer and whether its process never set up symmetric memory under the
+    group's name before. (Torch keeps that state per group name for the life of the process, and a group
+    made after ``destroy_process_group`` reuses an earlier group's name: a second multi-rank engine in one
+    process hung in the rendezvous. Such a group stays on NCCL.) Idempotent per group."""
     if group is None or group.size() == 1 or torch.device(device).type != "cuda" or dtype not in ONE_SHOT_DTYPES:
         return False
-    if group.group_name in _ONE_SHOT:
+    name = group.group_name
+    if name in _ONE_SHOT:
         return True
     import torch.distributed as dist
 
     buffer, reason = None, "not wanted"
-    if want:
+    if name in _SYMMETRIC_NAMES:
+        reason = f"this process set up symmetric memory under the group name {name!r} before"
+    elif want:
         try:
             import torch.distributed._symmetric_memory as symm_mem
 
@@ -203,26 +208,15 @@ def enable_one_shot_all_reduce(group: ProcessGroup | None, dtype: torch.dtype, d
             buffer = symm_mem.empty(one_shot_max_bytes(group.size()) // element_size, dtype=dtype, device=device)
         except Exception as e:  # noqa: BLE001 - a torch build or machine without it: NCCL serves every message
             reason = f"{type(e).__name__}: {e}"
-    # [all ranks could allocate (MIN), then rank 0's name for the rendezvous (16 random bytes)]
-    agreed = torch.zeros(17, dtype=torch.uint8, device=device)
-    if group.rank() == 0:
-        agreed[1:] = torch.frombuffer(bytearray(uuid.uuid4().bytes), dtype=torch.uint8)
-    dist.broadcast(agreed, dist.get_global_rank(group, 0), group=group)
-    agreed[0] = int(buffer is not None)
-    flag = agreed[:1].clone()
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    if not flag.item():
-        logger.info("one-shot all-reduce off for group %s (%s)", group.group_name,
+    agreed = torch.tensor([int(buffer is not None)], dtype=torch.int32, device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+    if not agreed.item():
+        logger.info("one-shot all-reduce off for group %s (%s)", name,
                     reason if buffer is None else "another rank could not set it up")
         return False
-    # torch keeps symmetric memory's per-group state for the life of the process, under the group's name,
-    # and a process group made after destroy_process_group reuses an earlier group's name: the rendezvous
-    # runs under a name of its own, new for every call, over the group's store.
-    name = "atom_core_one_shot_" + bytes(agreed[1:].tolist()).hex()
-    store = dist.PrefixStore(name, dist.distributed_c10d._get_process_group_store(group))
-    symm_mem._SymmetricMemory.set_group_info(name, group.rank(), group.size(), store)
+    _SYMMETRIC_NAMES.add(name)
     symm_mem.rendezvous(buffer, name)
-    _ONE_SHOT[group.group_name] = _OneShot(buffer, name)
+    _ONE_SHOT[name] = _OneShot(buffer)
     return True
 
 

@@ -172,8 +172,7 @@ def test_two_ranks_give_the_greedy_tokens_of_one_rank_with_chunked_prefill_and_p
         with Engine.from_pretrained(folder, device=device, dtype=torch.float32, tensor_parallel_size=2,
                                     expert_parallel=expert_parallel, step_timeout=60, **TIGHT) as two:
             assert two.model.parallel.tp_size == 2 and two.model.parallel.expert_parallel == expert_parallel
-            # on GPUs the small all-reduces take the one-shot path (ops.comm), which these tokens then check
-            assert two._channel.one_shot_all_reduce == (device == "cuda")
+            assert not two._channel.one_shot_all_reduce  # NCCL unless ATOM_CORE_ONE_SHOT_ALL_REDUCE=1 (ops.comm)
             got = _generate(two, prompts)
             assert two.num_preemptions > 0, "the tiny pool is meant to preempt"
             assert two.block_manager.num_blocks == one.block_manager.num_blocks

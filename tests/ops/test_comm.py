@@ -188,7 +188,7 @@ def test_collectives_over_subgroups_of_a_four_rank_world_combine_only_their_grou
 def test_one_shot_rule_takes_only_contiguous_aligned_messages_of_its_dtype_up_to_its_buffer():
     from atom_core.ops.comm import _OneShot
 
-    one_shot = _OneShot(torch.empty(1024, dtype=BF16), "g")
+    one_shot = _OneShot(torch.empty(1024, dtype=BF16))
     flat = torch.empty(4096, dtype=BF16)
     assert one_shot.serves(flat[:1024]) and one_shot.serves(flat[8:16].view(2, 4))
     assert not one_shot.serves(flat[:1025])                      # more than the buffer
@@ -207,12 +207,18 @@ def _one_shot_gpu_rank(rank: int, init_dir: str) -> None:
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     # Two worlds one after the other in the same processes (as two engines in one process): the second
-    # world's group has the first one's name, which torch's symmetric memory still knows.
+    # world's group has the first one's name, which torch's symmetric memory still knows: it stays on NCCL.
     for world in range(2):
         dist.init_process_group("nccl", init_method=f"file://{init_dir}/init{world}", rank=rank, world_size=2,
                                 timeout=datetime.timedelta(seconds=60), device_id=device)
         try:
-            _check_one_shot(rank, dist.new_group([0, 1]), device)
+            group = dist.new_group([0, 1])
+            if world == 0:
+                _check_one_shot(rank, group, device)
+            else:
+                assert not ops.comm.enable_one_shot_all_reduce(group, BF16, device)
+                x = torch.ones(8, dtype=BF16, device=device)
+                assert ops.all_reduce(x, group) is x and torch.equal(x, torch.full_like(x, 2))
         finally:
             dist.destroy_process_group()
 
@@ -250,5 +256,5 @@ def _check_one_shot(rank: int, group, device) -> None:
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_one_shot_all_reduce_sums_small_messages_eagerly_and_in_a_cuda_graph_and_leaves_large_ones_to_nccl(tmp_path):
+def test_one_shot_all_reduce_sums_small_messages_eagerly_and_in_a_cuda_graph_and_leaves_the_rest_to_nccl(tmp_path):
     mp.start_processes(_one_shot_gpu_rank, args=(str(tmp_path),), nprocs=2, join=True, start_method="spawn")
