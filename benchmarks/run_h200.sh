@@ -140,9 +140,10 @@ for part in $parts; do
             --hf-seqs 64 --hf-max-tokens 128 --hf-timeout 100 --json "$out/engine_throughput_v2_lite.json"
         ;;
     serve|structured|serving)
-        if [ -d .whl ] && [ -z "${serve_site:-}" ]; then
-            python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-                .whl/*.whl && export PYTHONPATH=.:/tmp/site serve_site=1
+        if [ -d .whl ]; then  # (installed once; on the path of every part that needs it)
+            [ -n "${serve_site:-}" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+                --upgrade --target /tmp/site .whl/*.whl && export serve_site=1
+            export PYTHONPATH=.:/tmp/site
         fi
         if [ $part != serving ]; then
             tests structured 150 tests/ops/test_token_mask.py tests/engine/test_structured_output.py \
