@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from atom_core.engine.async_engine import EngineClosedError, EngineStepError, RequestStream
+from atom_core.engine.async_engine import EngineClosedError, EngineStepError
+from atom_core.engine.request_stream import RequestStream
 from atom_core.serve.common import (SSE_CHOICE_END, SSE_DONE, APIError, ServerContext, json_str, json_value, logprob,
                                     now, request_id, sse, sse_head, stream_error_event, usage)
 from atom_core.serve.protocol import ChatCompletionRequest

@@ -17,8 +17,8 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-from atom_core.engine.async_engine import (AsyncEngine, EngineClosedError, EngineStepError, QueueFullError,
-                                           RequestStream, StreamOutput)
+from atom_core.engine.async_engine import AsyncEngine, EngineClosedError, EngineStepError, QueueFullError
+from atom_core.engine.request_stream import RequestStream, StreamOutput
 from atom_core.engine.sampling_params import SamplingParams
 from atom_core.serve.metrics import ServerMetrics
 from atom_core.serve.protocol import sampling_param_of

@@ -32,7 +32,8 @@ from bisect import bisect_left
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from atom_core.engine.async_engine import AsyncEngine, RequestStream, StreamOutput
+from atom_core.engine.async_engine import AsyncEngine
+from atom_core.engine.request_stream import RequestStream, StreamOutput
 
 # Seconds. TTFT and end-to-end follow vLLM's buckets; inter-token starts at 1 ms (a GPU decode step).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,

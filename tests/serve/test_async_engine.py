@@ -12,8 +12,8 @@ from dataclasses import replace
 import pytest
 
 from atom_core.engine import SamplingParams
-from atom_core.engine.async_engine import (AsyncEngine, EngineClosedError, EngineStepError, QueueFullError,
-                                           StreamOutput)
+from atom_core.engine.async_engine import AsyncEngine, EngineClosedError, EngineStepError, QueueFullError
+from atom_core.engine.request_stream import StreamOutput
 from tests.serve.conftest import demo_engine
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)

@@ -11,7 +11,8 @@ import json
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from atom_core.engine.async_engine import AsyncEngine, RequestStream, _Delta
+from atom_core.engine.async_engine import AsyncEngine
+from atom_core.engine.request_stream import RequestStream, _Delta
 from atom_core.engine.sampling_params import SamplingParams
 from atom_core.serve.chat import ChatJob
 from atom_core.serve.common import ServerConfig, ServerContext, json_value, sse, sse_head
