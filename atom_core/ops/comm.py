@@ -113,7 +113,7 @@ def _torch_all_reduce(x: Tensor, group) -> Tensor:
     if group is None:
         return x
     one_shot = _ONE_SHOT.get(group.group_name)
-    if one_shot is not None and one_shot.serves(x):
+    if one_shot is not None and one_shot.group is group and one_shot.serves(x):
         out = torch.empty_like(x)
         torch.ops.symm_mem.one_shot_all_reduce_copy_out(one_shot.buffer[:x.numel()].view_as(x), x, "sum",
                                                         group.group_name, out)
@@ -167,6 +167,7 @@ def one_shot_max_bytes(ranks: int) -> int:
 @dataclass(frozen=True)
 class _OneShot:
     buffer: Tensor  # this rank's symmetric buffer, flat, of the enabled dtype
+    group: ProcessGroup  # the group it was set up for (a later group may carry the same name)
 
     def serves(self, x: Tensor) -> bool:
         # Facts every rank of the group shares (a rank choosing NCCL while its peer waits at the one-shot
@@ -193,8 +194,11 @@ def enable_one_shot_all_reduce(group: ProcessGroup | None, dtype: torch.dtype, d
     if group is None or group.size() == 1 or torch.device(device).type != "cuda" or dtype not in ONE_SHOT_DTYPES:
         return False
     name = group.group_name
-    if name in _ONE_SHOT:
-        return True
+    entry = _ONE_SHOT.get(name)
+    if entry is not None:
+        if entry.group is group:
+            return True
+        del _ONE_SHOT[name]  # a destroyed group's, never disabled: its name stays on NCCL (below)
     import torch.distributed as dist
 
     buffer, reason = None, "not wanted"
@@ -216,14 +220,14 @@ def enable_one_shot_all_reduce(group: ProcessGroup | None, dtype: torch.dtype, d
         return False
     _SYMMETRIC_NAMES.add(name)
     symm_mem.rendezvous(buffer, name)
-    _ONE_SHOT[name] = _OneShot(buffer)
+    _ONE_SHOT[name] = _OneShot(buffer, group)
     return True
 
 
 def disable_one_shot_all_reduce(group: ProcessGroup | None) -> None:
     """Send ``group``'s messages back to NCCL and drop its symmetric buffer (no-op where not enabled)."""
-    if group is not None:
-        _ONE_SHOT.pop(group.group_name, None)
+    if group is not None and getattr(_ONE_SHOT.get(group.group_name), "group", None) is group:
+        del _ONE_SHOT[group.group_name]
 
 
 ALL_REDUCE.register("torch", _torch_all_reduce)

@@ -173,6 +173,17 @@ def _worker(rank: int, init_file: str) -> None:
         assert not ops.comm.enable_one_shot_all_reduce(group, FP32, "cpu")
         x = _value(rank, 4, 8)
         assert ops.all_reduce(x, group) is x
+        # an entry left under this group's name by another group (destroyed, never disabled) is not used
+        from atom_core.ops.comm import _ONE_SHOT, _OneShot
+
+        _ONE_SHOT[group.group_name] = _OneShot(torch.empty(1024, dtype=FP32), object())
+        try:
+            x = torch.ones(4, 8)
+            assert ops.all_reduce(x, group) is x and torch.equal(x, torch.full_like(x, 2))
+            ops.comm.disable_one_shot_all_reduce(group)  # (not this group's: left alone)
+            assert group.group_name in _ONE_SHOT
+        finally:
+            _ONE_SHOT.pop(group.group_name, None)
     finally:
         dist.destroy_process_group()
 
@@ -188,7 +199,7 @@ def test_collectives_over_subgroups_of_a_four_rank_world_combine_only_their_grou
 def test_one_shot_rule_takes_only_contiguous_aligned_messages_of_its_dtype_up_to_its_buffer():
     from atom_core.ops.comm import _OneShot
 
-    one_shot = _OneShot(torch.empty(1024, dtype=BF16))
+    one_shot = _OneShot(torch.empty(1024, dtype=BF16), None)
     flat = torch.empty(4096, dtype=BF16)
     assert one_shot.serves(flat[:1024]) and one_shot.serves(flat[8:16].view(2, 4))
     assert not one_shot.serves(flat[:1025])                      # more than the buffer
