@@ -279,7 +279,7 @@ class AsyncEngine:
         if stream.finished:
             return
         stream.aborted = True
-        stream._items.clear()  # outputs delivered but not read yet: the consumer asked for no more
+        stream._drop_unread()  # the consumer asked for no more
         self._finish_stream(stream, None)
         if self._thread is not None and self._thread.is_alive():
             self._send(("abort", stream))

@@ -225,6 +225,10 @@ class RequestStream:
                     waiter.set_result(None)
             waiters.clear()
 
+    def _drop_unread(self) -> None:
+        """Forget the outputs delivered but not read yet (an abort: iteration ends at once)."""
+        self._items.clear()
+
     def _on_delta(self, delta: _Delta) -> bool:
         """Record one sequence's step; returns True when this completed the request."""
         if delta.prompt_token_ids is not None and self.prompt_token_ids is None:
