@@ -255,9 +255,9 @@ def fused_experts_quant(hidden: Tensor, w13: Tensor, w13_scale: Tensor, w2: Tens
     ================  ===========================  =================================  ==========================
     weight_format     w13 / w2                     w13_scale / w2_scale               activations in the GEMMs
     ================  ===========================  =================================  ==========================
-    ``"fp8_block"``   fp8 e4m3fn [E, 2I, H] /      fp32 [E, ceil(2I/128), ceil(H/128)]  fp8, 1 x 128 groups,
-                      [E, H, I]                    / [E, ceil(H/128), ceil(I/128)]     quantized in the kernel
-    ``"fp8_channel"`` fp8 e4m3fn, as above         fp32 [E, 2I, 1] / [E, H, 1]         fp8, one scale per token
+    ``"fp8_block"``   fp8 e4m3fn [E, 2I, H] /      fp32 [E, ceil(2I/128), ceil(H/128)]  fp8, dynamic per
+                      [E, H, I]                    / [E, ceil(H/128), ceil(I/128)]     1 x 128 group
+    ``"fp8_channel"`` fp8 e4m3fn, as above         fp32 [E, 2I, 1] / [E, H, 1]         fp8, dynamic per token
     ``"mxfp4"``       uint8 [E, 2I, H/2] /         uint8 e8m0 [E, 2I, H/32] /          hidden's dtype
                       [E, H, I/2]: 2 e2m1 codes    [E, H, I/32]                        (weight-only)
                       per byte, low nibble first

@@ -237,6 +237,23 @@ def test_triton_strided_inputs_out_given_and_dropped_choices():
     torch.testing.assert_close(out, want, **tol("mxfp4", torch.float32))
 
 
+@needs_triton
+@pytest.mark.parametrize("weight_format", ["fp8_block", "fp8_channel"])
+@pytest.mark.parametrize("layout", ["rows_strided", "column_major"])
+def test_triton_fp8_matches_twin_for_strided_hidden_with_a_dropped_choice(weight_format, layout):
+    # fp8 quantizes hidden in a launch of its own, whose kernels read each row as contiguous: a row-strided
+    # hidden goes in with its row stride, a column-major one is made contiguous first. The activation rows of
+    # the dropped choice are never written, quantized all the same, and must not reach the output.
+    x, (w13, s13, w2, s2), (weights, ids), b13, b2 = make_case(weight_format, 7, 4, 2, 160, 96, torch.float32,
+                                                               biases=True, seed=13)
+    x = non_contiguous_rows(x) if layout == "rows_strided" else x.t().contiguous().t()
+    ids[3, 1] = -1
+    got = fused_experts_quant(x, w13, s13, w2, s2, weights, ids, weight_format=weight_format, w13_bias=b13,
+                              w2_bias=b2, backend="triton")
+    want = reference.fused_experts_quant(x, w13, s13, w2, s2, weights, ids, weight_format, "silu", b13, b2)
+    torch.testing.assert_close(got, want, **tol(weight_format, torch.float32))
+
+
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
 def test_empty_batch(backend):
     x, (w13, s13, w2, s2), (weights, ids), _, _ = make_case("fp8_block", 0, 4, 2, 64, 32, torch.float32)

@@ -14,8 +14,10 @@ Block sizes come from :func:`block_config`, keyed by tokens per expert.
 
 Quantized expert weights (:func:`fused_experts_quant`: fp8 per-channel, fp8 block-128, MXFP4 kept
 packed) go through the same two kernels with ``W_FORMAT`` set: each K step loads the weight tile in
-its stored format and dequantizes it in registers, and quantizes the activation tile to fp8 where the
-format asks (``atom_core.ops.triton.moe_quant_tiles``). ``W_PLAIN`` compiles to the unquantized kernel.
+its stored format and dequantizes it in registers (``atom_core.ops.triton.moe_quant_tiles``). With fp8
+weights each GEMM's input is quantized to fp8 once, by one launch of ``triton.quant``'s
+``per_group_quant`` (groups of 128) or ``per_token_quant`` before it (hidden before step 2, act before
+step 3), and the GEMM loads fp8 rows and their scales. ``W_PLAIN`` compiles to the unquantized kernel.
 """
 
 # T tokens, E experts, K top-k, H hidden, I intermediate
@@ -30,10 +32,12 @@ import triton
 import triton.language as tl
 
 from atom_core.ops.dispatch import triton_interpret
+from atom_core.ops.reference.quant import GROUP_SIZE
 from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2
 from atom_core.ops.triton.moe_align import align_sizes, moe_align
 from atom_core.ops.triton.moe_quant_tiles import (FORMAT_CODES, FP8_BLOCK, MXFP4_BLOCK, W_FP8_BLOCK, W_FP8_CHANNEL,
-                                                  W_MXFP4, W_PLAIN, mxfp4_tile, quantize_rows, row_scales)
+                                                  W_MXFP4, W_PLAIN, mxfp4_tile)
+from atom_core.ops.triton.quant import per_group_quant, per_token_quant
 
 SILU = tl.constexpr(0)
 SWIGLU_CLAMPED = tl.constexpr(1)
@@ -106,22 +110,10 @@ def _round_to_bf16_values(x):
 
 
 @triton.jit
-def _row_amax(a_ptrs, row_ok, size, stride_k, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """max |a| over each of BLOCK_M rows of ``size`` columns (fp32): the per-token pre-pass."""
-    k = tl.arange(0, BLOCK_K)
-    amax = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for step in range(0, tl.cdiv(size, BLOCK_K)):
-        a = tl.load(a_ptrs + step * BLOCK_K * stride_k, mask=row_ok[:, None] & (k < size - step * BLOCK_K)[None, :],
-                    other=0.0)
-        amax = tl.maximum(amax, tl.max(tl.abs(a.to(tl.float32)), axis=1))
-    return amax
-
-
-@triton.jit
 def _gate_up_kernel(
-    x_ptr, w_ptr, ws_ptr, b_ptr, act_ptr, sorted_ptr, block_experts_ptr, num_padded_ptr,
+    x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, act_ptr, sorted_ptr, block_experts_ptr, num_padded_ptr,
     num_entries, hidden, inter, num_blocks, gate_row_step, up_row_offset, alpha, limit,
-    stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_se, stride_sn, stride_sh,
+    stride_xt, stride_xh, stride_xst, stride_xsg, stride_we, stride_wn, stride_wh, stride_se, stride_sn, stride_sh,
     stride_be, stride_bn, stride_an,
     TOP_K: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, W_FORMAT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -132,7 +124,9 @@ def _gate_up_kernel(
     gate_row(j) = j * gate_row_step, up_row(j) = gate_row(j) + up_row_offset:
     silu (halves) step 1, offset I; swiglu_clamped (interleaved) step 2, offset 1.
     Quantized weights (``W_FORMAT``): ws_ptr is w13's scale, strides (expert, row, column);
-    MXFP4's stride_wh is that of w13's bytes (two elements each).
+    MXFP4's stride_wh is that of w13's bytes (two elements each). fp8 formats: x is hidden quantized to
+    fp8 and xs_ptr its fp32 scales, strides (token, group): [T, ceil(H / 128)] for fp8_block (group =
+    K step), [T, 1] for fp8_channel; the plain and MXFP4 formats never read xs_ptr.
     """
     pid_m, pid_n = _tile_of(tl.program_id(0), num_blocks, tl.cdiv(inter, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -160,8 +154,7 @@ def _gate_up_kernel(
         w_step = BLOCK_K
     gate_ptrs = w_expert + gate_rows[None, :] * stride_wn + w_k[:, None] * stride_wh
     up_ptrs = gate_ptrs + up_row_offset * stride_wn
-    if W_FORMAT == W_FP8_CHANNEL:
-        a_scale = row_scales(_row_amax(x_ptrs, row_ok, hidden, stride_xh, BLOCK_M, BLOCK_K))
+    xs_ptrs = xs_ptr + token * stride_xst
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for step in range(0, tl.cdiv(hidden, BLOCK_K)):
@@ -195,24 +188,23 @@ def _gate_up_kernel(
         else:
             w_gate = tl.load(gate_ptrs, mask=w_mask, other=0.0)
             w_up = tl.load(up_ptrs, mask=w_mask, other=0.0)
-            if W_FORMAT == W_FP8_BLOCK:  # BLOCK_K == 128: this step is block column `step`, one group per row
-                a_scale = row_scales(tl.max(tl.abs(a.to(tl.float32)), axis=1))
-                a_q = quantize_rows(a, a_scale, w_ptr.dtype.element_ty)
+            if W_FORMAT == W_FP8_BLOCK:  # BLOCK_K == 128: this step is block column `step`, activation group `step`
+                a_scale = tl.load(xs_ptrs + step * stride_xsg, mask=row_ok, other=0.0)
                 gate_s = tl.load(s_expert + (gate_rows // FP8_BLOCK) * stride_sn + step * stride_sh, mask=col_ok,
                                  other=0.0)
                 up_s = tl.load(s_expert + (up_rows // FP8_BLOCK) * stride_sn + step * stride_sh, mask=col_ok,
                                other=0.0)
-                acc_gate += tl.dot(a_q, w_gate) * a_scale[:, None] * gate_s[None, :]
-                acc_up += tl.dot(a_q, w_up) * a_scale[:, None] * up_s[None, :]
+                acc_gate += tl.dot(a, w_gate) * a_scale[:, None] * gate_s[None, :]
+                acc_up += tl.dot(a, w_up) * a_scale[:, None] * up_s[None, :]
             else:
-                a_q = quantize_rows(a, a_scale, w_ptr.dtype.element_ty)
-                acc_gate = tl.dot(a_q, w_gate, acc_gate)
-                acc_up = tl.dot(a_q, w_up, acc_up)
+                acc_gate = tl.dot(a, w_gate, acc_gate)
+                acc_up = tl.dot(a, w_up, acc_up)
         x_ptrs += BLOCK_K * stride_xh
         gate_ptrs += w_step * stride_wh
         up_ptrs += w_step * stride_wh
 
     if W_FORMAT == W_FP8_CHANNEL:
+        a_scale = tl.load(xs_ptrs, mask=row_ok, other=0.0)
         gate_s = tl.load(s_expert + gate_rows * stride_sn, mask=col_ok, other=0.0)
         up_s = tl.load(s_expert + up_rows * stride_sn, mask=col_ok, other=0.0)
         acc_gate = acc_gate * a_scale[:, None] * gate_s[None, :]
@@ -235,15 +227,16 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    act_ptr, w_ptr, ws_ptr, b_ptr, topk_weights_ptr, y_ptr, sorted_ptr, block_experts_ptr, num_padded_ptr,
+    act_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, topk_weights_ptr, y_ptr, sorted_ptr, block_experts_ptr, num_padded_ptr,
     num_entries, hidden, inter, num_blocks,
-    stride_an, stride_we, stride_wn, stride_wi, stride_se, stride_sn, stride_si, stride_be, stride_bn,
-    stride_tw_t, stride_tw_k, stride_yn,
+    stride_an, stride_asn, stride_asg, stride_we, stride_wn, stride_wi, stride_se, stride_sn, stride_si,
+    stride_be, stride_bn, stride_tw_t, stride_tw_k, stride_yn,
     TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, W_FORMAT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
-    """y[entry, h] = topk_weight[entry] * (act[entry] · w2[e, h] + b2[e, h]) (formats as the gate/up kernel)."""
+    """y[entry, h] = topk_weight[entry] * (act[entry] · w2[e, h] + b2[e, h]) (formats as the gate/up kernel:
+    for fp8, act is the activation quantized to fp8 and as_ptr its scales [N, ceil(I / 128)] or [N, 1])."""
     pid_m, pid_n = _tile_of(tl.program_id(0), num_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -265,8 +258,7 @@ def _down_kernel(
         w_k = k
         w_step = BLOCK_K
     w_ptrs = w_ptr + expert * stride_we + cols.to(tl.int64)[None, :] * stride_wn + w_k[:, None] * stride_wi
-    if W_FORMAT == W_FP8_CHANNEL:
-        a_scale = row_scales(_row_amax(a_ptrs, row_ok, inter, 1, BLOCK_M, BLOCK_K))
+    as_ptrs = as_ptr + entry * stride_asn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for step in range(0, tl.cdiv(inter, BLOCK_K)):
         if EVEN_K:
@@ -293,15 +285,16 @@ def _down_kernel(
         else:
             w = tl.load(w_ptrs, mask=w_mask, other=0.0)
             if W_FORMAT == W_FP8_BLOCK:
-                a_scale = row_scales(tl.max(tl.abs(a.to(tl.float32)), axis=1))
+                a_scale = tl.load(as_ptrs + step * stride_asg, mask=row_ok, other=0.0)
                 w_s = tl.load(s_expert + (cols // FP8_BLOCK) * stride_sn + step * stride_si, mask=col_ok, other=0.0)
-                acc += tl.dot(quantize_rows(a, a_scale, w_ptr.dtype.element_ty), w) * a_scale[:, None] * w_s[None, :]
+                acc += tl.dot(a, w) * a_scale[:, None] * w_s[None, :]
             else:
-                acc = tl.dot(quantize_rows(a, a_scale, w_ptr.dtype.element_ty), w, acc)
+                acc = tl.dot(a, w, acc)
         a_ptrs += BLOCK_K
         w_ptrs += w_step * stride_wi
 
     if W_FORMAT == W_FP8_CHANNEL:
+        a_scale = tl.load(as_ptrs, mask=row_ok, other=0.0)
         acc = acc * a_scale[:, None] * tl.load(s_expert + cols * stride_sn, mask=col_ok, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + expert * stride_be + cols * stride_bn, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -393,6 +386,23 @@ def fused_experts_quant(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk
             w2_bias, out, cfg)
 
 
+def _quantize_input(x, weight_format, fp8_dtype):
+    """One GEMM input x [R, C] → (fp8 [R, C] of ``fp8_dtype``, fp32 scales) in one launch, as the twin's
+    ``activation_quantizer``: fp8_block per 1 x 128 group (scales [R, ceil(C / 128)]), fp8_channel per
+    row (scales [R, 1])."""
+    if x.stride(1) != 1:  # the quantization kernels read each row as contiguous
+        x = x.contiguous()
+    rows, cols = x.shape
+    q = torch.empty(rows, cols, dtype=fp8_dtype, device=x.device)
+    if weight_format == "fp8_block":
+        scale = torch.empty(rows, cdiv(cols, GROUP_SIZE), dtype=torch.float32, device=x.device)
+        per_group_quant(x, GROUP_SIZE, q, scale)
+    else:
+        scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+        per_token_quant(x, q, scale)
+    return q, scale
+
+
 def _launch(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight_format, activation, w13_bias,
             w2_bias, out, cfg):
     """Align, gate/up, down, sum. Strides are passed as ``*t.stride()`` (one call per tensor;
@@ -409,17 +419,22 @@ def _launch(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight
     # there (only) dot operands go up to fp32 and the activation between the GEMMs is rounded by hand.
     upcast = triton_interpret() and hidden.dtype == torch.bfloat16
     w_format = FORMAT_CODES[weight_format]
+    fp8 = weight_format in ("fp8_block", "fp8_channel")
     sorted_entries, block_experts, num_padded = moe_align(topk_ids, num_experts, cfg.block_m)
 
+    # fp8 weights: the GEMM reads hidden quantized (fp8 of w13's dtype) with its scales; other formats
+    # read hidden itself, and x_scale is any pointer, never read.
+    x, x_scale = _quantize_input(hidden, weight_format, w13.dtype) if fp8 else (hidden, hidden)
     act = torch.empty(num_entries, inter, dtype=hidden.dtype, device=hidden.device)
     swiglu = activation == "swiglu_clamped"
     b13 = w13_bias if w13_bias is not None else w13  # any pointer; never read without HAS_BIAS
     s13 = w13_scale if w13_scale is not None else w13  # never read by the plain format
     _gate_up_kernel[shape.gate_up_grid](
-        hidden, w13, s13, b13, act, sorted_entries, block_experts, num_padded,
+        x, x_scale, w13, s13, b13, act, sorted_entries, block_experts, num_padded,
         num_entries, hidden_size, inter, num_blocks, 2 if swiglu else 1, 1 if swiglu else inter,
         SWIGLU_ALPHA, SWIGLU_LIMIT,
-        *hidden.stride(), *w13.stride(), *(w13_scale.stride() if w13_scale is not None else (0, 0, 0)),
+        *x.stride(), *(x_scale.stride() if fp8 else (0, 0)),
+        *w13.stride(), *(w13_scale.stride() if w13_scale is not None else (0, 0, 0)),
         *(w13_bias.stride() if w13_bias is not None else (0, 0)), act.stride(0),
         TOP_K=top_k, ACT=SWIGLU_CLAMPED if swiglu else SILU, HAS_BIAS=w13_bias is not None,
         EVEN_K=shape.even_hidden, W_FORMAT=w_format, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
@@ -430,12 +445,15 @@ def _launch(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight
     # fp32 rows: the sum over K is rounded once, as in the twin (costs 2x the bytes of a 16-bit y,
     # a few % of a prefill, nothing at decode).
     y = torch.empty(num_entries, hidden_size, dtype=torch.float32, device=hidden.device)
+    # Rows of dropped choices were never written: they are quantized too (each row on its own) and never read.
+    a, a_scale = _quantize_input(act, weight_format, w2.dtype) if fp8 else (act, act)
     b2 = w2_bias if w2_bias is not None else w2
     s2 = w2_scale if w2_scale is not None else w2
     _down_kernel[shape.down_grid](
-        act, w2, s2, b2, topk_weights, y, sorted_entries, block_experts, num_padded,
+        a, a_scale, w2, s2, b2, topk_weights, y, sorted_entries, block_experts, num_padded,
         num_entries, hidden_size, inter, num_blocks,
-        act.stride(0), *w2.stride(), *(w2_scale.stride() if w2_scale is not None else (0, 0, 0)),
+        a.stride(0), *(a_scale.stride() if fp8 else (0, 0)),
+        *w2.stride(), *(w2_scale.stride() if w2_scale is not None else (0, 0, 0)),
         *(w2_bias.stride() if w2_bias is not None else (0, 0)), *topk_weights.stride(), y.stride(0),
         TOP_K=top_k, HAS_BIAS=w2_bias is not None, EVEN_K=shape.even_inter, W_FORMAT=w_format,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,

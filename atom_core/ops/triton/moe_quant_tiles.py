@@ -4,18 +4,21 @@ of the gate/up or down kernel does with an expert's weight tile and the activati
 Weight formats (``W_FORMAT``, a constexpr of both kernels; layouts in ``atom_core.ops.reference.moe``):
 
 - ``W_PLAIN``: weights in hidden's dtype (the unquantized path, unchanged);
-- ``W_FP8_CHANNEL``: fp8 weights, one scale per output row applied in the epilogue; the activation
-  rows are quantized to fp8 per token (:func:`row_scales` over the whole row in a first pass);
-- ``W_FP8_BLOCK``: fp8 weights with a scale per 128 x 128 block; each K step covers exactly one
-  128-wide block column (BLOCK_K = 128), whose activation tile is quantized per 1 x 128 group in
-  registers and whose partial product is scaled by ``a_scale[m] * w_scale[n // 128, step]``;
+- ``W_FP8_CHANNEL``: fp8 weights, one scale per output row; the activation rows arrive quantized to
+  fp8 per token, and ``a_scale[m] * w_scale[n]`` multiplies the accumulator in the epilogue;
+- ``W_FP8_BLOCK``: fp8 weights with a scale per 128 x 128 block; the activation rows arrive quantized
+  per 1 x 128 group, and each K step covers exactly one 128-wide block column (BLOCK_K = 128), whose
+  partial product is scaled by ``a_scale[m, step] * w_scale[n // 128, step]``;
 - ``W_MXFP4``: packed E2M1 codes (two per byte along K) with an E8M0 scale per 32 along K, decoded
   to fp32 in registers (:func:`mxfp4_tile`) and multiplied in hidden's dtype: the weights never
   exist decoded in memory.
 
-The activation quantization is the twin's (``reference.quant``) operation for operation — fp32
-amax, ``max(amax, 1e-10) / 448`` and ``x / scale`` as IEEE divisions (``tl.div_rn``), the same
-round to nearest even (``triton.quant.round_to_format``) — so the fp8 values equal the twin's.
+For the fp8 formats each GEMM's input is quantized once, by one launch before that GEMM, with the
+activation quantization kernels of ``atom_core.ops.triton.quant`` (``per_group_quant`` with groups
+of 128 for ``W_FP8_BLOCK``, ``per_token_quant`` for ``W_FP8_CHANNEL``): hidden [T, H] before the
+gate/up kernel, the activation [T * K, I] before the down kernel. Those kernels equal the twins
+(``reference.quant``) bit for bit, so the fp8 values the GEMMs read are the twin's; the GEMM kernels
+load fp8 rows and fp32 scales and do no quantization arithmetic.
 """
 
 from __future__ import annotations
@@ -23,17 +26,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from atom_core.ops.reference.quant import AMAX_FLOOR, FP8_DTYPE, qmax
-from atom_core.ops.triton.quant import round_to_format
-
 W_PLAIN = tl.constexpr(0)
 W_FP8_CHANNEL = tl.constexpr(1)
 W_FP8_BLOCK = tl.constexpr(2)
 W_MXFP4 = tl.constexpr(3)
 FORMAT_CODES = {None: 0, "fp8_channel": 1, "fp8_block": 2, "mxfp4": 3}  # weight_format -> W_FORMAT
 
-FP8_MAX = tl.constexpr(qmax(FP8_DTYPE))
-AMAX_MIN = tl.constexpr(AMAX_FLOOR)
 FP8_BLOCK = tl.constexpr(128)
 MXFP4_BLOCK = tl.constexpr(32)
 
@@ -68,18 +66,6 @@ def mxfp4_tile(byte_ptrs, scale_ptrs, shift, mask):
     codes = (tl.load(byte_ptrs, mask=mask, other=0).to(tl.int32) >> shift) & 0xF
     scales = tl.load(scale_ptrs, mask=mask, other=127).to(tl.int32)
     return e2m1_value(codes) * e8m0_value(scales)
-
-
-@triton.jit
-def row_scales(amax):
-    """fp32 per-row amax → fp8 scale ``max(amax, 1e-10) / 448`` (the twin's ``scale_from_amax``)."""
-    return tl.div_rn(tl.maximum(amax, AMAX_MIN), FP8_MAX)
-
-
-@triton.jit
-def quantize_rows(a, scale, FP8_TYPE: tl.constexpr):
-    """Activation tile [M, K] (any float) and its rows' scales [M] → the fp8 tile the twin stores."""
-    return round_to_format(tl.div_rn(a.to(tl.float32), scale[:, None]), FP8_MAX, False).to(FP8_TYPE)
 
 
 @triton.jit
