@@ -60,6 +60,10 @@ folder = pathlib.Path(sys.argv[1])
 Qwen3ForCausalLM(Qwen3Config.from_json_file("benchmarks/configs/qwen3-0.6b.json")).to(torch.bfloat16).save_pretrained(folder)
 for name in ("tokenizer.json", "tokenizer_config.json"):
     shutil.copy(pathlib.Path(atom_core.__file__).parent / "demo_model" / name, folder)
+# The demo tokenizer has no chat template: both servers render atom-core's fallback (transformers serve refuses
+# a chat request without one).
+from atom_core.serve.engine_options import FALLBACK_CHAT_TEMPLATE
+(folder / "chat_template.jinja").write_text(FALLBACK_CHAT_TEMPLATE)
 PY
     local servers=${SERVE_SERVERS:-atom_core transformers}
     if [[ " $servers " == *" atom_core "* ]]; then  # the baseline of the server-overhead target

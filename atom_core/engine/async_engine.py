@@ -344,7 +344,8 @@ class AsyncEngine:
 
     def _serve(self) -> None:
         engine = self.engine
-        if engine.device.type == "cuda":
+        # A data-parallel front's device names no GPU (its replicas own theirs): nothing to select then.
+        if engine.device.type == "cuda" and engine.device.index is not None:
             import torch
 
             torch.cuda.set_device(engine.device)

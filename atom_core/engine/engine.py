@@ -34,6 +34,7 @@ from atom_core.engine.scheduler import Scheduler
 from atom_core.engine.stop_rule import StopRule
 from atom_core.engine.tokenizer import Tokenizer
 from atom_core.engine.workers import DEFAULT_STEP_TIMEOUT, WorkerSet, run_worker, start_ranks, stop_ranks
+from atom_core.ops.dispatch import preferred_backend
 from atom_core.ops.penalties import apply_penalties_, apply_token_bias_
 from atom_core.ops.sampling import sample
 from atom_core.ops.token_mask import apply_token_mask_
@@ -123,6 +124,11 @@ class Engine:
                          gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
                          kv_cache_dtype=kv_cache_dtype)
+        if self.device.type == "cuda" and not enforce_eager and preferred_backend() == "torch":
+            # The reference ops read values on the host (boolean masks, sizes): a CUDA graph cannot hold them.
+            logger.warning("the ops prefer the reference backend ('torch'), which CUDA graphs cannot capture: "
+                           "every step runs eagerly (enforce_eager=True)")
+            enforce_eager = True
         self._channel = self._open_ranks(model, step_timeout, workers)
         spec, extra_specs, plan = self._plan_pool(pool_args, enforce_eager)
         self.stop_rule = StopRule(config.eos_token_id, self.max_model_len, tokenizer)

@@ -90,6 +90,11 @@ def default_backend() -> str | None:
     return _default_backend
 
 
+def preferred_backend() -> str | None:
+    """The preference ops called here now follow: the innermost ``use_backend``, else the default."""
+    return _preferred.get() or _default_backend
+
+
 @functools.lru_cache(maxsize=None)
 def triton_interpret() -> bool:
     """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``).
@@ -255,7 +260,7 @@ class Op:
             if reason:
                 raise BackendUnavailable(f"{self.name}: backend {backend!r} cannot serve this call: {reason}")
             return backend
-        preferred = _preferred.get() or _default_backend
+        preferred = preferred_backend()
         order = ([_check_name(preferred)] if preferred else []) + [b for b in BACKENDS if b != preferred]
         device = _first_device(args, kwargs)
         for candidate in order:

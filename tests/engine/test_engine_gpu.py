@@ -32,6 +32,24 @@ def test_cuda_graphs_and_async_scheduling_on_off_same_tokens(request, fixture):
     assert outs[True, False] == outs[False, False] == outs[False, True]
 
 
+def test_an_engine_built_preferring_the_reference_ops_runs_eagerly_and_gives_the_reference_tokens(tiny_qwen3):
+    """The reference ops read values on the host, which a CUDA graph cannot capture: inside
+    use_backend("torch") the engine runs without graphs (instead of failing in the capture)."""
+    from atom_core import ops
+
+    folder, hf_model = tiny_qwen3
+    prompts = _prompts(hf_model.config.vocab_size, 9)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    args = dict(device="cuda", dtype=torch.float32, max_num_seqs=16, num_kv_blocks=256)
+    with ops.use_backend("torch"):
+        engine = Engine.from_pretrained(folder, **args)
+        assert engine.runner.graphs is None
+        got = [o.token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
+        want = [o.token_ids for o in Engine.from_pretrained(folder, enforce_eager=True, **args).generate(
+            prompts, params, use_tqdm=False)]
+    assert got == want
+
+
 def test_after_warmup_generate_compiles_no_kernel_and_captures_no_graph(tiny_qwen3):
     triton = pytest.importorskip("triton")
     knobs = getattr(triton, "knobs", None)

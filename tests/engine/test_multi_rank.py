@@ -207,7 +207,9 @@ def test_two_ranks_serve_prompt_logprobs_penalties_and_seeded_sampling_as_one_ra
 # ---- failures and lifetime --------------------------------------------------------------------------------------------
 
 def _running_engine(folder, device="cpu", **kwargs):
-    engine = Engine.from_pretrained(folder, device=device, dtype=torch.float32, tensor_parallel_size=2, **kwargs)
+    # (A pool sized by the free memory of an H200 would hold tens of millions of this tiny model's blocks.)
+    engine = Engine.from_pretrained(folder, device=device, dtype=torch.float32, tensor_parallel_size=2,
+                                    num_kv_blocks=2048, **kwargs)
     for prompt in _prompts(96, lengths=(5, 9, 3)):
         engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
     engine.step()

@@ -12,6 +12,7 @@ import sys
 import weakref
 
 import pytest
+import torch
 
 from atom_core import ops
 from atom_core.engine import Engine, SamplingParams
@@ -70,9 +71,9 @@ PROMPTS = ["Return the value of", "If the file does not exist,", "The default is
 
 @pytest.fixture(autouse=True, scope="module")
 def _torch_backend():
-    """The reference ops (the suite sets TRITON_INTERPRET=1, under which auto picks Triton's CPU
-    interpreter for some ops: seconds per step); the Triton mask kernel is tested in tests/ops."""
-    with ops.use_backend("torch"):
+    """Without a GPU the reference ops (the suite sets TRITON_INTERPRET=1 there, under which auto picks
+    Triton's CPU interpreter for some ops: seconds per step); on a GPU the default choice."""
+    with ops.use_backend(None if torch.cuda.is_available() else "torch"):
         yield
 
 

@@ -69,6 +69,23 @@ def test_a_server_over_two_data_parallel_replicas_answers_as_one_engine(monkeypa
     assert [choice.text for choice in sorted(got.choices, key=lambda c: c.index)] == [ref.text for ref in want]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_server_over_a_data_parallel_front_on_cuda_answers_as_one_engine():
+    """The front's device is plain "cuda" (its replica owns the GPU): the step thread selects no GPU."""
+    from atom_core.engine import DataParallelEngine
+    from tests.serve.conftest import LiveServer
+
+    prompts = ["Return the number of", "Create a new"]
+    with DataParallelEngine(None, data_parallel_size=1, device="cuda", step_timeout=120) as front:
+        want = front.generate(prompts, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+        live = LiveServer(front).start()
+        try:
+            got = live.client().completions.create(model="demo", prompt=prompts, max_tokens=5, temperature=0)
+        finally:
+            live.stop()
+    assert [choice.text for choice in sorted(got.choices, key=lambda c: c.index)] == [ref.text for ref in want]
+
+
 def test_chat_answers_each_stdin_line_as_engine_chat_does_and_stops_at_exit(capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.StringIO("Open a file\n\n/reset\nClose it\n/exit\nnever read\n"))
     assert cli.main(["chat", "--threads", "1", "--max-tokens", "12", "--temperature", "0", "--system",
