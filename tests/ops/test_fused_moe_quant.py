@@ -73,7 +73,11 @@ def test_kernel_mxfp4_decode_is_bit_exact_with_the_checkpoint_decoder():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # the interpreter's numpy overflows to inf, as it should
         got = decode_mxfp4(blocks.flatten(-2).to(DEVICE), scales.to(DEVICE)).cpu()
-    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    wrong = (got.view(torch.int32) != want.view(torch.int32)).nonzero().tolist()
+    packed = blocks.flatten(-2)
+    first = [(r, c, got[r, c].item(), want[r, c].item(), (int(packed[r, c // 2]) >> 4 * (c % 2)) & 15,
+              int(scales[r, c // 32])) for r, c in wrong[:6]]
+    assert not wrong, f"{len(wrong)} of {got.numel()} differ; first (row, column, got, want, code, e8m0): {first}"
 
 
 # ------------------------------------------------------------------------------------- twin vs float64

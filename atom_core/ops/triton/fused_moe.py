@@ -36,7 +36,7 @@ from atom_core.ops.reference.quant import GROUP_SIZE
 from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2
 from atom_core.ops.triton.moe_align import align_sizes, moe_align
 from atom_core.ops.triton.moe_quant_tiles import (FORMAT_CODES, FP8_BLOCK, MXFP4_BLOCK, W_FP8_BLOCK, W_FP8_CHANNEL,
-                                                  W_MXFP4, W_PLAIN, mxfp4_tile)
+                                                  W_MXFP4, W_PLAIN, mxfp4_pairs)
 from atom_core.ops.triton.quant import per_group_quant, per_token_quant
 
 SILU = tl.constexpr(0)
@@ -144,10 +144,12 @@ def _gate_up_kernel(
     x_ptrs = x_ptr + token[:, None] * stride_xt + k[None, :] * stride_xh
     w_expert = w_ptr + expert * stride_we
     s_expert = ws_ptr + expert * stride_se
-    if W_FORMAT == W_MXFP4:
-        w_k = k // 2  # the byte holding element k; its nibble starts at bit 4 * (k % 2)
-        gate_s_ptrs = s_expert + gate_rows[None, :] * stride_sn + (k // MXFP4_BLOCK)[:, None] * stride_sh
+    if W_FORMAT == W_MXFP4:  # a [BLOCK_K / 2, BLOCK_N] tile of bytes: byte j holds elements 2j and 2j + 1
+        pair = tl.arange(0, BLOCK_K // 2)
+        gate_s_ptrs = s_expert + gate_rows[None, :] * stride_sn + (pair // (MXFP4_BLOCK // 2))[:, None] * stride_sh
         up_s_ptrs = gate_s_ptrs + up_row_offset * stride_sn
+        even_ptrs = x_ptr + token[:, None] * stride_xt + (2 * pair)[None, :] * stride_xh  # the even columns
+        w_k = pair
         w_step = BLOCK_K // 2
     else:
         w_k = k
@@ -173,18 +175,26 @@ def _gate_up_kernel(
                 a, w_gate, w_up = a.to(tl.float32), w_gate.to(tl.float32), w_up.to(tl.float32)
             acc_gate = tl.dot(a, w_gate, acc_gate, input_precision=DOT_PRECISION)
             acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
-        elif W_FORMAT == W_MXFP4:
-            shift = ((k % 2) * 4)[:, None]
-            w_gate = mxfp4_tile(gate_ptrs, gate_s_ptrs, shift, w_mask)
-            w_up = mxfp4_tile(up_ptrs, up_s_ptrs, shift, w_mask)
+        elif W_FORMAT == W_MXFP4:  # (H is even: a byte's two elements are both in range or both out)
+            pair_ok = 2 * pair < hidden - step * BLOCK_K
+            pair_mask = pair_ok[:, None] & col_ok[None, :]
+            x_mask = row_ok[:, None] & pair_ok[None, :]
+            a_even = tl.load(even_ptrs, mask=x_mask, other=0.0)
+            a_odd = tl.load(even_ptrs + stride_xh, mask=x_mask, other=0.0)
+            gate_even, gate_odd = mxfp4_pairs(gate_ptrs, gate_s_ptrs, pair_mask)
+            up_even, up_odd = mxfp4_pairs(up_ptrs, up_s_ptrs, pair_mask)
             if UPCAST_DOT:
-                a = a.to(tl.float32)
+                a_even, a_odd = a_even.to(tl.float32), a_odd.to(tl.float32)
             else:  # exact in bf16 and fp32 (fp16: for scales 2**-23 ... 2**13)
-                w_gate, w_up = w_gate.to(a.dtype), w_up.to(a.dtype)
-            acc_gate = tl.dot(a, w_gate, acc_gate, input_precision=DOT_PRECISION)
-            acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
+                gate_even, gate_odd = gate_even.to(a_even.dtype), gate_odd.to(a_even.dtype)
+                up_even, up_odd = up_even.to(a_even.dtype), up_odd.to(a_even.dtype)
+            acc_gate = tl.dot(a_even, gate_even, acc_gate, input_precision=DOT_PRECISION)
+            acc_gate = tl.dot(a_odd, gate_odd, acc_gate, input_precision=DOT_PRECISION)
+            acc_up = tl.dot(a_even, up_even, acc_up, input_precision=DOT_PRECISION)
+            acc_up = tl.dot(a_odd, up_odd, acc_up, input_precision=DOT_PRECISION)
             gate_s_ptrs += (BLOCK_K // MXFP4_BLOCK) * stride_sh
             up_s_ptrs += (BLOCK_K // MXFP4_BLOCK) * stride_sh
+            even_ptrs += BLOCK_K * stride_xh
         else:
             w_gate = tl.load(gate_ptrs, mask=w_mask, other=0.0)
             w_up = tl.load(up_ptrs, mask=w_mask, other=0.0)
@@ -250,9 +260,11 @@ def _down_kernel(
 
     a_ptrs = act_ptr + entry[:, None] * stride_an + k[None, :]
     s_expert = ws_ptr + expert * stride_se
-    if W_FORMAT == W_MXFP4:
-        w_k = k // 2
-        s_ptrs = s_expert + cols.to(tl.int64)[None, :] * stride_sn + (k // MXFP4_BLOCK)[:, None] * stride_si
+    if W_FORMAT == W_MXFP4:  # as in the gate/up kernel
+        pair = tl.arange(0, BLOCK_K // 2)
+        s_ptrs = s_expert + cols.to(tl.int64)[None, :] * stride_sn + (pair // (MXFP4_BLOCK // 2))[:, None] * stride_si
+        even_ptrs = act_ptr + entry[:, None] * stride_an + (2 * pair)[None, :]
+        w_k = pair
         w_step = BLOCK_K // 2
     else:
         w_k = k
@@ -274,14 +286,20 @@ def _down_kernel(
             if UPCAST_DOT:
                 a, w = a.to(tl.float32), w.to(tl.float32)
             acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
-        elif W_FORMAT == W_MXFP4:
-            w = mxfp4_tile(w_ptrs, s_ptrs, ((k % 2) * 4)[:, None], w_mask)
+        elif W_FORMAT == W_MXFP4:  # (I is even)
+            pair_ok = 2 * pair < inter - step * BLOCK_K
+            x_mask = row_ok[:, None] & pair_ok[None, :]
+            a_even = tl.load(even_ptrs, mask=x_mask, other=0.0)
+            a_odd = tl.load(even_ptrs + 1, mask=x_mask, other=0.0)
+            w_even, w_odd = mxfp4_pairs(w_ptrs, s_ptrs, pair_ok[:, None] & col_ok[None, :])
             if UPCAST_DOT:
-                a = a.to(tl.float32)
+                a_even, a_odd = a_even.to(tl.float32), a_odd.to(tl.float32)
             else:
-                w = w.to(a.dtype)
-            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+                w_even, w_odd = w_even.to(a_even.dtype), w_odd.to(a_even.dtype)
+            acc = tl.dot(a_even, w_even, acc, input_precision=DOT_PRECISION)
+            acc = tl.dot(a_odd, w_odd, acc, input_precision=DOT_PRECISION)
             s_ptrs += (BLOCK_K // MXFP4_BLOCK) * stride_si
+            even_ptrs += BLOCK_K
         else:
             w = tl.load(w_ptrs, mask=w_mask, other=0.0)
             if W_FORMAT == W_FP8_BLOCK:
