@@ -77,9 +77,14 @@ def _torch_backend():
         yield
 
 
+# Every engine here gets a pool of this many blocks (room for every request of these tests): pools sized
+# from a GPU's free memory would leave none for the next engine while the module's engine lives.
+POOL = dict(num_kv_blocks=1024)
+
+
 @pytest.fixture(scope="module")
 def engine():
-    return Engine.from_pretrained(max_num_seqs=16)
+    return Engine.from_pretrained(max_num_seqs=16, **POOL)
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
@@ -140,7 +145,7 @@ def test_preemption_keeps_the_grammar_in_step_with_the_recomputed_tokens():
     params = [SamplingParams(temperature=0.0, max_tokens=100, structured_outputs=CONSTRAINTS[kind])
               for kind in ("json", "regex", "grammar", "json")]
     prompts = [PROMPTS[i] * 3 for i in range(4)]  # longer prompts: more blocks to take back
-    roomy = Engine.from_pretrained(max_num_seqs=8)
+    roomy = Engine.from_pretrained(max_num_seqs=8, **POOL)
     want = [o.token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
     del roomy
     tight = Engine.from_pretrained(max_num_seqs=8, block_size=4, num_kv_blocks=34, max_model_len=128)
@@ -265,7 +270,7 @@ def test_without_a_tokenizer_or_without_xgrammar_the_request_is_refused(engine, 
     from atom_core.engine import structured_output
 
     params = SamplingParams(structured_outputs={"regex": "a+"})
-    bare = Engine(engine.model, None, max_num_seqs=2, warmup=False)
+    bare = Engine(engine.model, None, max_num_seqs=2, warmup=False, **POOL)
     with pytest.raises(ValueError, match="needs a tokenizer"):
         bare.add_request([1, 2, 3], params)
     del bare
@@ -273,7 +278,7 @@ def test_without_a_tokenizer_or_without_xgrammar_the_request_is_refused(engine, 
     monkeypatch.setitem(sys.modules, "xgrammar", None)  # import xgrammar -> ImportError
     with pytest.raises(structured_output.StructuredOutputUnavailableError, match=r"atom_core\[structured\]"):
         structured_output.import_xgrammar()
-    fresh = Engine(engine.model, engine.tokenizer, max_num_seqs=2, warmup=False)
+    fresh = Engine(engine.model, engine.tokenizer, max_num_seqs=2, warmup=False, **POOL)
     with pytest.raises(ValueError, match=r"pip install 'atom_core\[structured\]'"):
         fresh.add_request("Return the", params)
     assert not fresh.has_unfinished_requests()
