@@ -19,9 +19,9 @@ outputs).
 ``e2e``: the offline engine (``bench.run_offline``) and the served one (``atom-core serve`` in a
 subprocess, ``bench.run_online`` at rate inf on the same requests) on the same folder; prints both
 throughputs and their ratio (the issue's target: >= 0.9). On a machine with few cores the client's
-own work competes with the server for them. ``--engine-process`` also serves with the engine in a
-process of its own (a one-replica ``DataParallelEngine``: the server's step thread then only reads
-the replica's outputs and detokenizes), the layout vLLM V1 uses, for comparison.
+own work competes with the server for them. ``--engine-process`` also serves with ``atom-core serve
+--engine-process`` (the engine in a process of its own, a one-replica ``DataParallelEngine``: the
+server's step thread then only reads the replica's outputs and detokenizes), the layout vLLM V1 uses.
 """
 
 from __future__ import annotations
@@ -196,25 +196,11 @@ def _bench(args, mode: list[str], endpoint: str = "completions") -> dict:
 
 
 # atom-core serve with Engine.from_pretrained building a one-replica DataParallelEngine (the engine in its own process)
-_ENGINE_PROCESS_SERVE = """
-import sys
-from atom_core.engine import Engine
-from atom_core.engine.data_parallel import DataParallelEngine
-from atom_core.serve import cli
-
-def one_replica(path=None, data_parallel_size=1, **kwargs):
-    return DataParallelEngine(path, data_parallel_size=1, **kwargs)
-
-Engine.from_pretrained = staticmethod(one_replica)
-sys.exit(cli.main(["serve", *sys.argv[1:]]))
-"""
-
-
 def _served(args, engine_process: bool) -> list[dict]:
     url = f"http://127.0.0.1:{args.port}"
-    launcher = ["-c", _ENGINE_PROCESS_SERVE] if engine_process else ["-m", "atom_core.serve.cli", "serve"]
-    server = subprocess.Popen([sys.executable, *launcher, args.path, "--port", str(args.port), "--log-level",
-                               "warning", *_engine_flags(args)])
+    server = subprocess.Popen([sys.executable, "-m", "atom_core.serve.cli", "serve", args.path, "--port",
+                               str(args.port), "--log-level", "warning", *_engine_flags(args)]
+                              + (["--engine-process"] if engine_process else []))
     rows = []
     try:
         deadline = time.monotonic() + 600

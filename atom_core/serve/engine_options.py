@@ -4,6 +4,7 @@ used for a model that has none. Imports nothing beyond the base install."""
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import math
 import os
@@ -142,7 +143,12 @@ def build_engine(args: argparse.Namespace):
                         expert_parallel=args.expert_parallel and args.expert_exchange)
     if args.data_parallel_size > 1:
         parallel["data_parallel_size"] = args.data_parallel_size
-    return Engine.from_pretrained(
+    build = Engine.from_pretrained
+    if getattr(args, "engine_process", False) and args.data_parallel_size == 1:  # (serve's flag)
+        from atom_core.engine import DataParallelEngine
+
+        build = functools.partial(DataParallelEngine, data_parallel_size=1)  # one replica, in its own process
+    return build(
         folder, device=args.device, dtype=args.dtype, load_format=args.load_format, quantization=args.quantization,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_dtype=args.kv_cache_dtype,

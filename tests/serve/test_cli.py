@@ -224,6 +224,28 @@ def test_parallel_flags_reach_engine_from_pretrained_as_its_arguments(flags, wan
     assert {k: v for k, v in seen.items() if k in names} == want
 
 
+def test_serve_engine_process_flag_builds_one_replica_in_its_own_process_with_the_engine_flags(monkeypatch):
+    from atom_core.engine import DataParallelEngine
+    from atom_core.serve.engine_options import build_engine
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    args = cli.build_parser().parse_args(["serve", "--engine-process", "--device", "cpu", "--threads", "1",
+                                          "--max-model-len", "96"])
+    front = build_engine(args)
+    try:
+        assert isinstance(front, DataParallelEngine) and front.max_model_len == 96
+        (replica,) = front.processes
+        assert replica.pid != os.getpid() and replica.poll() is None
+        prompts = ["Return the number of", "Create a new"]
+        params = SamplingParams(temperature=0, max_tokens=5)
+        got = front.generate(prompts, params, use_tqdm=False)
+    finally:
+        front.shutdown()
+    want = demo_engine(max_model_len=96).generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert replica.poll() is not None  # shutdown stopped it
+
+
 @pytest.mark.parametrize("ignore_eos", [True, False])
 def test_bench_sends_ignore_eos_unless_told_not_to(monkeypatch, ignore_eos):
     import asyncio
