@@ -53,37 +53,40 @@ def test_generate_over_two_data_parallel_replicas_prints_the_one_engine_text(cap
         assert f"--- {prompt!r}\n{prompt}{ref.text}\n" in out
 
 
-def test_a_server_over_two_data_parallel_replicas_answers_as_one_engine(monkeypatch):
-    from atom_core.engine import DataParallelEngine
+FRONT_PROMPTS = ["Return the number of", "Create a new"]
+
+
+def _served_texts(front) -> list[str]:
+    """The completions of FRONT_PROMPTS (greedy, 5 tokens) from a live server over ``front``, in prompt order."""
     from tests.serve.conftest import LiveServer
 
+    live = LiveServer(front).start()
+    try:
+        got = live.client().completions.create(model="demo", prompt=FRONT_PROMPTS, max_tokens=5, temperature=0)
+    finally:
+        live.stop()
+    return [choice.text for choice in sorted(got.choices, key=lambda c: c.index)]
+
+
+def test_a_server_over_two_data_parallel_replicas_answers_as_one_engine(monkeypatch):
+    from atom_core.engine import DataParallelEngine
+
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    prompts = ["Return the number of", "Create a new"]
-    want = demo_engine().generate(prompts, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+    want = demo_engine().generate(FRONT_PROMPTS, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
     with DataParallelEngine(None, data_parallel_size=2, device="cpu", step_timeout=60) as front:
-        live = LiveServer(front).start()
-        try:
-            got = live.client().completions.create(model="demo", prompt=prompts, max_tokens=5, temperature=0)
-        finally:
-            live.stop()
-    assert [choice.text for choice in sorted(got.choices, key=lambda c: c.index)] == [ref.text for ref in want]
+        got = _served_texts(front)
+    assert got == [ref.text for ref in want]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_a_server_over_a_data_parallel_front_on_cuda_answers_as_one_engine():
     """The front's device is plain "cuda" (its replica owns the GPU): the step thread selects no GPU."""
     from atom_core.engine import DataParallelEngine
-    from tests.serve.conftest import LiveServer
 
-    prompts = ["Return the number of", "Create a new"]
     with DataParallelEngine(None, data_parallel_size=1, device="cuda", step_timeout=120) as front:
-        want = front.generate(prompts, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
-        live = LiveServer(front).start()
-        try:
-            got = live.client().completions.create(model="demo", prompt=prompts, max_tokens=5, temperature=0)
-        finally:
-            live.stop()
-    assert [choice.text for choice in sorted(got.choices, key=lambda c: c.index)] == [ref.text for ref in want]
+        want = front.generate(FRONT_PROMPTS, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+        got = _served_texts(front)
+    assert got == [ref.text for ref in want]
 
 
 def test_chat_answers_each_stdin_line_as_engine_chat_does_and_stops_at_exit(capsys, monkeypatch):
