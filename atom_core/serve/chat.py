@@ -17,8 +17,8 @@ from collections.abc import AsyncIterator
 
 from atom_core.engine.async_engine import EngineClosedError, EngineStepError
 from atom_core.engine.request_stream import RequestStream
-from atom_core.serve.common import (SSE_CHOICE_END, SSE_DONE, APIError, ServerContext, json_str, json_value, logprob,
-                                    now, request_id, sse, sse_head, stream_error_event, usage)
+from atom_core.serve.common import (SSE_DONE, APIError, ServerContext, choice_chunk, json_str, logprob, now,
+                                    request_id, sse, sse_head, stream_error_event, usage)
 from atom_core.serve.protocol import ChatCompletionRequest
 
 
@@ -117,12 +117,8 @@ class ChatJob:
                     stop_reason: str | int | None) -> str:
         """One streamed content delta: ``sse`` of ``self._chunk([{"index", "delta": {"content"}, "logprobs",
         "finish_reason", "stop_reason"}])``, written from the request's head."""
-        if logprobs is None and finish_reason is None and stop_reason is None:  # (most chunks)
-            return (f'{self._head}"index":{index},"delta":{{"content":{json_str(content)}}},"logprobs":null,'
-                    f'"finish_reason":null,"stop_reason":null{SSE_CHOICE_END}')
-        return (f'{self._head}"index":{index},"delta":{{"content":{json_str(content)}}},'
-                f'"logprobs":{json_value(logprobs)},"finish_reason":{json_value(finish_reason)},'
-                f'"stop_reason":{json_value(stop_reason)}{SSE_CHOICE_END}')
+        return choice_chunk(self._head, index, f'"delta":{{"content":{json_str(content)}}}', logprobs,
+                            finish_reason, stop_reason)
 
     async def events(self) -> AsyncIterator[str]:
         include_usage = self.req.stream_options is not None and self.req.stream_options.include_usage

@@ -270,6 +270,17 @@ def sse_head(fields: dict) -> str:
 SSE_CHOICE_END = "}]}\n\n"
 
 
+def choice_chunk(head: str, index: int, body: str, logprobs, finish_reason: str | None,
+                 stop_reason: str | int | None) -> str:
+    """A streamed chunk of one choice: ``head`` (``sse_head``), ``"index"``, ``body`` (the choice's content
+    field, already in ``sse``'s form: ``"text":...`` or ``"delta":{...}``), then ``"logprobs"``,
+    ``"finish_reason"`` and ``"stop_reason"``: the bytes ``sse`` writes for the whole payload."""
+    if logprobs is None and finish_reason is None and stop_reason is None:  # (most chunks)
+        return f'{head}"index":{index},{body},"logprobs":null,"finish_reason":null,"stop_reason":null{SSE_CHOICE_END}'
+    return (f'{head}"index":{index},{body},"logprobs":{json_value(logprobs)},"finish_reason":'
+            f'{json_value(finish_reason)},"stop_reason":{json_value(stop_reason)}{SSE_CHOICE_END}')
+
+
 def json_value(value) -> str:
     """``value`` as ``sse`` writes it inside a payload."""
     if value is None:

@@ -12,8 +12,8 @@ from collections.abc import AsyncIterator
 
 from atom_core.engine.async_engine import EngineClosedError, EngineStepError
 from atom_core.engine.request_stream import RequestStream
-from atom_core.serve.common import (SSE_CHOICE_END, SSE_DONE, APIError, ServerContext, json_str, json_value, logprob,
-                                    now, request_id, sse, sse_head, stream_error_event, usage)
+from atom_core.serve.common import (SSE_DONE, APIError, ServerContext, choice_chunk, json_str, logprob, now,
+                                    request_id, sse, sse_head, stream_error_event, usage)
 from atom_core.serve.protocol import CompletionRequest
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
@@ -135,11 +135,7 @@ class CompletionJob:
               stop_reason: str | int | None) -> str:
         """One streamed choice: ``sse`` of ``{"id", "object", "created", "model", "choices": [{"index",
         "text", "logprobs", "finish_reason", "stop_reason"}]}``, written from the request's head."""
-        if logprobs is None and finish_reason is None and stop_reason is None:  # (most chunks)
-            return (f'{self._head}"index":{index},"text":{json_str(text)},"logprobs":null,"finish_reason":null,'
-                    f'"stop_reason":null{SSE_CHOICE_END}')
-        return (f'{self._head}"index":{index},"text":{json_str(text)},"logprobs":{json_value(logprobs)},'
-                f'"finish_reason":{json_value(finish_reason)},"stop_reason":{json_value(stop_reason)}{SSE_CHOICE_END}')
+        return choice_chunk(self._head, index, f'"text":{json_str(text)}', logprobs, finish_reason, stop_reason)
 
     async def events(self) -> AsyncIterator[str]:
         n = self.params.n
