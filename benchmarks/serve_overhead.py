@@ -19,9 +19,10 @@ outputs).
 ``e2e``: the offline engine (``bench.run_offline``) and the served one (``atom-core serve`` in a
 subprocess, ``bench.run_online`` at rate inf on the same requests) on the same folder; prints both
 throughputs and their ratio (the issue's target: >= 0.9). On a machine with few cores the client's
-own work competes with the server for them. ``--engine-process`` also serves with ``atom-core serve
---engine-process`` (the engine in a process of its own, a one-replica ``DataParallelEngine``: the
-server's step thread then only reads the replica's outputs and detokenizes), the layout vLLM V1 uses.
+own work competes with the server for them. The server runs with ``--no-engine-process`` (the engine in
+its process); ``--engine-process`` also serves with ``atom-core serve --engine-process`` (the engine in a
+process of its own, a one-replica ``DataParallelEngine``: the server's step thread then only reads the
+replica's outputs and detokenizes), the layout vLLM V1 uses and serve's default on a GPU.
 """
 
 from __future__ import annotations
@@ -195,12 +196,12 @@ def _bench(args, mode: list[str], endpoint: str = "completions") -> dict:
             return json.load(f)["rows"][0]
 
 
-# atom-core serve with Engine.from_pretrained building a one-replica DataParallelEngine (the engine in its own process)
+# atom-core serve with the engine in the server's process, or in its own (a one-replica DataParallelEngine)
 def _served(args, engine_process: bool) -> list[dict]:
     url = f"http://127.0.0.1:{args.port}"
     server = subprocess.Popen([sys.executable, "-m", "atom_core.serve.cli", "serve", args.path, "--port",
                                str(args.port), "--log-level", "warning", *_engine_flags(args)]
-                              + (["--engine-process"] if engine_process else []))
+                              + (["--engine-process"] if engine_process else ["--no-engine-process"]))
     rows = []
     try:
         deadline = time.monotonic() + 600

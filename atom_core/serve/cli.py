@@ -48,10 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--chat-template", default=None, help="a chat template file (or the template text) to use "
                                                              "instead of the model's")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    serve.add_argument("--engine-process", action="store_true",
+    serve.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                        help="run the engine in a process of its own (a one-replica --data-parallel-size front), as "
                             "vLLM does: HTTP, streaming and detokenization then share no GIL with the engine's steps "
-                            "(faster at high load; docs/serving.md)")
+                            "(default: on when the engine runs on a GPU, off on the CPU; docs/serving.md)")
 
     generate = commands.add_parser("generate", help="generate text for some prompts and report tokens/s")
     add_engine_arguments(generate)

@@ -144,7 +144,7 @@ def build_engine(args: argparse.Namespace):
     if args.data_parallel_size > 1:
         parallel["data_parallel_size"] = args.data_parallel_size
     build = Engine.from_pretrained
-    if getattr(args, "engine_process", False) and args.data_parallel_size == 1:  # (serve's flag)
+    if engine_process(args) and args.data_parallel_size == 1:
         from atom_core.engine import DataParallelEngine
 
         build = functools.partial(DataParallelEngine, data_parallel_size=1)  # one replica, in its own process
@@ -155,6 +155,22 @@ def build_engine(args: argparse.Namespace):
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
         block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
         enforce_eager=args.enforce_eager, **parallel)
+
+
+def engine_process(args: argparse.Namespace) -> bool:
+    """Whether serve runs the engine in a process of its own: ``--engine-process`` / ``--no-engine-process``,
+    else on a GPU yes (the server's event loop and detokenization would share the GIL with the engine's steps:
+    0.72x the offline throughput at saturation on an H200, 0.95x in a process of its own; docs/benchmarks.md)
+    and on the CPU no (the steps dominate; a second process would only add its start-up). Also no by default for
+    a numbered GPU (``cuda:1``: the replica's process takes its GPUs from CUDA_VISIBLE_DEVICES) and under torchrun.
+    Other commands: no."""
+    chosen = getattr(args, "engine_process", False)
+    if chosen is not None:
+        return chosen
+    import torch
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return device.type != "cpu" and device.index is None and "RANK" not in os.environ
 
 
 def chat_template_for(engine, option: str | None) -> str | None:

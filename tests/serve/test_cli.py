@@ -249,6 +249,34 @@ def test_serve_engine_process_flag_builds_one_replica_in_its_own_process_with_th
     assert replica.poll() is not None  # shutdown stopped it
 
 
+@pytest.mark.parametrize("flags, cuda_available, env, want", [
+    (["--device", "cuda"], False, {}, "front"),
+    ([], True, {}, "front"),  # no --device: cuda when available
+    ([], False, {}, "engine"),
+    (["--device", "cpu"], True, {}, "engine"),
+    (["--device", "cuda:1"], True, {}, "engine"),  # a numbered GPU: in the server's process
+    (["--device", "cuda"], True, {"RANK": "0"}, "engine"),  # under torchrun
+    (["--device", "cuda", "--no-engine-process"], True, {}, "engine"),
+    (["--device", "cpu", "--engine-process"], False, {}, "front"),
+])
+def test_serve_runs_the_engine_in_its_own_process_by_default_on_a_gpu_only(flags, cuda_available, env, want,
+                                                                            monkeypatch):
+    import torch
+
+    from atom_core.engine import DataParallelEngine, Engine
+    from atom_core.serve.engine_options import build_engine
+
+    built = []
+    monkeypatch.setattr(Engine, "from_pretrained", classmethod(lambda cls, path, **kw: built.append("engine")))
+    monkeypatch.setattr(DataParallelEngine, "__init__", lambda self, path, **kw: built.append("front"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda_available)
+    monkeypatch.delenv("RANK", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    build_engine(cli.build_parser().parse_args(["serve", *flags, "--threads", "1"]))
+    assert built == [want]
+
+
 @pytest.mark.parametrize("ignore_eos", [True, False])
 def test_bench_sends_ignore_eos_unless_told_not_to(monkeypatch, ignore_eos):
     import asyncio
