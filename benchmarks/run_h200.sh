@@ -13,7 +13,8 @@
 #               Engine.generate (Qwen3-0.6B shapes, random weights). These three need the serve / structured
 #               extras' packages: where the machine lacks them, put their wheels in .whl/ (installed into
 #               /tmp/site first). SERVE_RATES: the online benchmark's request rates (default "4 16 64 inf");
-#               SERVE_SERVERS: which servers it runs against (default "atom_core transformers").
+#               SERVE_SERVERS: which servers it runs against (default "atom_core transformers");
+#               SERVE_BENCH_ARGS: more flags for every online run (e.g. "--num-prompts 64 --no-ignore-eos").
 #               STRUCTURED_TOKENIZER: a 151k-token tokenizer.json for the structured-output benchmark (else
 #               it trains one: ~2 minutes).
 # Each command runs under its own time limit; when it is reached the command gets SIGINT (pytest still
@@ -93,7 +94,7 @@ except e.HTTPError: pass" "http://127.0.0.1:$port/v1/models" 2>/dev/null && brea
         for endpoint in $endpoints; do
             echo "=== serving: $server, $endpoint"
             timeout -s INT 200 "${cli[@]}" bench --url "http://127.0.0.1:$port" --endpoint $endpoint "${model[@]}" \
-                --rate ${SERVE_RATES:-4 16 64 inf} --json "$out/serve_${server}_${endpoint}.json" \
+                ${SERVE_BENCH_ARGS:-} --rate ${SERVE_RATES:-4 16 64 inf} --json "$out/serve_${server}_${endpoint}.json" \
                 > "$out/serve_${server}_${endpoint}.log" 2>&1
             tail -8 "$out/serve_${server}_${endpoint}.log"
         done
