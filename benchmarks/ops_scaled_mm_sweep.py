@@ -17,7 +17,7 @@ from benchmarks.common import (_reason, adaptive_timing, copy_bandwidth_gbs, gua
                                print_table, ratio, write_json)
 from benchmarks.ops_scaled_mm import SHAPES, SMOKE_SHAPES, _operands
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, split-K, promotion interval: "bk" = BLOCK_K, None = Triton's[, paired])
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, split-K, promotion interval: "bk" = BLOCK_K, None = Triton's)
 SMALL_M = [(16, bn, 128, 4, 4, sk, "bk") for bn in (32, 64) for sk in (1, 2, 4, 8)]
 MID_M = [(bm, bn, 128, 4 if bm <= 64 else 8, 3, sk, imp) for bm in (64, 128) for bn in (64, 128) for sk in (1, 2, 4)
          for imp in (None,)]
@@ -25,18 +25,13 @@ LARGE_M = [(bm, bn, bk, w, st, 1, imp)
            for bm, bn, bk, w, st in [(128, 128, 128, 8, 3), (128, 256, 64, 8, 3), (128, 256, 128, 8, 3),
                                      (64, 256, 128, 4, 4)]
            for imp in ("bk", None)]
-# block format only: two K steps per loop iteration (LaunchConfig.paired)
-LARGE_M_PAIRED = [(bm, bn, 128, w, st, 1, None, True)
-                  for bm, bn, w, st in [(128, 128, 8, 3), (128, 128, 8, 2), (64, 128, 4, 3), (128, 64, 4, 3),
-                                        (64, 256, 8, 3)]]
 
 
-def _configs(m: int, fmt: str):
+def _configs(m: int):
     from atom_core.ops.triton.scaled_mm import LaunchConfig
 
-    configs = SMALL_M if m <= 16 else MID_M if m <= 256 else LARGE_M + (LARGE_M_PAIRED if fmt == "block" else [])
-    for bm, bn, bk, warps, stages, split, imprecise, *paired in configs:
-        yield LaunchConfig(bm, bn, bk, warps, stages, split, bk if imprecise == "bk" else imprecise, bool(paired))
+    for bm, bn, bk, warps, stages, split, imprecise in (SMALL_M if m <= 16 else MID_M if m <= 256 else LARGE_M):
+        yield LaunchConfig(bm, bn, bk, warps, stages, split, bk if imprecise == "bk" else imprecise)
 
 
 def run(tokens: list[int], json_path: str | None, device: str = "cuda", smoke: bool = False,
@@ -59,13 +54,12 @@ def run(tokens: list[int], json_path: str | None, device: str = "cuda", smoke: b
                 cublas = None if smoke else guarded(
                     timed, lambda: lambda: gemm(a, a_scale, w, w_scale, out_dtype=torch.bfloat16, backend="scaled_mm"))
                 nbytes = m * k + n * k + 2 * m * n
-                for config in _configs(m, fmt):
+                for config in _configs(m):
                     def call(config=config, out_dtype=torch.bfloat16):
                         return triton_scaled_mm._scaled_mm(kind, a, a_scale, w, w_scale, None, out_dtype, config)
                     row = {"model": model, "layer": layer, "format": fmt, "M": m, "N": n, "K": k,
                            "config": f"{config.block_m}x{config.block_n}x{config.block_k} w{config.num_warps} "
-                                     f"s{config.num_stages} split{config.split_k} imp{config.max_imprecise}"
-                                     + (" paired" if config.paired else "")}
+                                     f"s{config.num_stages} split{config.split_k} imp{config.max_imprecise}"}
                     try:
                         err = (call(out_dtype=torch.float32) - want).abs().max().item() / want.abs().max().item()
                         ms = ms_of(timed(call))

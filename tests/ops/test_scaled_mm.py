@@ -132,17 +132,6 @@ def test_triton_split_k_partials_sum_to_the_twin(fmt, split_k, k, monkeypatch):
 
 
 @needs_triton
-@pytest.mark.parametrize("split_k, k", [(1, 384), (1, 300), (2, 640), (3, 700)])  # odd group counts: a lone last step
-def test_triton_block_paired_k_steps_equal_the_twin(split_k, k):
-    from atom_core.ops.triton import scaled_mm as triton_scaled_mm
-
-    args = make_inputs("block", FP8, 9, 200, k, bias=True, seed=k + split_k)
-    config = triton_scaled_mm.LaunchConfig(16, 64, 128, 4, 1, split_k=split_k, paired=True)
-    got = triton_scaled_mm._scaled_mm(triton_scaled_mm.BLOCKWISE.value, *args, FP32, config)
-    torch.testing.assert_close(got, reference.scaled_mm_block(*args, FP32), **tolerance(FP32, SCALED_MM))
-
-
-@needs_triton
 def test_triton_block_scales_vary_across_groups_and_blocks():
     # Random scales per group and block (not the ones quantization produced): a kernel that reads the
     # wrong group or block is off by whole factors.

@@ -53,7 +53,7 @@ def _scaled_mm_kernel(
     stride_osplit,
     SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, IS_INT8: tl.constexpr, SCALE_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    MAX_IMPRECISE: tl.constexpr, PAIRED: tl.constexpr,
+    MAX_IMPRECISE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)  # this program's K range: [split * K_PER_SPLIT, + K_PER_SPLIT)
@@ -78,7 +78,7 @@ def _scaled_mm_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K * (2 if PAIRED else 1)):
+    for k0 in range(k_start, k_end, BLOCK_K):
         k_ok = offs_k < k_end - k0
         a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
@@ -87,27 +87,13 @@ def _scaled_mm_kernel(
             a_scale = tl.load(a_scale_ptr + offs_m * stride_as_m + group * stride_as_k, mask=m_ok, other=0.0)
             w_scale = tl.load(w_scale_ptr + (offs_n // SCALE_BLOCK) * stride_ws_n + group * stride_ws_k,
                               mask=n_ok, other=0.0)
-            part = tl.dot(a, w, max_num_imprecise_acc=MAX_IMPRECISE)
-            if PAIRED:  # the next K step's dot issued before this one's scaling (both in flight at once)
-                k1 = k0 + BLOCK_K
-                k1_ok = offs_k < k_end - k1
-                a1 = tl.load(a_ptrs + BLOCK_K * stride_ak, mask=m_ok[:, None] & k1_ok[None, :], other=0.0)
-                w1 = tl.load(w_ptrs + BLOCK_K * stride_wk, mask=k1_ok[:, None] & n_ok[None, :], other=0.0)
-                group1 = k1 // SCALE_BLOCK
-                a_scale1 = tl.load(a_scale_ptr + offs_m * stride_as_m + group1 * stride_as_k,
-                                   mask=m_ok & (offs_m * 0 + k1 < k_end), other=0.0)
-                w_scale1 = tl.load(w_scale_ptr + (offs_n // SCALE_BLOCK) * stride_ws_n + group1 * stride_ws_k,
-                                   mask=n_ok & (offs_n * 0 + k1 < k_end), other=0.0)
-                part1 = tl.dot(a1, w1, max_num_imprecise_acc=MAX_IMPRECISE)
-                acc += part * a_scale[:, None] * w_scale[None, :] + part1 * a_scale1[:, None] * w_scale1[None, :]
-            else:
-                acc += part * a_scale[:, None] * w_scale[None, :]
+            acc += tl.dot(a, w, max_num_imprecise_acc=MAX_IMPRECISE) * a_scale[:, None] * w_scale[None, :]
         elif IS_INT8:
             acc = tl.dot(a, w, acc, out_dtype=tl.int32)
         else:  # fp8: partial sums join the fp32 accumulator every MAX_IMPRECISE products (module docstring)
             acc = tl.dot(a, w, acc, max_num_imprecise_acc=MAX_IMPRECISE)
-        a_ptrs += BLOCK_K * (2 if PAIRED else 1) * stride_ak
-        w_ptrs += BLOCK_K * (2 if PAIRED else 1) * stride_wk
+        a_ptrs += BLOCK_K * stride_ak
+        w_ptrs += BLOCK_K * stride_wk
 
     out = acc.to(tl.float32)
     if SCALES == PER_TENSOR:
@@ -145,7 +131,6 @@ class LaunchConfig:
     num_stages: int
     split_k: int = 1
     max_imprecise: int | None = 0  # <= block_k; None: Triton's default (no promotion within the K loop)
-    paired: bool = False  # block format: two K steps per loop iteration (both dots issued before either's scaling)
 
 
 @functools.lru_cache(maxsize=LAUNCH_CACHE_SIZE)
@@ -189,7 +174,7 @@ def launch_config(m: int, n: int, k: int, out_dtype: torch.dtype, scales: int, n
                         max_imprecise=max_imprecise)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=None)
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
@@ -220,8 +205,7 @@ def _scaled_mm(scales, a, a_scale, w, w_scale, bias, out_dtype, config: LaunchCo
         target.stride(0) if splits > 1 else 0,
         SCALES=scales, HAS_BIAS=bias is not None, IS_INT8=a.dtype == INT8_DTYPE, SCALE_BLOCK=BLOCK,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=8,
-        MAX_IMPRECISE=config.max_imprecise, PAIRED=config.paired and scales == BLOCKWISE.value,
-        num_warps=config.num_warps,
+        MAX_IMPRECISE=config.max_imprecise, num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
     if splits > 1:
