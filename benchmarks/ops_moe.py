@@ -25,15 +25,26 @@ design.
 
     python -m benchmarks.ops_moe [--device cuda] [--json out.json] [--smoke] [--no-compile]
                                  [--formats bf16 fp8_block fp8_channel mxfp4]
+    python -m benchmarks.ops_moe --sweep-mxfp4 [regime | all] [--tokens 1 8 64 512 4096] [--json out.json]
 
 ``--smoke`` runs tiny sizes (and no torch.compile) so the script can be checked on a CPU, where the
 Triton kernels run in the interpreter.
+
+``--sweep-mxfp4`` runs nothing else: it times the Triton MXFP4 kernels on GPT-OSS-20B's layer under every
+launch candidate of ``atom_core.ops.triton.fused_moe.MXFP4_BLOCK_CONFIGS`` (``regime``, the default: the
+candidates of the token count's own regime of rows per expert; ``all``: every candidate at every token
+count), one row per (tokens, config), each against bf16 ``fused_experts`` on the same layer and routing
+(``bf16_ms``, ``x_bf16``), with ``%copy`` as above and ``rel_err``, the output's largest difference from
+the bf16 kernel's as a share of its largest magnitude (accumulation order alone: a config that computes
+something else shows); ``default`` marks ``quant_block_config``'s choice. A second table gives the
+fastest config per token count.
 """
 
 # T tokens, E experts, K top-k, H hidden, I intermediate
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -141,24 +152,34 @@ def quantized_layer(weight_format: str, layer: dict, sizes: dict, device, seed: 
     return out
 
 
-def _quant_row(weight_format, shapes, tokens, sizes, device, timed, copy_gbs, backend):
-    """``fused_experts_quant`` against bf16 ``fused_experts`` on the weights it dequantizes to."""
-    from atom_core.ops.fused_moe import fused_experts, fused_experts_quant
+def quant_layer_inputs(weight_format: str, tokens: int, sizes: dict, device) -> dict:
+    """One quantized MoE layer's call: ``hidden``, routing ``weights`` / ``ids``, ``quant``
+    (:func:`quantized_layer`), ``activation`` and ``biases`` (MXFP4: GPT-OSS's swiglu_clamped and expert
+    biases; fp8: silu, none)."""
     from atom_core.ops.moe_routing import topk_softmax
-    from atom_core.ops.reference import moe as twin
 
     layer = make_layer(tokens, sizes, device)
     weights, ids = topk_softmax(layer["router_logits"], sizes["top_k"], renormalize=True)
     quant = quantized_layer(weight_format, layer, sizes, device)
     del layer["w13"], layer["w2"]
     gpt_oss = weight_format == "mxfp4"
-    activation = "swiglu_clamped" if gpt_oss else "silu"
     biases = {}
     if gpt_oss:  # GPT-OSS's expert biases
         g = torch.Generator(device=device).manual_seed(7)
         biases = {name: (0.1 * torch.randn(sizes["num_experts"], rows, generator=g, device=device)).to(sizes["dtype"])
                   for name, rows in (("w13_bias", 2 * sizes["inter"]), ("w2_bias", sizes["hidden"]))}
-    hidden = layer["hidden"]
+    return {"hidden": layer["hidden"], "weights": weights, "ids": ids, "quant": quant,
+            "activation": "swiglu_clamped" if gpt_oss else "silu", "biases": biases}
+
+
+def _quant_row(weight_format, shapes, tokens, sizes, device, timed, copy_gbs, backend):
+    """``fused_experts_quant`` against bf16 ``fused_experts`` on the weights it dequantizes to."""
+    from atom_core.ops.fused_moe import fused_experts, fused_experts_quant
+    from atom_core.ops.reference import moe as twin
+
+    inputs = quant_layer_inputs(weight_format, tokens, sizes, device)
+    hidden, weights, ids, quant = inputs["hidden"], inputs["weights"], inputs["ids"], inputs["quant"]
+    activation, biases = inputs["activation"], inputs["biases"]
     out = torch.empty_like(hidden)
     args = (hidden, quant["w13"], quant["w13_scale"], quant["w2"], quant["w2_scale"], weights, ids)
 
@@ -229,15 +250,121 @@ COLUMNS = ["op", "format", "shapes", "tokens", "backend", "experts_hit", "weight
            "%copy", "bf16_ms", "x_bf16", "twin_ms", "x_twin", "compile_ms", "x_compile", "timing"]
 
 
+def mxfp4_sweep_configs(tokens: int, sizes: dict, which: str = "regime") -> list:
+    """The launch configs ``--sweep-mxfp4`` times at ``tokens``: the candidates of the call's regime of
+    rows per expert (``which="regime"``) or every candidate of every regime, each once (``"all"``)."""
+    from atom_core.ops.triton.fused_moe import MXFP4_BLOCK_CONFIGS, mxfp4_regime
+
+    if which == "regime":
+        return list(MXFP4_BLOCK_CONFIGS[mxfp4_regime(tokens, sizes["top_k"], sizes["num_experts"])])
+    return list(dict.fromkeys(cfg for configs in MXFP4_BLOCK_CONFIGS.values() for cfg in configs))
+
+
+def config_name(cfg) -> str:
+    """``BLOCK_MxBLOCK_NxBLOCK_K gGROUP_M wWARPS sSTAGES``."""
+    return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} g{cfg.group_m} w{cfg.num_warps} s{cfg.num_stages}"
+
+
+def sweep_mxfp4(device: str = "cuda", smoke: bool = False, which: str = "regime", tokens=None,
+                json_path: str | None = None) -> list[dict]:
+    """One row per (token count, launch config) of the Triton MXFP4 kernels on GPT-OSS-20B's layer (smoke:
+    the tiny sizes), timed as :func:`_quant_row` times them, against bf16 ``fused_experts`` on the same
+    (dequantized) weights, routing and tokens. A config that fails (does not compile, too much shared
+    memory) is a row with its ``error``. The rows are written to ``json_path`` after every token count."""
+    from atom_core.ops.dispatch import backend_available
+    from benchmarks.common import copy_bandwidth_gbs, write_json
+
+    if not backend_available("triton"):
+        raise SystemExit("--sweep-mxfp4 times the Triton kernels: Triton (a GPU, or the CPU interpreter) is needed")
+    sizes = layer_sizes(smoke, GPT_OSS_CONFIG)
+    timed = adaptive_timing(device, smoke)
+    copy_gbs = copy_bandwidth_gbs(device, nbytes=1 << 20 if smoke else 2 << 30)
+    rows = []
+    for t in tokens or sizes["tokens"]:
+        rows += _mxfp4_sweep_rows(t, sizes, device, timed, copy_gbs, which)
+        if json_path:
+            write_json(rows, json_path)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _mxfp4_sweep_rows(tokens, sizes, device, timed, copy_gbs, which):
+    """:func:`sweep_mxfp4`'s rows of one token count."""
+    from atom_core.ops.fused_moe import fused_experts
+    from atom_core.ops.triton import fused_moe as triton_moe
+    from benchmarks.common import _reason
+
+    inputs = quant_layer_inputs("mxfp4", tokens, sizes, device)
+    hidden, weights, ids, quant = inputs["hidden"], inputs["weights"], inputs["ids"], inputs["quant"]
+    activation, biases = inputs["activation"], inputs["biases"]
+    bf16_out, out = torch.empty_like(hidden), torch.empty_like(hidden)
+
+    def bf16_call():
+        return fused_experts(hidden, quant["w13_ref"], quant["w2_ref"], weights, ids, activation=activation,
+                             out=bf16_out, backend="triton", **biases)
+
+    def call(cfg):
+        return triton_moe.fused_experts_quant(hidden, quant["w13"], quant["w13_scale"], quant["w2"], quant["w2_scale"],
+                                              weights, ids, "mxfp4", activation, biases.get("w13_bias"),
+                                              biases.get("w2_bias"), out, config=cfg)
+
+    bf16 = guarded(timed, lambda: bf16_call)  # (its runs leave bf16_out written)
+    scale = None if bf16 is None else max(bf16_out.float().abs().max().item(), 1e-30)
+    experts_hit = int(torch.unique(ids).numel())
+    weight_bytes = experts_hit * 3 * sizes["hidden"] * sizes["inter"] * BYTES_PER_WEIGHT["mxfp4"]
+    default = triton_moe.quant_block_config(tokens, sizes["top_k"], sizes["num_experts"], hidden.dtype, "mxfp4")
+    regime = triton_moe.mxfp4_regime(tokens, sizes["top_k"], sizes["num_experts"])
+    rows = []
+    for cfg in mxfp4_sweep_configs(tokens, sizes, which):
+        row = {"tokens": tokens, "regime": regime, "config": config_name(cfg), "default": cfg == default,
+               "experts_hit": experts_hit}
+        try:
+            call(cfg)
+            err = None if scale is None else (out.float() - bf16_out.float()).abs().max().item() / scale
+            ours = timed(functools.partial(call, cfg))
+        except Exception as e:  # noqa: BLE001 - a config that fails is a row too
+            rows.append({**row, "error": _reason(e)})
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            continue
+        gbs = weight_bytes / (ours.ms * 1e-3) / 1e9
+        rows.append({**row, "ms": ours.ms, "GB/s": gbs, "%copy": 100 * gbs / copy_gbs, "bf16_ms": ms_of(bf16),
+                     "x_bf16": ratio(ms_of(bf16), ours.ms), "rel_err": err,
+                     "timing": timing_column({"ms": ours, "bf16_ms": bf16})})
+        print(rows[-1], flush=True)
+    return rows
+
+
+SWEEP_COLUMNS = ["tokens", "regime", "config", "default", "experts_hit", "ms", "GB/s", "%copy", "bf16_ms", "x_bf16",
+                 "rel_err", "timing", "error"]
+
+
 def main() -> None:
-    from benchmarks.common import op_bench_args, report
+    from benchmarks.common import op_bench_args, print_table, report
 
     def flags(parser):
         parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
         parser.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS),
                             help="expert weight formats to run (bf16: fused_experts)")
+        parser.add_argument("--sweep-mxfp4", nargs="?", const="regime", choices=("regime", "all"),
+                            help="time the MXFP4 kernels under each launch candidate instead (regime: the token "
+                                 "count's own; all: every candidate at every token count)")
+        parser.add_argument("--tokens", type=int, nargs="+",
+                            help="token counts of --sweep-mxfp4 (default 1 8 64 512 4096; --smoke: 1 8)")
 
     args = op_bench_args(__doc__.splitlines()[0], flags)
+    if args.sweep_mxfp4:
+        rows = sweep_mxfp4(args.device, smoke=args.smoke, which=args.sweep_mxfp4, tokens=args.tokens,
+                           json_path=args.json)
+        report(rows, SWEEP_COLUMNS, args.json)
+        best = {}
+        for r in rows:
+            if "ms" in r and (r["tokens"] not in best or r["ms"] < best[r["tokens"]]["ms"]):
+                best[r["tokens"]] = r
+        print("\nfastest per token count:")
+        print_table(list(best.values()), SWEEP_COLUMNS[:-1])
+        return
     report(run(args.device, smoke=args.smoke, compile_twin=not args.no_compile, formats=args.formats), COLUMNS,
            args.json)
 

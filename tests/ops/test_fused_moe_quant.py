@@ -1,12 +1,14 @@
 """Fused experts with quantized weights (``fused_experts_quant``): the MXFP4 decode (twin and kernel)
-bit for bit against the checkpoint decoder of ``models.mxfp4``, the twin against an independent
-float64 computation per format, Triton against the twin (CPU interpreter on small shapes: odd token
-counts, H and I off the 128 grid, top-k 1/2/4, biases or not), GPT-OSS's checkpoint tensors served as
-they are stored, the AITER mapping against the stand-in, validation and torch.compile."""
+bit for bit against the checkpoint decoder of ``models.mxfp4``, the kernels' tiled MXFP4 decode against
+the per-element one it replaced, the twin against an independent float64 computation per format, Triton
+against the twin (CPU interpreter on small shapes: odd token counts, H and I off the 128 grid, top-k
+1/2/4, biases or not, every MXFP4 launch candidate), GPT-OSS's checkpoint tensors served as they are
+stored, the AITER mapping against the stand-in, validation and torch.compile."""
 
 # T tokens, E experts, K top-k, H hidden, I intermediate
 
 import importlib
+import importlib.util
 import math
 import warnings
 
@@ -78,6 +80,31 @@ def test_kernel_mxfp4_decode_is_bit_exact_with_the_checkpoint_decoder():
     first = [(r, c, got[r, c].item(), want[r, c].item(), (int(packed[r, c // 2]) >> 4 * (c % 2)) & 15,
               int(scales[r, c // 32])) for r, c in wrong[:6]]
     assert not wrong, f"{len(wrong)} of {got.numel()} differ; first (row, column, got, want, code, e8m0): {first}"
+
+
+@needs_triton
+def test_kernel_mxfp4_tiled_decode_is_bit_exact_with_the_per_element_decode():
+    # The GEMMs' decode (scale tiles broadcast over their blocks, fp16 pair bits, one multiply by the scale)
+    # against the per-element e2m1_value * e8m0_value it replaced, in every dtype the dots take: all 16 codes
+    # in both nibbles (bytes 0..255) times all 256 E8M0 bytes (subnormal 2**-127, overflow to inf, NaN
+    # included). Row r's block g (bytes 16g..16g+15: every low code, high code g) has scale (r + 17g) % 256,
+    # so every (scale, code) pair occurs in both nibbles, and a scale broadcast to the wrong block shows.
+    from atom_core.ops.triton.moe_quant_tiles import decode_mxfp4
+
+    packed = torch.arange(256, dtype=torch.uint8).repeat(256, 1)
+    scales = ((torch.arange(256)[:, None] + 17 * torch.arange(16)[None, :]) % 256).to(torch.uint8)
+    assert torch.equal(scales.unique(), torch.arange(256, dtype=torch.uint8))
+    for dtype, int_view in ((torch.float32, torch.int32), (torch.bfloat16, torch.int16), (torch.float16, torch.int16)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the interpreter's numpy overflows to inf, as it should
+            got = decode_mxfp4(packed.to(DEVICE), scales.to(DEVICE), dtype).cpu()
+            want = decode_mxfp4(packed.to(DEVICE), scales.to(DEVICE), dtype, tiled=False).cpu()
+        nan = want.isnan()
+        assert nan.sum() == 16 * 32 and torch.equal(got.isnan(), nan), dtype  # scale 255 (NaN payloads may differ)
+        wrong = ((got.view(int_view) != want.view(int_view)) & ~nan).nonzero().tolist()
+        first = [(r, c, got[r, c].item(), want[r, c].item(), (c // 2 >> 4 * (c % 2)) & 15, int(scales[r, c // 32]))
+                 for r, c in wrong[:6]]
+        assert not wrong, f"{dtype}: {len(wrong)} differ; first (row, column, got, want, code, e8m0): {first}"
 
 
 # ------------------------------------------------------------------------------------- twin vs float64
@@ -223,6 +250,60 @@ def test_triton_refuses_tile_configs_that_split_a_scale_block():
     with pytest.raises(ValueError, match="multiple of 32"):
         triton_moe.fused_experts_quant(x, w13, s13, w2, s2, weights, ids, "mxfp4", "silu", None, None,
                                        torch.empty_like(x), config=triton_moe.BlockConfig(16, 16, 16, 1, 4, 2))
+
+
+def _mxfp4_candidates():
+    """Every launch config of MXFP4_BLOCK_CONFIGS, once (none where Triton is not installed)."""
+    if importlib.util.find_spec("triton") is None:
+        return []
+    from atom_core.ops.triton import fused_moe as triton_moe
+    return list(dict.fromkeys(cfg for configs in triton_moe.MXFP4_BLOCK_CONFIGS.values() for cfg in configs))
+
+
+def _config_id(cfg):
+    return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}-g{cfg.group_m}-w{cfg.num_warps}-s{cfg.num_stages}"
+
+
+def test_mxfp4_candidates_follow_the_block_k_rule_and_quant_block_config_picks_each_regimes_first():
+    pytest.importorskip("triton")
+    from atom_core.ops.triton import fused_moe as triton_moe
+    for cfg in _mxfp4_candidates():
+        triton_moe.check_mxfp4_block_k(cfg.block_k)
+    # GPT-OSS-20B: E 32, K 4, rows per expert m = T / 8; regimes end at m = 16, 64, 256
+    for tokens, regime in ((1, "decode"), (128, "decode"), (129, "small"), (512, "small"), (513, "prefill"),
+                           (2048, "prefill"), (2049, "long"), (4096, "long")):
+        assert triton_moe.mxfp4_regime(tokens, 4, 32) == regime, tokens
+        first = triton_moe.MXFP4_BLOCK_CONFIGS[regime][0]
+        assert triton_moe.quant_block_config(tokens, 4, 32, torch.bfloat16, "mxfp4") == first
+        fp32 = triton_moe.quant_block_config(tokens, 4, 32, torch.float32, "mxfp4")
+        assert fp32.block_k == max(first.block_k // 2, 32) and fp32.block_m == first.block_m
+
+
+@needs_triton
+@pytest.mark.parametrize("config", _mxfp4_candidates(), ids=_config_id)
+def test_triton_mxfp4_matches_twin_under_every_launch_candidate(config):
+    # Every config quant_block_config may pick or the sweep may time. H = BLOCK_K + 32: one whole K step and
+    # a masked one of a single scale block; I = 64: whole steps for BLOCK_K 64, a lone masked step above;
+    # 33 tokens on 4 experts: several M blocks of one expert for BLOCK_M 16 (GROUP_M walks them), padding for 256.
+    from atom_core.ops.triton import fused_moe as triton_moe
+    hidden = config.block_k + 32
+    x, (w13, s13, w2, s2), (weights, ids), b13, b2 = make_case("mxfp4", 33, 4, 2, hidden, 64, torch.bfloat16,
+                                                               biases=True, seed=config.block_k + config.block_m)
+    out = torch.empty_like(x)
+    triton_moe.fused_experts_quant(x, w13, s13, w2, s2, weights, ids, "mxfp4", "swiglu_clamped", b13, b2, out,
+                                   config=config)
+    want = reference.fused_experts_quant(x, w13, s13, w2, s2, weights, ids, "mxfp4", "swiglu_clamped", b13, b2)
+    torch.testing.assert_close(out, want, **tol("mxfp4", torch.bfloat16))
+
+
+@needs_triton
+@pytest.mark.parametrize("block_k", [16, 48, 96, 160])
+def test_triton_mxfp4_refuses_block_k_off_the_rule(block_k):
+    from atom_core.ops.triton import fused_moe as triton_moe
+    x, (w13, s13, w2, s2), (weights, ids), _, _ = make_case("mxfp4", 3, 4, 2, 64, 32, torch.float32)
+    with pytest.raises(ValueError, match=f"power of two and a multiple of 32 .*got {block_k}"):
+        triton_moe.fused_experts_quant(x, w13, s13, w2, s2, weights, ids, "mxfp4", "silu", None, None,
+                                       torch.empty_like(x), config=triton_moe.BlockConfig(16, 16, block_k, 1, 4, 2))
 
 
 @needs_triton

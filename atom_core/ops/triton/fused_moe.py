@@ -14,7 +14,8 @@ Block sizes come from :func:`block_config`, keyed by tokens per expert.
 
 Quantized expert weights (:func:`fused_experts_quant`: fp8 per-channel, fp8 block-128, MXFP4 kept
 packed) go through the same two kernels with ``W_FORMAT`` set: each K step loads the weight tile in
-its stored format and dequantizes it in registers (``atom_core.ops.triton.moe_quant_tiles``). With fp8
+its stored format and dequantizes it in registers (``atom_core.ops.triton.moe_quant_tiles``; MXFP4 in a K
+loop of its own, with tiles from :data:`MXFP4_BLOCK_CONFIGS`). With fp8
 weights each GEMM's input is quantized to fp8 once, by one launch of ``triton.quant``'s
 ``per_group_quant`` (groups of 128) or ``per_token_quant`` before it (hidden before step 2, act before
 step 3), and the GEMM loads fp8 rows and their scales. ``W_PLAIN`` compiles to the unquantized kernel.
@@ -36,7 +37,7 @@ from atom_core.ops.reference.quant import GROUP_SIZE
 from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2
 from atom_core.ops.triton.moe_align import align_sizes, moe_align
 from atom_core.ops.triton.moe_quant_tiles import (FORMAT_CODES, FP8_BLOCK, MXFP4_BLOCK, W_FP8_BLOCK, W_FP8_CHANNEL,
-                                                  W_MXFP4, W_PLAIN, mxfp4_pairs)
+                                                  W_MXFP4, W_PLAIN, mxfp4_tile)
 from atom_core.ops.triton.quant import per_group_quant, per_token_quant
 
 SILU = tl.constexpr(0)
@@ -110,6 +111,94 @@ def _round_to_bf16_values(x):
 
 
 @triton.jit
+def _mxfp4_dot(a, w_byte_ptrs, byte_mask, w_scales, acc, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+               DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """acc + a [BLOCK_M, BLOCK_K] · the decoded MXFP4 tile [BLOCK_K, BLOCK_N] (bytes [BLOCK_K / 2, BLOCK_N] at
+    w_byte_ptrs, their E8M0 scales [BLOCK_K / 32, BLOCK_N] already loaded), one dot: the activation tile as
+    loaded (contiguous), the weights decoded in K order (moe_quant_tiles.mxfp4_tile) to hidden's dtype (exact
+    in bf16 and fp32; fp16: for scales 2**-23 ... 2**13), or to fp32 where the interpreter's dots take fp32
+    operands (UPCAST_DOT)."""
+    if UPCAST_DOT:
+        return tl.dot(a.to(tl.float32), mxfp4_tile(w_byte_ptrs, byte_mask, w_scales, tl.float32), acc,
+                      input_precision=DOT_PRECISION)
+    return tl.dot(a, mxfp4_tile(w_byte_ptrs, byte_mask, w_scales, a.dtype), acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _mxfp4_gate_up(x_ptrs, gate_rows_ptr, gate_rows_s_ptr, up_offset, up_offset_s, row_ok, col_ok, hidden,
+                   stride_xh, stride_wh, stride_sh, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """The gate/up kernel's K loop over MXFP4 weights → (acc_gate, acc_up) fp32 [BLOCK_M, BLOCK_N].
+
+    x_ptrs: [BLOCK_M, BLOCK_K] pointers to the first K step of the rows' hidden; gate_rows_ptr /
+    gate_rows_s_ptr: [1, BLOCK_N] pointers to the gate rows' bytes and scales (column 0); the up rows are
+    up_offset / up_offset_s further. H // BLOCK_K whole steps run without K masks; the rest of H (a
+    multiple of 32), if any, in one masked step after them (EVEN_K: none). Each step loads the next
+    step's scale tiles (the pipeliner overlaps the activation and byte tiles' loads by itself)."""
+    k = tl.arange(0, BLOCK_K)
+    pair = tl.arange(0, BLOCK_K // 2)
+    group = tl.arange(0, BLOCK_K // MXFP4_BLOCK)
+    gate_ptrs = gate_rows_ptr + pair[:, None] * stride_wh
+    gate_s_ptrs = gate_rows_s_ptr + group[:, None] * stride_sh
+    s_mask = (group * MXFP4_BLOCK < hidden)[:, None] & col_ok[None, :]
+    gate_s = tl.load(gate_s_ptrs, mask=s_mask, other=127)
+    up_s = tl.load(gate_s_ptrs + up_offset_s, mask=s_mask, other=127)
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for step in range(hidden // BLOCK_K):
+        gate_s_ptrs += (BLOCK_K // MXFP4_BLOCK) * stride_sh
+        s_mask = (group * MXFP4_BLOCK < hidden - (step + 1) * BLOCK_K)[:, None] & col_ok[None, :]
+        next_gate_s = tl.load(gate_s_ptrs, mask=s_mask, other=127)
+        next_up_s = tl.load(gate_s_ptrs + up_offset_s, mask=s_mask, other=127)
+        a = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+        acc_gate = _mxfp4_dot(a, gate_ptrs, col_ok[None, :], gate_s, acc_gate, BLOCK_M, BLOCK_K, DOT_PRECISION,
+                              UPCAST_DOT)
+        acc_up = _mxfp4_dot(a, gate_ptrs + up_offset, col_ok[None, :], up_s, acc_up, BLOCK_M, BLOCK_K, DOT_PRECISION,
+                            UPCAST_DOT)
+        gate_s, up_s = next_gate_s, next_up_s
+        x_ptrs += BLOCK_K * stride_xh
+        gate_ptrs += (BLOCK_K // 2) * stride_wh
+    if not EVEN_K:
+        left = hidden % BLOCK_K
+        a = tl.load(x_ptrs, mask=row_ok[:, None] & (k < left)[None, :], other=0.0)
+        byte_mask = (2 * pair < left)[:, None] & col_ok[None, :]
+        acc_gate = _mxfp4_dot(a, gate_ptrs, byte_mask, gate_s, acc_gate, BLOCK_M, BLOCK_K, DOT_PRECISION, UPCAST_DOT)
+        acc_up = _mxfp4_dot(a, gate_ptrs + up_offset, byte_mask, up_s, acc_up, BLOCK_M, BLOCK_K, DOT_PRECISION,
+                            UPCAST_DOT)
+    return acc_gate, acc_up
+
+
+@triton.jit
+def _mxfp4_down(a_ptrs, w_rows_ptr, w_rows_s_ptr, row_ok, col_ok, inter, stride_wi, stride_si, EVEN_K: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                UPCAST_DOT: tl.constexpr):
+    """The down kernel's K loop over MXFP4 weights → acc fp32 [BLOCK_M, BLOCK_N] (as :func:`_mxfp4_gate_up`, one
+    weight matrix: a_ptrs [BLOCK_M, BLOCK_K] into act, w_rows_ptr / w_rows_s_ptr [1, BLOCK_N] into w2)."""
+    k = tl.arange(0, BLOCK_K)
+    pair = tl.arange(0, BLOCK_K // 2)
+    group = tl.arange(0, BLOCK_K // MXFP4_BLOCK)
+    w_ptrs = w_rows_ptr + pair[:, None] * stride_wi
+    s_ptrs = w_rows_s_ptr + group[:, None] * stride_si
+    w_s = tl.load(s_ptrs, mask=(group * MXFP4_BLOCK < inter)[:, None] & col_ok[None, :], other=127)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for step in range(inter // BLOCK_K):
+        s_ptrs += (BLOCK_K // MXFP4_BLOCK) * stride_si
+        next_w_s = tl.load(s_ptrs, mask=(group * MXFP4_BLOCK < inter - (step + 1) * BLOCK_K)[:, None] & col_ok[None, :],
+                           other=127)
+        a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+        acc = _mxfp4_dot(a, w_ptrs, col_ok[None, :], w_s, acc, BLOCK_M, BLOCK_K, DOT_PRECISION, UPCAST_DOT)
+        w_s = next_w_s
+        a_ptrs += BLOCK_K
+        w_ptrs += (BLOCK_K // 2) * stride_wi
+    if not EVEN_K:
+        left = inter % BLOCK_K
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & (k < left)[None, :], other=0.0)
+        acc = _mxfp4_dot(a, w_ptrs, (2 * pair < left)[:, None] & col_ok[None, :], w_s, acc, BLOCK_M, BLOCK_K,
+                         DOT_PRECISION, UPCAST_DOT)
+    return acc
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, act_ptr, sorted_ptr, block_experts_ptr, num_padded_ptr,
     num_entries, hidden, inter, num_blocks, gate_row_step, up_row_offset, alpha, limit,
@@ -144,22 +233,20 @@ def _gate_up_kernel(
     x_ptrs = x_ptr + token[:, None] * stride_xt + k[None, :] * stride_xh
     w_expert = w_ptr + expert * stride_we
     s_expert = ws_ptr + expert * stride_se
-    if W_FORMAT == W_MXFP4:  # a [BLOCK_K / 2, BLOCK_N] tile of bytes: byte j holds elements 2j and 2j + 1
-        pair = tl.arange(0, BLOCK_K // 2)
-        gate_s_ptrs = s_expert + gate_rows[None, :] * stride_sn + (pair // (MXFP4_BLOCK // 2))[:, None] * stride_sh
-        up_s_ptrs = gate_s_ptrs + up_row_offset * stride_sn
-        even_ptrs = x_ptr + token[:, None] * stride_xt + (2 * pair)[None, :] * stride_xh  # the even columns
-        w_k = pair
-        w_step = BLOCK_K // 2
-    else:
-        w_k = k
-        w_step = BLOCK_K
-    gate_ptrs = w_expert + gate_rows[None, :] * stride_wn + w_k[:, None] * stride_wh
+    gate_ptrs = w_expert + gate_rows[None, :] * stride_wn + k[:, None] * stride_wh
     up_ptrs = gate_ptrs + up_row_offset * stride_wn
     xs_ptrs = xs_ptr + token * stride_xst
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for step in range(0, tl.cdiv(hidden, BLOCK_K)):
+    # MXFP4 runs a K loop of its own (_mxfp4_gate_up); the loop below has zero steps then.
+    plain_steps = tl.cdiv(hidden, BLOCK_K)
+    if W_FORMAT == W_MXFP4:
+        acc_gate, acc_up = _mxfp4_gate_up(x_ptrs, w_expert + gate_rows[None, :] * stride_wn,
+                                          s_expert + gate_rows[None, :] * stride_sn, up_row_offset * stride_wn,
+                                          up_row_offset * stride_sn, row_ok, col_ok, hidden, stride_xh, stride_wh,
+                                          stride_sh, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, UPCAST_DOT)
+        plain_steps = 0
+    for step in range(0, plain_steps):
         if EVEN_K:
             a_mask = row_ok[:, None]
             w_mask = col_ok[None, :]
@@ -175,26 +262,8 @@ def _gate_up_kernel(
                 a, w_gate, w_up = a.to(tl.float32), w_gate.to(tl.float32), w_up.to(tl.float32)
             acc_gate = tl.dot(a, w_gate, acc_gate, input_precision=DOT_PRECISION)
             acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
-        elif W_FORMAT == W_MXFP4:  # (H is even: a byte's two elements are both in range or both out)
-            pair_ok = 2 * pair < hidden - step * BLOCK_K
-            pair_mask = pair_ok[:, None] & col_ok[None, :]
-            x_mask = row_ok[:, None] & pair_ok[None, :]
-            a_even = tl.load(even_ptrs, mask=x_mask, other=0.0)
-            a_odd = tl.load(even_ptrs + stride_xh, mask=x_mask, other=0.0)
-            gate_even, gate_odd = mxfp4_pairs(gate_ptrs, gate_s_ptrs, pair_mask)
-            up_even, up_odd = mxfp4_pairs(up_ptrs, up_s_ptrs, pair_mask)
-            if UPCAST_DOT:
-                a_even, a_odd = a_even.to(tl.float32), a_odd.to(tl.float32)
-            else:  # exact in bf16 and fp32 (fp16: for scales 2**-23 ... 2**13)
-                gate_even, gate_odd = gate_even.to(a_even.dtype), gate_odd.to(a_even.dtype)
-                up_even, up_odd = up_even.to(a_even.dtype), up_odd.to(a_even.dtype)
-            acc_gate = tl.dot(a_even, gate_even, acc_gate, input_precision=DOT_PRECISION)
-            acc_gate = tl.dot(a_odd, gate_odd, acc_gate, input_precision=DOT_PRECISION)
-            acc_up = tl.dot(a_even, up_even, acc_up, input_precision=DOT_PRECISION)
-            acc_up = tl.dot(a_odd, up_odd, acc_up, input_precision=DOT_PRECISION)
-            gate_s_ptrs += (BLOCK_K // MXFP4_BLOCK) * stride_sh
-            up_s_ptrs += (BLOCK_K // MXFP4_BLOCK) * stride_sh
-            even_ptrs += BLOCK_K * stride_xh
+        elif W_FORMAT == W_MXFP4:
+            pass  # (no steps: _mxfp4_gate_up ran them)
         else:
             w_gate = tl.load(gate_ptrs, mask=w_mask, other=0.0)
             w_up = tl.load(up_ptrs, mask=w_mask, other=0.0)
@@ -210,8 +279,8 @@ def _gate_up_kernel(
                 acc_gate = tl.dot(a, w_gate, acc_gate)
                 acc_up = tl.dot(a, w_up, acc_up)
         x_ptrs += BLOCK_K * stride_xh
-        gate_ptrs += w_step * stride_wh
-        up_ptrs += w_step * stride_wh
+        gate_ptrs += BLOCK_K * stride_wh
+        up_ptrs += BLOCK_K * stride_wh
 
     if W_FORMAT == W_FP8_CHANNEL:
         a_scale = tl.load(xs_ptrs, mask=row_ok, other=0.0)
@@ -260,19 +329,16 @@ def _down_kernel(
 
     a_ptrs = act_ptr + entry[:, None] * stride_an + k[None, :]
     s_expert = ws_ptr + expert * stride_se
-    if W_FORMAT == W_MXFP4:  # as in the gate/up kernel
-        pair = tl.arange(0, BLOCK_K // 2)
-        s_ptrs = s_expert + cols.to(tl.int64)[None, :] * stride_sn + (pair // (MXFP4_BLOCK // 2))[:, None] * stride_si
-        even_ptrs = act_ptr + entry[:, None] * stride_an + (2 * pair)[None, :]
-        w_k = pair
-        w_step = BLOCK_K // 2
-    else:
-        w_k = k
-        w_step = BLOCK_K
-    w_ptrs = w_ptr + expert * stride_we + cols.to(tl.int64)[None, :] * stride_wn + w_k[:, None] * stride_wi
+    w_rows = w_ptr + expert * stride_we + cols.to(tl.int64)[None, :] * stride_wn
+    w_ptrs = w_rows + k[:, None] * stride_wi
     as_ptrs = as_ptr + entry * stride_asn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for step in range(0, tl.cdiv(inter, BLOCK_K)):
+    plain_steps = tl.cdiv(inter, BLOCK_K)  # MXFP4: a K loop of its own, none here (as in the gate/up kernel)
+    if W_FORMAT == W_MXFP4:
+        acc = _mxfp4_down(a_ptrs, w_rows, s_expert + cols.to(tl.int64)[None, :] * stride_sn, row_ok, col_ok, inter,
+                          stride_wi, stride_si, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, UPCAST_DOT)
+        plain_steps = 0
+    for step in range(0, plain_steps):
         if EVEN_K:
             a_mask = row_ok[:, None]
             w_mask = col_ok[None, :]
@@ -286,20 +352,8 @@ def _down_kernel(
             if UPCAST_DOT:
                 a, w = a.to(tl.float32), w.to(tl.float32)
             acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
-        elif W_FORMAT == W_MXFP4:  # (I is even)
-            pair_ok = 2 * pair < inter - step * BLOCK_K
-            x_mask = row_ok[:, None] & pair_ok[None, :]
-            a_even = tl.load(even_ptrs, mask=x_mask, other=0.0)
-            a_odd = tl.load(even_ptrs + 1, mask=x_mask, other=0.0)
-            w_even, w_odd = mxfp4_pairs(w_ptrs, s_ptrs, pair_ok[:, None] & col_ok[None, :])
-            if UPCAST_DOT:
-                a_even, a_odd = a_even.to(tl.float32), a_odd.to(tl.float32)
-            else:
-                w_even, w_odd = w_even.to(a_even.dtype), w_odd.to(a_even.dtype)
-            acc = tl.dot(a_even, w_even, acc, input_precision=DOT_PRECISION)
-            acc = tl.dot(a_odd, w_odd, acc, input_precision=DOT_PRECISION)
-            s_ptrs += (BLOCK_K // MXFP4_BLOCK) * stride_si
-            even_ptrs += BLOCK_K
+        elif W_FORMAT == W_MXFP4:
+            pass  # (no steps: _mxfp4_down ran them)
         else:
             w = tl.load(w_ptrs, mask=w_mask, other=0.0)
             if W_FORMAT == W_FP8_BLOCK:
@@ -309,7 +363,7 @@ def _down_kernel(
             else:
                 acc = tl.dot(a, w, acc)
         a_ptrs += BLOCK_K
-        w_ptrs += w_step * stride_wi
+        w_ptrs += BLOCK_K * stride_wi
 
     if W_FORMAT == W_FP8_CHANNEL:
         a_scale = tl.load(as_ptrs, mask=row_ok, other=0.0)
@@ -378,11 +432,66 @@ def fused_experts(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias,
     _launch(hidden, w13, None, w2, None, topk_weights, topk_ids, None, activation, w13_bias, w2_bias, out, cfg)
 
 
+# MXFP4 launch candidates per regime of rows per expert, m = T * K / E (GPT-OSS-20B, E 32 and K 4: m = T / 8).
+# The first of each regime is quant_block_config's choice; ``benchmarks/ops_moe.py --sweep-mxfp4`` times them
+# all on the target GPU (and ``fused_experts_quant(..., config=...)`` takes any of them), so a better default
+# is read off that table. (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages); sm_90 compiles of the GPT-OSS
+# layer (H = I = 2880, bf16) use at most 255 registers without spills and at most 128 KB of shared memory.
+# The decode costs 8 to 13 instructions per weight element and step (sm_90 code of the K loops, loads and
+# MMAs included) and is repeated for every BLOCK_M block of an expert, so many rows per expert want tall
+# tiles (BLOCK_M 128 / 256: one decoded weight tile serves more rows); few want BLOCK_M = 16 (the smallest
+# MMA tile) and enough programs to keep every SM busy (BLOCK_N 32: 90 N tiles per expert at H = 2880).
+MXFP4_BLOCK_CONFIGS = {
+    # m <= 16: each hit expert's weights are read and decoded once (BLOCK_M is the MMA minimum)
+    "decode": (
+        BlockConfig(16, 32, 128, 1, 4, 3), BlockConfig(16, 64, 64, 1, 4, 4), BlockConfig(16, 32, 64, 1, 4, 4),
+        BlockConfig(16, 64, 128, 1, 4, 3), BlockConfig(16, 64, 128, 1, 8, 3), BlockConfig(16, 32, 256, 1, 4, 3),
+    ),
+    # m <= 64: one or two BLOCK_M blocks per expert
+    "small": (
+        BlockConfig(64, 64, 64, 4, 4, 3), BlockConfig(32, 64, 64, 4, 4, 4), BlockConfig(64, 64, 128, 4, 4, 3),
+        BlockConfig(64, 128, 64, 4, 8, 3), BlockConfig(128, 64, 64, 4, 8, 3), BlockConfig(128, 128, 64, 4, 8, 3),
+    ),
+    # m <= 256
+    "prefill": (
+        BlockConfig(128, 64, 64, 8, 8, 3), BlockConfig(128, 128, 64, 8, 8, 3), BlockConfig(64, 128, 64, 8, 8, 3),
+        BlockConfig(64, 64, 64, 8, 4, 3), BlockConfig(256, 64, 64, 8, 8, 3),
+    ),
+    # m > 256: compute bound; the decode per MMA falls with BLOCK_M * BLOCK_N
+    "long": (
+        BlockConfig(128, 128, 64, 8, 8, 3), BlockConfig(256, 64, 64, 8, 8, 3), BlockConfig(128, 64, 64, 8, 8, 3),
+        BlockConfig(128, 128, 64, 8, 8, 4), BlockConfig(128, 64, 128, 8, 8, 3),
+    ),
+}
+MXFP4_REGIMES = ((16, "decode"), (64, "small"), (256, "prefill"), (float("inf"), "long"))  # (largest m, regime)
+
+
+def mxfp4_regime(num_tokens: int, top_k: int, num_experts: int) -> str:
+    """The :data:`MXFP4_BLOCK_CONFIGS` regime of a call: by the mean rows per expert m = T * K / E."""
+    rows_per_expert = num_tokens * top_k / max(num_experts, 1)
+    return next(name for largest, name in MXFP4_REGIMES if rows_per_expert <= largest)
+
+
+def check_mxfp4_block_k(block_k: int) -> None:
+    """MXFP4 tiles cover whole E8M0 blocks (32 elements) along K and, as every Triton tile, a power of two:
+    BLOCK_K in 32, 64, 128, 256, ... (its BLOCK_K / 32 scales per column are one power-of-two tile)."""
+    if block_k < 32 or block_k & (block_k - 1):
+        raise ValueError(f"mxfp4 needs BLOCK_K a power of two and a multiple of 32 (whole E8M0 scale blocks per "
+                         f"K step), got {block_k}")
+
+
 @functools.lru_cache(maxsize=LAUNCH_CACHE_SIZE)
 def quant_block_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype,
                        weight_format: str) -> BlockConfig:
     """:func:`block_config` with BLOCK_K = 128 for fp8 weights (one block column / activation group
-    per K step; 128 fp8 bytes, as many as 64 bf16 ones). MXFP4 keeps it (a multiple of 32)."""
+    per K step; 128 fp8 bytes, as many as 64 bf16 ones). MXFP4: the first candidate of its regime in
+    :data:`MXFP4_BLOCK_CONFIGS` (fp32 halves BLOCK_K, as in :func:`block_config`, down to 32)."""
+    if weight_format == "mxfp4":
+        cfg = MXFP4_BLOCK_CONFIGS[mxfp4_regime(num_tokens, top_k, num_experts)][0]
+        if dtype == torch.float32:
+            cfg = BlockConfig(cfg.block_m, cfg.block_n, max(cfg.block_k // 2, 32), cfg.group_m, cfg.num_warps,
+                              cfg.num_stages)
+        return cfg
     cfg = block_config(num_tokens, top_k, num_experts, dtype)
     if weight_format.startswith("fp8"):
         return BlockConfig(cfg.block_m, cfg.block_n, 128, cfg.group_m, cfg.num_warps, cfg.num_stages)
@@ -392,14 +501,14 @@ def quant_block_config(num_tokens: int, top_k: int, num_experts: int, dtype: tor
 def fused_experts_quant(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight_format, activation,
                         w13_bias, w2_bias, out, config=None):
     """Backend entry of ``ops.fused_experts_quant``; ``config`` overrides :func:`quant_block_config`
-    (fp8_block needs BLOCK_K = 128, MXFP4 a multiple of 32)."""
+    (fp8_block needs BLOCK_K = 128, MXFP4 a power of two >= 32: :func:`check_mxfp4_block_k`)."""
     if hidden.shape[0] == 0:
         return
     cfg = config or quant_block_config(hidden.shape[0], topk_ids.shape[1], w13.shape[0], hidden.dtype, weight_format)
     if weight_format == "fp8_block" and cfg.block_k != 128:
         raise ValueError(f"fp8_block needs BLOCK_K = 128 (one scale block per K step), got {cfg.block_k}")
-    if weight_format == "mxfp4" and cfg.block_k % 32:
-        raise ValueError(f"mxfp4 needs BLOCK_K a multiple of 32 (whole scale blocks per K step), got {cfg.block_k}")
+    if weight_format == "mxfp4":
+        check_mxfp4_block_k(cfg.block_k)
     _launch(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight_format, activation, w13_bias,
             w2_bias, out, cfg)
 

@@ -10,10 +10,15 @@ Weight formats (``W_FORMAT``, a constexpr of both kernels; layouts in ``atom_cor
   per 1 x 128 group, and each K step covers exactly one 128-wide block column (BLOCK_K = 128), whose
   partial product is scaled by ``a_scale[m, step] * w_scale[n // 128, step]``;
 - ``W_MXFP4``: packed E2M1 codes (two per byte along K: the even element in the low nibble) with an
-  E8M0 scale per 32 along K. A K step loads the [BLOCK_K / 2, BLOCK_N] tile of bytes once, decodes
-  each byte's two values in registers (:func:`mxfp4_pairs`) and meets them with the activation's even
-  and odd columns: two dots of BLOCK_K / 2, in hidden's dtype. The weights never exist decoded in
-  memory.
+  E8M0 scale per 32 along K. A K step loads the [BLOCK_K / 2, BLOCK_N] tile of bytes and (a step
+  ahead) the [BLOCK_K / 32, BLOCK_N] tile of their scales; each scale becomes its fp32 factor once
+  (:func:`e8m0_value`) and is broadcast over its block's 16 bytes (:func:`mxfp4_block_rows`);
+  :func:`mxfp4_decode` turns the bytes into the [BLOCK_K, BLOCK_N] tile of values in hidden's dtype
+  (per value: two integer operations, half of a packed fp16 multiply, a conversion to fp32, the
+  scale's multiply, the cast; :func:`mxfp4_tile` is the whole step), which meets the activation tile
+  in one dot. The weights never exist decoded in memory. :func:`mxfp4_pairs` is the per-element
+  decode the kernels used before (a scale load and its decode per byte), kept as the definition the
+  tiled decode is pinned against (``decode_mxfp4(..., tiled=False)``).
 
 For the fp8 formats each GEMM's input is quantized once, by one launch before that GEMM, with the
 activation quantization kernels of ``atom_core.ops.triton.quant`` (``per_group_quant`` with groups
@@ -70,29 +75,94 @@ def mxfp4_pairs(byte_ptrs, scale_ptrs, mask):
 
 
 @triton.jit
+def e2m1_fp16_pair_bits(packed):
+    """Packed bytes (any integer tile, 0..255) → uint32 holding two fp16s: the low half the even element's
+    E2M1 code times 2**-14, the high half the odd element's (:func:`e2m1_value`'s construction: the code's
+    magnitude bits at fp16 bits 9..11, its sign at bit 15). Both nibbles at once: ``byte * 0x1001`` puts
+    the byte at bits 0..7 and again at 12..19, so one shift and mask place the low nibble's bits in the
+    low half and the high nibble's in the high half (the stray copies fall outside the masks)."""
+    both = packed.to(tl.uint32) * 0x1001
+    return ((both << 9) & 0x0E000E00) | ((both << 12) & 0x80008000)
+
+
+@triton.jit
+def mxfp4_block_rows(block_tile, PAIRS: tl.constexpr):
+    """[PAIRS / 16, N] tile of per-block values (one per 32 elements = 16 bytes along K) → [PAIRS, N],
+    each value repeated on its block's 16 byte rows (a broadcast and a reshape: no loads)."""
+    groups: tl.constexpr = PAIRS // (MXFP4_BLOCK // 2)
+    cols: tl.constexpr = block_tile.shape[1]
+    rows = tl.broadcast_to(tl.expand_dims(block_tile, 1), [groups, MXFP4_BLOCK // 2, cols])
+    return tl.reshape(rows, [PAIRS, cols])
+
+
+@triton.jit
+def mxfp4_decode(packed, scale, DTYPE: tl.constexpr):
+    """Packed bytes [P, N] and the fp32 :func:`e8m0_value` of each byte's block (broadcast to [P, N]) → the
+    [2P, N] tile of element values in DTYPE (row 2p: byte p's even element, row 2p + 1: its odd one):
+    ``e2m1_value(code) * e8m0_value(scale)`` bit for bit, then cast to DTYPE as the kernels always did.
+    Per value: half of :func:`e2m1_fp16_pair_bits` (two integer operations), times 2**14 in fp16 (exact:
+    the 0.5 code enters as the fp16 subnormal 2**-15 and leaves normal), the exact conversion to fp32,
+    the scale's multiply (the same single rounding as the old per-element product: to +-inf past fp32,
+    to NaN for scale 255), the cast. A byte's two values stay side by side in one thread from the
+    bits to the dot operand (join, then permute and reshape, which move no data): packed fp16x2
+    multiplies and bf16x2 casts serve them, with no register shuffles."""
+    bits = e2m1_fp16_pair_bits(packed)
+    codes = tl.join(bits.to(tl.uint16), (bits >> 16).to(tl.uint16)).to(tl.float16, bitcast=True)
+    values = ((codes * 16384.0).to(tl.float32) * tl.expand_dims(scale, 2)).to(DTYPE)
+    return tl.reshape(tl.permute(values, (0, 2, 1)), [2 * packed.shape[0], packed.shape[1]])
+
+
+@triton.jit
+def mxfp4_tile(byte_ptrs, byte_mask, scales, DTYPE: tl.constexpr):
+    """One K step's MXFP4 weight tile → its [BLOCK_K, N] values in DTYPE (:func:`mxfp4_decode`).
+
+    byte_ptrs: [P, N] pointers to the packed bytes (P = BLOCK_K / 2; byte_mask broadcasts to that shape);
+    scales: the [P / 16, N] tile of their blocks' E8M0 bytes, already loaded (the kernels load it a step
+    ahead, so its latency hides behind a step of work). Each scale becomes its fp32 factor once and is
+    broadcast over its block's 16 bytes (:func:`mxfp4_block_rows`)."""
+    packed = tl.load(byte_ptrs, mask=byte_mask, other=0)
+    scale = mxfp4_block_rows(e8m0_value(scales.to(tl.int32)), byte_ptrs.shape[0])
+    return mxfp4_decode(packed, scale, DTYPE)
+
+
+@triton.jit
 def _decode_mxfp4_kernel(packed_ptr, scales_ptr, out_ptr, rows, cols, stride_pr, stride_sr, stride_or,
-                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """out [R, C] fp32 = the decode :func:`mxfp4_pairs` does inside the GEMMs (for tests); a program
-    covers BLOCK_R rows x BLOCK_C bytes (2 * BLOCK_C elements)."""
+                         TILED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """out [R, C] = the kernels' decode (for tests): TILED, :func:`mxfp4_tile` as the GEMMs run it (rows of
+    the matrix as the tile's N, a block of BLOCK_C bytes along K as its pairs), cast to out's dtype;
+    else the per-element :func:`mxfp4_pairs`. A program covers BLOCK_R rows x BLOCK_C bytes (2 *
+    BLOCK_C elements)."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     b = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask = (r < rows)[:, None] & (b < cols // 2)[None, :]
-    byte_ptrs = packed_ptr + r[:, None] * stride_pr + b[None, :]
-    scale_ptrs = scales_ptr + r[:, None] * stride_sr + (b // (MXFP4_BLOCK // 2))[None, :]
-    even, odd = mxfp4_pairs(byte_ptrs, scale_ptrs, mask)
-    out_ptrs = out_ptr + r[:, None] * stride_or + 2 * b[None, :]
-    tl.store(out_ptrs, even, mask=mask)
-    tl.store(out_ptrs + 1, odd, mask=mask)
+    if TILED:  # [bytes, rows] tiles, as the GEMMs hold them
+        g = tl.program_id(1) * (BLOCK_C // (MXFP4_BLOCK // 2)) + tl.arange(0, BLOCK_C // (MXFP4_BLOCK // 2))
+        mask = (b < cols // 2)[:, None] & (r < rows)[None, :]
+        byte_ptrs = packed_ptr + r[None, :] * stride_pr + b[:, None]
+        scale_ptrs = scales_ptr + r[None, :] * stride_sr + g[:, None]
+        scales = tl.load(scale_ptrs, mask=(g < cols // MXFP4_BLOCK)[:, None] & (r < rows)[None, :], other=127)
+        values = mxfp4_tile(byte_ptrs, mask, scales, out_ptr.dtype.element_ty)
+        k = tl.program_id(1) * 2 * BLOCK_C + tl.arange(0, 2 * BLOCK_C)
+        tl.store(out_ptr + r[None, :] * stride_or + k[:, None], values, mask=(k < cols)[:, None] & (r < rows)[None, :])
+    else:
+        mask = (r < rows)[:, None] & (b < cols // 2)[None, :]
+        byte_ptrs = packed_ptr + r[:, None] * stride_pr + b[None, :]
+        scale_ptrs = scales_ptr + r[:, None] * stride_sr + (b // (MXFP4_BLOCK // 2))[None, :]
+        even, odd = mxfp4_pairs(byte_ptrs, scale_ptrs, mask)
+        out_ptrs = out_ptr + r[:, None] * stride_or + 2 * b[None, :]
+        tl.store(out_ptrs, even.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptrs + 1, odd.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def decode_mxfp4(packed, scales):
-    """packed uint8 [R, C/2], scales uint8 [R, C/32] (last dims contiguous) → fp32 [R, C], decoded by
-    the kernels' own :func:`mxfp4_pairs` (what tests pin against the checkpoint decoder)."""
+def decode_mxfp4(packed, scales, dtype=None, tiled=True):
+    """packed uint8 [R, C/2], scales uint8 [R, C/32] (last dims contiguous) → [R, C] in ``dtype`` (default
+    fp32), decoded by the kernels' own :func:`mxfp4_tile` and cast to ``dtype`` as the GEMMs cast it for
+    their dots (what tests pin against the checkpoint decoder); ``tiled=False``: by the per-element
+    :func:`mxfp4_pairs` instead (fp32 products, then the same cast)."""
     import torch
 
     rows, cols = packed.shape[0], packed.shape[1] * 2
-    out = torch.empty(rows, cols, dtype=torch.float32, device=packed.device)
+    out = torch.empty(rows, cols, dtype=dtype or torch.float32, device=packed.device)
     grid = (triton.cdiv(rows, 16), triton.cdiv(cols // 2, 32))
     _decode_mxfp4_kernel[grid](packed, scales, out, rows, cols, packed.stride(0), scales.stride(0), out.stride(0),
-                               BLOCK_R=16, BLOCK_C=32)
+                               TILED=tiled, BLOCK_R=16, BLOCK_C=32)
     return out
