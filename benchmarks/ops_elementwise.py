@@ -1,4 +1,5 @@
-"""Memory-bound ops at Llama-8B-like sizes: rms_norm (+ residual), silu_and_mul, apply_rope_, store_kv_.
+"""Memory-bound ops at Llama-8B-like sizes: rms_norm (+ residual), silu_and_mul, apply_rope_, qk_norm_rope_,
+store_kv_.
 
 For each op and token count: median time of the op's kernel backend, bandwidth achieved (bytes read +
 written, counted by hand below), that bandwidth as a share of a device-to-device copy measured in the
@@ -93,6 +94,25 @@ def _rope_case(tokens, q_heads, kv_heads, head_size, dtype, device, backend):
                 lambda: reference.apply_rope_(q, k, positions, cache))
 
 
+def _qk_norm_rope_case(tokens, q_heads, kv_heads, head_size, dtype, device, backend):
+    from atom_core.ops.qk_norm_rope import qk_norm_rope_
+    from atom_core.ops.reference import qk_norm_rope as reference
+    from atom_core.ops.rope import rope_cos_sin_cache
+
+    q, k, _ = _fused_qkv(tokens, q_heads, kv_heads, head_size, dtype, device)
+    q_weight, k_weight = (torch.rand(head_size, dtype=dtype, device=device) for _ in range(2))
+    cache, _ = rope_cos_sin_cache(head_size, MAX_POSITION, 500000.0, device=device)
+    positions = torch.randint(0, MAX_POSITION, (tokens,), device=device)
+    elt = q.element_size()
+    # as apply_rope_ (every q/k element read and written once), plus the two weights
+    nbytes = 2 * tokens * (q_heads + kv_heads) * head_size * elt + tokens * 8 + tokens * head_size * 4 \
+        + 2 * head_size * elt
+    return Case("qk_norm_rope_", tokens,
+                f"q [{tokens}, {q_heads}, {head_size}] k [{tokens}, {kv_heads}, {head_size}]", nbytes,
+                lambda: qk_norm_rope_(q, k, q_weight, k_weight, positions, cache, eps=1e-6, backend=backend),
+                lambda: reference.qk_norm_rope_(q, k, q_weight, k_weight, positions, cache, eps=1e-6))
+
+
 def _store_kv_case(tokens, q_heads, kv_heads, head_size, dtype, device, backend):
     from atom_core.ops.kv_cache import store_kv_
     from atom_core.ops.reference import kv_cache as reference
@@ -120,6 +140,8 @@ def _cases(device, smoke, backend, dtype):
         yield _rms_norm_case(tokens, sizes["hidden"], dtype, device, backend)
         yield _silu_and_mul_case(tokens, sizes["hidden"], dtype, device, backend)
         yield _rope_case(tokens, sizes["q_heads"], sizes["kv_heads"], sizes["head_size"], dtype, device, backend)
+        yield _qk_norm_rope_case(tokens, sizes["q_heads"], sizes["kv_heads"], sizes["head_size"], dtype, device,
+                                 backend)
         yield _store_kv_case(tokens, sizes["q_heads"], sizes["kv_heads"], sizes["head_size"], dtype, device, backend)
 
 

@@ -55,14 +55,8 @@ class Glm4MoeAttention(LlamaAttention):
                          prefix=prefix, tp_group=tp_group)
         self.use_qk_norm = bool(config.get("use_qk_norm", False))
         if self.use_qk_norm:  # weights [Dh], shared by all heads: identical on every rank
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype)
-
-    def qk_transform(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, H, Dh], k [T, Hk, Dh] -> per-head RMS-normalised with ``use_qk_norm``, else unchanged."""
-        if not self.use_qk_norm:
-            return q, k
-        return self.q_norm(q), self.k_norm(k)
+            self.set_qk_norms(RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype),
+                              RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype))
 
 
 class GroupedTopKRouter(nn.Module):

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from atom_core import ops
 from atom_core.cache.token_layout import StepLayout
 from atom_core.models.base import QUANTIZED_DENSE_FORMATS, CausalLM, PreNormDecoderLayer
 from atom_core.models.config import ModelConfig
@@ -39,10 +40,11 @@ from atom_core.models.registry import register_model
 
 
 class LlamaAttention(nn.Module):
-    """qkv_proj -> split heads -> (``qk_transform``) -> RoPE -> paged attention -> o_proj.
+    """qkv_proj -> split heads -> (per-head q/k RMSNorm +) RoPE -> paged attention -> o_proj.
 
-    ``qk_transform`` is the hook subclasses override to touch q and k before RoPE (Qwen3's
-    per-head RMSNorm); here it returns them unchanged. ``qkv_bias`` / ``o_bias`` default to
+    ``q_norm`` / ``k_norm``: None here; architectures that normalise each q and k head over Dh
+    before RoPE (Qwen3, GLM-4-MoE's ``use_qk_norm``) give them with :meth:`set_qk_norms`, and the
+    norms and the rotation then run as one op (``ops.qk_norm_rope_``). ``qkv_bias`` / ``o_bias`` default to
     ``config.attention_bias``; architectures that bias only q, k, v (Qwen2) pass them explicitly.
     ``quant_config`` / ``prefix`` (``model.layers.{i}.self_attn``): the projections' quantization.
     ``tp_group``: the process group ``o_proj``'s sum runs over (``models.parallel``).
@@ -72,10 +74,24 @@ class LlamaAttention(nn.Module):
         self.attn = PagedAttention(self.num_heads, head_dim, self.num_kv_heads,
                                    scale=head_dim ** -0.5, sliding_window=sliding_window)
         self.sinks: nn.Parameter | None = None  # per-head sink logits [H] fp32 (GPT-OSS sets them)
+        self.q_norm: RMSNorm | None = None  # per-head RMSNorms over Dh before RoPE (set_qk_norms)
+        self.k_norm: RMSNorm | None = None
 
-    def qk_transform(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, H, Dh], k [T, Hk, Dh] -> the same, before RoPE. Identity for Llama."""
-        return q, k
+    def set_qk_norms(self, q_norm: RMSNorm, k_norm: RMSNorm) -> None:
+        """Normalise every q head with ``q_norm`` and every k head with ``k_norm`` (over Dh) before RoPE.
+
+        Their weights [Dh] are shared by all heads, so identical on every rank (no tensor-parallel
+        split); HF's names ``self_attn.q_norm.weight`` / ``self_attn.k_norm.weight``. The norms run
+        fused with the rotation (``ops.qk_norm_rope_``), which takes one eps and plain weights: norms
+        of another size than Dh, with different eps, or Gemma's ``1 + weight`` are refused here.
+        """
+        for name, norm in (("q_norm", q_norm), ("k_norm", k_norm)):
+            if not isinstance(norm, RMSNorm) or norm.hidden_size != self.head_dim or norm.gemma:
+                raise ValueError(f"{name} must be a non-gemma RMSNorm over head_dim={self.head_dim}, got {norm!r}")
+        if q_norm.eps != k_norm.eps:
+            raise ValueError(f"q_norm and k_norm must share one eps (ops.qk_norm_rope_ takes one), "
+                             f"got {q_norm.eps} and {k_norm.eps}")
+        self.q_norm, self.k_norm = q_norm, k_norm
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: StepLayout) -> torch.Tensor:
         """positions [T] int64, hidden [T, D] -> [T, D]."""
@@ -85,8 +101,11 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.qk_transform(q, k)
-        q, k = self.rotary_emb(positions, q, k)                                 # in place
+        if self.q_norm is None:
+            self.rotary_emb(positions, q, k)                                    # in place
+        else:  # per-head RMSNorm of q and k, then RoPE: one op, in place on the views of qkv
+            ops.qk_norm_rope_(q, k, self.q_norm.weight, self.k_norm.weight, positions,
+                              self.rotary_emb.cos_sin_cache, eps=self.q_norm.eps, is_neox=self.rotary_emb.is_neox)
         out = self.attn(q, k, v, batch, sinks=self.sinks)                       # [T, H, Dh]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 

@@ -34,13 +34,8 @@ class Qwen3Attention(LlamaAttention):
                  prefix: str = "", tp_group=None) -> None:
         super().__init__(config, rotary_emb, sliding_window=sliding_window, dtype=dtype, tp_rank=tp_rank,
                          tp_size=tp_size, quant_config=quant_config, prefix=prefix, tp_group=tp_group)
-        # Norm weights are per head dim, identical on every rank: no tensor-parallel split.
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype)
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype)
-
-    def qk_transform(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, H, Dh], k [T, Hk, Dh] -> each head RMS-normalised over its Dh values (new tensors)."""
-        return self.q_norm(q), self.k_norm(k)
+        self.set_qk_norms(RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype),
+                          RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype))
 
 
 @register_model("Qwen3ForCausalLM")

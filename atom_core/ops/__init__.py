@@ -31,6 +31,7 @@ from atom_core.ops.mla import mla_decode_attention, mla_prefill_attention, store
 from atom_core.ops.moe_routing import gpt_oss_topk, grouped_topk, topk_softmax
 from atom_core.ops.norm import layer_norm, rms_norm
 from atom_core.ops.penalties import apply_penalties_, apply_token_bias_
+from atom_core.ops.qk_norm_rope import qk_norm_rope_
 from atom_core.ops.quant import per_group_quant, per_tensor_quant, per_token_quant
 from atom_core.ops.rope import apply_rope_, rope_cos_sin_cache, yarn_softmax_scale
 from atom_core.ops.sampling import rejection_sample_greedy, sample
@@ -69,6 +70,7 @@ __all__ = [
     "per_tensor_quant",
     "per_token_quant",
     "preferred_backend",
+    "qk_norm_rope_",
     "reference",
     "rejection_sample_greedy",
     "rms_norm",

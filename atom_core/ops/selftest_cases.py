@@ -141,6 +141,32 @@ def rope_cases(grid: str, device) -> list[Case]:
     return cases
 
 
+def qk_norm_rope_cases(grid: str, device) -> list[Case]:
+    # (T, Hq, Hk, Dh, R, is_neox): Qwen3-0.6B decode, a Qwen3 prefill, GLM-4-MoE's half rotary, odd sizes.
+    shapes = [(5, 4, 2, 64, 64, True), (5, 4, 2, 64, 32, False)] if grid == "quick" else \
+        [(1, 16, 8, 128, 128, True), (77, 32, 4, 128, 128, True), (19, 12, 1, 128, 64, True), (3, 4, 4, 80, 40, False)]
+    cases = []
+    for (tokens, hq, hk, head, rotary, is_neox) in shapes:
+        for dtype in grid_dtypes(grid):
+            def run(backend, dtype=dtype, tokens=tokens, hq=hq, hk=hk, head=head, rotary=rotary, is_neox=is_neox):
+                qkv = seeded_randn(16, tokens, (hq + 2 * hk) * head, dtype=dtype, device=device, scale=4.0)
+                q = qkv[:, : hq * head].view(tokens, hq, head)  # strided views of a fused qkv buffer
+                k = qkv[:, hq * head: (hq + hk) * head].view(tokens, hk, head)
+                # Weights in [0.05, 0.2] keep the normalised values below 1, where the one-ulp flips that
+                # rounding them may make (tests/ops/test_qk_norm_rope.py) stay within ELEMENTWISE.
+                q_weight, k_weight = ((0.05 + 0.15 * torch.rand(head, generator=torch.Generator().manual_seed(seed)))
+                                      .to(device=device, dtype=dtype) for seed in (17, 18))
+                cache, _ = ops.rope_cos_sin_cache(rotary, 256, 10000.0, device=device)
+                positions = torch.randint(0, 256, (tokens,), generator=torch.Generator().manual_seed(7)).to(device)
+                ops.qk_norm_rope_(q, k, q_weight, k_weight, positions, cache, eps=1e-6, is_neox=is_neox,
+                                  backend=backend)
+                return (qkv,)  # q and k, and v untouched
+
+            label = f"T={tokens} Hq={hq} Hk={hk} Dh={head} R={rotary} {'neox' if is_neox else 'gptj'} {dtype}"
+            cases.append(Case("qk_norm_rope_", label, run, closer(ELEMENTWISE)(dtype)))
+    return cases
+
+
 def store_kv_cases(grid: str, device) -> list[Case]:
     shapes = [(6, 2, 64, 4, 16)] if grid == "quick" else [(1, 8, 128, 64, 16), (37, 2, 64, 8, 32), (5, 4, 80, 4, 16)]
     cases = []
@@ -238,9 +264,9 @@ def all_cases(grid: str, device) -> dict[str, list[Case]]:
     from atom_core.ops.selftest_cases_token_mask import token_mask_cases
 
     by_op: dict[str, list[Case]] = {}
-    for make in (norm_cases, activation_cases, rope_cases, store_kv_cases, attention_cases, sampling_cases,
-                 moe_cases, fused_experts_quant_cases, quant_cases, scaled_mm_cases, fp8_block_linear_cases,
-                 mla_cases, dsa_cases, penalty_cases, token_mask_cases, comm_cases):
+    for make in (norm_cases, activation_cases, rope_cases, qk_norm_rope_cases, store_kv_cases, attention_cases,
+                 sampling_cases, moe_cases, fused_experts_quant_cases, quant_cases, scaled_mm_cases,
+                 fp8_block_linear_cases, mla_cases, dsa_cases, penalty_cases, token_mask_cases, comm_cases):
         for case in make(grid, device):
             by_op.setdefault(case.op, []).append(case)
     return by_op

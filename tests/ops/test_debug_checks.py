@@ -17,6 +17,9 @@ CALLS = {
     "activation": lambda: ops.silu_and_mul(torch.randn(T, 2 * D), backend="torch"),
     "rope": lambda: ops.apply_rope_(torch.randn(T, H, DH), torch.randn(T, H, DH), torch.arange(T),
                                     ops.rope_cos_sin_cache(DH, 16, 10000.0)[0], backend="torch"),
+    "qk_norm_rope": lambda: ops.qk_norm_rope_(torch.randn(T, H, DH), torch.randn(T, H, DH), torch.ones(DH),
+                                              torch.ones(DH), torch.arange(T),
+                                              ops.rope_cos_sin_cache(DH, 16, 10000.0)[0], eps=1e-6, backend="torch"),
     "kv_cache": lambda: ops.store_kv_(torch.randn(T, H, DH), torch.randn(T, H, DH), torch.zeros(2, 4, H, DH),
                                       torch.zeros(2, 4, H, DH), torch.arange(T), backend="torch"),
     "attention": lambda: ops.paged_attention(

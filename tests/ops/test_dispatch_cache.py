@@ -126,6 +126,16 @@ def _rope_args(c: Call):
     return q, k, c.tensor(tokens, dtype=torch.int64), cache, c.flag(True)
 
 
+def _qk_norm_rope_args(c: Call):
+    tokens, rotary, dtype = c.vary(5, 1), c.vary(8, 2048), c.vary(BF16, FP16, FP32)
+    head = rotary + c.vary(0, 8, 4096)  # 2048 + 4096: past triton's one-tile head
+    q = c.tensor(tokens, c.vary(4, 1), head, dtype=dtype)
+    k = c.tensor(tokens, c.vary(2, 1), head, dtype=dtype)
+    q_weight, k_weight = (c.tensor(head, dtype=c.vary(dtype, FP32)) for _ in range(2))
+    cache = c.tensor(c.vary(40, 16), rotary, dtype=c.vary(FP32, dtype))
+    return q, k, q_weight, k_weight, c.tensor(tokens, dtype=torch.int64), cache, 1e-6, c.flag(True)
+
+
 def _store_kv_args(c: Call):
     tokens, heads, head, dtype = c.vary(3, 1), c.vary(2, 1), c.vary(16, 8), c.vary(BF16, FP16, FP32)
     k, v = c.tensor(tokens, heads, head, dtype=dtype), c.tensor(tokens, heads, head, dtype=dtype)
@@ -271,6 +281,7 @@ ARGS = {
     "gelu_and_mul": lambda c: _activation_args(c, "gelu_and_mul"),
     "swiglu_clamped": lambda c: _activation_args(c, "swiglu_clamped"),
     "apply_rope_": _rope_args,
+    "qk_norm_rope_": _qk_norm_rope_args,
     "store_kv_": _store_kv_args,
     "paged_attention": _attention_args,
     "sample": _sample_args,
