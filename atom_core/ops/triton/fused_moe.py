@@ -434,8 +434,8 @@ def fused_experts(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias,
 
 # MXFP4 launch candidates per regime of rows per expert, m = T * K / E (GPT-OSS-20B, E 32 and K 4: m = T / 8).
 # The first of each regime is quant_block_config's choice; ``benchmarks/ops_moe.py --sweep-mxfp4`` times them
-# all on the target GPU (and ``fused_experts_quant(..., config=...)`` takes any of them), so a better default
-# is read off that table. (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages); sm_90 compiles of the GPT-OSS
+# all on the target GPU (and ``fused_experts_quant(..., config=...)`` takes any of them); the defaults are that
+# table's fastest on an H200 (docs/benchmarks.md: decode 16x32x64 with 4 stages at 1, 8 and 64 tokens). (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages); sm_90 compiles of the GPT-OSS
 # layer (H = I = 2880, bf16) use at most 255 registers without spills and at most 128 KB of shared memory.
 # The decode costs 8 to 13 instructions per weight element and step (sm_90 code of the K loops, loads and
 # MMAs included) and is repeated for every BLOCK_M block of an expert, so many rows per expert want tall
@@ -444,7 +444,7 @@ def fused_experts(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias,
 MXFP4_BLOCK_CONFIGS = {
     # m <= 16: each hit expert's weights are read and decoded once (BLOCK_M is the MMA minimum)
     "decode": (
-        BlockConfig(16, 32, 128, 1, 4, 3), BlockConfig(16, 64, 64, 1, 4, 4), BlockConfig(16, 32, 64, 1, 4, 4),
+        BlockConfig(16, 32, 64, 1, 4, 4), BlockConfig(16, 64, 64, 1, 4, 4), BlockConfig(16, 32, 128, 1, 4, 3),
         BlockConfig(16, 64, 128, 1, 4, 3), BlockConfig(16, 64, 128, 1, 8, 3), BlockConfig(16, 32, 256, 1, 4, 3),
     ),
     # m <= 64: one or two BLOCK_M blocks per expert
