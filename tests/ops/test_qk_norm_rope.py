@@ -269,7 +269,7 @@ def test_compiles_with_fullgraph_on_fused_qkv_views():
 
     def step(buffer):
         q, k, _ = qkv.views(buffer)  # q and k alias one buffer
-        ops.qk_norm_rope_(q, k, qkv.q_weight, qkv.k_weight, positions, cache, eps=EPS, backend="torch")
+        ops.qk_norm_rope_(q, k, qkv.q_weight.cpu(), qkv.k_weight.cpu(), positions, cache, eps=EPS, backend="torch")
         return buffer * 1.0
 
     got = torch.compile(step, fullgraph=True, backend="aot_eager")(qkv.buffer.cpu().clone())
