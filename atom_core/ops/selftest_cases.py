@@ -120,6 +120,17 @@ def activation_cases(grid: str, device) -> list[Case]:
     return cases
 
 
+def _rope_inputs(seed, tokens, hq, hk, head, rotary, dtype, device, scale=1.0):
+    """A fused qkv buffer [T, (Hq + 2 Hk) Dh], q and k as strided head views of it, a rope table of 256
+    positions for R = ``rotary`` and positions drawn from it."""
+    qkv = seeded_randn(seed, tokens, (hq + 2 * hk) * head, dtype=dtype, device=device, scale=scale)
+    q = qkv[:, : hq * head].view(tokens, hq, head)
+    k = qkv[:, hq * head: (hq + hk) * head].view(tokens, hk, head)
+    cache, _ = ops.rope_cos_sin_cache(rotary, 256, 10000.0, device=device)
+    positions = torch.randint(0, 256, (tokens,), generator=torch.Generator().manual_seed(7)).to(device)
+    return qkv, q, k, cache, positions
+
+
 def rope_cases(grid: str, device) -> list[Case]:
     # (T, Hq, Hk, Dh, R, is_neox)
     shapes = [(5, 4, 2, 64, 64, True), (5, 4, 2, 64, 32, False)] if grid == "quick" else \
@@ -128,11 +139,7 @@ def rope_cases(grid: str, device) -> list[Case]:
     for (tokens, hq, hk, head, rotary, is_neox) in shapes:
         for dtype in grid_dtypes(grid):
             def run(backend, dtype=dtype, tokens=tokens, hq=hq, hk=hk, head=head, rotary=rotary, is_neox=is_neox):
-                qkv = seeded_randn(6, tokens, (hq + 2 * hk) * head, dtype=dtype, device=device)
-                q = qkv[:, : hq * head].view(tokens, hq, head)  # strided views of a fused qkv buffer
-                k = qkv[:, hq * head: (hq + hk) * head].view(tokens, hk, head)
-                cache, _ = ops.rope_cos_sin_cache(rotary, 256, 10000.0, device=device)
-                positions = torch.randint(0, 256, (tokens,), generator=torch.Generator().manual_seed(7)).to(device)
+                _, q, k, cache, positions = _rope_inputs(6, tokens, hq, hk, head, rotary, dtype, device)
                 ops.apply_rope_(q, k, positions, cache, is_neox=is_neox, backend=backend)
                 return q, k
 
@@ -149,15 +156,11 @@ def qk_norm_rope_cases(grid: str, device) -> list[Case]:
     for (tokens, hq, hk, head, rotary, is_neox) in shapes:
         for dtype in grid_dtypes(grid):
             def run(backend, dtype=dtype, tokens=tokens, hq=hq, hk=hk, head=head, rotary=rotary, is_neox=is_neox):
-                qkv = seeded_randn(16, tokens, (hq + 2 * hk) * head, dtype=dtype, device=device, scale=4.0)
-                q = qkv[:, : hq * head].view(tokens, hq, head)  # strided views of a fused qkv buffer
-                k = qkv[:, hq * head: (hq + hk) * head].view(tokens, hk, head)
+                qkv, q, k, cache, positions = _rope_inputs(16, tokens, hq, hk, head, rotary, dtype, device, scale=4.0)
                 # Weights in [0.05, 0.2] keep the normalised values below 1, where the one-ulp flips that
                 # rounding them may make (tests/ops/test_qk_norm_rope.py) stay within ELEMENTWISE.
                 q_weight, k_weight = ((0.05 + 0.15 * torch.rand(head, generator=torch.Generator().manual_seed(seed)))
                                       .to(device=device, dtype=dtype) for seed in (17, 18))
-                cache, _ = ops.rope_cos_sin_cache(rotary, 256, 10000.0, device=device)
-                positions = torch.randint(0, 256, (tokens,), generator=torch.Generator().manual_seed(7)).to(device)
                 ops.qk_norm_rope_(q, k, q_weight, k_weight, positions, cache, eps=1e-6, is_neox=is_neox,
                                   backend=backend)
                 return (qkv,)  # q and k, and v untouched
