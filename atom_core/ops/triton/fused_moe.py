@@ -238,49 +238,46 @@ def _gate_up_kernel(
     xs_ptrs = xs_ptr + token * stride_xst
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    # MXFP4 runs a K loop of its own (_mxfp4_gate_up); the loop below has zero steps then.
-    plain_steps = tl.cdiv(hidden, BLOCK_K)
+    # MXFP4 runs a K loop of its own (_mxfp4_gate_up): whole steps unmasked, then the tail.
     if W_FORMAT == W_MXFP4:
         acc_gate, acc_up = _mxfp4_gate_up(x_ptrs, w_expert + gate_rows[None, :] * stride_wn,
                                           s_expert + gate_rows[None, :] * stride_sn, up_row_offset * stride_wn,
                                           up_row_offset * stride_sn, row_ok, col_ok, hidden, stride_xh, stride_wh,
                                           stride_sh, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, UPCAST_DOT)
-        plain_steps = 0
-    for step in range(0, plain_steps):
-        if EVEN_K:
-            a_mask = row_ok[:, None]
-            w_mask = col_ok[None, :]
-        else:
-            k_ok = k < hidden - step * BLOCK_K
-            a_mask = row_ok[:, None] & k_ok[None, :]
-            w_mask = k_ok[:, None] & col_ok[None, :]
-        a = tl.load(x_ptrs, mask=a_mask, other=0.0)
-        if W_FORMAT == W_PLAIN:
-            w_gate = tl.load(gate_ptrs, mask=w_mask, other=0.0)
-            w_up = tl.load(up_ptrs, mask=w_mask, other=0.0)
-            if UPCAST_DOT:
-                a, w_gate, w_up = a.to(tl.float32), w_gate.to(tl.float32), w_up.to(tl.float32)
-            acc_gate = tl.dot(a, w_gate, acc_gate, input_precision=DOT_PRECISION)
-            acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
-        elif W_FORMAT == W_MXFP4:
-            pass  # (no steps: _mxfp4_gate_up ran them)
-        else:
-            w_gate = tl.load(gate_ptrs, mask=w_mask, other=0.0)
-            w_up = tl.load(up_ptrs, mask=w_mask, other=0.0)
-            if W_FORMAT == W_FP8_BLOCK:  # BLOCK_K == 128: this step is block column `step`, activation group `step`
-                a_scale = tl.load(xs_ptrs + step * stride_xsg, mask=row_ok, other=0.0)
-                gate_s = tl.load(s_expert + (gate_rows // FP8_BLOCK) * stride_sn + step * stride_sh, mask=col_ok,
-                                 other=0.0)
-                up_s = tl.load(s_expert + (up_rows // FP8_BLOCK) * stride_sn + step * stride_sh, mask=col_ok,
-                               other=0.0)
-                acc_gate += tl.dot(a, w_gate) * a_scale[:, None] * gate_s[None, :]
-                acc_up += tl.dot(a, w_up) * a_scale[:, None] * up_s[None, :]
+    else:
+        for step in range(0, tl.cdiv(hidden, BLOCK_K)):
+            if EVEN_K:
+                a_mask = row_ok[:, None]
+                w_mask = col_ok[None, :]
             else:
-                acc_gate = tl.dot(a, w_gate, acc_gate)
-                acc_up = tl.dot(a, w_up, acc_up)
-        x_ptrs += BLOCK_K * stride_xh
-        gate_ptrs += BLOCK_K * stride_wh
-        up_ptrs += BLOCK_K * stride_wh
+                k_ok = k < hidden - step * BLOCK_K
+                a_mask = row_ok[:, None] & k_ok[None, :]
+                w_mask = k_ok[:, None] & col_ok[None, :]
+            a = tl.load(x_ptrs, mask=a_mask, other=0.0)
+            if W_FORMAT == W_PLAIN:
+                w_gate = tl.load(gate_ptrs, mask=w_mask, other=0.0)
+                w_up = tl.load(up_ptrs, mask=w_mask, other=0.0)
+                if UPCAST_DOT:
+                    a, w_gate, w_up = a.to(tl.float32), w_gate.to(tl.float32), w_up.to(tl.float32)
+                acc_gate = tl.dot(a, w_gate, acc_gate, input_precision=DOT_PRECISION)
+                acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
+            else:
+                w_gate = tl.load(gate_ptrs, mask=w_mask, other=0.0)
+                w_up = tl.load(up_ptrs, mask=w_mask, other=0.0)
+                if W_FORMAT == W_FP8_BLOCK:  # BLOCK_K == 128: this step is block column `step`, activation group `step`
+                    a_scale = tl.load(xs_ptrs + step * stride_xsg, mask=row_ok, other=0.0)
+                    gate_s = tl.load(s_expert + (gate_rows // FP8_BLOCK) * stride_sn + step * stride_sh, mask=col_ok,
+                                     other=0.0)
+                    up_s = tl.load(s_expert + (up_rows // FP8_BLOCK) * stride_sn + step * stride_sh, mask=col_ok,
+                                   other=0.0)
+                    acc_gate += tl.dot(a, w_gate) * a_scale[:, None] * gate_s[None, :]
+                    acc_up += tl.dot(a, w_up) * a_scale[:, None] * up_s[None, :]
+                else:
+                    acc_gate = tl.dot(a, w_gate, acc_gate)
+                    acc_up = tl.dot(a, w_up, acc_up)
+            x_ptrs += BLOCK_K * stride_xh
+            gate_ptrs += BLOCK_K * stride_wh
+            up_ptrs += BLOCK_K * stride_wh
 
     if W_FORMAT == W_FP8_CHANNEL:
         a_scale = tl.load(xs_ptrs, mask=row_ok, other=0.0)
@@ -333,37 +330,35 @@ def _down_kernel(
     w_ptrs = w_rows + k[:, None] * stride_wi
     as_ptrs = as_ptr + entry * stride_asn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    plain_steps = tl.cdiv(inter, BLOCK_K)  # MXFP4: a K loop of its own, none here (as in the gate/up kernel)
+    # MXFP4: a K loop of its own (_mxfp4_down), as in the gate/up kernel
     if W_FORMAT == W_MXFP4:
         acc = _mxfp4_down(a_ptrs, w_rows, s_expert + cols.to(tl.int64)[None, :] * stride_sn, row_ok, col_ok, inter,
                           stride_wi, stride_si, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, UPCAST_DOT)
-        plain_steps = 0
-    for step in range(0, plain_steps):
-        if EVEN_K:
-            a_mask = row_ok[:, None]
-            w_mask = col_ok[None, :]
-        else:
-            k_ok = k < inter - step * BLOCK_K
-            a_mask = row_ok[:, None] & k_ok[None, :]
-            w_mask = k_ok[:, None] & col_ok[None, :]
-        a = tl.load(a_ptrs, mask=a_mask, other=0.0)
-        if W_FORMAT == W_PLAIN:
-            w = tl.load(w_ptrs, mask=w_mask, other=0.0)
-            if UPCAST_DOT:
-                a, w = a.to(tl.float32), w.to(tl.float32)
-            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
-        elif W_FORMAT == W_MXFP4:
-            pass  # (no steps: _mxfp4_down ran them)
-        else:
-            w = tl.load(w_ptrs, mask=w_mask, other=0.0)
-            if W_FORMAT == W_FP8_BLOCK:
-                a_scale = tl.load(as_ptrs + step * stride_asg, mask=row_ok, other=0.0)
-                w_s = tl.load(s_expert + (cols // FP8_BLOCK) * stride_sn + step * stride_si, mask=col_ok, other=0.0)
-                acc += tl.dot(a, w) * a_scale[:, None] * w_s[None, :]
+    else:
+        for step in range(0, tl.cdiv(inter, BLOCK_K)):
+            if EVEN_K:
+                a_mask = row_ok[:, None]
+                w_mask = col_ok[None, :]
             else:
-                acc = tl.dot(a, w, acc)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K * stride_wi
+                k_ok = k < inter - step * BLOCK_K
+                a_mask = row_ok[:, None] & k_ok[None, :]
+                w_mask = k_ok[:, None] & col_ok[None, :]
+            a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+            if W_FORMAT == W_PLAIN:
+                w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+                if UPCAST_DOT:
+                    a, w = a.to(tl.float32), w.to(tl.float32)
+                acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+            else:
+                w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+                if W_FORMAT == W_FP8_BLOCK:
+                    a_scale = tl.load(as_ptrs + step * stride_asg, mask=row_ok, other=0.0)
+                    w_s = tl.load(s_expert + (cols // FP8_BLOCK) * stride_sn + step * stride_si, mask=col_ok, other=0.0)
+                    acc += tl.dot(a, w) * a_scale[:, None] * w_s[None, :]
+                else:
+                    acc = tl.dot(a, w, acc)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K * stride_wi
 
     if W_FORMAT == W_FP8_CHANNEL:
         a_scale = tl.load(as_ptrs, mask=row_ok, other=0.0)
@@ -435,7 +430,8 @@ def fused_experts(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias,
 # MXFP4 launch candidates per regime of rows per expert, m = T * K / E (GPT-OSS-20B, E 32 and K 4: m = T / 8).
 # The first of each regime is quant_block_config's choice; ``benchmarks/ops_moe.py --sweep-mxfp4`` times them
 # all on the target GPU (and ``fused_experts_quant(..., config=...)`` takes any of them); the defaults are that
-# table's fastest on an H200 (docs/benchmarks.md: decode 16x32x64 with 4 stages at 1, 8 and 64 tokens). (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages); sm_90 compiles of the GPT-OSS
+# table's fastest on an H200 (docs/benchmarks.md: decode 16x32x64 with 4 stages at 1, 8 and 64 tokens).
+# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages); sm_90 compiles of the GPT-OSS
 # layer (H = I = 2880, bf16) use at most 255 registers without spills and at most 128 KB of shared memory.
 # The decode costs 8 to 13 instructions per weight element and step (sm_90 code of the K loops, loads and
 # MMAs included) and is repeated for every BLOCK_M block of an expert, so many rows per expert want tall
@@ -497,7 +493,7 @@ def quant_block_config(num_tokens: int, top_k: int, num_experts: int, dtype: tor
         return cfg
     cfg = block_config(num_tokens, top_k, num_experts, dtype)
     if weight_format.startswith("fp8"):
-        if cfg.block_m == 16 and num_tokens > 1:  # decode batches: 64-wide N tiles, 4 stages (H200 sweep below)
+        if cfg.block_m == 16 and num_tokens > 1:  # decode batches: 64-wide N tiles, 4 stages (docstring)
             return BlockConfig(16, 64, 128, 1, 4, 4)
         return BlockConfig(cfg.block_m, cfg.block_n, 128, cfg.group_m, cfg.num_warps, cfg.num_stages)
     return cfg
