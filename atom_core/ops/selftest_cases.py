@@ -131,6 +131,10 @@ def _rope_inputs(seed, tokens, hq, hk, head, rotary, dtype, device, scale=1.0):
     return qkv, q, k, cache, positions
 
 
+def _rope_label(tokens, hq, hk, head, rotary, is_neox, dtype) -> str:
+    return f"T={tokens} Hq={hq} Hk={hk} Dh={head} R={rotary} {'neox' if is_neox else 'gptj'} {dtype}"
+
+
 def rope_cases(grid: str, device) -> list[Case]:
     # (T, Hq, Hk, Dh, R, is_neox)
     shapes = [(5, 4, 2, 64, 64, True), (5, 4, 2, 64, 32, False)] if grid == "quick" else \
@@ -143,7 +147,7 @@ def rope_cases(grid: str, device) -> list[Case]:
                 ops.apply_rope_(q, k, positions, cache, is_neox=is_neox, backend=backend)
                 return q, k
 
-            label = f"T={tokens} Hq={hq} Hk={hk} Dh={head} R={rotary} {'neox' if is_neox else 'gptj'} {dtype}"
+            label = _rope_label(tokens, hq, hk, head, rotary, is_neox, dtype)
             cases.append(Case("apply_rope_", label, run, closer(ELEMENTWISE)(dtype)))
     return cases
 
@@ -165,7 +169,7 @@ def qk_norm_rope_cases(grid: str, device) -> list[Case]:
                                   backend=backend)
                 return (qkv,)  # q and k, and v untouched
 
-            label = f"T={tokens} Hq={hq} Hk={hk} Dh={head} R={rotary} {'neox' if is_neox else 'gptj'} {dtype}"
+            label = _rope_label(tokens, hq, hk, head, rotary, is_neox, dtype)
             cases.append(Case("qk_norm_rope_", label, run, closer(ELEMENTWISE)(dtype)))
     return cases
 
