@@ -14,7 +14,7 @@ since a linear layer pays it too; block rows also time ``fp8_block_linear`` (qua
 op, as ``Fp8Linear`` calls it: ``linear_ms``; ``x_unfused`` = (quant_ms + ms) / linear_ms, above 1 where
 a backend fuses the two).
 
-    python -m benchmarks.ops_scaled_mm [--device cuda] [--json out.json] [--smoke]
+    python -m benchmarks.ops_scaled_mm [--device cuda] [--json out.json] [--smoke] [--tokens 1 16]
 
 ``--smoke`` runs tiny sizes so the script can be checked on a CPU (Triton in its interpreter).
 """
@@ -86,7 +86,7 @@ def _row(model, layer, n, k, m, fmt, backend, device, timed, copy_gbs):
                                      "linear_ms": linear})}
 
 
-def run(device: str = "cuda", smoke: bool = False) -> list[dict]:
+def run(device: str = "cuda", smoke: bool = False, tokens: list[int] | None = None) -> list[dict]:
     from atom_core.ops.dispatch import backend_available
     from benchmarks.common import copy_bandwidth_gbs
 
@@ -95,7 +95,7 @@ def run(device: str = "cuda", smoke: bool = False) -> list[dict]:
     backends = [b for b in ("triton", "aiter") if backend_available(b)] or ["torch"]
     rows = []
     for model, layer, n, k in (SMOKE_SHAPES if smoke else SHAPES):
-        for m in (SMOKE_TOKENS if smoke else TOKENS):
+        for m in (SMOKE_TOKENS if smoke else tokens or TOKENS):
             for fmt in ("per_token", "block"):
                 for backend in backends:
                     rows.append(guarded_row(model, layer, n, k, m, fmt, backend, device, timed, copy_gbs))
@@ -121,8 +121,11 @@ COLUMNS = ["model", "layer", "format", "M", "N", "K", "backend", "ms", "TFLOP/s"
 def main() -> None:
     from benchmarks.common import op_bench_args, report
 
-    args = op_bench_args(__doc__.splitlines()[0])
-    report(run(args.device, smoke=args.smoke), COLUMNS, args.json)
+    def flags(parser):
+        parser.add_argument("--tokens", type=int, nargs="+", default=None, help=f"M values (default {TOKENS})")
+
+    args = op_bench_args(__doc__.splitlines()[0], flags)
+    report(run(args.device, smoke=args.smoke, tokens=args.tokens), COLUMNS, args.json)
 
 
 if __name__ == "__main__":
