@@ -1,5 +1,9 @@
 """Memory-bound ops at Llama-8B-like sizes: rms_norm (+ residual), silu_and_mul, apply_rope_, qk_norm_rope_,
-store_kv_.
+store_kv_, and rms_norm_quant / silu_and_mul_quant beside their unfused pairs.
+
+The fused quantizing ops run at Llama-3-8B's D = 4096 and I = 14336, fp8 in groups of 128, each next to
+the same computation as two ops (``rms_norm`` + ``per_group_quant``, ``silu_and_mul`` + ``per_group_quant``);
+both rows have the fused op's twin as their baseline, and the pair's ``ms`` columns compare the two.
 
 For each op and token count: median time of the op's kernel backend, bandwidth achieved (bytes read +
 written, counted by hand below), that bandwidth as a share of a device-to-device copy measured in the
@@ -24,10 +28,11 @@ import torch
 
 TOKENS = [1, 64, 4096, 16384]
 HIDDEN = 4096
+INTERMEDIATE = 14336  # Llama-3-8B's MLP
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_SIZE = 32, 8, 128
 MAX_POSITION = 8192
 BLOCK_SIZE = 16
-SMOKE = dict(tokens=[1, 8], hidden=64, q_heads=4, kv_heads=2, head_size=16)
+SMOKE = dict(tokens=[1, 8], hidden=64, inter=96, q_heads=4, kv_heads=2, head_size=16)
 
 
 @dataclass
@@ -67,6 +72,62 @@ def _silu_and_mul_case(tokens, hidden, dtype, device, backend):
     return Case("silu_and_mul", tokens, f"[{tokens}, {2 * hidden}] -> [{tokens}, {hidden}]", nbytes,
                 lambda: silu_and_mul(x, out=out, backend=backend),
                 lambda: reference.silu_and_mul(x))
+
+
+def _quant_bytes(tokens, cols):
+    """Bytes written by quantizing [tokens, cols] to fp8 in groups of 128: q (1 byte a value) and fp32 scales."""
+    return tokens * cols + 4 * tokens * -(-cols // 128)
+
+
+def _rms_norm_quant_cases(tokens, hidden, dtype, device, backend):
+    """rms_norm (+ residual) quantized per 1 x 128 group: as two ops, then fused."""
+    from atom_core.ops.norm import rms_norm
+    from atom_core.ops.norm_quant import rms_norm_quant
+    from atom_core.ops.quant import per_group_quant
+    from atom_core.ops.reference import norm_quant as reference
+
+    x = torch.randn(tokens, hidden, dtype=dtype, device=device)
+    residual = torch.randn_like(x)
+    weight = torch.randn(hidden, dtype=dtype, device=device)
+    out, residual_out = torch.empty_like(x), torch.empty_like(x)
+    elt = x.element_size()
+    # read x, residual, weight; write residual_out, q and the scales (two ops: out also written and read back)
+    nbytes = (3 * tokens * hidden + hidden) * elt + _quant_bytes(tokens, hidden)
+
+    def two_ops():
+        rms_norm(x, weight, 1e-6, residual=residual, out=out, residual_out=residual_out, backend=backend)
+        return per_group_quant(out, backend=backend)
+
+    shape = f"[{tokens}, {hidden}] -> fp8 / 128"
+
+    def twin():
+        return reference.rms_norm_quant(x, weight, 1e-6, residual)
+
+    yield Case("rms_norm+per_group_quant", tokens, shape, nbytes + 2 * tokens * hidden * elt, two_ops, twin)
+    yield Case("rms_norm_quant", tokens, shape, nbytes,
+               lambda: rms_norm_quant(x, weight, 1e-6, residual=residual, backend=backend), twin)
+
+
+def _silu_and_mul_quant_cases(tokens, inter, dtype, device, backend):
+    """silu_and_mul quantized per 1 x 128 group: as two ops, then fused."""
+    from atom_core.ops.activation import silu_and_mul
+    from atom_core.ops.norm_quant import silu_and_mul_quant
+    from atom_core.ops.quant import per_group_quant
+    from atom_core.ops.reference import norm_quant as reference
+
+    x = torch.randn(tokens, 2 * inter, dtype=dtype, device=device)
+    out = torch.empty(tokens, inter, dtype=dtype, device=device)
+    elt = x.element_size()
+    # read gate and up; write q and the scales (two ops: out also written and read back)
+    nbytes = 2 * tokens * inter * elt + _quant_bytes(tokens, inter)
+    shape = f"[{tokens}, {2 * inter}] -> fp8 [{tokens}, {inter}] / 128"
+
+    def twin():
+        return reference.silu_and_mul_quant(x)
+
+    yield Case("silu_and_mul+per_group_quant", tokens, shape, nbytes + 2 * tokens * inter * elt,
+               lambda: per_group_quant(silu_and_mul(x, out=out, backend=backend), backend=backend), twin)
+    yield Case("silu_and_mul_quant", tokens, shape, nbytes, lambda: silu_and_mul_quant(x, backend=backend), twin)
 
 
 def _fused_qkv(tokens, q_heads, kv_heads, head_size, dtype, device):
@@ -134,11 +195,13 @@ def _store_kv_case(tokens, q_heads, kv_heads, head_size, dtype, device, backend)
 
 
 def _cases(device, smoke, backend, dtype):
-    sizes = SMOKE if smoke else dict(tokens=TOKENS, hidden=HIDDEN, q_heads=NUM_Q_HEADS, kv_heads=NUM_KV_HEADS,
-                                     head_size=HEAD_SIZE)
+    sizes = SMOKE if smoke else dict(tokens=TOKENS, hidden=HIDDEN, inter=INTERMEDIATE, q_heads=NUM_Q_HEADS,
+                                     kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE)
     for tokens in sizes["tokens"]:
         yield _rms_norm_case(tokens, sizes["hidden"], dtype, device, backend)
         yield _silu_and_mul_case(tokens, sizes["hidden"], dtype, device, backend)
+        yield from _rms_norm_quant_cases(tokens, sizes["hidden"], dtype, device, backend)
+        yield from _silu_and_mul_quant_cases(tokens, sizes["inter"], dtype, device, backend)
         yield _rope_case(tokens, sizes["q_heads"], sizes["kv_heads"], sizes["head_size"], dtype, device, backend)
         yield _qk_norm_rope_case(tokens, sizes["q_heads"], sizes["kv_heads"], sizes["head_size"], dtype, device,
                                  backend)

@@ -61,6 +61,9 @@ class PreNormDecoderLayer(nn.Module):
     [T, D] -> [T, D]. The residual stream travels between layers beside the hidden states
     (see ``layers.norm``): ``forward`` returns ``(hidden, residual)`` with
     ``hidden + residual`` equal to the layer's output in the unfused formulation.
+    An attention or MLP module whose first linear layer quantizes its input dynamically says how in
+    its ``input_quant`` attribute; the norm before it then quantizes in the same launch
+    (``models.quantization.activation``).
     """
 
     def __init__(self, self_attn: nn.Module, mlp: nn.Module, input_layernorm: RMSNorm,
@@ -70,17 +73,19 @@ class PreNormDecoderLayer(nn.Module):
         self.mlp = mlp
         self.input_layernorm = input_layernorm
         self.post_attention_layernorm = post_attention_layernorm
+        self._attn_quant = getattr(self_attn, "input_quant", None)
+        self._mlp_quant = getattr(mlp, "input_quant", None)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 batch: StepLayout) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] int64, hidden [T, D], residual [T, D] or None (first layer) -> (hidden, residual)."""
         if residual is None:
             residual = hidden
-            hidden = self.input_layernorm(hidden)
+            hidden = self.input_layernorm(hidden, quant=self._attn_quant)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden, residual = self.input_layernorm(hidden, residual, quant=self._attn_quant)
         hidden = self.self_attn(positions, hidden, batch)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        hidden, residual = self.post_attention_layernorm(hidden, residual, quant=self._mlp_quant)
         return self.mlp(hidden), residual
 
 

@@ -67,6 +67,7 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = self.qkv_proj.num_kv_heads    # Hk on this rank
         self.q_size = self.qkv_proj.q_size                # H * Dh
         self.kv_size = self.qkv_proj.kv_size              # Hk * Dh
+        self.input_quant = self.qkv_proj.input_quant      # what forward also takes (layers.norm quantizes)
         self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size,
                                         o_bias, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, dtype=dtype,
                                         quant_config=quant_config, prefix=f"{prefix}.o_proj")

@@ -30,6 +30,7 @@ from atom_core.ops.kv_cache import store_kv_
 from atom_core.ops.mla import mla_decode_attention, mla_prefill_attention, store_mla_
 from atom_core.ops.moe_routing import gpt_oss_topk, grouped_topk, topk_softmax
 from atom_core.ops.norm import layer_norm, rms_norm
+from atom_core.ops.norm_quant import rms_norm_quant, silu_and_mul_quant
 from atom_core.ops.penalties import apply_penalties_, apply_token_bias_
 from atom_core.ops.qk_norm_rope import qk_norm_rope_
 from atom_core.ops.quant import per_group_quant, per_tensor_quant, per_token_quant
@@ -74,6 +75,7 @@ __all__ = [
     "reference",
     "rejection_sample_greedy",
     "rms_norm",
+    "rms_norm_quant",
     "rope_cos_sin_cache",
     "sample",
     "scaled_mm_block",
@@ -82,6 +84,7 @@ __all__ = [
     "set_debug",
     "set_default_backend",
     "silu_and_mul",
+    "silu_and_mul_quant",
     "store_indexer_k_",
     "store_kv_",
     "store_mla_",

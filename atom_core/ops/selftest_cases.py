@@ -7,7 +7,8 @@ run (so a mutating op starts from the same tensors for every backend) and return
 tolerances of ``atom_core.ops.tolerances``. ``grid="quick"`` is one or two small shapes per op and
 fp32 + bf16 (fast enough for the Triton CPU interpreter); ``grid="full"`` adds odd and model-sized
 shapes, fp16, fp8 KV pools and the attention features (window, softcap, sinks, GQA); the quantization
-ops and scaled GEMMs are in ``selftest_cases_quant``.
+ops and scaled GEMMs are in ``selftest_cases_quant``, the fused norm / activation + quantization ops in
+``selftest_cases_norm_quant``.
 
 Legend: T tokens, D hidden, I intermediate, Hq/Hk heads, Dh head dim, R rotary dim, NB blocks,
 BS block size, B rows, V vocabulary, E experts, K top-k.
@@ -265,6 +266,7 @@ def all_cases(grid: str, device) -> dict[str, list[Case]]:
     from atom_core.ops.selftest_cases_dsa import dsa_cases
     from atom_core.ops.selftest_cases_mla import mla_cases
     from atom_core.ops.selftest_cases_moe_quant import fused_experts_quant_cases
+    from atom_core.ops.selftest_cases_norm_quant import norm_quant_cases
     from atom_core.ops.selftest_cases_penalties import penalty_cases
     from atom_core.ops.selftest_cases_quant import fp8_block_linear_cases, quant_cases, scaled_mm_cases
     from atom_core.ops.selftest_cases_sampling_moe import moe_cases, sampling_cases
@@ -272,7 +274,7 @@ def all_cases(grid: str, device) -> dict[str, list[Case]]:
 
     by_op: dict[str, list[Case]] = {}
     for make in (norm_cases, activation_cases, rope_cases, qk_norm_rope_cases, store_kv_cases, attention_cases,
-                 sampling_cases, moe_cases, fused_experts_quant_cases, quant_cases, scaled_mm_cases,
+                 sampling_cases, moe_cases, fused_experts_quant_cases, quant_cases, norm_quant_cases, scaled_mm_cases,
                  fp8_block_linear_cases, mla_cases, dsa_cases, penalty_cases, token_mask_cases, comm_cases):
         for case in make(grid, device):
             by_op.setdefault(case.op, []).append(case)

@@ -36,6 +36,7 @@ counting the experts' GEMMs (see the MoE section); static-activation experts are
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from collections.abc import Callable
@@ -51,8 +52,11 @@ pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
 
 from atom_core import ops
+from atom_core.ops.dispatch import trace_backends
 from atom_core.models import load_model
+from atom_core.models.base import PreNormDecoderLayer
 from atom_core.models.layers.linear import _Linear
+from atom_core.models.layers.mlp import GatedMLP
 from atom_core.models.quantization import (
     FP8_BLOCK_128,
     FP8_PER_CHANNEL,
@@ -224,6 +228,35 @@ def test_logits_match_the_dequantized_model_within_the_activation_quantization_b
     delta = loaded.case.delta
     assert delta / 10 < relative <= logits_bound(delta), \
         f"relative RMS logit error {relative:.4g}, bound {logits_bound(delta):.4g} (delta {delta:.4g})"
+
+
+FUSED_INPUT_QUANT = {A.DYNAMIC_PER_GROUP_128, A.DYNAMIC_PER_TOKEN}  # the schemes whose producers quantize
+
+
+def _unfused(model):
+    """The model with every producer's quantization turned off: each linear layer quantizes its input."""
+    for module in model.modules():
+        if isinstance(module, PreNormDecoderLayer):
+            module._attn_quant = module._mlp_quant = None
+        if isinstance(module, GatedMLP):
+            module._down_quant = None
+    return model
+
+
+def test_norms_and_silu_quantize_for_the_next_layer_and_the_logits_equal_the_unfused_path_bit_for_bit(loaded):
+    layers = linear_layers(loaded.quantized)
+    fused = {name for name, layer in layers.items() if layer.scheme.activation in FUSED_INPUT_QUANT
+             and name.rpartition(".")[2] in ("qkv_proj", "gate_up_proj", "down_proj")}
+    for name, layer in layers.items():
+        assert (layer.input_quant is not None) == (layer.scheme.activation in FUSED_INPUT_QUANT), name
+    with trace_backends() as calls:
+        fused_logits = model_logits(loaded.quantized)
+    names = [op for op, _ in calls]
+    want = {"rms_norm_quant": sum(n.endswith(("qkv_proj", "gate_up_proj")) for n in fused),  # one forward
+            "silu_and_mul_quant": sum(n.endswith("down_proj") for n in fused)}
+    assert {op: names.count(op) for op in want} == want
+    unfused_logits = model_logits(_unfused(copy.deepcopy(loaded.quantized)))
+    assert torch.equal(fused_logits, unfused_logits)
 
 
 def test_checkpoint_kv_scales_land_on_the_attention_layers(loaded):

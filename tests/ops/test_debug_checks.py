@@ -15,6 +15,9 @@ T, D, H, DH, E = 3, 8, 2, 8, 4
 CALLS = {
     "norm": lambda: ops.rms_norm(torch.randn(T, D), torch.ones(D), backend="torch"),
     "activation": lambda: ops.silu_and_mul(torch.randn(T, 2 * D), backend="torch"),
+    "norm_quant:rms_norm_quant": lambda: ops.rms_norm_quant(torch.randn(T, D), torch.ones(D), 1e-6,
+                                                            residual=torch.randn(T, D), backend="torch"),
+    "norm_quant:silu_and_mul_quant": lambda: ops.silu_and_mul_quant(torch.randn(T, 2 * D), backend="torch"),
     "rope": lambda: ops.apply_rope_(torch.randn(T, H, DH), torch.randn(T, H, DH), torch.arange(T),
                                     ops.rope_cos_sin_cache(DH, 16, 10000.0)[0], backend="torch"),
     "qk_norm_rope": lambda: ops.qk_norm_rope_(torch.randn(T, H, DH), torch.randn(T, H, DH), torch.ones(DH),
@@ -38,8 +41,9 @@ CALLS = {
 
 @pytest.fixture
 def check_calls(request, monkeypatch):
-    """Counts the calls of ``check_tensor`` (every op's checks use it) in the op's module."""
-    module = importlib.import_module(f"atom_core.ops.{request.param}")
+    """Counts the calls of ``check_tensor`` (every op's checks use it) in the op's module (the key before a
+    ``:``, where a module holds several ops)."""
+    module = importlib.import_module(f"atom_core.ops.{request.param.partition(':')[0]}")
     calls = []
     check_tensor = module.check_tensor
 

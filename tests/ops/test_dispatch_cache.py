@@ -114,6 +114,25 @@ def _activation_args(c: Call, name: str):
     return x, out
 
 
+def _rms_norm_quant_args(c: Call):
+    rows, hidden, dtype = c.vary(3, 1), c.vary(200, 96, 65537), c.vary(BF16, FP16, FP32)  # 65537: past one program
+    x, weight = c.tensor(rows, hidden, dtype=dtype), c.tensor(hidden, dtype=c.vary(dtype, FP32))
+    residual = c.maybe(False, lambda: c.tensor(rows, hidden, dtype=dtype))
+    residual_out = None if residual is None else c.tensor(rows, hidden, dtype=dtype)
+    group_size = c.vary(128, 64, hidden)
+    q = c.tensor(rows, hidden, dtype=c.vary(FP8, torch.int8))
+    return x, weight, 1e-6, residual, c.flag(False), group_size, q, c.tensor(rows, -(-hidden // group_size)), \
+        residual_out
+
+
+def _silu_and_mul_quant_args(c: Call):
+    rows, inter, dtype = c.vary(4, 1), c.vary(200, 96, 65537), c.vary(BF16, FP16, FP32)
+    x = c.tensor(rows, 2 * inter, dtype=dtype)
+    group_size = c.vary(128, 64, inter)
+    q = c.tensor(rows, inter, dtype=c.vary(FP8, torch.int8))
+    return x, group_size, q, c.tensor(rows, -(-inter // group_size))
+
+
 def _rope_args(c: Call):
     tokens, rotary, dtype = c.vary(5, 1), c.vary(8, 2048), c.vary(BF16, FP16, FP32)
     head = rotary + c.vary(0, 8)
@@ -280,6 +299,8 @@ ARGS = {
     "silu_and_mul": lambda c: _activation_args(c, "silu_and_mul"),
     "gelu_and_mul": lambda c: _activation_args(c, "gelu_and_mul"),
     "swiglu_clamped": lambda c: _activation_args(c, "swiglu_clamped"),
+    "rms_norm_quant": _rms_norm_quant_args,
+    "silu_and_mul_quant": _silu_and_mul_quant_args,
     "apply_rope_": _rope_args,
     "qk_norm_rope_": _qk_norm_rope_args,
     "store_kv_": _store_kv_args,

@@ -52,6 +52,7 @@ from torch import nn
 
 from atom_core.models.layers.sharding import check_tp, divide, qkv_shard, shard_range
 from atom_core.models.parallel import check_group, reduce_over
+from atom_core.models.quantization.activation import QuantizedActivation
 from atom_core.models.quantization.config import QuantConfig
 from atom_core.models.quantization.linear_methods import (
     LinearMethod,
@@ -159,6 +160,8 @@ class _Linear(nn.Module):
         self.quant_method = linear_method(quant_config, prefix)
         self.quant_method.create_weights(self, in_per_rank, list(part_sizes or [out_per_rank]),
                                          dtype or torch.get_default_dtype(), self.weight_loader)
+        # The quantized form of the input that forward also takes (models.quantization.activation).
+        self.input_quant = self.quant_method.input_quant(in_per_rank)
         if bias:
             self.bias = _make_param((bias_rows,), dtype, f"{name}.bias", self.weight_loader, input_dim=None)
         else:
@@ -175,8 +178,9 @@ class _Linear(nn.Module):
     def process_weights_after_loading(self) -> None:
         self.quant_method.process_weights_after_loading(self)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, in_per_rank] -> [T, out_per_rank], in x's dtype (the model dtype)."""
+    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
+        """x: [T, in_per_rank] -> [T, out_per_rank], in x's dtype (the model dtype); x may come quantized as
+        ``input_quant`` says."""
         return self.quant_method.apply(self, x, self.bias)
 
     def _check_block_split(self, pieces: Sequence[_Piece], *, dim: str) -> None:
@@ -467,8 +471,8 @@ class RowParallelLinear(_Linear):
         check_shape(param.label, loaded_weight, (param.shape[0], full))
         copy_into(param.data, loaded_weight.narrow(1, start, size))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, I/R] -> [T, O]."""
+    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
+        """x: [T, I/R] (or quantized as ``input_quant`` says) -> [T, O]."""
         if self.tp_size == 1:
             return self.quant_method.apply(self, x, self.bias)
         out = self.quant_method.apply(self, x, self.bias if self.tp_rank == 0 else None)

@@ -16,6 +16,7 @@ from torch import nn
 
 from atom_core import ops
 from atom_core.models.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from atom_core.models.quantization.activation import QuantizedActivation
 
 # HF ``hidden_act`` names -> (op, extra keyword arguments).
 _GATED_ACTIVATIONS = {
@@ -54,10 +55,17 @@ class GatedMLP(nn.Module):
                                                        prefix=_join(prefix, "gate_up_proj"), **tp)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, prefix=_join(prefix, "down_proj"),
                                            **tp)
+        self.input_quant = self.gate_up_proj.input_quant  # what forward also takes (layers.norm quantizes)
+        # SiLU's product reaches down_proj quantized where down_proj quantizes its input dynamically
+        self._down_quant = self.down_proj.input_quant if op_name == "silu_and_mul" else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, D] -> [T, D] in the weights' dtype."""
+    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
+        """x: [T, D] (or quantized as ``input_quant`` says) -> [T, D] in the weights' dtype."""
         gate_up = self.gate_up_proj(x)                    # [T, 2 * I / R] = [gate | up]
+        if self._down_quant is not None:                  # act(gate) * up, quantized for down_proj: one launch
+            q, scale = ops.silu_and_mul_quant(gate_up, group_size=self._down_quant.group_size,
+                                              dtype=self._down_quant.dtype)
+            return self.down_proj(QuantizedActivation(q, scale, gate_up.dtype))
         hidden = self._act(gate_up, **self._act_kwargs)   # [T, I / R] = act(gate) * up
         return self.down_proj(hidden)
 

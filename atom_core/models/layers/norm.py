@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from atom_core import ops
+from atom_core.models.quantization.activation import ActivationQuant, QuantizedActivation
 
 
 class RMSNorm(nn.Module):
@@ -43,18 +44,27 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(init(hidden_size, dtype=dtype or torch.get_default_dtype()),
                                    requires_grad=False)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, quant: ActivationQuant | None = None):
         """Normalise the rows of ``x``.
 
         x: [..., D] float; residual: like x, or None.
         Returns ``out`` (like x) without a residual; with one, ``(out, residual_out)`` where
         ``residual_out = x + residual`` (the updated residual stream) and
         ``out = rms_norm(residual_out)``. Leading dims are flattened for the op and restored.
+        ``quant``: ``out`` comes as a 2-D ``QuantizedActivation`` quantized that way, for the linear layer
+        that reads it (``ops.rms_norm_quant``: one launch; ``models.quantization.activation``).
         """
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"x: last dim must be hidden_size={self.hidden_size}, got shape {tuple(x.shape)}")
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.hidden_size)
+        if quant is not None:
+            flat_residual = None if residual is None else residual.reshape(-1, self.hidden_size)
+            q, scale, *residual_out = ops.rms_norm_quant(x2, self.weight, self.eps, residual=flat_residual,
+                                                         gemma=self.gemma, group_size=quant.group_size,
+                                                         dtype=quant.dtype)
+            out = QuantizedActivation(q, scale, x.dtype)
+            return out if residual is None else (out, residual_out[0].view(residual.shape))
         if residual is None:
             out = ops.rms_norm(x2, self.weight, self.eps, gemma=self.gemma)
             return out.view(*lead, self.hidden_size)

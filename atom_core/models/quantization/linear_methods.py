@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from atom_core import ops
+from atom_core.models.quantization.activation import ActivationQuant, QuantizedActivation
 from atom_core.models.quantization.schemes import (
     FP8_BLOCK_128,
     FP8_BLOCK_SHAPE,
@@ -130,8 +131,14 @@ class LinearMethod:
         """Derive what ``apply`` reads from the loaded parameters (idempotent)."""
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [T, K] (any leading dims) -> [T, N] in x's dtype, ``bias`` [N] added when given."""
+        """x [T, K] (any leading dims) -> [T, N] in x's dtype, ``bias`` [N] added when given. Methods with an
+        ``input_quant`` also take x as a ``QuantizedActivation`` quantized that way (2-D)."""
         raise NotImplementedError
+
+    def input_quant(self, input_size: int) -> ActivationQuant | None:
+        """How ``apply`` quantizes an input of ``input_size`` features when the producer can do it instead
+        (``models.quantization.activation``); None: it takes the float activation only."""
+        return None
 
     def init_dummy(self, layer: nn.Module, generator: torch.Generator, std: float) -> list[nn.Parameter]:
         """Random weights in the stored format (``load_format="dummy"``): normal(0, ``std``) values quantized
@@ -271,18 +278,28 @@ class _ScaledLinear(LinearMethod):
             return ops.per_group_quant(x2, dtype=self.weight_dtype, group_size=BLOCK)
         raise UnsupportedQuantizationError(f"{self.scheme.describe()}: no activation quantization")
 
+    def input_quant(self, input_size):
+        act = self.scheme.activation
+        if act is ActivationScheme.DYNAMIC_PER_GROUP_128:
+            return ActivationQuant(self.weight_dtype, BLOCK)
+        if act is ActivationScheme.DYNAMIC_PER_TOKEN:
+            return ActivationQuant(self.weight_dtype, input_size)
+        return None
+
     def apply(self, layer, x, bias):
         if layer._w_scale is None:
             raise RuntimeError(f"{type(layer).__name__}: process_weights_after_loading() has not run "
                                "(load_model and load_weights run it)")
-        x2 = _flat(x)
         w, w_scale = layer.weight, layer._w_scale
         kwargs = {"out_dtype": x.dtype, "bias": bias}
-        if (self.scheme.weight.scales == "per_block" and self.weight_dtype == FP8_DTYPE
+        if isinstance(x, QuantizedActivation):  # quantized by the op that produced it, as input_quant says
+            q, a_scale = x.q, x.scale
+        elif (self.scheme.weight.scales == "per_block" and self.weight_dtype == FP8_DTYPE
                 and self.scheme.activation is ActivationScheme.DYNAMIC_PER_GROUP_128):
-            out = ops.fp8_block_linear(x2, w, w_scale, **kwargs)  # (one op: a backend may fuse the quantization)
+            out = ops.fp8_block_linear(_flat(x), w, w_scale, **kwargs)  # (one op: a backend may fuse the quantization)
             return out.reshape(*x.shape[:-1], out.shape[-1])
-        q, a_scale = self._quantize_input(layer, x2)
+        else:
+            q, a_scale = self._quantize_input(layer, _flat(x))
         if self.scheme.weight.scales == "per_block":
             out = ops.scaled_mm_block(q, a_scale, w, w_scale, **kwargs)
         elif w_scale.numel() == 1 and a_scale.numel() == 1:
