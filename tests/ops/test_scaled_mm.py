@@ -12,7 +12,7 @@ from atom_core.ops.dispatch import trace_backends
 from atom_core.ops.reference import quant as reference_quant
 from atom_core.ops.reference import scaled_mm as reference
 from atom_core.ops.tolerances import SCALED_MM, tolerance
-from tests.ops.conftest import DEVICE, needs_gpu, needs_triton, non_contiguous_rows
+from tests.ops.conftest import DEVICE, needs_triton, non_contiguous_rows
 
 FP8, INT8 = torch.float8_e4m3fn, torch.int8
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -106,9 +106,10 @@ def test_triton_block_matches_twin(out_dtype, m, n, k):
     torch.testing.assert_close(got, reference.scaled_mm_block(*args, out_dtype), **tolerance(out_dtype, SCALED_MM))
 
 
-def _split_k_call(fmt, split_k, k, monkeypatch, counters):
-    """One split-K launch of ``_scaled_mm`` into fp32 with ``_tile_counters`` returning ``counters``
-    (None: as inside a capture with no buffer yet); returns (output, twin, grids of the sum kernel)."""
+@needs_triton
+@pytest.mark.parametrize("fmt", ["per_tensor", "per_token", "block"])
+@pytest.mark.parametrize("split_k, k", [(2, 256), (3, 300), (4, 700)])  # 700: 6 groups in 3 ranges of 2
+def test_triton_split_k_partials_sum_to_the_twin(fmt, split_k, k, monkeypatch):
     from atom_core.ops.triton import scaled_mm as triton_scaled_mm
 
     sums = []
@@ -120,75 +121,14 @@ def _split_k_call(fmt, split_k, k, monkeypatch, counters):
             return kernel[grid]
 
     monkeypatch.setattr(triton_scaled_mm, "_sum_splits_kernel", Counted())
-    monkeypatch.setattr(triton_scaled_mm, "_tile_counters", lambda device: counters)
     args = make_inputs(fmt, FP8, 5, 200, k, bias=True, seed=k)
     config = triton_scaled_mm.LaunchConfig(16, 64, 64, 4, 1, split_k=split_k)
     kind = {"per_tensor": triton_scaled_mm.PER_TENSOR, "per_token": triton_scaled_mm.PER_TOKEN,
             "block": triton_scaled_mm.BLOCKWISE}[fmt].value
     got = triton_scaled_mm._scaled_mm(kind, *args, FP32, config)
-    return got, getattr(reference, f"scaled_mm_{fmt}")(*args, FP32), sums
-
-
-SPLIT_K_CASES = [(2, 256), (3, 300), (4, 700)]  # 700: 6 groups in 3 ranges of 2
-
-
-@needs_triton
-@pytest.mark.parametrize("fmt", ["per_tensor", "per_token", "block"])
-@pytest.mark.parametrize("split_k, k", SPLIT_K_CASES)
-def test_triton_split_k_last_program_of_each_tile_sums_the_partials_and_rezeroes_its_counter(fmt, split_k, k,
-                                                                                            monkeypatch):
-    counters = torch.zeros(8, dtype=torch.int32, device=DEVICE)
-    for _ in range(2):  # the second launch finds the counters the first one left
-        got, want, sums = _split_k_call(fmt, split_k, k, monkeypatch, counters)
-        assert sums == [], "the second kernel summed the partials: the GEMM did not sum them itself"
-        torch.testing.assert_close(got, want, **tolerance(FP32, SCALED_MM))
-        assert counters.count_nonzero() == 0, f"tile counters left at {counters.tolist()}"
-
-
-@needs_triton
-@pytest.mark.parametrize("fmt", ["per_tensor", "per_token", "block"])
-@pytest.mark.parametrize("split_k, k", SPLIT_K_CASES)
-def test_triton_split_k_without_tile_counters_sums_with_the_second_kernel(fmt, split_k, k, monkeypatch):
-    got, want, sums = _split_k_call(fmt, split_k, k, monkeypatch, None)
     assert len(sums) == 1, "the partial products were not summed by the split-K reduction"
+    want = getattr(reference, f"scaled_mm_{fmt}")(*args, FP32)
     torch.testing.assert_close(got, want, **tolerance(FP32, SCALED_MM))
-
-
-@needs_triton
-def test_triton_split_k_tile_counters_are_not_created_inside_a_cuda_graph_capture(monkeypatch):
-    from atom_core.ops.triton import scaled_mm as triton_scaled_mm
-
-    monkeypatch.setattr(triton_scaled_mm, "_COUNTERS", {})
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert triton_scaled_mm._tile_counters(torch.device("cuda", 0)) is None
-    assert triton_scaled_mm._COUNTERS == {}
-
-
-@needs_gpu
-@pytest.mark.parametrize("fmt", ["per_token", "block"])
-def test_gpu_split_k_sum_in_the_gemm_is_deterministic_and_matches_the_twin_eagerly_and_in_a_cuda_graph(fmt):
-    # Decode shapes whose default launch splits K (M <= 16): on a GPU the tile's programs race for the
-    # counter, so a missing barrier or a stale read shows as outputs that differ between repetitions.
-    from atom_core.ops.triton import scaled_mm as triton_scaled_mm
-
-    m, n, k = 4, 4096, 4096
-    assert triton_scaled_mm.launch_config(m, n, k, BF16, triton_scaled_mm.BLOCKWISE.value,
-                                          triton_scaled_mm._num_sms(0), False).split_k > 1
-    op = getattr(ops, f"scaled_mm_{fmt}")
-    args = make_inputs(fmt, FP8, m, n, k, seed=3)
-    first = op(*args[:4], out_dtype=BF16, backend="triton")
-    torch.testing.assert_close(first.float(), getattr(reference, f"scaled_mm_{fmt}")(*args, BF16).float(),
-                               **tolerance(BF16, SCALED_MM))
-    for _ in range(200):
-        assert torch.equal(op(*args[:4], out_dtype=BF16, backend="triton"), first)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        replayed = op(*args[:4], out_dtype=BF16, backend="triton")
-    for _ in range(200):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(replayed, first)
-    assert triton_scaled_mm._COUNTERS[first.device].count_nonzero() == 0
 
 
 @needs_triton

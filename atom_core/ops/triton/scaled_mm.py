@@ -17,15 +17,9 @@ that run (``launch_config`` picks it per output dtype): 0 promotes every instruc
 products into the fp32 accumulator (fp32 outputs), BLOCK_K once per K step (as DeepGEMM does; fp16
 outputs), None never within the K loop (bf16 outputs: the speed of cuBLAS, within bf16's tolerance).
 
-``SPLIT_K`` > 1 (few output tiles: small M and N) gives each program a K range of its tile, so that
-enough programs stream the weight to fill every SM. The partial products, already scaled, go to an
-fp32 workspace [SPLIT_K, M, N]; each program then counts itself in on its tile's counter (an atomic
-add after a barrier, so the whole program's stores precede it), and the program that arrives last
-sums the tile's partials into the output and resets the counter to 0 for the next launch: one launch,
-where a second kernel for the sum would cost a launch per GEMM (at M <= 16 on an H200 a GEMM takes
-7-20 us and a launch 2-3 us). The counters live in one zeroed int32 buffer per device
-(``_tile_counters``), created outside CUDA-graph capture; a launch that finds none (the first one
-inside a capture) or has more tiles than counters sums with the second kernel instead.
+``SPLIT_K`` > 1 (few output tiles: small M and N) gives each program a K range of its tile; the
+partial products, already scaled, go to an fp32 workspace [SPLIT_K, M, N] that a second kernel sums
+into the output, so that enough programs stream the weight to fill every SM.
 
 Programs walk the tiles in groups of GROUP_M row tiles per column tile, so neighbouring programs
 share weight tiles in L2. Row offsets are int64 (M * K can pass 2**31).
@@ -54,15 +48,13 @@ BLOCKWISE = tl.constexpr(2)
 
 @triton.jit
 def _scaled_mm_kernel(
-    a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, sum_ptr, counter_ptr, M, N, K, K_PER_SPLIT,
+    a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K, K_PER_SPLIT,
     stride_am, stride_ak, stride_wn, stride_wk, stride_as_m, stride_as_k, stride_ws_n, stride_ws_k, stride_om,
     stride_osplit,
     SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, IS_INT8: tl.constexpr, SCALE_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    MAX_IMPRECISE: tl.constexpr, SUM_SPLITS: tl.constexpr,
+    MAX_IMPRECISE: tl.constexpr,
 ):
-    """out_ptr: the output [M, N], or with K ranges the fp32 workspace [splits, M, N]; with SUM_SPLITS the
-    last program of each tile sums the workspace into sum_ptr [M, N] (module docstring)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)  # this program's K range: [split * K_PER_SPLIT, + K_PER_SPLIT)
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -113,18 +105,8 @@ def _scaled_mm_kernel(
     if HAS_BIAS:  # (once: by the first K range)
         bias = tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         out += tl.where(split == 0, bias, 0.0)[None, :]
-    tile = offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    tile_ok = m_ok[:, None] & n_ok[None, :]
-    tl.store(out_ptr + split.to(tl.int64) * stride_osplit + tile, out.to(out_ptr.dtype.element_ty), mask=tile_ok)
-    if SUM_SPLITS:
-        splits = tl.num_programs(1)
-        tl.debug_barrier()  # every thread's partial is stored before the count says so
-        if tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel") == splits - 1:  # the tile's last program
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in range(0, splits):  # (.cg: read at L2, where the other programs' stores are)
-                total += tl.load(out_ptr + s * stride_osplit + tile, mask=tile_ok, other=0.0, cache_modifier=".cg")
-            tl.store(sum_ptr + tile, total.to(sum_ptr.dtype.element_ty), mask=tile_ok)
-            tl.atomic_xchg(counter_ptr + pid, 0)  # ready for the next launch
+    out_ptrs = out_ptr + split.to(tl.int64) * stride_osplit + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -192,22 +174,6 @@ def launch_config(m: int, n: int, k: int, out_dtype: torch.dtype, scales: int, n
                         max_imprecise=max_imprecise)
 
 
-TILE_COUNTERS = 4096  # split-K tiles one launch can sum itself (module docstring); more use the second kernel
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _tile_counters(device: torch.device) -> torch.Tensor | None:
-    """The device's zeroed int32 [TILE_COUNTERS] buffer of split-K tile counters (every launch leaves it
-    zeroed), or None inside a CUDA-graph capture that would have to create it (the capture's memory pool
-    must not hold a buffer that outlives the graph)."""
-    counters = _COUNTERS.get(device)
-    if counters is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        counters = _COUNTERS[device] = torch.zeros(TILE_COUNTERS, dtype=torch.int32, device=device)
-    return counters
-
-
 @functools.lru_cache(maxsize=None)
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -233,19 +199,16 @@ def _scaled_mm(scales, a, a_scale, w, w_scale, bias, out_dtype, config: LaunchCo
     splits = cdiv(k, k_per_split)
     target = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=a.device)
     grid = (cdiv(m, config.block_m) * cdiv(n, config.block_n), splits)
-    counters = _tile_counters(a.device) if splits > 1 else None
-    sum_splits = counters is not None and grid[0] <= counters.numel()
     _scaled_mm_kernel[grid](
-        a, w, a_scale, w_scale, bias if bias is not None else out, target, out,
-        counters if sum_splits else out, m, n, k, k_per_split,
+        a, w, a_scale, w_scale, bias if bias is not None else out, target, m, n, k, k_per_split,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), *scale_strides, target.stride(-2),
         target.stride(0) if splits > 1 else 0,
         SCALES=scales, HAS_BIAS=bias is not None, IS_INT8=a.dtype == INT8_DTYPE, SCALE_BLOCK=BLOCK,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=8,
-        MAX_IMPRECISE=config.max_imprecise, SUM_SPLITS=sum_splits, num_warps=config.num_warps,
+        MAX_IMPRECISE=config.max_imprecise, num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    if splits > 1 and not sum_splits:
+    if splits > 1:
         block = 1024
         _sum_splits_kernel[(cdiv(m * n, block),)](target, out, m * n, SPLIT_K=splits, BLOCK=block, num_warps=4)
     return out
