@@ -243,20 +243,27 @@ def _unfused(model):
     return model
 
 
-def test_norms_and_silu_quantize_for_the_next_layer_and_the_logits_equal_the_unfused_path_bit_for_bit(loaded):
+def check_fused_input_quantization(loaded: Loaded) -> None:
+    """The norms before qkv_proj / a decoder layer's gate_up_proj and every gated MLP's SiLU quantize for the
+    layer after them exactly where its scheme quantizes its input dynamically, and the logits equal those of
+    the same model with each linear layer quantizing its own input, bit for bit (torch backend)."""
     layers = linear_layers(loaded.quantized)
-    fused = {name for name, layer in layers.items() if layer.scheme.activation in FUSED_INPUT_QUANT
-             and name.rpartition(".")[2] in ("qkv_proj", "gate_up_proj", "down_proj")}
+    fused = {name for name, layer in layers.items() if layer.scheme.activation in FUSED_INPUT_QUANT}
     for name, layer in layers.items():
-        assert (layer.input_quant is not None) == (layer.scheme.activation in FUSED_INPUT_QUANT), name
+        assert (layer.input_quant is not None) == (name in fused), name
     with trace_backends() as calls:
         fused_logits = model_logits(loaded.quantized)
     names = [op for op, _ in calls]
-    want = {"rms_norm_quant": sum(n.endswith(("qkv_proj", "gate_up_proj")) for n in fused),  # one forward
+    want = {"rms_norm_quant": sum(n.endswith(("self_attn.qkv_proj", "mlp.gate_up_proj"))  # one forward
+                                  and not n.endswith("shared_experts.gate_up_proj") for n in fused),
             "silu_and_mul_quant": sum(n.endswith("down_proj") for n in fused)}
     assert {op: names.count(op) for op in want} == want
     unfused_logits = model_logits(_unfused(copy.deepcopy(loaded.quantized)))
     assert torch.equal(fused_logits, unfused_logits)
+
+
+def test_norms_and_silu_quantize_for_the_next_layer_and_the_logits_equal_the_unfused_path_bit_for_bit(loaded):
+    check_fused_input_quantization(loaded)
 
 
 def test_checkpoint_kv_scales_land_on_the_attention_layers(loaded):
@@ -469,6 +476,10 @@ def test_moe_logits_match_the_dequantized_model_within_the_activation_quantizati
     relative = ((actual - expected).norm() / expected.norm()).item()
     bound = 2 * math.sqrt(moe_loaded.case.gemms) * FP8_DELTA
     assert FP8_DELTA / 10 < relative <= bound, f"relative RMS logit error {relative:.4g}, bound {bound:.4g}"
+
+
+def test_moe_models_norms_and_silu_quantize_for_the_next_layer_and_the_logits_equal_the_unfused_path(moe_loaded):
+    check_fused_input_quantization(moe_loaded)
 
 
 def test_experts_with_static_activation_scales_are_refused_by_name(tmp_path):
