@@ -11,6 +11,31 @@ from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, next_power_of_2
 
 
 @triton.jit
+def load_row(x_ptr, res_ptr, res_out_ptr, row, cols, mask, stride_x, stride_res, stride_res_out,
+             HAS_RESIDUAL: tl.constexpr):
+    """Row ``row`` of x (x's dtype); with a residual, x + residual rounded to x's dtype (as a model adding in its
+    own dtype would), also stored to res_out: the new residual stream."""
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
+    return x
+
+
+@triton.jit
+def rms_normalize(x, w_ptr, cols, mask, D, eps, GEMMA: tl.constexpr):
+    """fp32 ``x / sqrt(mean(x**2) + eps) * w`` (``1 + w`` with GEMMA) of a row held whole (zeros past D)."""
+    h = x.to(tl.float32)
+    var = tl.sum(h * h, axis=0) / D
+    y = h * tl.rsqrt(var + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if GEMMA:
+        w = w + 1.0
+    return y * w
+
+
+@triton.jit
 def _norm_kernel(
     x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr,
     D, stride_x, stride_res, stride_out, stride_res_out, eps,
@@ -20,25 +45,15 @@ def _norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        # Round the sum to the input dtype, as a model adding in its own dtype would.
-        r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-        tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
-    h = x.to(tl.float32)
+    x = load_row(x_ptr, res_ptr, res_out_ptr, row, cols, mask, stride_x, stride_res, stride_res_out, HAS_RESIDUAL)
     if IS_RMS:
-        var = tl.sum(h * h, axis=0) / D
-        y = h * tl.rsqrt(var + eps)
+        y = rms_normalize(x, w_ptr, cols, mask, D, eps, GEMMA)
     else:
+        h = x.to(tl.float32)
         mean = tl.sum(h, axis=0) / D
         centred = tl.where(mask, h - mean, 0.0)
         var = tl.sum(centred * centred, axis=0) / D
-        y = centred * tl.rsqrt(var + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if GEMMA:
-        w = w + 1.0
-    y = y * w
+        y = centred * tl.rsqrt(var + eps) * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)

@@ -30,6 +30,7 @@ import triton.language as tl
 from atom_core.ops.reference.quant import AMAX_FLOOR, INT8_DTYPE, qmax
 from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2
 from atom_core.ops.triton.norm import _launch_config as _row_launch_config
+from atom_core.ops.triton.norm import load_row, rms_normalize
 from atom_core.ops.triton.quant import round_to_format
 
 CHUNK = 1024  # activation values per SiLU program where groups split the row
@@ -58,19 +59,9 @@ def _rms_norm_quant_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        # Round the sum to the input dtype, as _norm_kernel does.
-        r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-        tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
-    h = x.to(tl.float32)
-    var = tl.sum(h * h, axis=0) / D
-    y = h * tl.rsqrt(var + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if GEMMA:
-        w = w + 1.0
-    y = y * w
+    # _norm_kernel's own helpers: the same arithmetic, so the same bits
+    x = load_row(x_ptr, res_ptr, res_out_ptr, row, cols, mask, stride_x, stride_res, stride_res_out, HAS_RESIDUAL)
+    y = rms_normalize(x, w_ptr, cols, mask, D, eps, GEMMA)
     # The value rms_norm stores (x's dtype), as per_group_quant reads it back.
     y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
     _quantize_groups(y, row, 0, q_ptr, scale_ptr, D, num_groups, stride_q, stride_s, amax_floor,
