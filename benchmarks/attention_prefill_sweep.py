@@ -291,7 +291,7 @@ def run_shape(model, heads, tokens, sizes, variants, device, edge_errors) -> lis
     flash = next((r["ms"] for r in rows if r["variant"] == "sdpa_flash"), None)
     for r in rows:
         r["vs_flash"] = None if flash is None or r["ms"] is None else flash / r["ms"]
-    del problem
+    problem = None  # (frees its tensors: the closures above share this cell)
     if device == "cuda":
         torch.cuda.empty_cache()
     return rows
