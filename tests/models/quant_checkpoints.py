@@ -382,3 +382,17 @@ def with_kv_cache_scales(folder: Path, scales: dict[str, torch.Tensor]) -> Path:
                                                         "dynamic": False, "symmetric": True}
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder
+
+
+def unfused(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with every producer's quantization for the next linear layer turned off (in place): each
+    linear layer then quantizes its own input (``models.quantization.activation``)."""
+    from atom_core.models.base import PreNormDecoderLayer
+    from atom_core.models.layers.mlp import GatedMLP
+
+    for module in model.modules():
+        if isinstance(module, PreNormDecoderLayer):
+            module._attn_quant = module._mlp_quant = None
+        if isinstance(module, GatedMLP):
+            module._down_quant = None
+    return model

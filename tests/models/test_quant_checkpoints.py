@@ -52,11 +52,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
 
 from atom_core import ops
-from atom_core.ops.dispatch import trace_backends
 from atom_core.models import load_model
-from atom_core.models.base import PreNormDecoderLayer
 from atom_core.models.layers.linear import _Linear
-from atom_core.models.layers.mlp import GatedMLP
 from atom_core.models.quantization import (
     FP8_BLOCK_128,
     FP8_PER_CHANNEL,
@@ -69,6 +66,7 @@ from atom_core.models.quantization import (
     quantize_weight,
 )
 from atom_core.models.quantization.schemes import make_scheme
+from atom_core.ops.dispatch import trace_backends
 from tests.models import quant_checkpoints as qc
 from tests.models.parity_harness import (
     PagedRunner,
@@ -233,16 +231,6 @@ def test_logits_match_the_dequantized_model_within_the_activation_quantization_b
 FUSED_INPUT_QUANT = {A.DYNAMIC_PER_GROUP_128, A.DYNAMIC_PER_TOKEN}  # the schemes whose producers quantize
 
 
-def _unfused(model):
-    """The model with every producer's quantization turned off: each linear layer quantizes its input."""
-    for module in model.modules():
-        if isinstance(module, PreNormDecoderLayer):
-            module._attn_quant = module._mlp_quant = None
-        if isinstance(module, GatedMLP):
-            module._down_quant = None
-    return model
-
-
 def check_fused_input_quantization(loaded: Loaded) -> None:
     """The norms before qkv_proj / a decoder layer's gate_up_proj and every gated MLP's SiLU quantize for the
     layer after them exactly where its scheme quantizes its input dynamically, and the logits equal those of
@@ -258,7 +246,7 @@ def check_fused_input_quantization(loaded: Loaded) -> None:
                                   and not n.endswith("shared_experts.gate_up_proj") for n in fused),
             "silu_and_mul_quant": sum(n.endswith("down_proj") for n in fused)}
     assert {op: names.count(op) for op in want} == want
-    unfused_logits = model_logits(_unfused(copy.deepcopy(loaded.quantized)))
+    unfused_logits = model_logits(qc.unfused(copy.deepcopy(loaded.quantized)))
     assert torch.equal(fused_logits, unfused_logits)
 
 
