@@ -14,6 +14,8 @@ B = 128 (the FP8 block / activation-group size). Scales are float32 and multiply
 
 Static activations add ``input_scale`` [P] (one per part, from the checkpoint). The block format's
 checkpoint name ``weight_scale_inv`` is renamed to ``weight_scale`` by the loader (it multiplies).
+Dynamic per-group-128 and per-token activations may arrive already quantized by the op before the layer
+(``input_quant``, ``QuantizedActivation``: ``models.quantization.activation``); the GEMM then runs alone.
 
 Each parameter says how it is split across tensor-parallel ranks, for the layer's ``weight_loader``
 (``layers.linear``): ``output_dim`` (0: rows follow the output features; None: not split by
