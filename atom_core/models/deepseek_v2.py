@@ -84,7 +84,7 @@ from atom_core.models.layers.mla import (
     MultiHeadLatentAttention,
 )
 from atom_core.models.layers.mlp import GatedMLP
-from atom_core.models.layers.moe import FusedMoE, expert_params_mapping, moe_ranks
+from atom_core.models.layers.moe import FusedMoE, expert_params_mapping, moe_ranks, moe_ranks_of
 from atom_core.models.layers.norm import RMSNorm
 from atom_core.models.layers.rotary import RotaryEmbedding
 from atom_core.models.qwen3_moe import check_silu_experts, config_int
@@ -118,7 +118,8 @@ class DeepseekMoE(nn.Module):
     ``expert_quant``: the routed experts' ``FusedMoE`` arguments (``CausalLM.expert_quant_args``)."""
 
     def __init__(self, config: ModelConfig, *, topk_method: str, scoring: str, renormalize: bool,
-                 dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1, expert_parallel: bool = False,
+                 dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1, expert_parallel: bool | str = False,
+                 experts_ranks: dict | None = None,
                  quant_config=None, prefix: str = "", expert_quant: dict | None = None, tp_group=None) -> None:
         super().__init__()
         num_experts = config_int(config, "n_routed_experts")
@@ -140,7 +141,8 @@ class DeepseekMoE(nn.Module):
         tp = {"tp_rank": tp_rank, "tp_size": tp_size, "tp_group": tp_group, "dtype": dtype}
         self.gate = DeepseekRouter(num_experts, config.hidden_size, correction_bias=topk_method == "noaux_tc")
         self.experts = FusedMoE(num_experts, config.hidden_size, inter, activation="silu", dtype=dtype,
-                                **moe_ranks(tp_rank, tp_size, expert_parallel, tp_group), **(expert_quant or {}))
+                                **(experts_ranks or moe_ranks(tp_rank, tp_size, expert_parallel, tp_group)),
+                                **(expert_quant or {}))
         num_shared = config_int(config, "n_shared_experts", default=0)
         quant = {} if quant_config is None else {"quant_config": quant_config, "prefix": f"{prefix}.shared_experts"}
         self.shared_experts = (GatedMLP(config.hidden_size, inter * num_shared, config.hidden_act, **quant, **tp)
@@ -243,7 +245,7 @@ class DeepseekV2ForCausalLM(MLACaches, CausalLM):
         mlp_quant = self.quant_args(f"model.layers.{layer_idx}.mlp")
         if self.is_sparse_layer(layer_idx):
             mlp = DeepseekMoE(config, topk_method=self.topk_method, scoring=self.scoring,
-                              renormalize=self.renormalize, expert_parallel=self.expert_parallel, **mlp_quant, **tp,
+                              renormalize=self.renormalize, experts_ranks=moe_ranks_of(self.parallel), **mlp_quant, **tp,
                               expert_quant=self.expert_quant_args(f"model.layers.{layer_idx}.mlp.experts"))
         else:
             mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, bias=config.mlp_bias,

@@ -36,7 +36,7 @@ from atom_core import ops
 from atom_core.models.base import QUANTIZED_DENSE_FORMATS, CausalLM, PreNormDecoderLayer
 from atom_core.models.config import ModelConfig
 from atom_core.models.layers.mlp import GatedMLP
-from atom_core.models.layers.moe import FusedMoE, expert_params_mapping, moe_ranks
+from atom_core.models.layers.moe import FusedMoE, expert_params_mapping, moe_ranks, moe_ranks_of
 from atom_core.models.layers.norm import RMSNorm
 from atom_core.models.layers.rotary import RotaryEmbedding
 from atom_core.models.llama import LlamaAttention
@@ -84,7 +84,8 @@ class Glm4MoeSparseBlock(nn.Module):
     ``expert_quant``: the routed experts' ``FusedMoE`` arguments (``CausalLM.expert_quant_args``)."""
 
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1,
-                 expert_parallel: bool = False, quant_config=None, prefix: str = "",
+                 expert_parallel: bool | str = False,
+                 experts_ranks: dict | None = None, quant_config=None, prefix: str = "",
                  expert_quant: dict | None = None, tp_group=None) -> None:
         super().__init__()
         num_experts = config_int(config, "n_routed_experts", "num_local_experts")
@@ -97,7 +98,8 @@ class Glm4MoeSparseBlock(nn.Module):
         tp = {"tp_rank": tp_rank, "tp_size": tp_size, "tp_group": tp_group, "dtype": dtype}
         self.gate = GroupedTopKRouter(num_experts, config.hidden_size)
         self.experts = FusedMoE(num_experts, config.hidden_size, inter, activation="silu", dtype=dtype,
-                                **moe_ranks(tp_rank, tp_size, expert_parallel, tp_group), **(expert_quant or {}))
+                                **(experts_ranks or moe_ranks(tp_rank, tp_size, expert_parallel, tp_group)),
+                                **(expert_quant or {}))
         num_shared = config_int(config, "n_shared_experts", default=0)
         quant = {} if quant_config is None else {"quant_config": quant_config, "prefix": f"{prefix}.shared_experts"}
         self.shared_experts = (GatedMLP(config.hidden_size, inter * num_shared, config.hidden_act, **quant, **tp)
@@ -139,7 +141,7 @@ class Glm4MoeForCausalLM(CausalLM):
         if layer_idx < config_int(config, "first_k_dense_replace", default=0):
             mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, **mlp_quant, **tp)
         else:
-            mlp = Glm4MoeSparseBlock(config, expert_parallel=self.expert_parallel, **mlp_quant, **tp,
+            mlp = Glm4MoeSparseBlock(config, experts_ranks=moe_ranks_of(self.parallel), **mlp_quant, **tp,
                                      expert_quant=self.expert_quant_args(f"model.layers.{layer_idx}.mlp.experts"))
         return PreNormDecoderLayer(
             self_attn, mlp,

@@ -45,6 +45,7 @@ from atom_core.models.layers.moe import (
     FusedMoE,
     fused_expert_params_mapping,
     moe_ranks,
+    moe_ranks_of,
     mxfp4_expert_params_mapping,
 )
 from atom_core.models.layers.norm import RMSNorm
@@ -86,7 +87,8 @@ class GptOssMoE(nn.Module):
     ``prefix`` (``model.layers.{i}.mlp.experts``): the experts' quantization (MXFP4 kept packed)."""
 
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1,
-                 expert_parallel: bool = False, quant_config=None, prefix: str = "", tp_group=None) -> None:
+                 expert_parallel: bool | str = False,
+                 experts_ranks: dict | None = None, quant_config=None, prefix: str = "", tp_group=None) -> None:
         super().__init__()
         num_experts = config_int(config, "num_local_experts", "num_experts")
         self.top_k = config_int(config, "num_experts_per_tok", "experts_per_token")
@@ -96,7 +98,7 @@ class GptOssMoE(nn.Module):
         quant = {} if quant_config is None else {"quant_config": quant_config, "prefix": prefix}
         self.experts = FusedMoE(num_experts, config.hidden_size, config.intermediate_size,
                                 activation="swiglu_clamped", bias=True, dtype=dtype,
-                                **moe_ranks(tp_rank, tp_size, expert_parallel, tp_group), **quant)
+                                **(experts_ranks or moe_ranks(tp_rank, tp_size, expert_parallel, tp_group)), **quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         router_logits = self.router(x)                                               # [T, E]
@@ -129,7 +131,7 @@ class GptOssForCausalLM(CausalLM):
                                     **self.quant_args(f"model.layers.{layer_idx}.self_attn"), **tp)
         experts = self.expert_quant_args(f"model.layers.{layer_idx}.mlp.experts")
         return PreNormDecoderLayer(
-            self_attn, GptOssMoE(config, expert_parallel=self.expert_parallel, **experts, **tp),
+            self_attn, GptOssMoE(config, experts_ranks=moe_ranks_of(self.parallel), **experts, **tp),
             input_layernorm=RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=self.dtype),
             post_attention_layernorm=RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=self.dtype),
         )

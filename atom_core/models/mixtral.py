@@ -25,7 +25,7 @@ from torch import nn
 
 from atom_core.models.base import PreNormDecoderLayer
 from atom_core.models.config import ModelConfig
-from atom_core.models.layers.moe import expert_params_mapping
+from atom_core.models.layers.moe import expert_params_mapping, moe_ranks_of
 from atom_core.models.layers.norm import RMSNorm
 from atom_core.models.llama import LlamaAttention, LlamaForCausalLM
 from atom_core.models.qwen3_moe import SoftmaxTopKMoE, check_silu_experts, config_int
@@ -57,7 +57,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
                                    **self.quant_args(f"model.layers.{layer_idx}.self_attn"), **tp)
         # The checkpoint's name for the experts (rules are written against it): block_sparse_moe.
         mlp = SoftmaxTopKMoE(self.num_experts, config_int(config, "num_experts_per_tok"), config.hidden_size,
-                             config.intermediate_size, renormalize=True, expert_parallel=self.expert_parallel,
+                             config.intermediate_size, renormalize=True, experts_ranks=moe_ranks_of(self.parallel),
                              **self.expert_quant_args(f"model.layers.{layer_idx}.block_sparse_moe.experts"), **tp)
         return PreNormDecoderLayer(
             self_attn, mlp,

@@ -18,6 +18,13 @@ never over ``torch.distributed``'s default group.
   parallelism: two exchanges").
 - **DP** (``dp_rank`` of ``dp_size`` in ``dp_group``): replicas of the model; the model itself does not
   communicate over it (the engine's front balances requests across replicas).
+- **DP attention** (``dp_attention=True``, with ``expert_parallel="all_to_all"`` and ``tp_size`` 1): ATOM's
+  layout for MoE models. Attention and dense layers are whole on every rank, which computes them for its
+  own tokens; a MoE layer's experts are split over ``dp_group`` (``ep_group``), and each rank sends its
+  own tokens to the ranks holding their experts and gets their outputs back (``layers.expert_exchange``,
+  ``tokens_replicated=False``). Every MoE layer is then a collective over the DP ranks: they must run
+  their forwards in lock step, a rank without tokens running one on a padding token
+  (docs/architecture.md, "DP attention").
 
 ``ParallelContext.single()`` (the default): one rank, no groups, and ``torch.distributed`` is never
 touched. ``from_group(tp_group)`` wraps groups a framework already owns; ``from_world()`` builds the
@@ -132,11 +139,19 @@ class ParallelContext:
     dp_rank: int = 0
     dp_size: int = 1
     dp_group: ProcessGroup | None = None
+    dp_attention: bool = False  # experts split over dp_group, each rank's own tokens exchanged (docstring)
 
     def __post_init__(self) -> None:
         check_tp(self.tp_rank, self.tp_size)
         _check_rank("dp", self.dp_rank, self.dp_size)
-        ep_comm_of(self.expert_parallel)  # (raises for anything else)
+        ep_comm = ep_comm_of(self.expert_parallel)  # (raises for anything else)
+        if self.dp_attention:
+            if ep_comm != "all_to_all":
+                raise ValueError("dp_attention splits the experts over the DP ranks, each sending its own tokens "
+                                 f"to their experts: it needs expert_parallel='all_to_all', got {self.expert_parallel!r}")
+            if self.tp_size != 1:
+                raise ValueError(f"dp_attention over tensor-parallel groups (tp_size={self.tp_size}) is not built: "
+                                 "each DP rank must hold the whole attention (tp_size=1)")
         check_group(self.tp_group, self.tp_rank, self.tp_size, "ParallelContext.tp_group")
         check_group(self.dp_group, self.dp_rank, self.dp_size, "ParallelContext.dp_group")
 
@@ -160,12 +175,13 @@ class ParallelContext:
                    expert_parallel=expert_parallel, **dp)
 
     @classmethod
-    def from_world(cls, *, tensor_parallel_size: int | None = None,
-                   expert_parallel: bool | str = False) -> ParallelContext:
+    def from_world(cls, *, tensor_parallel_size: int | None = None, expert_parallel: bool | str = False,
+                   dp_attention: bool = False) -> ParallelContext:
         """Split an initialized default world of W ranks into W / tp replicas of ``tensor_parallel_size`` (default
         W) ranks: TP group d is ranks ``[d * tp, (d + 1) * tp)``, DP group t the ranks ``t, t + tp, ...``. Every
         rank must call it (creating a group is collective). With tp = W the TP group is the world group itself
-        (no new communicator); a DP group is made only when W > tp."""
+        (no new communicator); a DP group is made only when W > tp. ``dp_attention``: W DP ranks of one rank
+        each (tp 1, the default then), the experts split over the world group (see the module docstring)."""
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()):
@@ -173,6 +189,12 @@ class ParallelContext:
                                "(torch.distributed.init_process_group, or torchrun); one process needs none: "
                                "ParallelContext.single()")
         world, rank = dist.get_world_size(), dist.get_rank()
+        if dp_attention:
+            if tensor_parallel_size not in (None, 1):
+                raise ValueError(f"dp_attention over tensor-parallel groups (tensor_parallel_size="
+                                 f"{tensor_parallel_size}) is not built: use tensor_parallel_size=1")
+            return cls(dp_rank=rank, dp_size=world, dp_group=dist.group.WORLD, expert_parallel=expert_parallel,
+                       dp_attention=True)
         tp = world if tensor_parallel_size is None else tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1 or world % tp:
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size!r} must divide the world size {world}")
@@ -200,11 +222,16 @@ class ParallelContext:
 
     @property
     def ep_size(self) -> int:
-        """Ranks a MoE layer's experts are split over: ``tp_size`` with ``expert_parallel``, else 1."""
+        """Ranks a MoE layer's experts are split over: ``tp_size`` with ``expert_parallel`` (``dp_size`` with
+        ``dp_attention``), else 1."""
+        if self.dp_attention:
+            return self.dp_size
         return self.tp_size if self.expert_parallel else 1
 
     @property
     def ep_rank(self) -> int:
+        if self.dp_attention:
+            return self.dp_rank
         return self.tp_rank if self.expert_parallel else 0
 
     @property
@@ -214,7 +241,10 @@ class ParallelContext:
 
     @property
     def ep_group(self) -> ProcessGroup | None:
-        """The group the experts are split over (the TP group) with ``expert_parallel``, else None."""
+        """The group the experts are split over (the TP group; the DP group with ``dp_attention``) with
+        ``expert_parallel``, else None."""
+        if self.dp_attention:
+            return self.dp_group
         return self.tp_group if self.expert_parallel else None
 
     def describe(self) -> str:
@@ -224,6 +254,9 @@ class ParallelContext:
                          + (" (all-to-all)" if self.ep_comm == "all_to_all" else ""))
         if self.dp_size > 1:
             parts.append(f"dp {self.dp_rank}/{self.dp_size}")
+        if self.dp_attention:
+            parts = [f"dp {self.dp_rank}/{self.dp_size}", "attention data-parallel, experts split over the dp ranks "
+                     "(all-to-all of each rank's own tokens)"]
         if self.tp_size > 1 and self.tp_group is None:
             parts.append("no process group")
         return ", ".join(parts)

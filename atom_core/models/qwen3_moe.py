@@ -30,7 +30,7 @@ from atom_core.models.base import QUANTIZED_DENSE_FORMATS, CausalLM, PreNormDeco
 from atom_core.models.config import ModelConfig
 from atom_core.models.layers.linear import ReplicatedLinear
 from atom_core.models.layers.mlp import GatedMLP
-from atom_core.models.layers.moe import FusedMoE, expert_params_mapping, moe_ranks
+from atom_core.models.layers.moe import FusedMoE, expert_params_mapping, moe_ranks, moe_ranks_of
 from atom_core.models.layers.norm import RMSNorm
 from atom_core.models.qwen3 import Qwen3Attention
 from atom_core.models.registry import register_model
@@ -64,7 +64,8 @@ class SoftmaxTopKMoE(nn.Module):
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, *,
                  renormalize: bool, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1,
-                 expert_parallel: bool = False, quant_config=None, prefix: str = "", tp_group=None) -> None:
+                 expert_parallel: bool | str = False,
+                 experts_ranks: dict | None = None, quant_config=None, prefix: str = "", tp_group=None) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok must be in [1, {num_experts}], got {top_k}")
@@ -73,7 +74,7 @@ class SoftmaxTopKMoE(nn.Module):
         self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False, dtype=dtype)
         quant = {} if quant_config is None else {"quant_config": quant_config, "prefix": prefix}
         self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, activation="silu", dtype=dtype,
-                                **moe_ranks(tp_rank, tp_size, expert_parallel, tp_group), **quant)
+                                **(experts_ranks or moe_ranks(tp_rank, tp_size, expert_parallel, tp_group)), **quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         router_logits = self.gate(x)                                                   # [T, E]
@@ -119,7 +120,7 @@ class Qwen3MoeForCausalLM(CausalLM):
             mlp = SoftmaxTopKMoE(self.num_experts, config_int(config, "num_experts_per_tok"), config.hidden_size,
                                  config_int(config, "moe_intermediate_size"),
                                  renormalize=bool(config.get("norm_topk_prob", False)),
-                                 expert_parallel=self.expert_parallel,
+                                 experts_ranks=moe_ranks_of(self.parallel),
                                  **self.expert_quant_args(f"model.layers.{layer_idx}.mlp.experts"), **tp)
         else:
             mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act,

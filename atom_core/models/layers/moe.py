@@ -69,6 +69,7 @@ from atom_core.models.layers.expert_exchange import EXCHANGES, all_to_all_expert
 from atom_core.models.layers.linear import check_shape, copy_into
 from atom_core.models.layers.sharding import check_tp, divide
 from atom_core.models.parallel import (
+    ParallelContext,
     check_group,
     ep_comm_of,
     reduce_over,
@@ -130,6 +131,16 @@ def moe_ranks(tp_rank: int, tp_size: int, expert_parallel: bool | str, tp_group=
         return {"tp_rank": 0, "tp_size": 1, "ep_rank": tp_rank, "ep_size": tp_size, "group": tp_group,
                 "ep_comm": ep_comm}
     return {"tp_rank": tp_rank, "tp_size": tp_size, "group": tp_group}
+
+
+def moe_ranks_of(parallel: ParallelContext) -> dict:
+    """``FusedMoE``'s rank keyword arguments in a model built over ``parallel``: :func:`moe_ranks` of its TP
+    group, or with ``dp_attention`` the experts split over its DP group, each rank's own tokens exchanged
+    (``tokens_replicated=False``, ``models.parallel``)."""
+    if parallel.dp_attention:
+        return {"tp_rank": 0, "tp_size": 1, "ep_rank": parallel.dp_rank, "ep_size": parallel.dp_size,
+                "group": parallel.dp_group, "ep_comm": "all_to_all", "tokens_replicated": False}
+    return moe_ranks(parallel.tp_rank, parallel.tp_size, parallel.expert_parallel, parallel.tp_group)
 
 
 def expert_params_mapping(num_experts: int, *, gate: str = "gate_proj", up: str = "up_proj",
@@ -198,6 +209,9 @@ class FusedMoE(nn.Module):
             experts on all T tokens, one all-reduce sums) or ``"all_to_all"`` (tokens dispatched to the ranks
             holding their experts and the outputs sent back: ``layers.expert_exchange``; needs ``tp_size`` 1).
             ``ep_exchange`` (an attribute, ``"auto"``): that module's ``padded`` / ``exact`` choice.
+        tokens_replicated: with ``ep_comm="all_to_all"``, whether every rank of ``group`` holds the same tokens
+            (True: TP ranks) or its own (False: DP attention; the exact exchange by default, as the ranks' T
+            differ).
         quant_config, prefix: the model's ``QuantConfig`` and the layer's checkpoint name
             (``model.layers.{i}.mlp.experts``): ``quant_config.scheme_for(prefix)`` picks the expert
             method (None: unquantized). A scheme or split the fused MoE cannot serve is refused here,
@@ -208,7 +222,7 @@ class FusedMoE(nn.Module):
                  activation: str = "silu", bias: bool = False, tp_rank: int = 0, tp_size: int = 1,
                  ep_rank: int = 0, ep_size: int = 1, reduce_results: bool = True,
                  dtype: torch.dtype | None = None, quant_config: QuantConfig | None = None,
-                 prefix: str = "", group=None, ep_comm: str = "all_reduce") -> None:
+                 prefix: str = "", group=None, ep_comm: str = "all_reduce", tokens_replicated: bool = True) -> None:
         super().__init__()
         if activation not in ACTIVATION_LAYOUTS:
             raise ValueError(f"activation must be one of {sorted(ACTIVATION_LAYOUTS)}, got {activation!r}")
@@ -231,8 +245,14 @@ class FusedMoE(nn.Module):
         if ep_comm == "all_to_all" and tp_size > 1:
             raise ValueError(f"{where}: ep_comm='all_to_all' sends tokens to whole experts, but tp_size={tp_size} "
                              "splits each expert's intermediate dim")
+        if not tokens_replicated and ep_comm != "all_to_all":
+            raise ValueError(f"{where}: tokens_replicated=False (each rank's own tokens: DP attention) needs "
+                             f"ep_comm='all_to_all', got {ep_comm!r}")
         self.ep_comm = ep_comm
-        self.ep_exchange = "auto"  # all-to-all: "auto", "padded" or "exact" (layers.expert_exchange)
+        self.tokens_replicated = tokens_replicated
+        # all-to-all: "auto", "padded" or "exact" (layers.expert_exchange); ranks with tokens of their own pass
+        # different T, which only the exact exchange takes (padded needs one T on every rank)
+        self.ep_exchange = "auto" if tokens_replicated else "exact"
         # (a sum is order-free: the group's size is checked, not which rank holds which piece; an all-to-all
         # sends a token's row to the group rank holding its expert, so there the rank must match)
         a2a = ep_comm == "all_to_all" and ep_size > 1
@@ -436,7 +456,8 @@ class FusedMoE(nn.Module):
                 raise ValueError(f"{self.prefix or 'FusedMoE'}: ep_exchange must be one of {EXCHANGES}, "
                                  f"got {self.ep_exchange!r}")
             group = require_group(self.group, self.ep_size, self)
-            return all_to_all_experts(self, hidden, topk_weights, topk_ids, group)
+            return all_to_all_experts(self, hidden, topk_weights, topk_ids, group,
+                                      tokens_replicated=self.tokens_replicated)
         out = self.quant_method.apply(self, hidden, topk_weights, self.local_topk_ids(topk_ids),
                                       self.w2_bias if self.tp_rank == 0 else None)
         if self.reduce_results and self.tp_size * self.ep_size > 1:
