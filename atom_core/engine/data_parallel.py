@@ -41,6 +41,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import socket
 import subprocess
 import time
 import weakref
@@ -122,6 +123,13 @@ class _RequestChecks:
         self.default_sampling_params = SamplingParams()
 
 
+def _free_port() -> int:
+    """A TCP port on the loopback no process listens on now (the DP-attention replicas' rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 class DataParallelEngine:
     """M engine replicas behind one front with ``Engine``'s API (see the module docstring).
 
@@ -135,8 +143,9 @@ class DataParallelEngine:
     """
 
     def __init__(self, path: str | Path | None = None, *, data_parallel_size: int, tensor_parallel_size: int = 1,
-                 expert_parallel: bool | str = False, dtype=None, device=None, load_format: str = "auto",
-                 quantization: str | None = None, step_timeout: float = DEFAULT_STEP_TIMEOUT, **engine_args):
+                 expert_parallel: bool | str = False, dp_attention: bool = False, dtype=None, device=None,
+                 load_format: str = "auto", quantization: str | None = None,
+                 step_timeout: float = DEFAULT_STEP_TIMEOUT, **engine_args):
         if isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int) or data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be an int >= 1, got {data_parallel_size!r}")
         if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) \
@@ -144,7 +153,18 @@ class DataParallelEngine:
             raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tensor_parallel_size!r}")
         if isinstance(step_timeout, bool) or not isinstance(step_timeout, (int, float)) or not step_timeout > 0:
             raise ValueError(f"step_timeout must be a number of seconds > 0, got {step_timeout!r}")
-        ep_comm_of(expert_parallel)  # a bad value is refused before any replica starts
+        ep_comm = ep_comm_of(expert_parallel)  # a bad value is refused before any replica starts
+        if dp_attention:
+            if ep_comm != "all_to_all" or tensor_parallel_size != 1:
+                raise ValueError("dp_attention=True needs expert_parallel='all_to_all' (each replica sends its own "
+                                 "tokens to their experts' replicas) and tensor_parallel_size=1 (attention over "
+                                 f"TP groups is not built); got expert_parallel={expert_parallel!r}, "
+                                 f"tensor_parallel_size={tensor_parallel_size}")
+            for flag in ("enforce_eager", "async_scheduling"):
+                if flag in engine_args and engine_args[flag] != (flag == "enforce_eager"):
+                    raise ValueError(f"dp_attention=True runs its steps eagerly and without async scheduling "
+                                     f"(engine/dp_attention.py); got {flag}={engine_args[flag]!r}")
+            engine_args = engine_args | {"enforce_eager": True, "async_scheduling": False}
         if "workers" in engine_args:
             raise ValueError("workers= is for Engine(model, ...); the replicas start their own")
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -180,11 +200,15 @@ class DataParallelEngine:
         config = {"path": str(path), "dtype": dtype, "load_format": load_format, "quantization": quantization,
                   "tensor_parallel_size": tensor_parallel_size, "expert_parallel": expert_parallel,
                   "step_timeout": step_timeout, "engine_args": engine_args}
+        self.dp_attention = bool(dp_attention)
+        world = {"size": data_parallel_size, "init_method": f"tcp://127.0.0.1:{_free_port()}"} if dp_attention else None
         self._finalizer = weakref.finalize(self, stop_replicas, self._replicas, self._state)
         try:
             for index in range(data_parallel_size):
                 gpus = visible[index * tensor_parallel_size:(index + 1) * tensor_parallel_size]
-                self._replicas.append(start_replica(index, gpus, ranks, config | {"device": device.type},
+                rank = None if world is None else world | {"rank": index}
+                self._replicas.append(start_replica(index, gpus, ranks,
+                                                    config | {"device": device.type, "dp_attention": rank},
                                                     self._inbox))
             self._wait_ready()
         except BaseException:

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from atom_core.engine.distributed import DistributedEngineError
+from atom_core.engine.dp_attention import IDLE_WAIT_S, LockStep, join_world
 from atom_core.engine.engine import Engine
 from atom_core.engine.outputs import StepOutputs
 from atom_core.engine.request import Request
@@ -150,10 +151,14 @@ def replica_main() -> None:
         _, config = conn.recv()
         if config["device"] == "cpu":
             torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        lock_step, parallel = None, None
+        if config.get("dp_attention") is not None:  # one DP rank of the replicas' world (engine/dp_attention.py)
+            parallel, lock_step = join_world(config["dp_attention"], config["device"], config["step_timeout"])
         engine = Engine.from_pretrained(config["path"], dtype=config["dtype"], device=config["device"],
                                         load_format=config["load_format"], quantization=config["quantization"],
                                         tensor_parallel_size=config["tensor_parallel_size"],
-                                        expert_parallel=config["expert_parallel"], step_timeout=config["step_timeout"],
+                                        expert_parallel=False if parallel else config["expert_parallel"],
+                                        step_timeout=config["step_timeout"], parallel=parallel,
                                         **config["engine_args"])
     except (EOFError, OSError):
         os._exit(1)
@@ -169,7 +174,8 @@ def replica_main() -> None:
                        "counters": _counters(engine), "pid": os.getpid()}))
     code = 1
     try:
-        code = 0 if _serve(engine, conn) else 1
+        served = _serve(engine, conn) if lock_step is None else _serve_in_lock_step(engine, conn, lock_step)
+        code = 0 if served else 1
     except (EOFError, OSError):  # the front is gone
         pass
     except BaseException as error:  # a failure of this loop itself: tell the front why before leaving
@@ -181,57 +187,124 @@ def replica_main() -> None:
     finally:
         engine.shutdown()  # (its worker ranks, if any, are stopped and reaped here)
         conn.close()
+        if lock_step is not None and code == 0:  # (after a failure the peers may be gone: no collective)
+            lock_step.close()
     # Nothing is left to clean up: skip the interpreter's teardown (seconds of torch's exit handlers).
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
 
 
-def _serve(engine: Engine, conn: Connection) -> bool:
-    """The replica's loop: take the front's commands (without waiting while requests run), step, send the
-    step's outputs. Returns True when the front said shutdown, False when the engine can no longer run."""
-    watched: dict[int, Request] = {}  # sequences whose next output carries extras (see _outputs_message)
-    last_counters = time.monotonic()
-    timing = {"steps": 0, "step_seconds": 0.0}  # engine.step() calls and the time spent in them
-    while True:
-        busy = engine.has_unfinished_requests()
-        while not busy or conn.poll():
-            command = conn.recv()
-            if command[0] == ADD:
-                _, group_id, token_ids, params = command
-                engine._next_id = group_id  # the front's id, unique over the replicas (it reserved n ids)
-                try:
-                    engine.add_request(token_ids, params)
-                except Exception as error:  # noqa: BLE001 - the front checked it; what only the engine knows
-                    conn.send((STEP_ERROR, [group_id], f"(add_request) {type(error).__name__}: {error}"))
-                    continue
-                for request in engine._requests[group_id]:
-                    watched[request.request_id] = request
-            elif command[0] == ABORT:
-                engine.abort(command[1])
-                _forget_finished(watched)
-            elif command[0] == STATS:
-                conn.send((STATS, _counters(engine, timing)))
-            elif command[0] == SHUTDOWN:
-                return True
-            busy = engine.has_unfinished_requests()
-        start = time.perf_counter()
+class _Session:
+    """What the replica's loop keeps between commands and steps."""
+
+    def __init__(self, engine: Engine, conn: Connection, lock_step: LockStep | None) -> None:
+        self.engine, self.conn, self.lock_step = engine, conn, lock_step
+        self.watched: dict[int, Request] = {}  # sequences whose next output carries extras (_outputs_message)
+        self.last_counters = time.monotonic()
+        # engine.step() calls and the time spent in them (and, in lock step, the forwards run for the peers)
+        self.timing = {"steps": 0, "step_seconds": 0.0} | ({} if lock_step is None else {"idle_forwards": 0})
+
+    def handle(self, command: tuple) -> bool:
+        """Carry out one command of the front; True for shutdown."""
+        engine, conn = self.engine, self.conn
+        if command[0] == ADD:
+            _, group_id, token_ids, params = command
+            engine._next_id = group_id  # the front's id, unique over the replicas (it reserved n ids)
+            try:
+                engine.add_request(token_ids, params)
+            except Exception as error:  # noqa: BLE001 - the front checked it; what only the engine knows
+                conn.send((STEP_ERROR, [group_id], f"(add_request) {type(error).__name__}: {error}"))
+                return False
+            for request in engine._requests[group_id]:
+                self.watched[request.request_id] = request
+        elif command[0] == ABORT:
+            engine.abort(command[1])
+            _forget_finished(self.watched)
+        elif command[0] == STATS:
+            conn.send((STATS, self.counters()))
+        elif command[0] == SHUTDOWN:
+            return True
+        return False
+
+    def counters(self) -> dict:
+        if self.lock_step is not None:
+            self.timing["idle_forwards"] = self.lock_step.idle_forwards
+        return _counters(self.engine, self.timing)
+
+    def step(self) -> bool:
+        """One engine step and its outputs to the front; False when the engine can no longer run. In lock
+        step, exactly one forward: a step that ran none (it failed before its forward, or had nothing to
+        schedule) is followed by an idle forward; one that failed after its forward began is fatal, as
+        the peers may wait inside that forward's exchange."""
+        engine, conn = self.engine, self.conn
+        start, forwards = time.perf_counter(), engine.runner.num_forwards
         try:
             outputs = engine.step()
         except DistributedEngineError as error:  # its own worker ranks failed: this replica cannot go on
             conn.send((FATAL, f"{type(error).__name__}: {error}"))
             return False
         except Exception as error:  # noqa: BLE001 - the step's requests finished with "error"; others go on
-            _forget_finished(watched)
+            if self.lock_step is not None and engine.runner.num_forwards != forwards:
+                conn.send((FATAL, f"DP attention: a step failed inside its forward, where the peer replicas "
+                                  f"exchange tokens ({type(error).__name__}: {error})"[:2000]))
+                return False
+            if self.lock_step is not None:
+                self.lock_step.idle(engine)
+            _forget_finished(self.watched)
             conn.send((STEP_ERROR, list(engine.failed_request_ids), f"{type(error).__name__}: {error}"))
-            continue
-        timing["steps"] += 1
-        timing["step_seconds"] += time.perf_counter() - start
+            return True
+        if self.lock_step is not None and engine.runner.num_forwards == forwards:
+            self.lock_step.idle(engine)
+        self.timing["steps"] += 1
+        self.timing["step_seconds"] += time.perf_counter() - start
         now = time.monotonic()
         counters = None
-        if now - last_counters >= COUNTERS_EVERY_S or not engine.has_unfinished_requests():
-            counters, last_counters = _counters(engine, timing), now
-        conn.send(_outputs_message(outputs, watched) + (counters,))
+        if now - self.last_counters >= COUNTERS_EVERY_S or not engine.has_unfinished_requests():
+            counters, self.last_counters = self.counters(), now
+        conn.send(_outputs_message(outputs, self.watched) + (counters,))
+        return True
+
+
+def _serve(engine: Engine, conn: Connection) -> bool:
+    """The replica's loop: take the front's commands (without waiting while requests run), step, send the
+    step's outputs. Returns True when the front said shutdown, False when the engine can no longer run."""
+    session = _Session(engine, conn, None)
+    while True:
+        busy = engine.has_unfinished_requests()
+        while not busy or conn.poll():
+            if session.handle(conn.recv()):
+                return True
+            busy = engine.has_unfinished_requests()
+        if not session.step():
+            return False
+
+
+def _serve_in_lock_step(engine: Engine, conn: Connection, lock_step: LockStep) -> bool:
+    """``_serve`` for a DP-attention rank (``engine/dp_attention.py``): between the front's commands the ranks
+    agree; every rank steps when any has work (its own step, or an idle forward), and all leave together."""
+    session = _Session(engine, conn, lock_step)
+    leaving, anyone_busy = False, False
+    while True:
+        wait = 0.0 if anyone_busy or engine.has_unfinished_requests() else IDLE_WAIT_S
+        while not leaving and conn.poll(wait):
+            leaving = session.handle(conn.recv())
+            wait = 0.0
+        busy = engine.has_unfinished_requests()
+        try:
+            anyone_busy, anyone_leaving = lock_step.agree(busy, leaving)
+        except Exception as error:  # noqa: BLE001 - a peer is gone or out of step: this world cannot go on
+            conn.send((FATAL, f"DP attention: the replicas' agreement before a step failed, a peer replica is gone "
+                              f"or hung ({type(error).__name__}: {error})"[:2000]))
+            return False
+        if anyone_leaving:
+            return True
+        if not anyone_busy:
+            continue
+        if not busy:
+            lock_step.idle(engine)
+        elif not session.step():
+            return False
 
 
 def _forget_finished(watched: dict[int, Request]) -> None:

@@ -158,6 +158,7 @@ class Engine:
     def from_pretrained(cls, path: str | Path | None = None, *, dtype=None, device=None, load_format: str = "auto",
                         quantization: str | None = None, tensor_parallel_size: int = 1,
                         expert_parallel: bool | str = False, data_parallel_size: int = 1,
+                        dp_attention: bool = False, parallel=None,
                         **engine_args) -> Engine | DataParallelEngine | None:
         """Load a checkpoint folder (config.json, *.safetensors, tokenizer.json); None = the built-in demo model.
         ``quantization`` (``"fp8"`` / ``"fp8_block"``): quantize an unquantized checkpoint while loading (``load_model``).
@@ -173,6 +174,11 @@ class Engine:
         ``data_parallel_size=M > 1``: M replicas of that engine, each in its own process (on CUDA replica i
         uses GPUs i*N..i*N+N-1), behind a ``DataParallelEngine`` front with this class's API that routes
         each request to the replica with the fewest outstanding tokens (``engine/data_parallel.py``).
+        ``dp_attention=True`` (a MoE model, ``expert_parallel="all_to_all"``, N = 1): the replicas are the DP
+        ranks of one world, each with the whole attention and 1/M of the experts (``engine/dp_attention.py``).
+
+        ``parallel``: a ``ParallelContext`` of one TP rank to build the model over (a process that already
+        joined a world, e.g. a DP-attention rank); not with ``tensor_parallel_size`` > 1.
         """
         from atom_core.models import load_model
         from atom_core.models.parallel import ep_comm_of
@@ -183,7 +189,13 @@ class Engine:
             return DataParallelEngine(path, data_parallel_size=data_parallel_size, dtype=dtype, device=device,
                                       load_format=load_format, quantization=quantization,
                                       tensor_parallel_size=tensor_parallel_size, expert_parallel=expert_parallel,
-                                      **engine_args)
+                                      dp_attention=dp_attention, **engine_args)
+        if dp_attention:
+            raise ValueError("dp_attention=True splits the experts over data-parallel replicas: it needs "
+                             "data_parallel_size > 1")
+        if parallel is not None and tensor_parallel_size != 1:
+            raise ValueError("parallel= builds the model over a context this process already has; it does not "
+                             f"start ranks: tensor_parallel_size must be 1, got {tensor_parallel_size}")
 
         path = Path(path) if path is not None else DEMO_MODEL
         if device is None:
@@ -192,7 +204,7 @@ class Engine:
         eos_token_ids, defaults = read_generation_config(path)
         load_args = dict(dtype=dtype, load_format=load_format, quantization=quantization)
         if tensor_parallel_size == 1:
-            model = load_model(path, device=device, **load_args)
+            model = load_model(path, device=device, parallel=parallel, **load_args)
             engine = cls(model, Tokenizer.maybe_from(path), device=device, **engine_args)
         else:
             ep_comm_of(expert_parallel)  # a bad value is refused before any rank starts

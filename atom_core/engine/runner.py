@@ -102,6 +102,7 @@ class ModelRunner:
                                in zip(self._kv_caches, model.kv_cache_scales())]
         self.bind()
         self._last_sampled: torch.Tensor | None = None  # the previous launch's tokens, on the device
+        self.num_forwards = 0  # model forwards begun (a lock-stepped DP rank checks a step ran one)
         self.max_num_seqs = max_num_seqs
         self.token_state: torch.Tensor | None = None  # int32 [max_num_seqs, V], made on first use
         self.graphs = None
@@ -167,6 +168,7 @@ class ModelRunner:
         """The step's logits [>= B, V] (its graph's, or eagerly) and, for prompt log-probs, every hidden
         state [T, E] (else None). Every rank runs exactly this."""
         dev, bucket = self.device, inputs.bucket
+        self.num_forwards += 1
         input_ids, layout = self.prepare(inputs, bucket)
         pending = None
         if inputs.pending_positions is not None:
@@ -254,12 +256,23 @@ class ModelRunner:
             self.graphs.capture_all(progress=progress)
             return
         for rows, tokens_per_row in ((2, 17), (1, 1), (3, 1), (16, 1)):
-            pages = [[0] * -(-tokens_per_row // self.block_size)] * rows  # shapes only: nothing is written or read
-            layout = build_step_layout([tokens_per_row] * rows, [0] * rows, pages, self.block_size)
-            layout = replace(layout, slot_mapping=torch.full_like(layout.slot_mapping, -1),
-                             context_lens=torch.zeros_like(layout.context_lens)).to(self.device)
-            ids = torch.zeros(layout.num_tokens, dtype=torch.int64, device=self.device)
-            forward_logits(self.model, ids, layout)
+            self._forward_nothing(rows, tokens_per_row)
+
+    @torch.inference_mode()
+    def idle_forward(self) -> None:
+        """A forward of one padding token that reads and writes no KV slot and samples nothing: what a rank
+        with no sequences runs so that the collectives of its peers' forward (DP attention's expert
+        exchange) find it."""
+        self.num_forwards += 1
+        self._forward_nothing(1, 1)
+
+    def _forward_nothing(self, rows: int, tokens_per_row: int) -> None:
+        pages = [[0] * -(-tokens_per_row // self.block_size)] * rows  # shapes only: nothing is written or read
+        layout = build_step_layout([tokens_per_row] * rows, [0] * rows, pages, self.block_size)
+        layout = replace(layout, slot_mapping=torch.full_like(layout.slot_mapping, -1),
+                         context_lens=torch.zeros_like(layout.context_lens)).to(self.device)
+        ids = torch.zeros(layout.num_tokens, dtype=torch.int64, device=self.device)
+        forward_logits(self.model, ids, layout)
 
     def _put(self, array: np.ndarray | None) -> torch.Tensor | None:
         return None if array is None else torch.from_numpy(array).to(self.device, non_blocking=True)
