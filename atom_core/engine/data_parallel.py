@@ -160,10 +160,9 @@ class DataParallelEngine:
                                  "tokens to their experts' replicas) and tensor_parallel_size=1 (attention over "
                                  f"TP groups is not built); got expert_parallel={expert_parallel!r}, "
                                  f"tensor_parallel_size={tensor_parallel_size}")
-            for flag in ("enforce_eager", "async_scheduling"):
-                if flag in engine_args and engine_args[flag] != (flag == "enforce_eager"):
-                    raise ValueError(f"dp_attention=True runs its steps eagerly and without async scheduling "
-                                     f"(engine/dp_attention.py); got {flag}={engine_args[flag]!r}")
+            if not engine_args.get("enforce_eager", False) or engine_args.get("async_scheduling", True):
+                logger.info("dp_attention: the replicas step eagerly and without async scheduling "
+                            "(engine/dp_attention.py)")
             engine_args = engine_args | {"enforce_eager": True, "async_scheduling": False}
         if "workers" in engine_args:
             raise ValueError("workers= is for Engine(model, ...); the replicas start their own")

@@ -101,6 +101,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, with_path: bool = T
     group.add_argument("--data-parallel-size", "-dp", type=positive_int, default=1,
                        help="this many engine replicas, each its own process (on CUDA replica i uses GPUs "
                             "i*TP .. i*TP+TP-1), requests routed to the least loaded")
+    group.add_argument("--dp-attention", action="store_true",
+                       help="with --data-parallel-size and a MoE model: the replicas hold the whole attention and "
+                            "split the experts among them, each sending its own tokens to their experts (all-to-all); "
+                            "the replicas step together, eagerly")
     group.add_argument("--threads", type=positive_int, default=DEFAULT_THREADS,
                        help=f"CPU threads for torch (default {DEFAULT_THREADS}: half the cores, at most 4)")
 
@@ -143,6 +147,10 @@ def build_engine(args: argparse.Namespace):
                         expert_parallel=args.expert_parallel and args.expert_exchange)
     if args.data_parallel_size > 1:
         parallel["data_parallel_size"] = args.data_parallel_size
+    if args.dp_attention:
+        if args.data_parallel_size == 1 or args.tensor_parallel_size > 1:
+            raise UsageError("--dp-attention needs --data-parallel-size > 1 and --tensor-parallel-size 1")
+        parallel |= {"dp_attention": True, "expert_parallel": "all_to_all"}
     build = Engine.from_pretrained
     if engine_process(args) and args.data_parallel_size == 1:
         from atom_core.engine import DataParallelEngine

@@ -161,6 +161,7 @@ def test_bench_against_a_server_listing_no_model_asks_for_model(monkeypatch, cap
     (["serve", "--device", "tpu"], "--device"),
     (["generate", "--expert-exchange", "all_gather"], "--expert-exchange"),
     (["generate", "--data-parallel-size", "0"], "--data-parallel-size"),
+    (["generate", "--dp-attention"], "--dp-attention needs --data-parallel-size > 1"),
     (["nothing"], "invalid choice"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
 def test_user_errors_print_one_error_line_and_return_2(argv, says, capsys):
@@ -213,6 +214,7 @@ def test_the_console_script_is_declared():
     (["-tp", "2", "--expert-parallel", "--expert-exchange", "all_to_all"],
      {"tensor_parallel_size": 2, "expert_parallel": "all_to_all"}),
     (["-dp", "2"], {"data_parallel_size": 2}),
+    (["-dp", "2", "--dp-attention"], {"data_parallel_size": 2, "dp_attention": True, "expert_parallel": "all_to_all"}),
 ])
 def test_parallel_flags_reach_engine_from_pretrained_as_its_arguments(flags, want, monkeypatch):
     from atom_core.engine import Engine
@@ -223,7 +225,7 @@ def test_parallel_flags_reach_engine_from_pretrained_as_its_arguments(flags, wan
     parser = Parser()
     add_engine_arguments(parser)
     build_engine(parser.parse_args(flags + ["--threads", "1"]))
-    names = ("tensor_parallel_size", "expert_parallel", "data_parallel_size")
+    names = ("tensor_parallel_size", "expert_parallel", "data_parallel_size", "dp_attention")
     assert {k: v for k, v in seen.items() if k in names} == want
 
 
