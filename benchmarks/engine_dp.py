@@ -36,7 +36,8 @@ from benchmarks.engine import _config_folder, load_config, nano_vllm_workload
 # --smoke: a CPU-sized model of the same family and a handful of short requests.
 SMOKE_SHAPES = {"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 64, "num_attention_heads": 2,
                 "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 1000, "bos_token_id": 0, "eos_token_id": 1,
-                "max_position_embeddings": 256}
+                "max_position_embeddings": 256, "num_experts": 8, "num_experts_per_tok": 2,
+                "moe_intermediate_size": 32}  # (the last three: MoE configs only)
 
 
 def _sync(device: str) -> None:
@@ -54,11 +55,15 @@ def run_system(label: str, folder: Path, args, prompts, output_lens, data_parall
                    "tensor_parallel_size": args.tensor_parallel_size, "expert_parallel": args.expert_parallel}
     if args.smoke:
         engine_args |= {"max_model_len": 64, "max_num_seqs": 16}
+    dp_attention = args.dp_attention and data_parallel_size is not None and data_parallel_size > 1
+    if args.dp_attention and not dp_attention:  # the baselines: the whole model on one GPU
+        engine_args["expert_parallel"] = False
     t0 = time.perf_counter()
     if data_parallel_size is None:
         engine = Engine.from_pretrained(folder, **engine_args)
     else:  # (the front itself, so that one replica is behind a front too)
-        engine = DataParallelEngine(folder, data_parallel_size=data_parallel_size, **engine_args)
+        engine = DataParallelEngine(folder, data_parallel_size=data_parallel_size, dp_attention=dp_attention,
+                                    **engine_args)
     construct_s = time.perf_counter() - t0
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in output_lens]
     steps = [0, 0.0]  # one engine's step() calls in the timed run and their time
@@ -95,7 +100,8 @@ def run_system(label: str, folder: Path, args, prompts, output_lens, data_parall
             step_counts = [(a["steps"] - b["steps"], a["step_seconds"] - b["step_seconds"])
                            for a, b in zip(after, before[1])]
     tokens = sum(len(o.token_ids) for o in outs)
-    row = {"model": args.model, "system": label, "replicas": data_parallel_size or 1, "tp": args.tensor_parallel_size,
+    row = {"model": args.model, "system": label + (", DP attention" if dp_attention else ""),
+           "replicas": data_parallel_size or 1, "tp": args.tensor_parallel_size,
            "seqs": len(prompts), "output_tokens": tokens, "seconds": seconds, "tok_per_s": tokens / seconds,
            "construct_s": construct_s, "preemptions": preemptions,
            "requests_per_replica": "/".join(map(str, per_replica)),
@@ -118,6 +124,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--expert-parallel", nargs="?", const="all_reduce", default=False,
                         choices=["all_reduce", "all_to_all"],
                         help="a MoE model's experts split whole over each engine's TP ranks, combined by this exchange")
+    parser.add_argument("--dp-attention", action="store_true",
+                        help="the M-replica row as DP attention (a MoE model: the replicas split the experts, "
+                             "all-to-all, eager; engine/dp_attention.py); the other rows hold the whole model")
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--device", default="cuda", help="cuda (one GPU per rank) or cpu")
     parser.add_argument("--dtype", default=None, help="the model's dtype (default bfloat16 on cuda, float32 on cpu)")
@@ -126,6 +135,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    if args.dp_attention:
+        args.expert_parallel, args.tensor_parallel_size = "all_to_all", 1
     cfg = load_config(args.model)
     if args.smoke:
         cfg |= SMOKE_SHAPES

@@ -233,6 +233,21 @@ def test_deepseek_configs_build_and_report_kv_bytes_against_per_head_kv(name, q_
         assert hf_config.kv_lora_rank == 32 and hf_config.q_lora_rank == q_lora_rank
 
 
+def test_engine_dp_smoke_run_with_dp_attention_compares_two_ranks_with_one_engine(tmp_path, monkeypatch):
+    """benchmarks/engine_dp --dp-attention on a CPU: a Qwen3-MoE split over two DP-attention ranks against one
+    engine holding the whole model, the same workload."""
+    from benchmarks import engine_dp
+
+    monkeypatch.setenv("ATOM_CORE_BACKEND", "torch")  # the replica processes read it at import
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    path = tmp_path / "out.json"
+    engine_dp.main(["--device", "cpu", "--smoke", "--model", "qwen3-30b-a3b", "--dp-attention", "--num-seqs", "4",
+                    "--no-front-1", "--json", str(path)])
+    one, two = json.loads(path.read_text())["rows"]
+    assert (one["system"], two["system"]) == ("one engine", "front, 2 replicas, DP attention")
+    assert one["output_tokens"] == two["output_tokens"] > 0 and math.isfinite(two["vs_one_engine"])
+
+
 def test_engine_dp_smoke_run_compares_replicas_with_one_engine(tmp_path, monkeypatch):
     """benchmarks/engine_dp on a CPU: one engine and a front over two replica processes, the same workload."""
     from benchmarks import engine_dp
