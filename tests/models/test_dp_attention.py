@@ -1,8 +1,8 @@
 """DP attention over two gloo ranks (CPU): each rank holds the whole attention and half of every MoE layer's
 experts, runs its own sequences, and the MoE layers send each rank's tokens to their experts' ranks and back.
 Every rank's logits must equal a one-rank model's on the same sequences, for a Qwen3-MoE (a dense layer and
-sparse ones) and a GLM-4-MoE (shared experts, which stay whole on every rank), with the ranks' token counts
-different at every step (ragged prefills, then decodes of 3 and 1 rows)."""
+sparse ones), a GLM-4-MoE (shared experts, which stay whole on every rank) and a DeepSeek-V3 (MLA), with the
+ranks' token counts different at every step (ragged prefills, then decodes of 3 and 1 rows)."""
 
 from __future__ import annotations
 
@@ -19,12 +19,13 @@ pytest.importorskip("transformers")
 from atom_core import ops  # noqa: E402
 from atom_core.models import ParallelContext, load_model  # noqa: E402
 from atom_core.models.layers.moe import FusedMoE  # noqa: E402
-from tests.models import test_parity_glm4_moe, test_parity_qwen3_moe  # noqa: E402
+from tests.models import test_parity_deepseek, test_parity_glm4_moe, test_parity_qwen3_moe  # noqa: E402
 from tests.models.moe_parity import build_moe_pair  # noqa: E402
 from tests.models.parity_harness import PagedRunner, random_tokens  # noqa: E402
 
 RANKS = 2
-CASES = [test_parity_qwen3_moe.CASES[1], test_parity_glm4_moe.CASES[1]]
+CASES = [test_parity_qwen3_moe.CASES[1], test_parity_glm4_moe.CASES[1],
+         test_parity_deepseek.CASES[2]]  # DeepSeek-V3: MLA attention, shared experts, dense first layers
 # each rank's own prompts: the ranks differ in rows and tokens
 PROMPT_LENGTHS = {0: (9, 3, 14), 1: (5,)}
 
