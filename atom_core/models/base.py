@@ -175,7 +175,9 @@ class CausalLM(nn.Module):
             self.lm_head.tie_to(self.model.embed_tokens)
         del self._rotary  # only needed while building
         if self.expert_parallel and not any(isinstance(m, FusedMoE) for m in self.modules()):
-            raise ValueError(f"expert_parallel=True, but {type(self).__name__} has no experts to split")
+            what = "dp_attention=True (experts split over the DP ranks)" if self.parallel.dp_attention else \
+                "expert_parallel=True"
+            raise ValueError(f"{what}, but {type(self).__name__} has no experts to split")
         self._attention_layers = [m for m in self.model.layers.modules() if isinstance(m, PagedAttention)]
         self.bound_kv_caches: list | None = None  # the list last given to bind_kv_cache
 

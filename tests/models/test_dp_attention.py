@@ -77,3 +77,12 @@ def test_dp_attention_needs_the_all_to_all_exchange_and_one_rank_of_attention():
     assert (ctx.ep_rank, ctx.ep_size, ctx.ep_group) == (1, 2, None)
     with pytest.raises(ValueError, match="tokens_replicated=False"):
         FusedMoE(4, 8, 8, ep_rank=0, ep_size=2, ep_comm="all_reduce", tokens_replicated=False)
+
+
+def test_a_model_without_experts_is_refused_by_name_under_dp_attention(tmp_path):
+    from tests.models import test_parity_qwen3
+
+    pair = build_moe_pair(test_parity_qwen3.CASES[0], tmp_path / "dense")
+    shard = ParallelContext(dp_rank=0, dp_size=2, expert_parallel="all_to_all", dp_attention=True)
+    with pytest.raises(ValueError, match="dp_attention=True .* has no experts to split"):
+        load_model(pair.path, device="cpu", parallel=shard)
