@@ -136,6 +136,8 @@ class DataParallelEngine:
     Built by ``Engine.from_pretrained(path, data_parallel_size=M, ...)`` (or directly with the same
     arguments): every argument but ``data_parallel_size`` goes to each replica's
     ``Engine.from_pretrained``. ``data_parallel_size=1`` is allowed (one replica in its own process).
+    ``dp_attention=True`` (a MoE model, ``expert_parallel="all_to_all"``): the replicas split the experts and
+    step in lock step (``engine/dp_attention.py``).
 
     API: ``add_request``, ``step``, ``generate``, ``chat``, ``abort``, ``has_unfinished_requests``,
     ``shutdown`` and the context manager, as ``Engine``'s (and ``model.config``: the replicas' model config,
