@@ -18,6 +18,10 @@ Front <-> replica: one Unix socket pair per replica (``multiprocessing.connectio
   seconds its engine's counters (pool, preemptions, prefix cache) (``_outputs_message``);
   ``("step_error", request ids, why)`` for a step that raised (its engine stays usable);
   ``("fatal", why)`` when its engine can no longer run.
+
+With DP attention (``config["dp_attention"]``: its rank, the world's size and rendezvous) the replica first
+joins the replicas' world, builds its model over it, and serves in lock step with its peers
+(``_serve_in_lock_step``; ``engine/dp_attention.py``).
 """
 
 from __future__ import annotations
