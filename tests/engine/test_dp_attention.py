@@ -30,6 +30,18 @@ def cpu_replicas(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
 
 
+def test_an_idle_forward_writes_no_kv_slot_and_counts_as_a_forward(tiny_qwen3_moe):
+    folder, hf_model = tiny_qwen3_moe
+    with ops.use_backend("torch"):
+        engine = Engine.from_pretrained(folder, device="cpu", dtype=torch.float32, **TIGHT)
+        engine.generate(_prompts(hf_model.config.vocab_size, (7, 3)), PARAMS[:2], use_tqdm=False)  # a pool in use
+        pool = engine.runner.kv_pool.clone()
+        forwards = engine.runner.num_forwards
+        engine.runner.idle_forward()
+    assert engine.runner.num_forwards == forwards + 1
+    assert torch.equal(engine.runner.kv_pool, pool)
+
+
 def test_two_dp_attention_ranks_give_one_engines_greedy_tokens_with_preemption_and_idle_forwards(tiny_qwen3_moe,
                                                                                                   cpu_replicas):
     folder, hf_model = tiny_qwen3_moe
