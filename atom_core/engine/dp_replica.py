@@ -161,7 +161,7 @@ def replica_main() -> None:
         engine = Engine.from_pretrained(config["path"], dtype=config["dtype"], device=config["device"],
                                         load_format=config["load_format"], quantization=config["quantization"],
                                         tensor_parallel_size=config["tensor_parallel_size"],
-                                        expert_parallel=False if parallel else config["expert_parallel"],
+                                        expert_parallel=config["expert_parallel"],
                                         step_timeout=config["step_timeout"], parallel=parallel,
                                         **config["engine_args"])
     except (EOFError, OSError):
@@ -206,8 +206,7 @@ class _Session:
         self.engine, self.conn, self.lock_step = engine, conn, lock_step
         self.watched: dict[int, Request] = {}  # sequences whose next output carries extras (_outputs_message)
         self.last_counters = time.monotonic()
-        # engine.step() calls and the time spent in them (and, in lock step, the forwards run for the peers)
-        self.timing = {"steps": 0, "step_seconds": 0.0} | ({} if lock_step is None else {"idle_forwards": 0})
+        self.timing = {"steps": 0, "step_seconds": 0.0}  # engine.step() calls and the time spent in them
 
     def handle(self, command: tuple) -> bool:
         """Carry out one command of the front; True for shutdown."""
@@ -232,9 +231,9 @@ class _Session:
         return False
 
     def counters(self) -> dict:
-        if self.lock_step is not None:
-            self.timing["idle_forwards"] = self.lock_step.idle_forwards
-        return _counters(self.engine, self.timing)
+        """The engine's counters and the loop's timing (in lock step, also the forwards run for the peers)."""
+        extra = {} if self.lock_step is None else {"idle_forwards": self.lock_step.idle_forwards}
+        return _counters(self.engine, self.timing | extra)
 
     def step(self) -> bool:
         """One engine step and its outputs to the front; False when the engine can no longer run. In lock

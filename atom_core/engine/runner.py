@@ -263,10 +263,10 @@ class ModelRunner:
         """A forward of one padding token that reads and writes no KV slot and samples nothing: what a rank
         with no sequences runs so that the collectives of its peers' forward (DP attention's expert
         exchange) find it."""
-        self.num_forwards += 1
         self._forward_nothing(1, 1)
 
     def _forward_nothing(self, rows: int, tokens_per_row: int) -> None:
+        self.num_forwards += 1
         pages = [[0] * -(-tokens_per_row // self.block_size)] * rows  # shapes only: nothing is written or read
         layout = build_step_layout([tokens_per_row] * rows, [0] * rows, pages, self.block_size)
         layout = replace(layout, slot_mapping=torch.full_like(layout.slot_mapping, -1),

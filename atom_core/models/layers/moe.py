@@ -138,8 +138,8 @@ def moe_ranks_of(parallel: ParallelContext) -> dict:
     group, or with ``dp_attention`` the experts split over its DP group, each rank's own tokens exchanged
     (``tokens_replicated=False``, ``models.parallel``)."""
     if parallel.dp_attention:
-        return {"tp_rank": 0, "tp_size": 1, "ep_rank": parallel.dp_rank, "ep_size": parallel.dp_size,
-                "group": parallel.dp_group, "ep_comm": "all_to_all", "tokens_replicated": False}
+        return {"tp_rank": 0, "tp_size": 1, "ep_rank": parallel.ep_rank, "ep_size": parallel.ep_size,
+                "group": parallel.ep_group, "ep_comm": "all_to_all", "tokens_replicated": False}
     return moe_ranks(parallel.tp_rank, parallel.tp_size, parallel.expert_parallel, parallel.tp_group)
 
 

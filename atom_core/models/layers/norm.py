@@ -56,6 +56,8 @@ class RMSNorm(nn.Module):
         """
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"x: last dim must be hidden_size={self.hidden_size}, got shape {tuple(x.shape)}")
+        if residual is not None and residual.shape != x.shape:
+            raise ValueError(f"residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.hidden_size)
         if quant is not None:
@@ -68,8 +70,6 @@ class RMSNorm(nn.Module):
         if residual is None:
             out = ops.rms_norm(x2, self.weight, self.eps, gemma=self.gemma)
             return out.view(*lead, self.hidden_size)
-        if residual.shape != x.shape:
-            raise ValueError(f"residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
         out, residual_out = ops.rms_norm(x2, self.weight, self.eps,
                                          residual=residual.reshape(-1, self.hidden_size), gemma=self.gemma)
         return out.view(*lead, self.hidden_size), residual_out.view(*lead, self.hidden_size)
