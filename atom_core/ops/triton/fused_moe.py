@@ -101,6 +101,20 @@ def _tile_of(pid, num_blocks, num_n_tiles, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _k_step_masks(row_ok, col_ok, k, remaining, EVEN_K: tl.constexpr):
+    """(activation mask, weight mask) of one K step of a [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] tile with
+    ``remaining`` columns of K left (EVEN_K: every step is whole, only rows and columns are masked)."""
+    if EVEN_K:
+        a_mask = row_ok[:, None]
+        w_mask = col_ok[None, :]
+    else:
+        k_ok = k < remaining
+        a_mask = row_ok[:, None] & k_ok[None, :]
+        w_mask = k_ok[:, None] & col_ok[None, :]
+    return a_mask, w_mask
+
+
+@triton.jit
 def _round_to_bf16_values(x):
     """fp32 → the fp32 holding x rounded to bf16, to nearest even (for the interpreter, whose fp32 → bf16
     cast truncates: its 1-ulp error in the activation between the GEMMs would move fp8-quantized values
@@ -246,13 +260,7 @@ def _gate_up_kernel(
                                           stride_sh, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, UPCAST_DOT)
     else:
         for step in range(0, tl.cdiv(hidden, BLOCK_K)):
-            if EVEN_K:
-                a_mask = row_ok[:, None]
-                w_mask = col_ok[None, :]
-            else:
-                k_ok = k < hidden - step * BLOCK_K
-                a_mask = row_ok[:, None] & k_ok[None, :]
-                w_mask = k_ok[:, None] & col_ok[None, :]
+            a_mask, w_mask = _k_step_masks(row_ok, col_ok, k, hidden - step * BLOCK_K, EVEN_K)
             a = tl.load(x_ptrs, mask=a_mask, other=0.0)
             if W_FORMAT == W_PLAIN:
                 w_gate = tl.load(gate_ptrs, mask=w_mask, other=0.0)
@@ -336,13 +344,7 @@ def _down_kernel(
                           stride_wi, stride_si, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, UPCAST_DOT)
     else:
         for step in range(0, tl.cdiv(inter, BLOCK_K)):
-            if EVEN_K:
-                a_mask = row_ok[:, None]
-                w_mask = col_ok[None, :]
-            else:
-                k_ok = k < inter - step * BLOCK_K
-                a_mask = row_ok[:, None] & k_ok[None, :]
-                w_mask = k_ok[:, None] & col_ok[None, :]
+            a_mask, w_mask = _k_step_masks(row_ok, col_ok, k, inter - step * BLOCK_K, EVEN_K)
             a = tl.load(a_ptrs, mask=a_mask, other=0.0)
             if W_FORMAT == W_PLAIN:
                 w = tl.load(w_ptrs, mask=w_mask, other=0.0)
