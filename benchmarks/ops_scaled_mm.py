@@ -10,9 +10,9 @@ matters for M <= 16: target >= 80%), and the time of the baselines in the same r
 ``torch.mm`` on the dequantized weights, and ``torch._scaled_mm`` (cuBLASLt) where it serves the
 format (target for M >= 1024: ours >= 0.9x of it, ``x_scaled_mm`` = its time / ours). The
 activation quantization (``per_token_quant`` / ``per_group_quant``) is timed in its own column,
-since a linear layer pays it too; block rows also time ``fp8_block_linear`` (quantization and GEMM as one
-op, as ``Fp8Linear`` calls it: ``linear_ms``; ``x_unfused`` = (quant_ms + ms) / linear_ms, above 1 where
-a backend fuses the two).
+since a linear layer pays it too. ``auto_*``: the op as a model calls it, with no backend named (the one
+auto dispatch picks for this M: ``auto_backend``; from 256 rows the block format prefers cuBLAS where it
+serves), its time and cuBLAS's time over it.
 
     python -m benchmarks.ops_scaled_mm [--device cuda] [--json out.json] [--smoke] [--tokens 1 16]
 
@@ -58,6 +58,7 @@ def _operands(m: int, n: int, k: int, fmt: str, device):
 
 def _row(model, layer, n, k, m, fmt, backend, device, timed, copy_gbs):
     from atom_core import ops
+    from atom_core.ops.dispatch import trace_backends
 
     x, a, a_scale, w, w_scale, w_deq = _operands(m, n, k, fmt, device)
     gemm = ops.scaled_mm_per_token if fmt == "per_token" else ops.scaled_mm_block
@@ -70,20 +71,19 @@ def _row(model, layer, n, k, m, fmt, backend, device, timed, copy_gbs):
     if device.startswith("cuda") and backend != "scaled_mm":
         cublas = guarded(timed, lambda: lambda: gemm(a, a_scale, w, w_scale, out_dtype=torch.bfloat16,
                                                      backend="scaled_mm"))
-    linear = None  # the block format's quantization and GEMM as one op (fused by Triton for M <= 16)
-    if fmt == "block":
-        linear = guarded(timed, lambda: lambda: ops.fp8_block_linear(x, w, w_scale, out_dtype=torch.bfloat16,
-                                                                     backend=backend))
+    with trace_backends() as calls:  # the op as a user calls it: the backend auto picks for this M
+        gemm(a, a_scale, w, w_scale, out_dtype=torch.bfloat16)
+    auto = guarded(timed, lambda: lambda: gemm(a, a_scale, w, w_scale, out_dtype=torch.bfloat16))
     ms = ours.ms
     nbytes = m * k + n * k + 4 * (a_scale.numel() + w_scale.numel()) + 2 * m * n
     gbs = nbytes / (ms * 1e-3) / 1e9
     return {"model": model, "layer": layer, "format": fmt, "M": m, "N": n, "K": k, "backend": backend, "ms": ms,
             "TFLOP/s": 2 * m * n * k / (ms * 1e-3) / 1e12, "GB/s": gbs, "%copy": 100 * gbs / copy_gbs,
             "quant_ms": ms_of(quant_t), "bf16_mm_ms": ms_of(bf16), "x_bf16": ratio(ms_of(bf16), ms),
-            "scaled_mm_ms": ms_of(cublas), "x_scaled_mm": ratio(ms_of(cublas), ms), "linear_ms": ms_of(linear),
-            "x_unfused": ratio(None if ms_of(quant_t) is None else ms_of(quant_t) + ms, ms_of(linear)),
+            "scaled_mm_ms": ms_of(cublas), "x_scaled_mm": ratio(ms_of(cublas), ms), "auto_backend": calls[0][1],
+            "auto_ms": ms_of(auto), "auto_x_scaled_mm": ratio(ms_of(cublas), ms_of(auto)),
             "timing": timing_column({"ms": ours, "quant_ms": quant_t, "bf16_mm_ms": bf16, "scaled_mm_ms": cublas,
-                                     "linear_ms": linear})}
+                                     "auto_ms": auto})}
 
 
 def run(device: str = "cuda", smoke: bool = False, tokens: list[int] | None = None) -> list[dict]:
@@ -115,7 +115,7 @@ def guarded_row(*args) -> dict:
 
 
 COLUMNS = ["model", "layer", "format", "M", "N", "K", "backend", "ms", "TFLOP/s", "GB/s", "%copy", "quant_ms",
-           "bf16_mm_ms", "x_bf16", "scaled_mm_ms", "x_scaled_mm", "linear_ms", "x_unfused", "timing"]
+           "bf16_mm_ms", "x_bf16", "scaled_mm_ms", "x_scaled_mm", "auto_backend", "auto_ms", "auto_x_scaled_mm", "timing"]
 
 
 def main() -> None:

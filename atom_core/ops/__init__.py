@@ -36,7 +36,7 @@ from atom_core.ops.qk_norm_rope import qk_norm_rope_
 from atom_core.ops.quant import per_group_quant, per_tensor_quant, per_token_quant
 from atom_core.ops.rope import apply_rope_, rope_cos_sin_cache, yarn_softmax_scale
 from atom_core.ops.sampling import rejection_sample_greedy, sample
-from atom_core.ops.scaled_mm import fp8_block_linear, scaled_mm_block, scaled_mm_per_tensor, scaled_mm_per_token
+from atom_core.ops.scaled_mm import scaled_mm_block, scaled_mm_per_tensor, scaled_mm_per_token
 from atom_core.ops.token_mask import apply_token_mask_
 from atom_core.ops.validation import debug_checks, debug_enabled, set_debug
 
@@ -54,7 +54,6 @@ __all__ = [
     "debug_checks",
     "debug_enabled",
     "default_backend",
-    "fp8_block_linear",
     "fused_experts",
     "fused_experts_quant",
     "gelu_and_mul",

@@ -214,6 +214,7 @@ class Op:
     def __init__(self, name: str):
         self.name = name
         self._impls: dict[str, _Impl] = {}
+        self._first: tuple[str, Callable[..., bool]] | None = None  # (backend, rule): see prefer()
         self._signature_fn: Callable[[tuple], Hashable] | None = None
         self._chosen: dict[Hashable, tuple[str, Callable]] = {}  # (signature, preference) -> backend, function
         self._strict: dict[Hashable, tuple[str, Callable]] = {}  # (signature, named backend) -> backend, function
@@ -229,6 +230,20 @@ class Op:
             key = exact_key
         self._impls[_check_name(backend)] = _Impl(target, supports, key)
         self.clear_cache()
+
+    def prefer(self, backend: str, rule: Callable[..., bool]) -> None:
+        """Put ``backend`` first in this op's auto order on the calls where ``rule(*args)`` is true (where it
+        is measured faster than the backends before it); elsewhere the order stays as it is. It is still
+        chosen only where it can serve and the selftest record allows it, a preference named by
+        ``use_backend`` or the default comes before it, and ``backend=`` is unaffected. ``rule`` is also its
+        own key: it reads only metadata and returns a bool (part of the call's signature)."""
+        self._first = (_check_name(backend), rule)
+        self.clear_cache()
+
+    def _auto_order(self, args: tuple, kwargs: dict) -> list[str]:
+        if self._first is not None and self._first[1](*args, **kwargs):
+            return [self._first[0]] + [b for b in BACKENDS if b != self._first[0]]
+        return list(BACKENDS)
 
     def clear_cache(self) -> None:
         """Forget the cached choices and the signature (after availability changed, e.g. in a test)."""
@@ -261,7 +276,8 @@ class Op:
                 raise BackendUnavailable(f"{self.name}: backend {backend!r} cannot serve this call: {reason}")
             return backend
         preferred = preferred_backend()
-        order = ([_check_name(preferred)] if preferred else []) + [b for b in BACKENDS if b != preferred]
+        order = ([_check_name(preferred)] if preferred else []) + [
+            b for b in self._auto_order(args, kwargs) if b != preferred]
         device = _first_device(args, kwargs)
         for candidate in order:
             # A named preference is tried as named; the others only where the selftest record allows.
@@ -278,6 +294,8 @@ class Op:
         # Only backends that can run here ask anything of the arguments; the others refuse every call alike.
         available = [impl for b, impl in self._impls.items() if backend_available(b)]
         keys = [_resolve(impl.key) for impl in available if impl.supports is not None]
+        if self._first is not None and backend_available(self._first[0]):
+            keys.append(self._first[1])
         device_checked = any(b != "torch" and backend_available(b) for b in self._impls)
         if not device_checked and not keys:
             fn = _no_signature

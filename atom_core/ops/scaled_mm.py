@@ -1,6 +1,5 @@
-"""Scaled GEMMs of quantized linear layers: ``scaled_mm_per_tensor``, ``scaled_mm_per_token``,
-``scaled_mm_block``, and ``fp8_block_linear`` (the block format's activation quantization and GEMM
-in one op, so that a backend can fuse them).
+"""Scaled GEMMs of quantized linear layers: ``scaled_mm_per_tensor``, ``scaled_mm_per_token`` and
+``scaled_mm_block``.
 
 Legend: M = tokens, N = output features, K = input features. ``out [M, N] = (a * a_scale) @ (w * w_scale)^T
 (+ bias)`` with w stored [N, K] like ``nn.Linear.weight``, fp32 accumulation, output in ``out_dtype``
@@ -14,8 +13,6 @@ Legend: M = tokens, N = output features, K = input features. ``out [M, N] = (a *
 | scaled_mm_block | fp8 e4m3fn | [M, ceil(K/128)] (per_group_quant) | [ceil(N/128), ceil(K/128)] (``weight_scale_inv``) |
 
 A per-tensor weight scale used with per-token activations is expanded to [N, 1] once, at load time.
-``fp8_block_linear(x, w, w_scale)`` takes the float activation x [M, K] and is exactly
-``scaled_mm_block(*per_group_quant(x), w, w_scale)``; the Triton backend runs those two ops.
 Backends: torch (the twin), triton, aiter (``gemm_a8w8_CK``, ``gemm_a8w8_blockscale``) and
 scaled_mm (``torch._scaled_mm``, cuBLASLt / hipBLASLt; ``atom_core.ops.torch_scaled_mm``).
 """
@@ -25,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from atom_core.ops import quant, torch_scaled_mm
+from atom_core.ops import torch_scaled_mm
 from atom_core.ops.dispatch import Op, call_op, custom_op
 from atom_core.ops.quant import fp8_e4m3fn_native
 from atom_core.ops.reference import scaled_mm as reference_scaled_mm
@@ -37,7 +34,6 @@ SCALED_MM_PER_TENSOR = Op("scaled_mm_per_tensor")
 SCALED_MM_PER_TOKEN = Op("scaled_mm_per_token")
 SCALED_MM_BLOCK = Op("scaled_mm_block")
 _OPS = {"per_tensor": SCALED_MM_PER_TENSOR, "per_token": SCALED_MM_PER_TOKEN, "block": SCALED_MM_BLOCK}
-FP8_BLOCK_LINEAR = Op("fp8_block_linear")
 
 
 def _triton_supports(a, a_scale, w, w_scale, bias, out_dtype) -> str | None:
@@ -89,32 +85,19 @@ SCALED_MM_PER_TOKEN.register("aiter", "atom_core.ops.aiter.scaled_mm:scaled_mm_p
 SCALED_MM_BLOCK.register("aiter", "atom_core.ops.aiter.scaled_mm:scaled_mm_block", _aiter_block_supports,
                          _aiter_block_key)
 
-
-# fp8_block_linear's backends quantize x with their own per_group_quant, then run their block GEMM on
-# the result (fresh and contiguous, like w): a backend serves the call where it serves both steps.
-
-def _linear_triton_supports(x, w, w_scale, bias, out_dtype) -> str | None:
-    return quant._triton_supports(x, w, w_scale)  # (x's layout and the fp8 GPU: the GEMM's rule reads no more)
-
-
-def _linear_triton_key(x, w, w_scale, bias, out_dtype):
-    return quant._triton_key(x, w, w_scale)
+# From M = 256 rows the block format runs faster on cuBLAS's block-wise kernel (the scaled_mm backend) than
+# on the Triton kernel, whose per-K-step scaling holds it near 600 TFLOP/s: on an H200, over the Llama-3-8B
+# and Qwen3-30B-A3B projections, cuBLAS takes 1/1.24-1/2.41 of the time at M = 256-4096, except one (Qwen3's
+# 2048 x 4096 o_proj at M = 256: 1.23x the time); at M = 128 three of six are faster on Triton, and at decode
+# sizes Triton is up to 2.5x faster (cuBLAS refuses M = 1 outright). docs/benchmarks.md has the table.
+CUBLAS_BLOCK_FROM_ROWS = 256
 
 
-def _linear_aiter_supports(x, w, w_scale, bias, out_dtype) -> str | None:
-    return (quant._aiter_group_supports(x, BLOCK, w, w_scale)
-            or _aiter_block_supports(w, w_scale, w, w_scale, bias, out_dtype))
+def _many_rows(a, a_scale, w, w_scale, bias, out_dtype) -> bool:
+    return a.shape[0] >= CUBLAS_BLOCK_FROM_ROWS
 
 
-def _linear_aiter_key(x, w, w_scale, bias, out_dtype):
-    return quant._aiter_group_key(x, BLOCK, w, w_scale), _aiter_block_key(w, w_scale, w, w_scale, bias, out_dtype)
-
-
-FP8_BLOCK_LINEAR.register("torch", reference_scaled_mm.fp8_block_linear)
-FP8_BLOCK_LINEAR.register("triton", "atom_core.ops.triton.scaled_mm:fp8_block_linear", _linear_triton_supports,
-                          _linear_triton_key)
-FP8_BLOCK_LINEAR.register("aiter", "atom_core.ops.aiter.scaled_mm:fp8_block_linear", _linear_aiter_supports,
-                          _linear_aiter_key)
+SCALED_MM_BLOCK.prefer("scaled_mm", _many_rows)
 
 
 def _fake(a, a_scale, w, w_scale, bias, out_dtype, backend):
@@ -141,17 +124,6 @@ def _scaled_mm_block_op(a: Tensor, a_scale: Tensor, w: Tensor, w_scale: Tensor, 
 
 for _registered in (_scaled_mm_per_tensor_op, _scaled_mm_per_token_op, _scaled_mm_block_op):
     _registered.register_fake(_fake)
-
-
-@custom_op("fp8_block_linear", mutates_args=())
-def _fp8_block_linear_op(x: Tensor, w: Tensor, w_scale: Tensor, bias: Tensor | None, out_dtype: torch.dtype,
-                         backend: str | None) -> Tensor:
-    return FP8_BLOCK_LINEAR(x, w, w_scale, bias, out_dtype, backend=backend)
-
-
-@_fp8_block_linear_op.register_fake
-def _(x, w, w_scale, bias, out_dtype, backend):
-    return x.new_empty((x.shape[0], w.shape[0]), dtype=out_dtype)
 
 
 def _check(a, a_scale, w, w_scale, bias, out_dtype, *, dtypes, a_scale_shape, w_scale_shape) -> None:
@@ -208,25 +180,3 @@ def scaled_mm_block(a: Tensor, a_scale: Tensor, w: Tensor, w_scale: Tensor, *,
         _check(a, a_scale, w, w_scale, bias, out_dtype, dtypes=(FP8_DTYPE,), a_scale_shape=(a.shape[0], groups),
                w_scale_shape=(-(-w.shape[0] // BLOCK), groups))
     return call_op("scaled_mm_block", a, a_scale, w, w_scale, bias, out_dtype, backend)
-
-
-def fp8_block_linear(x: Tensor, w: Tensor, w_scale: Tensor, *, out_dtype: torch.dtype | None = None,
-                     bias: Tensor | None = None, backend: str | None = None) -> Tensor:
-    """x [M, K] fp32/fp16/bf16, quantized to fp8 e4m3fn per 1 x 128 group as ``per_group_quant`` does, times
-    w [N, K] fp8 e4m3fn with w_scale [ceil(N/128), ceil(K/128)] → out [M, N] of ``out_dtype`` (default:
-    x's dtype); bias [N] in fp32. Equal to ``scaled_mm_block(*per_group_quant(x), w, w_scale)``."""
-    out_dtype = x.dtype if out_dtype is None else out_dtype
-    if debug_enabled():
-        check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
-        check_tensor("w", w, ndim=2, dtypes=(FP8_DTYPE,))
-        if w.shape[1] != x.shape[1]:
-            raise ValueError(f"x [M, K] and w [N, K] must share K, got {tuple(x.shape)} and {tuple(w.shape)}")
-        check_tensor("w_scale", w_scale, dtypes=(torch.float32,))
-        check_shape("w_scale", w_scale, (-(-w.shape[0] // BLOCK), -(-x.shape[1] // BLOCK)))
-        if bias is not None:
-            check_tensor("bias", bias, dtypes=FLOAT_DTYPES)
-            check_shape("bias", bias, (w.shape[0],))
-        if out_dtype not in FLOAT_DTYPES:
-            raise TypeError(f"out_dtype must be one of {[str(d) for d in FLOAT_DTYPES]}, got {out_dtype}")
-        check_same_device(x=x, w=w, w_scale=w_scale, bias=bias)
-    return call_op("fp8_block_linear", x, w, w_scale, bias, out_dtype, backend)

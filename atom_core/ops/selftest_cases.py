@@ -268,14 +268,14 @@ def all_cases(grid: str, device) -> dict[str, list[Case]]:
     from atom_core.ops.selftest_cases_moe_quant import fused_experts_quant_cases
     from atom_core.ops.selftest_cases_norm_quant import norm_quant_cases
     from atom_core.ops.selftest_cases_penalties import penalty_cases
-    from atom_core.ops.selftest_cases_quant import fp8_block_linear_cases, quant_cases, scaled_mm_cases
+    from atom_core.ops.selftest_cases_quant import quant_cases, scaled_mm_cases
     from atom_core.ops.selftest_cases_sampling_moe import moe_cases, sampling_cases
     from atom_core.ops.selftest_cases_token_mask import token_mask_cases
 
     by_op: dict[str, list[Case]] = {}
     for make in (norm_cases, activation_cases, rope_cases, qk_norm_rope_cases, store_kv_cases, attention_cases,
                  sampling_cases, moe_cases, fused_experts_quant_cases, quant_cases, norm_quant_cases, scaled_mm_cases,
-                 fp8_block_linear_cases, mla_cases, dsa_cases, penalty_cases, token_mask_cases, comm_cases):
+                 mla_cases, dsa_cases, penalty_cases, token_mask_cases, comm_cases):
         for case in make(grid, device):
             by_op.setdefault(case.op, []).append(case)
     return by_op

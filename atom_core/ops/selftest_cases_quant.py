@@ -99,25 +99,3 @@ def scaled_mm_cases(grid: str, device) -> list[Case]:
                     cases.append(Case(f"scaled_mm_{fmt}", label, run,
                                       lambda got, want, tol=tol: close_outputs(got, want, tol)))
     return cases
-
-
-def fp8_block_linear_cases(grid: str, device) -> list[Case]:
-    # (M, N, K): the fused range (M <= 16 on Triton) and above it, K off the 128 grid.
-    shapes = [(5, 48, 160)] if grid == "quick" else [(1, 256, 256), (16, 300, 260), (33, 300, 260),
-                                                     (300, 512, 1024)]
-    cases = []
-    for (m, n, k) in shapes:
-        for x_dtype in grid_dtypes(grid):
-            with_bias = x_dtype != torch.float32
-
-            def run(backend, m=m, n=n, k=k, x_dtype=x_dtype, with_bias=with_bias):
-                x = seeded_randn(34, m, k).to(device, x_dtype)
-                w_q, w_scale = reference_quant.per_block_quant(seeded_randn(35, n, k, scale=k ** -0.5))
-                bias = seeded_randn(36, n).to(device) if with_bias else None
-                return (ops.fp8_block_linear(x, w_q.to(device), w_scale.to(device), bias=bias, backend=backend),)
-
-            tol = tolerance(x_dtype, SCALED_MM)
-            label = f"M={m} N={n} K={k} {x_dtype}{' bias' if with_bias else ''}"
-            cases.append(Case("fp8_block_linear", label, run,
-                              lambda got, want, tol=tol: close_outputs(got, want, tol)))
-    return cases

@@ -110,6 +110,46 @@ def test_rules_run_once_per_signature_and_preference(all_available):
     assert asked == [torch.float32, torch.float16, torch.float32]
 
 
+def _prefer_scaled_mm_from_4_rows():
+    op = make_op({"torch": None, "triton": None, "scaled_mm": None})
+    op.prefer("scaled_mm", lambda x: x.shape[0] >= 4)
+    return op
+
+
+def test_a_preference_rule_puts_its_backend_first_only_where_the_rule_holds(all_available):
+    op = _prefer_scaled_mm_from_4_rows()
+    assert [op(torch.zeros(m)) for m in (1, 3, 4, 9, 3)] == ["triton", "triton", "scaled_mm", "scaled_mm", "triton"]
+    assert [op.choose_uncached(torch.zeros(m)) for m in (3, 4)] == ["triton", "scaled_mm"]
+
+
+def test_a_preference_rule_yields_to_named_backends_refusals_and_a_failed_record(all_available, selftest_record,
+                                                                              restore_default_backend):
+    op = _prefer_scaled_mm_from_4_rows()
+    big = torch.zeros(8)
+    assert op(big, backend="triton") == "triton"  # backend= is strict, the rule does not apply
+    with ops.use_backend("torch"):
+        assert op(big) == "torch"  # a named preference comes before the rule's backend
+    ops.set_default_backend("triton")
+    assert op(big) == "triton"
+    ops.set_default_backend(None)
+    refusing = make_op({"torch": None, "triton": None, "scaled_mm": "needs K a multiple of 128"})
+    refusing.prefer("scaled_mm", lambda x: True)
+    assert refusing(big) == "triton"  # the rule's backend cannot serve: the auto order goes on
+    selftest_record({"probe": {"scaled_mm": {"passed": False, "cases": 1, "refused": 0, "failures": ["x"]}}})
+    assert op(big) == "triton"  # a record that says it failed keeps auto off it, rule or not
+
+
+def test_a_preference_rule_is_part_of_the_signature_and_runs_once_per_value(all_available):
+    asked = []
+    op = make_op({"torch": None, "triton": None, "scaled_mm": None})
+    op.prefer("scaled_mm", lambda x: asked.append(x.shape[0]) or x.shape[0] >= 4)
+    assert [op(torch.zeros(m)) for m in (2, 8)] == ["triton", "scaled_mm"]
+    asked.clear()
+    for _ in range(3):  # known signatures: the rule runs once a call, as the key, and the choice is cached
+        assert [op(torch.zeros(m)) for m in (2, 8)] == ["triton", "scaled_mm"]
+    assert asked == [2, 8] * 3
+
+
 def test_cached_strict_refusal_raises_with_the_reason_every_time(all_available):
     op = make_op({"torch": None, "triton": "head size 96 unsupported"})
     for _ in range(2):

@@ -286,13 +286,6 @@ def _scaled_mm_args(c: Call, name: str):
     return a, a_scale, w, w_scale, c.maybe(False, lambda: c.tensor(n, dtype=BF16)), c.vary(BF16, FP16, FP32)
 
 
-def _fp8_block_linear_args(c: Call):
-    m, n, k = c.vary(3, 1), c.vary(256, 48), c.vary(256, 100)
-    x, w = c.tensor(m, k, dtype=c.vary(BF16, FP16, torch.float32)), c.tensor(n, k, dtype=FP8)
-    w_scale = c.tensor(-(-n // 128), -(-k // 128))
-    return x, w, w_scale, c.maybe(False, lambda: c.tensor(n, dtype=BF16)), c.vary(BF16, FP16, FP32)
-
-
 ARGS = {
     "rms_norm": lambda c: _norm_args(c, layer=False),
     "layer_norm": lambda c: _norm_args(c, layer=True),
@@ -318,7 +311,6 @@ ARGS = {
     "scaled_mm_per_tensor": lambda c: _scaled_mm_args(c, "scaled_mm_per_tensor"),
     "scaled_mm_per_token": lambda c: _scaled_mm_args(c, "scaled_mm_per_token"),
     "scaled_mm_block": lambda c: _scaled_mm_args(c, "scaled_mm_block"),
-    "fp8_block_linear": _fp8_block_linear_args,
 }
 ARGS.update(MLA_DISPATCH_ARGS)  # the MLA and DSA ops' nominal calls live beside their tests
 ARGS.update(DSA_DISPATCH_ARGS)

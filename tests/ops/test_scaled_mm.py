@@ -234,49 +234,17 @@ def test_every_gpu_launch_config_is_one_the_kernel_accepts(m, n, k, out_dtype, s
     assert config.max_imprecise == 0 if out_dtype == FP32 else (config.max_imprecise or 0) <= config.block_k
 
 
-# ---- fp8_block_linear: the block format's activation quantization and GEMM as one op ---------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.version.hip is None
+                         and torch.cuda.get_device_capability() >= (9, 0)), reason="needs an NVIDIA sm90+ GPU")
+@pytest.mark.parametrize("m", [252, 256, 1024, 1030])
+def test_on_nvidia_sm90_auto_runs_block_gemms_from_256_rows_on_cublas_and_both_match_the_twin(m):
+    from atom_core.ops.scaled_mm import CUBLAS_BLOCK_FROM_ROWS
 
-def _linear_inputs(m: int, n: int, k: int, x_dtype, bias: bool, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=g).to(x_dtype)
-    w_q, w_scale = reference_quant.per_block_quant(torch.randn(n, k, generator=g) * k ** -0.5)
-    out = x, w_q, w_scale, torch.randn(n, generator=g) if bias else None
-    return tuple(None if t is None else t.to(DEVICE) for t in out)
-
-
-@needs_triton
-@pytest.mark.parametrize("x_dtype", [FP32, BF16])
-@pytest.mark.parametrize("m", [1, 5, 16, 33])
-@pytest.mark.parametrize("n, k", [(256, 256), (200, 300)])
-def test_triton_fp8_block_linear_equals_per_group_quant_then_scaled_mm_block_exactly(x_dtype, m, n, k):
-    x, w, w_scale, bias = _linear_inputs(m, n, k, x_dtype, bias=m == 5, seed=m + k)
+    a, a_scale, w, w_scale, bias = make_inputs("block", FP8, m, 512, 1024, bias=True, seed=m)
     with trace_backends() as calls:
-        got = ops.fp8_block_linear(x, w, w_scale, bias=bias, backend="triton")
-    assert calls == [("fp8_block_linear", "triton"), ("per_group_quant", "triton")]
-    q, a_scale = ops.per_group_quant(x, backend="triton")
-    want = ops.scaled_mm_block(q, a_scale, w, w_scale, out_dtype=x_dtype, bias=bias, backend="triton")
-    assert got.dtype == x_dtype and torch.equal(got, want)
-    torch.testing.assert_close(got, reference.fp8_block_linear(x, w, w_scale, bias, x_dtype),
-                               **tolerance(x_dtype, SCALED_MM))
-
-
-@pytest.mark.parametrize("call, match", [
-    (lambda x, w, s: ops.fp8_block_linear(x.to(torch.int8), w, s), "x dtype"),
-    (lambda x, w, s: ops.fp8_block_linear(x, w.float(), s), "w dtype"),
-    (lambda x, w, s: ops.fp8_block_linear(x, w, s[:, :1]), "w_scale"),
-    (lambda x, w, s: ops.fp8_block_linear(x[:, :100], w, s), "share K"),
-])
-def test_fp8_block_linear_bad_arguments_are_named(call, match):
-    x, w, w_scale, _ = _linear_inputs(3, 200, 300, BF16, bias=False)
-    with ops.debug_checks(True), pytest.raises((TypeError, ValueError), match=match):
-        call(x, w, w_scale)
-
-
-def test_fp8_block_linear_compiles_with_fullgraph():
-    x, w, w_scale, bias = _linear_inputs(3, 200, 300, FP32, bias=True)
-
-    def linear(x, w, w_scale, bias):
-        return ops.fp8_block_linear(x, w, w_scale, bias=bias, backend="torch") + 1
-
-    torch.testing.assert_close(torch.compile(linear, fullgraph=True, backend="aot_eager")(x, w, w_scale, bias),
-                               linear(x, w, w_scale, bias))
+        got = ops.scaled_mm_block(a, a_scale, w, w_scale, out_dtype=BF16, bias=bias)
+    # 1030 is no multiple of 4, which cuBLAS's block-wise kernel refuses: Triton serves it.
+    assert calls == [("scaled_mm_block", "scaled_mm" if m >= CUBLAS_BLOCK_FROM_ROWS and m % 4 == 0 else "triton")]
+    want = reference.scaled_mm_block(a, a_scale, w, w_scale, bias, BF16)
+    torch.testing.assert_close(got, want, **tolerance(BF16, SCALED_MM))

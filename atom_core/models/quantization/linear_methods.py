@@ -9,7 +9,7 @@ B = 128 (the FP8 block / activation-group size). Scales are float32 and multiply
 | ``UnquantizedLinear`` | ``weight`` [N, K] model dtype | ``F.linear`` |
 | ``Fp8Linear`` per-tensor | ``weight`` fp8 [N, K], ``weight_scale`` [P] (one per part) | activation quant, scaled GEMM |
 | ``Fp8Linear`` per-channel | ``weight`` fp8 [N, K], ``weight_scale`` [N, 1] | activation quant, ``scaled_mm_per_token`` |
-| ``Fp8Linear`` block 128 | ``weight`` fp8 [N, K], ``weight_scale`` [ceil(N/B), ceil(K/B)] | ``fp8_block_linear`` (``per_group_quant`` + ``scaled_mm_block``) |
+| ``Fp8Linear`` block 128 | ``weight`` fp8 [N, K], ``weight_scale`` [ceil(N/B), ceil(K/B)] | ``per_group_quant``, ``scaled_mm_block`` |
 | ``Int8Linear`` per-channel | ``weight`` int8 [N, K], ``weight_scale`` [N, 1] | ``per_token_quant`` int8, ``scaled_mm_per_token`` |
 
 Static activations add ``input_scale`` [P] (one per part, from the checkpoint). The block format's
@@ -296,10 +296,6 @@ class _ScaledLinear(LinearMethod):
         kwargs = {"out_dtype": x.dtype, "bias": bias}
         if isinstance(x, QuantizedActivation):  # quantized by the op that produced it, as input_quant says
             q, a_scale = x.q, x.scale
-        elif (self.scheme.weight.scales == "per_block" and self.weight_dtype == FP8_DTYPE
-                and self.scheme.activation is ActivationScheme.DYNAMIC_PER_GROUP_128):
-            out = ops.fp8_block_linear(_flat(x), w, w_scale, **kwargs)  # (one op: a backend may fuse the quantization)
-            return out.reshape(*x.shape[:-1], out.shape[-1])
         else:
             q, a_scale = self._quantize_input(layer, _flat(x))
         if self.scheme.weight.scales == "per_block":

@@ -8,8 +8,6 @@
   a column-major x_scale, a layout choice of the linear method, not served here). It takes no bias:
   added afterwards.
 
-- ``fp8_block_linear``: AITER's per-group activation quantization, then the block GEMM above.
-
 Legend: M tokens, N output features, K input features.
 """
 
@@ -37,10 +35,3 @@ def scaled_mm_block(a, a_scale, w, w_scale, bias, out_dtype):
     if bias is not None:
         out += bias.to(out_dtype)
     return out
-
-
-def fp8_block_linear(x, w, w_scale, bias, out_dtype):
-    from atom_core import ops
-
-    a, a_scale = ops.per_group_quant(x, dtype=w.dtype, backend="aiter")
-    return scaled_mm_block(a, a_scale, w, w_scale, bias, out_dtype)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from atom_core.ops.reference.quant import GROUP_SIZE, expand_group_scales, per_group_quant
+from atom_core.ops.reference.quant import GROUP_SIZE, expand_group_scales
 
 BLOCK = GROUP_SIZE  # weight blocks are BLOCK x BLOCK, activation groups 1 x BLOCK
 
@@ -60,11 +60,3 @@ def scaled_mm_block(a: Tensor, a_scale: Tensor, w: Tensor, w_scale: Tensor, bias
     a_deq = a.float() * expand_group_scales(a_scale, cols, BLOCK)
     w_deq = w.float() * expand_block_scales(w_scale, n, cols)
     return _finish(a_deq, w_deq, bias, out_dtype)
-
-
-def fp8_block_linear(x: Tensor, w: Tensor, w_scale: Tensor, bias: Tensor | None = None,
-                     out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
-    """x [M, K] float, quantized to fp8 per 1 x 128 group (``per_group_quant``), against w [N, K] fp8 with
-    w_scale [ceil(N/128), ceil(K/128)]: the block-format linear layer with dynamic activation scales."""
-    a, a_scale = per_group_quant(x, w.dtype, BLOCK)
-    return scaled_mm_block(a, a_scale, w, w_scale, bias, out_dtype)

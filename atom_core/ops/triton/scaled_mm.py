@@ -224,13 +224,3 @@ def scaled_mm_per_token(a, a_scale, w, w_scale, bias, out_dtype):
 
 def scaled_mm_block(a, a_scale, w, w_scale, bias, out_dtype):
     return _scaled_mm(BLOCKWISE.value, a, a_scale, w, w_scale, bias, out_dtype)
-
-
-def fp8_block_linear(x, w, w_scale, bias, out_dtype):
-    """``per_group_quant(x)`` then ``scaled_mm_block``: two launches. (Quantizing each K step's group inside
-    the GEMM instead was measured 1.5-4.7x slower at M <= 16 on an H200: every N tile redoes the quantization
-    with IEEE divisions in the K loop, which stalls the weight stream the GEMM is bound by.)"""
-    from atom_core import ops
-
-    q, a_scale = ops.per_group_quant(x, dtype=w.dtype, group_size=BLOCK, backend="triton")
-    return scaled_mm_block(q, a_scale, w, w_scale, bias, out_dtype)
