@@ -25,15 +25,17 @@ design.
 
     python -m benchmarks.ops_moe [--device cuda] [--json out.json] [--smoke] [--no-compile]
                                  [--formats bf16 fp8_block fp8_channel mxfp4]
-    python -m benchmarks.ops_moe --sweep-mxfp4 [regime | all] [--tokens 1 8 64 512 4096] [--json out.json]
+    python -m benchmarks.ops_moe --sweep {fp8_block,fp8_channel,mxfp4} [--which regime | all] [--tokens 1 8 64 512 4096]
+                                 [--json out.json]
 
 ``--smoke`` runs tiny sizes (and no torch.compile) so the script can be checked on a CPU, where the
 Triton kernels run in the interpreter.
 
-``--sweep-mxfp4`` runs nothing else: it times the Triton MXFP4 kernels on GPT-OSS-20B's layer under every
-launch candidate of ``atom_core.ops.triton.fused_moe.MXFP4_BLOCK_CONFIGS`` (``regime``, the default: the
-candidates of the token count's own regime of rows per expert; ``all``: every candidate at every token
-count), one row per (tokens, config), each against bf16 ``fused_experts`` on the same layer and routing
+``--sweep FORMAT`` runs nothing else: it times the Triton kernels with FORMAT experts under every launch
+candidate (MXFP4: GPT-OSS-20B's layer and ``atom_core.ops.triton.fused_moe.MXFP4_BLOCK_CONFIGS``; fp8:
+Qwen3-30B-A3B's layer and :func:`fp8_sweep_configs`; ``--which regime``, the default: the candidates of
+the token count's own regime of rows per expert; ``all``: every candidate at every token count), one row
+per (tokens, config), each against bf16 ``fused_experts`` on the same layer and routing
 (``bf16_ms``, ``x_bf16``), with ``%copy`` as above and ``rel_err``, the output's largest difference from
 the bf16 kernel's as a share of its largest magnitude (accumulation order alone: a config that computes
 something else shows); ``default`` marks ``quant_block_config``'s choice. A second table gives the
@@ -250,8 +252,26 @@ COLUMNS = ["op", "format", "shapes", "tokens", "backend", "experts_hit", "weight
            "%copy", "bf16_ms", "x_bf16", "twin_ms", "x_twin", "compile_ms", "x_compile", "timing"]
 
 
+# Launch candidates of ``--sweep FORMAT`` for the fp8 formats, by token count (BLOCK_K is 128: one weight
+# block column / activation group per K step). Decode sizes keep the 16-row tiles of ``quant_block_config``;
+# prefill sizes (compute-bound) try taller and wider tiles than the defaults. The gate/up kernel holds two
+# [BLOCK_M, BLOCK_N] fp32 accumulators: 128 x 128 needs 8 warps.
+def fp8_sweep_configs(tokens: int, sizes: dict, which: str = "regime") -> list:
+    """The launch configs ``--sweep fp8_*`` times at ``tokens`` (``which="all"``: every candidate below at every
+    token count; ``"regime"``: those of the token count's rows per expert, decode or prefill)."""
+    from atom_core.ops.triton.fused_moe import BlockConfig
+
+    decode = [BlockConfig(16, 32, 128, 1, 4, 3), BlockConfig(16, 64, 128, 1, 4, 4)]
+    prefill = [BlockConfig(*c) for c in (
+        (64, 64, 128, 8, 4, 3), (128, 64, 128, 8, 8, 3), (64, 128, 128, 8, 4, 3), (64, 128, 128, 8, 8, 4),
+        (128, 128, 128, 8, 8, 3), (128, 128, 128, 8, 8, 4), (128, 64, 128, 8, 4, 4), (256, 64, 128, 8, 8, 3))]
+    if which == "all":
+        return decode + prefill
+    return decode if tokens * sizes["top_k"] / sizes["num_experts"] <= 16 else prefill
+
+
 def mxfp4_sweep_configs(tokens: int, sizes: dict, which: str = "regime") -> list:
-    """The launch configs ``--sweep-mxfp4`` times at ``tokens``: the candidates of the call's regime of
+    """The launch configs ``--sweep mxfp4`` times at ``tokens``: the candidates of the call's regime of
     rows per expert (``which="regime"``) or every candidate of every regime, each once (``"all"``)."""
     from atom_core.ops.triton.fused_moe import MXFP4_BLOCK_CONFIGS, mxfp4_regime
 
@@ -265,23 +285,25 @@ def config_name(cfg) -> str:
     return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} g{cfg.group_m} w{cfg.num_warps} s{cfg.num_stages}"
 
 
-def sweep_mxfp4(device: str = "cuda", smoke: bool = False, which: str = "regime", tokens=None,
-                json_path: str | None = None) -> list[dict]:
-    """One row per (token count, launch config) of the Triton MXFP4 kernels on GPT-OSS-20B's layer (smoke:
-    the tiny sizes), timed as :func:`_quant_row` times them, against bf16 ``fused_experts`` on the same
-    (dequantized) weights, routing and tokens. A config that fails (does not compile, too much shared
-    memory) is a row with its ``error``. The rows are written to ``json_path`` after every token count."""
+def sweep(weight_format: str = "mxfp4", device: str = "cuda", smoke: bool = False, which: str = "regime",
+          tokens=None, json_path: str | None = None) -> list[dict]:
+    """One row per (token count, launch config) of the Triton kernels with ``weight_format`` experts (MXFP4:
+    GPT-OSS-20B's layer; fp8: Qwen3-30B-A3B's; smoke: the tiny sizes), timed as :func:`_quant_row` times them,
+    against bf16 ``fused_experts`` on the same (dequantized) weights, routing and tokens. A config that fails
+    (does not compile, too much shared memory) is a row with its ``error``. The rows are written to
+    ``json_path`` after every token count."""
     from atom_core.ops.dispatch import backend_available
     from benchmarks.common import copy_bandwidth_gbs, write_json
 
     if not backend_available("triton"):
-        raise SystemExit("--sweep-mxfp4 times the Triton kernels: Triton (a GPU, or the CPU interpreter) is needed")
-    sizes = layer_sizes(smoke, GPT_OSS_CONFIG)
+        raise SystemExit("--sweep times the Triton kernels: Triton (a GPU, or the CPU interpreter) is needed")
+    sizes = layer_sizes(smoke, GPT_OSS_CONFIG if weight_format == "mxfp4" else CONFIG)
     timed = adaptive_timing(device, smoke)
     copy_gbs = copy_bandwidth_gbs(device, nbytes=1 << 20 if smoke else 2 << 30)
+    candidates = mxfp4_sweep_configs if weight_format == "mxfp4" else fp8_sweep_configs
     rows = []
     for t in tokens or sizes["tokens"]:
-        rows += _mxfp4_sweep_rows(t, sizes, device, timed, copy_gbs, which)
+        rows += _sweep_rows(weight_format, candidates(t, sizes, which), t, sizes, device, timed, copy_gbs)
         if json_path:
             write_json(rows, json_path)
         if torch.cuda.is_available():
@@ -289,13 +311,13 @@ def sweep_mxfp4(device: str = "cuda", smoke: bool = False, which: str = "regime"
     return rows
 
 
-def _mxfp4_sweep_rows(tokens, sizes, device, timed, copy_gbs, which):
-    """:func:`sweep_mxfp4`'s rows of one token count."""
+def _sweep_rows(weight_format, configs, tokens, sizes, device, timed, copy_gbs):
+    """:func:`sweep`'s rows of one token count."""
     from atom_core.ops.fused_moe import fused_experts
     from atom_core.ops.triton import fused_moe as triton_moe
     from benchmarks.common import _reason
 
-    inputs = quant_layer_inputs("mxfp4", tokens, sizes, device)
+    inputs = quant_layer_inputs(weight_format, tokens, sizes, device)
     hidden, weights, ids, quant = inputs["hidden"], inputs["weights"], inputs["ids"], inputs["quant"]
     activation, biases = inputs["activation"], inputs["biases"]
     bf16_out, out = torch.empty_like(hidden), torch.empty_like(hidden)
@@ -306,19 +328,21 @@ def _mxfp4_sweep_rows(tokens, sizes, device, timed, copy_gbs, which):
 
     def call(cfg):
         return triton_moe.fused_experts_quant(hidden, quant["w13"], quant["w13_scale"], quant["w2"], quant["w2_scale"],
-                                              weights, ids, "mxfp4", activation, biases.get("w13_bias"),
+                                              weights, ids, weight_format, activation, biases.get("w13_bias"),
                                               biases.get("w2_bias"), out, config=cfg)
 
     bf16 = guarded(timed, lambda: bf16_call)  # (its runs leave bf16_out written)
     scale = None if bf16 is None else max(bf16_out.float().abs().max().item(), 1e-30)
     experts_hit = int(torch.unique(ids).numel())
-    weight_bytes = experts_hit * 3 * sizes["hidden"] * sizes["inter"] * BYTES_PER_WEIGHT["mxfp4"]
-    default = triton_moe.quant_block_config(tokens, sizes["top_k"], sizes["num_experts"], hidden.dtype, "mxfp4")
-    regime = triton_moe.mxfp4_regime(tokens, sizes["top_k"], sizes["num_experts"])
+    weight_bytes = experts_hit * 3 * sizes["hidden"] * sizes["inter"] * BYTES_PER_WEIGHT[weight_format]
+    default = triton_moe.quant_block_config(tokens, sizes["top_k"], sizes["num_experts"], hidden.dtype,
+                                            weight_format)
+    regime = (triton_moe.mxfp4_regime(tokens, sizes["top_k"], sizes["num_experts"]) if weight_format == "mxfp4"
+              else f"{tokens * sizes['top_k'] / sizes['num_experts']:g} rows/expert")
     rows = []
-    for cfg in mxfp4_sweep_configs(tokens, sizes, which):
-        row = {"tokens": tokens, "regime": regime, "config": config_name(cfg), "default": cfg == default,
-               "experts_hit": experts_hit}
+    for cfg in dict.fromkeys([default, *configs]):  # the default always, first, as the others' yardstick
+        row = {"format": weight_format, "tokens": tokens, "regime": regime, "config": config_name(cfg),
+               "default": cfg == default, "experts_hit": experts_hit}
         try:
             call(cfg)
             err = None if scale is None else (out.float() - bf16_out.float()).abs().max().item() / scale
@@ -336,7 +360,7 @@ def _mxfp4_sweep_rows(tokens, sizes, device, timed, copy_gbs, which):
     return rows
 
 
-SWEEP_COLUMNS = ["tokens", "regime", "config", "default", "experts_hit", "ms", "GB/s", "%copy", "bf16_ms", "x_bf16",
+SWEEP_COLUMNS = ["format", "tokens", "regime", "config", "default", "experts_hit", "ms", "GB/s", "%copy", "bf16_ms", "x_bf16",
                  "rel_err", "timing", "error"]
 
 
@@ -347,16 +371,17 @@ def main() -> None:
         parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
         parser.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS),
                             help="expert weight formats to run (bf16: fused_experts)")
-        parser.add_argument("--sweep-mxfp4", nargs="?", const="regime", choices=("regime", "all"),
-                            help="time the MXFP4 kernels under each launch candidate instead (regime: the token "
-                                 "count's own; all: every candidate at every token count)")
+        parser.add_argument("--sweep", choices=FORMATS[1:],
+                            help="time the Triton kernels of this expert format under each launch candidate instead")
+        parser.add_argument("--which", choices=("regime", "all"), default="regime",
+                            help="--sweep's candidates: the token count's own regime (default), or all at every count")
         parser.add_argument("--tokens", type=int, nargs="+",
-                            help="token counts of --sweep-mxfp4 (default 1 8 64 512 4096; --smoke: 1 8)")
+                            help="token counts of --sweep (default 1 8 64 512 4096; --smoke: 1 8)")
 
     args = op_bench_args(__doc__.splitlines()[0], flags)
-    if args.sweep_mxfp4:
-        rows = sweep_mxfp4(args.device, smoke=args.smoke, which=args.sweep_mxfp4, tokens=args.tokens,
-                           json_path=args.json)
+    if args.sweep:
+        rows = sweep(args.sweep, args.device, smoke=args.smoke, which=args.which, tokens=args.tokens,
+                     json_path=args.json)
         report(rows, SWEEP_COLUMNS, args.json)
         best = {}
         for r in rows:

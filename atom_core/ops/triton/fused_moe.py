@@ -430,7 +430,7 @@ def fused_experts(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias,
 
 
 # MXFP4 launch candidates per regime of rows per expert, m = T * K / E (GPT-OSS-20B, E 32 and K 4: m = T / 8).
-# The first of each regime is quant_block_config's choice; ``benchmarks/ops_moe.py --sweep-mxfp4`` times them
+# The first of each regime is quant_block_config's choice; ``benchmarks/ops_moe.py --sweep mxfp4`` times them
 # all on the target GPU (and ``fused_experts_quant(..., config=...)`` takes any of them); the defaults are that
 # table's fastest on an H200 (docs/benchmarks.md: decode 16x32x64 with 4 stages at 1, 8 and 64 tokens).
 # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages); sm_90 compiles of the GPT-OSS
@@ -485,7 +485,9 @@ def quant_block_config(num_tokens: int, top_k: int, num_experts: int, dtype: tor
     per K step; 128 fp8 bytes, as many as 64 bf16 ones), and for decode batches of more than one token
     16 x 64 tiles with 4 stages: on an H200 (Qwen3-30B-A3B's layer, 12 candidates) 1-11% faster than
     16 x 32 with 3 stages at 8-256 tokens, and within 6% of the best at one token, whose 25 us are
-    fixed costs whatever the tiles (docs/benchmarks.md). MXFP4: the first candidate of its regime in
+    fixed costs whatever the tiles; from 16 to 64 rows per expert the 64 x 64 tiles of the regime above
+    (``python -m benchmarks.ops_moe --sweep fp8_block``: 1.27x / 1.46x faster than 32 x 64 at 512 / 1,024
+    tokens, 1.09x / 1.44x for fp8_channel; docs/benchmarks.md). MXFP4: the first candidate of its regime in
     :data:`MXFP4_BLOCK_CONFIGS` (fp32 halves BLOCK_K, as in :func:`block_config`, down to 32)."""
     if weight_format == "mxfp4":
         cfg = MXFP4_BLOCK_CONFIGS[mxfp4_regime(num_tokens, top_k, num_experts)][0]
@@ -497,6 +499,8 @@ def quant_block_config(num_tokens: int, top_k: int, num_experts: int, dtype: tor
     if weight_format.startswith("fp8"):
         if cfg.block_m == 16 and num_tokens > 1:  # decode batches: 64-wide N tiles, 4 stages (docstring)
             return BlockConfig(16, 64, 128, 1, 4, 4)
+        if cfg.block_m == 32:  # 16 < m <= 64: the next regime's 64 x 64 tiles (docstring)
+            return BlockConfig(64, 64, 128, 8, 4, 3)
         return BlockConfig(cfg.block_m, cfg.block_n, 128, cfg.group_m, cfg.num_warps, cfg.num_stages)
     return cfg
 
