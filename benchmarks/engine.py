@@ -6,6 +6,7 @@ first token vs HF's forward, host overhead per step.
     python -m benchmarks.engine --section throughput --model qwen3-30b-a3b --hf-max-tokens 256
     python -m benchmarks.engine --section latency      # GPU: ms per token at bs 1 / 64, Qwen3-0.6B and Llama-3-8B shapes
     python -m benchmarks.engine --section ttft         # GPU: one 128-token and one 16k-token prompt vs HF's forward
+    python -m benchmarks.engine --section ttft --model llama-3-8b --quantization fp8_block --no-hf   # bf16 and FP8 prefill
     python -m benchmarks.engine --section tp --latency-models llama-3-8b   # 2 GPUs: TP 2 against TP 1
     python -m benchmarks.engine --section tp --latency-models qwen3-30b-a3b  # 2 GPUs: TP 1, TP 2, EP 2 all-reduce,
                                                        # EP 2 all-to-all
@@ -479,38 +480,47 @@ def _hf_forward_ms(cfg: dict, num_tokens: int, repeats: int = 5) -> float:
 
 
 def section_ttft(args) -> list[dict]:
-    """Time to first token of one prompt (128 and 16384 tokens) through ``Engine.step()`` on a warm
+    """Time to first token of one prompt (128 and 16384 tokens, or the model's positions) through ``Engine.step()`` on a warm
     engine: from ``add_request`` to the step that returns the token (median of 5), against HF
-    transformers' SDPA forward of the same model over the same prompt."""
+    transformers' SDPA forward of the same (bf16) model over the same prompt. With ``--quantization`` the
+    quantized model runs too, in the same run (``vs_bf16``: the bf16 TTFT over its own)."""
     from atom_core.engine import Engine, SamplingParams
-    from atom_core.models import build_model
 
     cfg = load_config(args.model)
+    # 16k tokens, or as many as the model's positions allow (Llama-3-8B: 8,192)
+    max_model_len = min(17000, cfg.get("max_position_embeddings", 17000))
+    lengths = (128, min(16384, max_model_len - 16))
     rows = []
-    model = build_model(cfg, dtype=torch.bfloat16, device="cuda")
-    engine = Engine(model, None, device="cuda", max_num_seqs=16, max_model_len=17000,
-                    max_num_batched_tokens=16384, num_kv_blocks=4 * 17000 // 16)
-    for num_tokens in (128, 16384):
-        times = []
-        for i in range(6):
-            prompt = [(i * 7919 + t) % 10000 for t in range(num_tokens)]  # no prefix-cache hit
-            _sync()
-            t0 = time.perf_counter()
-            engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
-            outs = engine.step()
-            _sync()
-            times.append((time.perf_counter() - t0) * 1e3)
-            assert len(outs) == 1 and outs[0].finished
-        rows.append({"model": args.model, "prompt_tokens": num_tokens, "system": "atom_core",
-                     "ttft_ms": float(np.median(times[1:]))})
-    del engine, model
-    gc.collect()
-    torch.cuda.empty_cache()
-    for num_tokens in (128, 16384):
-        hf_ms = _hf_forward_ms(cfg, num_tokens)
-        ours = next(r for r in rows if r["prompt_tokens"] == num_tokens)
-        ours["hf_sdpa_forward_ms"] = hf_ms
-        ours["vs_hf"] = ours["ttft_ms"] / hf_ms
+    for quantization in [None] + ([args.quantization] if args.quantization else []):
+        model = build_bench_model(cfg, quantization)
+        engine = Engine(model, None, device="cuda", max_num_seqs=16, max_model_len=max_model_len,
+                        max_num_batched_tokens=16384, num_kv_blocks=4 * max_model_len // 16)
+        for num_tokens in lengths:
+            times = []
+            for i in range(6):
+                prompt = [(i * 7919 + t) % 10000 for t in range(num_tokens)]  # no prefix-cache hit
+                _sync()
+                t0 = time.perf_counter()
+                engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
+                outs = engine.step()
+                _sync()
+                times.append((time.perf_counter() - t0) * 1e3)
+                assert len(outs) == 1 and outs[0].finished
+            row = {"model": args.model, "quantization": quantization or "bf16", "prompt_tokens": num_tokens,
+                   "system": "atom_core", "ttft_ms": float(np.median(times[1:]))}
+            base = next((r for r in rows if r["quantization"] == "bf16" and r["prompt_tokens"] == num_tokens), None)
+            if quantization and base is not None:
+                row["vs_bf16"] = base["ttft_ms"] / row["ttft_ms"]
+            rows.append(row)
+        del engine, model
+        gc.collect()
+        torch.cuda.empty_cache()
+    if not args.no_hf:
+        for num_tokens in lengths:
+            hf_ms = _hf_forward_ms(cfg, num_tokens)
+            for ours in (r for r in rows if r["prompt_tokens"] == num_tokens):
+                ours["hf_sdpa_forward_ms"] = hf_ms
+                ours["vs_hf"] = ours["ttft_ms"] / hf_ms
     return rows
 
 
@@ -696,6 +706,7 @@ def main():
     parser.add_argument("--hf-max-tokens", type=int, default=None,
                         help="cap on the output lengths of the subset HF runs (a large model's HF run is slow)")
     parser.add_argument("--hf-timeout", type=int, default=45, help="seconds each HF path may take")
+    parser.add_argument("--no-hf", action="store_true", help="--section ttft: leave out HF's forward")
     parser.add_argument("--latency-models", nargs="+", default=["qwen3-0.6b", "llama-3-8b"])
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
