@@ -18,7 +18,11 @@ from benchmarks.common import (_reason, adaptive_timing, copy_bandwidth_gbs, gua
 from benchmarks.ops_scaled_mm import SHAPES, SMOKE_SHAPES, _operands
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, split-K, promotion interval: "bk" = BLOCK_K, None = Triton's)
-SMALL_M = [(16, bn, 128, 4, 4, sk, "bk") for bn in (32, 64) for sk in (1, 2, 4, 8)]
+SMALL_M = ([(16, bn, 128, 4, 4, sk, "bk") for bn in (32, 64) for sk in (1, 2, 4, 8)]
+           # 16-wide column tiles: twice the programs of 32, so fewer K splits (or none) to fill the multiprocessors
+           + [(16, 16, 128, warps, stages, sk, "bk") for warps in (2, 4) for stages in (4, 6) for sk in (1, 2)])
+# M = 1 also: the GEMV kernel (BLOCK_M = 1: no tensor cores, no split-K), by rows and K step per program
+GEMV = [(1, bn, bk, warps, 3, 1, None) for bn in (8, 16, 32) for bk in (512, 1024) for warps in (4, 8)]
 MID_M = [(bm, bn, 128, 4 if bm <= 64 else 8, 3, sk, imp) for bm in (64, 128) for bn in (64, 128) for sk in (1, 2, 4)
          for imp in (None,)]
 LARGE_M = [(bm, bn, bk, w, st, 1, imp)
@@ -30,7 +34,8 @@ LARGE_M = [(bm, bn, bk, w, st, 1, imp)
 def _configs(m: int):
     from atom_core.ops.triton.scaled_mm import LaunchConfig
 
-    for bm, bn, bk, warps, stages, split, imprecise in (SMALL_M if m <= 16 else MID_M if m <= 256 else LARGE_M):
+    for bm, bn, bk, warps, stages, split, imprecise in ((GEMV if m == 1 else []) + SMALL_M if m <= 16 else
+                                                         MID_M if m <= 256 else LARGE_M):
         yield LaunchConfig(bm, bn, bk, warps, stages, split, bk if imprecise == "bk" else imprecise)
 
 

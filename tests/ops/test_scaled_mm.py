@@ -132,6 +132,49 @@ def test_triton_split_k_partials_sum_to_the_twin(fmt, split_k, k, monkeypatch):
 
 
 @needs_triton
+@pytest.mark.parametrize("fmt", ["per_tensor", "per_token", "block"])
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES)
+@pytest.mark.parametrize("n, k, block_n, block_k", [
+    (256, 512, 16, 256),   # whole tiles: the unmasked loop, two 128-wide groups per K step
+    (200, 300, 8, 256),    # partial tiles in N and K, the last group partial
+    (130, 1000, 32, 512),  # a tile's 32 rows inside one 128-row weight block
+])
+def test_triton_gemv_launch_matches_twin_with_random_group_scales(fmt, out_dtype, n, k, block_n, block_k):
+    # The GEMV kernel (block_m = 1) folds the block format's scales into the activation per k: each group's
+    # and block's scale times its own random factor in [0.5, 1.5) makes a wrong group or block off by a
+    # whole factor (outputs stay of order 1, so fp32's summation order is all that differs from the twin).
+    from atom_core.ops.triton import scaled_mm as triton_scaled_mm
+
+    a, a_scale, w, w_scale, bias = make_inputs(fmt, FP8, 1, n, k, bias=out_dtype != FP32, seed=n + k)
+    g = torch.Generator().manual_seed(n)
+    a_scale = a_scale * (torch.rand(a_scale.shape, generator=g) + 0.5).to(DEVICE)
+    w_scale = w_scale * (torch.rand(w_scale.shape, generator=g) + 0.5).to(DEVICE)
+    kind = {"per_tensor": triton_scaled_mm.PER_TENSOR, "per_token": triton_scaled_mm.PER_TOKEN,
+            "block": triton_scaled_mm.BLOCKWISE}[fmt].value
+    config = triton_scaled_mm.LaunchConfig(1, block_n, block_k, 4, 2)
+    got = triton_scaled_mm._scaled_mm(kind, a, a_scale, w, w_scale, bias, out_dtype, config)
+    want = getattr(reference, f"scaled_mm_{fmt}")(a, a_scale, w, w_scale, bias, out_dtype)
+    assert got.shape == (1, n) and got.dtype == out_dtype
+    torch.testing.assert_close(got, want, **tolerance(out_dtype, SCALED_MM))
+
+
+@needs_triton
+def test_triton_gemv_launch_refuses_what_it_cannot_serve():
+    from atom_core.ops.triton import scaled_mm as triton_scaled_mm
+
+    gemv = triton_scaled_mm.LaunchConfig(1, 16, 256, 4, 2)
+    block = make_inputs("block", FP8, 2, 64, 256)
+    with pytest.raises(ValueError, match="one fp8 row"):
+        triton_scaled_mm._scaled_mm(triton_scaled_mm.BLOCKWISE.value, *block, BF16, gemv)
+    int8 = make_inputs("per_token", INT8, 1, 64, 256)
+    with pytest.raises(ValueError, match="one fp8 row"):
+        triton_scaled_mm._scaled_mm(triton_scaled_mm.PER_TOKEN.value, *int8, BF16, gemv)
+    with pytest.raises(ValueError, match="block_n dividing 128"):
+        triton_scaled_mm._scaled_mm(triton_scaled_mm.BLOCKWISE.value, *make_inputs("block", FP8, 1, 96, 256), BF16,
+                                    triton_scaled_mm.LaunchConfig(1, 96, 256, 4, 2))
+
+
+@needs_triton
 def test_triton_block_scales_vary_across_groups_and_blocks():
     # Random scales per group and block (not the ones quantization produced): a kernel that reads the
     # wrong group or block is off by whole factors.
@@ -222,13 +265,19 @@ def test_bad_arguments_are_named(call, match):
         call()
 
 
-@given(m=st.integers(1, 20000), n=st.integers(1, 60000), k=st.integers(1, 20000),
-       out_dtype=st.sampled_from(OUT_DTYPES), scales=st.integers(0, 2), num_sms=st.integers(1, 200))
-def test_every_gpu_launch_config_is_one_the_kernel_accepts(m, n, k, out_dtype, scales, num_sms):
+@given(m=st.one_of(st.just(1), st.integers(1, 20000)), n=st.integers(1, 60000), k=st.integers(1, 20000),
+       out_dtype=st.sampled_from(OUT_DTYPES), scales=st.integers(0, 2), num_sms=st.integers(1, 200),
+       int8=st.booleans())
+def test_every_gpu_launch_config_is_one_the_kernel_accepts(m, n, k, out_dtype, scales, num_sms, int8):
     from atom_core.ops.triton.scaled_mm import LaunchConfig, launch_config
 
-    config = launch_config(m, n, k, out_dtype, scales, num_sms, False)
-    assert isinstance(config, LaunchConfig) and 128 % config.block_k == 0  # (the block format's groups)
+    config = launch_config(m, n, k, out_dtype, scales, num_sms, False, int8)
+    assert isinstance(config, LaunchConfig)
+    if config.block_m == 1:  # the GEMV kernel: one fp8 row, K steps of whole groups, a row tile in one block row
+        assert m == 1 and not int8 and config.split_k == 1
+        assert config.block_k % 128 == 0 and 128 % config.block_n == 0
+    else:
+        assert 128 % config.block_k == 0  # (the block format's groups)
     assert 1 <= config.split_k <= max(1, -(-k // 128))  # never a K range without a 128-wide group
     # fp32 outputs promote every instruction; otherwise Triton allows at most the dot's K between promotions
     assert config.max_imprecise == 0 if out_dtype == FP32 else (config.max_imprecise or 0) <= config.block_k

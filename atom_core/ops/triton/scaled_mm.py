@@ -110,6 +110,48 @@ def _scaled_mm_kernel(
 
 
 @triton.jit
+def _gemv_kernel(
+    a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, N, K,
+    stride_ak, stride_wn, stride_wk, stride_as_k, stride_ws_n, stride_ws_k,
+    SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+):
+    """One fp8 row a [1, K] times w [N, K]^T without tensor cores: program p owns output columns
+    [p * BLOCK_N, + BLOCK_N) and streams their weight rows in [BLOCK_N, BLOCK_K] tiles, multiplying and
+    summing in fp32 (``tl.sum`` over K). Block format: BLOCK_N divides 128, so the tile's rows share one
+    weight block row and the scales of k, ``a_scale[k // 128] * w_scale[n // 128, k // 128]``, fold into the
+    activation (one vector per K step) whatever BLOCK_K; the other formats scale in the epilogue."""
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok = offs_n < N
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :] * stride_wk
+    w_scale_row = w_scale_ptr + (pid * BLOCK_N // SCALE_BLOCK) * stride_ws_n
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        if EVEN:  # N % BLOCK_N == 0 and K % BLOCK_K == 0: no masks
+            x = tl.load(a_ptr + k * stride_ak).to(tl.float32)
+            w = tl.load(w_ptrs)
+        else:
+            x = tl.load(a_ptr + k * stride_ak, mask=k < K, other=0.0).to(tl.float32)
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
+        if SCALES == BLOCKWISE:
+            group = k // SCALE_BLOCK  # (the scales are [., ceil(K / 128)]: every k < K has its group)
+            x = x * tl.load(a_scale_ptr + group * stride_as_k, mask=k < K, other=0.0) \
+                * tl.load(w_scale_row + group * stride_ws_k, mask=k < K, other=0.0)
+        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        w_ptrs += BLOCK_K * stride_wk
+    if SCALES == PER_TENSOR:
+        acc = acc * (tl.load(a_scale_ptr) * tl.load(w_scale_ptr))
+    elif SCALES == PER_TOKEN:
+        acc = acc * tl.load(a_scale_ptr) * tl.load(w_scale_ptr + offs_n * stride_ws_n, mask=n_ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
 def _sum_splits_kernel(ws_ptr, out_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
     """out[i] = sum over s of ws[s, i] (fp32), in out's dtype."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -124,7 +166,7 @@ def _sum_splits_kernel(ws_ptr, out_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.
 class LaunchConfig:
     """One launch of ``_scaled_mm_kernel``: tile sizes, warps, pipeline stages, K ranges per tile, and how
     many fp8 products the tensor cores may sum before promotion (module docstring)."""
-    block_m: int
+    block_m: int  # 1: the GEMV kernel (one fp8 row; no tensor cores, no split-K)
     block_n: int
     block_k: int
     num_warps: int
@@ -135,12 +177,18 @@ class LaunchConfig:
 
 @functools.lru_cache(maxsize=LAUNCH_CACHE_SIZE)
 def launch_config(m: int, n: int, k: int, out_dtype: torch.dtype, scales: int, num_sms: int,
-                  interpret: bool) -> LaunchConfig:
+                  interpret: bool, int8: bool = False) -> LaunchConfig:
     """The launch for an [m, k] x [n, k] GEMM into ``out_dtype`` in the ``scales`` format, on ``num_sms``
-    multiprocessors. BLOCK_K divides the 128 of the block format.
+    multiprocessors (``int8``: int8 operands, else fp8). BLOCK_K divides the 128 of the block format,
+    except for the GEMV kernel (BLOCK_M = 1), whose K steps span whole groups.
 
     GPU choices are the best rows of ``benchmarks/ops_scaled_mm_sweep.py`` on an H200 (docs/benchmarks.md,
     "FP8 GEMM launch sweep"):
+    - M = 1, fp8, K <= 8192 (bs 1 decode): the GEMV kernel, 1024-wide K steps over 4 warps, 16 rows per
+      program where that still gives two programs per multiprocessor and K >= 4096, else 8 (no split-K
+      and no second launch: Llama-3-8B's qkv / o_proj 7.3 / 6.3 us against 9.4 / 8.0, gate_up 31.5
+      against 32.8, Qwen3-30B-A3B's qkv / o_proj 4.6 / 5.0 against 6.9 / 6.7). Above K = 8192 the dot
+      kernel's K ranges stream faster (Llama's down_proj, K = 14336: 20.4 us against 22.8);
     - M <= 16 (decode): 16 x 64 tiles, and K split so that about two programs per multiprocessor stream
       the weight (at most 4 ranges: more only adds partials to sum);
     - larger M: 128 x 256 tiles where they give at least two tiles per multiprocessor, else 128 x 128
@@ -158,6 +206,9 @@ def launch_config(m: int, n: int, k: int, out_dtype: torch.dtype, scales: int, n
         return LaunchConfig(max(16, min(next_power_of_2(m), 64)), 64, 128, 4, 1)
     block_k = 128
     max_imprecise = 0 if out_dtype == torch.float32 else block_k if out_dtype == torch.float16 else None
+    if m == 1 and not int8 and k <= 8192:
+        block_n = 16 if cdiv(n, 16) >= 2 * num_sms and k >= 4096 else 8
+        return LaunchConfig(1, block_n, 1024, 4, 3)
     if m <= 16:
         tiles = cdiv(n, 64)
         split_k = min(4, cdiv(k, block_k), next_power_of_2(cdiv(2 * num_sms, tiles)))
@@ -187,7 +238,10 @@ def _scaled_mm(scales, a, a_scale, w, w_scale, bias, out_dtype, config: LaunchCo
     if config is None:
         interpret = triton_interpret()
         num_sms = 1 if interpret else _num_sms(a.device.index or 0)
-        config = launch_config(m, n, k, out_dtype, scales, num_sms, interpret)
+        config = launch_config(m, n, k, out_dtype, scales, num_sms, interpret, a.dtype == INT8_DTYPE)
+    if config.block_m == 1:
+        _gemv(scales, a, a_scale, w, w_scale, bias, out, config)
+        return out
     if scales == PER_TOKEN.value:
         scale_strides = (a_scale.stride(0), 0, w_scale.stride(0), 0)
     elif scales == BLOCKWISE.value:
@@ -212,6 +266,22 @@ def _scaled_mm(scales, a, a_scale, w, w_scale, bias, out_dtype, config: LaunchCo
         block = 1024
         _sum_splits_kernel[(cdiv(m * n, block),)](target, out, m * n, SPLIT_K=splits, BLOCK=block, num_warps=4)
     return out
+
+
+def _gemv(scales, a, a_scale, w, w_scale, bias, out, config: LaunchConfig) -> None:
+    """``_gemv_kernel`` into out [1, N] (fp8 a and w; block format: BLOCK_N divides 128)."""
+    (_, k), n = a.shape, w.shape[0]
+    if a.shape[0] != 1 or a.dtype == INT8_DTYPE or (scales == BLOCKWISE.value and BLOCK % config.block_n):
+        raise ValueError(f"the GEMV launch (block_m = 1) serves one fp8 row, block_n dividing {BLOCK} for the block "
+                         f"format; got a {tuple(a.shape)} {a.dtype}, block_n {config.block_n}")
+    _gemv_kernel[(cdiv(n, config.block_n),)](
+        a, w, a_scale, w_scale, bias if bias is not None else out, out, n, k,
+        a.stride(1), w.stride(0), w.stride(1), a_scale.stride(-1) if scales == BLOCKWISE.value else 0,
+        w_scale.stride(0) if scales != PER_TENSOR.value else 0, w_scale.stride(1) if scales == BLOCKWISE.value else 0,
+        SCALES=scales, HAS_BIAS=bias is not None, SCALE_BLOCK=BLOCK, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        EVEN=n % config.block_n == 0 and k % config.block_k == 0, num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
 
 
 def scaled_mm_per_tensor(a, a_scale, w, w_scale, bias, out_dtype):
