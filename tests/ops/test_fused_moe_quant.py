@@ -210,16 +210,24 @@ def test_triton_matches_twin(weight_format, tokens, experts, top_k, hidden, inte
 
 @needs_interpreter
 @pytest.mark.parametrize("weight_format", ["fp8_block", "fp8_channel"])
-def test_triton_quantizes_activations_exactly_as_the_twin(weight_format):
-    # In the interpreter (IEEE fp32, no fp8 accumulation shortcuts) the fp8 activations equal the twin's
-    # bit for bit, so fp32 outputs differ by summation order only: MOE's fp32 tolerance, not MOE_FP8's.
+@pytest.mark.parametrize("seed", [11, 12, 13])
+def test_triton_quantizes_activations_as_the_twin_up_to_one_rounding_flip_of_silu(weight_format, seed):
+    # In the interpreter (IEEE fp32, no fp8 accumulation shortcuts) the quantized hidden equals the twin's
+    # bit for bit, so fp32 outputs differ by summation order only (MOE's fp32 tolerance, not MOE_FP8's),
+    # except where the down GEMM's input, silu(gate) * up, lands within an ulp of an fp8 rounding boundary:
+    # the kernel's exp and torch's may differ by an ulp (Triton 3.9's interpreter does, at seed 11: one
+    # value of token 0), and that value then rounds to the neighbouring fp8 code. Such a flip moves one
+    # token's row only, by one fp8 step of one value; a quantization that differs from the twin's (scale,
+    # rounding, group) moves most rows.
     x, (w13, s13, w2, s2), (weights, ids), b13, b2 = make_case(weight_format, 9, 4, 2, 160, 96, torch.float32,
-                                                               biases=True, seed=11)
+                                                               biases=True, seed=seed)
     got = fused_experts_quant(x, w13, s13, w2, s2, weights, ids, weight_format=weight_format, w13_bias=b13,
                               w2_bias=b2, backend="triton")
     want = reference.fused_experts_quant(x, w13, s13, w2, s2, weights, ids, weight_format, "silu", b13, b2)
     atol, rtol = MOE[torch.float32]
-    torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+    off_rows = ((got - want).abs() > atol + rtol * want.abs()).any(dim=1).nonzero().flatten().tolist()
+    assert len(off_rows) <= 1, off_rows
+    torch.testing.assert_close(got, want, **tol(weight_format, torch.float32))  # a flip stays within fp8's
 
 
 @needs_triton
