@@ -6,7 +6,8 @@ auto: ``aiter`` on ROCm with amd-aiter where the selftest record says it passed 
 device and these library versions, ``triton`` on a GPU with Triton unless the record says it failed,
 ``scaled_mm`` (``torch._scaled_mm``, only the scaled GEMMs have it) on a GPU where Triton cannot serve
 or failed, ``torch`` otherwise (``atom_core.ops.verified``; ``python -m atom_core.ops.selftest`` writes
-the record).
+the record). An op may put one backend first on the calls a rule of its own picks (``Op.prefer``: the
+block-format GEMM sends 256 rows and more to cuBLAS), under the same record and refusals.
 
 A backend named by the ``backend=`` argument is strict: if it cannot serve the call, the call
 raises ``BackendUnavailable`` with the reason. A backend named by the context or the default
@@ -44,7 +45,8 @@ from atom_core.ops import verified
 
 # Auto order: most specialised first. "scaled_mm" is torch._scaled_mm (cuBLASLt / hipBLASLt), which only
 # the scaled GEMMs register: a backend of its own because "torch" is the twin, the definition the others
-# are checked against; after "triton" so that the project's kernels stay the GPU default, as for every op.
+# are checked against; after "triton" so that the project's kernels stay the GPU default, as for every op
+# (except where an op's Op.prefer rule says otherwise, from measurements: scaled_mm_block at 256 rows and more).
 BACKENDS = ("aiter", "triton", "scaled_mm", "torch")
 ENV_VAR = "ATOM_CORE_BACKEND"
 # Signatures kept per op before its cache starts over: a few per model in practice; only the
