@@ -16,6 +16,8 @@ first token vs HF's forward, host overhead per step.
     python -m benchmarks.engine --section tp --latency-models deepseek-v3 --tp-sizes 8 --ep-sizes --quantization fp8_block
     python -m benchmarks.engine --section tp --smoke --device cpu --dtype float32 --tp-sizes 4   # a check on a CPU
                                                        # (gloo; ATOM_CORE_BACKEND=torch)
+    python -m benchmarks.engine --section profile --model llama-3-8b --quantization fp8_block --profile-bs 1
+                                                       # GPU: the kernels of a decode step, by GPU time
     python -m benchmarks.engine --section host         # CPU: schedule + prepare + record per decode step,
                                                        # against a plain-Python step timed in the same run
     python -m benchmarks.engine --section latency --latency-models llama-3-8b --quantization fp8_block
@@ -642,17 +644,18 @@ def section_host(args) -> list[dict]:
 
 
 def section_profile(args) -> list[dict]:
-    """Where a decode step's time goes at 256 running requests (``--model``'s shapes): torch.profiler
-    over 10 steps; rows are the kernels with the most GPU time, plus the step's wall time."""
+    """Where a decode step's time goes at ``--profile-bs`` running requests (``--model``'s shapes, quantized
+    per ``--quantization``): torch.profiler over 10 steps (kernels inside the CUDA graphs included); rows are
+    the kernels with the most GPU time, plus the step's wall time."""
     from torch.profiler import ProfilerActivity, profile
 
     from atom_core.engine import Engine, SamplingParams
-    from atom_core.models import build_model
 
-    model = build_model(load_config(args.model), dtype=torch.bfloat16, device="cuda")
-    engine = Engine(model, None, device="cuda", max_num_seqs=256, max_model_len=2048)
+    model = build_bench_model(load_config(args.model), args.quantization)
+    bs = args.profile_bs
+    engine = Engine(model, None, device="cuda", max_num_seqs=bs, max_model_len=2048)
     rng = random.Random(0)
-    for _ in range(256):
+    for _ in range(bs):
         engine.add_request([rng.randint(0, 9999) for _ in range(rng.randint(100, 1024))],
                            SamplingParams(temperature=0.6, max_tokens=900, ignore_eos=True))
     _prefill_everything(engine)
@@ -668,10 +671,14 @@ def section_profile(args) -> list[dict]:
         wall_ms = (time.perf_counter() - t0) / steps * 1e3
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     gpu_total = sum(e.self_device_time_total for e in events) / steps / 1e3
-    rows = [{"name": "STEP (wall)", "ms_per_step": wall_ms}, {"name": "all GPU kernels", "ms_per_step": gpu_total}]
-    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:12]:
-        rows.append({"name": e.key[:60], "ms_per_step": e.self_device_time_total / steps / 1e3,
-                     "calls_per_step": e.count / steps})
+    label = {"model": args.model, "quantization": args.quantization or "bf16", "bs": bs}
+    rows = [{**label, "name": "STEP (wall)", "ms_per_step": wall_ms},
+            {**label, "name": "all GPU kernels", "ms_per_step": gpu_total,
+             "calls_per_step": sum(e.count for e in events) / steps}]
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:args.profile_rows]:
+        rows.append({**label, "name": e.key[:70], "ms_per_step": e.self_device_time_total / steps / 1e3,
+                     "calls_per_step": e.count / steps,
+                     "us_per_call": e.self_device_time_total / max(e.count, 1)})
     return rows
 
 
@@ -699,8 +706,10 @@ def main():
     parser.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                         help="throughput / latency: also run the model quantized (dummy weights) against bf16: fp8, "
                              "fp8_block, or config (the config's quantization_config, e.g. gpt-oss MXFP4); "
-                             "tp: run it quantized only")
+                             "tp / profile: run it quantized only")
     parser.add_argument("--model", default="qwen3-0.6b")
+    parser.add_argument("--profile-bs", type=int, default=256, help="--section profile: running requests")
+    parser.add_argument("--profile-rows", type=int, default=12, help="--section profile: kernels listed")
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--hf-seqs", type=int, default=64, help="sequences of the workload HF runs (it is slow)")
     parser.add_argument("--hf-max-tokens", type=int, default=None,

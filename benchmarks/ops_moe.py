@@ -24,7 +24,7 @@ graph requested); the row's ``timing`` column says which figures fell back to ea
 design.
 
     python -m benchmarks.ops_moe [--device cuda] [--json out.json] [--smoke] [--no-compile]
-                                 [--formats bf16 fp8_block fp8_channel mxfp4]
+                                 [--formats bf16 fp8_block fp8_channel mxfp4] [--tokens 1 2 4 8]
     python -m benchmarks.ops_moe --sweep {fp8_block,fp8_channel,mxfp4} [--which regime | all] [--tokens 1 8 64 512 4096]
                                  [--json out.json]
 
@@ -221,12 +221,16 @@ def _routing_row(tokens, sizes, device, timed, backend):
             "x_twin": ratio(ms_of(twin_t), ours.ms), "timing": timing_column({"ms": ours, "twin_ms": twin_t})}
 
 
-def run(device: str = "cuda", smoke: bool = False, compile_twin: bool = True, formats=FORMATS) -> list[dict]:
-    """One row per (op, weight format, token count). Times in ms; bandwidth in GB/s (1e9 bytes/s)."""
+def run(device: str = "cuda", smoke: bool = False, compile_twin: bool = True, formats=FORMATS,
+        tokens=None) -> list[dict]:
+    """One row per (op, weight format, token count; ``tokens`` default: the layer's TOKENS). Times in ms;
+    bandwidth in GB/s (1e9 bytes/s)."""
     from atom_core.ops.dispatch import backend_available
     from benchmarks.common import copy_bandwidth_gbs
 
     sizes = layer_sizes(smoke)
+    if tokens:
+        sizes = {**sizes, "tokens": list(tokens)}
     timed = adaptive_timing(device, smoke)
     copy_gbs = copy_bandwidth_gbs(device, nbytes=1 << 20 if smoke else 2 << 30)
     backend = "triton" if backend_available("triton") else "torch"
@@ -236,8 +240,9 @@ def run(device: str = "cuda", smoke: bool = False, compile_twin: bool = True, fo
             if weight_format == "bf16":
                 rows.append(_moe_row(tokens, sizes, device, smoke, compile_twin, timed, copy_gbs, backend))
             elif weight_format == "mxfp4":
-                rows.append(_quant_row(weight_format, "gpt-oss-20b", tokens, layer_sizes(smoke, GPT_OSS_CONFIG),
-                                       device, timed, copy_gbs, backend))
+                gpt_oss = {**layer_sizes(smoke, GPT_OSS_CONFIG), "tokens": sizes["tokens"]}
+                rows.append(_quant_row(weight_format, "gpt-oss-20b", tokens, gpt_oss, device, timed, copy_gbs,
+                                       backend))
             else:
                 rows.append(_quant_row(weight_format, "qwen3-30b-a3b", tokens, sizes, device, timed, copy_gbs,
                                        backend))
@@ -376,7 +381,7 @@ def main() -> None:
         parser.add_argument("--which", choices=("regime", "all"), default="regime",
                             help="--sweep's candidates: the token count's own regime (default), or all at every count")
         parser.add_argument("--tokens", type=int, nargs="+",
-                            help="token counts of --sweep (default 1 8 64 512 4096; --smoke: 1 8)")
+                            help="token counts (default 1 8 64 512 4096; --smoke: 1 8)")
 
     args = op_bench_args(__doc__.splitlines()[0], flags)
     if args.sweep:
@@ -390,8 +395,8 @@ def main() -> None:
         print("\nfastest per token count:")
         print_table(list(best.values()), SWEEP_COLUMNS[:-1])
         return
-    report(run(args.device, smoke=args.smoke, compile_twin=not args.no_compile, formats=args.formats), COLUMNS,
-           args.json)
+    report(run(args.device, smoke=args.smoke, compile_twin=not args.no_compile, formats=args.formats,
+               tokens=args.tokens), COLUMNS, args.json)
 
 
 if __name__ == "__main__":

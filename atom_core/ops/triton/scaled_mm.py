@@ -41,6 +41,7 @@ from atom_core.ops.reference.quant import INT8_DTYPE
 from atom_core.ops.reference.scaled_mm import BLOCK
 from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2
 
+GEMV_LANES_PER_THREAD = 64  # the GEMV kernel's 2D accumulator up to this many fp32 values a thread
 PER_TENSOR = tl.constexpr(0)  # values of SCALES (tl.constexpr: read inside the kernel)
 PER_TOKEN = tl.constexpr(1)
 BLOCKWISE = tl.constexpr(2)
@@ -114,20 +115,23 @@ def _gemv_kernel(
     a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, N, K,
     stride_ak, stride_wn, stride_wk, stride_as_k, stride_ws_n, stride_ws_k,
     SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN: tl.constexpr, LANES: tl.constexpr,
 ):
     """One fp8 row a [1, K] times w [N, K]^T without tensor cores: program p owns output columns
-    [p * BLOCK_N, + BLOCK_N) and streams their weight rows in [BLOCK_N, BLOCK_K] tiles, multiplying and
-    summing in fp32 (``tl.sum`` over K). Block format: BLOCK_N divides 128, so the tile's rows share one
-    weight block row and the scales of k, ``a_scale[k // 128] * w_scale[n // 128, k // 128]``, fold into the
-    activation (one vector per K step) whatever BLOCK_K; the other formats scale in the epilogue."""
+    [p * BLOCK_N, + BLOCK_N) and streams their weight rows in [BLOCK_N, BLOCK_K] tiles, multiplying in fp32.
+    LANES (tiles of at most 64 fp32 values a thread): the products join a [BLOCK_N, BLOCK_K] accumulator,
+    summed over K once after the loop (no cross-thread reduction inside it); larger tiles, whose
+    accumulator would cost the registers that keep loads in flight, sum each step's products over K
+    (``tl.sum``). Block format: BLOCK_N divides 128, so the tile's rows share one weight block row and the
+    scales of k, ``a_scale[k // 128] * w_scale[n // 128, k // 128]``, fold into the activation (one vector
+    per K step) whatever BLOCK_K; the other formats scale in the epilogue."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     n_ok = offs_n < N
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :] * stride_wk
     w_scale_row = w_scale_ptr + (pid * BLOCK_N // SCALE_BLOCK) * stride_ws_n
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    lanes = tl.zeros((BLOCK_N, BLOCK_K if LANES else 1), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
         if EVEN:  # N % BLOCK_N == 0 and K % BLOCK_K == 0: no masks
@@ -140,8 +144,12 @@ def _gemv_kernel(
             group = k // SCALE_BLOCK  # (the scales are [., ceil(K / 128)]: every k < K has its group)
             x = x * tl.load(a_scale_ptr + group * stride_as_k, mask=k < K, other=0.0) \
                 * tl.load(w_scale_row + group * stride_ws_k, mask=k < K, other=0.0)
-        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        if LANES:
+            lanes += w.to(tl.float32) * x[None, :]
+        else:
+            lanes += tl.sum(w.to(tl.float32) * x[None, :], axis=1, keep_dims=True)
         w_ptrs += BLOCK_K * stride_wk
+    acc = tl.sum(lanes, axis=1)
     if SCALES == PER_TENSOR:
         acc = acc * (tl.load(a_scale_ptr) * tl.load(w_scale_ptr))
     elif SCALES == PER_TOKEN:
@@ -184,11 +192,11 @@ def launch_config(m: int, n: int, k: int, out_dtype: torch.dtype, scales: int, n
 
     GPU choices are the best rows of ``benchmarks/ops_scaled_mm_sweep.py`` on an H200 (docs/benchmarks.md,
     "FP8 GEMM launch sweep"):
-    - M = 1, fp8, K <= 8192 (bs 1 decode): the GEMV kernel, 1024-wide K steps over 4 warps, 16 rows per
-      program where that still gives two programs per multiprocessor and K >= 4096, else 8 (no split-K
-      and no second launch: Llama-3-8B's qkv / o_proj 7.3 / 6.3 us against 9.4 / 8.0, gate_up 31.5
-      against 32.8, Qwen3-30B-A3B's qkv / o_proj 4.6 / 5.0 against 6.9 / 6.7). Above K = 8192 the dot
-      kernel's K ranges stream faster (Llama's down_proj, K = 14336: 20.4 us against 22.8);
+    - M = 1, fp8, N >= 8 x the multiprocessors (bs 1 decode): the GEMV kernel (no split-K, no second
+      launch), 4 warps. N >= 16384 and K <= 8192 (Llama-3-8B's gate_up): 16 x 1024 tiles, summed each step,
+      31.0 us against the dot kernel's 32.3; otherwise 8-16 KB tiles with the 2D accumulator: 8 x 512 for
+      K <= 2048, 8 x 1024 for N <= 4096 or K > 8192, else 16 x 512 (Llama-3-8B qkv / o_proj / down_proj 6.8 /
+      5.3 / 19.1 us against 9.2 / 7.8 / 20.1, Qwen3-30B-A3B's qkv / o_proj 4.4 / 4.3 against 6.9 / 6.5);
     - M <= 16 (decode): 16 x 64 tiles, and K split so that about two programs per multiprocessor stream
       the weight (at most 4 ranges: more only adds partials to sum);
     - larger M: 128 x 256 tiles where they give at least two tiles per multiprocessor, else 128 x 128
@@ -206,9 +214,11 @@ def launch_config(m: int, n: int, k: int, out_dtype: torch.dtype, scales: int, n
         return LaunchConfig(max(16, min(next_power_of_2(m), 64)), 64, 128, 4, 1)
     block_k = 128
     max_imprecise = 0 if out_dtype == torch.float32 else block_k if out_dtype == torch.float16 else None
-    if m == 1 and not int8 and k <= 8192:
-        block_n = 16 if cdiv(n, 16) >= 2 * num_sms and k >= 4096 else 8
-        return LaunchConfig(1, block_n, 1024, 4, 3)
+    if m == 1 and not int8 and cdiv(n, 8) >= num_sms:
+        if n >= 16384 and k <= 8192:  # many programs: large tiles, each step summed (gate_up)
+            return LaunchConfig(1, 16, 1024, 4, 4)
+        block_n, block_k = (8, 512) if k <= 2048 else (8, 1024) if n <= 4096 or k > 8192 else (16, 512)
+        return LaunchConfig(1, block_n, block_k, 4, 4)
     if m <= 16:
         tiles = cdiv(n, 64)
         split_k = min(4, cdiv(k, block_k), next_power_of_2(cdiv(2 * num_sms, tiles)))
@@ -279,8 +289,9 @@ def _gemv(scales, a, a_scale, w, w_scale, bias, out, config: LaunchConfig) -> No
         a.stride(1), w.stride(0), w.stride(1), a_scale.stride(-1) if scales == BLOCKWISE.value else 0,
         w_scale.stride(0) if scales != PER_TENSOR.value else 0, w_scale.stride(1) if scales == BLOCKWISE.value else 0,
         SCALES=scales, HAS_BIAS=bias is not None, SCALE_BLOCK=BLOCK, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        EVEN=n % config.block_n == 0 and k % config.block_k == 0, num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        EVEN=n % config.block_n == 0 and k % config.block_k == 0,
+        LANES=config.block_n * config.block_k <= GEMV_LANES_PER_THREAD * 32 * config.num_warps,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
 
