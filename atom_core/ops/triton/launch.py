@@ -9,6 +9,8 @@ Wrappers cache what they derive from these (block sizes, warps, grids) per shape
 
 from __future__ import annotations
 
+import functools
+
 LAUNCH_CACHE_SIZE = 1024  # shapes remembered per wrapper: decode batch sizes and prefill lengths of a run
 
 
@@ -20,3 +22,11 @@ def next_power_of_2(n: int) -> int:
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for ints a >= 0, b >= 1."""
     return -(-a // b)
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device_index: int) -> int:
+    """Multiprocessors of CUDA / ROCm device ``device_index`` (asked once)."""
+    import torch
+
+    return torch.cuda.get_device_properties(device_index).multi_processor_count

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from atom_core.ops.reference.sampling import GREEDY_BELOW_TEMPERATURE, filter_cutoff
-from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2
+from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2, num_sms
 
 GPU_QUARTER = 1024  # block = 4096 logits per row and step on a GPU (16 KiB of fp32)
 _MIN_BLOCKS_PER_SPLIT = 4  # a split streams at least 4 blocks
@@ -182,11 +182,6 @@ def _has_fast_log2(device: torch.device) -> bool:
     return device.type == "cuda" and torch.version.hip is None
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 @functools.lru_cache(maxsize=LAUNCH_CACHE_SIZE)
 def _launch_shape(rows: int, vocab: int, device: torch.device, num_splits: int | None):
     """(rows per program R, QUARTER, splits per row S, columns per split, grid of the pass)."""
@@ -194,7 +189,7 @@ def _launch_shape(rows: int, vocab: int, device: torch.device, num_splits: int |
         rows_per_program, quarter = 1, GPU_QUARTER
         if num_splits is None:
             max_splits = cdiv(vocab, _MIN_BLOCKS_PER_SPLIT * 4 * quarter)
-            num_splits = max(1, min(max_splits, cdiv(2 * _num_sms(device.index or 0), rows)))
+            num_splits = max(1, min(max_splits, cdiv(2 * num_sms(device.index or 0), rows)))
     else:  # interpreter: few large programs; blocks no wider than the vocab needs
         rows_per_program = min(_INTERPRETER_ROWS, next_power_of_2(rows))
         quarter = min(GPU_QUARTER, next_power_of_2(cdiv(vocab, 4)))

@@ -39,7 +39,7 @@ import triton.language as tl
 from atom_core.ops.dispatch import triton_interpret
 from atom_core.ops.reference.quant import INT8_DTYPE
 from atom_core.ops.reference.scaled_mm import BLOCK
-from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2
+from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2, num_sms
 
 GEMV_LANES_PER_THREAD = 64  # the GEMV kernel's 2D accumulator up to this many fp32 values a thread
 PER_TENSOR = tl.constexpr(0)  # values of SCALES (tl.constexpr: read inside the kernel)
@@ -235,11 +235,6 @@ def launch_config(m: int, n: int, k: int, out_dtype: torch.dtype, scales: int, n
                         max_imprecise=max_imprecise)
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _scaled_mm(scales, a, a_scale, w, w_scale, bias, out_dtype, config: LaunchConfig | None = None):
     (m, k), n = a.shape, w.shape[0]
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
@@ -247,8 +242,8 @@ def _scaled_mm(scales, a, a_scale, w, w_scale, bias, out_dtype, config: LaunchCo
         return out
     if config is None:
         interpret = triton_interpret()
-        num_sms = 1 if interpret else _num_sms(a.device.index or 0)
-        config = launch_config(m, n, k, out_dtype, scales, num_sms, interpret, a.dtype == INT8_DTYPE)
+        sms = 1 if interpret else num_sms(a.device.index or 0)
+        config = launch_config(m, n, k, out_dtype, scales, sms, interpret, a.dtype == INT8_DTYPE)
     if config.block_m == 1:
         _gemv(scales, a, a_scale, w, w_scale, bias, out, config)
         return out
