@@ -222,15 +222,15 @@ def _routing_row(tokens, sizes, device, timed, backend):
 
 
 def run(device: str = "cuda", smoke: bool = False, compile_twin: bool = True, formats=FORMATS,
-        token_counts=None) -> list[dict]:
-    """One row per (op, weight format, token count; ``token_counts`` default: the layer's TOKENS). Times in ms;
+        tokens=None) -> list[dict]:
+    """One row per (op, weight format, token count; ``tokens`` default: the layer's TOKENS). Times in ms;
     bandwidth in GB/s (1e9 bytes/s)."""
     from atom_core.ops.dispatch import backend_available
     from benchmarks.common import copy_bandwidth_gbs
 
     sizes = layer_sizes(smoke)
-    if token_counts:
-        sizes = {**sizes, "tokens": list(token_counts)}
+    if tokens:
+        sizes = {**sizes, "tokens": list(tokens)}
     timed = adaptive_timing(device, smoke)
     copy_gbs = copy_bandwidth_gbs(device, nbytes=1 << 20 if smoke else 2 << 30)
     backend = "triton" if backend_available("triton") else "torch"
@@ -264,15 +264,9 @@ COLUMNS = ["op", "format", "shapes", "tokens", "backend", "experts_hit", "weight
 def fp8_sweep_configs(tokens: int, sizes: dict, which: str = "regime") -> list:
     """The launch configs ``--sweep fp8_*`` times at ``tokens`` (``which="all"``: every candidate below at every
     token count; ``"regime"``: those of the token count's rows per expert, decode or prefill)."""
-    from atom_core.ops.triton.fused_moe import GEMV_MAX_TOKENS, BlockConfig
-    from atom_core.ops.triton.fused_moe_gemv import GemvConfig
+    from atom_core.ops.triton.fused_moe import BlockConfig
 
     decode = [BlockConfig(16, 32, 128, 1, 4, 3), BlockConfig(16, 64, 128, 1, 4, 4)]
-    if which == "all" or tokens <= 2 * GEMV_MAX_TOKENS:  # the GEMV path's tiles, to its threshold and past it
-        decode += [GemvConfig(*gate_up, *down, 4, 3) for gate_up in ((8, 512), (16, 256), (16, 512), (32, 128),
-                                                                     (32, 256))
-                   for down in ((4, 256), (8, 256), (8, 512), (16, 256))]
-        decode += [GemvConfig(16, 512, 8, 256, 8, 3), GemvConfig(32, 256, 8, 512, 8, 3)]
     prefill = [BlockConfig(*c) for c in (
         (64, 64, 128, 8, 4, 3), (128, 64, 128, 8, 8, 3), (64, 128, 128, 8, 4, 3), (64, 128, 128, 8, 8, 4),
         (128, 128, 128, 8, 8, 3), (128, 128, 128, 8, 8, 4), (128, 64, 128, 8, 4, 4), (256, 64, 128, 8, 8, 3))]
@@ -292,11 +286,7 @@ def mxfp4_sweep_configs(tokens: int, sizes: dict, which: str = "regime") -> list
 
 
 def config_name(cfg) -> str:
-    """``BLOCK_MxBLOCK_NxBLOCK_K gGROUP_M wWARPS sSTAGES``; the GEMV path's ``gemv GATE_UP_NxK/DOWN_NxK wWARPS
-    sSTAGES``."""
-    if not hasattr(cfg, "block_m"):
-        return (f"gemv {cfg.gate_up_block_n}x{cfg.gate_up_block_k}/{cfg.down_block_n}x{cfg.down_block_k} "
-                f"w{cfg.num_warps} s{cfg.num_stages}")
+    """``BLOCK_MxBLOCK_NxBLOCK_K gGROUP_M wWARPS sSTAGES``."""
     return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} g{cfg.group_m} w{cfg.num_warps} s{cfg.num_stages}"
 
 
@@ -330,7 +320,6 @@ def _sweep_rows(weight_format, configs, tokens, sizes, device, timed, copy_gbs):
     """:func:`sweep`'s rows of one token count."""
     from atom_core.ops.fused_moe import fused_experts
     from atom_core.ops.triton import fused_moe as triton_moe
-    from atom_core.ops.triton import fused_moe_gemv as gemv
     from benchmarks.common import _reason
 
     inputs = quant_layer_inputs(weight_format, tokens, sizes, device)
@@ -343,21 +332,16 @@ def _sweep_rows(weight_format, configs, tokens, sizes, device, timed, copy_gbs):
                              out=bf16_out, backend="triton", **biases)
 
     def call(cfg):
-        args = (hidden, quant["w13"], quant["w13_scale"], quant["w2"], quant["w2_scale"], weights, ids, weight_format,
-                activation, biases.get("w13_bias"), biases.get("w2_bias"), out)
-        if isinstance(cfg, gemv.GemvConfig):
-            return gemv.fused_experts_gemv(*args, config=cfg)
-        return triton_moe.fused_experts_quant(*args, config=cfg)
+        return triton_moe.fused_experts_quant(hidden, quant["w13"], quant["w13_scale"], quant["w2"], quant["w2_scale"],
+                                              weights, ids, weight_format, activation, biases.get("w13_bias"),
+                                              biases.get("w2_bias"), out, config=cfg)
 
     bf16 = guarded(timed, lambda: bf16_call)  # (its runs leave bf16_out written)
     scale = None if bf16 is None else max(bf16_out.float().abs().max().item(), 1e-30)
     experts_hit = int(torch.unique(ids).numel())
     weight_bytes = experts_hit * 3 * sizes["hidden"] * sizes["inter"] * BYTES_PER_WEIGHT[weight_format]
-    if triton_moe.gemv_serves(hidden, quant["w13"], quant["w2"], weight_format):
-        default = gemv.gemv_config(tokens, sizes["hidden"], sizes["inter"], gemv.device_sms(hidden.device))
-    else:
-        default = triton_moe.quant_block_config(tokens, sizes["top_k"], sizes["num_experts"], hidden.dtype,
-                                                weight_format)
+    default = triton_moe.quant_block_config(tokens, sizes["top_k"], sizes["num_experts"], hidden.dtype,
+                                            weight_format)
     regime = (triton_moe.mxfp4_regime(tokens, sizes["top_k"], sizes["num_experts"]) if weight_format == "mxfp4"
               else f"{tokens * sizes['top_k'] / sizes['num_experts']:g} rows/expert")
     rows = []
@@ -412,7 +396,7 @@ def main() -> None:
         print_table(list(best.values()), SWEEP_COLUMNS[:-1])
         return
     report(run(args.device, smoke=args.smoke, compile_twin=not args.no_compile, formats=args.formats,
-               token_counts=args.tokens), COLUMNS, args.json)
+               tokens=args.tokens), COLUMNS, args.json)
 
 
 if __name__ == "__main__":

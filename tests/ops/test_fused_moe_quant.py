@@ -2,8 +2,7 @@
 bit for bit against the checkpoint decoder of ``models.mxfp4``, the kernels' tiled MXFP4 decode against
 the per-element one it replaced, the twin against an independent float64 computation per format, Triton
 against the twin (CPU interpreter on small shapes: odd token counts, H and I off the 128 grid, top-k
-1/2/4, biases or not, every MXFP4 launch candidate; the fp8 GEMV path of a few tokens and its token
-limit), GPT-OSS's checkpoint tensors served as they are
+1/2/4, biases or not, every MXFP4 launch candidate), GPT-OSS's checkpoint tensors served as they are
 stored, the AITER mapping against the stand-in, validation and torch.compile."""
 
 # T tokens, E experts, K top-k, H hidden, I intermediate
@@ -212,17 +211,15 @@ def test_triton_matches_twin(weight_format, tokens, experts, top_k, hidden, inte
 @needs_interpreter
 @pytest.mark.parametrize("weight_format", ["fp8_block", "fp8_channel"])
 @pytest.mark.parametrize("seed", [11, 12, 13])
-@pytest.mark.parametrize("tokens", [9, 3], ids=["grouped", "gemv"])
-def test_triton_quantizes_activations_as_the_twin_up_to_one_rounding_flip_of_silu(weight_format, seed, tokens):
+def test_triton_quantizes_activations_as_the_twin_up_to_one_rounding_flip_of_silu(weight_format, seed):
     # In the interpreter (IEEE fp32, no fp8 accumulation shortcuts) the quantized hidden equals the twin's
     # bit for bit, so fp32 outputs differ by summation order only (MOE's fp32 tolerance, not MOE_FP8's),
     # except where the down GEMM's input, silu(gate) * up, lands within an ulp of an fp8 rounding boundary:
     # the kernel's exp and torch's may differ by an ulp (Triton 3.9's interpreter does, at seed 11: one
     # value of token 0), and that value then rounds to the neighbouring fp8 code. Such a flip moves one
     # token's row only, by one fp8 step of one value; a quantization that differs from the twin's (scale,
-    # rounding, group) moves most rows. Both paths: the grouped GEMMs (quantization launches) and, at 3
-    # tokens, the GEMV kernels (quantization in registers).
-    x, (w13, s13, w2, s2), (weights, ids), b13, b2 = make_case(weight_format, tokens, 4, 2, 160, 96, torch.float32,
+    # rounding, group) moves most rows.
+    x, (w13, s13, w2, s2), (weights, ids), b13, b2 = make_case(weight_format, 9, 4, 2, 160, 96, torch.float32,
                                                                biases=True, seed=seed)
     got = fused_experts_quant(x, w13, s13, w2, s2, weights, ids, weight_format=weight_format, w13_bias=b13,
                               w2_bias=b2, backend="triton")
@@ -336,12 +333,11 @@ def test_triton_strided_inputs_out_given_and_dropped_choices():
 @needs_triton
 @pytest.mark.parametrize("weight_format", ["fp8_block", "fp8_channel"])
 @pytest.mark.parametrize("layout", ["rows_strided", "column_major"])
-@pytest.mark.parametrize("tokens", [7, 4], ids=["grouped", "gemv"])
-def test_triton_fp8_matches_twin_for_strided_hidden_with_a_dropped_choice(weight_format, layout, tokens):
-    # fp8 quantizes hidden in a launch of its own (the GEMV path: in registers), whose kernels read each row
-    # as contiguous: a row-strided hidden goes in with its row stride, a column-major one is made contiguous
-    # first. The activation rows of the dropped choice are never written and must not reach the output.
-    x, (w13, s13, w2, s2), (weights, ids), b13, b2 = make_case(weight_format, tokens, 4, 2, 160, 96, torch.float32,
+def test_triton_fp8_matches_twin_for_strided_hidden_with_a_dropped_choice(weight_format, layout):
+    # fp8 quantizes hidden in a launch of its own, whose kernels read each row as contiguous: a row-strided
+    # hidden goes in with its row stride, a column-major one is made contiguous first. The activation rows of
+    # the dropped choice are never written, quantized all the same, and must not reach the output.
+    x, (w13, s13, w2, s2), (weights, ids), b13, b2 = make_case(weight_format, 7, 4, 2, 160, 96, torch.float32,
                                                                biases=True, seed=13)
     x = non_contiguous_rows(x) if layout == "rows_strided" else x.t().contiguous().t()
     ids[3, 1] = -1
@@ -349,74 +345,6 @@ def test_triton_fp8_matches_twin_for_strided_hidden_with_a_dropped_choice(weight
                               w2_bias=b2, backend="triton")
     want = reference.fused_experts_quant(x, w13, s13, w2, s2, weights, ids, weight_format, "silu", b13, b2)
     torch.testing.assert_close(got, want, **tol(weight_format, torch.float32))
-
-
-# ------------------------------------------------------------------------ the GEMV path (fp8, few tokens)
-
-# (format, tokens, experts, top_k, hidden, inter, activation, biases, dtype): H and I off the 128 grid (a
-# partial last group and block), every activation, biases or not; 5 tokens is past GEMV_MAX_TOKENS.
-GEMV_CASES = [
-    ("fp8_block", 1, 4, 2, 160, 96, "silu", False, torch.bfloat16),
-    ("fp8_block", 4, 8, 4, 96, 160, "swiglu_clamped", True, torch.float32),
-    ("fp8_block", 5, 8, 2, 96, 160, "silu", True, torch.float32),
-    ("fp8_channel", 1, 4, 1, 96, 160, "swiglu_clamped", True, torch.float16),
-    ("fp8_channel", 3, 8, 2, 160, 96, "silu", False, torch.bfloat16),
-]
-
-
-@needs_triton
-@pytest.mark.parametrize("weight_format, tokens, experts, top_k, hidden, inter, activation, biases, dtype",
-                         GEMV_CASES)
-def test_triton_runs_the_gemv_path_up_to_its_token_limit_and_matches_twin(monkeypatch, weight_format, tokens,
-                                                                         experts, top_k, hidden, inter, activation,
-                                                                         biases, dtype):
-    from atom_core.ops.triton import fused_moe as triton_moe
-    from atom_core.ops.triton import fused_moe_gemv
-
-    calls = []
-    gemv = fused_moe_gemv.fused_experts_gemv
-    monkeypatch.setattr(fused_moe_gemv, "fused_experts_gemv", lambda *a, **k: calls.append(a[0].shape) or gemv(*a, **k))
-    x, (w13, s13, w2, s2), (weights, ids), b13, b2 = make_case(weight_format, tokens, experts, top_k, hidden, inter,
-                                                               dtype, biases=biases, seed=tokens + top_k)
-    if top_k > 1:
-        ids[0, top_k - 1] = -1  # a dropped choice
-    got = fused_experts_quant(x, w13, s13, w2, s2, weights, ids, weight_format=weight_format, activation=activation,
-                              w13_bias=b13, w2_bias=b2, backend="triton")
-    assert calls == ([x.shape] if tokens <= triton_moe.GEMV_MAX_TOKENS else [])
-    want = reference.fused_experts_quant(x, w13, s13, w2, s2, weights, ids, weight_format, activation, b13, b2)
-    torch.testing.assert_close(got, want, **tol(weight_format, dtype))
-
-
-@needs_triton
-@pytest.mark.parametrize("weight_format", ["fp8_block", "fp8_channel"])
-@pytest.mark.parametrize("gate_up_block_n, gate_up_block_k, down_block_n, down_block_k, num_warps",
-                         [(8, 128, 4, 256, 2), (32, 512, 16, 128, 4)])
-def test_triton_gemv_other_tile_configs(weight_format, gate_up_block_n, gate_up_block_k, down_block_n, down_block_k,
-                                        num_warps):
-    # Column tiles narrower and wider than the default, K steps of one to four groups, partial last tiles and
-    # steps (I = 96, H = 160 and 384).
-    from atom_core.ops.triton import fused_moe_gemv
-    hidden = 160 if gate_up_block_n == 8 else 384
-    x, (w13, s13, w2, s2), (weights, ids), b13, b2 = make_case(weight_format, 2, 4, 2, hidden, 96, torch.float32,
-                                                               biases=True, seed=gate_up_block_n)
-    out = torch.empty_like(x)
-    config = fused_moe_gemv.GemvConfig(gate_up_block_n, gate_up_block_k, down_block_n, down_block_k, num_warps, 2)
-    fused_moe_gemv.fused_experts_gemv(x, w13, s13, w2, s2, weights, ids, weight_format, "silu", b13, b2, out,
-                                      config=config)
-    want = reference.fused_experts_quant(x, w13, s13, w2, s2, weights, ids, weight_format, "silu", b13, b2)
-    torch.testing.assert_close(out, want, **tol(weight_format, torch.float32))
-
-
-def test_gemv_path_refuses_formats_and_tiles_it_cannot_serve():
-    from atom_core.ops.triton import fused_moe_gemv
-    x, (w13, s13, w2, s2), (weights, ids), _, _ = make_case("mxfp4", 1, 4, 2, 64, 32, torch.float32)
-    with pytest.raises(ValueError, match="fp8_block and fp8_channel"):
-        fused_moe_gemv.fused_experts_gemv(x, w13, s13, w2, s2, weights, ids, "mxfp4", "silu", None, None,
-                                          torch.empty_like(x))
-    x, (w13, s13, w2, s2), (weights, ids), _, _ = make_case("fp8_block", 1, 4, 2, 64, 48, torch.float32)
-    with pytest.raises(ValueError, match="one 128-row weight block"):  # I = 48: a 32-row tile's up rows straddle
-        fused_moe_gemv.fused_experts_gemv(x, w13, s13, w2, s2, weights, ids, "fp8_block", "silu", None, None,
-                                          torch.empty_like(x), config=fused_moe_gemv.GemvConfig(32, 128, 8, 128, 4, 2))
 
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
@@ -428,7 +356,7 @@ def test_empty_batch(backend):
 
 @needs_gpu
 @pytest.mark.parametrize("weight_format", FORMATS)
-@pytest.mark.parametrize("tokens", [1, 4, 7, 64, 1029])
+@pytest.mark.parametrize("tokens", [1, 7, 64, 1029])
 def test_gpu_triton_matches_twin(weight_format, tokens):
     # Qwen3-30B-A3B's expert shapes (fp8), GPT-OSS-20B's (MXFP4, with its activation and biases).
     gpt_oss = weight_format == "mxfp4"
@@ -443,19 +371,18 @@ def test_gpu_triton_matches_twin(weight_format, tokens):
 
 
 @needs_gpu
-@pytest.mark.parametrize("tokens", [1, 8], ids=["gemv", "grouped"])
-def test_gpu_fp8_decode_under_cuda_graph(tokens):
-    x, (w13, s13, w2, s2), (weights, ids), _, _ = make_case("fp8_block", tokens, 128, 8, 2048, 768, torch.bfloat16)
+def test_gpu_fp8_decode_under_cuda_graph():
+    x, (w13, s13, w2, s2), (weights, ids), _, _ = make_case("fp8_block", 8, 128, 8, 2048, 768, torch.bfloat16)
     out = torch.empty_like(x)
     call = dict(weight_format="fp8_block", out=out, backend="triton")
     fused_experts_quant(x, w13, s13, w2, s2, weights, ids, **call)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fused_experts_quant(x, w13, s13, w2, s2, weights, ids, **call)
-    new_weights, new_ids = reference.topk_softmax(rand(tokens, 128), 8, True)
+    new_weights, new_ids = reference.topk_softmax(rand(8, 128), 8, True)
     weights.copy_(new_weights)
     ids.copy_(new_ids)
-    x.copy_(rand(tokens, 2048, dtype=torch.bfloat16))
+    x.copy_(rand(8, 2048, dtype=torch.bfloat16))
     graph.replay()
     want = reference.fused_experts_quant(x, w13, s13, w2, s2, weights, ids, "fp8_block")
     torch.testing.assert_close(out, want, **tol("fp8_block", torch.bfloat16))

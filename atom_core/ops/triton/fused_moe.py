@@ -115,17 +115,6 @@ def _k_step_masks(row_ok, col_ok, k, remaining, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def activate(acc_gate, acc_up, ACT: tl.constexpr, alpha, limit):
-    """The gated activation of fp32 gate and up sums: silu(gate) * up, or GPT-OSS's swiglu_clamped
-    (gate clamped above at ``limit``, up to [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate))."""
-    if ACT == SILU:
-        return acc_gate * tl.sigmoid(acc_gate) * acc_up
-    gate = tl.minimum(acc_gate, limit)
-    up = tl.minimum(tl.maximum(acc_up, -limit), limit)
-    return (up + 1.0) * gate * tl.sigmoid(alpha * gate)
-
-
-@triton.jit
 def _round_to_bf16_values(x):
     """fp32 → the fp32 holding x rounded to bf16, to nearest even (for the interpreter, whose fp32 → bf16
     cast truncates: its 1-ulp error in the activation between the GEMMs would move fp8-quantized values
@@ -308,7 +297,12 @@ def _gate_up_kernel(
         b_expert = b_ptr + expert * stride_be + gate_rows * stride_bn
         acc_gate += tl.load(b_expert, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         acc_up += tl.load(b_expert + up_row_offset * stride_bn, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    act = activate(acc_gate, acc_up, ACT, alpha, limit)
+    if ACT == SILU:
+        act = acc_gate * tl.sigmoid(acc_gate) * acc_up
+    else:
+        gate = tl.minimum(acc_gate, limit)
+        up = tl.minimum(tl.maximum(acc_up, -limit), limit)
+        act = (up + 1.0) * gate * tl.sigmoid(alpha * gate)
     if ROUND_BF16:
         act = _round_to_bf16_values(act)
     out_ptrs = act_ptr + entry.to(tl.int64)[:, None] * stride_an + cols[None, :]
@@ -511,31 +505,11 @@ def quant_block_config(num_tokens: int, top_k: int, num_experts: int, dtype: tor
     return cfg
 
 
-GEMV_MAX_TOKENS = 4  # fp8 experts for at most this many tokens: the two GEMV launches of fused_moe_gemv
-
-
-def gemv_serves(hidden, w13, w2, weight_format) -> bool:
-    """Whether :func:`fused_experts_quant` takes ``fused_moe_gemv``'s path: fp8 experts, at most
-    :data:`GEMV_MAX_TOKENS` tokens, weight rows contiguous along K, and for fp8_block an intermediate size
-    that is a multiple of 32 (each GEMV tile's up rows inside one 128-row weight block)."""
-    return (weight_format in ("fp8_block", "fp8_channel") and hidden.shape[0] <= GEMV_MAX_TOKENS
-            and w13.stride(2) == 1 and w2.stride(2) == 1
-            and (weight_format == "fp8_channel" or w13.shape[1] // 2 % 32 == 0))
-
-
 def fused_experts_quant(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight_format, activation,
                         w13_bias, w2_bias, out, config=None):
-    """Backend entry of ``ops.fused_experts_quant``: fp8 experts of a few tokens (:func:`gemv_serves`) run
-    ``fused_moe_gemv``'s two launches, the rest the grouped GEMMs; ``config`` (a :class:`BlockConfig`) forces
-    the grouped GEMMs with its tiles instead of :func:`quant_block_config`'s (fp8_block needs BLOCK_K = 128,
-    MXFP4 a power of two >= 32: :func:`check_mxfp4_block_k`)."""
+    """Backend entry of ``ops.fused_experts_quant``; ``config`` overrides :func:`quant_block_config`
+    (fp8_block needs BLOCK_K = 128, MXFP4 a power of two >= 32: :func:`check_mxfp4_block_k`)."""
     if hidden.shape[0] == 0:
-        return
-    if config is None and gemv_serves(hidden, w13, w2, weight_format):
-        from atom_core.ops.triton.fused_moe_gemv import fused_experts_gemv
-
-        fused_experts_gemv(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight_format, activation,
-                           w13_bias, w2_bias, out, interpret=triton_interpret())
         return
     cfg = config or quant_block_config(hidden.shape[0], topk_ids.shape[1], w13.shape[0], hidden.dtype, weight_format)
     if weight_format == "fp8_block" and cfg.block_k != 128:
