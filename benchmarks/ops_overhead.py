@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from atom_core import ops  # noqa: E402
 
 _KERNEL_MODULES = ("norm", "activation", "rope", "kv_cache", "attention_unified", "attention_decode", "sampling",
-                   "moe_align", "moe_routing", "fused_moe")
+                   "moe_align", "moe_routing", "fused_moe", "quant", "norm_quant", "scaled_mm")
 
 
 def _noop(*args, **kwargs):
@@ -82,6 +82,12 @@ def cases() -> dict[str, callable]:
     router_logits = randn(T, E)
     topk_weights, topk_ids = ops.topk_softmax(router_logits, K, renormalize=True, backend="torch")
     w13, w2 = randn(E, 2 * 64, D), randn(E, D, 64)
+    fp8 = torch.float8_e4m3fn
+    xb = x.to(torch.bfloat16)
+    xq, xq_group = ops.per_group_quant(xb, dtype=fp8, group_size=128, backend="torch")
+    xq_token, xq_token_scale = ops.per_token_quant(xb, dtype=fp8, backend="torch")
+    w_fp8 = randn(2 * D, D).to(fp8)
+    w_block, w_channel = torch.ones(2 * D // 128, D // 128), torch.ones(2 * D, 1)
     return {
         "rms_norm": lambda: ops.rms_norm(x, w, 1e-6),
         "rms_norm + residual": lambda: ops.rms_norm(x, w, 1e-6, residual=r),
@@ -101,6 +107,13 @@ def cases() -> dict[str, callable]:
                                                  e_score_correction_bias=torch.zeros(E)),
         "gpt_oss_topk": lambda: ops.gpt_oss_topk(router_logits, K),
         "fused_experts": lambda: ops.fused_experts(x, w13, w2, topk_weights, topk_ids),
+        "per_group_quant (fp8, 128)": lambda: ops.per_group_quant(xb, dtype=fp8, group_size=128),
+        "per_token_quant (fp8)": lambda: ops.per_token_quant(xb, dtype=fp8),
+        "rms_norm_quant (fp8, 128)": lambda: ops.rms_norm_quant(xb, w.to(torch.bfloat16), 1e-6, group_size=128),
+        "silu_and_mul_quant (fp8)": lambda: ops.silu_and_mul_quant(gate_up.to(torch.bfloat16)),
+        "scaled_mm_block": lambda: ops.scaled_mm_block(xq, xq_group, w_fp8, w_block, out_dtype=torch.bfloat16),
+        "scaled_mm_per_token": lambda: ops.scaled_mm_per_token(xq_token, xq_token_scale, w_fp8, w_channel,
+                                                               out_dtype=torch.bfloat16),
     }
 
 
