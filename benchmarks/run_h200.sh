@@ -6,6 +6,7 @@
 #   selftest    python -m atom_core.ops.selftest, full grid, every backend here (writes no record)
 #   core        engine throughput (cold, then warm), latency, TTFT; attention and elementwise ops
 #   quant       FP8 GEMMs; Llama-3-8B fp8_block and GPT-OSS-20B MXFP4 decode; Qwen3-30B-A3B fp8 and the fp8 KV pool
+#   fp8decode   the M = 1 FP8 GEMM launch sweep, fp8 experts at 1-8 tokens, the bs-1 FP8 step's kernels
 #   deepseek    MLA / DSA ops; the DeepSeek-V2-Lite engine against HF
 #   serve       = structured, then serving:
 #   structured  structured output (tests, the mask op, per-step overhead at bs 64)
@@ -24,9 +25,9 @@
 # still empty for the first benchmark of the core part (engine_throughput: the cold run); every later
 # script reuses it (warm).
 set -u
-out=${1:?usage: run_h200.sh OUT_DIR [tests|selftest|core|quant|deepseek ...]}
+out=${1:?usage: run_h200.sh OUT_DIR [tests|selftest|core|quant|fp8decode|deepseek ...]}
 shift
-parts=${*:-tests selftest core quant deepseek serve}
+parts=${*:-tests selftest core quant fp8decode deepseek serve}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 cache="$out/triton_cache"
@@ -139,6 +140,13 @@ for part in $parts; do
         run engine_throughput_fp8_kv 150 benchmarks.engine --section throughput --kv-cache-dtype fp8 --hf-seqs 0 \
             --json "$out/engine_throughput_fp8_kv.json"
         ;;
+    fp8decode)
+        run ops_scaled_mm_sweep_m1 240 benchmarks.ops_scaled_mm_sweep --tokens 1 --json "$out/ops_scaled_mm_sweep_m1.json"
+        run ops_moe_small 90 benchmarks.ops_moe --no-compile --formats bf16 fp8_block fp8_channel --tokens 1 2 4 8 \
+            --json "$out/ops_moe_small.json"
+        run engine_profile_fp8 120 benchmarks.engine --section profile --model llama-3-8b --quantization fp8_block \
+            --profile-bs 1 --profile-rows 26 --json "$out/engine_profile_fp8.json"
+        ;;
     deepseek)
         run ops_mla 120 benchmarks.ops_mla --no-twin --json "$out/ops_mla.json"
         run engine_throughput_v2_lite 420 benchmarks.engine --section throughput --model deepseek-v2-lite \
@@ -163,7 +171,7 @@ for part in $parts; do
         [ $part != structured ] && serving
         ;;
     *)
-        echo "unknown part $part (tests, selftest, core, quant, deepseek, serve, structured, serving)"; exit 2
+        echo "unknown part $part (tests, selftest, core, quant, fp8decode, deepseek, serve, structured, serving)"; exit 2
         ;;
     esac
 done
