@@ -98,11 +98,10 @@ def preferred_backend() -> str | None:
 
 
 @functools.lru_cache(maxsize=None)
-@functools.cache
 def triton_interpret() -> bool:
     """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``).
 
-    Read once (cached): Triton itself reads the variable when a kernel is defined, so a later change
+    Read once: Triton itself reads the variable when a kernel is defined, so a later change
     would not take effect anyway.
     """
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
