@@ -138,7 +138,10 @@ def test_triton_split_k_partials_sum_to_the_twin(fmt, split_k, k, monkeypatch):
     (256, 512, 16, 256),   # whole tiles: the unmasked loop, two 128-wide groups per K step
     (200, 300, 8, 256),    # partial tiles in N and K, the last group partial
     (130, 1000, 32, 512),  # a tile's 32 rows inside one 128-row weight block; 128 values a thread: each
-])                         # step summed over K (the smaller tiles above keep the 2D accumulator)
+                           # step summed over K (the other tiles keep the 2D accumulator)
+    (96, 1300, 8, 256),    # six K steps, the last 20 columns wide (a partial group)
+    (64, 100, 8, 256),     # one K step, shorter than one group
+])
 def test_triton_gemv_launch_matches_twin_with_random_group_scales(fmt, out_dtype, n, k, block_n, block_k):
     # The GEMV kernel (block_m = 1) folds the block format's scales into the activation per k: each group's
     # and block's scale times its own random factor in [0.5, 1.5) makes a wrong group or block off by a
