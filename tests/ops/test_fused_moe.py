@@ -122,12 +122,15 @@ def test_twin_matches_hf_gpt_oss_experts():
 # ------------------------------------------------------------------------------------------ moe_align
 
 @needs_triton
-@pytest.mark.parametrize("tokens, experts, top_k, block_m", [(1, 8, 2, 16), (33, 4, 2, 16), (7, 64, 8, 32),
-                                                             (5, 3, 3, 16)])
-def test_moe_align_matches_its_definition(tokens, experts, top_k, block_m):
+@pytest.mark.parametrize("tokens, experts, top_k, block_m, dtype", [
+    (1, 8, 2, 16, torch.int32), (33, 4, 2, 16, torch.int32), (7, 64, 8, 32, torch.int64), (5, 3, 3, 16, torch.int32),
+    (130, 128, 8, 64, torch.int64),  # 1,040 choices: one loop step of 2,048, partly masked
+    (300, 16, 8, 16, torch.int32),   # 2,400 choices: two steps of 2,048, the second partial
+])
+def test_moe_align_matches_its_definition(tokens, experts, top_k, block_m, dtype):
     from atom_core.ops.triton.moe_align import align_sizes, moe_align
     g = torch.Generator().manual_seed(tokens)
-    ids = torch.randint(-1, experts + 1, (tokens, top_k), generator=g, dtype=torch.int32)  # -1 and E: dropped
+    ids = torch.randint(-1, experts + 1, (tokens, top_k), generator=g, dtype=dtype)  # -1 and E: dropped
     ids_dev = ids.to(DEVICE)
     sorted_entries, block_experts, num_padded = (t.cpu() for t in moe_align(ids_dev, experts, block_m))
     num_entries = tokens * top_k

@@ -27,7 +27,6 @@ import triton.language as tl
 
 from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2
 
-_CHUNK = 1024  # entries handled per loop step
 _BLOCK_ROWS = 32  # blocks labelled per loop step
 
 
@@ -39,10 +38,12 @@ def align_sizes(num_entries: int, num_experts: int, block_m: int) -> tuple[int, 
 
 
 @functools.lru_cache(maxsize=LAUNCH_CACHE_SIZE)
-def _launch_config(num_entries: int, num_experts: int) -> tuple[int, int, int]:
-    """(EXPERTS_P2, BLOCK_ROWS, num_warps) of the single-program align kernel."""
+def _launch_config(num_entries: int, num_experts: int) -> tuple[int, int, int, int]:
+    """(EXPERTS_P2, BLOCK_ROWS, CHUNK, num_warps) of the single-program align kernel: 8 warps, entries
+    1,024 a loop step up to 1,024 of them, else 2,048 (the fastest of 4 / 8 / 16 warps by 1,024 / 2,048 on
+    an H200 from 8 to 32,768 entries; docs/benchmarks.md)."""
     experts_p2 = next_power_of_2(num_experts)
-    return experts_p2, max(1, min(_BLOCK_ROWS, 8192 // experts_p2)), 8 if num_entries > 4096 else 4
+    return experts_p2, max(1, min(_BLOCK_ROWS, 8192 // experts_p2)), 1024 if num_entries <= 1024 else 2048, 8
 
 
 @triton.jit
@@ -55,24 +56,22 @@ def _moe_align_kernel(
     expert_ok = experts < num_experts
     chunk = tl.arange(0, CHUNK)
 
-    # 1. count the choices of each expert
-    tl.store(cursor_ptr + experts, tl.zeros([EXPERTS_P2], dtype=tl.int32), mask=expert_ok)
-    tl.debug_barrier()
+    # 1. count the choices of each expert (a histogram in the program; left-out ids counted in bin 0, then
+    #    taken back out)
+    counts = tl.zeros([EXPERTS_P2], dtype=tl.int32)
     for start in range(0, num_entries, CHUNK):
         entry = start + chunk
         ids = tl.load(ids_ptr + entry, mask=entry < num_entries, other=-1)
         hit = (entry < num_entries) & (ids >= 0) & (ids < num_experts)
-        tl.atomic_add(cursor_ptr + ids, 1, mask=hit)
-    tl.debug_barrier()
+        misses = tl.sum((~hit).to(tl.int32), axis=0)
+        counts += tl.histogram(tl.where(hit, ids, 0).to(tl.int32), EXPERTS_P2) - tl.where(experts == 0, misses, 0)
 
     # 2. padded run of each expert: [starts[e], ends[e])
-    counts = tl.load(cursor_ptr + experts, mask=expert_ok, other=0, volatile=True)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
     total = tl.sum(padded, axis=0)
     tl.store(num_padded_ptr, total)
-    tl.debug_barrier()  # every thread has read the counts before they become cursors
     tl.store(cursor_ptr + experts, starts, mask=expert_ok)
 
     # 3. the expert of block b is the number of experts whose run ends at or before b * BLOCK_M
@@ -84,7 +83,8 @@ def _moe_align_kernel(
         owner = tl.sum(before.to(tl.int32), axis=1)
         tl.store(block_experts_ptr + block, tl.where(row < total, owner, -1), mask=block < max_blocks)
 
-    # 4. padding everywhere, then each choice claims the next slot of its expert's run
+    # 4. padding everywhere, then each choice claims the next slot of its expert's run (relaxed atomics: the
+    #    barrier orders them after the cursors' and the padding's stores)
     for start in range(0, max_padded, CHUNK):
         slot = start + chunk
         tl.store(sorted_ptr + slot, tl.full([CHUNK], 0, tl.int32) + num_entries, mask=slot < max_padded)
@@ -93,7 +93,7 @@ def _moe_align_kernel(
         entry = start + chunk
         ids = tl.load(ids_ptr + entry, mask=entry < num_entries, other=-1)
         hit = (entry < num_entries) & (ids >= 0) & (ids < num_experts)
-        slot = tl.atomic_add(cursor_ptr + ids, 1, mask=hit)
+        slot = tl.atomic_add(cursor_ptr + ids, 1, mask=hit, sem="relaxed")
         tl.store(sorted_ptr + slot, entry, mask=hit)
 
 
@@ -108,10 +108,10 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     block_experts = torch.empty(max_blocks, dtype=torch.int32, device=device)
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
     cursor = torch.empty(num_experts, dtype=torch.int32, device=device)
-    experts_p2, block_rows, num_warps = _launch_config(num_entries, num_experts)
+    experts_p2, block_rows, chunk, num_warps = _launch_config(num_entries, num_experts)
     _moe_align_kernel[(1,)](
         ids, sorted_entries, block_experts, num_padded, cursor,
         num_entries, num_experts, max_padded, max_blocks,
-        BLOCK_M=block_m, EXPERTS_P2=experts_p2, CHUNK=_CHUNK, BLOCK_ROWS=block_rows, num_warps=num_warps,
+        BLOCK_M=block_m, EXPERTS_P2=experts_p2, CHUNK=chunk, BLOCK_ROWS=block_rows, num_warps=num_warps,
     )
     return sorted_entries, block_experts, num_padded
