@@ -74,6 +74,7 @@ from atom_core.engine.dp_replica import (
 from atom_core.engine.engine import DEMO_MODEL, Engine
 from atom_core.engine.outputs import StepOutputs
 from atom_core.engine.request import Request, Status
+from atom_core.engine.request_checks import RequestChecks
 from atom_core.engine.sampling_params import SamplingParams
 from atom_core.engine.tokenizer import Tokenizer
 from atom_core.engine.workers import DEFAULT_STEP_TIMEOUT, STARTUP_TIMEOUT, STOP_TIMEOUT
@@ -103,24 +104,6 @@ class PoolSummary:
     num_blocks: int
     num_free_blocks: int
     stats: PrefixCacheStats
-
-
-class _RequestChecks:
-    """What ``Engine``'s request checks read, so that the front runs the same checks (the same messages)
-    before a request goes to a replica."""
-
-    _check_request = Engine._check_request
-    _encode = Engine._encode
-    _check_params_for_model = Engine._check_params_for_model
-    # Structured output: the constraint is parsed, not compiled (no compiler over the vocabulary in the
-    # front; the replica compiles it, and refuses the rare constraint only a compile refuses as a step error).
-    _check_grammar = staticmethod(structured_output.check_grammar)
-
-    def __init__(self, tokenizer, max_model_len: int, max_logprobs: int, config, eos_token_ids):
-        self.tokenizer, self.max_model_len, self.max_logprobs = tokenizer, max_model_len, max_logprobs
-        self.model = SimpleNamespace(config=config)
-        self.eos_token_ids = eos_token_ids
-        self.default_sampling_params = SamplingParams()
 
 
 def _free_port() -> int:
@@ -226,8 +209,11 @@ class DataParallelEngine:
         self.config = info["config"]
         # ``model.config`` as an Engine has it (what servers and benchmarks read); the model runs in the replicas.
         self.model = SimpleNamespace(config=self.config)
-        self._checker = _RequestChecks(self.tokenizer, self.max_model_len, self.max_logprobs, self.config,
-                                       self._eos_token_ids)
+        # Engine's request checks, so the front refuses what a replica would, with the same messages. A
+        # constraint is parsed, not compiled (no compiler over the vocabulary here; the replica compiles it,
+        # and refuses the rare constraint only a compile refuses as a step error).
+        self._checks = RequestChecks(self.tokenizer, self.config.vocab_size, self.max_model_len, self.max_logprobs,
+                                     structured_output.check_grammar)
         logger.info("data-parallel engine: %d replicas of %s (pids %s)", data_parallel_size,
                     f"TP {tensor_parallel_size}" if tensor_parallel_size > 1 else "one rank",
                     [r.process.pid for r in self._replicas])
@@ -350,8 +336,8 @@ class DataParallelEngine:
     # ------------------------------------------------------------------ requests
 
     def _check_request(self, prompt, params) -> tuple[list[int], SamplingParams]:
-        self._checker.default_sampling_params = self.default_sampling_params
-        return self._checker._check_request(prompt, params)
+        params = self.default_sampling_params if params is None else params
+        return self._checks.check(prompt, params), params
 
     def add_request(self, prompt, params: SamplingParams | None = None) -> int:
         """Queue a prompt on the replica with the fewest outstanding tokens; returns its request id (unique

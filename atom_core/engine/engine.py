@@ -28,6 +28,7 @@ from atom_core.engine.kv_pool import plan_pool
 from atom_core.engine.logits_processing import request_processing
 from atom_core.engine.outputs import RequestOutput, StepOutputs
 from atom_core.engine.request import Request
+from atom_core.engine.request_checks import RequestChecks
 from atom_core.engine.runner import LaunchedStep, ModelRunner
 from atom_core.engine.sampling_params import SEED_LIMIT, SamplingParams
 from atom_core.engine.scheduler import Scheduler
@@ -142,6 +143,10 @@ class Engine:
         # What a request without SamplingParams gets (from_pretrained: the checkpoint's generation_config.json).
         self.default_sampling_params = SamplingParams()
         self.max_logprobs = max_logprobs
+        engine = weakref.proxy(self)  # (bound methods would keep the engine, and its KV pool, alive: a cycle)
+        self._checks = RequestChecks(tokenizer, config.vocab_size, self.max_model_len, max_logprobs,
+                                     lambda spec: engine._check_grammar(spec),
+                                     lambda grammar, params: engine._check_compiled(grammar, params))
         self.async_scheduling = bool(async_scheduling)
         self._in_flight: LaunchedStep | None = None  # launched, its tokens not read yet
         self._requests: dict[int, list[Request]] = {}  # by the id add_request returned: the prompt's n sequences
@@ -396,54 +401,7 @@ class Engine:
 
     def _check_request(self, prompt, params, grammar=None) -> tuple[list[int], SamplingParams]:
         params = self.default_sampling_params if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        token_ids = self._encode(prompt)
-        total = len(token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(f"prompt of {len(token_ids)} tokens + max_tokens={params.max_tokens} = {total} "
-                             f"exceeds max_model_len={self.max_model_len}")
-        # (The pool always holds one request of max_model_len: plan_kv_pool refuses smaller pools.)
-        vocab = self.model.config.vocab_size
-        if not all(0 <= t < vocab for t in token_ids):
-            bad = next(t for t in token_ids if not 0 <= t < vocab)
-            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad}")
-        self._check_params_for_model(params, vocab, grammar)
-        return token_ids, params
-
-    def _check_params_for_model(self, params: SamplingParams, vocab: int, grammar=None) -> None:
-        """What SamplingParams cannot check alone: token ids inside this vocabulary, log-prob counts
-        under ``max_logprobs``, bad words that need a tokenizer, a structured output's constraint (or
-        that ``grammar``, compiled already, is this engine's compilation of it)."""
-        def outside(name, token_ids):
-            bad = next((t for t in token_ids if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise ValueError(f"SamplingParams.{name}: token id {bad} is outside the vocabulary [0, {vocab})")
-
-        if params.logit_bias:
-            outside("logit_bias", params.logit_bias)
-        if params.allowed_token_ids is not None:
-            outside("allowed_token_ids", params.allowed_token_ids)
-        for word in params.bad_words or ():
-            if isinstance(word, str):
-                if self.tokenizer is None:
-                    raise ValueError("SamplingParams.bad_words: string words need a tokenizer (tokenizer.json in the "
-                                     "model folder); pass token-id lists instead")
-            else:
-                outside("bad_words", word)
-        if params.structured_outputs is not None:
-            if self.tokenizer is None:
-                raise ValueError("SamplingParams.structured_outputs: structured output needs a tokenizer "
-                                 "(tokenizer.json in the model folder)")
-            if grammar is None:
-                self._check_grammar(params.structured_outputs)  # ValueError naming the problem
-        if grammar is not None:
-            self._check_compiled(grammar, params)
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > self.max_logprobs:
-                raise ValueError(f"SamplingParams.{name}={value}: at most max_logprobs={self.max_logprobs} top "
-                                 f"alternatives (Engine(max_logprobs=...))")
+        return self._checks.check(prompt, params, grammar), params
 
     def compile_structured(self, params: SamplingParams | None) -> CompiledStructuredOutput | None:
         """``params.structured_outputs`` compiled for this engine (None when it asks for none), for
@@ -490,36 +448,6 @@ class Engine:
                     self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model.config.vocab_size,
                                                              self.eos_token_ids)
         return self._grammar_compiler
-
-    def _encode(self, prompt) -> list[int]:
-        """A prompt as a list of Python ints: a string (through the tokenizer), a list or tuple of
-        ints (numpy ints too), or a 1-D integer numpy array or tensor. Bools and everything else are
-        refused by name."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("string prompts need a tokenizer (tokenizer.json in the model folder); "
-                                 "pass token ids instead")
-            token_ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (np.ndarray, torch.Tensor)):
-            kind = "numpy array" if isinstance(prompt, np.ndarray) else "tensor"
-            is_int = (prompt.dtype.kind in "iu") if isinstance(prompt, np.ndarray) else \
-                (not prompt.dtype.is_floating_point and not prompt.dtype.is_complex and prompt.dtype != torch.bool)
-            if prompt.ndim != 1 or not is_int:
-                raise TypeError(f"a token-id prompt given as a {kind} must be 1-D of an integer dtype, got "
-                                f"shape {tuple(prompt.shape)} and dtype {prompt.dtype}")
-            token_ids = prompt.tolist()
-        elif isinstance(prompt, (list, tuple)):
-            if not all(isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_)) for t in prompt):
-                bad = next(t for t in prompt
-                           if not isinstance(t, (int, np.integer)) or isinstance(t, (bool, np.bool_)))
-                raise TypeError(f"a token-id prompt holds ints, got {type(bad).__name__} {bad!r}")
-            token_ids = [int(t) for t in prompt]
-        else:
-            raise TypeError(f"a prompt is a string, a list of int token ids or a 1-D integer array, "
-                            f"got {type(prompt).__name__}")
-        if not token_ids:
-            raise ValueError("empty prompt: a prompt needs at least one token")
-        return token_ids
 
     def abort(self, request_id: int) -> None:
         """Stop a request (all its ``n`` sequences) now and free its blocks. Unknown or finished ids

@@ -249,21 +249,28 @@ def test_bad_constraints_are_refused_by_name_before_anything_is_queued(engine, s
                         use_tqdm=False)
     assert not engine.has_unfinished_requests()
     with pytest.raises(ValueError, match=match):  # the data-parallel front's check: the same refusal
-        front_checks(engine)._check_request("Return the", SamplingParams(structured_outputs=structured))
+        front_checks(engine).check("Return the", SamplingParams(structured_outputs=structured))
 
 
 def front_checks(engine):
-    from atom_core.engine.data_parallel import _RequestChecks
+    """The checks ``DataParallelEngine``'s front builds, for this engine's model."""
+    from atom_core.engine import structured_output
+    from atom_core.engine.request_checks import RequestChecks
 
-    return _RequestChecks(engine.tokenizer, engine.max_model_len, engine.max_logprobs, engine.model.config,
-                          engine.eos_token_ids)
+    return RequestChecks(engine.tokenizer, engine.model.config.vocab_size, engine.max_model_len,
+                         engine.max_logprobs, structured_output.check_grammar)
 
 
-def test_the_data_parallel_front_checks_a_constraint_without_compiling_it(engine):
+def test_the_data_parallel_front_checks_a_constraint_without_compiling_it(engine, monkeypatch):
+    from atom_core.engine import structured_output
+
+    def no_compiler(*args, **kwargs):
+        raise AssertionError("the front built a GrammarCompiler")
+
+    monkeypatch.setattr(structured_output, "GrammarCompiler", no_compiler)
     checks = front_checks(engine)
     for constraint in [*CONSTRAINTS.values(), StructuredOutputsParams(json_object=True)]:
-        checks._check_request("Return the", SamplingParams(structured_outputs=constraint))
-    assert getattr(checks, "_grammar_compiler", None) is None  # no compiler over the vocabulary in the front
+        checks.check("Return the", SamplingParams(structured_outputs=constraint))
 
 
 def test_without_a_tokenizer_or_without_xgrammar_the_request_is_refused(engine, monkeypatch):

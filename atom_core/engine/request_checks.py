@@ -1,0 +1,124 @@
+"""What a request must be before it is queued: its prompt as a list of token ids, and its
+``SamplingParams`` checked against the model that will run it (vocabulary, ``max_model_len``,
+``max_logprobs``, the tokenizer that string bad words and structured output need).
+
+``Engine`` and ``DataParallelEngine``'s front run the same ``RequestChecks``, so both refuse the same
+requests with the same messages, and nothing is queued when one is refused. How a structured-output
+constraint is checked is theirs to say (``check_grammar``): the engine compiles it (the request's own
+compilation is then a cache hit), the front only parses it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from atom_core.engine.sampling_params import SamplingParams
+from atom_core.engine.tokenizer import Tokenizer
+
+
+def encode_prompt(prompt, tokenizer: Tokenizer | None) -> list[int]:
+    """A prompt as a list of Python ints: a string (through the tokenizer), a list or tuple of
+    ints (numpy ints too), or a 1-D integer numpy array or tensor. Bools and everything else are
+    refused by name."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("string prompts need a tokenizer (tokenizer.json in the model folder); "
+                             "pass token ids instead")
+        token_ids = tokenizer.encode(prompt)
+    elif isinstance(prompt, (np.ndarray, torch.Tensor)):
+        kind = "numpy array" if isinstance(prompt, np.ndarray) else "tensor"
+        is_int = (prompt.dtype.kind in "iu") if isinstance(prompt, np.ndarray) else \
+            (not prompt.dtype.is_floating_point and not prompt.dtype.is_complex and prompt.dtype != torch.bool)
+        if prompt.ndim != 1 or not is_int:
+            raise TypeError(f"a token-id prompt given as a {kind} must be 1-D of an integer dtype, got "
+                            f"shape {tuple(prompt.shape)} and dtype {prompt.dtype}")
+        token_ids = prompt.tolist()
+    elif isinstance(prompt, (list, tuple)):
+        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_)) for t in prompt):
+            bad = next(t for t in prompt
+                       if not isinstance(t, (int, np.integer)) or isinstance(t, (bool, np.bool_)))
+            raise TypeError(f"a token-id prompt holds ints, got {type(bad).__name__} {bad!r}")
+        token_ids = [int(t) for t in prompt]
+    else:
+        raise TypeError(f"a prompt is a string, a list of int token ids or a 1-D integer array, "
+                        f"got {type(prompt).__name__}")
+    if not token_ids:
+        raise ValueError("empty prompt: a prompt needs at least one token")
+    return token_ids
+
+
+@dataclass(frozen=True)
+class RequestChecks:
+    """The checks of one engine's requests.
+
+    ``check_grammar(spec)``: raises ValueError naming the problem when a structured-output constraint
+    cannot be served. ``check_compiled(grammar, params)``: that an already compiled ``grammar`` (from
+    ``Engine.compile_structured``) is this engine's compilation of ``params.structured_outputs``; None
+    where requests cannot bring one."""
+
+    tokenizer: Tokenizer | None
+    vocab_size: int
+    max_model_len: int
+    max_logprobs: int
+    check_grammar: Callable[[object], None]
+    check_compiled: Callable[[object, SamplingParams], None] | None = None
+
+    def check(self, prompt, params: SamplingParams, grammar=None) -> list[int]:
+        """The prompt's token ids; raises (TypeError / ValueError naming the problem) when the prompt or
+        ``params`` are not valid for this model, or the request could never fit in ``max_model_len``."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        token_ids = encode_prompt(prompt, self.tokenizer)
+        total = len(token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"prompt of {len(token_ids)} tokens + max_tokens={params.max_tokens} = {total} "
+                             f"exceeds max_model_len={self.max_model_len}")
+        # (The pool always holds one request of max_model_len: plan_kv_pool refuses smaller pools.)
+        vocab = self.vocab_size
+        if not all(0 <= t < vocab for t in token_ids):
+            bad = next(t for t in token_ids if not 0 <= t < vocab)
+            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad}")
+        self.check_params(params, grammar)
+        return token_ids
+
+    def check_params(self, params: SamplingParams, grammar=None) -> None:
+        """What SamplingParams cannot check alone: token ids inside this vocabulary, log-prob counts
+        under ``max_logprobs``, bad words that need a tokenizer, a structured output's constraint (or
+        that ``grammar``, compiled already, is this engine's compilation of it)."""
+        vocab = self.vocab_size
+
+        def outside(name, token_ids):
+            bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(f"SamplingParams.{name}: token id {bad} is outside the vocabulary [0, {vocab})")
+
+        if params.logit_bias:
+            outside("logit_bias", params.logit_bias)
+        if params.allowed_token_ids is not None:
+            outside("allowed_token_ids", params.allowed_token_ids)
+        for word in params.bad_words or ():
+            if isinstance(word, str):
+                if self.tokenizer is None:
+                    raise ValueError("SamplingParams.bad_words: string words need a tokenizer (tokenizer.json in the "
+                                     "model folder); pass token-id lists instead")
+            else:
+                outside("bad_words", word)
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise ValueError("SamplingParams.structured_outputs: structured output needs a tokenizer "
+                                 "(tokenizer.json in the model folder)")
+            if grammar is None:
+                self.check_grammar(params.structured_outputs)  # ValueError naming the problem
+        if grammar is not None:
+            if self.check_compiled is None:
+                raise TypeError("a compiled grammar is taken by Engine.add_request only")
+            self.check_compiled(grammar, params)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.max_logprobs:
+                raise ValueError(f"SamplingParams.{name}={value}: at most max_logprobs={self.max_logprobs} top "
+                                 f"alternatives (Engine(max_logprobs=...))")
