@@ -36,6 +36,7 @@ from atom_core.models.layers.linear import QKVParallelLinear, RowParallelLinear
 from atom_core.models.layers.mlp import GatedMLP
 from atom_core.models.layers.norm import RMSNorm
 from atom_core.models.layers.rotary import RotaryEmbedding
+from atom_core.models.quantization.activation import QuantizedActivation
 from atom_core.models.registry import register_model
 
 
@@ -71,6 +72,11 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size,
                                         o_bias, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, dtype=dtype,
                                         quant_config=quant_config, prefix=f"{prefix}.o_proj")
+        # A block-FP8 o_proj reads its input in 1 x 128 fp8 groups: with Dh = 128, one a head, which the
+        # attention quantizes in its own epilogue (ops.paged_attention(quantize=True): a launch fewer).
+        o_quant = self.o_proj.input_quant
+        self._quantized_out = (o_quant is not None and o_quant.dtype == torch.float8_e4m3fn
+                               and o_quant.group_size == head_dim)
         self.rotary_emb = rotary_emb
         self.attn = PagedAttention(self.num_heads, head_dim, self.num_kv_heads,
                                    scale=head_dim ** -0.5, sliding_window=sliding_window)
@@ -107,6 +113,9 @@ class LlamaAttention(nn.Module):
         else:  # per-head RMSNorm of q and k, then RoPE: one op, in place on the views of qkv
             ops.qk_norm_rope_(q, k, self.q_norm.weight, self.k_norm.weight, positions,
                               self.rotary_emb.cos_sin_cache, eps=self.q_norm.eps, is_neox=self.rotary_emb.is_neox)
+        if self._quantized_out:  # fp8 [T, H, Dh] and a scale a head [T, H]
+            out, scale = self.attn(q, k, v, batch, sinks=self.sinks, quantize=True)
+            return self.o_proj(QuantizedActivation(out.view(num_tokens, self.q_size), scale, q.dtype))
         out = self.attn(q, k, v, batch, sinks=self.sinks)                       # [T, H, Dh]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from atom_core.ops.dispatch import Op, call_op, custom_op
 from atom_core.ops.reference import attention as reference_attention
+from atom_core.ops.reference import quant as reference_quant
 from atom_core.ops.validation import (FLOAT_DTYPES, check_out, check_out_shape, check_same_device, check_shape,
                                       check_tensor, debug_enabled)
 from atom_core.ops.value_checks import check_attention_layout
@@ -34,6 +35,7 @@ from atom_core.ops.value_checks import check_attention_layout
 PAGED_ATTENTION = Op("paged_attention")
 
 FP8_KV_DTYPES = (torch.float8_e4m3fn,)
+FP8_OUT_DTYPE = reference_quant.FP8_DTYPE  # paged_attention(quantize=True)'s output
 # The Triton kernels keep one head (padded to a power of two) in registers per row.
 TRITON_MAX_HEAD_DIM = 256
 # A batch whose queries are this short takes the split-K decode kernel (all query tokens of a row
@@ -43,10 +45,17 @@ DECODE_MAX_TILE_ROWS = 128
 
 
 def _torch_paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k,
-                           scale, sliding_window, logit_softcap, sinks, k_scale, v_scale, out):
-    out.copy_(reference_attention.paged_attention(
+                           scale, sliding_window, logit_softcap, sinks, k_scale, v_scale, out, out_scale):
+    result = reference_attention.paged_attention(
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k, scale=scale,
-        sliding_window=sliding_window, logit_softcap=logit_softcap, sinks=sinks, k_scale=k_scale, v_scale=v_scale))
+        sliding_window=sliding_window, logit_softcap=logit_softcap, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+    if out_scale is None:
+        out.copy_(result)
+        return
+    num_tokens, _, head_dim = q.shape
+    got_q, got_scale = reference_quant.per_group_quant(result.reshape(num_tokens, -1), out.dtype, head_dim)
+    out.copy_(got_q.view(q.shape))
+    out_scale.copy_(got_scale)
 
 
 def uses_split_k_decode(max_seqlen_q: int, num_heads: int, num_kv_heads: int) -> bool:
@@ -60,31 +69,43 @@ def uses_split_k_decode(max_seqlen_q: int, num_heads: int, num_kv_heads: int) ->
 
 
 def _triton_paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k,
-                            scale, sliding_window, logit_softcap, sinks, k_scale, v_scale, out):
-    if uses_split_k_decode(max_seqlen_q, q.shape[1], k_cache.shape[2]):
-        kernel = importlib.import_module("atom_core.ops.triton.attention_decode").paged_attention_decode
-    else:
-        kernel = importlib.import_module("atom_core.ops.triton.attention_unified").paged_attention_unified
-    kernel(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k, scale,
-           sliding_window, logit_softcap, sinks, k_scale, v_scale, out)
+                            scale, sliding_window, logit_softcap, sinks, k_scale, v_scale, out, out_scale):
+    args = (q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k, scale,
+            sliding_window, logit_softcap, sinks, k_scale, v_scale)
+    if uses_split_k_decode(max_seqlen_q, q.shape[1], k_cache.shape[2]):  # quantizes in its epilogue
+        importlib.import_module("atom_core.ops.triton.attention_decode").paged_attention_decode(*args, out, out_scale)
+        return
+    unified = importlib.import_module("atom_core.ops.triton.attention_unified").paged_attention_unified
+    if out_scale is None:
+        unified(*args, out)
+        return
+    result = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # prefill: the output, then its quantization
+    unified(*args, result)
+    num_tokens = q.shape[0]
+    importlib.import_module("atom_core.ops.triton.quant").per_group_quant(
+        result.view(num_tokens, -1), q.shape[2], out.view(num_tokens, -1), out_scale)
 
 
 def _triton_supports(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k,
-                     scale, sliding_window, logit_softcap, sinks, k_scale, v_scale, out) -> str | None:
+                     scale, sliding_window, logit_softcap, sinks, k_scale, v_scale, out, out_scale) -> str | None:
     if any(t.stride(-1) != 1 for t in (q, k_cache, v_cache, out)):
         return "triton attention needs the head dim (last dim) of q, out and the caches contiguous"
+    if out_scale is not None and (not out.is_contiguous() or out_scale.stride(-1) != 1):
+        return "triton attention quantizing its output needs out contiguous and out_scale's last dim contiguous"
     if q.shape[-1] > TRITON_MAX_HEAD_DIM:
         return f"head dim {q.shape[-1]} exceeds {TRITON_MAX_HEAD_DIM}"
-    if k_cache.dtype in FP8_KV_DTYPES and q.is_cuda and torch.cuda.get_device_capability(q.device) < (8, 9):
-        return "fp8 (e4m3) caches need a GPU of compute capability 8.9 or newer"
+    if (k_cache.dtype in FP8_KV_DTYPES or out_scale is not None) and q.is_cuda and \
+            torch.cuda.get_device_capability(q.device) < (8, 9):
+        return "fp8 (e4m3) caches and outputs need a GPU of compute capability 8.9 or newer"
     return None
 
 
 def _triton_key(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k,
-                scale, sliding_window, logit_softcap, sinks, k_scale, v_scale, out):
+                scale, sliding_window, logit_softcap, sinks, k_scale, v_scale, out, out_scale):
     """What :func:`_triton_supports` reads (the compute capability follows from q's device, in the signature)."""
+    quant = out_scale is not None and (out.is_contiguous(), out_scale.stride()[-1] == 1)
     return (q.stride()[-1] == 1, k_cache.stride()[-1] == 1, v_cache.stride()[-1] == 1, out.stride()[-1] == 1,
-            q.shape[-1] > TRITON_MAX_HEAD_DIM, k_cache.dtype)
+            q.shape[-1] > TRITON_MAX_HEAD_DIM, k_cache.dtype, quant)
 
 
 def _aiter_supports(*args) -> str | None:
@@ -98,19 +119,19 @@ PAGED_ATTENTION.register("aiter", "atom_core.ops.aiter.attention:paged_attention
                          "atom_core.ops.aiter.attention:supports_key")
 
 
-@custom_op("paged_attention", mutates_args=("out",))
+@custom_op("paged_attention", mutates_args=("out", "out_scale"))
 def _paged_attention_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, cu_seqlens_q: Tensor,
                         context_lens: Tensor, max_seqlen_q: int, max_seqlen_k: int, scale: float,
                         sliding_window: Optional[int], logit_softcap: float, sinks: Optional[Tensor],
-                        k_scale: Optional[Tensor], v_scale: Optional[Tensor], out: Tensor,
+                        k_scale: Optional[Tensor], v_scale: Optional[Tensor], out: Tensor, out_scale: Optional[Tensor],
                         backend: Optional[str]) -> None:
     PAGED_ATTENTION(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k, scale,
-                    sliding_window, logit_softcap, sinks, k_scale, v_scale, out, backend=backend)
+                    sliding_window, logit_softcap, sinks, k_scale, v_scale, out, out_scale, backend=backend)
 
 
 @_paged_attention_op.register_fake
 def _(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k, scale,
-      sliding_window, logit_softcap, sinks, k_scale, v_scale, out, backend) -> None:
+      sliding_window, logit_softcap, sinks, k_scale, v_scale, out, out_scale, backend) -> None:
     return None
 
 
@@ -132,7 +153,7 @@ def _check_scale_tensor(name: str, t: Tensor | None) -> None:
 
 
 def _check_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k, scale,
-                sliding_window, logit_softcap, sinks, k_scale, v_scale, out) -> None:
+                sliding_window, logit_softcap, sinks, k_scale, v_scale, out, quantize=False) -> None:
     """The per-call checks, run in debug mode only (atom_core.ops.validation)."""
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     _, num_heads, head_dim = q.shape
@@ -163,7 +184,8 @@ def _check_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, m
         check_shape("sinks", sinks, (num_heads,))
     _check_scale_tensor("k_scale", k_scale)
     _check_scale_tensor("v_scale", v_scale)
-    check_out("out", out, q.shape, q.dtype, q.device)
+    if not quantize:
+        check_out("out", out, q.shape, q.dtype, q.device)
     check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, cu_seqlens_q=cu_seqlens_q,
                       context_lens=context_lens, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
     check_attention_layout(q.shape[0], k_cache.shape[0], k_cache.shape[1], block_tables, cu_seqlens_q, context_lens,
@@ -174,7 +196,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
                     context_lens: Tensor, max_seqlen_q: int, max_seqlen_k: int, *, scale: float,
                     sliding_window: int | None = None, logit_softcap: float = 0.0, sinks: Tensor | None = None,
                     k_scale: Tensor | None = None, v_scale: Tensor | None = None, out: Tensor | None = None,
-                    backend: str | None = None) -> Tensor:
+                    quantize: bool = False, backend: str | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """Causal attention of each row's query tokens over its context in the paged KV pool.
 
     q: [T, Hq, D] fp32/fp16/bf16 (any strides with the last dim contiguous for Triton, e.g. a view
@@ -193,21 +215,34 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
     sinks: fp32 [Hq] or None, one extra logit per head in the softmax denominator (GPT-OSS).
     k_scale, v_scale: fp32 [1] or None, dequantisation scales applied to the cached keys / values.
     out: [T, Hq, D] in q's dtype, written and returned; allocated when None.
+    quantize: return ``(out, out_scale)`` instead: the output quantized to float8_e4m3fn with one fp32
+        scale per head, out [T, Hq, D] and out_scale [T, Hq] (allocated; ``out`` must be None). They are
+        exactly ``per_group_quant`` of the output (in q's dtype) viewed as [T, Hq * D] with
+        ``group_size=D``: with D = 128 the 1 x 128 groups of a block-FP8 o_proj's input, which the decode
+        kernels quantize in their epilogue (one launch fewer; prefill quantizes after the kernel).
 
     Query i of row r sits at position ``p = context_lens[r] - q_len + i`` and sees keys
     ``j <= p`` (bottom-right causal). GQA / MQA: query head h reads kv head ``h // (Hq // Hk)``.
     Rows with ``context_lens == 0`` get zeros. Returns out. Debug mode checks the layout's contents
     (``atom_core.ops.value_checks.check_attention_layout``); docs/ops.md says what happens without.
     """
+    if quantize and out is not None:
+        raise ValueError("paged_attention(quantize=True) allocates its fp8 output and scales: pass out=None")
     if debug_enabled():
         _check_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k, scale,
-                    sliding_window, logit_softcap, sinks, k_scale, v_scale, out)
+                    sliding_window, logit_softcap, sinks, k_scale, v_scale, out, quantize)
     elif out is not None:  # always on (see check_out_shape)
         check_out_shape("out", out, q.shape)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+    out_scale = None
+    if quantize:
+        out = torch.empty(q.shape, dtype=FP8_OUT_DTYPE, device=q.device)
+        out_scale = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    elif out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     call_op("paged_attention", q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q,
-            max_seqlen_k, float(scale), sliding_window, float(logit_softcap), sinks, k_scale, v_scale, out, backend)
-    return out
+            max_seqlen_k, float(scale), sliding_window, float(logit_softcap), sinks, k_scale, v_scale, out, out_scale,
+            backend)
+    return (out, out_scale) if quantize else out
 
 
 def paged_attention_from_layout(q: Tensor, k_cache: Tensor, v_cache: Tensor, layout, **kwargs) -> Tensor:

@@ -389,10 +389,13 @@ def unfused(model: torch.nn.Module) -> torch.nn.Module:
     linear layer then quantizes its own input (``models.quantization.activation``)."""
     from atom_core.models.base import PreNormDecoderLayer
     from atom_core.models.layers.mlp import GatedMLP
+    from atom_core.models.llama import LlamaAttention
 
     for module in model.modules():
         if isinstance(module, PreNormDecoderLayer):
             module._attn_quant = module._mlp_quant = None
         if isinstance(module, GatedMLP):
             module._down_quant = None
+        if isinstance(module, LlamaAttention):
+            module._quantized_out = False
     return model

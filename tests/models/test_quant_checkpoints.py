@@ -65,6 +65,7 @@ from atom_core.models.quantization import (
     UnsupportedQuantizationError,
     quantize_weight,
 )
+from atom_core.models.quantization.activation import QuantizedActivation
 from atom_core.models.quantization.schemes import make_scheme
 from atom_core.ops.dispatch import trace_backends
 from tests.models import quant_checkpoints as qc
@@ -233,14 +234,25 @@ FUSED_INPUT_QUANT = {A.DYNAMIC_PER_GROUP_128, A.DYNAMIC_PER_TOKEN}  # the scheme
 
 def check_fused_input_quantization(loaded: Loaded) -> None:
     """The norms before qkv_proj / a decoder layer's gate_up_proj and every gated MLP's SiLU quantize for the
-    layer after them exactly where its scheme quantizes its input dynamically, and the logits equal those of
-    the same model with each linear layer quantizing its own input, bit for bit (torch backend)."""
+    layer after them exactly where its scheme quantizes its input dynamically, so does the attention for
+    a block-FP8 o_proj (Dh = 128: a group a head), and the logits equal those of the same model with each
+    linear layer quantizing its own input, bit for bit (torch backend)."""
     layers = linear_layers(loaded.quantized)
     fused = {name for name, layer in layers.items() if layer.scheme.activation in FUSED_INPUT_QUANT}
     for name, layer in layers.items():
         assert (layer.input_quant is not None) == (name in fused), name
+    o_inputs = {}  # o_proj's input, by layer: quantized by the attention where its groups are the heads
+    hooks = [layers[name].register_forward_pre_hook(lambda m, args, name=name: o_inputs.setdefault(name, args[0]))
+             for name in layers if name.endswith("self_attn.o_proj")]
     with trace_backends() as calls:
         fused_logits = model_logits(loaded.quantized)
+    for hook in hooks:
+        hook.remove()
+    head_dim = loaded.quantized.config.head_dim
+    for name, x in o_inputs.items():
+        quant = layers[name].input_quant
+        by_heads = quant is not None and quant.dtype == torch.float8_e4m3fn and quant.group_size == head_dim
+        assert isinstance(x, QuantizedActivation) == by_heads, name
     names = [op for op, _ in calls]
     want = {"rms_norm_quant": sum(n.endswith(("self_attn.qkv_proj", "mlp.gate_up_proj"))  # one forward
                                   and not n.endswith("shared_experts.gate_up_proj") for n in fused),

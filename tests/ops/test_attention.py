@@ -352,12 +352,16 @@ def test_auto_dispatch_serves_every_backend_the_same():
     torch.testing.assert_close(paged_attention(*batch.args(), scale=SCALE, backend="torch"), batch.twin())
 
 
-def test_custom_op_passes_opcheck():
+@pytest.mark.parametrize("quantize", [False, True])
+def test_custom_op_passes_opcheck(quantize):
     batch = PagedBatch([2, 1], [1, 3], seed=23)
-    out = torch.empty_like(batch.q)
+    out = torch.empty(batch.q.shape, dtype=torch.float8_e4m3fn if quantize else batch.q.dtype)
+    out_scale = torch.empty(batch.q.shape[:2]) if quantize else None
+    # (the schema test compares the mutated arguments with arithmetic CPU torch lacks for fp8: the fake
+    # tensors only, for the quantized form; its schema is the same)
     torch.library.opcheck(torch.ops.atom_core.paged_attention.default,
-                          (*batch.args(), SCALE, 3, 0.0, sinks_for(4), None, None, out, "torch"),
-                          test_utils=("test_schema", "test_faketensor"))
+                          (*batch.args(), SCALE, 3, 0.0, sinks_for(4), None, None, out, out_scale, "torch"),
+                          test_utils=("test_faketensor",) if quantize else ("test_schema", "test_faketensor"))
 
 
 def test_traces_whole_under_torch_compile():
@@ -454,7 +458,7 @@ def test_aiter_adapter_argument_mapping(monkeypatch, query_lens, cached_lens, fe
                        seed=29, device="cpu")
     out = torch.empty_like(batch.q)
     args = (*batch.args(), SCALE, features.get("sliding_window"), features.get("logit_softcap", 0.0), None, None, None,
-            out)
+            out, None)
     assert aiter_attention.supports(*args) is None
     aiter_attention.paged_attention(*args)
     torch.testing.assert_close(out, batch.twin(**features), **tolerance(torch.bfloat16, ATTENTION))
@@ -472,13 +476,14 @@ def test_aiter_supports_is_conservative(monkeypatch):
     fake_aiter.install(monkeypatch, {})
     aiter_attention = importlib.import_module("atom_core.ops.aiter.attention")  # re-imported against the fake
 
-    def reason(batch, **features):
+    def reason(batch, out_scale=None, **features):
         return aiter_attention.supports(*batch.args(), SCALE, features.get("sliding_window"),
                                         features.get("logit_softcap", 0.0), features.get("sinks"), batch.k_scale,
-                                        batch.v_scale, torch.empty_like(batch.q))
+                                        batch.v_scale, torch.empty_like(batch.q), out_scale)
 
     decode = PagedBatch([1, 1], [5, 9], block_size=16, head_dim=64, dtype=torch.bfloat16, device="cpu")
     assert reason(decode) is None
+    assert "quantize its output" in reason(decode, out_scale=torch.empty(2, 4))
     assert "bf16/fp16" in reason(PagedBatch([1], [5], block_size=16, head_dim=64, device="cpu"))
     assert "sinks" in reason(decode, sinks=torch.zeros(4))
     assert "softcap" in reason(decode, logit_softcap=5.0)

@@ -78,13 +78,14 @@ class PagedAttention(nn.Module):
         self.k_scale, self.v_scale = k_scale, v_scale
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepLayout, *,
-                sinks: torch.Tensor | None = None) -> torch.Tensor:
+                sinks: torch.Tensor | None = None, quantize: bool = False):
         """Store k, v at ``batch.slot_mapping`` and attend.
 
         q: [T, H, D]; k, v: [T, Hk, D] (same dtype); batch: the step's layout, on q's device;
         sinks: optional fp32 [H] extra softmax logit per head (GPT-OSS), owned by the caller so
         its parameter keeps the checkpoint's name.
-        Returns [T, H, D] in q's dtype.
+        Returns [T, H, D] in q's dtype; with ``quantize``, ``(out, scale)``: the output as fp8 e4m3fn
+        [T, H, D] with one fp32 scale per head [T, H] (``ops.paged_attention(quantize=True)``).
         """
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError(
@@ -100,6 +101,7 @@ class PagedAttention(nn.Module):
             q, self.k_cache, self.v_cache, batch.block_tables, batch.cu_seqlens_q, batch.context_lens,
             batch.max_seqlen_q, batch.max_seqlen_k, scale=self.scale, sliding_window=self.sliding_window,
             logit_softcap=self.logit_softcap, sinks=sinks, k_scale=self.k_scale, v_scale=self.v_scale,
+            quantize=quantize,
         )
 
     def extra_repr(self) -> str:

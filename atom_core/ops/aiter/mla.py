@@ -150,7 +150,7 @@ def prefill_supports(q_nope, q_pe, mla_cache, w_uk, w_uv, block_tables, cu_seqle
         return f"aiter mla_prefill_attention takes bf16/fp16 queries, got {q_nope.dtype}"
     q, pool, tables = _expanded_meta(q_nope, q_pe, mla_cache, w_uv, block_tables)
     why = aiter_attention.supports(q, pool, pool, tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k,
-                                   scale, None, 0.0, None, None, None, q)
+                                   scale, None, 0.0, None, None, None, q, None)
     return None if why is None else f"the expanded attention (head dim {q.shape[-1]}): {why}"
 
 
@@ -161,7 +161,7 @@ def prefill_key(q_nope, q_pe, mla_cache, w_uk, w_uv, block_tables, cu_seqlens_q,
         return (q_nope.dtype,)
     q, pool, tables = _expanded_meta(q_nope, q_pe, mla_cache, w_uv, block_tables)
     return q_nope.dtype, aiter_attention.supports_key(q, pool, pool, tables, cu_seqlens_q, context_lens, max_seqlen_q,
-                                                      max_seqlen_k, scale, None, 0.0, None, None, None, q)
+                                                      max_seqlen_k, scale, None, 0.0, None, None, None, q, None)
 
 
 def mla_prefill_attention(q_nope, q_pe, mla_cache, w_uk, w_uv, block_tables, cu_seqlens_q, context_lens,
@@ -171,5 +171,5 @@ def mla_prefill_attention(q_nope, q_pe, mla_cache, w_uk, w_uv, block_tables, cu_
     q, k_cache, v_cache, tables = expand_pages(q_nope, q_pe, mla_cache, w_uk, w_uv, block_tables, kv_scale)
     out_full = torch.empty_like(q)
     aiter_attention.paged_attention(q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, max_seqlen_q,
-                                    max_seqlen_k, scale, None, 0.0, None, None, None, out_full)
+                                    max_seqlen_k, scale, None, 0.0, None, None, None, out_full, None)
     out.copy_(out_full[:, :, :w_uv.shape[1]])

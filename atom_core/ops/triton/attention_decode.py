@@ -28,27 +28,52 @@ import triton
 import triton.language as tl
 
 from atom_core.ops.dispatch import triton_interpret
+from atom_core.ops.reference.quant import AMAX_FLOOR as _AMAX_FLOOR
+from atom_core.ops.reference.quant import FP8_DTYPE, qmax
 from atom_core.ops.triton.attention_unified import attend_key_range, dot_options
 from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2
+from atom_core.ops.triton.quant import round_to_format
 
 # Programs wanted per SM; fewer programs than this leave HBM bandwidth unused.
 PROGRAMS_PER_SM = 2
 # A split shorter than this many keys costs more in partial writes than it gains.
 MIN_KEYS_PER_SPLIT = 128
 MAX_SPLITS = 64
+AMAX_FLOOR = tl.constexpr(_AMAX_FLOOR)  # the quantized output's scales, as per_group_quant's
+FP8_MAX = tl.constexpr(qmax(FP8_DTYPE))
+TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}  # q's, for stores
+
+
+@triton.jit
+def _store_output(out, out_ptr, out_scale_ptr, rows, scale_offs, offs_d, row_ok, d_ok,
+                  OUT_DTYPE: tl.constexpr, QUANT: tl.constexpr):
+    """out fp32 [R, HEAD_DIM_PAD], one (token, q head) a row at element offsets ``rows`` of out_ptr → stored
+    in out's dtype, or, with QUANT, as fp8 e4m3fn with one scale a row (a head) at ``scale_offs`` of
+    out_scale_ptr: rounded to OUT_DTYPE (q's) first, then quantized as ``per_group_quant`` with group = D
+    quantizes the rounded output when it reads it back, bit for bit."""
+    mask = row_ok[:, None] & d_ok[None, :]
+    if QUANT:
+        y = tl.where(mask, out.to(OUT_DTYPE).to(tl.float32), 0.0)
+        scale = tl.div_rn(tl.maximum(tl.max(tl.abs(y), axis=1), AMAX_FLOOR), FP8_MAX)
+        q = round_to_format(tl.div_rn(y, scale[:, None]), FP8_MAX, False)
+        tl.store(out_ptr + rows[:, None] + offs_d[None, :], q.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_scale_ptr + scale_offs, scale, mask=row_ok)
+    else:
+        tl.store(out_ptr + rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, out_scale_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
     block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr,
-    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_st,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     num_heads, scale, softcap, sliding_window,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, GROUP: tl.constexpr, MAX_QLEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     HAS_K_SCALE: tl.constexpr, HAS_V_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    QUANT: tl.constexpr, OUT_DTYPE: tl.constexpr,
 ):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -102,9 +127,8 @@ def _decode_split_kernel(
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         if HAS_V_SCALE:
             out = out * tl.load(v_scale_ptr)
-        out_rows = t * stride_ot + head * stride_oh
-        tl.store(out_ptr + out_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & d_ok[None, :])
+        _store_output(out, out_ptr, out_scale_ptr, t * stride_ot + head * stride_oh, t * stride_st + head, offs_d,
+                      row_ok, d_ok, OUT_DTYPE, QUANT)
     else:
         # Partials are [T, Hq, S] (max, sum) and [T, Hq, S, D] (output), contiguous.
         part = (t * num_heads + head) * NUM_SPLITS + split
@@ -115,10 +139,10 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, sinks_ptr, v_scale_ptr,
-    stride_ot, stride_oh, num_heads,
+    out_ptr, out_scale_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, sinks_ptr, v_scale_ptr,
+    stride_ot, stride_oh, stride_st, num_heads,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    HAS_SINKS: tl.constexpr, HAS_V_SCALE: tl.constexpr,
+    HAS_SINKS: tl.constexpr, HAS_V_SCALE: tl.constexpr, QUANT: tl.constexpr, OUT_DTYPE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -143,7 +167,9 @@ def _decode_reduce_kernel(
     out = tl.sum(acc * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
     if HAS_V_SCALE:
         out = out * tl.load(v_scale_ptr)
-    tl.store(out_ptr + t * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+    one = tl.arange(0, 1)  # the row as a [1, HEAD_DIM_PAD] tile
+    _store_output(out[None, :], out_ptr, out_scale_ptr, t * stride_ot + head * stride_oh + one, t * stride_st + head + one,
+                  offs_d, one == 0, d_ok, OUT_DTYPE, QUANT)
 
 
 @functools.lru_cache(maxsize=None)
@@ -194,9 +220,11 @@ def _launch_params(num_heads: int, num_kv_heads: int, head_dim: int, page_size: 
 
 
 def paged_attention_decode(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k,
-                           scale, sliding_window, logit_softcap, sinks, k_scale, v_scale, out, num_splits=None):
-    """Fill out [T, Hq, D] (arguments as ``atom_core.ops.paged_attention``) for batches whose query
-    lengths are all <= ``max_seqlen_q`` (small). ``num_splits`` overrides the heuristic (tests)."""
+                           scale, sliding_window, logit_softcap, sinks, k_scale, v_scale, out, out_scale=None,
+                           num_splits=None):
+    """Fill out [T, Hq, D] (arguments as ``atom_core.ops.paged_attention``; with ``out_scale`` [T, Hq], out is
+    fp8 e4m3fn, one scale a head) for batches whose query lengths are all <= ``max_seqlen_q`` (small).
+    ``num_splits`` overrides the heuristic (tests)."""
     num_tokens, num_heads, head_dim = q.shape
     num_rows = block_tables.shape[0]
     if num_tokens == 0 or num_rows == 0:
@@ -212,22 +240,27 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, cu_seqlens_q, cont
         part_sum = torch.empty_like(part_max)
     else:
         part_out = part_max = part_sum = None
+    quant = out_scale is not None
+    stride_st = out_scale.stride(0) if quant else 0
+    out_dtype = TL_DTYPES[q.dtype]
     _decode_split_kernel[(num_rows, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, out, part_out, part_max, part_sum,
+        q, k_cache, v_cache, out, out_scale, part_out, part_max, part_sum,
         block_tables, cu_seqlens_q, context_lens, sinks, k_scale, v_scale,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), stride_st,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         num_heads, float(scale), float(logit_softcap), int(sliding_window or 0), NUM_SPLITS=num_splits,
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_softcap > 0, HAS_SINKS=sinks is not None,
-        HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None, **constexprs, **options,
+        HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None, QUANT=quant, OUT_DTYPE=out_dtype,
+        **constexprs, **options,
     )
     if num_splits > 1:
         head_dim_pad = constexprs["HEAD_DIM_PAD"]
         _decode_reduce_kernel[(num_tokens, num_heads)](
-            out, part_out, part_max, part_sum, sinks, v_scale,
-            out.stride(0), out.stride(1), num_heads,
+            out, out_scale, part_out, part_max, part_sum, sinks, v_scale,
+            out.stride(0), out.stride(1), stride_st, num_heads,
             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=num_splits,
             SPLITS_PAD=next_power_of_2(num_splits), HAS_SINKS=sinks is not None,
-            HAS_V_SCALE=v_scale is not None, num_warps=4 if head_dim_pad >= 128 else 2,
+            HAS_V_SCALE=v_scale is not None, QUANT=quant, OUT_DTYPE=out_dtype,
+            num_warps=4 if head_dim_pad >= 128 else 2,
         )

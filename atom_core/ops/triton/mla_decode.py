@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from atom_core.ops.dispatch import triton_interpret
-from atom_core.ops.triton.attention_decode import _decode_reduce_kernel, choose_num_splits
+from atom_core.ops.triton.attention_decode import TL_DTYPES, _decode_reduce_kernel, choose_num_splits
 from atom_core.ops.triton.attention_unified import _tile_rows, dot_options
 from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2
 
@@ -281,10 +281,11 @@ def launch_reduce(o_lat, part_out, part_max, part_sum, kv_scale, num_splits):
     num_heads, num_tokens, latent_dim = o_lat.shape  # o_lat is [H, T, L]
     latent_pad = max(next_power_of_2(latent_dim), 16)
     _decode_reduce_kernel[(num_tokens, num_heads)](
-        o_lat, part_out, part_max, part_sum, None, kv_scale,
-        o_lat.stride(1), o_lat.stride(0), num_heads,
+        o_lat, None, part_out, part_max, part_sum, None, kv_scale,
+        o_lat.stride(1), o_lat.stride(0), 0, num_heads,
         HEAD_DIM=latent_dim, HEAD_DIM_PAD=latent_pad, NUM_SPLITS=num_splits, SPLITS_PAD=next_power_of_2(num_splits),
-        HAS_SINKS=False, HAS_V_SCALE=kv_scale is not None, num_warps=4 if latent_pad >= 128 else 2,
+        HAS_SINKS=False, HAS_V_SCALE=kv_scale is not None, QUANT=False, OUT_DTYPE=TL_DTYPES[o_lat.dtype],
+        num_warps=4 if latent_pad >= 128 else 2,
     )
 
 
