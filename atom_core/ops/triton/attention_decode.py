@@ -31,7 +31,7 @@ from atom_core.ops.dispatch import triton_interpret
 from atom_core.ops.reference.quant import AMAX_FLOOR as _AMAX_FLOOR
 from atom_core.ops.reference.quant import FP8_DTYPE, qmax
 from atom_core.ops.triton.attention_unified import attend_key_range, dot_options
-from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2
+from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2, num_sms
 from atom_core.ops.triton.quant import round_to_format
 
 # Programs wanted per SM; fewer programs than this leave HBM bandwidth unused.
@@ -172,11 +172,6 @@ def _decode_reduce_kernel(
                   offs_d, one == 0, d_ok, OUT_DTYPE, QUANT)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def choose_num_splits(num_rows: int, num_kv_heads: int, max_seqlen_k: int, device: torch.device) -> int:
     """Splits per row so that B * Hk * splits reaches ``PROGRAMS_PER_SM`` programs per SM.
 
@@ -186,7 +181,7 @@ def choose_num_splits(num_rows: int, num_kv_heads: int, max_seqlen_k: int, devic
     if device.type != "cuda":
         return 1
     programs = max(num_rows * num_kv_heads, 1)
-    wanted = cdiv(PROGRAMS_PER_SM * _sm_count(device.index or 0), programs)
+    wanted = cdiv(PROGRAMS_PER_SM * num_sms(device.index or 0), programs)
     useful = cdiv(max(max_seqlen_k, 1), MIN_KEYS_PER_SPLIT)
     return max(1, min(wanted, useful, MAX_SPLITS))
 
