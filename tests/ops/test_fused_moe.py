@@ -10,6 +10,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from atom_core.ops import fused_moe as fused_moe_module
 from atom_core.ops.fused_moe import fused_experts
@@ -122,11 +124,12 @@ def test_twin_matches_hf_gpt_oss_experts():
 # ------------------------------------------------------------------------------------------ moe_align
 
 @needs_triton
-@pytest.mark.parametrize("tokens, experts, top_k, block_m, dtype", [
-    (1, 8, 2, 16, torch.int32), (33, 4, 2, 16, torch.int32), (7, 64, 8, 32, torch.int64), (5, 3, 3, 16, torch.int32),
-    (130, 128, 8, 64, torch.int64),  # 1,040 choices: one loop step of 2,048, partly masked
-    (300, 16, 8, 16, torch.int32),   # 2,400 choices: two steps of 2,048, the second partial
-])
+@settings(max_examples=25, deadline=None)
+@given(tokens=st.integers(1, 300), experts=st.integers(1, 130), top_k=st.integers(1, 8),
+       block_m=st.sampled_from([16, 32, 64]), dtype=st.sampled_from([torch.int32, torch.int64]))
+@example(tokens=130, experts=128, top_k=8, block_m=64, dtype=torch.int64)  # 1,040 choices: one step of 2,048
+@example(tokens=300, experts=16, top_k=8, block_m=16, dtype=torch.int32)   # 2,400: two steps, the second partial
+@example(tokens=1, experts=8, top_k=2, block_m=16, dtype=torch.int32)
 def test_moe_align_matches_its_definition(tokens, experts, top_k, block_m, dtype):
     from atom_core.ops.triton.moe_align import align_sizes, moe_align
     g = torch.Generator().manual_seed(tokens)
