@@ -66,7 +66,7 @@ def _configs():
     """(the sweep's tile configs, the smoke sweep's); imported late: Triton's interpreter is switched on first."""
     from atom_core.ops.triton.mla_decode import MLAConfig
 
-    return ([MLAConfig(h, n, w, st) for h in (16, 32, 64) for n in (16, 32) for w in (4, 8) for st in (1, 2)],
+    return ([MLAConfig(h, n, w, st) for h in (16, 32, 64) for n in (16, 32, 64) for w in (4, 8) for st in (1, 2)],
             [MLAConfig(4, 16, 4, 1)])
 
 
@@ -157,6 +157,12 @@ def _backend() -> str:
     return "triton" if backend_available("triton") else "torch"
 
 
+def _device_index(device: str) -> int | None:
+    """The CUDA device index of ``device`` (the kernels' default config depends on it), None off CUDA."""
+    d = torch.device(device)
+    return (torch.cuda.current_device() if d.index is None else d.index) if d.type == "cuda" else None
+
+
 def _bandwidth(nbytes: int, ms: float, copy_gbs: float) -> dict:
     gbs = nbytes / (ms * 1e-3) / 1e9
     return {"MB_read": nbytes / 1e6, "GB/s": gbs, "%copy": 100 * gbs / copy_gbs}
@@ -195,7 +201,7 @@ def _decode_row(rows, context, s, device, timed, copy_gbs, twin_baseline) -> dic
         twin_t = guarded(timed, lambda: lambda: twin.mla_decode_attention(
             p.q_nope, p.q_pe, p.mla_cache, p.w_uk, p.w_uv, *p.layout(), scale=p.scale), graph=False)
     head_blocks = math.ceil(s["heads"] / default_config(s["heads"], latent_pads(s["latent"], s["rope"])[0],
-                                                         s["dtype"], triton_interpret()).block_h)
+                                                         s["dtype"], triton_interpret(), _device_index(device)).block_h)
     ms = ours.ms
     return {"case": "mla decode", "batch": rows, "context": context, "topk": None, "backend": backend,
             "splits": choose_num_splits(rows, head_blocks, context, torch.device(device)), "ms": ms,
@@ -262,7 +268,7 @@ def _sweep_rows(s, device, timed, copy_gbs, smoke) -> list[dict]:
     p = make_problem(rows, context, s, device)
     out = torch.empty(rows, s["heads"], s["v_dim"], dtype=s["dtype"], device=device)
     default = mla_decode.default_config(s["heads"], mla_decode.latent_pads(s["latent"], s["rope"])[0], s["dtype"],
-                                        triton_interpret())
+                                        triton_interpret(), _device_index(device))
     configs = _configs()[1 if smoke else 0]
     out_rows = []
     for config in [default] + [c for c in configs if c != default]:

@@ -73,7 +73,7 @@ class LlamaAttention(nn.Module):
                                         o_bias, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, dtype=dtype,
                                         quant_config=quant_config, prefix=f"{prefix}.o_proj")
         # A block-FP8 o_proj reads its input in 1 x 128 fp8 groups: with Dh = 128, one a head, which the
-        # attention quantizes in its own epilogue (ops.paged_attention(quantize=True): a launch fewer).
+        # attention quantizes (ops.paged_attention(quantize=True): a launch fewer where it splits the context).
         o_quant = self.o_proj.input_quant
         self._quantized_out = (o_quant is not None and o_quant.dtype == torch.float8_e4m3fn
                                and o_quant.group_size == head_dim)

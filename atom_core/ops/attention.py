@@ -72,7 +72,7 @@ def _triton_paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
                             scale, sliding_window, logit_softcap, sinks, k_scale, v_scale, out, out_scale):
     args = (q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k, scale,
             sliding_window, logit_softcap, sinks, k_scale, v_scale)
-    if uses_split_k_decode(max_seqlen_q, q.shape[1], k_cache.shape[2]):  # quantizes in its epilogue
+    if uses_split_k_decode(max_seqlen_q, q.shape[1], k_cache.shape[2]):  # quantizes as it sees fit
         importlib.import_module("atom_core.ops.triton.attention_decode").paged_attention_decode(*args, out, out_scale)
         return
     unified = importlib.import_module("atom_core.ops.triton.attention_unified").paged_attention_unified
@@ -218,8 +218,9 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
     quantize: return ``(out, out_scale)`` instead: the output quantized to float8_e4m3fn with one fp32
         scale per head, out [T, Hq, D] and out_scale [T, Hq] (allocated; ``out`` must be None). They are
         exactly ``per_group_quant`` of the output (in q's dtype) viewed as [T, Hq * D] with
-        ``group_size=D``: with D = 128 the 1 x 128 groups of a block-FP8 o_proj's input, which the decode
-        kernels quantize in their epilogue (one launch fewer; prefill quantizes after the kernel).
+        ``group_size=D``: with D = 128 the 1 x 128 groups of a block-FP8 o_proj's input. Triton: a decode
+        split over the context quantizes in its reduce kernel's epilogue (one launch fewer); one split and
+        prefill quantize after the kernel.
 
     Query i of row r sits at position ``p = context_lens[r] - q_len + i`` and sees keys
     ``j <= p`` (bottom-right causal). GQA / MQA: query head h reads kv head ``h // (Hq // Hk)``.

@@ -1,8 +1,8 @@
 """``paged_attention(quantize=True)``: the output quantized to fp8 with one scale per head, defined as
-``per_group_quant`` of the output (in q's dtype) with ``group_size = D``. The Triton decode kernels
-quantize in their epilogue (one split's program, or the reduce of several), so their result must equal
-the same kernel's unquantized output quantized by ``per_group_quant`` bit for bit; prefill quantizes after
-the unified kernel."""
+``per_group_quant`` of the output (in q's dtype) with ``group_size = D``. A Triton decode split over the
+context quantizes in its reduce kernel's epilogue, so the result must equal the same kernels' unquantized
+output quantized by ``per_group_quant`` bit for bit; one split and prefill run ``per_group_quant`` after the
+kernel."""
 
 import pytest
 import torch

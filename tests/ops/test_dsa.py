@@ -172,9 +172,9 @@ def test_indexer_topk_matches_the_loop_on_any_layout_and_pads_padding_rows(backe
 
 def test_indexer_topk_writes_out_and_auto_serves_triton_wherever_it_runs():
     batch = DSABatch([2, 1], [3, 6], seed=5)
-    out = torch.full((3, batch.topk), 99, dtype=torch.int32)
-    with trace_backends() as calls:
-        result = ops.indexer_topk(*batch.topk_args(), topk=batch.topk, scale=batch.index_scale, out=out)
+    out = torch.full((3, batch.topk), 99, dtype=torch.int32, device=DEVICE)
+    with trace_backends() as calls:   # on the test device: auto picks triton for tensors it can serve
+        result = ops.indexer_topk(*topk_args_on_device(batch), topk=batch.topk, scale=batch.index_scale, out=out)
     auto = "triton" if backend_available("triton") else "torch"   # no selftest record here: triton is not vetoed
     assert result is out and not (out == 99).any() and calls == [("indexer_topk", auto)]
     with pytest.raises(BackendUnavailable, match="no aiter implementation"):

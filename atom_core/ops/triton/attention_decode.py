@@ -32,7 +32,7 @@ from atom_core.ops.reference.quant import AMAX_FLOOR as _AMAX_FLOOR
 from atom_core.ops.reference.quant import FP8_DTYPE, qmax
 from atom_core.ops.triton.attention_unified import attend_key_range, dot_options
 from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2, num_sms
-from atom_core.ops.triton.quant import round_to_format
+from atom_core.ops.triton.quant import per_group_quant, round_to_format
 
 # Programs wanted per SM; fewer programs than this leave HBM bandwidth unused.
 PROGRAMS_PER_SM = 2
@@ -64,16 +64,15 @@ def _store_output(out, out_ptr, out_scale_ptr, rows, scale_offs, offs_d, row_ok,
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, out_scale_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
     block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_st,
+    stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     num_heads, scale, softcap, sliding_window,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, GROUP: tl.constexpr, MAX_QLEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     HAS_K_SCALE: tl.constexpr, HAS_V_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    QUANT: tl.constexpr, OUT_DTYPE: tl.constexpr,
 ):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -127,8 +126,9 @@ def _decode_split_kernel(
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         if HAS_V_SCALE:
             out = out * tl.load(v_scale_ptr)
-        _store_output(out, out_ptr, out_scale_ptr, t * stride_ot + head * stride_oh, t * stride_st + head, offs_d,
-                      row_ok, d_ok, OUT_DTYPE, QUANT)
+        out_rows = t * stride_ot + head * stride_oh
+        tl.store(out_ptr + out_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & d_ok[None, :])
     else:
         # Partials are [T, Hq, S] (max, sum) and [T, Hq, S, D] (output), contiguous.
         part = (t * num_heads + head) * NUM_SPLITS + split
@@ -219,7 +219,11 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, cu_seqlens_q, cont
                            num_splits=None):
     """Fill out [T, Hq, D] (arguments as ``atom_core.ops.paged_attention``; with ``out_scale`` [T, Hq], out is
     fp8 e4m3fn, one scale a head) for batches whose query lengths are all <= ``max_seqlen_q`` (small).
-    ``num_splits`` overrides the heuristic (tests)."""
+    ``num_splits`` overrides the heuristic (tests).
+
+    Quantized output: several splits quantize in the reduce kernel's epilogue. One split writes q's dtype and
+    ``per_group_quant`` follows: the same epilogue in the split kernel made it slower than that extra launch
+    (Llama-3-8B bs 64 on an H200: 55.8 against 48.8 us a layer, the quantization launch 3.2)."""
     num_tokens, num_heads, head_dim = q.shape
     num_rows = block_tables.shape[0]
     if num_tokens == 0 or num_rows == 0:
@@ -233,29 +237,31 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, cu_seqlens_q, cont
         part_out = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         part_max = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=q.device)
         part_sum = torch.empty_like(part_max)
+        split_out = None
     else:
         part_out = part_max = part_sum = None
-    quant = out_scale is not None
-    stride_st = out_scale.stride(0) if quant else 0
-    out_dtype = TL_DTYPES[q.dtype]
+        split_out = out if out_scale is None else torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _decode_split_kernel[(num_rows, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, out, out_scale, part_out, part_max, part_sum,
+        q, k_cache, v_cache, split_out, part_out, part_max, part_sum,
         block_tables, cu_seqlens_q, context_lens, sinks, k_scale, v_scale,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), stride_st,
+        q.stride(0), q.stride(1), *((split_out.stride(0), split_out.stride(1)) if split_out is not None else (0, 0)),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         num_heads, float(scale), float(logit_softcap), int(sliding_window or 0), NUM_SPLITS=num_splits,
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_softcap > 0, HAS_SINKS=sinks is not None,
-        HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None, QUANT=quant, OUT_DTYPE=out_dtype,
-        **constexprs, **options,
+        HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None, **constexprs, **options,
     )
-    if num_splits > 1:
-        head_dim_pad = constexprs["HEAD_DIM_PAD"]
-        _decode_reduce_kernel[(num_tokens, num_heads)](
-            out, out_scale, part_out, part_max, part_sum, sinks, v_scale,
-            out.stride(0), out.stride(1), stride_st, num_heads,
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=num_splits,
-            SPLITS_PAD=next_power_of_2(num_splits), HAS_SINKS=sinks is not None,
-            HAS_V_SCALE=v_scale is not None, QUANT=quant, OUT_DTYPE=out_dtype,
-            num_warps=4 if head_dim_pad >= 128 else 2,
-        )
+    if num_splits == 1:
+        if out_scale is not None:
+            per_group_quant(split_out.view(num_tokens, -1), head_dim, out.view(num_tokens, -1), out_scale)
+        return
+    head_dim_pad = constexprs["HEAD_DIM_PAD"]
+    quant = out_scale is not None
+    _decode_reduce_kernel[(num_tokens, num_heads)](
+        out, out_scale, part_out, part_max, part_sum, sinks, v_scale,
+        out.stride(0), out.stride(1), out_scale.stride(0) if quant else 0, num_heads,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=num_splits,
+        SPLITS_PAD=next_power_of_2(num_splits), HAS_SINKS=sinks is not None,
+        HAS_V_SCALE=v_scale is not None, QUANT=quant, OUT_DTYPE=TL_DTYPES[q.dtype],
+        num_warps=4 if head_dim_pad >= 128 else 2,
+    )

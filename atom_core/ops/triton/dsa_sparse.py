@@ -102,11 +102,11 @@ def _mla_sparse_kernel(
 
 @functools.lru_cache(maxsize=LAUNCH_CACHE_SIZE)
 def _launch_params(num_heads: int, latent_dim: int, rope_dim: int, page_size: int, dtype: torch.dtype,
-                   interpret: bool, config: MLAConfig | None) -> tuple[dict, dict]:
+                   interpret: bool, device_index: int | None, config: MLAConfig | None) -> tuple[dict, dict]:
     """(constexprs, launch options) for one shape signature; cached, so a call does int math only."""
     latent_pad, rope_pad = latent_pads(latent_dim, rope_dim)
     if config is None:
-        config = default_config(num_heads, latent_pad, dtype, interpret)
+        config = default_config(num_heads, latent_pad, dtype, interpret, device_index)
     constexprs = dict(LATENT=latent_dim, LATENT_PAD=latent_pad, ROPE=rope_dim, ROPE_PAD=rope_pad,
                       BLOCK_H=config.block_h, BLOCK_M=max(16, config.block_h), BLOCK_N=config.block_n,
                       PAGE_SIZE=page_size, **dot_options(dtype, interpret))
@@ -126,8 +126,9 @@ def mla_sparse_attention(q_nope, q_pe, mla_cache, w_uk, w_uv, topk_indices, bloc
         out.zero_()
         return
     latent_dim, rope_dim = w_uk.shape[2], q_pe.shape[2]
+    device_index = q_nope.device.index if q_nope.is_cuda else None
     constexprs, options = _launch_params(num_heads, latent_dim, rope_dim, mla_cache.shape[1], q_nope.dtype,
-                                         triton_interpret(), config)
+                                         triton_interpret(), device_index, config)
     num_head_blocks = cdiv(num_heads, constexprs["BLOCK_H"])
     if num_splits is None:
         num_splits = choose_num_splits(num_tokens, num_head_blocks, num_entries, q_nope.device)

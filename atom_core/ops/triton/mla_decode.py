@@ -39,7 +39,7 @@ import triton.language as tl
 
 from atom_core.ops.dispatch import triton_interpret
 from atom_core.ops.triton.attention_decode import TL_DTYPES, _decode_reduce_kernel, choose_num_splits
-from atom_core.ops.triton.attention_unified import _tile_rows, dot_options
+from atom_core.ops.triton.attention_unified import _is_sm90, _tile_rows, dot_options
 from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2
 
 LOG2E = 1.4426950408889634
@@ -241,17 +241,22 @@ class MLAConfig(NamedTuple):
 MAX_TILE_ROWS = 64
 
 
-def default_config(num_heads: int, latent_pad: int, dtype: torch.dtype, interpret: bool) -> MLAConfig:
-    """The config the absorbed kernels launch with (bf16/fp16 on a GPU: from the H200 sweep below)."""
-    if interpret:
+def default_config(num_heads: int, latent_pad: int, dtype: torch.dtype, interpret: bool,
+                   device_index: int | None = None) -> MLAConfig:
+    """The config the absorbed kernels launch with (bf16/fp16 on a GPU: from the H200 sweeps below)."""
+    if interpret or dtype == torch.float32:
         return MLAConfig(min(next_power_of_2(num_heads), 16), 16, 4, 1)
-    if dtype == torch.float32:
-        return MLAConfig(min(next_power_of_2(num_heads), 16), 16, 4, 1)
-    # bf16/fp16: [64, 512] q and fp32 accumulator over 8 warps, [32, 576] latent tiles double-buffered:
-    # the fastest of the 24 configs of `python -m benchmarks.ops_mla --sweep` on an H200 (DeepSeek-V3 heads,
-    # bs 64 x 4k: 0.456 ms against 0.595 ms for [16, 512] over 4 warps; benchmarks/results/h200_ops_mla_sweep.json).
-    return MLAConfig(min(next_power_of_2(num_heads), MAX_TILE_ROWS), 32 if latent_pad <= 512 else 16,
-                     8 if num_heads >= 64 else 4, 2)
+    # bf16/fp16: [64, 512] q and fp32 accumulator over 8 warps, latent tiles double-buffered. On Hopper,
+    # [64, 576] tiles: the q tile and two of them are 221 KB of shared memory (of sm90's 227), and wgmma
+    # runs both dots; bs 64 x 4k with DeepSeek-V3 heads took 0.299 ms against 0.421 for [32, 576] tiles,
+    # and DSA's sparse kernel at 32k / top-k 2048 0.297 against 0.384 (benchmarks/results/h200_ops_mla_probe.json;
+    # 16 warps, 128 heads a program and 3 stages were slower or did not compile). Elsewhere [32, 576]
+    # tiles, 147 KB (the fastest of `python -m benchmarks.ops_mla --sweep`'s 24 configs, whose tiles stop at 32).
+    wide = num_heads >= 64
+    block_n = 32 if latent_pad <= 512 else 16
+    if wide and latent_pad <= 512 and device_index is not None and _is_sm90(device_index):
+        block_n = 64
+    return MLAConfig(min(next_power_of_2(num_heads), MAX_TILE_ROWS), block_n, 8 if wide else 4, 2)
 
 
 def latent_pads(latent_dim: int, rope_dim: int) -> tuple[int, int]:
@@ -261,11 +266,12 @@ def latent_pads(latent_dim: int, rope_dim: int) -> tuple[int, int]:
 
 @functools.lru_cache(maxsize=LAUNCH_CACHE_SIZE)
 def _launch_params(num_heads: int, latent_dim: int, rope_dim: int, page_size: int, max_seqlen_q: int,
-                   dtype: torch.dtype, interpret: bool, config: MLAConfig | None) -> tuple[dict, dict]:
+                   dtype: torch.dtype, interpret: bool, device_index: int | None,
+                   config: MLAConfig | None) -> tuple[dict, dict]:
     """(constexprs, launch options) for one shape signature; cached, so a call does int math only."""
     latent_pad, rope_pad = latent_pads(latent_dim, rope_dim)
     if config is None:
-        config = default_config(num_heads, latent_pad, dtype, interpret)
+        config = default_config(num_heads, latent_pad, dtype, interpret, device_index)
     block_h = config.block_h
     row_per_block = next_power_of_2(max(max_seqlen_q, 1)) * block_h <= max(MAX_TILE_ROWS, block_h)
     block_q = next_power_of_2(max(max_seqlen_q, 1)) if row_per_block else max(1, MAX_TILE_ROWS // block_h)
@@ -323,8 +329,9 @@ def mla_decode_attention(q_nope, q_pe, mla_cache, w_uk, w_uv, block_tables, cu_s
         out.zero_()
         return
     latent_dim, rope_dim = w_uk.shape[2], q_pe.shape[2]
+    device_index = q_nope.device.index if q_nope.is_cuda else None
     constexprs, options = _launch_params(num_heads, latent_dim, rope_dim, mla_cache.shape[1], max_seqlen_q,
-                                         q_nope.dtype, triton_interpret(), config)
+                                         q_nope.dtype, triton_interpret(), device_index, config)
     num_head_blocks = cdiv(num_heads, constexprs["BLOCK_H"])
     if constexprs["ROW_PER_BLOCK"]:
         num_q_blocks = num_rows
