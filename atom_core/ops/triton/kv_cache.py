@@ -40,8 +40,9 @@ def _round_to_e4m3(y):
     round_up = (frac > 0.5) | ((frac == 0.5) & low_is_odd)
     subnormal = tl.where(round_up, low + 1.0, low) / _E4M3_SUBNORMAL_STEPS
     magnitude = tl.where(a < _E4M3_MIN_NORMAL, subnormal, rounded)
-    negative = y.to(tl.int32, bitcast=True) < 0  # the sign bit, so -0.0 stays -0.0
-    return tl.where(negative, -magnitude, magnitude)
+    # y's sign bit copied onto the magnitude: -0.0 stays -0.0 (a negation can compile to 0 - x, which is +0.0).
+    sign = y.to(tl.int32, bitcast=True) & -2147483648  # -2147483648 = 0x80000000
+    return (magnitude.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
