@@ -172,8 +172,7 @@ def _decode_row(rows, context, s, device, timed, copy_gbs, twin_baseline) -> dic
     from atom_core.ops import mla_decode_attention
     from atom_core.ops.dispatch import triton_interpret
     from atom_core.ops.reference import mla as twin
-    from atom_core.ops.triton.attention_decode import choose_num_splits
-    from atom_core.ops.triton.mla_decode import default_config, latent_pads
+    from atom_core.ops.triton.mla_decode import choose_splits, default_config, latent_pads
 
     backend = _backend()
     p = make_problem(rows, context, s, device)
@@ -200,11 +199,12 @@ def _decode_row(rows, context, s, device, timed, copy_gbs, twin_baseline) -> dic
     if twin_baseline and rows * context <= TWIN_MAX_CONTEXT_TOKENS:
         twin_t = guarded(timed, lambda: lambda: twin.mla_decode_attention(
             p.q_nope, p.q_pe, p.mla_cache, p.w_uk, p.w_uv, *p.layout(), scale=p.scale), graph=False)
-    head_blocks = math.ceil(s["heads"] / default_config(s["heads"], latent_pads(s["latent"], s["rope"])[0],
-                                                         s["dtype"], triton_interpret(), _device_index(device)).block_h)
+    block_h = default_config(s["heads"], latent_pads(s["latent"], s["rope"])[0], s["dtype"], triton_interpret(),
+                             _device_index(device)).block_h
+    splits = choose_splits(rows, math.ceil(s["heads"] / block_h), max(16, block_h), context, torch.device(device))
     ms = ours.ms
     return {"case": "mla decode", "batch": rows, "context": context, "topk": None, "backend": backend,
-            "splits": choose_num_splits(rows, head_blocks, context, torch.device(device)), "ms": ms,
+            "splits": splits, "ms": ms,
             **_bandwidth(p.latent_bytes, ms, copy_gbs),
             "sdpa_ms": ms_of(sdpa), "x_sdpa": ratio(ms_of(sdpa), ms), "max_diff_vs_sdpa": max_diff,
             "twin_ms": ms_of(twin_t),

@@ -15,6 +15,7 @@ NB blocks, BS block size.
 from __future__ import annotations
 
 import math
+from unittest import mock
 
 import pytest
 import torch
@@ -569,3 +570,21 @@ def test_triton_decode_tile_configs_all_equal_the_twin_at_128_heads(block_h, blo
     mla_decode.mla_decode_attention(p.q_nope, p.q_pe, p.mla_cache, p.w_uk, p.w_uv, *p.layout(), p.scale, None, got,
                                     config=mla_decode.MLAConfig(block_h, block_n, num_warps, 2))
     torch.testing.assert_close(got, want, **tolerance(torch.float32, ATTENTION))
+
+
+@given(rows=st.integers(1, 300), head_blocks=st.integers(1, 8), context=st.integers(0, 70000),
+       sms=st.sampled_from([78, 108, 132, 304]))
+@settings(max_examples=200, deadline=None)
+def test_decode_splits_of_full_sm_tiles_fill_one_wave_at_most(rows, head_blocks, context, sms):
+    # A 64-row q tile holds a whole SM (one program resident): its splits must keep every program of the
+    # batch in one wave, or one split when even that is too many; a split always gets its share of keys.
+    from atom_core.ops.triton import attention_decode, mla_decode
+
+    with mock.patch.object(mla_decode, "num_sms", lambda index: sms):
+        splits = mla_decode.choose_splits(rows, head_blocks, 64, context, torch.device("cuda", 0))
+    programs = rows * head_blocks
+    assert 1 <= splits <= attention_decode.MAX_SPLITS
+    assert splits == 1 or programs * splits <= sms
+    assert splits == 1 or (splits - 1) * attention_decode.MIN_KEYS_PER_SPLIT < context
+    if programs * 2 <= sms and context >= 2 * attention_decode.MIN_KEYS_PER_SPLIT:
+        assert splits >= 2  # room for a second wave's worth of splits is used
