@@ -252,7 +252,8 @@ def default_config(num_heads: int, latent_pad: int, dtype: torch.dtype, interpre
     # runs both dots; bs 64 x 4k with DeepSeek-V3 heads took 0.299 ms against 0.421 for [32, 576] tiles,
     # and DSA's sparse kernel at 32k / top-k 2048 0.297 against 0.384 (benchmarks/results/h200_ops_mla_probe.json;
     # 16 warps, 128 heads a program and 3 stages were slower or did not compile). Elsewhere [32, 576]
-    # tiles, 147 KB (the fastest of `python -m benchmarks.ops_mla --sweep`'s 24 configs, whose tiles stop at 32).
+    # tiles, 147 KB (the fastest of the first `python -m benchmarks.ops_mla --sweep`, 24 configs of 16- and
+    # 32-row tiles).
     wide = num_heads >= 64
     block_n = 32 if latent_pad <= 512 else 16
     if wide and latent_pad <= 512 and device_index is not None and _is_sm90(device_index):
@@ -263,8 +264,8 @@ def default_config(num_heads: int, latent_pad: int, dtype: torch.dtype, interpre
 def choose_splits(num_rows: int, num_head_blocks: int, block_m: int, max_seqlen_k: int, device: torch.device) -> int:
     """Splits per row of a decode batch. A q tile of 64 rows or more (its [64, 512] fp32 accumulator over 8
     warps takes the whole register file: one program per SM) gets as many splits as fill one wave of
-    programs, never more: bs 64 x 4k with DeepSeek-V3 heads (128 programs) took 0.299 ms in one split against
-    0.321 in two and 0.335 in three on an H200. Smaller tiles: ``attention_decode.choose_num_splits``."""
+    programs, never more: at 4k with DeepSeek-V3 heads on an H200, bs 64 (128 programs) took 0.297 ms in one split
+    against 0.334 in three, bs 8 0.071 in 8 against 0.088 in 17 (benchmarks/results/h200_ops_mla_splits.json). Smaller tiles: ``attention_decode.choose_num_splits``."""
     if block_m < MAX_TILE_ROWS or device.type != "cuda":
         return choose_num_splits(num_rows, num_head_blocks, max_seqlen_k, device)
     fit = num_sms(device.index or 0) // max(num_rows * num_head_blocks, 1)
