@@ -262,10 +262,13 @@ def default_config(num_heads: int, latent_pad: int, dtype: torch.dtype, interpre
 
 
 def choose_splits(num_rows: int, num_head_blocks: int, block_m: int, max_seqlen_k: int, device: torch.device) -> int:
-    """Splits per row of a decode batch. A q tile of 64 rows or more (its [64, 512] fp32 accumulator over 8
-    warps takes the whole register file: one program per SM) gets as many splits as fill one wave of
-    programs, never more: at 4k with DeepSeek-V3 heads on an H200, bs 64 (128 programs) took 0.297 ms in one split
-    against 0.334 in three, bs 8 0.071 in 8 against 0.088 in 17 (benchmarks/results/h200_ops_mla_splits.json). Smaller tiles: ``attention_decode.choose_num_splits``."""
+    """Splits per row of a decode batch.
+
+    A q tile of 64 rows or more (its [64, 512] fp32 accumulator over 8 warps takes the whole register file:
+    one program per SM) gets as many splits as fill one wave of programs, never more. At 4k with DeepSeek-V3
+    heads on an H200, bs 64 (128 programs) took 0.297 ms in one split against 0.334 in three, bs 8 0.071 in
+    8 against 0.088 in 17 (benchmarks/results/h200_ops_mla_splits.json). Smaller tiles:
+    ``attention_decode.choose_num_splits``."""
     if block_m < MAX_TILE_ROWS or device.type != "cuda":
         return choose_num_splits(num_rows, num_head_blocks, max_seqlen_k, device)
     fit = num_sms(device.index or 0) // max(num_rows * num_head_blocks, 1)
