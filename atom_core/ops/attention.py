@@ -81,9 +81,7 @@ def _triton_paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
         return
     result = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # prefill: the output, then its quantization
     unified(*args, result)
-    num_tokens = q.shape[0]
-    importlib.import_module("atom_core.ops.triton.quant").per_group_quant(
-        result.view(num_tokens, -1), q.shape[2], out.view(num_tokens, -1), out_scale)
+    importlib.import_module("atom_core.ops.triton.quant").per_head_quant(result, out, out_scale)
 
 
 def _triton_supports(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k,

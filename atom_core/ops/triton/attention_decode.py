@@ -32,7 +32,7 @@ from atom_core.ops.reference.quant import AMAX_FLOOR as _AMAX_FLOOR
 from atom_core.ops.reference.quant import FP8_DTYPE, qmax
 from atom_core.ops.triton.attention_unified import attend_key_range, dot_options
 from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2, num_sms
-from atom_core.ops.triton.quant import per_group_quant, round_to_format
+from atom_core.ops.triton.quant import per_head_quant, round_to_format
 
 # Programs wanted per SM; fewer programs than this leave HBM bandwidth unused.
 PROGRAMS_PER_SM = 2
@@ -237,14 +237,14 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, cu_seqlens_q, cont
         part_out = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         part_max = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=q.device)
         part_sum = torch.empty_like(part_max)
-        split_out = None
     else:
         part_out = part_max = part_sum = None
-        split_out = out if out_scale is None else torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    # One split writes the output itself: in q's dtype when it is to be quantized after.
+    split_out = out if out_scale is None or num_splits > 1 else torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _decode_split_kernel[(num_rows, num_kv_heads, num_splits)](
         q, k_cache, v_cache, split_out, part_out, part_max, part_sum,
         block_tables, cu_seqlens_q, context_lens, sinks, k_scale, v_scale,
-        q.stride(0), q.stride(1), *((split_out.stride(0), split_out.stride(1)) if split_out is not None else (0, 0)),
+        q.stride(0), q.stride(1), split_out.stride(0), split_out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         num_heads, float(scale), float(logit_softcap), int(sliding_window or 0), NUM_SPLITS=num_splits,
@@ -253,7 +253,7 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, cu_seqlens_q, cont
     )
     if num_splits == 1:
         if out_scale is not None:
-            per_group_quant(split_out.view(num_tokens, -1), head_dim, out.view(num_tokens, -1), out_scale)
+            per_head_quant(split_out, out, out_scale)
         return
     head_dim_pad = constexprs["HEAD_DIM_PAD"]
     quant = out_scale is not None

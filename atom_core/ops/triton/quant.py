@@ -162,3 +162,10 @@ def per_group_quant(x, group_size, q, scale):
     _per_group_kernel[(rows, programs)](x, q, scale, cols, num_groups, x.stride(0), q.stride(0), scale.stride(0),
                                         AMAX_FLOOR, GROUP=group_size, GROUP_PAD=group_pad,
                                         GROUPS_PER_PROGRAM=per_program, **_format(q))
+
+
+def per_head_quant(x, q, scale):
+    """x [T, H, D] → q [T, H, D], scale [T, H]: ``per_group_quant`` of x viewed as [T, H * D], a group a head
+    (q contiguous, as an attention output quantized for the projection after it)."""
+    num_tokens = x.shape[0]
+    per_group_quant(x.reshape(num_tokens, -1), x.shape[2], q.view(num_tokens, -1), scale)
