@@ -435,15 +435,21 @@ def test_selftest_cases_pass_on_the_twins_and_the_top_k_check_refuses_a_wrong_ch
     assert topk_case.check((shifted,), (want,)) is not None
 
 
-@pytest.mark.parametrize("num_heads, head_dim", [(64, 128), (32, 128), (4, 64)])
-def test_indexer_launch_parameters_for_the_compiled_kernel_pick_warps_by_tile_size(num_heads, head_dim):
-    # The compiled path (a GPU) is the one the interpreter never takes: its parameters are plain Python.
-    from atom_core.ops.triton.dsa_indexer import _launch_params
+@settings(max_examples=200, deadline=None)
+@given(num_tokens=st.integers(1, 4096), width=st.integers(1, 1 << 17), block_n=st.sampled_from([16, 64]),
+       sms=st.integers(1, 304))
+def test_indexer_chunks_are_the_largest_that_give_the_grid_enough_programs(num_tokens, width, block_n, sms):
+    from atom_core.ops.triton.dsa_indexer import MAX_KEYS_PER_PROGRAM, PROGRAMS_PER_SM, keys_per_program
 
-    constexprs, options = _launch_params(num_heads, head_dim, 64, torch.bfloat16, False)
-    tile = constexprs["HEADS_PAD"] * constexprs["BLOCK_N"]
-    assert constexprs["BLOCK_N"] == 64 and constexprs["KEYS_PER_PROGRAM"] % constexprs["BLOCK_N"] == 0
-    assert options["num_warps"] == (4 if tile <= 64 * 64 else 8)
+    keys = keys_per_program(num_tokens, width, block_n, sms)
+    assert keys % block_n == 0 and block_n <= keys <= MAX_KEYS_PER_PROGRAM
+
+    def programs(k):
+        return num_tokens * -(-width // k)
+
+    enough = PROGRAMS_PER_SM * sms
+    assert programs(keys) >= enough or keys == block_n  # fills the GPU, or no smaller chunk is allowed
+    assert keys == MAX_KEYS_PER_PROGRAM or programs(2 * keys) < enough  # a chunk twice as long would not
 
 
 def test_topk_index_check_skips_padding_rows_and_still_refuses_a_real_rows_future_position():

@@ -1,14 +1,16 @@
 """Triton lightning indexer (``indexer_topk``, DSA): index scores over each row's paged key cache by a Triton
 kernel, then the top-k positions by ``torch.topk`` (a first version: no sort of our own).
 
-1. ``_index_scores_kernel``, one program per (query token, chunk of ``KEYS_PER_PROGRAM`` positions):
+1. ``_index_scores_kernel``, one program per (query token, chunk of ``keys_per_program`` positions:
+   :func:`keys_per_program`, from the grid's size against the SM count):
    the token's indexer queries ``q[t]`` [Hi, Di] stay in registers; each tile of BLOCK_N keys of its row
    (page lookups by ``attention_unified._tile_rows``) gives ``s = q[t] @ k^T`` [Hi, N] by one ``tl.dot`` and
    ``I[t, j] = sum_h w[t, h] relu(scale s[h, j])`` [N], written to an fp32 buffer ``scores [T, W]``,
    ``W = max_seqlen_k``. Positions the token may not see (``j > p``, or past the row's context) get -inf
    without their keys being read; every column of the buffer is written (no memset).
 2. ``torch.topk(scores, min(K, W))``: a position scored -inf was not visible, so it becomes -1, as do the
-   columns past W. Which of exactly tied positions is kept and the order are unspecified (op contract).
+   columns past W; sorted, so the -1 entries come last. Which of exactly tied positions is kept and the
+   order of the kept ones are unspecified (op contract).
 
 The buffer is ``T x W`` fp32 (32k context: 128 KiB per query token); tokens go through in chunks so that
 it stays under ``SCORE_BUFFER_BYTES``. Everything is sized from shapes and ``max_seqlen_k`` (CUDA-graph
@@ -28,25 +30,27 @@ import triton.language as tl
 
 from atom_core.ops.dispatch import triton_interpret
 from atom_core.ops.triton.attention_unified import _tile_rows, dot_options
-from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2
+from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2, num_sms
 from atom_core.ops.triton.mla_decode import row_of_token
 
 SCORE_BUFFER_BYTES = 1 << 28  # the scores of one chunk of query tokens
+MAX_KEYS_PER_PROGRAM = 2048
+PROGRAMS_PER_SM = 4
 
 
 @triton.jit
 def _index_scores_kernel(
     q_ptr, w_ptr, cache_ptr, scores_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
-    first_token, num_rows, num_heads, width,
+    first_token, num_rows, num_heads, width, keys_per_program,
     stride_qt, stride_qh, stride_wt, stride_wh, stride_cb, stride_cs, stride_bt, stride_st,
     scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEADS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    KEYS_PER_PROGRAM: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
 ):
     t_local = tl.program_id(0)
     t = first_token + t_local
-    chunk_start = tl.program_id(1) * KEYS_PER_PROGRAM
+    chunk_start = tl.program_id(1) * keys_per_program
     row = row_of_token(cu_seqlens_q_ptr, t, num_rows)
     q_start = tl.load(cu_seqlens_q_ptr + row)
     q_len = tl.load(cu_seqlens_q_ptr + row + 1) - q_start
@@ -65,7 +69,7 @@ def _index_scores_kernel(
     block_table_ptr = block_tables_ptr + row.to(tl.int64) * stride_bt
     score_row = scores_ptr + t_local.to(tl.int64) * stride_st
     offs_n = tl.arange(0, BLOCK_N)
-    chunk_end = tl.minimum(chunk_start + KEYS_PER_PROGRAM, width)
+    chunk_end = tl.minimum(chunk_start + keys_per_program, width)
     seen_end = tl.minimum(chunk_end, kv_end)
     for start in range(chunk_start, seen_end, BLOCK_N):
         keys = start + offs_n
@@ -91,14 +95,27 @@ def _launch_params(num_heads: int, head_dim: int, page_size: int, dtype: torch.d
     head_dim_pad = max(next_power_of_2(head_dim), 16)
     heads_pad = max(next_power_of_2(num_heads), 16)
     if interpret:
-        block_n, keys_per_program, warps = 16, 64, 4
+        block_n, warps = 16, 4
     else:
-        # [64, 128] queries x [64, 128] keys per tile; 1024 positions per program.
-        block_n, keys_per_program = 64, 1024
+        # [64, 128] queries x [64, 128] keys per tile over 4 warps: at 64 x 32k with DeepSeek-V3.2's indexer on
+        # an H200, 0.177-0.186 ms at 512-2048 keys a program, against 0.193-0.201 over 8 warps and
+        # 0.195-0.222 for 128-key tiles (benchmarks/results/h200_ops_dsa_probe.json).
+        block_n = 64
         warps = 4 if heads_pad * block_n <= 64 * 64 else 8
     constexprs = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, HEADS_PAD=heads_pad, BLOCK_N=block_n,
-                      KEYS_PER_PROGRAM=keys_per_program, PAGE_SIZE=page_size, **dot_options(dtype, interpret))
+                      PAGE_SIZE=page_size, **dot_options(dtype, interpret))
     return constexprs, dict(num_warps=warps, num_stages=1 if interpret else 2)
+
+
+def keys_per_program(num_tokens: int, width: int, block_n: int, sms: int) -> int:
+    """Positions one score program covers: ``MAX_KEYS_PER_PROGRAM``, halved while the grid
+    (``num_tokens x cdiv(width, keys)``) has fewer than ``PROGRAMS_PER_SM`` programs a SM, never below one tile.
+    On an H200 at 32k: 64 tokens took 0.177 ms at 2048 keys a program (1,024 programs) against 0.184 at 512;
+    one token 0.0058 ms at 64 (512 programs) against 0.0207 at 1024 (32 programs)."""
+    keys = MAX_KEYS_PER_PROGRAM
+    while keys > block_n and num_tokens * cdiv(width, keys) < PROGRAMS_PER_SM * sms:
+        keys //= 2
+    return max(keys, block_n)
 
 
 def index_scores(q, weights, indexer_cache, block_tables, cu_seqlens_q, context_lens, width, scale, first_token,
@@ -106,10 +123,11 @@ def index_scores(q, weights, indexer_cache, block_tables, cu_seqlens_q, context_
     """Write ``scores[i, j]`` (fp32 [>= num_tokens, >= width]) = I[first_token + i, j], -inf where not visible."""
     constexprs, options = _launch_params(q.shape[1], q.shape[2], indexer_cache.shape[1], q.dtype,
                                          triton_interpret())
-    grid = (num_tokens, cdiv(width, constexprs["KEYS_PER_PROGRAM"]))
-    _index_scores_kernel[grid](
+    sms = num_sms(q.device.index or 0) if q.is_cuda else 1  # the interpreter: a few programs, several chunks
+    keys = keys_per_program(num_tokens, width, constexprs["BLOCK_N"], sms)
+    _index_scores_kernel[(num_tokens, cdiv(width, keys))](
         q, weights, indexer_cache, scores, block_tables, cu_seqlens_q, context_lens,
-        first_token, block_tables.shape[0], q.shape[1], width,
+        first_token, block_tables.shape[0], q.shape[1], width, keys,
         q.stride(0), q.stride(1), weights.stride(0), weights.stride(1), indexer_cache.stride(0),
         indexer_cache.stride(1), block_tables.stride(0), scores.stride(0),
         float(scale), **constexprs, **options,

@@ -30,12 +30,11 @@ import triton
 import triton.language as tl
 
 from atom_core.ops.dispatch import triton_interpret
-from atom_core.ops.triton.attention_decode import choose_num_splits
 from atom_core.ops.triton.attention_unified import dot_options
 from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv
-from atom_core.ops.triton.mla_decode import (MLAConfig, absorb_queries, default_config, expand_outputs,
-                                             fold_latent_tile, latent_pads, launch_reduce, partials, row_of_token,
-                                             write_latent_output)
+from atom_core.ops.triton.mla_decode import (MLAConfig, absorb_queries, choose_splits, default_config,
+                                             expand_outputs, fold_latent_tile, latent_pads, launch_reduce, partials,
+                                             row_of_token, write_latent_output)
 
 
 @triton.jit
@@ -131,7 +130,9 @@ def mla_sparse_attention(q_nope, q_pe, mla_cache, w_uk, w_uv, topk_indices, bloc
                                          triton_interpret(), device_index, config)
     num_head_blocks = cdiv(num_heads, constexprs["BLOCK_H"])
     if num_splits is None:
-        num_splits = choose_num_splits(num_tokens, num_head_blocks, num_entries, q_nope.device)
+        # mla_decode's rule over the K entries: at 64 x top-k 2048 on an H200, 0.232 ms in one split against
+        # 0.295 in three (benchmarks/results/h200_ops_dsa_probe.json).
+        num_splits = choose_splits(num_tokens, num_head_blocks, constexprs["BLOCK_M"], num_entries, q_nope.device)
     q_lat = absorb_queries(q_nope, w_uk)                                          # [H, T, L]
     o_lat = torch.empty_like(q_lat)
     part_out, part_max, part_sum = partials(num_tokens, num_heads, num_splits, latent_dim, q_nope.device)
