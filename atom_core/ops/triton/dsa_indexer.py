@@ -1,5 +1,5 @@
 """Triton lightning indexer (``indexer_topk``, DSA): index scores over each row's paged key cache by a Triton
-kernel, then the top-k positions by a radix-select kernel (``topk.py``).
+kernel, then the top-k positions by ``torch.topk`` (a first version: no sort of our own).
 
 1. ``_index_scores_kernel``, one program per (query token, chunk of ``keys_per_program`` positions:
    :func:`keys_per_program`, from the grid's size against the SM count):
@@ -8,13 +8,13 @@ kernel, then the top-k positions by a radix-select kernel (``topk.py``).
    ``I[t, j] = sum_h w[t, h] relu(scale s[h, j])`` [N], written to an fp32 buffer ``scores [T, W]``,
    ``W = max_seqlen_k``. Positions the token may not see (``j > p``, or past the row's context) get -inf
    without their keys being read; every column of the buffer is written (no memset).
-2. ``topk.topk_positions(scores, min(K, W))`` (radix select, one program per token): a position scored -inf
-   was not visible, so it becomes -1, as do the columns past W; the -1 entries come last. Which of exactly
-   tied positions is kept and the order of the kept ones are unspecified (op contract): column order.
+2. ``torch.topk(scores, min(K, W))``: a position scored -inf was not visible, so it becomes -1, as do the
+   columns past W; sorted, so the -1 entries come last. Which of exactly tied positions is kept and the
+   order of the kept ones are unspecified (op contract).
 
 The buffer is ``T x W`` fp32 (32k context: 128 KiB per query token); tokens go through in chunks so that
 it stays under ``SCORE_BUFFER_BYTES``. Everything is sized from shapes and ``max_seqlen_k`` (CUDA-graph
-capturable).
+capturable). A later version can fuse a per-program partial top-k (radix select) into the kernel.
 
 Legend: T = query tokens, B = rows, Hi = indexer heads, Di = indexer head dim, K = top-k, W = score
 columns, BS = block size.
@@ -32,7 +32,6 @@ from atom_core.ops.dispatch import triton_interpret
 from atom_core.ops.triton.attention_unified import _tile_rows, dot_options
 from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2, num_sms
 from atom_core.ops.triton.mla_decode import row_of_token
-from atom_core.ops.triton.topk import topk_positions
 
 SCORE_BUFFER_BYTES = 1 << 28  # the scores of one chunk of query tokens
 MAX_KEYS_PER_PROGRAM = 2048
@@ -154,4 +153,5 @@ def indexer_topk(q, weights, indexer_cache, block_tables, cu_seqlens_q, context_
         count = min(chunk, num_tokens - first)
         index_scores(q, weights, indexer_cache, block_tables, cu_seqlens_q, context_lens, width, scale, first, count,
                      scores)
-        topk_positions(scores[:count], keep, out[first:first + count])
+        values, positions = torch.topk(scores[:count], keep, dim=1)
+        out[first:first + count, :keep] = torch.where(values == float("-inf"), -1, positions).to(torch.int32)
