@@ -32,7 +32,7 @@ from atom_core.ops.reference.quant import AMAX_FLOOR as _AMAX_FLOOR
 from atom_core.ops.reference.quant import FP8_DTYPE, qmax
 from atom_core.ops.triton.attention_unified import attend_key_range, dot_options
 from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2, num_sms
-from atom_core.ops.triton.quant import per_head_quant, round_to_format
+from atom_core.ops.triton.quant import per_head_quant, quantize_groups
 
 # Programs wanted per SM; fewer programs than this leave HBM bandwidth unused.
 PROGRAMS_PER_SM = 2
@@ -42,24 +42,6 @@ MAX_SPLITS = 64
 AMAX_FLOOR = tl.constexpr(_AMAX_FLOOR)  # the quantized output's scales, as per_group_quant's
 FP8_MAX = tl.constexpr(qmax(FP8_DTYPE))
 TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}  # q's, for stores
-
-
-@triton.jit
-def _store_output(out, out_ptr, out_scale_ptr, rows, scale_offs, offs_d, row_ok, d_ok,
-                  OUT_DTYPE: tl.constexpr, QUANT: tl.constexpr):
-    """out fp32 [R, HEAD_DIM_PAD], one (token, q head) a row at element offsets ``rows`` of out_ptr → stored
-    in out's dtype, or, with QUANT, as fp8 e4m3fn with one scale a row (a head) at ``scale_offs`` of
-    out_scale_ptr: rounded to OUT_DTYPE (q's) first, then quantized as ``per_group_quant`` with group = D
-    quantizes the rounded output when it reads it back, bit for bit."""
-    mask = row_ok[:, None] & d_ok[None, :]
-    if QUANT:
-        y = tl.where(mask, out.to(OUT_DTYPE).to(tl.float32), 0.0)
-        scale = tl.div_rn(tl.maximum(tl.max(tl.abs(y), axis=1), AMAX_FLOOR), FP8_MAX)
-        q = round_to_format(tl.div_rn(y, scale[:, None]), FP8_MAX, False)
-        tl.store(out_ptr + rows[:, None] + offs_d[None, :], q.to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(out_scale_ptr + scale_offs, scale, mask=row_ok)
-    else:
-        tl.store(out_ptr + rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -167,9 +149,15 @@ def _decode_reduce_kernel(
     out = tl.sum(acc * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
     if HAS_V_SCALE:
         out = out * tl.load(v_scale_ptr)
-    one = tl.arange(0, 1)  # the row as a [1, HEAD_DIM_PAD] tile
-    _store_output(out[None, :], out_ptr, out_scale_ptr, t * stride_ot + head * stride_oh + one, t * stride_st + head + one,
-                  offs_d, one == 0, d_ok, OUT_DTYPE, QUANT)
+    out_ptrs = out_ptr + t * stride_ot + head * stride_oh + offs_d
+    if QUANT:
+        # Rounded to q's dtype first: per_group_quant (group = D) of the rounded output, bit for bit.
+        y = tl.where(d_ok, out.to(OUT_DTYPE).to(tl.float32), 0.0)
+        q, scale = quantize_groups(y[None, :], AMAX_FLOOR, FP8_MAX, False)  # one group: the head
+        tl.store(out_ptrs, tl.reshape(q, [HEAD_DIM_PAD]).to(out_ptr.dtype.element_ty), mask=d_ok)
+        tl.store(out_scale_ptr + t * stride_st + head, tl.max(scale, axis=0))
+    else:
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 def choose_num_splits(num_rows: int, num_kv_heads: int, max_seqlen_k: int, device: torch.device) -> int:

@@ -3,7 +3,7 @@
 Slot s goes to block s // BS, offset s % BS; s < 0 (padding) is masked out, so its rows are not even
 read. All offsets are int64 (block * block stride passes 2**31 on large pools). For an fp8 cache the
 value ``clamp(x / scale, -448, 448)`` is rounded to the e4m3 grid in fp32 first (round to nearest
-even), so the final cast is exact and every Triton target, the CPU interpreter included, stores the
+even: ``quant.round_to_format``), so the final cast is exact and every Triton target, the CPU interpreter included, stores the
 same bits as ``torch.Tensor.to(torch.float8_e4m3fn)``.
 """
 
@@ -16,33 +16,10 @@ import triton.language as tl
 
 from atom_core.ops.reference.kv_cache import FP8_DTYPE
 from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2
+from atom_core.ops.triton.quant import round_to_format
 
 _TILE = 2048  # elements of K (and of V) per program
 _FP8_MAX = tl.constexpr(448.0)
-_E4M3_MIN_NORMAL = tl.constexpr(0.015625)  # 2**-6
-_E4M3_SUBNORMAL_STEPS = tl.constexpr(512.0)  # subnormal spacing is 2**-9
-
-
-@triton.jit
-def _round_to_e4m3(y):
-    """Round fp32 y (|y| <= 448) to the nearest float8_e4m3fn value, ties to even; fp32 out."""
-    a = tl.abs(y)
-    # Normal range: keep 3 of fp32's 23 mantissa bits. Adding 0x7FFFF plus the lowest kept bit,
-    # then clearing the 20 dropped bits, rounds the bit pattern to nearest even.
-    bits = a.to(tl.int32, bitcast=True)
-    kept_lsb = (bits >> 20) & 1
-    rounded = ((bits + 0x7FFFF + kept_lsb) & -1048576).to(tl.float32, bitcast=True)  # -1048576 = 0xFFF00000
-    # Subnormal range (|y| < 2**-6): multiples of 2**-9, ties to even.
-    steps = a * _E4M3_SUBNORMAL_STEPS
-    low = tl.floor(steps)
-    frac = steps - low
-    low_is_odd = (low - 2.0 * tl.floor(low * 0.5)) == 1.0
-    round_up = (frac > 0.5) | ((frac == 0.5) & low_is_odd)
-    subnormal = tl.where(round_up, low + 1.0, low) / _E4M3_SUBNORMAL_STEPS
-    magnitude = tl.where(a < _E4M3_MIN_NORMAL, subnormal, rounded)
-    # y's sign bit copied onto the magnitude: -0.0 stays -0.0 (a negation can compile to 0 - x, which is +0.0).
-    sign = y.to(tl.int32, bitcast=True) & -2147483648  # -2147483648 = 0x80000000
-    return (magnitude.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -59,8 +36,7 @@ def _store_rows(src_ptr, dst_ptr, scale_ptr, stride_t, stride_h, stride_b, strid
         mask = valid[:, None, None] & (heads < num_heads)[None, :, None] & (dims < head_size)[None, None, :]
         x = tl.load(src_ptr + src_base + heads[None, :, None] * stride_h + dims[None, None, :], mask=mask)
         if FP8:
-            y = tl.minimum(tl.maximum(x.to(tl.float32) / scale, -_FP8_MAX), _FP8_MAX)
-            x = _round_to_e4m3(y)
+            x = round_to_format(x.to(tl.float32) / scale, _FP8_MAX, False)  # clamped to +-448, ties to even
         tl.store(dst_ptr + dst_base + heads[None, :, None] * stride_hc + dims[None, None, :],
                  x.to(dst_ptr.dtype.element_ty), mask=mask)
 

@@ -11,7 +11,7 @@ in one program when it is one group. Each program:
 2. rounded to x's dtype and back to fp32: the value the unfused op stores and ``per_group_quant``
    reads back;
 3. the row (the chunk) viewed as [G_PAD, GROUP]: per group, ``scale = max(amax, AMAX_FLOOR) / qmax`` and
-   ``q = round_to_format(y / scale)`` (IEEE divisions), as ``_per_group_kernel`` of triton/quant.py.
+   ``q = round_to_format(y / scale)`` (IEEE divisions): ``quant.quantize_groups``, as ``_per_group_kernel``.
 
 So on a GPU, and in the interpreter, a result equals the Triton ``rms_norm`` (``silu_and_mul``) then
 ``per_group_quant`` bit for bit. GROUP is the group size (a power of two below the row's length) or,
@@ -31,7 +31,7 @@ from atom_core.ops.reference.quant import AMAX_FLOOR, INT8_DTYPE, qmax
 from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2
 from atom_core.ops.triton.norm import _launch_config as _row_launch_config
 from atom_core.ops.triton.norm import load_row, rms_normalize
-from atom_core.ops.triton.quant import round_to_format
+from atom_core.ops.triton.quant import quantize_groups
 
 CHUNK = 1024  # activation values per SiLU program where groups split the row
 
@@ -41,10 +41,8 @@ def _quantize_groups(y, row, first_group, q_ptr, scale_ptr, N, num_groups, strid
                      GROUP: tl.constexpr, G_PAD: tl.constexpr, QMAX: tl.constexpr, IS_INT8: tl.constexpr):
     """y: fp32 [G_PAD * GROUP], groups first_group... of the row (zeros past N) → their q and scales."""
     groups = first_group + tl.arange(0, G_PAD)
-    grouped = tl.reshape(y, (G_PAD, GROUP))
-    scale = tl.div_rn(tl.maximum(tl.max(tl.abs(grouped), axis=1), amax_floor), QMAX)
+    q, scale = quantize_groups(tl.reshape(y, (G_PAD, GROUP)), amax_floor, QMAX, IS_INT8)
     tl.store(scale_ptr + row * stride_s + groups, scale, mask=groups < num_groups)
-    q = round_to_format(tl.div_rn(grouped, scale[:, None]), QMAX, IS_INT8)
     cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=cols < N)
 

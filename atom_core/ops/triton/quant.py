@@ -44,6 +44,14 @@ def round_to_format(y, QMAX: tl.constexpr, IS_INT8: tl.constexpr):
 
 
 @triton.jit
+def quantize_groups(y, amax_floor, QMAX: tl.constexpr, IS_INT8: tl.constexpr):
+    """fp32 y [G, N], one group a row (zeros where masked) → (q fp32 [G, N], the values the twin stores;
+    scale fp32 [G] = max(amax, amax_floor) / QMAX), IEEE divisions as ``reference.quant``."""
+    scale = tl.div_rn(tl.maximum(tl.max(tl.abs(y), axis=1), amax_floor), QMAX)
+    return round_to_format(tl.div_rn(y, scale[:, None]), QMAX, IS_INT8), scale
+
+
+@triton.jit
 def _per_token_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, stride_s, amax_floor,
                       QMAX: tl.constexpr, IS_INT8: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -71,9 +79,8 @@ def _per_group_kernel(x_ptr, q_ptr, scale_ptr, K, num_groups, stride_x, stride_q
     cols = groups[:, None] * GROUP + offsets[None, :]  # [groups, GROUP_PAD]
     mask = (groups < num_groups)[:, None] & (offsets < GROUP)[None, :] & (cols < K)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), amax_floor), QMAX)
+    q, scale = quantize_groups(x, amax_floor, QMAX, IS_INT8)
     tl.store(scale_ptr + row * stride_s + groups, scale, mask=groups < num_groups)
-    q = round_to_format(tl.div_rn(x, scale[:, None]), QMAX, IS_INT8)
     tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
