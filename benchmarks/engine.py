@@ -100,7 +100,7 @@ def kv_bytes_per_token(model, cfg: dict, dtype: torch.dtype) -> dict:
     MLA would hold them: ``layers x num_key_value_heads x (qk_nope + qk_rope + v_head_dim) x bytes`` for
     MLA (what HF's DeepSeek cache stores), the pool itself otherwise. ``kv_vs_gqa`` = pool / per-head."""
     spec = model.kv_cache_spec(dtype)
-    extras = model.extra_kv_cache_specs() if hasattr(model, "extra_kv_cache_specs") else {}
+    extras = model.extra_kv_cache_specs(dtype) if hasattr(model, "extra_kv_cache_specs") else {}
     pool = spec.bytes_per_token + sum(extra.bytes_per_token for extra in extras.values())
     per_head = spec.bytes_per_token
     if spec.is_mla:

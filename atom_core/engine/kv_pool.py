@@ -82,10 +82,11 @@ def plan_pool(model, device: torch.device, *, block_size: int, num_kv_blocks: in
     from memory (a CPU pool holds CPU_DEFAULT_POOL_SEQS requests of max_model_len, within
     CPU_POOL_MEMORY_SHARE of the host memory available; a GPU pool takes ``gpu_memory_utilization`` of the
     GPU less one step's activations); given: refused before allocating when it cannot fit."""
-    spec = model.kv_cache_spec(kv_cache_torch_dtype(kv_cache_dtype))
-    # Caches some models keep beside the KV pool over the same blocks (DSA's indexer keys): their
-    # bytes per block come out of the same budget.
-    extra_specs = model.extra_kv_cache_specs() if hasattr(model, "extra_kv_cache_specs") else {}
+    pool_dtype = kv_cache_torch_dtype(kv_cache_dtype)
+    spec = model.kv_cache_spec(pool_dtype)
+    # Caches some models keep beside the KV pool over the same blocks (DSA's indexer keys, fp8 with their
+    # scales in an fp8 pool): their bytes per block come out of the same budget.
+    extra_specs = model.extra_kv_cache_specs(pool_dtype) if hasattr(model, "extra_kv_cache_specs") else {}
     extra_block_bytes = sum(extra.bytes_per_block(block_size) for extra in extra_specs.values())
     share = spec.bytes_per_block(block_size) / (spec.bytes_per_block(block_size) + extra_block_bytes)
     sizing = dict(block_size=block_size, max_num_seqs=max_num_seqs, max_model_len=max_model_len)

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from atom_core.ops.dispatch import Op, call_op, custom_op
 from atom_core.ops.mla import _check_attention_args as _check_mla_attention_args
-from atom_core.ops.mla import triton_absorbed_key, triton_absorbed_refusal
+from atom_core.ops.mla import _no_native_fp8, triton_absorbed_key, triton_absorbed_refusal
 from atom_core.ops.reference import dsa as reference_dsa
 from atom_core.ops.reference.kv_cache import FP8_DTYPE
 from atom_core.ops.validation import (FLOAT_DTYPES, check_out, check_out_shape, check_same_device, check_shape,
@@ -44,14 +44,15 @@ INDEXER_TOPK = Op("indexer_topk")
 MLA_SPARSE_ATTENTION = Op("mla_sparse_attention")
 
 
-def _torch_store_indexer_k(k, indexer_cache, slot_mapping):
-    reference_dsa.store_indexer_k_(k, indexer_cache, slot_mapping)
+def _torch_store_indexer_k(k, indexer_cache, slot_mapping, indexer_scale):
+    reference_dsa.store_indexer_k_(k, indexer_cache, slot_mapping, indexer_scale)
 
 
 def _torch_indexer_topk(q, weights, indexer_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q,
-                        max_seqlen_k, topk, scale, out):
+                        max_seqlen_k, topk, scale, indexer_scale, out):
     out.copy_(reference_dsa.indexer_topk(q, weights, indexer_cache, block_tables, cu_seqlens_q, context_lens,
-                                         max_seqlen_q, max_seqlen_k, topk=topk, scale=scale))
+                                         max_seqlen_q, max_seqlen_k, topk=topk, scale=scale,
+                                         indexer_scale=indexer_scale))
 
 
 def _torch_mla_sparse(q_nope, q_pe, mla_cache, w_uk, w_uv, topk_indices, block_tables, cu_seqlens_q, context_lens,
@@ -66,20 +67,28 @@ TRITON_MAX_INDEX_HEADS = 128
 TRITON_MAX_INDEX_DIM = 256
 
 
-def _triton_store_supports(k, indexer_cache, slot_mapping) -> str | None:
+def _triton_store_supports(k, indexer_cache, slot_mapping, indexer_scale) -> str | None:
     if k.stride(-1) != 1 or indexer_cache.stride(-1) != 1:
         return "triton store_indexer_k_ needs the last dim of k and indexer_cache contiguous"
+    if indexer_cache.dtype == FP8_DTYPE and indexer_cache.shape[2] > TRITON_MAX_INDEX_DIM:
+        return f"triton store_indexer_k_ quantizes a key in one tile: Di <= {TRITON_MAX_INDEX_DIM} for an fp8 cache"
+    if _no_native_fp8(indexer_cache):
+        return "triton store_indexer_k_ writes an fp8 cache natively: needs sm89 or newer"
     return None
 
 
-def _triton_store_key(k, indexer_cache, slot_mapping):
+def _triton_store_key(k, indexer_cache, slot_mapping, indexer_scale):
     """What :func:`_triton_store_supports` reads."""
-    return k.stride()[-1] == 1, indexer_cache.stride()[-1] == 1
+    return (k.stride()[-1] == 1, indexer_cache.stride()[-1] == 1,
+            indexer_cache.dtype == FP8_DTYPE and indexer_cache.shape[2] > TRITON_MAX_INDEX_DIM,
+            _no_native_fp8(indexer_cache))
 
 
 def _triton_topk_supports(q, weights, indexer_cache, *rest) -> str | None:
     if q.stride(-1) != 1 or indexer_cache.stride(-1) != 1:
         return "triton indexer_topk needs the last dim of q and indexer_cache contiguous"
+    if _no_native_fp8(indexer_cache):
+        return "triton indexer_topk reads an fp8 cache natively: needs sm89 or newer"
     if q.shape[1] > TRITON_MAX_INDEX_HEADS or q.shape[2] > TRITON_MAX_INDEX_DIM:
         return (f"triton indexer_topk keeps a token's [Hi, Di] queries in registers: Hi <= {TRITON_MAX_INDEX_HEADS}, "
                 f"Di <= {TRITON_MAX_INDEX_DIM}, got {q.shape[1]} x {q.shape[2]}")
@@ -89,7 +98,7 @@ def _triton_topk_supports(q, weights, indexer_cache, *rest) -> str | None:
 def _triton_topk_key(q, weights, indexer_cache, *rest):
     """What :func:`_triton_topk_supports` reads."""
     return (q.stride()[-1] == 1, indexer_cache.stride()[-1] == 1, q.shape[1] > TRITON_MAX_INDEX_HEADS,
-            q.shape[2] > TRITON_MAX_INDEX_DIM)
+            q.shape[2] > TRITON_MAX_INDEX_DIM, _no_native_fp8(indexer_cache))
 
 
 def _triton_sparse_supports(q_nope, q_pe, mla_cache, w_uk, *rest) -> str | None:
@@ -111,27 +120,28 @@ MLA_SPARSE_ATTENTION.register("triton", "atom_core.ops.triton.dsa_sparse:mla_spa
                               _triton_sparse_supports, _triton_sparse_key)
 
 
-@custom_op("store_indexer_k_", mutates_args=("indexer_cache",))
-def _store_indexer_k_op(k: Tensor, indexer_cache: Tensor, slot_mapping: Tensor, backend: Optional[str]) -> None:
-    STORE_INDEXER_K(k, indexer_cache, slot_mapping, backend=backend)
+@custom_op("store_indexer_k_", mutates_args=("indexer_cache", "indexer_scale"))
+def _store_indexer_k_op(k: Tensor, indexer_cache: Tensor, slot_mapping: Tensor, indexer_scale: Optional[Tensor],
+                        backend: Optional[str]) -> None:
+    STORE_INDEXER_K(k, indexer_cache, slot_mapping, indexer_scale, backend=backend)
 
 
 @_store_indexer_k_op.register_fake
-def _(k, indexer_cache, slot_mapping, backend) -> None:
+def _(k, indexer_cache, slot_mapping, indexer_scale, backend) -> None:
     return None
 
 
 @custom_op("indexer_topk", mutates_args=("out",))
 def _indexer_topk_op(q: Tensor, weights: Tensor, indexer_cache: Tensor, block_tables: Tensor, cu_seqlens_q: Tensor,
-                     context_lens: Tensor, max_seqlen_q: int, max_seqlen_k: int, topk: int, scale: float, out: Tensor,
-                     backend: Optional[str]) -> None:
+                     context_lens: Tensor, max_seqlen_q: int, max_seqlen_k: int, topk: int, scale: float,
+                     indexer_scale: Optional[Tensor], out: Tensor, backend: Optional[str]) -> None:
     INDEXER_TOPK(q, weights, indexer_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k,
-                 topk, scale, out, backend=backend)
+                 topk, scale, indexer_scale, out, backend=backend)
 
 
 @_indexer_topk_op.register_fake
 def _(q, weights, indexer_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k, topk, scale,
-      out, backend) -> None:
+      indexer_scale, out, backend) -> None:
     return None
 
 
@@ -157,10 +167,19 @@ def _check_int(name: str, value, low: int) -> None:
         raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
 
 
-def _check_store_args(k, indexer_cache, slot_mapping) -> None:
+def _check_indexer_scale(indexer_cache, indexer_scale) -> None:
+    if indexer_cache.dtype == FP8_DTYPE:
+        _fp8_scale(indexer_cache, indexer_scale)  # present, [NB, BS]
+        check_tensor("indexer_scale", indexer_scale, ndim=2, dtypes=(torch.float32,))
+        check_shape("indexer_scale", indexer_scale, tuple(indexer_cache.shape[:2]))
+        check_same_device(indexer_cache=indexer_cache, indexer_scale=indexer_scale)
+
+
+def _check_store_args(k, indexer_cache, slot_mapping, indexer_scale) -> None:
     check_tensor("k", k, ndim=2, dtypes=FLOAT_DTYPES)
-    check_tensor("indexer_cache", indexer_cache, ndim=3, dtypes=FLOAT_DTYPES)
+    check_tensor("indexer_cache", indexer_cache, ndim=3, dtypes=(*FLOAT_DTYPES, FP8_DTYPE))
     check_shape("indexer_cache", indexer_cache, (None, None, k.shape[1]))
+    _check_indexer_scale(indexer_cache, indexer_scale)
     check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int64,))
     check_shape("slot_mapping", slot_mapping, (k.shape[0],))
     check_same_device(k=k, indexer_cache=indexer_cache, slot_mapping=slot_mapping)
@@ -179,13 +198,14 @@ def _check_layout_args(block_tables, cu_seqlens_q, context_lens, max_seqlen_q, m
 
 
 def _check_topk_args(q, weights, indexer_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k,
-                     topk, scale, out) -> None:
+                     topk, scale, indexer_scale, out) -> None:
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     num_tokens, num_heads, head_dim = q.shape
     check_tensor("weights", weights, ndim=2, dtypes=(torch.float32,))
     check_shape("weights", weights, (num_tokens, num_heads))
-    check_tensor("indexer_cache", indexer_cache, ndim=3, dtypes=(q.dtype,))
+    check_tensor("indexer_cache", indexer_cache, ndim=3, dtypes=(q.dtype, FP8_DTYPE))
     check_shape("indexer_cache", indexer_cache, (None, None, head_dim))
+    _check_indexer_scale(indexer_cache, indexer_scale)
     _check_layout_args(block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k)
     _check_int("topk", topk, 1)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
@@ -233,31 +253,49 @@ def _check_sparse_args(q_nope, q_pe, mla_cache, w_uk, w_uv, topk_indices, block_
 
 # ---- the public functions ----------------------------------------------------------------------------------------
 
-def store_indexer_k_(k: Tensor, indexer_cache: Tensor, slot_mapping: Tensor, *, backend: str | None = None) -> None:
+def _fp8_scale(indexer_cache: Tensor, indexer_scale: Tensor | None) -> Tensor | None:
+    """indexer_scale where the cache is fp8 (required there: always checked, a kernel reads it), else None."""
+    if indexer_cache.dtype != FP8_DTYPE:
+        return None
+    if indexer_scale is None:
+        raise ValueError(f"indexer_scale (fp32 [NB, BS], one scale per cached key) is required when indexer_cache "
+                         f"is {FP8_DTYPE}")
+    if tuple(indexer_scale.shape) != tuple(indexer_cache.shape[:2]):
+        raise ValueError(f"indexer_scale must have shape {tuple(indexer_cache.shape[:2])} (the cache's [NB, BS]), "
+                         f"got {tuple(indexer_scale.shape)}")
+    return indexer_scale
+
+
+def store_indexer_k_(k: Tensor, indexer_cache: Tensor, slot_mapping: Tensor, *, indexer_scale: Tensor | None = None,
+                     backend: str | None = None) -> None:
     """Write each token's indexer key into its slot of the indexer cache, in place.
 
     k: [T, Di] fp32/fp16/bf16 (after ``k_norm`` and rope; may be a view with the last dim contiguous).
-    indexer_cache: [NB, BS, Di], fp32/fp16/bf16 (the values are cast to it). slot_mapping: int64 [T], the
-    same slots as the step's latent writes; -1 writes nothing. Slots are assumed distinct and below
-    NB * BS (checked in debug mode, except distinctness).
+    indexer_cache: [NB, BS, Di], fp32/fp16/bf16 (the values are cast to it), or float8_e4m3fn: each key is
+    quantized with its own scale (amax / 448), written at its slot of ``indexer_scale`` (fp32 [NB, BS],
+    required then; ignored for a 16/32-bit cache). slot_mapping: int64 [T], the same slots as the step's
+    latent writes; -1 writes nothing. Slots are assumed distinct and below NB * BS (checked in debug mode,
+    except distinctness).
     """
     if debug_enabled():
-        _check_store_args(k, indexer_cache, slot_mapping)
+        _check_store_args(k, indexer_cache, slot_mapping, indexer_scale)
     elif slot_mapping.shape[0] != k.shape[0]:
         # Always on: a short slot_mapping would make a kernel read slot ids past its end.
         raise ValueError(f"slot_mapping must have one slot per token ({k.shape[0]}), got {slot_mapping.shape[0]}")
-    call_op("store_indexer_k_", k, indexer_cache, slot_mapping, backend)
+    call_op("store_indexer_k_", k, indexer_cache, slot_mapping, _fp8_scale(indexer_cache, indexer_scale), backend)
 
 
 def indexer_topk(q: Tensor, weights: Tensor, indexer_cache: Tensor, block_tables: Tensor, cu_seqlens_q: Tensor,
                  context_lens: Tensor, max_seqlen_q: int, max_seqlen_k: int, *, topk: int, scale: float,
-                 out: Tensor | None = None, backend: str | None = None) -> Tensor:
+                 indexer_scale: Tensor | None = None, out: Tensor | None = None,
+                 backend: str | None = None) -> Tensor:
     """The lightning indexer: each query token's ``min(topk, p + 1)`` context positions of highest score
     ``I[t, s] = sum_h weights[t, h] relu(scale q[t, h] . k[s])``.
 
     q: [T, Hi, Di] fp32/fp16/bf16 (first R dims rotated; a view with the last dim contiguous is fine).
     weights: fp32 [T, Hi] (``weights_proj(x) * Hi^-1/2``).
-    indexer_cache: [NB, BS, Di] in q's dtype, keys written by :func:`store_indexer_k_` (this step's included).
+    indexer_cache: [NB, BS, Di] in q's dtype, keys written by :func:`store_indexer_k_` (this step's included),
+    or float8_e4m3fn with its per-key scales ``indexer_scale`` fp32 [NB, BS] (key = cache * scale).
     block_tables: int32 [B, P]; cu_seqlens_q: int32 [B + 1]; context_lens: int32 [B] (0 = padding row).
     max_seqlen_q, max_seqlen_k: ints, bounds of the query lengths and of context_lens (launch sizes).
     topk: K, an int >= 1 (``index_topk``). scale: ``Di^-1/2``.
@@ -269,14 +307,14 @@ def indexer_topk(q: Tensor, weights: Tensor, indexer_cache: Tensor, block_tables
     """
     if debug_enabled():
         _check_topk_args(q, weights, indexer_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q,
-                         max_seqlen_k, topk, scale, out)
+                         max_seqlen_k, topk, scale, indexer_scale, out)
     shape = torch.Size((q.shape[0], int(topk)))
     if out is None:
         out = torch.empty(shape, dtype=torch.int32, device=q.device)
     else:  # always on: a kernel writes out over these extents
         check_out_shape("out", out, shape)
     call_op("indexer_topk", q, weights, indexer_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q,
-            max_seqlen_k, int(topk), float(scale), out, backend)
+            max_seqlen_k, int(topk), float(scale), _fp8_scale(indexer_cache, indexer_scale), out, backend)
     return out
 
 

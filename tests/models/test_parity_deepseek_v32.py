@@ -154,6 +154,25 @@ def test_bind_extra_kv_caches_refuses_a_wrong_name_count_or_width(v32_pair):
     assert [i.indexer_cache for i in indexers] == good
 
 
+def test_an_fp8_pool_asks_for_fp8_indexer_keys_with_a_scale_each_and_binds_them(v32_pair):
+    model = v32_pair.load_atom()
+    specs = model.extra_kv_cache_specs(torch.float8_e4m3fn)
+    keys, scales = specs["indexer"], specs["indexer_scale"]
+    head_dim = v32_pair.hf_model.config.index_head_dim
+    assert set(specs) == {"indexer", "indexer_scale"} and keys.dtype == torch.float8_e4m3fn
+    assert keys.bytes_per_token + scales.bytes_per_token == keys.num_layers * (head_dim + 4)  # Di fp8 + one fp32
+    assert scales.num_layers == keys.num_layers and scales.kv_shape(7, 4) == (7, 4, 1)
+    caches = {"indexer": [torch.zeros(keys.kv_shape(2, 4), dtype=torch.float8_e4m3fn)] * keys.num_layers}
+    with pytest.raises(ValueError, match="fp8 indexer keys need their per-key scales"):
+        model.bind_extra_kv_caches(caches)
+    caches["indexer_scale"] = [torch.ones(scales.kv_shape(2, 4)) for _ in range(keys.num_layers)]
+    model.bind_extra_kv_caches(caches)
+    indexers = [m for m in model.modules() if isinstance(m, LightningIndexer)]
+    assert all(i.indexer_scale.shape == (2, 4) and i.indexer_scale.data_ptr() == t.data_ptr()
+               for i, t in zip(indexers, caches["indexer_scale"]))
+    assert model.extra_kv_cache_specs(torch.float32)["indexer"].dtype == model.extra_kv_cache_specs()["indexer"].dtype
+
+
 def test_v2_and_v3_ask_for_no_extra_cache():
     from atom_core.models import build_model
 

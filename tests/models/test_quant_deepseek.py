@@ -442,6 +442,12 @@ def test_an_fp8_latent_pool_stores_each_row_to_e4m3_precision_and_generates_alik
             assert all(attn.mla_cache.dtype == want for attn in model._mla_layers)
             if kv_cache_dtype == "fp8":
                 assert all(attn.kv_scale.item() == 1.0 for attn in model._mla_layers)
+            # DSA: the indexer keys follow the pool (fp8, one scale each, every written key's scale > 0)
+            for indexer in model._indexers:
+                assert indexer.indexer_cache.dtype == want
+                assert (indexer.indexer_scale is not None) == (kv_cache_dtype == "fp8")
+                if indexer.indexer_scale is not None:
+                    assert (indexer.indexer_scale > 0).any()
             del engine
     assert seen.checked > 0 and seen.worst <= 0, f"a stored row exceeds e4m3 rounding by {seen.worst:.3g}"
     agreed, total, first = agreement(tokens["fp8"], tokens["auto"])

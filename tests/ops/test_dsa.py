@@ -119,6 +119,57 @@ def test_store_indexer_k_refuses_a_slot_mapping_shorter_than_the_tokens():
         ops.store_indexer_k_(torch.zeros(3, 4), torch.zeros(2, 2, 4), torch.tensor([0, 1]))
 
 
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+def test_store_indexer_k_into_an_fp8_cache_writes_each_key_over_its_own_amax_scale(backend):
+    g = torch.Generator().manual_seed(30)
+    k = torch.randn(5, 128, generator=g) * torch.tensor([1e-3, 1.0, 30.0, 0.0, 5.0])[:, None]   # a zero key too
+    slots = torch.tensor([9, -1, 0, 5, 14])
+    cache = torch.full((4, 4, 128), float("nan")).to(torch.float8_e4m3fn).to(DEVICE)
+    scale = torch.full((4, 4), -1.0, device=DEVICE)
+    ops.store_indexer_k_(k.to(DEVICE), cache, slots.to(DEVICE), indexer_scale=scale, backend=backend)
+    cache, scale = cache.cpu(), scale.cpu()
+    for t, slot in enumerate(slots.tolist()):
+        if slot < 0:
+            continue
+        block, offset = divmod(slot, 4)
+        want_scale = max(float(k[t].abs().max()), 1e-10) / 448.0
+        assert scale[block, offset].item() == pytest.approx(want_scale, rel=1e-6)
+        assert cache[block, offset].float().abs().max() <= 448.0
+        # e4m3 keeps 3 mantissa bits: each value within half a step (2^-4 relative) of k / scale, or subnormal
+        torch.testing.assert_close(cache[block, offset].float() * scale[block, offset], k[t],
+                                   rtol=2 ** -4, atol=2 ** -10 * want_scale)
+    unwritten = torch.ones(16, dtype=torch.bool)
+    unwritten[slots[slots >= 0]] = False
+    assert (scale.view(16)[unwritten] == -1.0).all() and cache.float().view(16, 128)[unwritten].isnan().all()
+
+
+@needs_triton
+def test_triton_store_indexer_k_writes_the_twins_fp8_keys_and_scales_bit_for_bit():
+    g = torch.Generator().manual_seed(31)
+    k = (torch.randn(37, 128, generator=g) * torch.rand(37, 1, generator=g) * 50).to(torch.bfloat16)
+    slots = torch.randperm(4 * 40, generator=g)[:37]
+    slots[::5] = -1
+    caches = [torch.zeros(40, 4, 128, dtype=torch.float8_e4m3fn, device=DEVICE) for _ in range(2)]
+    scales = [torch.zeros(40, 4, device=DEVICE) for _ in range(2)]
+    ops.store_indexer_k_(k.to(DEVICE), caches[0], slots.to(DEVICE), indexer_scale=scales[0], backend="triton")
+    twin.store_indexer_k_(k.to(DEVICE), caches[1], slots.to(DEVICE), scales[1])
+    assert torch.equal(caches[0].view(torch.uint8), caches[1].view(torch.uint8))
+    assert torch.equal(scales[0], scales[1]) and (scales[0] > 0).sum() == (slots >= 0).sum()
+
+
+def test_an_fp8_indexer_cache_without_its_scales_is_refused_by_name():
+    k, slots = torch.zeros(2, 8), torch.tensor([0, 1])
+    cache = torch.zeros(2, 4, 8, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="indexer_scale .* is required"):
+        ops.store_indexer_k_(k, cache, slots)
+    with pytest.raises(ValueError, match=r"indexer_scale must have shape \(2, 4\)"):
+        ops.store_indexer_k_(k, cache, slots, indexer_scale=torch.zeros(8))
+    batch = DSABatch([1], [3], seed=32)
+    fp8 = batch.index_cache.nan_to_num().to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="indexer_scale .* is required"):
+        ops.indexer_topk(batch.index_q, batch.index_w, fp8, *batch.topk_args()[3:], topk=2, scale=1.0)
+
+
 # ---- the indexer's top-k ------------------------------------------------------------------------------------------
 
 def test_indexer_topk_by_hand_keeps_the_highest_weighted_relu_scores_and_pads_with_minus_one():
@@ -168,6 +219,25 @@ def test_indexer_topk_matches_the_loop_on_any_layout_and_pads_padding_rows(backe
     assert_keeps_the_top_scores(batch, got)
     num_real = sum(query_lens)
     assert (got[num_real:] == -1).all()
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("layout", ["ragged_prefill", "chunk_after_prefix", "decode"])
+def test_indexer_topk_over_fp8_keys_ranks_by_the_dequantized_keys(backend, layout):
+    # The fp8 cache and its per-key scales come from the write; the float64 loop scores cache * scale.
+    query_lens, cached_lens = LAYOUTS[layout]
+    batch = DSABatch(query_lens, cached_lens, block_size=4, topk=4, seed=33)
+    num_blocks, block_size, dim = batch.index_cache.shape
+    fp8 = torch.zeros(num_blocks, block_size, dim, dtype=torch.float8_e4m3fn)
+    key_scale = torch.zeros(num_blocks, block_size)
+    ops.store_indexer_k_(batch.index_cache.view(-1, dim).nan_to_num(), fp8, torch.arange(num_blocks * block_size),
+                         indexer_scale=key_scale, backend="torch")
+    batch.index_cache = fp8.float() * key_scale[..., None]            # what the loop scores
+    lay = batch.layout.to(DEVICE)
+    got = ops.indexer_topk(batch.index_q.to(DEVICE), batch.index_w.to(DEVICE), fp8.to(DEVICE), lay.block_tables,
+                           lay.cu_seqlens_q, lay.context_lens, lay.max_seqlen_q, lay.max_seqlen_k, topk=batch.topk,
+                           scale=batch.index_scale, indexer_scale=key_scale.to(DEVICE), backend=backend).cpu()
+    assert_keeps_the_top_scores(batch, got)
 
 
 def test_indexer_topk_writes_out_and_auto_serves_triton_wherever_it_runs():
@@ -244,7 +314,7 @@ def test_custom_ops_are_registered_under_torch_ops_atom_core():
     batch = DSABatch([2], [3], seed=6)
     lay = batch.layout
     out = torch.empty(2, batch.topk, dtype=torch.int32)
-    torch.ops.atom_core.indexer_topk(*batch.topk_args(), batch.topk, batch.index_scale, out, None)
+    torch.ops.atom_core.indexer_topk(*batch.topk_args(), batch.topk, batch.index_scale, None, out, None)
     assert torch.equal(out, twin.indexer_topk(*batch.topk_args(), topk=batch.topk, scale=batch.index_scale))
     attn = torch.empty(2, 3, 10)
     torch.ops.atom_core.mla_sparse_attention(batch.q_nope, batch.q_pe, batch.cache, batch.w_uk, batch.w_uv, out,
@@ -377,8 +447,10 @@ def test_triton_indexer_refuses_more_heads_than_its_register_tile_by_name():
 def _store_indexer_k_dispatch_args(c):
     """A ``store_indexer_k_`` call built feature by feature by test_dispatch_cache's ``Call``."""
     tokens, dtype = c.vary(3, 1), c.vary(torch.bfloat16, torch.float16, torch.float32)
-    return (c.tensor(tokens, 16, dtype=dtype), c.tensor(4, c.vary(8, 1, 64), 16, dtype=dtype),
-            c.tensor(tokens, dtype=torch.int64))
+    dim, block_size = c.vary(16, 512), c.vary(8, 1, 64)           # 512: past triton's one-tile fp8 quantization
+    cache = c.tensor(4, block_size, dim, dtype=c.vary(dtype, torch.float8_e4m3fn))
+    return (c.tensor(tokens, dim, dtype=dtype), cache, c.tensor(tokens, dtype=torch.int64),
+            c.tensor(4, block_size) if cache.dtype == torch.float8_e4m3fn else None)
 
 
 def _layout_dispatch_args(c, rows):
@@ -391,9 +463,11 @@ def _indexer_topk_dispatch_args(c):
     dtype, heads, topk = c.vary(torch.bfloat16, torch.float16, torch.float32), c.vary(4, 64, 256), c.vary(8, 2048)
     tokens, dim = rows * max_seqlen_q, c.vary(32, 512)           # 256 heads, 512 dims: past triton's register tile
     q, weights = c.tensor(tokens, heads, dim, dtype=dtype), c.tensor(tokens, heads)
-    cache = c.tensor(6, c.vary(16, 1, 64), dim, dtype=dtype)
+    block_size = c.vary(16, 1, 64)
+    cache = c.tensor(6, block_size, dim, dtype=c.vary(dtype, torch.float8_e4m3fn))
+    key_scale = c.tensor(6, block_size) if cache.dtype == torch.float8_e4m3fn else None
     return (q, weights, cache, *_layout_dispatch_args(c, rows), max_seqlen_q, c.vary(40, 8), topk, 32 ** -0.5,
-            c.tensor(tokens, topk, dtype=torch.int32))
+            key_scale, c.tensor(tokens, topk, dtype=torch.int32))
 
 
 def _mla_sparse_dispatch_args(c):

@@ -52,6 +52,8 @@ from atom_core.models.layers.rotary import RotaryEmbedding
 from atom_core.models.layers.sharding import check_tp, divide
 from atom_core.models.quantization.config import QuantConfig
 
+FP8_DTYPE = torch.float8_e4m3fn  # the fp8 pools' element type (latent rows, indexer keys)
+
 # A step whose rows have at most this many queries each runs the absorbed (decode) form: it costs
 # ~S H (L + R) per query token against the expanded form's ~S L H (Dn + Dv) per row, so the absorbed
 # form wins until a row has about L (Dn + Dv) / (L + R) ~ 200 queries (DeepSeek-V3 shapes); a small
@@ -224,15 +226,26 @@ class LightningIndexer(nn.Module):
         self.weights_proj = ReplicatedLinear(hidden_size, num_heads, False, dtype=torch.float32)
         self.rotary_emb = rotary_emb
         self.indexer_cache: torch.Tensor | None = None
+        self.indexer_scale: torch.Tensor | None = None
 
-    def bind_kv_cache(self, indexer_cache: torch.Tensor) -> None:
-        """Attach this layer's indexer key pool ``[NB, BS, Di]`` (same blocks and slots as the latent pool)."""
+    def bind_kv_cache(self, indexer_cache: torch.Tensor, indexer_scale: torch.Tensor | None = None) -> None:
+        """Attach this layer's indexer key pool ``[NB, BS, Di]`` (same blocks and slots as the latent pool); a
+        float8_e4m3fn pool with its per-key scales ``indexer_scale`` fp32 [NB, BS] (``ops.store_indexer_k_``)."""
         if not isinstance(indexer_cache, torch.Tensor):
             raise TypeError(f"indexer_cache must be a torch.Tensor, got {type(indexer_cache).__name__}")
         if indexer_cache.dim() != 3 or indexer_cache.shape[2] != self.head_dim:
             raise ValueError(f"indexer_cache must have shape [num_blocks, block_size, {self.head_dim}] "
                              f"(index_head_dim), got {tuple(indexer_cache.shape)}")
-        self.indexer_cache = indexer_cache
+        if indexer_cache.dtype == FP8_DTYPE:
+            if (not isinstance(indexer_scale, torch.Tensor) or indexer_scale.dtype != torch.float32
+                    or tuple(indexer_scale.shape) != tuple(indexer_cache.shape[:2])):
+                got = (f"{indexer_scale.dtype} {tuple(indexer_scale.shape)}" if isinstance(indexer_scale, torch.Tensor)
+                       else repr(indexer_scale))
+                raise ValueError(f"an fp8 indexer_cache needs indexer_scale fp32 {tuple(indexer_cache.shape[:2])} "
+                                 f"(one scale per key), got {got}")
+        else:
+            indexer_scale = None
+        self.indexer_cache, self.indexer_scale = indexer_cache, indexer_scale
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, q_resid: torch.Tensor,
                 batch: StepLayout) -> torch.Tensor:
@@ -247,10 +260,10 @@ class LightningIndexer(nn.Module):
         k = self.k_norm(self.wk(hidden))                                              # [T, Di]
         ops.apply_rope_(q, k.unsqueeze(1), positions, self.rotary_emb.cos_sin_cache, is_neox=self.rope_is_neox)
         weights = self.weights_proj(hidden.float()) * self.num_heads ** -0.5          # [T, Hi] fp32
-        ops.store_indexer_k_(k, self.indexer_cache, batch.slot_mapping)
+        ops.store_indexer_k_(k, self.indexer_cache, batch.slot_mapping, indexer_scale=self.indexer_scale)
         return ops.indexer_topk(q, weights, self.indexer_cache, batch.block_tables, batch.cu_seqlens_q,
                                 batch.context_lens, batch.max_seqlen_q, batch.max_seqlen_k, topk=self.topk,
-                                scale=self.scale)
+                                scale=self.scale, indexer_scale=self.indexer_scale)
 
     def extra_repr(self) -> str:
         return (f"num_heads={self.num_heads}, head_dim={self.head_dim}, topk={self.topk}, "
@@ -445,32 +458,48 @@ class MLACaches:
 
     # ---- caches besides the latent pool (DSA's indexer keys) -------------------------------------------------------
 
-    def extra_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
-        """The per-token caches a runner allocates besides ``kv_cache_spec()``'s, by name; empty for V2/V3.
+    def extra_kv_cache_specs(self, dtype: torch.dtype | None = None) -> dict[str, KVCacheSpec]:
+        """The per-token caches a runner allocates besides ``kv_cache_spec(dtype)``'s, by name; empty for V2/V3.
 
         DSA models: ``{"indexer": spec}``, one ``[num_blocks, block_size, index_head_dim]`` tensor per layer
-        with an indexer (``spec.kv_shape(NB, BS)``, in the model's dtype whatever the latent pool's), over the
-        SAME num_blocks and block_size as the latent pool: each token's key goes to the slot its latent row
-        goes to (same block tables, same slot_mapping). A runner budgets ``kv_cache_spec().bytes_per_token +
-        sum(spec.bytes_per_token for spec in extra_kv_cache_specs().values())`` per token.
+        with an indexer (``spec.kv_shape(NB, BS)``) in the model's dtype, over the SAME num_blocks and
+        block_size as the latent pool: each token's key goes to the slot its latent row goes to (same block
+        tables, same slot_mapping). With an fp8 latent pool (``dtype`` float8_e4m3fn) the keys are fp8 too,
+        one fp32 scale per key beside them: ``{"indexer": spec (fp8), "indexer_scale": spec}``, the second one
+        ``[num_blocks, block_size, 1]`` fp32 tensor per indexer layer (Di + 4 bytes a key, as DeepSeek's release
+        keeps them). A runner budgets ``kv_cache_spec(dtype).bytes_per_token + sum(spec.bytes_per_token for spec
+        in extra_kv_cache_specs(dtype).values())`` per token.
         """
         if not self._indexers:
             return {}
-        return {"indexer": KVCacheSpec.mla(num_layers=len(self._indexers), kv_lora_rank=self._indexers[0].head_dim,
-                                           qk_rope_head_dim=0, dtype=self.dtype)}
+        layers, head_dim = len(self._indexers), self._indexers[0].head_dim
+        if dtype != FP8_DTYPE:
+            return {"indexer": KVCacheSpec.mla(num_layers=layers, kv_lora_rank=head_dim, qk_rope_head_dim=0,
+                                               dtype=self.dtype)}
+        return {"indexer": KVCacheSpec.mla(num_layers=layers, kv_lora_rank=head_dim, qk_rope_head_dim=0,
+                                           dtype=FP8_DTYPE),
+                "indexer_scale": KVCacheSpec.mla(num_layers=layers, kv_lora_rank=1, qk_rope_head_dim=0,
+                                                 dtype=torch.float32)}
 
     def bind_extra_kv_caches(self, caches: dict[str, list[torch.Tensor]]) -> None:
-        """Bind what ``extra_kv_cache_specs()`` asked for: ``caches[name]`` holds one tensor per layer of that
-        cache, in layer order (``{"indexer": [k_idx_cache_of_indexer_layer_0, ...]}``). ``bound_extra_kv_caches``
-        is that dict."""
-        wanted = self.extra_kv_cache_specs()
-        if set(caches) != set(wanted):
-            raise ValueError(f"extra caches must be exactly {sorted(wanted)}, got {sorted(caches)}")
+        """Bind what ``extra_kv_cache_specs(dtype)`` asked for: ``caches[name]`` holds one tensor per layer of
+        that cache, in layer order (``{"indexer": [k_idx_cache_of_indexer_layer_0, ...]}``, plus
+        ``"indexer_scale"`` ([NB, BS, 1] or [NB, BS] fp32 each) when the key caches are fp8).
+        ``bound_extra_kv_caches`` is that dict."""
+        wanted = set(self.extra_kv_cache_specs())
+        fp8 = bool(wanted) and "indexer" in caches and any(t.dtype == FP8_DTYPE for t in caches["indexer"])
+        if fp8:
+            wanted.add("indexer_scale")
+        if set(caches) != wanted:
+            raise ValueError(f"extra caches must be exactly {sorted(wanted)}, got {sorted(caches)}"
+                             + (" (fp8 indexer keys need their per-key scales)" if fp8 else ""))
         if wanted:
             tensors = list(caches["indexer"])
-            if len(tensors) != len(self._indexers):
-                raise ValueError(f"caches['indexer'] has {len(tensors)} tensors, the model has {len(self._indexers)} "
-                                 f"indexer layers")
-            for indexer, cache in zip(self._indexers, tensors):
-                indexer.bind_kv_cache(cache)
+            scales = list(caches["indexer_scale"]) if fp8 else [None] * len(tensors)
+            for name, entries in (("indexer", tensors), ("indexer_scale", scales)):
+                if len(entries) != len(self._indexers):
+                    raise ValueError(f"caches[{name!r}] has {len(entries)} tensors, the model has "
+                                     f"{len(self._indexers)} indexer layers")
+            for indexer, cache, scale in zip(self._indexers, tensors, scales):
+                indexer.bind_kv_cache(cache, None if scale is None else scale.reshape(scale.shape[:2]))
         self.bound_extra_kv_caches = caches

@@ -12,6 +12,11 @@ indexed by the same slots (block tables, slot_mapping) as the MLA latent pool::
 
     k_idx = k_norm(wk(x))            [Di]    LayerNorm with bias; its first R dims then rotated (rope)
 
+in the model's dtype, or (an FP8 KV cache) as float8_e4m3fn with one fp32 scale per token beside it,
+``indexer_scale [NB, BS]`` (``k_idx ~ cache * k_scale``, k_scale = amax / 448: DeepSeek's release keeps its
+indexer keys so, one 128-wide block a token). A positive per-key scale commutes with the relu, so a kernel
+may apply it after the head sum: ``I[t, s] = k_scale[s] * sum_h w[t, h] relu(Di^-1/2 q_idx[t, h] . cache[s])``.
+
 **The index score** of query token t (position p in its row) against context token s (s <= p)::
 
     I[t, s] = sum_h w[t, h] * relu(scale * q_idx[t, h] . k_idx[s])      (scale = Di^-1/2)
@@ -43,15 +48,33 @@ from torch import Tensor
 
 from atom_core.ops.reference.attention import attention_mask, dense_attention, gather_context
 from atom_core.ops.reference.mla import gather_latent
+from atom_core.ops.reference.quant import FP8_DTYPE, per_token_quant
 
 
-def store_indexer_k_(k: Tensor, indexer_cache: Tensor, slot_mapping: Tensor) -> None:
+def store_indexer_k_(k: Tensor, indexer_cache: Tensor, slot_mapping: Tensor, indexer_scale: Tensor | None = None,
+                     ) -> None:
     """Write ``k[t]`` (Di numbers) at slot ``s = slot_mapping[t]`` of ``indexer_cache`` ``[NB, BS, Di]``:
-    block s // BS, offset s % BS; s == -1 writes nothing. k: [T, Di]; stored cast to the cache's dtype."""
+    block s // BS, offset s % BS; s == -1 writes nothing. k: [T, Di]; stored cast to the cache's dtype, or,
+    for a float8_e4m3fn cache, quantized per token (``reference.quant.per_token_quant``: scale =
+    max(amax(k[t]), AMAX_FLOOR) / 448, one IEEE division) with the scale written at the same slot of
+    ``indexer_scale`` fp32 [NB, BS] (the key is ``cache * scale``)."""
     block_size = indexer_cache.shape[1]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    indexer_cache[slots // block_size, slots % block_size] = k[keep].to(indexer_cache.dtype)
+    blocks, offsets = slots // block_size, slots % block_size
+    if indexer_cache.dtype == FP8_DTYPE:
+        q, token_scale = per_token_quant(k[keep], FP8_DTYPE)
+        indexer_cache[blocks, offsets] = q
+        indexer_scale[blocks, offsets] = token_scale[:, 0]
+    else:
+        indexer_cache[blocks, offsets] = k[keep].to(indexer_cache.dtype)
+
+
+def indexer_keys(indexer_cache: Tensor, indexer_scale: Tensor | None) -> Tensor:
+    """The keys the cache holds, [NB, BS, Di]: the cache itself, or an fp8 cache times its per-slot scales (fp32)."""
+    if indexer_cache.dtype != FP8_DTYPE:
+        return indexer_cache
+    return indexer_cache.float() * indexer_scale.float()[..., None]
 
 
 def index_scores(q: Tensor, weights: Tensor, keys: Tensor, *, scale: float) -> Tensor:
@@ -63,10 +86,12 @@ def index_scores(q: Tensor, weights: Tensor, keys: Tensor, *, scale: float) -> T
 
 
 def indexer_topk(q: Tensor, weights: Tensor, indexer_cache: Tensor, block_tables: Tensor, cu_seqlens_q: Tensor,
-                 context_lens: Tensor, max_seqlen_q: int, max_seqlen_k: int, *, topk: int, scale: float) -> Tensor:
+                 context_lens: Tensor, max_seqlen_q: int, max_seqlen_k: int, *, topk: int, scale: float,
+                 indexer_scale: Tensor | None = None) -> Tensor:
     """Each query token's ``min(topk, p + 1)`` context positions of highest index score (module docstring).
 
-    q: [T, Hi, Di] (rotated); weights: fp32 [T, Hi]; indexer_cache: [NB, BS, Di] (this step's keys written);
+    q: [T, Hi, Di] (rotated); weights: fp32 [T, Hi]; indexer_cache: [NB, BS, Di] (this step's keys written;
+    float8_e4m3fn with indexer_scale fp32 [NB, BS]: the keys are ``indexer_keys``, dequantized);
     block_tables int32 [B, P]; cu_seqlens_q int32 [B + 1]; context_lens int32 [B]; max_seqlen_q /
     max_seqlen_k: ints (unused here, part of the op's signature); topk: K >= 1; scale: Di^-1/2.
     Returns int32 [T, K]: positions in the row's sequence, -1 padded (all -1 for tokens of rows with an
@@ -75,11 +100,12 @@ def indexer_topk(q: Tensor, weights: Tensor, indexer_cache: Tensor, block_tables
     num_tokens = q.shape[0]
     out = torch.full((num_tokens, topk), -1, dtype=torch.int32, device=q.device)
     starts = cu_seqlens_q.tolist()
+    pool = indexer_keys(indexer_cache, indexer_scale)
     for row, context_len in enumerate(context_lens.tolist()):
         first, last = starts[row], starts[row + 1]
         if context_len == 0 or last == first:
             continue
-        keys = gather_context(indexer_cache.unsqueeze(2), block_tables[row], context_len)[:, 0]  # [S, Di]
+        keys = gather_context(pool.unsqueeze(2), block_tables[row], context_len)[:, 0]  # [S, Di]
         scores = index_scores(q[first:last], weights[first:last], keys, scale=scale)          # [Tq, S]
         visible = attention_mask(last - first, context_len).to(q.device)
         scores = scores.masked_fill(~visible, float("-inf"))

@@ -5,7 +5,8 @@ kernel, then the top-k positions by ``torch.topk`` (a first version: no sort of 
    :func:`keys_per_program`, from the grid's size against the SM count):
    the token's indexer queries ``q[t]`` [Hi, Di] stay in registers; each tile of BLOCK_N keys of its row
    (page lookups by ``attention_unified._tile_rows``) gives ``s = q[t] @ k^T`` [Hi, N] by one ``tl.dot`` and
-   ``I[t, j] = sum_h w[t, h] relu(scale s[h, j])`` [N], written to an fp32 buffer ``scores [T, W]``,
+   ``I[t, j] = sum_h w[t, h] relu(scale s[h, j])`` [N] (times the key's scale for an fp8 cache: the keys
+   are loaded as e4m3 and widened to q's dtype for the dot), written to an fp32 buffer ``scores [T, W]``,
    ``W = max_seqlen_k``. Positions the token may not see (``j > p``, or past the row's context) get -inf
    without their keys being read; every column of the buffer is written (no memset).
 2. ``torch.topk(scores, min(K, W))``: a position scored -inf was not visible, so it becomes -1, as do the
@@ -40,13 +41,12 @@ PROGRAMS_PER_SM = 4
 
 @triton.jit
 def _index_scores_kernel(
-    q_ptr, w_ptr, cache_ptr, scores_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
+    q_ptr, w_ptr, cache_ptr, key_scale_ptr, scores_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
     first_token, num_rows, num_heads, width, keys_per_program,
-    stride_qt, stride_qh, stride_wt, stride_wh, stride_cb, stride_cs, stride_bt, stride_st,
+    stride_qt, stride_qh, stride_wt, stride_wh, stride_cb, stride_cs, stride_ksb, stride_kss, stride_bt, stride_st,
     scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEADS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DOT_UPCAST: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, HAS_KEY_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
     t_local = tl.program_id(0)
     t = first_token + t_local
@@ -74,14 +74,17 @@ def _index_scores_kernel(
     for start in range(chunk_start, seen_end, BLOCK_N):
         keys = start + offs_n
         key_ok = keys < kv_end
-        rows, _ = _tile_rows(block_table_ptr, start, kv_end, 0, stride_cb, stride_cs, 0, stride_cb, stride_cs, 0,
-                             BLOCK_N, PAGE_SIZE, True)
+        # The second set of offsets: the keys' slots in key_scale [NB, BS] (unread without HAS_KEY_SCALE).
+        rows, scale_rows = _tile_rows(block_table_ptr, start, kv_end, 0, stride_cb, stride_cs, 0, stride_ksb,
+                                      stride_kss, 0, BLOCK_N, PAGE_SIZE, True)
         k = tl.load(cache_ptr + rows[:, None] + offs_d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)
         if DOT_UPCAST:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
         else:
             s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)      # [Hi, N]
         score = tl.sum(w[:, None] * tl.maximum(s * scale, 0.0), axis=0)                 # [N]
+        if HAS_KEY_SCALE:  # key = cache * key_scale, key_scale > 0: it commutes with the relu and the head sum
+            score = score * tl.load(key_scale_ptr + scale_rows, mask=key_ok, other=0.0)
         tl.store(score_row + keys, tl.where(key_ok, score, float("-inf")), mask=keys < chunk_end)
     for start in range(tl.maximum(seen_end, chunk_start), chunk_end, BLOCK_N):  # not visible: no key read
         keys = start + offs_n
@@ -118,24 +121,27 @@ def keys_per_program(num_tokens: int, width: int, block_n: int, sms: int) -> int
     return max(keys, block_n)
 
 
-def index_scores(q, weights, indexer_cache, block_tables, cu_seqlens_q, context_lens, width, scale, first_token,
-                 num_tokens, scores):
-    """Write ``scores[i, j]`` (fp32 [>= num_tokens, >= width]) = I[first_token + i, j], -inf where not visible."""
+def index_scores(q, weights, indexer_cache, indexer_scale, block_tables, cu_seqlens_q, context_lens, width, scale,
+                 first_token, num_tokens, scores):
+    """Write ``scores[i, j]`` (fp32 [>= num_tokens, >= width]) = I[first_token + i, j], -inf where not visible.
+    indexer_scale: fp32 [NB, BS] per-key scales of an fp8 cache, or None."""
     constexprs, options = _launch_params(q.shape[1], q.shape[2], indexer_cache.shape[1], q.dtype,
                                          triton_interpret())
     sms = num_sms(q.device.index or 0) if q.is_cuda else 1  # the interpreter: a few programs, several chunks
     keys = keys_per_program(num_tokens, width, constexprs["BLOCK_N"], sms)
+    has_key_scale = indexer_scale is not None
+    key_scale = indexer_scale if has_key_scale else weights  # unread without HAS_KEY_SCALE
     _index_scores_kernel[(num_tokens, cdiv(width, keys))](
-        q, weights, indexer_cache, scores, block_tables, cu_seqlens_q, context_lens,
+        q, weights, indexer_cache, key_scale, scores, block_tables, cu_seqlens_q, context_lens,
         first_token, block_tables.shape[0], q.shape[1], width, keys,
         q.stride(0), q.stride(1), weights.stride(0), weights.stride(1), indexer_cache.stride(0),
-        indexer_cache.stride(1), block_tables.stride(0), scores.stride(0),
-        float(scale), **constexprs, **options,
+        indexer_cache.stride(1), key_scale.stride(0), key_scale.stride(1), block_tables.stride(0), scores.stride(0),
+        float(scale), HAS_KEY_SCALE=has_key_scale, **constexprs, **options,
     )
 
 
 def indexer_topk(q, weights, indexer_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k,
-                 topk, scale, out):
+                 topk, scale, indexer_scale, out):
     """Fill out int32 [T, K] (arguments as ``atom_core.ops.indexer_topk``)."""
     num_tokens = q.shape[0]
     width = max(int(max_seqlen_k), 1)
@@ -151,7 +157,7 @@ def indexer_topk(q, weights, indexer_cache, block_tables, cu_seqlens_q, context_
     scores = torch.empty(chunk, width, dtype=torch.float32, device=q.device)
     for first in range(0, num_tokens, chunk):
         count = min(chunk, num_tokens - first)
-        index_scores(q, weights, indexer_cache, block_tables, cu_seqlens_q, context_lens, width, scale, first, count,
-                     scores)
+        index_scores(q, weights, indexer_cache, indexer_scale, block_tables, cu_seqlens_q, context_lens, width, scale,
+                     first, count, scores)
         values, positions = torch.topk(scores[:count], keep, dim=1)
         out[first:first + count, :keep] = torch.where(values == float("-inf"), -1, positions).to(torch.int32)

@@ -5,7 +5,9 @@ cache (``store_indexer_k_``: ``k`` into ``[NB, BS, Di]``).
 Each program scatters BLOCK_T tokens' rows into their slots: slot s is block s // BS, offset s % BS;
 s < 0 (padding) is masked out, so its row is not even read. The row copy is ``kv_cache._store_rows``
 (one "head"), so an fp8 pool stores ``clamp(x / scale, -448, 448)`` rounded to e4m3 in fp32 first,
-bit-equal to ``torch.Tensor.to(torch.float8_e4m3fn)`` on every target. Offsets are int64.
+bit-equal to ``torch.Tensor.to(torch.float8_e4m3fn)`` on every target. An fp8 indexer cache instead
+quantizes each key with its own scale (``_store_quantized_keys_kernel``: amax / 448 into ``indexer_scale``,
+``quant.quantize_groups``, as ``reference.quant.per_token_quant``). Offsets are int64.
 
 Legend: T = tokens, L = kv_lora_rank, R = qk_rope_head_dim, Di = indexer head dim, NB = blocks, BS = block size.
 """
@@ -18,10 +20,15 @@ import triton
 import triton.language as tl
 
 from atom_core.ops.reference.kv_cache import FP8_DTYPE
+from atom_core.ops.reference.quant import AMAX_FLOOR as _AMAX_FLOOR
+from atom_core.ops.reference.quant import qmax
 from atom_core.ops.triton.kv_cache import _store_rows
 from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2
+from atom_core.ops.triton.quant import quantize_groups
 
 _TILE = 4096  # elements of a row block per program
+AMAX_FLOOR = tl.constexpr(_AMAX_FLOOR)
+FP8_MAX = tl.constexpr(qmax(FP8_DTYPE))
 
 
 @triton.jit
@@ -82,6 +89,33 @@ def store_mla_(kv_c, k_pe, mla_cache, slot_mapping, kv_scale):
     _store(kv_c, k_pe, mla_cache, slot_mapping, kv_scale)
 
 
-def store_indexer_k_(k, indexer_cache, slot_mapping):
-    """``indexer_cache[slot] = k[t]`` cast to the cache's dtype (arguments as ``atom_core.ops.store_indexer_k_``)."""
-    _store(k, None, indexer_cache, slot_mapping, None)
+@triton.jit
+def _store_quantized_keys_kernel(
+    k_ptr, cache_ptr, scale_ptr, slot_ptr, num_tokens, dim, block_size, stride_slot, stride_kt, stride_cb, stride_cs,
+    stride_sb, stride_ss, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    tokens, blocks, offsets, valid = _slots(slot_ptr, stride_slot, num_tokens, block_size, BLOCK_T)
+    dims = tl.arange(0, BLOCK_D)
+    mask = valid[:, None] & (dims < dim)[None, :]
+    x = tl.load(k_ptr + tokens[:, None] * stride_kt + dims[None, :], mask=mask, other=0.0).to(tl.float32)
+    q, scale = quantize_groups(x, AMAX_FLOOR, FP8_MAX, False)                     # one scale a token
+    rows = blocks * stride_cb + offsets * stride_cs
+    tl.store(cache_ptr + rows[:, None] + dims[None, :], q.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr + blocks * stride_sb + offsets * stride_ss, scale, mask=valid)
+
+
+def store_indexer_k_(k, indexer_cache, slot_mapping, indexer_scale):
+    """``indexer_cache[slot] = k[t]`` cast to the cache's dtype, or for an fp8 cache quantized with one scale a
+    token written to ``indexer_scale[slot]`` (arguments as ``atom_core.ops.store_indexer_k_``)."""
+    if indexer_cache.dtype != FP8_DTYPE:
+        _store(k, None, indexer_cache, slot_mapping, None)
+        return
+    num_tokens, dim = k.shape
+    if num_tokens == 0:
+        return
+    grid, block_t, block_d, _, num_warps = _launch_config(num_tokens, dim, 0)
+    _store_quantized_keys_kernel[grid](
+        k, indexer_cache, indexer_scale, slot_mapping, num_tokens, dim, indexer_cache.shape[1],
+        slot_mapping.stride(0), k.stride(0), indexer_cache.stride(0), indexer_cache.stride(1),
+        indexer_scale.stride(0), indexer_scale.stride(1), BLOCK_T=block_t, BLOCK_D=block_d, num_warps=num_warps,
+    )
