@@ -25,7 +25,9 @@ scores over the row's indexer keys, then top-k; bytes = the keys read, ``B x S x
 attention over the selected rows (``mla_sparse_attention``; bytes = ``B x K x (L + R) x 2``), both in one
 timed call (a decode step's DSA attention), and dense MLA decode (``mla_decode_attention``) at the same
 context. ``x_dense`` = dense ms / this row's ms (issue 13's target: indexer + sparse >= 4x faster than
-dense).
+dense). Then the same with fp8 pools, as ``Engine(kv_cache_dtype="fp8")`` keeps them: latent rows in e4m3
+over a per-tensor scale (dense and sparse read 576 bytes a row), indexer keys in e4m3 with one fp32 scale a
+key (``B x S x (Di + 4)`` bytes).
 
 Every figure is timed the same way (``benchmarks.common.adaptive_timing``, warm-up first, so Triton's
 compilation never lands in a timed call, and a CUDA graph requested); the ``timing`` column says which
@@ -212,8 +214,11 @@ def _decode_row(rows, context, s, device, timed, copy_gbs, twin_baseline) -> dic
             "timing": timing_column({"ms": ours, "sdpa_ms": sdpa, "twin_ms": twin_t})}
 
 
-def _dsa_rows(rows, context, s, device, timed, copy_gbs) -> list[dict]:
-    from atom_core.ops import indexer_topk, mla_decode_attention, mla_sparse_attention
+def _dsa_rows(rows, context, s, device, timed, copy_gbs, fp8=False) -> list[dict]:
+    """Dense MLA decode, the indexer, the sparse attention and indexer + sparse at one (batch, context); fp8:
+    both pools as ``kv_cache_dtype="fp8"`` makes them (latent rows over a per-tensor scale, indexer keys
+    quantized by ``store_indexer_k_`` with one scale a key), the dense side over the same fp8 latent pool."""
+    from atom_core.ops import indexer_topk, mla_decode_attention, mla_sparse_attention, store_indexer_k_
 
     backend = _backend()
     p = make_problem(rows, context, s, device, seed=1)
@@ -221,18 +226,29 @@ def _dsa_rows(rows, context, s, device, timed, copy_gbs) -> list[dict]:
     index_heads, index_dim, topk = s["index_heads"], s["index_dim"], s["topk"]
     q_idx = torch.randn(rows, index_heads, index_dim, generator=g, device=device).to(s["dtype"])
     weights = torch.randn(rows, index_heads, generator=g, device=device) * index_heads ** -0.5
-    indexer_cache = torch.randn(*p.mla_cache.shape[:2], index_dim, generator=g, device=device).to(s["dtype"])
+    keys = torch.randn(p.mla_cache.shape[0] * p.mla_cache.shape[1], index_dim, generator=g, device=device)
+    kv_scale = key_scale = None
+    if fp8:
+        kv_scale = (p.mla_cache.float().abs().amax() / 448).reshape(1)
+        p.mla_cache = (p.mla_cache.float() / kv_scale).to(torch.float8_e4m3fn)
+        indexer_cache = torch.empty(*p.mla_cache.shape[:2], index_dim, dtype=torch.float8_e4m3fn, device=device)
+        key_scale = torch.empty(p.mla_cache.shape[:2], device=device)
+        store_indexer_k_(keys.to(s["dtype"]), indexer_cache, torch.arange(keys.shape[0], device=device),
+                         indexer_scale=key_scale, backend=backend)
+    else:
+        indexer_cache = keys.to(s["dtype"]).view(*p.mla_cache.shape[:2], index_dim)
+    del keys
     index_scale = index_dim ** -0.5
     selected = torch.empty(rows, topk, dtype=torch.int32, device=device)
     out = torch.empty(rows, s["heads"], s["v_dim"], dtype=s["dtype"], device=device)
 
     def indexer():
-        indexer_topk(q_idx, weights, indexer_cache, *p.layout(), topk=topk, scale=index_scale, out=selected,
-                     backend=backend)
+        indexer_topk(q_idx, weights, indexer_cache, *p.layout(), topk=topk, scale=index_scale, indexer_scale=key_scale,
+                     out=selected, backend=backend)
 
     def sparse():
         mla_sparse_attention(p.q_nope, p.q_pe, p.mla_cache, p.w_uk, p.w_uv, selected, *p.layout(), scale=p.scale,
-                             out=out, backend=backend)
+                             kv_scale=kv_scale, out=out, backend=backend)
 
     def both():
         indexer()
@@ -240,14 +256,15 @@ def _dsa_rows(rows, context, s, device, timed, copy_gbs) -> list[dict]:
 
     indexer()  # the selection the sparse rows read (random scores: scattered positions)
     dense = timed(lambda: mla_decode_attention(p.q_nope, p.q_pe, p.mla_cache, p.w_uk, p.w_uv, *p.layout(),
-                                               scale=p.scale, out=out, backend=backend))
+                                               scale=p.scale, kv_scale=kv_scale, out=out, backend=backend))
     row_bytes = p.mla_cache.shape[2] * p.mla_cache.element_size()
+    key_bytes = rows * context * (index_dim * indexer_cache.element_size() + (4 if fp8 else 0))
     selected_rows = rows * min(topk, context)
-    cases = [("mla decode (dense)", None, dense, p.latent_bytes),
-             ("dsa indexer", None, timed(indexer), rows * context * index_dim * indexer_cache.element_size()),
-             ("dsa sparse attention", topk, timed(sparse), selected_rows * row_bytes),
-             ("dsa indexer + sparse", topk, timed(both),
-              rows * context * index_dim * indexer_cache.element_size() + selected_rows * row_bytes)]
+    tag = " (fp8 pools)" if fp8 else ""
+    cases = [("mla decode (dense)" + tag, None, dense, p.latent_bytes),
+             ("dsa indexer" + tag, None, timed(indexer), key_bytes),
+             ("dsa sparse attention" + tag, topk, timed(sparse), selected_rows * row_bytes),
+             ("dsa indexer + sparse" + tag, topk, timed(both), key_bytes + selected_rows * row_bytes)]
     out_rows = []
     for case, k, timing, nbytes in cases:
         out_rows.append({"case": case, "batch": rows, "context": context, "topk": k, "backend": backend,
@@ -304,12 +321,13 @@ def run(device: str = "cuda", smoke: bool = False, twin_baseline: bool = True, s
         print(rows[-1], flush=True)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    for batch, context in s["dsa"]:
-        rows += _dsa_rows(batch, context, s, device, timed, copy_gbs)
-        for row in rows[-4:]:
-            print(row, flush=True)
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+    for fp8 in (False, True):
+        for batch, context in s["dsa"]:
+            rows += _dsa_rows(batch, context, s, device, timed, copy_gbs, fp8=fp8)
+            for row in rows[-4:]:
+                print(row, flush=True)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
     return rows
 
 
