@@ -12,6 +12,9 @@ the block table instead of the whole context; results go into ``out``; ``max_seq
 and ``topk`` are ints that size a launch; nothing is read on the host outside debug mode, so a CUDA graph
 can capture them.
 
+The indexer cache is in the model's dtype, or float8_e4m3fn with one fp32 scale a key beside it
+(``indexer_scale`` [NB, BS]: written by ``store_indexer_k_``, read by ``indexer_topk``).
+
 Backends: ``torch`` (the reference twins: dense-masked); ``triton`` (``ops/triton/mla_cache.py``: the key write;
 ``dsa_indexer.py``: index scores by a Triton kernel into a ``[T, max_seqlen_k]`` buffer, then ``torch.topk``;
 ``dsa_sparse.py``: absorbed MLA reading only the K selected latent rows per query, split-K, between two torch
