@@ -129,8 +129,8 @@ def _topk_case(label: str, query_lens, cached_lens, *, topk, dtype, device, bloc
                     return f"token {t} (position {pos}) keeps {sorted(kept)}"
                 if not kept or len(kept) == pos + 1:
                     continue
-                scores = reference_dsa.index_scores(x["index_q"][t:t + 1].cpu(), x["index_w"][t:t + 1].cpu(),
-                                                    keys[:pos + 1], scale=scale)[0]
+                q = reference_dsa.indexer_queries(x["index_q"][t:t + 1].cpu(), x["index_cache"])
+                scores = reference_dsa.index_scores(q, x["index_w"][t:t + 1].cpu(), keys[:pos + 1], scale=scale)[0]
                 left_out = torch.ones(pos + 1, dtype=torch.bool)
                 left_out[kept] = False
                 if scores[kept].min() < scores[left_out].max() - slack * max(1.0, float(scores.abs().max())):

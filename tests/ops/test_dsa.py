@@ -224,7 +224,8 @@ def test_indexer_topk_matches_the_loop_on_any_layout_and_pads_padding_rows(backe
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
 @pytest.mark.parametrize("layout", ["ragged_prefill", "chunk_after_prefix", "decode"])
 def test_indexer_topk_over_fp8_keys_ranks_by_the_dequantized_keys(backend, layout):
-    # The fp8 cache and its per-key scales come from the write; the float64 loop scores cache * scale.
+    # The fp8 cache and its per-key scales come from the write; the float64 loop scores cache * scale against
+    # q rounded to e4m3 a head at a time (twin.indexer_queries), the op gets q as it is.
     query_lens, cached_lens = LAYOUTS[layout]
     batch = DSABatch(query_lens, cached_lens, block_size=4, topk=4, seed=33)
     num_blocks, block_size, dim = batch.index_cache.shape
@@ -233,11 +234,39 @@ def test_indexer_topk_over_fp8_keys_ranks_by_the_dequantized_keys(backend, layou
     ops.store_indexer_k_(batch.index_cache.view(-1, dim).nan_to_num(), fp8, torch.arange(num_blocks * block_size),
                          indexer_scale=key_scale, backend="torch")
     batch.index_cache = fp8.float() * key_scale[..., None]            # what the loop scores
+    q, batch.index_q = batch.index_q, twin.indexer_queries(batch.index_q, fp8)
+    assert not torch.equal(q, batch.index_q)
     lay = batch.layout.to(DEVICE)
-    got = ops.indexer_topk(batch.index_q.to(DEVICE), batch.index_w.to(DEVICE), fp8.to(DEVICE), lay.block_tables,
+    got = ops.indexer_topk(q.to(DEVICE), batch.index_w.to(DEVICE), fp8.to(DEVICE), lay.block_tables,
                            lay.cu_seqlens_q, lay.context_lens, lay.max_seqlen_q, lay.max_seqlen_k, topk=batch.topk,
                            scale=batch.index_scale, indexer_scale=key_scale.to(DEVICE), backend=backend).cpu()
     assert_keeps_the_top_scores(batch, got)
+
+
+@needs_triton
+def test_triton_scores_over_fp8_keys_are_the_twins_formula_with_e4m3_queries():
+    # Scores, not a choice: q left unrounded would be off by e4m3's 2^-4 relative steps, far past fp32's.
+    from atom_core.ops.triton.dsa_indexer import index_scores
+
+    batch = DSABatch([1, 3], [6, 2], block_size=4, index_dim=32, seed=34)
+    num_blocks, block_size, dim = batch.index_cache.shape
+    fp8 = torch.zeros(num_blocks, block_size, dim, dtype=torch.float8_e4m3fn)
+    key_scale = torch.zeros(num_blocks, block_size)
+    ops.store_indexer_k_(batch.index_cache.view(-1, dim).nan_to_num(), fp8, torch.arange(num_blocks * block_size),
+                         indexer_scale=key_scale, backend="torch")
+    lay = batch.layout.to(DEVICE)
+    width = lay.max_seqlen_k
+    got = torch.full((lay.num_tokens, width), float("nan"), device=DEVICE)
+    index_scores(batch.index_q.to(DEVICE), batch.index_w.to(DEVICE), fp8.to(DEVICE), key_scale.to(DEVICE),
+                 lay.block_tables, lay.cu_seqlens_q, lay.context_lens, width, batch.index_scale, 0, lay.num_tokens, got)
+    keys = twin.indexer_keys(fp8, key_scale)
+    q = twin.indexer_queries(batch.index_q, fp8)
+    for t, row, pos in batch.queries():
+        table = batch.tables[row]
+        row_keys = torch.stack([keys[table[j // block_size], j % block_size] for j in range(pos + 1)])
+        want = twin.index_scores(q[t:t + 1], batch.index_w[t:t + 1], row_keys, scale=batch.index_scale)[0]
+        torch.testing.assert_close(got[t, :pos + 1].cpu(), want, rtol=1e-5, atol=1e-5)
+        assert (got[t, pos + 1:] == float("-inf")).all()
 
 
 def test_indexer_topk_writes_out_and_auto_serves_triton_wherever_it_runs():

@@ -16,6 +16,9 @@ in the model's dtype, or (an FP8 KV cache) as float8_e4m3fn with one fp32 scale 
 ``indexer_scale [NB, BS]`` (``k_idx ~ cache * k_scale``, k_scale = amax / 448: DeepSeek's release keeps its
 indexer keys so, one 128-wide block a token). A positive per-key scale commutes with the relu, so a kernel
 may apply it after the head sum: ``I[t, s] = k_scale[s] * sum_h w[t, h] relu(Di^-1/2 q_idx[t, h] . cache[s])``.
+Against fp8 keys the queries are rounded to e4m3 too, one scale per (token, head) (``indexer_queries``), as
+DeepSeek's indexer does, so a kernel can take both dot operands in e4m3: with q_idx = q_hat * q_scale,
+``I[t, s] = k_scale[s] * sum_h (w[t, h] q_scale[t, h]) relu(Di^-1/2 q_hat[t, h] . cache[s])``.
 
 **The index score** of query token t (position p in its row) against context token s (s <= p)::
 
@@ -77,6 +80,15 @@ def indexer_keys(indexer_cache: Tensor, indexer_scale: Tensor | None) -> Tensor:
     return indexer_cache.float() * indexer_scale.float()[..., None]
 
 
+def indexer_queries(q: Tensor, indexer_cache: Tensor) -> Tensor:
+    """The queries as scored, [T, Hi, Di]: q itself, or against an fp8 cache q rounded to e4m3 too, one scale a
+    (token, head) (``per_token_quant`` of its Di values; fp32, dequantized), as DeepSeek's indexer scores."""
+    if indexer_cache.dtype != FP8_DTYPE:
+        return q
+    q_hat, q_scale = per_token_quant(q.reshape(-1, q.shape[-1]), FP8_DTYPE)
+    return (q_hat.float() * q_scale).view(q.shape)
+
+
 def index_scores(q: Tensor, weights: Tensor, keys: Tensor, *, scale: float) -> Tensor:
     """``I[t, s] = sum_h weights[t, h] relu(scale q[t, h] . keys[s])`` in fp32.
 
@@ -91,7 +103,8 @@ def indexer_topk(q: Tensor, weights: Tensor, indexer_cache: Tensor, block_tables
     """Each query token's ``min(topk, p + 1)`` context positions of highest index score (module docstring).
 
     q: [T, Hi, Di] (rotated); weights: fp32 [T, Hi]; indexer_cache: [NB, BS, Di] (this step's keys written;
-    float8_e4m3fn with indexer_scale fp32 [NB, BS]: the keys are ``indexer_keys``, dequantized);
+    float8_e4m3fn with indexer_scale fp32 [NB, BS]: the keys are ``indexer_keys``, dequantized, and q is
+    scored as ``indexer_queries``, rounded to e4m3 a head at a time);
     block_tables int32 [B, P]; cu_seqlens_q int32 [B + 1]; context_lens int32 [B]; max_seqlen_q /
     max_seqlen_k: ints (unused here, part of the op's signature); topk: K >= 1; scale: Di^-1/2.
     Returns int32 [T, K]: positions in the row's sequence, -1 padded (all -1 for tokens of rows with an
@@ -101,6 +114,7 @@ def indexer_topk(q: Tensor, weights: Tensor, indexer_cache: Tensor, block_tables
     out = torch.full((num_tokens, topk), -1, dtype=torch.int32, device=q.device)
     starts = cu_seqlens_q.tolist()
     pool = indexer_keys(indexer_cache, indexer_scale)
+    q = indexer_queries(q, indexer_cache)
     for row, context_len in enumerate(context_lens.tolist()):
         first, last = starts[row], starts[row + 1]
         if context_len == 0 or last == first:

@@ -5,8 +5,9 @@ kernel, then the top-k positions by ``torch.topk`` (a first version: no sort of 
    :func:`keys_per_program`, from the grid's size against the SM count):
    the token's indexer queries ``q[t]`` [Hi, Di] stay in registers; each tile of BLOCK_N keys of its row
    (page lookups by ``attention_unified._tile_rows``) gives ``s = q[t] @ k^T`` [Hi, N] by one ``tl.dot`` and
-   ``I[t, j] = sum_h w[t, h] relu(scale s[h, j])`` [N] (times the key's scale for an fp8 cache: the keys
-   are loaded as e4m3 and widened to q's dtype for the dot), written to an fp32 buffer ``scores [T, W]``,
+   ``I[t, j] = sum_h w[t, h] relu(scale s[h, j])`` [N] (an fp8 cache: q rounded to e4m3 a head at a time
+   in the program, its scales folded into w, an e4m3 x e4m3 dot, the sum times the key's scale), written
+   to an fp32 buffer ``scores [T, W]``,
    ``W = max_seqlen_k``. Positions the token may not see (``j > p``, or past the row's context) get -inf
    without their keys being read; every column of the buffer is written (no memset).
 2. ``torch.topk(scores, min(K, W))``: a position scored -inf was not visible, so it becomes -1, as do the
@@ -30,11 +31,16 @@ import triton
 import triton.language as tl
 
 from atom_core.ops.dispatch import triton_interpret
+from atom_core.ops.reference.quant import AMAX_FLOOR as _AMAX_FLOOR
+from atom_core.ops.reference.quant import FP8_DTYPE, qmax
 from atom_core.ops.triton.attention_unified import _tile_rows, dot_options
 from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2, num_sms
 from atom_core.ops.triton.mla_decode import row_of_token
+from atom_core.ops.triton.quant import quantize_groups
 
 SCORE_BUFFER_BYTES = 1 << 28  # the scores of one chunk of query tokens
+AMAX_FLOOR = tl.constexpr(_AMAX_FLOOR)
+FP8_MAX = tl.constexpr(qmax(FP8_DTYPE))
 MAX_KEYS_PER_PROGRAM = 2048
 PROGRAMS_PER_SM = 4
 
@@ -66,6 +72,11 @@ def _index_scores_kernel(
     q = tl.load(q_ptr + t64 * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
                 mask=h_ok[:, None] & d_ok[None, :], other=0.0)                       # [Hi, Di]
     w = tl.load(w_ptr + t64 * stride_wt + offs_h * stride_wh, mask=h_ok, other=0.0)  # [Hi] fp32 (0: padded heads)
+    if HAS_KEY_SCALE:  # fp8 keys: q rounded to e4m3 a head at a time (the twin's indexer_queries), its scale
+        q, q_scale = quantize_groups(q.to(tl.float32), AMAX_FLOOR, FP8_MAX, False)   # folded into the weight
+        w = w * q_scale
+        if not DOT_UPCAST:
+            q = q.to(cache_ptr.dtype.element_ty)                                      # both dot operands e4m3
     block_table_ptr = block_tables_ptr + row.to(tl.int64) * stride_bt
     score_row = scores_ptr + t_local.to(tl.int64) * stride_st
     offs_n = tl.arange(0, BLOCK_N)
@@ -80,6 +91,8 @@ def _index_scores_kernel(
         k = tl.load(cache_ptr + rows[:, None] + offs_d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)
         if DOT_UPCAST:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
+        elif HAS_KEY_SCALE:
+            s = tl.dot(q, tl.trans(k))                                                  # e4m3 x e4m3 -> fp32
         else:
             s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)      # [Hi, N]
         score = tl.sum(w[:, None] * tl.maximum(s * scale, 0.0), axis=0)                 # [N]
