@@ -105,10 +105,11 @@ def _index_scores_kernel(
 
 
 @functools.lru_cache(maxsize=LAUNCH_CACHE_SIZE)
-def _launch_params(num_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
-                   interpret: bool) -> tuple[dict, dict]:
-    """(constexprs, launch options) of the score kernel for one shape signature."""
-    head_dim_pad = max(next_power_of_2(head_dim), 16)
+def _launch_params(num_heads: int, head_dim: int, page_size: int, dtype: torch.dtype, interpret: bool,
+                   fp8: bool = False) -> tuple[dict, dict]:
+    """(constexprs, launch options) of the score kernel for one shape signature (fp8: e4m3 keys, whose dot
+    needs K >= 32)."""
+    head_dim_pad = max(next_power_of_2(head_dim), 32 if fp8 else 16)
     heads_pad = max(next_power_of_2(num_heads), 16)
     if interpret:
         block_n, warps = 16, 4
@@ -139,7 +140,7 @@ def index_scores(q, weights, indexer_cache, indexer_scale, block_tables, cu_seql
     """Write ``scores[i, j]`` (fp32 [>= num_tokens, >= width]) = I[first_token + i, j], -inf where not visible.
     indexer_scale: fp32 [NB, BS] per-key scales of an fp8 cache, or None."""
     constexprs, options = _launch_params(q.shape[1], q.shape[2], indexer_cache.shape[1], q.dtype,
-                                         triton_interpret())
+                                         triton_interpret(), indexer_scale is not None)
     sms = num_sms(q.device.index or 0) if q.is_cuda else 1  # the interpreter: a few programs, several chunks
     keys = keys_per_program(num_tokens, width, constexprs["BLOCK_N"], sms)
     has_key_scale = indexer_scale is not None
