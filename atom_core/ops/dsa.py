@@ -174,7 +174,6 @@ def _check_indexer_scale(indexer_cache, indexer_scale) -> None:
     if indexer_cache.dtype == FP8_DTYPE:
         _fp8_scale(indexer_cache, indexer_scale)  # present, [NB, BS]
         check_tensor("indexer_scale", indexer_scale, ndim=2, dtypes=(torch.float32,))
-        check_shape("indexer_scale", indexer_scale, tuple(indexer_cache.shape[:2]))
         check_same_device(indexer_cache=indexer_cache, indexer_scale=indexer_scale)
 
 

@@ -31,7 +31,8 @@ unused entries (a query at position p < K - 1 keeps all of its p + 1 tokens: DSA
 Which of several exactly tied tokens is kept, and the order of the kept positions, are not specified
 (the twin: ``torch.topk``'s, descending score). DeepSeek's own inference code rotates q and k by a
 Hadamard matrix and scores them in fp8; the Hadamard rotation leaves every dot product unchanged and
-fp8 is a precision shortcut, so the twin (like HF transformers) scores unrotated, in fp32.
+fp8 is a precision shortcut, so over 16-bit keys the twin (like HF transformers) scores unrotated, in fp32;
+over fp8 keys (an fp8 KV cache) it rounds q as DeepSeek does (above), still unrotated.
 
 **Sparse attention.** MLA in its absorbed form (``reference.mla.mla_decode_attention``), each query
 attending only to the cached rows at its selected positions::
