@@ -28,19 +28,15 @@ import triton
 import triton.language as tl
 
 from atom_core.ops.dispatch import triton_interpret
-from atom_core.ops.reference.quant import AMAX_FLOOR as _AMAX_FLOOR
-from atom_core.ops.reference.quant import FP8_DTYPE, qmax
 from atom_core.ops.triton.attention_unified import attend_key_range, dot_options
 from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2, num_sms
-from atom_core.ops.triton.quant import per_head_quant, quantize_groups
+from atom_core.ops.triton.quant import TL_AMAX_FLOOR, TL_FP8_MAX, per_head_quant, quantize_groups
 
 # Programs wanted per SM; fewer programs than this leave HBM bandwidth unused.
 PROGRAMS_PER_SM = 2
 # A split shorter than this many keys costs more in partial writes than it gains.
 MIN_KEYS_PER_SPLIT = 128
 MAX_SPLITS = 64
-AMAX_FLOOR = tl.constexpr(_AMAX_FLOOR)  # the quantized output's scales, as per_group_quant's
-FP8_MAX = tl.constexpr(qmax(FP8_DTYPE))
 TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}  # q's, for stores
 
 
@@ -153,7 +149,7 @@ def _decode_reduce_kernel(
     if QUANT:
         # Rounded to q's dtype first: per_group_quant (group = D) of the rounded output, bit for bit.
         y = tl.where(d_ok, out.to(OUT_DTYPE).to(tl.float32), 0.0)
-        q, scale = quantize_groups(y[None, :], AMAX_FLOOR, FP8_MAX, False)  # one group: the head
+        q, scale = quantize_groups(y[None, :], TL_AMAX_FLOOR, TL_FP8_MAX, False)  # one group: the head
         tl.store(out_ptrs, tl.reshape(q, [HEAD_DIM_PAD]).to(out_ptr.dtype.element_ty), mask=d_ok)
         tl.store(out_scale_ptr + t * stride_st + head, tl.max(scale, axis=0))
     else:

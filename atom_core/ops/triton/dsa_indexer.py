@@ -31,16 +31,12 @@ import triton
 import triton.language as tl
 
 from atom_core.ops.dispatch import triton_interpret
-from atom_core.ops.reference.quant import AMAX_FLOOR as _AMAX_FLOOR
-from atom_core.ops.reference.quant import FP8_DTYPE, qmax
 from atom_core.ops.triton.attention_unified import _tile_rows, dot_options
 from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2, num_sms
 from atom_core.ops.triton.mla_decode import row_of_token
-from atom_core.ops.triton.quant import quantize_groups
+from atom_core.ops.triton.quant import TL_AMAX_FLOOR, TL_FP8_MAX, quantize_groups
 
 SCORE_BUFFER_BYTES = 1 << 28  # the scores of one chunk of query tokens
-AMAX_FLOOR = tl.constexpr(_AMAX_FLOOR)
-FP8_MAX = tl.constexpr(qmax(FP8_DTYPE))
 MAX_KEYS_PER_PROGRAM = 2048
 PROGRAMS_PER_SM = 4
 
@@ -73,7 +69,7 @@ def _index_scores_kernel(
                 mask=h_ok[:, None] & d_ok[None, :], other=0.0)                       # [Hi, Di]
     w = tl.load(w_ptr + t64 * stride_wt + offs_h * stride_wh, mask=h_ok, other=0.0)  # [Hi] fp32 (0: padded heads)
     if HAS_KEY_SCALE:  # fp8 keys: q rounded to e4m3 a head at a time (the twin's indexer_queries), its scale
-        q, q_scale = quantize_groups(q.to(tl.float32), AMAX_FLOOR, FP8_MAX, False)   # folded into the weight
+        q, q_scale = quantize_groups(q.to(tl.float32), TL_AMAX_FLOOR, TL_FP8_MAX, False)  # folded into w
         w = w * q_scale
         if not DOT_UPCAST:
             q = q.to(cache_ptr.dtype.element_ty)                                      # both dot operands e4m3

@@ -20,15 +20,11 @@ import triton
 import triton.language as tl
 
 from atom_core.ops.reference.kv_cache import FP8_DTYPE
-from atom_core.ops.reference.quant import AMAX_FLOOR as _AMAX_FLOOR
-from atom_core.ops.reference.quant import qmax
 from atom_core.ops.triton.kv_cache import _store_rows
 from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2
-from atom_core.ops.triton.quant import quantize_groups
+from atom_core.ops.triton.quant import TL_AMAX_FLOOR, TL_FP8_MAX, quantize_groups
 
 _TILE = 4096  # elements of a row block per program
-AMAX_FLOOR = tl.constexpr(_AMAX_FLOOR)
-FP8_MAX = tl.constexpr(qmax(FP8_DTYPE))
 
 
 @triton.jit
@@ -98,7 +94,7 @@ def _store_quantized_keys_kernel(
     dims = tl.arange(0, BLOCK_D)
     mask = valid[:, None] & (dims < dim)[None, :]
     x = tl.load(k_ptr + tokens[:, None] * stride_kt + dims[None, :], mask=mask, other=0.0).to(tl.float32)
-    q, scale = quantize_groups(x, AMAX_FLOOR, FP8_MAX, False)                     # one scale a token
+    q, scale = quantize_groups(x, TL_AMAX_FLOOR, TL_FP8_MAX, False)               # one scale a token
     rows = blocks * stride_cb + offsets * stride_cs
     tl.store(cache_ptr + rows[:, None] + dims[None, :], q.to(cache_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + blocks * stride_sb + offsets * stride_ss, scale, mask=valid)

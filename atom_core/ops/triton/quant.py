@@ -19,12 +19,15 @@ import torch
 import triton
 import triton.language as tl
 
-from atom_core.ops.reference.quant import AMAX_FLOOR, INT8_DTYPE, qmax
+from atom_core.ops.reference.quant import AMAX_FLOOR, FP8_DTYPE, INT8_DTYPE, qmax
 from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2
 
 _MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: (y + M) - M rounds y to an integer, ties to even
 _ROW_BLOCK = 4096  # columns per step of the per-token loop
 _TILE = 4096  # elements per program of the per-tensor and per-group kernels
+# For other kernels' fp8 epilogues (quantize_groups' arguments): the scales' floor and e4m3's largest value.
+TL_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
+TL_FP8_MAX = tl.constexpr(qmax(FP8_DTYPE))
 
 
 @triton.jit
