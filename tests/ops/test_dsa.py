@@ -221,18 +221,25 @@ def test_indexer_topk_matches_the_loop_on_any_layout_and_pads_padding_rows(backe
     assert (got[num_real:] == -1).all()
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
-@pytest.mark.parametrize("layout", ["ragged_prefill", "chunk_after_prefix", "decode"])
-def test_indexer_topk_over_fp8_keys_ranks_by_the_dequantized_keys(backend, layout):
-    # The fp8 cache and its per-key scales come from the write; the float64 loop scores cache * scale against
-    # q rounded to e4m3 a head at a time (twin.indexer_queries), the op gets q as it is.
-    query_lens, cached_lens = LAYOUTS[layout]
-    batch = DSABatch(query_lens, cached_lens, block_size=4, topk=4, seed=33)
+def fp8_index_cache(batch: DSABatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 cache [NB, BS, Di], fp32 scales [NB, BS]): every slot of ``batch.index_cache`` (NaN slots as 0)
+    written by the twin's ``store_indexer_k_``."""
     num_blocks, block_size, dim = batch.index_cache.shape
     fp8 = torch.zeros(num_blocks, block_size, dim, dtype=torch.float8_e4m3fn)
     key_scale = torch.zeros(num_blocks, block_size)
     ops.store_indexer_k_(batch.index_cache.view(-1, dim).nan_to_num(), fp8, torch.arange(num_blocks * block_size),
                          indexer_scale=key_scale, backend="torch")
+    return fp8, key_scale
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("layout", ["ragged_prefill", "chunk_after_prefix", "decode"])
+def test_indexer_topk_over_fp8_keys_ranks_by_the_dequantized_keys(backend, layout):
+    # The fp8 cache and its per-key scales come from the write (fp8_index_cache); the float64 loop scores
+    # cache * scale against q rounded to e4m3 a head at a time (twin.indexer_queries); the op gets q as it is.
+    query_lens, cached_lens = LAYOUTS[layout]
+    batch = DSABatch(query_lens, cached_lens, block_size=4, topk=4, seed=33)
+    fp8, key_scale = fp8_index_cache(batch)
     batch.index_cache = fp8.float() * key_scale[..., None]            # what the loop scores
     q, batch.index_q = batch.index_q, twin.indexer_queries(batch.index_q, fp8)
     assert not torch.equal(q, batch.index_q)
@@ -249,11 +256,7 @@ def test_triton_scores_over_fp8_keys_are_the_twins_formula_with_e4m3_queries():
     from atom_core.ops.triton.dsa_indexer import index_scores
 
     batch = DSABatch([1, 3], [6, 2], block_size=4, index_dim=32, seed=34)
-    num_blocks, block_size, dim = batch.index_cache.shape
-    fp8 = torch.zeros(num_blocks, block_size, dim, dtype=torch.float8_e4m3fn)
-    key_scale = torch.zeros(num_blocks, block_size)
-    ops.store_indexer_k_(batch.index_cache.view(-1, dim).nan_to_num(), fp8, torch.arange(num_blocks * block_size),
-                         indexer_scale=key_scale, backend="torch")
+    fp8, key_scale = fp8_index_cache(batch)
     lay = batch.layout.to(DEVICE)
     width = lay.max_seqlen_k
     got = torch.full((lay.num_tokens, width), float("nan"), device=DEVICE)
@@ -263,7 +266,7 @@ def test_triton_scores_over_fp8_keys_are_the_twins_formula_with_e4m3_queries():
     q = twin.indexer_queries(batch.index_q, fp8)
     for t, row, pos in batch.queries():
         table = batch.tables[row]
-        row_keys = torch.stack([keys[table[j // block_size], j % block_size] for j in range(pos + 1)])
+        row_keys = torch.stack([keys[table[j // batch.block_size], j % batch.block_size] for j in range(pos + 1)])
         want = twin.index_scores(q[t:t + 1], batch.index_w[t:t + 1], row_keys, scale=batch.index_scale)[0]
         torch.testing.assert_close(got[t, :pos + 1].cpu(), want, rtol=1e-5, atol=1e-5)
         assert (got[t, pos + 1:] == float("-inf")).all()
