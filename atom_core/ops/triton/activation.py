@@ -11,6 +11,7 @@ import functools
 import triton
 import triton.language as tl
 
+from atom_core.ops.triton.dependent_launch import launch_kwargs, wait_for_inputs
 from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2
 
 SILU = tl.constexpr(0)
@@ -26,7 +27,9 @@ _TILE = 4096  # output elements per program
 def _act_and_mul_kernel(
     x_ptr, out_ptr, num_rows, inter, stride_x, stride_out, alpha, limit,
     ACT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_mask = rows < num_rows
     x_row = x_ptr + rows[:, None] * stride_x  # int64 row offsets: T * 2I can exceed 2**31
@@ -73,7 +76,7 @@ def _launch(x, out, act, alpha=0.0, limit=0.0):
     grid, block_t, block_i, num_warps = _launch_config(num_rows, inter)
     _act_and_mul_kernel[grid](
         x, out, num_rows, inter, x.stride(0), out.stride(0), alpha, limit,
-        ACT=act, BLOCK_T=block_t, BLOCK_I=block_i, num_warps=num_warps,
+        ACT=act, BLOCK_T=block_t, BLOCK_I=block_i, num_warps=num_warps, **launch_kwargs(x),
     )
 
 

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from atom_core.ops.dispatch import triton_interpret
 from atom_core.ops.triton.attention_unified import attend_key_range, dot_options
+from atom_core.ops.triton.dependent_launch import launch_kwargs, wait_for_inputs
 from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2, num_sms
 from atom_core.ops.triton.quant import TL_AMAX_FLOOR, TL_FP8_MAX, per_head_quant, quantize_groups
 
@@ -51,7 +52,9 @@ def _decode_split_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     HAS_K_SCALE: tl.constexpr, HAS_V_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -121,7 +124,9 @@ def _decode_reduce_kernel(
     stride_ot, stride_oh, stride_st, num_heads,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
     HAS_SINKS: tl.constexpr, HAS_V_SCALE: tl.constexpr, QUANT: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
@@ -234,6 +239,7 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, cu_seqlens_q, cont
         num_heads, float(scale), float(logit_softcap), int(sliding_window or 0), NUM_SPLITS=num_splits,
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_softcap > 0, HAS_SINKS=sinks is not None,
         HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None, **constexprs, **options,
+        **launch_kwargs(q),
     )
     if num_splits == 1:
         if out_scale is not None:
@@ -247,5 +253,5 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, cu_seqlens_q, cont
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=num_splits,
         SPLITS_PAD=next_power_of_2(num_splits), HAS_SINKS=sinks is not None,
         HAS_V_SCALE=v_scale is not None, QUANT=quant, OUT_DTYPE=TL_DTYPES[q.dtype],
-        num_warps=4 if head_dim_pad >= 128 else 2,
+        num_warps=4 if head_dim_pad >= 128 else 2, **launch_kwargs(q),
     )

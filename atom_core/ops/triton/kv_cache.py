@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from atom_core.ops.reference.kv_cache import FP8_DTYPE
+from atom_core.ops.triton.dependent_launch import launch_kwargs, wait_for_inputs
 from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2
 from atom_core.ops.triton.quant import TL_FP8_MAX, round_to_format
 
@@ -47,7 +48,9 @@ def _store_kv_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     FP8: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     tokens = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_range = tokens < num_tokens
     slots = tl.load(slot_ptr + tokens * stride_slot, mask=in_range, other=-1).to(tl.int64)
@@ -85,4 +88,5 @@ def store_kv_(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale):
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         FP8=fp8, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=num_warps,
+        **launch_kwargs(k),
     )

@@ -41,6 +41,7 @@ from atom_core.ops.dispatch import triton_interpret
 from atom_core.ops.triton.attention_decode import (MAX_SPLITS, MIN_KEYS_PER_SPLIT, TL_DTYPES, _decode_reduce_kernel,
                                                   choose_num_splits)
 from atom_core.ops.triton.attention_unified import _is_sm90, _tile_rows, dot_options
+from atom_core.ops.triton.dependent_launch import launch_kwargs
 from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2, num_sms
 
 LOG2E = 1.4426950408889634
@@ -307,7 +308,7 @@ def launch_reduce(o_lat, part_out, part_max, part_sum, kv_scale, num_splits):
         o_lat.stride(1), o_lat.stride(0), 0, num_heads,
         HEAD_DIM=latent_dim, HEAD_DIM_PAD=latent_pad, NUM_SPLITS=num_splits, SPLITS_PAD=next_power_of_2(num_splits),
         HAS_SINKS=False, HAS_V_SCALE=kv_scale is not None, QUANT=False, OUT_DTYPE=TL_DTYPES[o_lat.dtype],
-        num_warps=4 if latent_pad >= 128 else 2,
+        num_warps=4 if latent_pad >= 128 else 2, **launch_kwargs(o_lat),
     )
 
 

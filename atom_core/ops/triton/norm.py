@@ -7,6 +7,7 @@ import functools
 import triton
 import triton.language as tl
 
+from atom_core.ops.triton.dependent_launch import launch_kwargs, wait_for_inputs
 from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, next_power_of_2
 
 
@@ -41,7 +42,9 @@ def _norm_kernel(
     D, stride_x, stride_res, stride_out, stride_res_out, eps,
     HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, IS_RMS: tl.constexpr, GEMMA: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
@@ -76,7 +79,7 @@ def _launch(x, residual, weight, bias, out, residual_out, eps, is_rms, gemma):
         d, x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
         residual_out.stride(0) if residual_out is not None else 0, eps,
         HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, IS_RMS=is_rms, GEMMA=gemma,
-        BLOCK_D=block_d, num_warps=num_warps,
+        BLOCK_D=block_d, num_warps=num_warps, **launch_kwargs(x),
     )
 
 

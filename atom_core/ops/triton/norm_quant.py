@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from atom_core.ops.reference.quant import AMAX_FLOOR, INT8_DTYPE, qmax
+from atom_core.ops.triton.dependent_launch import launch_kwargs, wait_for_inputs
 from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2
 from atom_core.ops.triton.norm import _launch_config as _row_launch_config
 from atom_core.ops.triton.norm import load_row, rms_normalize
@@ -53,7 +54,9 @@ def _rms_norm_quant_kernel(
     D, num_groups, stride_x, stride_res, stride_q, stride_s, stride_res_out, eps, amax_floor,
     HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr, BLOCK_D: tl.constexpr,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, QMAX: tl.constexpr, IS_INT8: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
@@ -70,7 +73,9 @@ def _rms_norm_quant_kernel(
 def _silu_and_mul_quant_kernel(
     x_ptr, q_ptr, scale_ptr, inter, num_groups, stride_x, stride_q, stride_s, amax_floor,
     BLOCK_I: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, QMAX: tl.constexpr, IS_INT8: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -122,7 +127,7 @@ def rms_norm_quant(x, weight, eps, residual, gemma, group_size, q, scale, residu
         d, scale.shape[1], x.stride(0), residual.stride(0) if residual is not None else 0, q.stride(0),
         scale.stride(0), residual_out.stride(0) if residual_out is not None else 0, eps, AMAX_FLOOR,
         HAS_RESIDUAL=residual is not None, GEMMA=gemma, BLOCK_D=block_d, GROUP=group, G_PAD=g_pad,
-        num_warps=num_warps, **_format(q),
+        num_warps=num_warps, **_format(q), **launch_kwargs(x),
     )
 
 
@@ -135,4 +140,5 @@ def silu_and_mul_quant(x, group_size, q, scale):
     _silu_and_mul_quant_kernel[(rows, chunks)](
         x, q, scale, inter, scale.shape[1], x.stride(0), q.stride(0), scale.stride(0), AMAX_FLOOR,
         BLOCK_I=block_i, GROUP=group, G_PAD=g_pad, num_warps=num_warps, **_format(q),
+        **launch_kwargs(x),
     )

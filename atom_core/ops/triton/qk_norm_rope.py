@@ -26,6 +26,7 @@ import functools
 import triton
 import triton.language as tl
 
+from atom_core.ops.triton.dependent_launch import launch_kwargs, wait_for_inputs
 from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, next_power_of_2
 
 # Most elements of one [BLOCK_H, BLOCK_D] tile: 32 heads of 128, 16 fp32 values a thread at 8 warps.
@@ -80,7 +81,9 @@ def _qk_norm_rope_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_pos, stride_cache, eps,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, IS_NEOX: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     # Token t as a [1] vector, not a scalar: the masks below broadcast against it (Triton's CPU
     # interpreter cannot AND a scalar mask into a vector one).
     token = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
@@ -127,5 +130,5 @@ def qk_norm_rope_(q, k, q_weight, k_weight, positions, cos_sin_cache, eps, is_ne
         num_q_heads, k.shape[1], cos_sin_cache.shape[0],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), positions.stride(0), cos_sin_cache.stride(0), eps,
         HEAD_DIM=head_dim, HALF=half, BLOCK_D=block_d, BLOCK_HALF=block_half, BLOCK_HQ=block_hq,
-        BLOCK_HK=block_hk, IS_NEOX=bool(is_neox), num_warps=num_warps,
+        BLOCK_HK=block_hk, IS_NEOX=bool(is_neox), num_warps=num_warps, **launch_kwargs(q),
     )

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from atom_core.ops.reference.quant import AMAX_FLOOR, FP8_DTYPE, INT8_DTYPE, qmax
+from atom_core.ops.triton.dependent_launch import launch_kwargs, wait_for_inputs
 from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2
 
 _MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: (y + M) - M rounds y to an integer, ties to even
@@ -56,7 +57,8 @@ def quantize_groups(y, amax_floor, QMAX: tl.constexpr, IS_INT8: tl.constexpr):
 
 @triton.jit
 def _per_token_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, stride_s, amax_floor,
-                      QMAX: tl.constexpr, IS_INT8: tl.constexpr, BLOCK: tl.constexpr):
+                      QMAX: tl.constexpr, IS_INT8: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     amax = tl.zeros([BLOCK], dtype=tl.float32)
@@ -75,7 +77,8 @@ def _per_token_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, stride_s, 
 @triton.jit
 def _per_group_kernel(x_ptr, q_ptr, scale_ptr, K, num_groups, stride_x, stride_q, stride_s, amax_floor,
                       GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr,
-                      QMAX: tl.constexpr, IS_INT8: tl.constexpr):
+                      QMAX: tl.constexpr, IS_INT8: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     groups = tl.program_id(1) * GROUPS_PER_PROGRAM + tl.arange(0, GROUPS_PER_PROGRAM)
     offsets = tl.arange(0, GROUP_PAD)
@@ -88,7 +91,8 @@ def _per_group_kernel(x_ptr, q_ptr, scale_ptr, K, num_groups, stride_x, stride_q
 
 
 @triton.jit
-def _amax_kernel(x_ptr, amax_ptr, T, K, stride_x, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+def _amax_kernel(x_ptr, amax_ptr, T, K, stride_x, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (rows < T)[:, None] & (cols < K)[None, :]
@@ -99,7 +103,8 @@ def _amax_kernel(x_ptr, amax_ptr, T, K, stride_x, BLOCK_T: tl.constexpr, BLOCK_K
 @triton.jit
 def _per_tensor_kernel(x_ptr, q_ptr, source_ptr, scale_ptr, T, K, stride_x, stride_q, amax_floor,
                        STATIC: tl.constexpr, QMAX: tl.constexpr, IS_INT8: tl.constexpr,
-                       BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+                       BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     if STATIC:
         scale = tl.load(source_ptr)
     else:  # source holds the tensor's amax (from _amax_kernel)
@@ -138,11 +143,13 @@ def per_tensor_quant(x, static_scale, q, scale):
     grid, block_t, block_k = _tile(rows, cols)
     if static_scale is None:
         source = torch.zeros(1, dtype=torch.float32, device=x.device)
-        _amax_kernel[grid](x, source, rows, cols, x.stride(0), BLOCK_T=block_t, BLOCK_K=block_k)
+        _amax_kernel[grid](x, source, rows, cols, x.stride(0), BLOCK_T=block_t, BLOCK_K=block_k,
+                           **launch_kwargs(x))
     else:
         source = static_scale
     _per_tensor_kernel[grid](x, q, source, scale, rows, cols, x.stride(0), q.stride(0), AMAX_FLOOR,
-                             STATIC=static_scale is not None, BLOCK_T=block_t, BLOCK_K=block_k, **_format(q))
+                             STATIC=static_scale is not None, BLOCK_T=block_t, BLOCK_K=block_k, **_format(q),
+                             **launch_kwargs(x))
 
 
 def per_token_quant(x, q, scale):
@@ -151,7 +158,7 @@ def per_token_quant(x, q, scale):
     if rows == 0:
         return
     _per_token_kernel[(rows,)](x, q, scale, cols, x.stride(0), q.stride(0), scale.stride(0), AMAX_FLOOR,
-                               BLOCK=min(next_power_of_2(max(cols, 1)), _ROW_BLOCK), **_format(q))
+                               BLOCK=min(next_power_of_2(max(cols, 1)), _ROW_BLOCK), **_format(q), **launch_kwargs(x))
 
 
 @functools.lru_cache(maxsize=LAUNCH_CACHE_SIZE)
@@ -171,7 +178,7 @@ def per_group_quant(x, group_size, q, scale):
     programs, group_pad, per_program = _group_launch(num_groups, group_size)
     _per_group_kernel[(rows, programs)](x, q, scale, cols, num_groups, x.stride(0), q.stride(0), scale.stride(0),
                                         AMAX_FLOOR, GROUP=group_size, GROUP_PAD=group_pad,
-                                        GROUPS_PER_PROGRAM=per_program, **_format(q))
+                                        GROUPS_PER_PROGRAM=per_program, **_format(q), **launch_kwargs(x))
 
 
 def per_head_quant(x, q, scale):

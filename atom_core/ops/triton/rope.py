@@ -12,6 +12,7 @@ import functools
 import triton
 import triton.language as tl
 
+from atom_core.ops.triton.dependent_launch import launch_kwargs, wait_for_inputs
 from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2
 
 # Pairs (a, b) per program and per tile half: big enough to keep loads wide, small enough for registers.
@@ -48,7 +49,9 @@ def _apply_rope_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_pos, stride_cache,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, IS_NEOX: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     tokens = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = tokens < num_tokens
     pos = tl.load(pos_ptr + tokens * stride_pos, mask=t_mask, other=0).to(tl.int64)
@@ -92,5 +95,5 @@ def apply_rope_(q, k, positions, cos_sin_cache, is_neox):
         num_tokens, num_q_heads, num_k_heads, cos_sin_cache.shape[0],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), positions.stride(0), cos_sin_cache.stride(0),
         HALF=half, BLOCK_HALF=block_half, BLOCK_T=block_t, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
-        IS_NEOX=bool(is_neox), num_warps=num_warps,
+        IS_NEOX=bool(is_neox), num_warps=num_warps, **launch_kwargs(q),
     )

@@ -39,6 +39,7 @@ import triton.language as tl
 from atom_core.ops.dispatch import triton_interpret
 from atom_core.ops.reference.quant import INT8_DTYPE
 from atom_core.ops.reference.scaled_mm import BLOCK
+from atom_core.ops.triton.dependent_launch import launch_kwargs, wait_for_inputs
 from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2, num_sms
 
 GEMV_LANES_PER_THREAD = 64  # the GEMV kernel's 2D accumulator up to this many fp32 values a thread
@@ -55,7 +56,9 @@ def _scaled_mm_kernel(
     SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, IS_INT8: tl.constexpr, SCALE_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     MAX_IMPRECISE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     pid = tl.program_id(0)
     split = tl.program_id(1)  # this program's K range: [split * K_PER_SPLIT, + K_PER_SPLIT)
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -116,6 +119,7 @@ def _gemv_kernel(
     stride_ak, stride_wn, stride_wk, stride_as_k, stride_ws_n, stride_ws_k,
     SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN: tl.constexpr, LANES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One fp8 row a [1, K] times w [N, K]^T without tensor cores: program p owns output columns
     [p * BLOCK_N, + BLOCK_N) and streams their weight rows in [BLOCK_N, BLOCK_K] tiles, multiplying in fp32.
@@ -125,6 +129,7 @@ def _gemv_kernel(
     (``tl.sum``). Block format: BLOCK_N divides 128, so the tile's rows share one weight block row and the
     scales of k, ``a_scale[k // 128] * w_scale[n // 128, k // 128]``, fold into the activation (one vector
     per K step) whatever BLOCK_K; the other formats scale in the epilogue."""
+    wait_for_inputs(PDL)
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -160,8 +165,9 @@ def _gemv_kernel(
 
 
 @triton.jit
-def _sum_splits_kernel(ws_ptr, out_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_splits_kernel(ws_ptr, out_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out[i] = sum over s of ws[s, i] (fp32), in out's dtype."""
+    wait_for_inputs(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < numel
     total = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -193,10 +199,12 @@ def launch_config(m: int, n: int, k: int, out_dtype: torch.dtype, scales: int, n
     GPU choices are the best rows of ``benchmarks/ops_scaled_mm_sweep.py`` on an H200 (docs/benchmarks.md,
     "FP8 GEMM launch sweep"):
     - M = 1, fp8, N >= 8 x the multiprocessors (bs 1 decode): the GEMV kernel (no split-K, no second
-      launch), 4 warps. N >= 16384 and K <= 8192 (Llama-3-8B's gate_up): 16 x 1024 tiles, summed each step,
-      31.0 us against the dot kernel's 32.3; otherwise 8-16 KB tiles with the 2D accumulator: 8 x 512 for
-      K <= 2048, 8 x 1024 for N <= 4096 or K > 8192, else 16 x 512 (Llama-3-8B qkv / o_proj / down_proj 6.8 /
-      5.3 / 19.1 us against 9.2 / 7.8 / 20.1, Qwen3-30B-A3B's qkv / o_proj 4.4 / 4.3 against 6.9 / 6.5);
+      launch), timed with its weight out of L2 (32 copies of each weight, as the layers of a model; the
+      "GEMV launch sweep, weights out of L2" in docs/benchmarks.md): 8 x 2048 tiles on 2 warps for
+      N >= 5120 (Llama-3-8B qkv / gate_up 9.3 / 30.0 us, Qwen3-30B-A3B qkv 5.0), 4 x 1024 on 2 warps for
+      N = 4096 (Llama-3-8B o_proj / down_proj 6.5 / 17.8), else 4 x 2048 on 4 warps (Qwen3-30B-A3B o_proj 4.0),
+      against 9.8 / 31.6 / 6.0, 7.7 / 19.8 and 6.0 us with the launches chosen before from timings whose
+      weights stayed in L2;
     - M <= 16 (decode): 16 x 64 tiles, and K split so that about two programs per multiprocessor stream
       the weight (at most 4 ranges: more only adds partials to sum);
     - larger M: 128 x 256 tiles where they give at least two tiles per multiprocessor, else 128 x 128
@@ -215,10 +223,8 @@ def launch_config(m: int, n: int, k: int, out_dtype: torch.dtype, scales: int, n
     block_k = 128
     max_imprecise = 0 if out_dtype == torch.float32 else block_k if out_dtype == torch.float16 else None
     if m == 1 and not int8 and cdiv(n, 8) >= num_sms:
-        if n >= 16384 and k <= 8192:  # many programs: large tiles, each step summed (gate_up)
-            return LaunchConfig(1, 16, 1024, 4, 4)
-        block_n, block_k = (8, 512) if k <= 2048 else (8, 1024) if n <= 4096 or k > 8192 else (16, 512)
-        return LaunchConfig(1, block_n, block_k, 4, 4)
+        block_n, block_k, warps = (8, 2048, 2) if n >= 5120 else (4, 1024, 2) if n >= 4096 else (4, 2048, 4)
+        return LaunchConfig(1, block_n, block_k, warps, 4)
     if m <= 16:
         tiles = cdiv(n, 64)
         split_k = min(4, cdiv(k, block_k), next_power_of_2(cdiv(2 * num_sms, tiles)))
@@ -265,11 +271,12 @@ def _scaled_mm(scales, a, a_scale, w, w_scale, bias, out_dtype, config: LaunchCo
         SCALES=scales, HAS_BIAS=bias is not None, IS_INT8=a.dtype == INT8_DTYPE, SCALE_BLOCK=BLOCK,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=8,
         MAX_IMPRECISE=config.max_imprecise, num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        num_stages=config.num_stages, **launch_kwargs(a),
     )
     if splits > 1:
         block = 1024
-        _sum_splits_kernel[(cdiv(m * n, block),)](target, out, m * n, SPLIT_K=splits, BLOCK=block, num_warps=4)
+        _sum_splits_kernel[(cdiv(m * n, block),)](target, out, m * n, SPLIT_K=splits, BLOCK=block, num_warps=4,
+                                                      **launch_kwargs(a))
     return out
 
 
@@ -286,7 +293,7 @@ def _gemv(scales, a, a_scale, w, w_scale, bias, out, config: LaunchConfig) -> No
         SCALES=scales, HAS_BIAS=bias is not None, SCALE_BLOCK=BLOCK, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         EVEN=n % config.block_n == 0 and k % config.block_k == 0,
         LANES=config.block_n * config.block_k <= GEMV_LANES_PER_THREAD * 32 * config.num_warps,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **launch_kwargs(a),
     )
 
 
