@@ -53,7 +53,16 @@ def test_every_launch_with_launch_kwargs_targets_a_kernel_that_takes_pdl():
 
 
 def test_launch_kwargs_are_off_for_cpu_tensors():
-    assert dependent_launch.launch_kwargs(torch.zeros(1)) == {"PDL": False, "launch_pdl": False}
+    assert dependent_launch.launch_kwargs(torch.zeros(1), 1) == {"PDL": False, "launch_pdl": False}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_launch_kwargs_are_on_exactly_for_one_token_on_sm90():
+    x = torch.zeros(1, device="cuda")
+    on = torch.version.hip is None and torch.cuda.get_device_capability() >= (9, 0)
+    assert dependent_launch.launch_kwargs(x, 1)["launch_pdl"] is on
+    assert not dependent_launch.launch_kwargs(x, dependent_launch.MAX_ROWS + 1)["launch_pdl"]
 
 
 def _sm90() -> bool:
@@ -68,7 +77,7 @@ def test_on_sm90_a_graph_of_dependent_launches_gives_the_bits_of_ordinary_launch
     from atom_core import ops
     from atom_core.ops.reference.quant import per_block_quant
 
-    assert dependent_launch.launch_kwargs(torch.zeros(1, device="cuda"))["launch_pdl"]
+    assert dependent_launch.launch_kwargs(torch.zeros(1, device="cuda"), 1)["launch_pdl"]
     torch.manual_seed(0)
     hidden, inter = 1024, 2048
     layers = []
@@ -102,7 +111,7 @@ def test_on_sm90_a_graph_of_dependent_launches_gives_the_bits_of_ordinary_launch
 
     with_pdl = replayed()
     monkeypatch.setattr(dependent_launch, "_supported", lambda device_index: False)
-    assert not dependent_launch.launch_kwargs(x0)["launch_pdl"]
+    assert not dependent_launch.launch_kwargs(x0, 1)["launch_pdl"]
     without = replayed()
     assert with_pdl.abs().max() > 0
     assert torch.equal(with_pdl, without)

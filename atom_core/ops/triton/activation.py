@@ -76,7 +76,7 @@ def _launch(x, out, act, alpha=0.0, limit=0.0):
     grid, block_t, block_i, num_warps = _launch_config(num_rows, inter)
     _act_and_mul_kernel[grid](
         x, out, num_rows, inter, x.stride(0), out.stride(0), alpha, limit,
-        ACT=act, BLOCK_T=block_t, BLOCK_I=block_i, num_warps=num_warps, **launch_kwargs(x),
+        ACT=act, BLOCK_T=block_t, BLOCK_I=block_i, num_warps=num_warps, **launch_kwargs(x, num_rows),
     )
 
 

@@ -239,7 +239,7 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, cu_seqlens_q, cont
         num_heads, float(scale), float(logit_softcap), int(sliding_window or 0), NUM_SPLITS=num_splits,
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_softcap > 0, HAS_SINKS=sinks is not None,
         HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None, **constexprs, **options,
-        **launch_kwargs(q),
+        **launch_kwargs(q, num_tokens),
     )
     if num_splits == 1:
         if out_scale is not None:
@@ -253,5 +253,5 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, cu_seqlens_q, cont
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=num_splits,
         SPLITS_PAD=next_power_of_2(num_splits), HAS_SINKS=sinks is not None,
         HAS_V_SCALE=v_scale is not None, QUANT=quant, OUT_DTYPE=TL_DTYPES[q.dtype],
-        num_warps=4 if head_dim_pad >= 128 else 2, **launch_kwargs(q),
+        num_warps=4 if head_dim_pad >= 128 else 2, **launch_kwargs(q, num_tokens),
     )

@@ -88,5 +88,5 @@ def store_kv_(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale):
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         FP8=fp8, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=num_warps,
-        **launch_kwargs(k),
+        **launch_kwargs(k, num_tokens),
     )

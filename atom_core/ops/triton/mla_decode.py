@@ -308,7 +308,7 @@ def launch_reduce(o_lat, part_out, part_max, part_sum, kv_scale, num_splits):
         o_lat.stride(1), o_lat.stride(0), 0, num_heads,
         HEAD_DIM=latent_dim, HEAD_DIM_PAD=latent_pad, NUM_SPLITS=num_splits, SPLITS_PAD=next_power_of_2(num_splits),
         HAS_SINKS=False, HAS_V_SCALE=kv_scale is not None, QUANT=False, OUT_DTYPE=TL_DTYPES[o_lat.dtype],
-        num_warps=4 if latent_pad >= 128 else 2, **launch_kwargs(o_lat),
+        num_warps=4 if latent_pad >= 128 else 2, **launch_kwargs(o_lat, num_tokens),
     )
 
 

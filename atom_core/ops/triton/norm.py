@@ -79,7 +79,7 @@ def _launch(x, residual, weight, bias, out, residual_out, eps, is_rms, gemma):
         d, x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
         residual_out.stride(0) if residual_out is not None else 0, eps,
         HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, IS_RMS=is_rms, GEMMA=gemma,
-        BLOCK_D=block_d, num_warps=num_warps, **launch_kwargs(x),
+        BLOCK_D=block_d, num_warps=num_warps, **launch_kwargs(x, rows),
     )
 
 

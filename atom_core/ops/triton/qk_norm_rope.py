@@ -130,5 +130,5 @@ def qk_norm_rope_(q, k, q_weight, k_weight, positions, cos_sin_cache, eps, is_ne
         num_q_heads, k.shape[1], cos_sin_cache.shape[0],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), positions.stride(0), cos_sin_cache.stride(0), eps,
         HEAD_DIM=head_dim, HALF=half, BLOCK_D=block_d, BLOCK_HALF=block_half, BLOCK_HQ=block_hq,
-        BLOCK_HK=block_hk, IS_NEOX=bool(is_neox), num_warps=num_warps, **launch_kwargs(q),
+        BLOCK_HK=block_hk, IS_NEOX=bool(is_neox), num_warps=num_warps, **launch_kwargs(q, num_tokens),
     )

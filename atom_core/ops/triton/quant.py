@@ -144,12 +144,12 @@ def per_tensor_quant(x, static_scale, q, scale):
     if static_scale is None:
         source = torch.zeros(1, dtype=torch.float32, device=x.device)
         _amax_kernel[grid](x, source, rows, cols, x.stride(0), BLOCK_T=block_t, BLOCK_K=block_k,
-                           **launch_kwargs(x))
+                           **launch_kwargs(x, rows))
     else:
         source = static_scale
     _per_tensor_kernel[grid](x, q, source, scale, rows, cols, x.stride(0), q.stride(0), AMAX_FLOOR,
                              STATIC=static_scale is not None, BLOCK_T=block_t, BLOCK_K=block_k, **_format(q),
-                             **launch_kwargs(x))
+                             **launch_kwargs(x, rows))
 
 
 def per_token_quant(x, q, scale):
@@ -158,7 +158,7 @@ def per_token_quant(x, q, scale):
     if rows == 0:
         return
     _per_token_kernel[(rows,)](x, q, scale, cols, x.stride(0), q.stride(0), scale.stride(0), AMAX_FLOOR,
-                               BLOCK=min(next_power_of_2(max(cols, 1)), _ROW_BLOCK), **_format(q), **launch_kwargs(x))
+                               BLOCK=min(next_power_of_2(max(cols, 1)), _ROW_BLOCK), **_format(q), **launch_kwargs(x, rows))
 
 
 @functools.lru_cache(maxsize=LAUNCH_CACHE_SIZE)
@@ -178,7 +178,7 @@ def per_group_quant(x, group_size, q, scale):
     programs, group_pad, per_program = _group_launch(num_groups, group_size)
     _per_group_kernel[(rows, programs)](x, q, scale, cols, num_groups, x.stride(0), q.stride(0), scale.stride(0),
                                         AMAX_FLOOR, GROUP=group_size, GROUP_PAD=group_pad,
-                                        GROUPS_PER_PROGRAM=per_program, **_format(q), **launch_kwargs(x))
+                                        GROUPS_PER_PROGRAM=per_program, **_format(q), **launch_kwargs(x, rows))
 
 
 def per_head_quant(x, q, scale):

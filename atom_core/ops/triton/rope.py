@@ -95,5 +95,5 @@ def apply_rope_(q, k, positions, cos_sin_cache, is_neox):
         num_tokens, num_q_heads, num_k_heads, cos_sin_cache.shape[0],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), positions.stride(0), cos_sin_cache.stride(0),
         HALF=half, BLOCK_HALF=block_half, BLOCK_T=block_t, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
-        IS_NEOX=bool(is_neox), num_warps=num_warps, **launch_kwargs(q),
+        IS_NEOX=bool(is_neox), num_warps=num_warps, **launch_kwargs(q, num_tokens),
     )

@@ -271,12 +271,12 @@ def _scaled_mm(scales, a, a_scale, w, w_scale, bias, out_dtype, config: LaunchCo
         SCALES=scales, HAS_BIAS=bias is not None, IS_INT8=a.dtype == INT8_DTYPE, SCALE_BLOCK=BLOCK,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=8,
         MAX_IMPRECISE=config.max_imprecise, num_warps=config.num_warps,
-        num_stages=config.num_stages, **launch_kwargs(a),
+        num_stages=config.num_stages, **launch_kwargs(a, m),
     )
     if splits > 1:
         block = 1024
         _sum_splits_kernel[(cdiv(m * n, block),)](target, out, m * n, SPLIT_K=splits, BLOCK=block, num_warps=4,
-                                                      **launch_kwargs(a))
+                                                      **launch_kwargs(a, m))
     return out
 
 
@@ -293,7 +293,7 @@ def _gemv(scales, a, a_scale, w, w_scale, bias, out, config: LaunchConfig) -> No
         SCALES=scales, HAS_BIAS=bias is not None, SCALE_BLOCK=BLOCK, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         EVEN=n % config.block_n == 0 and k % config.block_k == 0,
         LANES=config.block_n * config.block_k <= GEMV_LANES_PER_THREAD * 32 * config.num_warps,
-        num_warps=config.num_warps, num_stages=config.num_stages, **launch_kwargs(a),
+        num_warps=config.num_warps, num_stages=config.num_stages, **launch_kwargs(a, 1),
     )
 
 
