@@ -58,10 +58,11 @@ def test_launch_kwargs_are_off_for_cpu_tensors():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_launch_kwargs_are_on_exactly_for_one_token_on_sm90():
+def test_launch_kwargs_are_on_up_to_max_rows_tokens_on_sm90():
     x = torch.zeros(1, device="cuda")
     on = torch.version.hip is None and torch.cuda.get_device_capability() >= (9, 0)
-    assert dependent_launch.launch_kwargs(x, 1)["launch_pdl"] is on
+    assert all(dependent_launch.launch_kwargs(x, rows)["launch_pdl"] is on
+               for rows in range(1, dependent_launch.MAX_ROWS + 1))
     assert not dependent_launch.launch_kwargs(x, dependent_launch.MAX_ROWS + 1)["launch_pdl"]
 
 

@@ -17,11 +17,12 @@ kernel in a decode step), but a caller that writes a weight and multiplies by it
 read stale values, so no kernel here does.
 
 ``launch_kwargs(x, rows)`` gives the two launch arguments for a kernel whose tensors live on x's device and
-which serves ``rows`` tokens: on for one token (bs-1 decode) only. Measured on an H200, 32 Llama-3-8B FP8
-layers of these ops in one CUDA graph (RMSNorm + quantization, GEMMs, quantization, SiLU-and-mul +
-quantization): at one token 2.573 ms without PDL, 2.421 ms with it; at 64 tokens 3.482 ms without and
-3.708 ms with it, of which the RMSNorm + quantization kernel (one 16-warp program a row) was +0.22 ms, and
-3.49 ms with every kernel but that one. Where a batch of 2-32 tokens stands is not measured yet.
+which serves ``rows`` tokens: on up to ``MAX_ROWS`` tokens (small-batch decode). Measured on an H200, 32
+Llama-3-8B FP8 layers of these ops in one CUDA graph (RMSNorm + quantization, GEMMs, quantization,
+SiLU-and-mul + quantization; ``benchmarks/results/h200_ops_dependent_launch.json``), ms without PDL / with it:
+1 token 2.561 / 2.412, 2 tokens 2.774 / 2.704, 4 tokens 2.802 / 2.737, 16 tokens 2.906 / 2.964, 64 tokens
+3.482 / 3.708. From 16 tokens the RMSNorm + quantization kernel (one 16-warp program a row) loses more than
+the others gain (at 64 tokens: 3.49 ms with every kernel but that one launched dependently).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from atom_core.ops.dispatch import triton_interpret
 
-MAX_ROWS = 1  # the launches that take PDL: one token (module docstring)
+MAX_ROWS = 4  # the launches that take PDL: up to this many tokens (module docstring)
 _ON = {"PDL": True, "launch_pdl": True}
 _OFF = {"PDL": False, "launch_pdl": False}
 
