@@ -199,12 +199,12 @@ def launch_config(m: int, n: int, k: int, out_dtype: torch.dtype, scales: int, n
     GPU choices are the best rows of ``benchmarks/ops_scaled_mm_sweep.py`` on an H200 (docs/benchmarks.md,
     "FP8 GEMM launch sweep"):
     - M = 1, fp8, N >= 8 x the multiprocessors (bs 1 decode): the GEMV kernel (no split-K, no second
-      launch), timed with its weight out of L2 (32 copies of each weight, as the layers of a model; the
-      "GEMV launch sweep, weights out of L2" in docs/benchmarks.md): 8 x 2048 tiles on 2 warps for
-      N >= 5120 (Llama-3-8B qkv / gate_up 9.3 / 30.0 us, Qwen3-30B-A3B qkv 5.0), 4 x 1024 on 2 warps for
-      N = 4096 (Llama-3-8B o_proj / down_proj 6.5 / 17.8), else 4 x 2048 on 4 warps (Qwen3-30B-A3B o_proj 4.0),
-      against 9.8 / 31.6 / 6.0, 7.7 / 19.8 and 6.0 us with the launches chosen before from timings whose
-      weights stayed in L2;
+      launch), timed with its weight out of L2 (copies of each weight read in turn, as the layers of a model
+      read theirs; "GEMV launch sweep, weights out of L2" in docs/benchmarks.md): 16 x 1024 tiles on 2 warps
+      for N >= 16384 (Llama-3-8B gate_up 30.5 us), 8 x 2048 on 2 warps for N >= 5120 (Llama-3-8B qkv 10.3,
+      Qwen3-30B-A3B qkv 5.6), 4 x 1024 on 2 warps for N = 4096 (Llama-3-8B o_proj / down_proj 7.2 / 18.4),
+      else 4 x 2048 on 4 warps (Qwen3-30B-A3B o_proj 4.7); the launches chosen before, from timings whose
+      weights stayed in L2, took 31.6, 9.8, 6.0, 7.7 / 19.8 and 6.0 us out of L2;
     - M <= 16 (decode): 16 x 64 tiles, and K split so that about two programs per multiprocessor stream
       the weight (at most 4 ranges: more only adds partials to sum);
     - larger M: 128 x 256 tiles where they give at least two tiles per multiprocessor, else 128 x 128
@@ -223,7 +223,8 @@ def launch_config(m: int, n: int, k: int, out_dtype: torch.dtype, scales: int, n
     block_k = 128
     max_imprecise = 0 if out_dtype == torch.float32 else block_k if out_dtype == torch.float16 else None
     if m == 1 and not int8 and cdiv(n, 8) >= num_sms:
-        block_n, block_k, warps = (8, 2048, 2) if n >= 5120 else (4, 1024, 2) if n >= 4096 else (4, 2048, 4)
+        block_n, block_k, warps = ((16, 1024, 2) if n >= 16384 else (8, 2048, 2) if n >= 5120 else
+                                   (4, 1024, 2) if n >= 4096 else (4, 2048, 4))
         return LaunchConfig(1, block_n, block_k, warps, 4)
     if m <= 16:
         tiles = cdiv(n, 64)
