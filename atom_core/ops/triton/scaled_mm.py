@@ -203,8 +203,8 @@ def launch_config(m: int, n: int, k: int, out_dtype: torch.dtype, scales: int, n
       read theirs; "GEMV launch sweep, weights out of L2" in docs/benchmarks.md): 16 x 1024 tiles on 2 warps
       for N >= 16384 (Llama-3-8B gate_up 30.5 us), 8 x 2048 on 2 warps for N >= 5120 (Llama-3-8B qkv 10.3,
       Qwen3-30B-A3B qkv 5.6), 4 x 1024 on 2 warps for N = 4096 (Llama-3-8B o_proj / down_proj 7.2 / 18.4),
-      else 4 x 2048 on 4 warps (Qwen3-30B-A3B o_proj 4.7); the launches chosen before, from timings whose
-      weights stayed in L2, took 31.6, 9.8, 6.0, 7.7 / 19.8 and 6.0 us out of L2;
+      else 4 x 2048 on 4 warps (Qwen3-30B-A3B o_proj 4.7); out of L2, the launches chosen before (from
+      timings whose weights stayed in L2) took 31.6, 10.6 and 6.0, 7.7 / 19.8, and 6.0 us;
     - M <= 16 (decode): 16 x 64 tiles, and K split so that about two programs per multiprocessor stream
       the weight (at most 4 ranges: more only adds partials to sum);
     - larger M: 128 x 256 tiles where they give at least two tiles per multiprocessor, else 128 x 128
