@@ -14,6 +14,7 @@ from benchmarks import (
     comm,
     common,
     ops_attention,
+    ops_dependent_launch,
     ops_elementwise,
     ops_mla,
     ops_moe,
@@ -30,6 +31,7 @@ META_KEYS = {"gpu", "cuda", "hip", "torch", "triton", "transformers", "python", 
 
 @pytest.mark.parametrize("script, columns", [
     (ops_elementwise, {"op", "tokens", "backend", "ms", "GB/s", "%copy", "eager_ms", "x_eager", "timing"}),
+    (ops_dependent_launch, {"tokens", "variant", "ms", "x_off", "same_bits", "timing"}),
     (ops_sampling, {"op", "rows", "vocab", "backend", "ms", "GB/s", "%copy", "eager_ms", "x_eager", "timing"}),
     (ops_moe, {"op", "tokens", "backend", "ms", "x_twin", "timing"}),
     (ops_scaled_mm, {"format", "M", "N", "K", "backend", "ms", "TFLOP/s", "%copy", "x_bf16", "timing"}),
