@@ -134,15 +134,18 @@ def test_triton_split_k_partials_sum_to_the_twin(fmt, split_k, k, monkeypatch):
 @needs_triton
 @pytest.mark.parametrize("fmt", ["per_tensor", "per_token", "block"])
 @pytest.mark.parametrize("out_dtype", OUT_DTYPES)
-@pytest.mark.parametrize("n, k, block_n, block_k", [
-    (256, 512, 16, 256),   # whole tiles: the unmasked loop, two 128-wide groups per K step
-    (200, 300, 8, 256),    # partial tiles in N and K, the last group partial
-    (130, 1000, 32, 512),  # a tile's 32 rows inside one 128-row weight block; 128 values a thread: each
-                           # step summed over K (the other tiles keep the 2D accumulator)
-    (96, 1300, 8, 256),    # six K steps, the last 20 columns wide (a partial group)
-    (64, 100, 8, 256),     # one K step, shorter than one group
+@pytest.mark.parametrize("n, k, block_n, block_k, warps", [
+    (256, 512, 16, 256, 4),   # whole tiles: the unmasked loop, two 128-wide groups per K step
+    (200, 300, 8, 256, 4),    # partial tiles in N and K, the last group partial
+    (130, 1000, 32, 512, 4),  # a tile's 32 rows inside one 128-row weight block; 128 values a thread: each
+                              # step summed over K (the other tiles keep the 2D accumulator)
+    (96, 1300, 8, 256, 4),    # six K steps, the last 20 columns wide (a partial group)
+    (64, 100, 8, 256, 4),     # one K step, shorter than one group
+    (98, 2300, 4, 1024, 2),   # the GPU launches' shapes: 4-row tiles (the last one partial), 2 warps, 64 values
+                              # a thread (2D accumulator), K in three steps of eight groups, the last partial
+    (40, 2200, 8, 2048, 2),   # 8 x 2048 on 2 warps: 256 values a thread, so each step summed over K
 ])
-def test_triton_gemv_launch_matches_twin_with_random_group_scales(fmt, out_dtype, n, k, block_n, block_k):
+def test_triton_gemv_launch_matches_twin_with_random_group_scales(fmt, out_dtype, n, k, block_n, block_k, warps):
     # The GEMV kernel (block_m = 1) folds the block format's scales into the activation per k: each group's
     # and block's scale times its own random factor in [0.5, 1.5) makes a wrong group or block off by a
     # whole factor (outputs stay of order 1, so fp32's summation order is all that differs from the twin).
@@ -154,7 +157,7 @@ def test_triton_gemv_launch_matches_twin_with_random_group_scales(fmt, out_dtype
     w_scale = w_scale * (torch.rand(w_scale.shape, generator=g) + 0.5).to(DEVICE)
     kind = {"per_tensor": triton_scaled_mm.PER_TENSOR, "per_token": triton_scaled_mm.PER_TOKEN,
             "block": triton_scaled_mm.BLOCKWISE}[fmt].value
-    config = triton_scaled_mm.LaunchConfig(1, block_n, block_k, 4, 2)
+    config = triton_scaled_mm.LaunchConfig(1, block_n, block_k, warps, 2)
     got = triton_scaled_mm._scaled_mm(kind, a, a_scale, w, w_scale, bias, out_dtype, config)
     want = getattr(reference, f"scaled_mm_{fmt}")(a, a_scale, w, w_scale, bias, out_dtype)
     assert got.shape == (1, n) and got.dtype == out_dtype
