@@ -6,7 +6,8 @@
 #   selftest    python -m atom_core.ops.selftest, full grid, every backend here (writes no record)
 #   core        engine throughput (cold, then warm), latency, TTFT; attention and elementwise ops
 #   quant       FP8 GEMMs; Llama-3-8B fp8_block and GPT-OSS-20B MXFP4 decode; Qwen3-30B-A3B fp8 and the fp8 KV pool
-#   fp8decode   the M = 1 FP8 GEMM launch sweep, fp8 experts at 1-8 tokens, the bs-1 FP8 step's kernels
+#   fp8decode   the M = 1 FP8 GEMM launch sweep, fp8 experts at 1-8 tokens, dependent launch by token count,
+#               the bs-1 FP8 step's kernels
 #   deepseek    MLA / DSA ops; the DeepSeek-V2-Lite engine against HF
 #   serve       = structured, then serving:
 #   structured  structured output (tests, the mask op, per-step overhead at bs 64)
@@ -144,6 +145,7 @@ for part in $parts; do
         run ops_scaled_mm_sweep_m1 240 benchmarks.ops_scaled_mm_sweep --tokens 1 --json "$out/ops_scaled_mm_sweep_m1.json"
         run ops_moe_small 90 benchmarks.ops_moe --no-compile --formats bf16 fp8_block fp8_channel --tokens 1 2 4 8 \
             --json "$out/ops_moe_small.json"
+        run ops_dependent_launch 90 benchmarks.ops_dependent_launch --json "$out/ops_dependent_launch.json"
         run engine_profile_fp8 120 benchmarks.engine --section profile --model llama-3-8b --quantization fp8_block \
             --profile-bs 1 --profile-rows 26 --json "$out/engine_profile_fp8.json"
         ;;
