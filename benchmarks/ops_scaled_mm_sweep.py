@@ -15,6 +15,8 @@ reads faster than a decode step ever does (Llama-3-8B's o_proj GEMV: 5.3 us with
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from benchmarks.common import (_reason, adaptive_timing, copy_bandwidth_gbs, guarded, ms_of, op_bench_args,
@@ -35,12 +37,6 @@ LARGE_M = [(bm, bn, bk, w, st, 1, imp)
            for bm, bn, bk, w, st in [(128, 128, 128, 8, 3), (128, 256, 64, 8, 3), (128, 256, 128, 8, 3),
                                      (64, 256, 128, 4, 4)]
            for imp in ("bk", None)]
-
-
-def _cycle(items: list):
-    """An endless iterator over ``items`` in turn (each copy holds the same values: the error check reads any)."""
-    while True:
-        yield from items
 
 
 def _configs(m: int):
@@ -68,7 +64,8 @@ def run(tokens: list[int], json_path: str | None, device: str = "cuda", smoke: b
                 x, a, a_scale, w, w_scale, _ = _operands(m, n, k, fmt, device)
                 gemm = ops.scaled_mm_per_token if fmt == "per_token" else ops.scaled_mm_block
                 want = gemm(a, a_scale, w, w_scale, out_dtype=torch.float32, backend="torch")
-                weights = _cycle([w] + [w.clone() for _ in range(WEIGHT_COPIES - 1)] if m <= 16 else [w])
+                # (the copies hold the same values: the error check may read any of them)
+                weights = itertools.cycle([w] + [w.clone() for _ in range(WEIGHT_COPIES - 1)] if m <= 16 else [w])
                 cublas = None if smoke else guarded(
                     timed, lambda: lambda: gemm(a, a_scale, next(weights), w_scale, out_dtype=torch.bfloat16,
                                                 backend="scaled_mm"))

@@ -40,13 +40,23 @@ def test_every_kernel_that_takes_pdl_waits_for_its_inputs_before_anything_else()
 def test_every_launch_with_launch_kwargs_targets_a_kernel_that_takes_pdl():
     """A kernel launched with PDL but without the wait could read its inputs before they are written."""
     takes = {node.name for _, node in _jit_functions() if _takes_pdl(node)}
+
+    def is_launch_kwargs(value) -> bool:
+        return isinstance(value, ast.Call) and ast.unparse(value.func) == "launch_kwargs"
+
     launched = []
     for path in sorted(TRITON_DIR.glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)
-                    and any(isinstance(k.value, ast.Call) and ast.unparse(k.value.func) == "launch_kwargs"
-                            for k in node.keywords if k.arg is None)):
-                launched.append((path.name, ast.unparse(node.func.value)))
+        for function in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(function, ast.FunctionDef):
+                continue
+            # names bound to launch_kwargs(...) in this function, passed on as **name
+            bound = {t.id for n in ast.walk(function) if isinstance(n, ast.Assign) and is_launch_kwargs(n.value)
+                     for t in n.targets if isinstance(t, ast.Name)}
+            for node in ast.walk(function):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)
+                        and any(is_launch_kwargs(k.value) or (isinstance(k.value, ast.Name) and k.value.id in bound)
+                                for k in node.keywords if k.arg is None)):
+                    launched.append((path.name, ast.unparse(node.func.value)))
     assert len(launched) >= 17
     for name, kernel in launched:
         assert kernel in takes, f"{name} launches {kernel} with PDL, but {kernel} does not wait for its inputs"

@@ -141,15 +141,14 @@ def per_tensor_quant(x, static_scale, q, scale):
             scale.copy_(static_scale.reshape(1))
         return
     grid, block_t, block_k = _tile(rows, cols)
+    pdl = launch_kwargs(x, rows)
     if static_scale is None:
         source = torch.zeros(1, dtype=torch.float32, device=x.device)
-        _amax_kernel[grid](x, source, rows, cols, x.stride(0), BLOCK_T=block_t, BLOCK_K=block_k,
-                           **launch_kwargs(x, rows))
+        _amax_kernel[grid](x, source, rows, cols, x.stride(0), BLOCK_T=block_t, BLOCK_K=block_k, **pdl)
     else:
         source = static_scale
     _per_tensor_kernel[grid](x, q, source, scale, rows, cols, x.stride(0), q.stride(0), AMAX_FLOOR,
-                             STATIC=static_scale is not None, BLOCK_T=block_t, BLOCK_K=block_k, **_format(q),
-                             **launch_kwargs(x, rows))
+                             STATIC=static_scale is not None, BLOCK_T=block_t, BLOCK_K=block_k, **_format(q), **pdl)
 
 
 def per_token_quant(x, q, scale):
@@ -158,7 +157,8 @@ def per_token_quant(x, q, scale):
     if rows == 0:
         return
     _per_token_kernel[(rows,)](x, q, scale, cols, x.stride(0), q.stride(0), scale.stride(0), AMAX_FLOOR,
-                               BLOCK=min(next_power_of_2(max(cols, 1)), _ROW_BLOCK), **_format(q), **launch_kwargs(x, rows))
+                               BLOCK=min(next_power_of_2(max(cols, 1)), _ROW_BLOCK), **_format(q),
+                               **launch_kwargs(x, rows))
 
 
 @functools.lru_cache(maxsize=LAUNCH_CACHE_SIZE)

@@ -200,7 +200,8 @@ def launch_config(m: int, n: int, k: int, out_dtype: torch.dtype, scales: int, n
     "FP8 GEMM launch sweep"):
     - M = 1, fp8, N >= 8 x the multiprocessors (bs 1 decode): the GEMV kernel (no split-K, no second
       launch), timed with its weight out of L2 (copies of each weight read in turn, as the layers of a model
-      read theirs; "GEMV launch sweep, weights out of L2" in docs/benchmarks.md): 16 x 1024 tiles on 2 warps
+      read theirs; docs/benchmarks.md, "The bs-1 step's kernels launched dependently, and the GEMV timed out
+      of L2"): 16 x 1024 tiles on 2 warps
       for N >= 16384 (Llama-3-8B gate_up 30.5 us), 8 x 2048 on 2 warps for N >= 5120 (Llama-3-8B qkv 10.3,
       Qwen3-30B-A3B qkv 5.6), 4 x 1024 on 2 warps for N = 4096 (Llama-3-8B o_proj / down_proj 7.2 / 18.4),
       else 4 x 2048 on 4 warps (Qwen3-30B-A3B o_proj 4.7); out of L2, the launches chosen before (from
@@ -265,6 +266,7 @@ def _scaled_mm(scales, a, a_scale, w, w_scale, bias, out_dtype, config: LaunchCo
     splits = cdiv(k, k_per_split)
     target = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=a.device)
     grid = (cdiv(m, config.block_m) * cdiv(n, config.block_n), splits)
+    pdl = launch_kwargs(a, m)
     _scaled_mm_kernel[grid](
         a, w, a_scale, w_scale, bias if bias is not None else out, target, m, n, k, k_per_split,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), *scale_strides, target.stride(-2),
@@ -272,12 +274,11 @@ def _scaled_mm(scales, a, a_scale, w, w_scale, bias, out_dtype, config: LaunchCo
         SCALES=scales, HAS_BIAS=bias is not None, IS_INT8=a.dtype == INT8_DTYPE, SCALE_BLOCK=BLOCK,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=8,
         MAX_IMPRECISE=config.max_imprecise, num_warps=config.num_warps,
-        num_stages=config.num_stages, **launch_kwargs(a, m),
+        num_stages=config.num_stages, **pdl,
     )
     if splits > 1:
         block = 1024
-        _sum_splits_kernel[(cdiv(m * n, block),)](target, out, m * n, SPLIT_K=splits, BLOCK=block, num_warps=4,
-                                                      **launch_kwargs(a, m))
+        _sum_splits_kernel[(cdiv(m * n, block),)](target, out, m * n, SPLIT_K=splits, BLOCK=block, num_warps=4, **pdl)
     return out
 
 
