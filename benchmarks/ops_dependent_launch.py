@@ -4,13 +4,14 @@
 (one set per layer, so the weights stream from memory as in a model): RMSNorm + quantization, the qkv GEMM,
 quantization of its first 4096 columns, o_proj, the residual RMSNorm + quantization, gate_up, SiLU-and-mul +
 quantization and down_proj, all captured in one CUDA graph and replayed. At each token count the chain runs
-with every kernel launched ordinarily ("off"), every kernel launched dependently ("on"), and every kernel but
-the RMSNorm + quantization one ("on_but_norm_quant"); ``same_bits`` says whether the output equals "off"'s
-bit for bit. ``dependent_launch.MAX_ROWS`` is read off this table.
+with every kernel launched ordinarily ("off"), every kernel launched dependently ("on"), every kernel but
+the RMSNorm + quantization one ("on_but_rms_norm_quant"), every kernel but the SiLU-and-mul + quantization one
+("on_but_silu_quant"), and as shipped ("shipped"); ``same_bits`` says whether the output equals "off"'s
+bit for bit. ``dependent_launch.MAX_ROWS`` and ``norm_quant``'s ``*_PDL_ROWS`` are read off this table.
 
     python -m benchmarks.ops_dependent_launch [--tokens 1 2 4 16 64] [--json out.json] [--smoke]
 
-On a CPU (``--smoke``: 2 small layers, Triton's interpreter) dependent launch is never on, and the three
+On a CPU (``--smoke``: 2 small layers, Triton's interpreter) dependent launch is never on, and the
 variants are the same launches.
 """
 
@@ -22,7 +23,10 @@ from benchmarks.common import adaptive_timing, ms_of, op_bench_args, print_table
 
 HIDDEN, INTER, QKV, LAYERS = 4096, 14336, 6144, 32
 SMOKE = dict(hidden=256, inter=512, qkv=384, layers=2)
-VARIANTS = ("off", "on", "on_but_norm_quant")
+ALL = 1 << 30
+# variant: (dependent_launch.MAX_ROWS, norm_quant.RMS_NORM_PDL_ROWS, norm_quant.SILU_PDL_ROWS); None: as shipped
+VARIANTS = {"off": (0, 0, 0), "on": (ALL, ALL, ALL), "on_but_rms_norm_quant": (ALL, 0, ALL),
+            "on_but_silu_quant": (ALL, ALL, 0), "shipped": None}
 
 
 def _layers(hidden, inter, qkv, layers, device):
@@ -57,23 +61,24 @@ def _chain(x0, layers, norm_weight, hidden):
     return forward
 
 
-def _set_variant(variant: str) -> None:
-    """Dependent launch for every launch ("on"), none ("off"), or all but RMSNorm + quantization."""
+def _settings() -> tuple:
     from atom_core.ops.triton import dependent_launch, norm_quant
 
-    dependent_launch.MAX_ROWS = 0 if variant == "off" else 1 << 30
-    norm_quant.launch_kwargs = ((lambda x, rows: dict(dependent_launch._OFF)) if variant == "on_but_norm_quant"
-                                else dependent_launch.launch_kwargs)
+    return dependent_launch.MAX_ROWS, norm_quant.RMS_NORM_PDL_ROWS, norm_quant.SILU_PDL_ROWS
+
+
+def _apply(settings: tuple) -> None:
+    from atom_core.ops.triton import dependent_launch, norm_quant
+
+    dependent_launch.MAX_ROWS, norm_quant.RMS_NORM_PDL_ROWS, norm_quant.SILU_PDL_ROWS = settings
 
 
 def run(tokens: list[int], device: str, smoke: bool) -> list[dict]:
-    from atom_core.ops.triton import dependent_launch, norm_quant
-
     sizes = SMOKE if smoke else dict(hidden=HIDDEN, inter=INTER, qkv=QKV, layers=LAYERS)
     timed = adaptive_timing(device, smoke)
     torch.manual_seed(0)
     layers, norm_weight = _layers(device=device, **sizes)
-    rule, kwargs = dependent_launch.MAX_ROWS, dependent_launch.launch_kwargs
+    shipped = _settings()
     rows = []
     try:
         for m in tokens:
@@ -81,7 +86,7 @@ def run(tokens: list[int], device: str, smoke: bool) -> list[dict]:
             forward = _chain(x0, layers, norm_weight, sizes["hidden"])
             outputs = {}
             for variant in VARIANTS:
-                _set_variant(variant)
+                _apply(VARIANTS[variant] or shipped)
                 outputs[variant] = forward()
                 timing = timed(forward)
                 rows.append({"tokens": m, "variant": variant, "layers": sizes["layers"], "ms": ms_of(timing),
@@ -90,7 +95,7 @@ def run(tokens: list[int], device: str, smoke: bool) -> list[dict]:
             for row in rows[-len(VARIANTS):]:
                 row["x_off"] = off / row["ms"]
     finally:
-        dependent_launch.MAX_ROWS, norm_quant.launch_kwargs = rule, kwargs
+        _apply(shipped)
     return rows
 
 

@@ -144,6 +144,8 @@ def test_triton_split_k_partials_sum_to_the_twin(fmt, split_k, k, monkeypatch):
     (98, 2300, 4, 1024, 2),   # the GPU launches' shapes: 4-row tiles (the last one partial), 2 warps, 64 values
                               # a thread (2D accumulator), K in three steps of eight groups, the last partial
     (40, 2200, 8, 2048, 2),   # 8 x 2048 on 2 warps: 256 values a thread, so each step summed over K
+    (64, 4096, 4, 2048, 2),   # 4 x 2048 on 2 warps (N >= 5120 on the GPU), whole tiles: the unmasked loop
+    (24, 4000, 8, 4096, 8),   # 8 x 4096 on 8 warps (N = 4096, K <= 4096): the whole row in one K step, partial
 ])
 def test_triton_gemv_launch_matches_twin_with_random_group_scales(fmt, out_dtype, n, k, block_n, block_k, warps):
     # The GEMV kernel (block_m = 1) folds the block format's scales into the activation per k: each group's
@@ -302,4 +304,23 @@ def test_on_nvidia_sm90_auto_runs_block_gemms_from_256_rows_on_cublas_and_both_m
     # 1030 is no multiple of 4, which cuBLAS's block-wise kernel refuses: Triton serves it.
     assert calls == [("scaled_mm_block", "scaled_mm" if m >= CUBLAS_BLOCK_FROM_ROWS and m % 4 == 0 else "triton")]
     want = reference.scaled_mm_block(a, a_scale, w, w_scale, bias, BF16)
+    torch.testing.assert_close(got, want, **tolerance(BF16, SCALED_MM))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.version.hip is None
+                         and torch.cuda.get_device_capability() >= (8, 9)), reason="needs an NVIDIA sm89+ GPU")
+@pytest.mark.parametrize("fmt", ["per_token", "block"])
+@pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (5120, 2048),
+                                  (2048, 4096)])  # Llama-3-8B's and Qwen3-30B-A3B's projections
+def test_on_nvidia_gpus_one_row_runs_the_gemv_tile_chosen_for_the_shape_and_matches_the_twin(fmt, n, k):
+    from atom_core.ops.triton import scaled_mm as triton_scaled_mm
+    from atom_core.ops.triton.launch import num_sms
+
+    a, a_scale, w, w_scale, _ = make_inputs(fmt, FP8, 1, n, k, seed=n + k)
+    kind = (triton_scaled_mm.BLOCKWISE if fmt == "block" else triton_scaled_mm.PER_TOKEN).value
+    config = triton_scaled_mm.launch_config(1, n, k, BF16, kind, num_sms(0), False)
+    assert config.block_m == 1
+    got = triton_scaled_mm._scaled_mm(kind, a, a_scale, w, w_scale, None, BF16, config)
+    want = getattr(reference, f"scaled_mm_{fmt}")(a, a_scale, w, w_scale, None, BF16)
     torch.testing.assert_close(got, want, **tolerance(BF16, SCALED_MM))

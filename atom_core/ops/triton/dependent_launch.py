@@ -56,8 +56,9 @@ def _supported(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
-def launch_kwargs(x: torch.Tensor, rows: int) -> dict:
+def launch_kwargs(x: torch.Tensor, rows: int, max_rows: int | None = None) -> dict:
     """``PDL`` and ``launch_pdl`` for a launch on x's device serving ``rows`` tokens: on for
-    ``rows <= MAX_ROWS`` on CUDA devices of compute capability 9.0 and later (not in the interpreter, not on
-    ROCm)."""
-    return _ON if rows <= MAX_ROWS and x.is_cuda and _supported(x.device.index) else _OFF
+    ``rows <= max_rows`` (default ``MAX_ROWS``) on CUDA devices of compute capability 9.0 and later (not in the
+    interpreter, not on ROCm)."""
+    limit = MAX_ROWS if max_rows is None else max_rows
+    return _ON if rows <= limit and x.is_cuda and _supported(x.device.index) else _OFF

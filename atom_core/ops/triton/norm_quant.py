@@ -35,6 +35,10 @@ from atom_core.ops.triton.norm import load_row, rms_normalize
 from atom_core.ops.triton.quant import quantize_groups
 
 CHUNK = 1024  # activation values per SiLU program where groups split the row
+# Dependent launch up to this many rows (None: dependent_launch.MAX_ROWS). SiLU-and-mul + quantization gains at
+# one row and loses from two (dependent_launch's module docstring).
+RMS_NORM_PDL_ROWS = None
+SILU_PDL_ROWS = 1
 
 
 @triton.jit
@@ -127,7 +131,7 @@ def rms_norm_quant(x, weight, eps, residual, gemma, group_size, q, scale, residu
         d, scale.shape[1], x.stride(0), residual.stride(0) if residual is not None else 0, q.stride(0),
         scale.stride(0), residual_out.stride(0) if residual_out is not None else 0, eps, AMAX_FLOOR,
         HAS_RESIDUAL=residual is not None, GEMMA=gemma, BLOCK_D=block_d, GROUP=group, G_PAD=g_pad,
-        num_warps=num_warps, **_format(q), **launch_kwargs(x, rows),
+        num_warps=num_warps, **_format(q), **launch_kwargs(x, rows, RMS_NORM_PDL_ROWS),
     )
 
 
@@ -140,5 +144,5 @@ def silu_and_mul_quant(x, group_size, q, scale):
     _silu_and_mul_quant_kernel[(rows, chunks)](
         x, q, scale, inter, scale.shape[1], x.stride(0), q.stride(0), scale.stride(0), AMAX_FLOOR,
         BLOCK_I=block_i, GROUP=group, G_PAD=g_pad, num_warps=num_warps, **_format(q),
-        **launch_kwargs(x, rows),
+        **launch_kwargs(x, rows, SILU_PDL_ROWS),
     )

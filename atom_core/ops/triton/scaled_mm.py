@@ -147,8 +147,11 @@ def _gemv_kernel(
             w = tl.load(w_ptrs, mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
         if SCALES == BLOCKWISE:
             group = k // SCALE_BLOCK  # (the scales are [., ceil(K / 128)]: every k < K has its group)
-            x = x * tl.load(a_scale_ptr + group * stride_as_k, mask=k < K, other=0.0) \
-                * tl.load(w_scale_row + group * stride_ws_k, mask=k < K, other=0.0)
+            if EVEN:  # (unmasked: 2.6% off a 32-layer bs-1 chain of the four GEMVs)
+                x = x * tl.load(a_scale_ptr + group * stride_as_k) * tl.load(w_scale_row + group * stride_ws_k)
+            else:
+                x = x * tl.load(a_scale_ptr + group * stride_as_k, mask=k < K, other=0.0) \
+                    * tl.load(w_scale_row + group * stride_ws_k, mask=k < K, other=0.0)
         if LANES:
             lanes += w.to(tl.float32) * x[None, :]
         else:
@@ -189,6 +192,21 @@ class LaunchConfig:
     max_imprecise: int | None = 0  # <= block_k; None: Triton's default (no promotion within the K loop)
 
 
+def _gemv_tile(n: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps) of the GEMV kernel on an H200, each weight timed out of L2 (copies of it read
+    in turn, as a model's layers read theirs; docs/benchmarks.md, "FP8 GEMV tiles"), us per call and % of
+    copy bandwidth, Llama-3-8B / Qwen3-30B-A3B:
+    - N >= 5120: 4 x 2048 on 2 warps (Llama qkv 8.4, 71%; gate_up 29.4, 94%; Qwen3 qkv 4.9, 50%);
+    - N >= 4096, K <= 4096: 8 rows of the whole K in one step on 8 warps (Llama o_proj 6.2, 64%);
+    - N >= 4096, longer K: 4 x 1024 on 2 warps (Llama down_proj 17.3, 80%);
+    - else 4 x 2048 on 4 warps (Qwen3 o_proj 4.2, 48%)."""
+    if n >= 5120:
+        return 4, 2048, 2
+    if n >= 4096:
+        return (8, max(128, next_power_of_2(k)), 8) if k <= 4096 else (4, 1024, 2)
+    return 4, 2048, 4
+
+
 @functools.lru_cache(maxsize=LAUNCH_CACHE_SIZE)
 def launch_config(m: int, n: int, k: int, out_dtype: torch.dtype, scales: int, num_sms: int,
                   interpret: bool, int8: bool = False) -> LaunchConfig:
@@ -199,13 +217,7 @@ def launch_config(m: int, n: int, k: int, out_dtype: torch.dtype, scales: int, n
     GPU choices are the best rows of ``benchmarks/ops_scaled_mm_sweep.py`` on an H200 (docs/benchmarks.md,
     "FP8 GEMM launch sweep"):
     - M = 1, fp8, N >= 8 x the multiprocessors (bs 1 decode): the GEMV kernel (no split-K, no second
-      launch), timed with its weight out of L2 (copies of each weight read in turn, as the layers of a model
-      read theirs; docs/benchmarks.md, "The bs-1 step's kernels launched dependently, and the GEMV timed out
-      of L2"): 16 x 1024 tiles on 2 warps
-      for N >= 16384 (Llama-3-8B gate_up 30.5 us), 8 x 2048 on 2 warps for N >= 5120 (Llama-3-8B qkv 10.3,
-      Qwen3-30B-A3B qkv 5.6), 4 x 1024 on 2 warps for N = 4096 (Llama-3-8B o_proj / down_proj 7.2 / 18.4),
-      else 4 x 2048 on 4 warps (Qwen3-30B-A3B o_proj 4.7); out of L2, the launches chosen before (from
-      timings whose weights stayed in L2) took 31.6, 10.6 and 6.0, 7.7 / 19.8, and 6.0 us;
+      launch), its tile from ``_gemv_tile``;
     - M <= 16 (decode): 16 x 64 tiles, and K split so that about two programs per multiprocessor stream
       the weight (at most 4 ranges: more only adds partials to sum);
     - larger M: 128 x 256 tiles where they give at least two tiles per multiprocessor, else 128 x 128
@@ -224,9 +236,7 @@ def launch_config(m: int, n: int, k: int, out_dtype: torch.dtype, scales: int, n
     block_k = 128
     max_imprecise = 0 if out_dtype == torch.float32 else block_k if out_dtype == torch.float16 else None
     if m == 1 and not int8 and cdiv(n, 8) >= num_sms:
-        block_n, block_k, warps = ((16, 1024, 2) if n >= 16384 else (8, 2048, 2) if n >= 5120 else
-                                   (4, 1024, 2) if n >= 4096 else (4, 2048, 4))
-        return LaunchConfig(1, block_n, block_k, warps, 4)
+        return LaunchConfig(1, *_gemv_tile(n, k), 4)
     if m <= 16:
         tiles = cdiv(n, 64)
         split_k = min(4, cdiv(k, block_k), next_power_of_2(cdiv(2 * num_sms, tiles)))
