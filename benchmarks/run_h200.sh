@@ -142,7 +142,7 @@ for part in $parts; do
             --json "$out/engine_throughput_fp8_kv.json"
         ;;
     fp8decode)
-        run ops_scaled_mm_sweep_m1 240 benchmarks.ops_scaled_mm_sweep --tokens 1 --json "$out/ops_scaled_mm_sweep_m1.json"
+        run ops_scaled_mm_sweep_m1 480 benchmarks.ops_scaled_mm_sweep --tokens 1 --json "$out/ops_scaled_mm_sweep_m1.json"
         run ops_moe_small 90 benchmarks.ops_moe --no-compile --formats bf16 fp8_block fp8_channel --tokens 1 2 4 8 \
             --json "$out/ops_moe_small.json"
         run ops_dependent_launch 90 benchmarks.ops_dependent_launch --json "$out/ops_dependent_launch.json"

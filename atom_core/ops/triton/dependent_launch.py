@@ -12,17 +12,20 @@ are visible (``griddepcontrol.wait``), then signals the kernel after it (``gridd
 Nothing is read or written before the wait, so two kernels' memory accesses never overlap: what overlaps
 is one kernel's launch with the other's last programs. A kernel launched without PDL (torch's, cuBLAS's,
 the interpreter's) waits for the previous one as usual, and the wait returns at once when nothing came
-before. Loading a weight tile before the wait would hide more (weights are not written by the previous
-kernel in a decode step), but a caller that writes a weight and multiplies by it in the next launch would
-read stale values, so no kernel here does.
+before. Loading a weight tile before the wait would race with a caller that writes a weight and multiplies by it
+in the next launch, and it did not pay: the engine's Llama-3-8B FP8 bs-1 step took 2.923 ms with the GEMV's
+first weight tile loaded before its wait against 2.875 without, so no kernel here does it.
 
-``launch_kwargs(x, rows)`` gives the two launch arguments for a kernel whose tensors live on x's device and
-which serves ``rows`` tokens: on up to ``MAX_ROWS`` tokens (small-batch decode). Measured on an H200, 32
-Llama-3-8B FP8 layers of these ops in one CUDA graph (RMSNorm + quantization, GEMMs, quantization,
-SiLU-and-mul + quantization; ``benchmarks/results/h200_ops_dependent_launch.json``), ms without PDL / with it:
-1 token 2.561 / 2.412, 2 tokens 2.774 / 2.704, 4 tokens 2.802 / 2.737, 16 tokens 2.906 / 2.964, 64 tokens
-3.482 / 3.708. From 16 tokens the RMSNorm + quantization kernel (one 16-warp program a row) loses more than
-the others gain (at 64 tokens: 3.49 ms with every kernel but that one launched dependently).
+``launch_kwargs(x, rows, max_rows)`` gives the two launch arguments for a kernel whose tensors live on x's
+device and which serves ``rows`` tokens: on up to ``max_rows`` tokens (default ``MAX_ROWS``: small-batch
+decode). Measured on an H200 (``python -m benchmarks.ops_dependent_launch``: 32 Llama-3-8B FP8 layers of these
+ops in one CUDA graph, RMSNorm + quantization, GEMMs, quantization, SiLU-and-mul + quantization;
+``benchmarks/results/h200_ops_dependent_launch.json``), ms without PDL / with it on every kernel / on every
+kernel but SiLU-and-mul + quantization: 1 token 2.326 / 2.258 / 2.265, 2 tokens 2.770 / 2.677 / 2.582,
+4 tokens 2.803 / 2.709 / 2.622, 16 tokens 2.894 / 2.966 / 2.759, 64 tokens 3.449 / 3.666 / 3.340. The
+SiLU-and-mul + quantization kernel loses with it from two tokens (``norm_quant.SILU_PDL_ROWS`` = 1). In the
+engine the rest do not gain at 64 tokens (Llama-3-8B FP8 bs 64: 5.187 ms with every kernel but the two
+quantizing ones launched dependently up to 64 tokens, 5.167 with ``MAX_ROWS`` = 4), so ``MAX_ROWS`` stays 4.
 """
 
 from __future__ import annotations

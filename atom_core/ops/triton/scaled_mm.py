@@ -194,8 +194,9 @@ class LaunchConfig:
 
 def _gemv_tile(n: int, k: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, warps) of the GEMV kernel on an H200, each weight timed out of L2 (copies of it read
-    in turn, as a model's layers read theirs; docs/benchmarks.md, "FP8 GEMV tiles"), us per call and % of
-    copy bandwidth, Llama-3-8B / Qwen3-30B-A3B:
+    in turn, as a model's layers read theirs; docs/benchmarks.md, "FP8 GEMV tiles, and dependent launch kernel
+    by kernel"), us per call and % of copy bandwidth on one machine (another ran some up to 16% slower),
+    Llama-3-8B / Qwen3-30B-A3B:
     - N >= 5120: 4 x 2048 on 2 warps (Llama qkv 8.4, 71%; gate_up 29.4, 94%; Qwen3 qkv 4.9, 50%);
     - N >= 4096, K <= 4096: 8 rows of the whole K in one step on 8 warps (Llama o_proj 6.2, 64%);
     - N >= 4096, longer K: 4 x 1024 on 2 warps (Llama down_proj 17.3, 80%);
