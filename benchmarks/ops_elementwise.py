@@ -1,5 +1,5 @@
 """Memory-bound ops at Llama-8B-like sizes: rms_norm (+ residual), silu_and_mul, apply_rope_, qk_norm_rope_,
-store_kv_, and rms_norm_quant / silu_and_mul_quant beside their unfused pairs.
+store_kv_, and rms_norm_quant / silu_and_mul_quant / rope_store_kv_ beside their unfused pairs.
 
 The fused quantizing ops run at Llama-3-8B's D = 4096 and I = 14336, fp8 in groups of 128, each next to
 the same computation as two ops (``rms_norm`` + ``per_group_quant``, ``silu_and_mul`` + ``per_group_quant``);
@@ -194,6 +194,38 @@ def _store_kv_case(tokens, q_heads, kv_heads, head_size, dtype, device, backend)
                 lambda: reference.store_kv_(k, v, k_cache, v_cache, slot_mapping))
 
 
+def _rope_store_kv_cases(tokens, q_heads, kv_heads, head_size, dtype, device, backend):
+    """RoPE then the KV store: as two ops (``apply_rope_``, ``store_kv_``), then as one (``rope_store_kv_``)."""
+    from atom_core.ops.kv_cache import store_kv_
+    from atom_core.ops.reference import rope_kv as reference
+    from atom_core.ops.rope import apply_rope_, rope_cos_sin_cache
+    from atom_core.ops.rope_kv import rope_store_kv_
+
+    q, k, v = _fused_qkv(tokens, q_heads, kv_heads, head_size, dtype, device)
+    cache, _ = rope_cos_sin_cache(head_size, MAX_POSITION, 500000.0, device=device)
+    positions = torch.randint(0, MAX_POSITION, (tokens,), device=device)
+    k_cache = torch.zeros(tokens + BLOCK_SIZE, 1, kv_heads, head_size, dtype=dtype, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    slot_mapping = torch.randperm(tokens + BLOCK_SIZE, device=device)[:tokens]  # one-slot blocks, scattered
+    elt = q.element_size()
+    # the RoPE bytes (q and k read and written, positions, cos/sin rows), then k and v read and written to the pool
+    nbytes = (2 * tokens * (q_heads + kv_heads) * head_size * elt + tokens * 8 + tokens * head_size * 4
+              + 4 * tokens * kv_heads * head_size * elt + tokens * 8)
+    shape = f"q [{tokens}, {q_heads}, {head_size}] k, v [{tokens}, {kv_heads}, {head_size}] -> pool"
+
+    def two_ops():
+        apply_rope_(q, k, positions, cache, backend=backend)
+        store_kv_(k, v, k_cache, v_cache, slot_mapping, backend=backend)
+
+    def twin():
+        reference.rope_store_kv_(q, k, v, positions, cache, k_cache, v_cache, slot_mapping)
+
+    yield Case("apply_rope_+store_kv_", tokens, shape, nbytes, two_ops, twin)
+    yield Case("rope_store_kv_", tokens, shape, nbytes,
+               lambda: rope_store_kv_(q, k, v, positions, cache, k_cache, v_cache, slot_mapping, backend=backend),
+               twin)
+
+
 def _cases(device, smoke, backend, dtype):
     sizes = SMOKE if smoke else dict(tokens=TOKENS, hidden=HIDDEN, inter=INTERMEDIATE, q_heads=NUM_Q_HEADS,
                                      kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE)
@@ -206,6 +238,8 @@ def _cases(device, smoke, backend, dtype):
         yield _qk_norm_rope_case(tokens, sizes["q_heads"], sizes["kv_heads"], sizes["head_size"], dtype, device,
                                  backend)
         yield _store_kv_case(tokens, sizes["q_heads"], sizes["kv_heads"], sizes["head_size"], dtype, device, backend)
+        yield from _rope_store_kv_cases(tokens, sizes["q_heads"], sizes["kv_heads"], sizes["head_size"], dtype,
+                                        device, backend)
 
 
 def run(device: str = "cuda", smoke: bool = False) -> list[dict]:

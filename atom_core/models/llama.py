@@ -108,15 +108,16 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is None:
-            self.rotary_emb(positions, q, k)                                    # in place
+        if self.q_norm is None:  # RoPE in place, in one op with the KV store
+            rope = dict(rotary_emb=self.rotary_emb, positions=positions)
         else:  # per-head RMSNorm of q and k, then RoPE: one op, in place on the views of qkv
             ops.qk_norm_rope_(q, k, self.q_norm.weight, self.k_norm.weight, positions,
                               self.rotary_emb.cos_sin_cache, eps=self.q_norm.eps, is_neox=self.rotary_emb.is_neox)
+            rope = {}
         if self._quantized_out:  # fp8 [T, H, Dh] and a scale a head [T, H]
-            out, scale = self.attn(q, k, v, batch, sinks=self.sinks, quantize=True)
+            out, scale = self.attn(q, k, v, batch, sinks=self.sinks, quantize=True, **rope)
             return self.o_proj(QuantizedActivation(out.view(num_tokens, self.q_size), scale, q.dtype))
-        out = self.attn(q, k, v, batch, sinks=self.sinks)                       # [T, H, Dh]
+        out = self.attn(q, k, v, batch, sinks=self.sinks, **rope)               # [T, H, Dh]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 

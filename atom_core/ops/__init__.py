@@ -35,6 +35,7 @@ from atom_core.ops.penalties import apply_penalties_, apply_token_bias_
 from atom_core.ops.qk_norm_rope import qk_norm_rope_
 from atom_core.ops.quant import per_group_quant, per_tensor_quant, per_token_quant
 from atom_core.ops.rope import apply_rope_, rope_cos_sin_cache, yarn_softmax_scale
+from atom_core.ops.rope_kv import rope_store_kv_
 from atom_core.ops.sampling import rejection_sample_greedy, sample
 from atom_core.ops.scaled_mm import scaled_mm_block, scaled_mm_per_tensor, scaled_mm_per_token
 from atom_core.ops.token_mask import apply_token_mask_
@@ -76,6 +77,7 @@ __all__ = [
     "rms_norm",
     "rms_norm_quant",
     "rope_cos_sin_cache",
+    "rope_store_kv_",
     "sample",
     "scaled_mm_block",
     "scaled_mm_per_tensor",

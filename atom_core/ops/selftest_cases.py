@@ -202,6 +202,28 @@ def store_kv_cases(grid: str, device) -> list[Case]:
     return cases
 
 
+def rope_store_kv_cases(grid: str, device) -> list[Case]:
+    # (T, Hq, Hk, Dh, R, is_neox): q, k and v head views of one fused qkv buffer
+    shapes = [(5, 4, 2, 64, 32, True)] if grid == "quick" else \
+        [(1, 32, 8, 128, 128, True), (19, 8, 1, 128, 64, False), (3, 4, 4, 80, 80, True)]
+    cases = []
+    for (tokens, hq, hk, head, rotary, is_neox) in shapes:
+        for dtype in grid_dtypes(grid):
+            def run(backend, dtype=dtype, tokens=tokens, hq=hq, hk=hk, head=head, rotary=rotary, is_neox=is_neox):
+                qkv, q, k, cache, positions = _rope_inputs(6, tokens, hq, hk, head, rotary, dtype, device)
+                v = qkv[:, (hq + hk) * head:].view(tokens, hk, head)
+                caches = [torch.zeros(8, 16, hk, head, dtype=dtype, device=device) for _ in range(2)]
+                slots = torch.randperm(128, generator=torch.Generator().manual_seed(10))[:tokens]
+                slots[0] = -1  # a padding token writes nothing
+                ops.rope_store_kv_(q, k, v, positions, cache, *caches, slots.to(device), is_neox=is_neox,
+                                   backend=backend)
+                return q, k, *caches
+
+            label = _rope_label(tokens, hq, hk, head, rotary, is_neox, dtype)
+            cases.append(Case("rope_store_kv_", label, run, closer(ELEMENTWISE)(dtype)))
+    return cases
+
+
 def _attention_case(label: str, query_lens, cached_lens, *, dtype, device, num_heads=4, num_kv_heads=2, head_dim=64,
                     block_size=16, fp8=False, **features) -> Case:
     def run(backend):
@@ -273,9 +295,9 @@ def all_cases(grid: str, device) -> dict[str, list[Case]]:
     from atom_core.ops.selftest_cases_token_mask import token_mask_cases
 
     by_op: dict[str, list[Case]] = {}
-    for make in (norm_cases, activation_cases, rope_cases, qk_norm_rope_cases, store_kv_cases, attention_cases,
-                 sampling_cases, moe_cases, fused_experts_quant_cases, quant_cases, norm_quant_cases, scaled_mm_cases,
-                 mla_cases, dsa_cases, penalty_cases, token_mask_cases, comm_cases):
+    for make in (norm_cases, activation_cases, rope_cases, qk_norm_rope_cases, store_kv_cases, rope_store_kv_cases,
+                 attention_cases, sampling_cases, moe_cases, fused_experts_quant_cases, quant_cases, norm_quant_cases,
+                 scaled_mm_cases, mla_cases, dsa_cases, penalty_cases, token_mask_cases, comm_cases):
         for case in make(grid, device):
             by_op.setdefault(case.op, []).append(case)
     return by_op

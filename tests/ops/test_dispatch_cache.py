@@ -169,6 +169,12 @@ def _store_kv_args(c: Call):
     return k, v, k_cache, v_cache, slot_mapping, *scales
 
 
+def _rope_store_kv_args(c: Call):
+    q, k, positions, cos_sin_cache, is_neox = _rope_args(c)
+    _, v, k_cache, v_cache, slot_mapping, k_scale, v_scale = _store_kv_args(c)
+    return q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox, k_scale, v_scale
+
+
 def _attention_args(c: Call):
     rows, head, kv_heads, group = c.vary(3, 1), c.vary(128, 64, 96, 264), c.vary(2, 1), c.vary(4, 1, 32)
     max_seqlen_q = c.vary(1, 4)
@@ -300,6 +306,7 @@ ARGS = {
     "apply_rope_": _rope_args,
     "qk_norm_rope_": _qk_norm_rope_args,
     "store_kv_": _store_kv_args,
+    "rope_store_kv_": _rope_store_kv_args,
     "paged_attention": _attention_args,
     "sample": _sample_args,
     "rejection_sample_greedy": _rejection_args,

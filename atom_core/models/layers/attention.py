@@ -18,6 +18,7 @@ from torch import nn
 
 from atom_core import ops
 from atom_core.cache.token_layout import StepLayout
+from atom_core.models.layers.rotary import RotaryEmbedding
 
 
 class PagedAttention(nn.Module):
@@ -78,12 +79,14 @@ class PagedAttention(nn.Module):
         self.k_scale, self.v_scale = k_scale, v_scale
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepLayout, *,
-                sinks: torch.Tensor | None = None, quantize: bool = False):
+                sinks: torch.Tensor | None = None, quantize: bool = False, rotary_emb: RotaryEmbedding | None = None,
+                positions: torch.Tensor | None = None):
         """Store k, v at ``batch.slot_mapping`` and attend.
 
         q: [T, H, D]; k, v: [T, Hk, D] (same dtype); batch: the step's layout, on q's device;
         sinks: optional fp32 [H] extra softmax logit per head (GPT-OSS), owned by the caller so
-        its parameter keeps the checkpoint's name.
+        its parameter keeps the checkpoint's name. With ``rotary_emb`` and positions [T] int64, q and k
+        are first rotated in place by it, in the same op as the store (``ops.rope_store_kv_``).
         Returns [T, H, D] in q's dtype; with ``quantize``, ``(out, scale)``: the output as fp8 e4m3fn
         [T, H, D] with one fp32 scale per head [T, H] (``ops.paged_attention(quantize=True)``).
         """
@@ -95,8 +98,13 @@ class PagedAttention(nn.Module):
             )
         if q.dim() != 3 or q.shape[1:] != (self.num_heads, self.head_dim):
             raise ValueError(f"q must have shape [T, {self.num_heads}, {self.head_dim}], got {tuple(q.shape)}")
-        ops.store_kv_(k, v, self.k_cache, self.v_cache, batch.slot_mapping,
-                      k_scale=self.k_scale, v_scale=self.v_scale)
+        if rotary_emb is None:
+            ops.store_kv_(k, v, self.k_cache, self.v_cache, batch.slot_mapping,
+                          k_scale=self.k_scale, v_scale=self.v_scale)
+        else:
+            ops.rope_store_kv_(q, k, v, positions, rotary_emb.cos_sin_cache, self.k_cache, self.v_cache,
+                               batch.slot_mapping, is_neox=rotary_emb.is_neox, k_scale=self.k_scale,
+                               v_scale=self.v_scale)
         return ops.paged_attention(
             q, self.k_cache, self.v_cache, batch.block_tables, batch.cu_seqlens_q, batch.context_lens,
             batch.max_seqlen_q, batch.max_seqlen_k, scale=self.scale, sliding_window=self.sliding_window,

@@ -1,7 +1,7 @@
 """Reference twins: plain-torch definitions of every op, written for clarity. They are the spec.
 
 Each group lives in its own module (``norm``, ``rope``, ``qk_norm_rope``, ``activation``, ``norm_quant``,
-``kv_cache``, ``attention``, ``sampling``, ``moe``); the most used twins are also importable from here.
+``kv_cache``, ``rope_kv``, ``attention``, ``sampling``, ``moe``); the most used twins are also importable from here.
 """
 
 from atom_core.ops.reference.activation import gelu_and_mul, silu_and_mul, swiglu_clamped
@@ -12,6 +12,7 @@ from atom_core.ops.reference.norm import layer_norm, rms_norm
 from atom_core.ops.reference.norm_quant import rms_norm_quant, silu_and_mul_quant
 from atom_core.ops.reference.qk_norm_rope import qk_norm_rope_
 from atom_core.ops.reference.rope import apply_rope_, rope_cos_sin_cache
+from atom_core.ops.reference.rope_kv import rope_store_kv_
 from atom_core.ops.reference.sampling import rejection_sample_greedy, sample
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "rms_norm",
     "rms_norm_quant",
     "rope_cos_sin_cache",
+    "rope_store_kv_",
     "sample",
     "silu_and_mul",
     "silu_and_mul_quant",

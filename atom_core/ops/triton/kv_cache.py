@@ -42,6 +42,23 @@ def _store_rows(src_ptr, dst_ptr, scale_ptr, stride_t, stride_h, stride_b, strid
 
 
 @triton.jit
+def _store_tokens(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr, tokens, in_range,
+                  num_heads, head_size, block_size, stride_slot, stride_kt, stride_kh, stride_vt, stride_vh,
+                  stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+                  FP8: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Write the K and V rows of the tokens ``tokens`` (int64 [BLOCK_T]) to their slots."""
+    slots = tl.load(slot_ptr + tokens * stride_slot, mask=in_range, other=-1).to(tl.int64)
+    valid = in_range & (slots >= 0)
+    slots = tl.where(valid, slots, 0)
+    blocks = slots // block_size
+    offsets = slots % block_size
+    _store_rows(k_ptr, k_cache_ptr, k_scale_ptr, stride_kt, stride_kh, stride_kcb, stride_kcs, stride_kch,
+                tokens, blocks, offsets, valid, num_heads, head_size, FP8, BLOCK_H, BLOCK_D)
+    _store_rows(v_ptr, v_cache_ptr, v_scale_ptr, stride_vt, stride_vh, stride_vcb, stride_vcs, stride_vch,
+                tokens, blocks, offsets, valid, num_heads, head_size, FP8, BLOCK_H, BLOCK_D)
+
+
+@triton.jit
 def _store_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
     num_tokens, num_heads, head_size, block_size, stride_slot,
@@ -52,16 +69,10 @@ def _store_kv_kernel(
 ):
     wait_for_inputs(PDL)
     tokens = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    in_range = tokens < num_tokens
-    slots = tl.load(slot_ptr + tokens * stride_slot, mask=in_range, other=-1).to(tl.int64)
-    valid = in_range & (slots >= 0)
-    slots = tl.where(valid, slots, 0)
-    blocks = slots // block_size
-    offsets = slots % block_size
-    _store_rows(k_ptr, k_cache_ptr, k_scale_ptr, stride_kt, stride_kh, stride_kcb, stride_kcs, stride_kch,
-                tokens, blocks, offsets, valid, num_heads, head_size, FP8, BLOCK_H, BLOCK_D)
-    _store_rows(v_ptr, v_cache_ptr, v_scale_ptr, stride_vt, stride_vh, stride_vcb, stride_vcs, stride_vch,
-                tokens, blocks, offsets, valid, num_heads, head_size, FP8, BLOCK_H, BLOCK_D)
+    _store_tokens(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr, tokens,
+                  tokens < num_tokens, num_heads, head_size, block_size, stride_slot, stride_kt, stride_kh,
+                  stride_vt, stride_vh, stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+                  FP8, BLOCK_H, BLOCK_D)
 
 
 @functools.lru_cache(maxsize=LAUNCH_CACHE_SIZE)

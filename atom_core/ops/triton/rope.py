@@ -43,17 +43,11 @@ def _rotate_heads(x_ptr, stride_t, stride_h, num_heads, tokens, t_mask, cos, sin
 
 
 @triton.jit
-def _apply_rope_kernel(
-    q_ptr, k_ptr, pos_ptr, cache_ptr,
-    num_tokens, num_q_heads, num_k_heads, num_positions,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_pos, stride_cache,
-    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, IS_NEOX: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    wait_for_inputs(PDL)
-    tokens = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_mask = tokens < num_tokens
+def _rope_tokens(q_ptr, k_ptr, pos_ptr, cache_ptr, tokens, t_mask, num_q_heads, num_k_heads, num_positions,
+                 stride_qt, stride_qh, stride_kt, stride_kh, stride_pos, stride_cache,
+                 HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+                 IS_NEOX: tl.constexpr):
+    """Rotate every q and k head of the tokens ``tokens`` (int64 [BLOCK_T]) by their positions, in place."""
     pos = tl.load(pos_ptr + tokens * stride_pos, mask=t_mask, other=0).to(tl.int64)
     # A position outside the table is not read (its rows rotate by cos = sin = 0) rather than
     # faulting; the public function documents positions in [0, P).
@@ -67,6 +61,22 @@ def _apply_rope_kernel(
                   HALF, BLOCK_HALF, BLOCK_HQ, IS_NEOX)
     _rotate_heads(k_ptr, stride_kt, stride_kh, num_k_heads, tokens, t_mask, cos, sin,
                   HALF, BLOCK_HALF, BLOCK_HK, IS_NEOX)
+
+
+@triton.jit
+def _apply_rope_kernel(
+    q_ptr, k_ptr, pos_ptr, cache_ptr,
+    num_tokens, num_q_heads, num_k_heads, num_positions,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_pos, stride_cache,
+    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, IS_NEOX: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    wait_for_inputs(PDL)
+    tokens = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    _rope_tokens(q_ptr, k_ptr, pos_ptr, cache_ptr, tokens, tokens < num_tokens, num_q_heads, num_k_heads,
+                 num_positions, stride_qt, stride_qh, stride_kt, stride_kh, stride_pos, stride_cache,
+                 HALF, BLOCK_HALF, BLOCK_HQ, BLOCK_HK, IS_NEOX)
 
 
 @functools.lru_cache(maxsize=LAUNCH_CACHE_SIZE)
