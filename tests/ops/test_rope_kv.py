@@ -3,13 +3,19 @@ against the twin and against the two Triton launches it replaces (bit for bit), 
 fused qkv buffer, partial rotary dims, both pairings, fp8 caches and padding slots. (The Llama parity tests
 check that the attention layer runs it, on Triton, against HF.)"""
 
+import importlib
+
 import pytest
 import torch
 
 from atom_core import ops
+from atom_core.ops import rope_kv
 from atom_core.ops.reference.kv_cache import FP8_DTYPE
 from atom_core.ops.tolerances import ELEMENTWISE, FP8_KV, tolerance
+from tests.ops import fake_aiter
 from tests.ops.conftest import DEVICE, DTYPES, needs_triton
+from tests.ops.test_kv_cache import _aiter_reshape_and_cache_flash
+from tests.ops.test_rope import _aiter_rope_semantics
 
 SENTINEL = 448.0  # randn data never reaches it; every cache dtype holds it exactly (fp8 e4m3: its largest value)
 
@@ -54,12 +60,14 @@ SHAPES = [  # (T, Hq, Hk, D, R, is_neox)
 ]
 
 
+# every shape, input dtype and cache dtype (the input's, or fp8)
+GRID = pytest.mark.parametrize("shape, dtype, cache_dtype", [(shape, dtype, cache) for shape in SHAPES
+                                                             for dtype in DTYPES for cache in (dtype, FP8_DTYPE)])
+
+
 @needs_triton
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("fp8_cache", [False, True])
-def test_triton_gives_the_bits_of_triton_rope_then_triton_store(shape, dtype, fp8_cache):
-    cache_dtype = FP8_DTYPE if fp8_cache else dtype
+@GRID
+def test_triton_gives_the_bits_of_triton_rope_then_triton_store(shape, dtype, cache_dtype):
     fused = _run(True, "triton", *shape, dtype, cache_dtype)
     apart = _run(False, "triton", *shape, dtype, cache_dtype)
     for got, want in zip(fused, apart):
@@ -67,17 +75,14 @@ def test_triton_gives_the_bits_of_triton_rope_then_triton_store(shape, dtype, fp
 
 
 @needs_triton
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("fp8_cache", [False, True])
-def test_triton_matches_the_twin(shape, dtype, fp8_cache):
-    cache_dtype = FP8_DTYPE if fp8_cache else dtype
+@GRID
+def test_triton_matches_the_twin(shape, dtype, cache_dtype):
     got = _run(True, "triton", *shape, dtype, cache_dtype)
     want = _run(True, "torch", *shape, dtype, cache_dtype)
     for name, g, w in zip(("q", "k", "k_cache", "v_cache"), got, want):
         # fp8 caches: one e4m3 step (2**-3 relative), as the rotation's last-bit differences from the twin can
         # move a value across a rounding boundary of the cache's grid
-        tol = dict(atol=2 * FP8_KV[0], rtol=2.0**-3) if fp8_cache and name.endswith("cache") \
+        tol = dict(atol=2 * FP8_KV[0], rtol=2.0**-3) if cache_dtype == FP8_DTYPE and name.endswith("cache") \
             else tolerance(dtype, ELEMENTWISE)
         torch.testing.assert_close(g.float(), w.float(), **tol, msg=name)
 
@@ -111,3 +116,23 @@ def test_debug_mode_names_a_cos_sin_cache_wider_than_the_head():
     with ops.debug_checks(), pytest.raises(ValueError, match="cos_sin_cache"):
         ops.rope_store_kv_(q, k, v, positions, too_wide, k_cache, v_cache, slots)
 
+
+
+def test_aiter_backend_runs_the_rope_adapter_then_the_store_adapter_like_the_twin(monkeypatch):
+    """Against stand-ins of AITER's rope and reshape_and_cache_flash with their documented semantics."""
+    fake = fake_aiter.install(monkeypatch, {"rope_cached_positions_2c_fwd_inplace": _aiter_rope_semantics,
+                                            "reshape_and_cache_flash": _aiter_reshape_and_cache_flash})
+    for name in ("atom_core.ops.aiter.rope", "atom_core.ops.aiter.kv_cache"):
+        importlib.import_module(name)  # fresh: bound to this fake
+    def run(fn):
+        _, q, k, v, positions, cos_sin, caches, slots, _ = _inputs(5, 4, 2, 32, 16, torch.bfloat16, torch.bfloat16)
+        q, k, v, positions, cos_sin, slots = (t.cpu() for t in (q, k, v, positions, cos_sin, slots))
+        caches = [c.cpu() for c in caches]
+        fn(q, k, v, positions, cos_sin, *caches, slots, True, None, None)
+        return q, k, *caches
+
+    got = run(rope_kv._aiter_rope_store_kv)
+    want = run(rope_kv._torch_rope_store_kv)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **tolerance(torch.bfloat16, ELEMENTWISE))
+    assert [name for name, _ in fake.calls] == ["rope_cached_positions_2c_fwd_inplace", "reshape_and_cache_flash"]
