@@ -22,6 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from atom_core.cache import BlockManager
+from atom_core.engine.device import check_device
 from atom_core.engine.distributed import WARMUP, StepChannel, WorkerFailedError, control_group_for
 from atom_core.engine.generation_config import read_generation_config
 from atom_core.engine.kv_pool import plan_pool
@@ -48,22 +49,6 @@ logger = logging.getLogger(__name__)
 
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "demo_model"
 CPU_MAX_MODEL_LEN = 4096  # on CPU, max_model_len defaults to no more than this (a CPU is slow past it anyway)
-
-
-def check_device(device) -> torch.device:
-    """``device`` as a torch.device, refused by name when this machine cannot use it. ``"cuda"`` without an
-    index becomes this thread's current device (``cuda:N``): the engine's other threads (``AsyncEngine``'s
-    step thread) start on device 0 and must be told which one the engine's tensors live on."""
-    device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {str(device)!r}: this machine has no usable CUDA (torch {torch.__version__}, "
-                         f"built {'with' if torch.version.cuda or torch.version.hip else 'without'} GPU support); "
-                         f"use device='cpu'")
-    if device.type not in ("cuda", "cpu"):
-        raise ValueError(f"device {str(device)!r}: the engine runs on 'cuda' or 'cpu'")
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 class Engine:
