@@ -20,6 +20,12 @@ no twin baselines (the twin's [Hq, T, T] logits would take 34 GB); benchmarks/at
 sweeps the kernel's tile configs on long prefills.
 
     python -m benchmarks.ops_attention [--device cuda] [--json out.json] [--smoke]
+        [--kv-heads 4] [--fp8-pool] [--decode-only] [--decode 256x1024 64x4096]
+
+``--fp8-pool`` adds, after each decode row, the same problem over an fp8 (e4m3) pool holding K / 0.5 and
+V / 0.25 (as ``store_kv_`` writes it, with those scales), timed in the same run: its bytes count one byte a
+cached element, and ``x_bf16_pool`` is the bf16 pool's time over the fp8 pool's. ``--kv-heads`` sets Hk
+(4: Qwen3-30B-A3B's heads); ``--decode`` replaces the decode grid (BATCHxCONTEXT).
 
 ``--smoke`` runs tiny sizes without torch.compile so the script can be checked on a CPU, where the
 Triton kernels run in the interpreter.
@@ -137,6 +143,25 @@ def _decode_row(rows, context, sizes, device, smoke, timed, copy_gbs, twin_basel
     }
 
 
+def _fp8_pool_row(rows, context, sizes, device, timed, copy_gbs, bf16_row):
+    """The decode row's problem over an fp8 pool (K / 0.5, V / 0.25 in e4m3, the scales passed)."""
+    from atom_core.ops.attention import paged_attention
+
+    p = make_problem(rows, 1, context, sizes, device)
+    k_scale, v_scale = (torch.tensor([s], device=device) for s in (0.5, 0.25))
+    p.k_cache = (p.k_cache.float() / k_scale).to(torch.float8_e4m3fn)
+    p.v_cache = (p.v_cache.float() / v_scale).to(torch.float8_e4m3fn)
+    scale = sizes["head_dim"] ** -0.5
+    out = torch.empty_like(p.q)
+    ms = timed(lambda: paged_attention(*p.args(), scale=scale, k_scale=k_scale, v_scale=v_scale, out=out,
+                                       backend=bf16_row["backend"]))
+    nbytes = 2 * rows * context * sizes["kv_heads"] * sizes["head_dim"] + 2 * p.q.numel() * p.q.element_size()
+    gbs = nbytes / (ms * 1e-3) / 1e9
+    return {**{k: bf16_row[k] for k in ("batch", "context", "backend", "path", "splits")},
+            "case": "decode (fp8 pool)", "ms": ms, "GB/s": gbs, "%copy": 100 * gbs / copy_gbs,
+            "bf16_pool_ms": bf16_row["ms"], "x_bf16_pool": ratio(bf16_row["ms"], ms)}
+
+
 def _flash_backend(device):
     if not str(device).startswith("cuda"):
         return contextlib.nullcontext()
@@ -181,20 +206,28 @@ def _prefill_row(rows, length, sizes, device, smoke, timed, copy_gbs, twin_basel
     }
 
 
-def run(device: str = "cuda", smoke: bool = False, twin_baselines: bool = True) -> list[dict]:
+def run(device: str = "cuda", smoke: bool = False, twin_baselines: bool = True, kv_heads: int | None = None,
+        fp8_pool: bool = False, decode_only: bool = False, decode: list[tuple[int, int]] | None = None) -> list[dict]:
     """One row per case. Times in ms; bandwidth in GB/s (1e9 bytes/s); TFLOP/s = 1e12 flop/s."""
     from benchmarks.common import copy_bandwidth_gbs
 
-    sizes = SMOKE if smoke else FULL
+    sizes = dict(SMOKE if smoke else FULL)
+    if kv_heads:
+        sizes["kv_heads"] = kv_heads
+    if decode:
+        sizes["decode"] = decode
     timed = adaptive_timer(device, smoke)
     copy_gbs = copy_bandwidth_gbs(device, nbytes=1 << 20 if smoke else 2 << 30)
     rows = []
     for batch, context in sizes["decode"]:
         rows.append(_decode_row(batch, context, sizes, device, smoke, timed, copy_gbs, twin_baselines))
         print(rows[-1], flush=True)
+        if fp8_pool:
+            rows.append(_fp8_pool_row(batch, context, sizes, device, timed, copy_gbs, rows[-1]))
+            print(rows[-1], flush=True)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    for batch, length in sizes["prefill"]:
+    for batch, length in [] if decode_only else sizes["prefill"]:
         rows.append(_prefill_row(batch, length, sizes, device, smoke, timed, copy_gbs,
                                  twin_baselines and batch * length <= TWIN_MAX_PREFILL_TOKENS))
         print(rows[-1], flush=True)
@@ -202,15 +235,25 @@ def run(device: str = "cuda", smoke: bool = False, twin_baselines: bool = True) 
 
 
 COLUMNS = ["case", "batch", "context", "backend", "path", "splits", "ms", "GB/s", "%copy", "TFLOP/s", "x_sdpa",
-           "x_sdpa+gather", "sdpa_TFLOP/s", "x_twin", "x_compile"]
+           "x_sdpa+gather", "sdpa_TFLOP/s", "x_twin", "x_compile", "x_bf16_pool"]
+
+
+def _flags(parser) -> None:
+    parser.add_argument("--sdpa-only", action="store_true",
+                        help="baselines: SDPA only (skip the slow twin and its torch.compile)")
+    parser.add_argument("--kv-heads", type=int, help="kv heads (default 8; Qwen3-30B-A3B has 4)")
+    parser.add_argument("--fp8-pool", action="store_true", help="each decode row again over an fp8 pool")
+    parser.add_argument("--decode-only", action="store_true", help="no prefill rows")
+    parser.add_argument("--decode", nargs="+", metavar="BATCHxCONTEXT", help="decode cases, e.g. 256x1024")
 
 
 def main() -> None:
     from benchmarks.common import op_bench_args, report
 
-    args = op_bench_args(__doc__.splitlines()[0], lambda p: p.add_argument("--sdpa-only", action="store_true",
-                                    help="baselines: SDPA only (skip the slow twin and its torch.compile)"))
-    report(run(args.device, smoke=args.smoke, twin_baselines=not args.sdpa_only), COLUMNS, args.json)
+    args = op_bench_args(__doc__.splitlines()[0], _flags)
+    decode = [tuple(int(n) for n in case.split("x")) for case in args.decode] if args.decode else None
+    report(run(args.device, smoke=args.smoke, twin_baselines=not args.sdpa_only, kv_heads=args.kv_heads,
+               fp8_pool=args.fp8_pool, decode_only=args.decode_only, decode=decode), COLUMNS, args.json)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,20 @@ from tests.ops.conftest import DEVICE, needs_gpu, needs_triton
 FP8 = torch.float8_e4m3fn
 SCALE = 0.3
 
+try:
+    import triton
+    import triton.language as tl
+
+    from atom_core.ops.triton.attention_unified import fp16_scales
+
+    @triton.jit
+    def _fp16_scales_kernel(amax_ptr, up_ptr, down_ptr):
+        up, down = fp16_scales(tl.load(amax_ptr))
+        tl.store(up_ptr, up)
+        tl.store(down_ptr, down)
+except ImportError:  # no Triton: the tests that launch it are skipped
+    _fp16_scales_kernel = None
+
 
 class PagedBatch:
     """A step's queries, a pool holding every row's context (NaN in slots no row owns) and its layout."""
@@ -190,6 +204,7 @@ FEATURES = {
     "softcap": dict(features=dict(logit_softcap=2.0)),
     "sinks": dict(features="sinks"),
     "fp8_cache": dict(fp8=True),
+    "bf16_fp8_cache": dict(dtype=torch.bfloat16, fp8=True),  # fp16 dots (attention_unified.fp16_queries)
     "head_dim_80_padded": dict(head_dim=80),
     "bf16": dict(dtype=torch.bfloat16),
     "fp16_head_dim_64": dict(dtype=torch.float16, head_dim=64),
@@ -338,6 +353,35 @@ def test_unified_full_and_edge_tiles_low_precision(dtype, fp8):
     # fp8 -> fp16 is exact and the twin dequantises exactly too: q's dtype sets the tolerance.
     torch.testing.assert_close(unified(batch, (16, 16, 4, 1), sliding_window=TILE_WINDOW),
                                batch.twin(sliding_window=TILE_WINDOW), **tolerance(dtype, ATTENTION))
+
+
+@needs_triton
+@pytest.mark.parametrize("magnitude", [2.0 ** -30, 1.0, 2.0 ** 17])
+@pytest.mark.parametrize("scenario", ["decode", "chunked_prefill_on_prefix"])
+def test_bf16_queries_over_an_fp8_pool_match_the_twin_at_any_magnitude(scenario, magnitude):
+    # q times a power of two, the softmax scale over it: the same logits. The kernels' fp16 dots scale q into
+    # fp16's range first; unscaled, q would overflow fp16 (65504) at 2**17, and flush to 0 at 2**-30.
+    query_lens, cached_lens, block_size = SCENARIOS[scenario]
+    batch = PagedBatch(query_lens, cached_lens, block_size=block_size, dtype=torch.bfloat16, fp8=True, seed=41)
+    batch.q = batch.q * magnitude
+    kwargs = dict(batch.kwargs(), scale=SCALE / magnitude)
+    got = paged_attention(*batch.args(), backend="triton", **kwargs)
+    torch.testing.assert_close(got, twin.paged_attention(*batch.args(), **kwargs),
+                               **tolerance(torch.bfloat16, ATTENTION))
+
+
+@needs_triton
+@settings(max_examples=60, deadline=None)
+@given(exponent=st.integers(-149, 127), mantissa=st.floats(1.0, 2.0, exclude_max=True))
+def test_fp16_scales_put_a_tile_maximum_in_fp16_range_by_an_exact_power_of_two(exponent, mantissa):
+    amax = torch.tensor([mantissa * 2.0 ** exponent], dtype=torch.float32, device=DEVICE)
+    up, down = torch.zeros_like(amax), torch.zeros_like(amax)
+    _fp16_scales_kernel[(1,)](amax, up, down)
+    assert float(up) * float(down) == 1.0 and math.frexp(float(up))[0] == 0.5  # 2**e and 2**-e
+    scaled = float(amax) * float(up)
+    assert scaled < 2.0 ** 15  # fp16 holds it
+    if float(amax) >= 2.0 ** -112:
+        assert scaled >= 2.0 ** 14  # and keeps every bit bf16 had
 
 
 # ---------------------------------------------------------------- dispatch, validation, custom op

@@ -428,12 +428,14 @@ def shuffled_selection(batch: DSABatch, topk: int, seed: int) -> tuple[torch.Ten
 
 @needs_triton
 @pytest.mark.parametrize("num_splits, heads", [(1, 3), (2, 20), (3, 3)])   # 20 heads: blocks of 16 and of 4
-@pytest.mark.parametrize("fp8", [False, True])
-def test_triton_sparse_attention_equals_the_twin_with_shuffled_entries_and_several_splits(num_splits, heads, fp8):
+@pytest.mark.parametrize("fp8, dtype", [(False, torch.float32), (True, torch.float32), (True, torch.bfloat16)],
+                         ids=["fp32", "fp32_fp8_pool", "bf16_fp8_pool"])  # bf16 over fp8: the fp16 dots
+def test_triton_sparse_attention_equals_the_twin_with_shuffled_entries_and_several_splits(num_splits, heads, fp8,
+                                                                                         dtype):
     from atom_core.ops.triton import dsa_sparse
 
     batch = on_device(DSABatch([1, 3, 1, 2], [30, 6, 0, 11], block_size=4, heads=heads, seed=22, fp8=fp8,
-                               pad_rows_to=5))
+                               dtype=dtype, pad_rows_to=5))
     indices, _ = shuffled_selection(batch, 9, seed=22)
     indices = indices.to(DEVICE)
     want = twin.mla_sparse_attention(*batch.args()[:5], indices, *batch.args()[5:], scale=batch.scale,
@@ -441,10 +443,11 @@ def test_triton_sparse_attention_equals_the_twin_with_shuffled_entries_and_sever
     got = torch.full_like(want, SENTINEL)
     dsa_sparse.mla_sparse_attention(*batch.args()[:5], indices, *batch.args()[5:], batch.scale, batch.kv_scale, got,
                                     num_splits=num_splits)
-    torch.testing.assert_close(got.cpu(), want.cpu(), **FP32_TOL)
+    tol = tolerance(dtype, ATTENTION)
+    torch.testing.assert_close(got.cpu(), want.cpu(), **tol)
     strict = ops.mla_sparse_attention(*batch.args()[:5], indices, *batch.args()[5:], scale=batch.scale,
                                       kv_scale=batch.kv_scale, backend="triton")
-    torch.testing.assert_close(strict.cpu(), want.cpu(), **FP32_TOL)
+    torch.testing.assert_close(strict.cpu(), want.cpu(), **tol)
 
 
 @needs_triton

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from atom_core.ops.dispatch import triton_interpret
-from atom_core.ops.triton.attention_unified import attend_key_range, dot_options
+from atom_core.ops.triton.attention_unified import attend_key_range, dot_options, fp16_dots, fp16_queries
 from atom_core.ops.triton.dependent_launch import launch_kwargs, wait_for_inputs
 from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2, num_sms
 from atom_core.ops.triton.quant import TL_AMAX_FLOOR, TL_FP8_MAX, per_head_quant, quantize_groups
@@ -52,7 +52,7 @@ def _decode_split_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     HAS_K_SCALE: tl.constexpr, HAS_V_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    PDL: tl.constexpr,
+    FP16_DOTS: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
     row = tl.program_id(0)
@@ -86,6 +86,9 @@ def _decode_split_kernel(
     qk_scale = scale
     if HAS_K_SCALE:
         qk_scale = qk_scale * tl.load(k_scale_ptr)
+    if FP16_DOTS:
+        q, q_unscale = fp16_queries(q)
+        qk_scale = qk_scale * q_unscale
     if HAS_SINKS and NUM_SPLITS == 1:
         # One split: start the softmax state at the sink, the extra logit of the denominator.
         m_i = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
@@ -238,8 +241,8 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, cu_seqlens_q, cont
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         num_heads, float(scale), float(logit_softcap), int(sliding_window or 0), NUM_SPLITS=num_splits,
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_softcap > 0, HAS_SINKS=sinks is not None,
-        HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None, **constexprs, **options,
-        **launch_kwargs(q, num_tokens),
+        HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None, FP16_DOTS=fp16_dots(q.dtype, k_cache.dtype),
+        **constexprs, **options, **launch_kwargs(q, num_tokens),
     )
     if num_splits == 1:
         if out_scale is not None:

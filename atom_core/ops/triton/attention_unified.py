@@ -44,6 +44,33 @@ def _tanh(x):
 
 
 @triton.jit
+def fp16_scales(amax):
+    """(2**e, 2**-e) for the power of two 2**e that puts ``amax`` in [2**14, 2**15) (fp16's largest is 65504)."""
+    exponent = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2(amax)); -127 for 0
+    e = tl.minimum(tl.maximum(14 - exponent, -113), 126)
+    return ((e + 127) << 23).to(tl.float32, bitcast=True), ((127 - e) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def tile_amax(x):
+    """max |x| over a 2D tile, fp32."""
+    return tl.max(tl.max(tl.abs(x.to(tl.float32)), axis=1), axis=0)
+
+
+@triton.jit
+def fp16_queries(q):
+    """q [M, D] (bf16) as fp16 times 2**e, and 2**-e (``fp16_scales`` of max |q|).
+
+    Over an fp8 pool the dots run in fp16: e4m3 widens to fp16 in one instruction a pair (to bf16 it takes
+    three). Nothing is rounded: a power of two scales exactly, and fp16 holds bf16's 8 significant bits over
+    the 2**28 range below the tile's largest value; fp8 values are exact in fp16, and p in [0, 1] keeps 11
+    bits instead of 8. The caller folds 2**-e into the logits' scale.
+    """
+    up, down = fp16_scales(tile_amax(q))
+    return (q.to(tl.float32) * up).to(tl.float16), down
+
+
+@triton.jit
 def _tile_rows(block_table_ptr, start, kv_end, kv_head,
                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr):
@@ -223,6 +250,7 @@ def _unified_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     HAS_K_SCALE: tl.constexpr, HAS_V_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    FP16_DOTS: tl.constexpr,
 ):
     # Program p: kv head p % Hk of query block (num_q_blocks - 1 - p // Hk), the last blocks first.
     pid = tl.program_id(0)
@@ -261,6 +289,9 @@ def _unified_attention_kernel(
     qk_scale = scale
     if HAS_K_SCALE:
         qk_scale = qk_scale * tl.load(k_scale_ptr)
+    if FP16_DOTS:
+        q, q_unscale = fp16_queries(q)
+        qk_scale = qk_scale * q_unscale
     if HAS_SINKS:
         # The sink is one more logit in the denominator: start the softmax state at it.
         m_i = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
@@ -301,6 +332,11 @@ def dot_options(dtype: torch.dtype, interpret: bool) -> dict:
     """
     return dict(DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
                 DOT_UPCAST=interpret and dtype == torch.bfloat16)
+
+
+def fp16_dots(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether bf16 queries over a pool of ``cache_dtype`` take fp16 dots (``fp16_queries``): fp8 pools."""
+    return q_dtype == torch.bfloat16 and cache_dtype.itemsize == 1
 
 
 class TileConfig(NamedTuple):
@@ -378,5 +414,6 @@ def paged_attention_unified(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         float(scale), float(logit_softcap), int(sliding_window or 0),
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_softcap > 0, HAS_SINKS=sinks is not None,
-        HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None, **constexprs, **options,
+        HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None,
+        FP16_DOTS=fp16_dots(q.dtype, k_cache.dtype), **constexprs, **options,
     )
