@@ -429,7 +429,7 @@ def shuffled_selection(batch: DSABatch, topk: int, seed: int) -> tuple[torch.Ten
 @needs_triton
 @pytest.mark.parametrize("num_splits, heads", [(1, 3), (2, 20), (3, 3)])   # 20 heads: blocks of 16 and of 4
 @pytest.mark.parametrize("fp8, dtype", [(False, torch.float32), (True, torch.float32), (True, torch.bfloat16)],
-                         ids=["fp32", "fp32_fp8_pool", "bf16_fp8_pool"])  # bf16 over fp8: the fp16 dots
+                         ids=["fp32", "fp32_fp8_pool", "bf16_fp8_pool"])
 def test_triton_sparse_attention_equals_the_twin_with_shuffled_entries_and_several_splits(num_splits, heads, fp8,
                                                                                          dtype):
     from atom_core.ops.triton import dsa_sparse

@@ -307,9 +307,7 @@ def test_triton_decode_with_several_splits_equals_the_twin_including_empty_split
 @needs_triton
 @pytest.mark.parametrize("magnitude", [2.0 ** -30, 1.0, 2.0 ** 17])
 def test_triton_bf16_queries_over_an_fp8_pool_equal_the_twin_at_any_magnitude(magnitude):
-    # q times a power of two, the softmax scale over it: the same logits. The absorbed kernel's fp16 dots scale
-    # q_lat and q_pe by one power of two into fp16's range; unscaled, they would overflow fp16 (65504) at 2**17,
-    # and flush to 0 at 2**-30.
+    # q times a power of two, the softmax scale over it: the same logits, whatever range the kernel's dots take.
     batch = MLABatch([1, 1, 3], [30, 0, 9], block_size=4, heads=20, seed=13, dtype=torch.bfloat16, fp8=True,
                      pad_rows_to=4)
     batch.q_nope, batch.q_pe = batch.q_nope * magnitude, batch.q_pe * magnitude

@@ -30,11 +30,11 @@ import triton
 import triton.language as tl
 
 from atom_core.ops.dispatch import triton_interpret
-from atom_core.ops.triton.attention_unified import dot_options, fp16_dots
+from atom_core.ops.triton.attention_unified import dot_options
 from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv
 from atom_core.ops.triton.mla_decode import (MLAConfig, absorb_queries, choose_splits, default_config,
-                                             expand_outputs, fold_latent_tile, fp16_latent_queries, latent_pads,
-                                             launch_reduce, partials, row_of_token, write_latent_output)
+                                             expand_outputs, fold_latent_tile, latent_pads, launch_reduce, partials,
+                                             row_of_token, write_latent_output)
 
 
 @triton.jit
@@ -48,7 +48,6 @@ def _mla_sparse_kernel(
     LATENT: tl.constexpr, LATENT_PAD: tl.constexpr, ROPE: tl.constexpr, ROPE_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, HAS_KV_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    FP16_DOTS: tl.constexpr,
 ):
     # Axis 0 is (token, head block), head block fastest (axes 1 and 2 are capped at 65535 on CUDA).
     head_block = tl.program_id(0) % num_head_blocks
@@ -74,9 +73,6 @@ def _mla_sparse_kernel(
     qk_scale_log2 = scale * 1.4426950408889634
     if HAS_KV_SCALE:
         qk_scale_log2 = qk_scale_log2 * tl.load(kv_scale_ptr)
-    if FP16_DOTS:
-        q_lat, q_pe, q_unscale = fp16_latent_queries(q_lat, q_pe)
-        qk_scale_log2 = qk_scale_log2 * q_unscale
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, LATENT_PAD], tl.float32)
@@ -147,8 +143,7 @@ def mla_sparse_attention(q_nope, q_pe, mla_cache, w_uk, w_uv, topk_indices, bloc
         q_lat.stride(1), q_lat.stride(0), q_pe.stride(0), q_pe.stride(1), o_lat.stride(1), o_lat.stride(0),
         topk_indices.stride(0), topk_indices.stride(1), mla_cache.stride(0), mla_cache.stride(1),
         block_tables.stride(0),
-        float(scale), NUM_SPLITS=num_splits, HAS_KV_SCALE=kv_scale is not None,
-        FP16_DOTS=fp16_dots(q_nope.dtype, mla_cache.dtype), **constexprs, **options,
+        float(scale), NUM_SPLITS=num_splits, HAS_KV_SCALE=kv_scale is not None, **constexprs, **options,
     )
     if num_splits > 1:
         launch_reduce(o_lat, part_out, part_max, part_sum, kv_scale, num_splits)

@@ -40,7 +40,7 @@ import triton.language as tl
 from atom_core.ops.dispatch import triton_interpret
 from atom_core.ops.triton.attention_decode import (MAX_SPLITS, MIN_KEYS_PER_SPLIT, TL_DTYPES, _decode_reduce_kernel,
                                                   choose_num_splits)
-from atom_core.ops.triton.attention_unified import _is_sm90, _tile_rows, dot_options, fp16_dots, fp16_scales, tile_amax
+from atom_core.ops.triton.attention_unified import _is_sm90, _tile_rows, dot_options
 from atom_core.ops.triton.dependent_launch import launch_kwargs
 from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2, num_sms
 
@@ -107,14 +107,6 @@ def fold_latent_tile(
 
 
 @triton.jit
-def fp16_latent_queries(q_lat, q_pe):
-    """(q_lat, q_pe) as fp16 times one power of two 2**e, and 2**-e: ``attention_unified.fp16_queries`` for the
-    two parts of one logit (their dots add up, so they share the scale)."""
-    up, down = fp16_scales(tl.maximum(tile_amax(q_lat), tile_amax(q_pe)))
-    return (q_lat.to(tl.float32) * up).to(tl.float16), (q_pe.to(tl.float32) * up).to(tl.float16), down
-
-
-@triton.jit
 def write_latent_output(acc, m_i, l_i, t, head, row_ok, o_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
                         kv_scale_ptr, split, num_heads, stride_ot, stride_oh,
                         LATENT: tl.constexpr, LATENT_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
@@ -159,7 +151,7 @@ def _mla_attention_kernel(
     LATENT: tl.constexpr, LATENT_PAD: tl.constexpr, ROPE: tl.constexpr, ROPE_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, ROW_PER_BLOCK: tl.constexpr,
-    HAS_KV_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, FP16_DOTS: tl.constexpr,
+    HAS_KV_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
     # Axis 0 is (query block, head block), head block fastest (axes 1 and 2 are capped at 65535 on CUDA).
     head_block = tl.program_id(0) % num_head_blocks
@@ -201,9 +193,6 @@ def _mla_attention_kernel(
     qk_scale_log2 = scale * 1.4426950408889634
     if HAS_KV_SCALE:
         qk_scale_log2 = qk_scale_log2 * tl.load(kv_scale_ptr)
-    if FP16_DOTS:
-        q_lat, q_pe, q_unscale = fp16_latent_queries(q_lat, q_pe)
-        qk_scale_log2 = qk_scale_log2 * q_unscale
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, LATENT_PAD], tl.float32)
@@ -377,8 +366,7 @@ def mla_decode_attention(q_nope, q_pe, mla_cache, w_uk, w_uv, block_tables, cu_s
         num_rows, num_heads, num_head_blocks, num_q_blocks,
         q_lat.stride(1), q_lat.stride(0), q_pe.stride(0), q_pe.stride(1), o_lat.stride(1), o_lat.stride(0),
         mla_cache.stride(0), mla_cache.stride(1), block_tables.stride(0),
-        float(scale), NUM_SPLITS=num_splits, HAS_KV_SCALE=kv_scale is not None,
-        FP16_DOTS=fp16_dots(q_nope.dtype, mla_cache.dtype), **constexprs, **options,
+        float(scale), NUM_SPLITS=num_splits, HAS_KV_SCALE=kv_scale is not None, **constexprs, **options,
     )
     if num_splits > 1:
         launch_reduce(o_lat, part_out, part_max, part_sum, kv_scale, num_splits)
