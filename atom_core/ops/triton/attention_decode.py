@@ -178,29 +178,35 @@ def choose_num_splits(num_rows: int, num_kv_heads: int, max_seqlen_k: int, devic
     return max(1, min(wanted, useful, MAX_SPLITS))
 
 
-def _decode_config(head_dim_pad: int, dtype: torch.dtype, block_m: int, interpret: bool) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) for the split kernel.
+def _decode_config(head_dim_pad: int, dtype: torch.dtype, block_m: int, interpret: bool,
+                   cache_itemsize: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) for the split kernel (``cache_itemsize``: bytes a pool element).
 
     Chosen from sm90 builds: no register spills, several programs resident per SM; q tiles
-    larger than 64 x 128 (many q heads per kv head, or multi-token decode) need 8 warps.
+    larger than 64 x 128 (many q heads per kv head, or multi-token decode) need 8 warps. An fp8 pool's
+    tile holds half the bytes, so it keeps five tiles in flight instead of three: on an H200
+    (Hq 32, D 128, 16-row q tiles) 0.093 against 0.115 ms at 256 rows x 1k context and Hk 4, 0.191 against
+    0.262 at 64 x 4k and Hk 8, and as fast at one row (the bf16 pool is already at copy bandwidth with
+    three, and slower with five; benchmarks/results/h200_ops_attention_decode_fp8_sweep.json).
     """
     if interpret:
         return 16, 4, 1
     if dtype == torch.float32:
         return (16, 4, 2) if head_dim_pad <= 128 and block_m <= 16 else (16, 8, 1)
     warps = 4 if block_m * head_dim_pad <= 64 * 128 else 8
-    return (64 if head_dim_pad <= 128 else 32), warps, 3
+    stages = 5 if cache_itemsize == 1 and warps == 4 else 3
+    return (64 if head_dim_pad <= 128 else 32), warps, stages
 
 
 @functools.lru_cache(maxsize=LAUNCH_CACHE_SIZE)
 def _launch_params(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, max_seqlen_q: int,
-                   dtype: torch.dtype, interpret: bool) -> tuple[dict, dict]:
+                   dtype: torch.dtype, interpret: bool, cache_itemsize: int) -> tuple[dict, dict]:
     """(constexprs, launch options) of the split kernel for one shape signature; cached, so a call
     does int math only."""
     group = num_heads // num_kv_heads
     head_dim_pad = max(next_power_of_2(head_dim), 16)
     block_m = max(16, next_power_of_2(max_seqlen_q * group))
-    block_n, warps, stages = _decode_config(head_dim_pad, dtype, block_m, interpret)
+    block_n, warps, stages = _decode_config(head_dim_pad, dtype, block_m, interpret, cache_itemsize)
     constexprs = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, GROUP=group, MAX_QLEN=max_seqlen_q,
                       BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page_size, **dot_options(dtype, interpret))
     return constexprs, dict(num_warps=warps, num_stages=stages)
@@ -222,7 +228,7 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, cu_seqlens_q, cont
         return
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     constexprs, options = _launch_params(num_heads, num_kv_heads, head_dim, page_size, max_seqlen_q, q.dtype,
-                                         triton_interpret())
+                                         triton_interpret(), k_cache.element_size())
     if num_splits is None:
         num_splits = choose_num_splits(num_rows, num_kv_heads, max_seqlen_k, q.device)
     if num_splits > 1:
