@@ -38,6 +38,11 @@ PROGRAMS_PER_SM = 2
 # A split shorter than this many keys costs more in partial writes than it gains.
 MIN_KEYS_PER_SPLIT = 128
 MAX_SPLITS = 64
+# fp8 pools: from this many (row, kv head) programs, 2 warps a program instead of 4 (more of them resident).
+# On an H200 (Hq 32, D 128): 2 warps 21-29% faster from 256 programs (64 rows x Hk 4 at 768 keys: 0.024
+# against 0.031 ms; 32 x Hk 8 at 512: 0.016 against 0.023), 3-9% slower at 32-128
+# (benchmarks/results/h200_ops_attention_decode_fp8_warps.json).
+FP8_TWO_WARPS_FROM = 256
 TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}  # q's, for stores
 
 
@@ -179,8 +184,9 @@ def choose_num_splits(num_rows: int, num_kv_heads: int, max_seqlen_k: int, devic
 
 
 def _decode_config(head_dim_pad: int, dtype: torch.dtype, block_m: int, interpret: bool,
-                   cache_itemsize: int) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) for the split kernel (``cache_itemsize``: bytes a pool element).
+                   cache_itemsize: int, many_programs: bool) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) for the split kernel (``cache_itemsize``: bytes a pool element;
+    ``many_programs``: at least ``FP8_TWO_WARPS_FROM`` (row, kv head) programs).
 
     Chosen from sm90 builds: no register spills, several programs resident per SM; q tiles
     larger than 64 x 128 (many q heads per kv head, or multi-token decode) need 8 warps. An fp8 pool's
@@ -194,19 +200,24 @@ def _decode_config(head_dim_pad: int, dtype: torch.dtype, block_m: int, interpre
     if dtype == torch.float32:
         return (16, 4, 2) if head_dim_pad <= 128 and block_m <= 16 else (16, 8, 1)
     warps = 4 if block_m * head_dim_pad <= 64 * 128 else 8
-    stages = 5 if cache_itemsize == 1 and warps == 4 else 3
+    stages = 3
+    if cache_itemsize == 1 and warps == 4:
+        stages = 5
+        if many_programs:
+            warps = 2
     return (64 if head_dim_pad <= 128 else 32), warps, stages
 
 
 @functools.lru_cache(maxsize=LAUNCH_CACHE_SIZE)
 def _launch_params(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, max_seqlen_q: int,
-                   dtype: torch.dtype, interpret: bool, cache_itemsize: int) -> tuple[dict, dict]:
+                   dtype: torch.dtype, interpret: bool, cache_itemsize: int,
+                   many_programs: bool = False) -> tuple[dict, dict]:
     """(constexprs, launch options) of the split kernel for one shape signature; cached, so a call
     does int math only."""
     group = num_heads // num_kv_heads
     head_dim_pad = max(next_power_of_2(head_dim), 16)
     block_m = max(16, next_power_of_2(max_seqlen_q * group))
-    block_n, warps, stages = _decode_config(head_dim_pad, dtype, block_m, interpret, cache_itemsize)
+    block_n, warps, stages = _decode_config(head_dim_pad, dtype, block_m, interpret, cache_itemsize, many_programs)
     constexprs = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, GROUP=group, MAX_QLEN=max_seqlen_q,
                       BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page_size, **dot_options(dtype, interpret))
     return constexprs, dict(num_warps=warps, num_stages=stages)
@@ -227,8 +238,10 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, cu_seqlens_q, cont
     if num_tokens == 0 or num_rows == 0:
         return
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
+    itemsize = k_cache.element_size()
     constexprs, options = _launch_params(num_heads, num_kv_heads, head_dim, page_size, max_seqlen_q, q.dtype,
-                                         triton_interpret(), k_cache.element_size())
+                                         triton_interpret(), itemsize,
+                                         itemsize == 1 and num_rows * num_kv_heads >= FP8_TWO_WARPS_FROM)
     if num_splits is None:
         num_splits = choose_num_splits(num_rows, num_kv_heads, max_seqlen_k, q.device)
     if num_splits > 1:
