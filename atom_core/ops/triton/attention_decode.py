@@ -211,7 +211,7 @@ def _decode_config(head_dim_pad: int, dtype: torch.dtype, block_m: int, interpre
 @functools.lru_cache(maxsize=LAUNCH_CACHE_SIZE)
 def _launch_params(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, max_seqlen_q: int,
                    dtype: torch.dtype, interpret: bool, cache_itemsize: int,
-                   many_programs: bool = False) -> tuple[dict, dict]:
+                   many_programs: bool) -> tuple[dict, dict]:
     """(constexprs, launch options) of the split kernel for one shape signature; cached, so a call
     does int math only."""
     group = num_heads // num_kv_heads

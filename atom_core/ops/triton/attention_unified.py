@@ -338,7 +338,8 @@ def fp16_dots(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
     """Whether bf16 queries over a pool of ``cache_dtype`` take fp16 dots (``fp16_queries``): fp8 pools.
 
     The GQA kernels only. On an H200 the split-K decode over an fp8 pool took 0.114 against 0.130 ms at
-    256 rows x 1k context (Qwen3-30B-A3B heads), 0.262 against 0.299 at 64 x 4k (Llama-3-8B heads); the MLA
+    256 rows x 1k context (Qwen3-30B-A3B heads), 0.262 against 0.299 at 64 x 4k (Llama-3-8B heads), the
+    unified kernel 0.262 against 0.318 at 4 rows x 512 tokens over 2k cached; the MLA
     kernels, whose [64, 512] q tile already takes every register, were slower with it (64 x 4k with DeepSeek-V3
     heads 0.491 against 0.438 ms) and keep bf16 dots."""
     return q_dtype == torch.bfloat16 and cache_dtype.itemsize == 1
