@@ -6,6 +6,7 @@
 #   selftest    python -m atom_core.ops.selftest, full grid, every backend here (writes no record)
 #   core        engine throughput (cold, then warm), latency, TTFT; attention and elementwise ops
 #   quant       FP8 GEMMs; Llama-3-8B fp8_block and GPT-OSS-20B MXFP4 decode; Qwen3-30B-A3B fp8 and the fp8 KV pool
+#               (engine and decode attention)
 #   fp8decode   the M = 1 FP8 GEMM launch sweep, fp8 experts at 1-8 tokens, dependent launch by token count,
 #               the bs-1 FP8 step's kernels
 #   deepseek    MLA / DSA ops; the DeepSeek-V2-Lite engine against HF
@@ -140,6 +141,10 @@ for part in $parts; do
             --quantization fp8 --hf-seqs 0 --json "$out/engine_throughput_30b_fp8.json"
         run engine_throughput_fp8_kv 150 benchmarks.engine --section throughput --kv-cache-dtype fp8 --hf-seqs 0 \
             --json "$out/engine_throughput_fp8_kv.json"
+        run engine_30b_fp8_fp8_kv 150 benchmarks.engine --section atom-core-runs --model qwen3-30b-a3b \
+            --quantization fp8 --kv-cache-dtype fp8 --json "$out/engine_30b_fp8_fp8_kv.json"
+        run ops_attention_fp8_pool 90 benchmarks.ops_attention --sdpa-only --decode-only --fp8-pool --kv-heads 4 \
+            --decode 256x1024 256x2048 64x4096 1x512 --json "$out/ops_attention_fp8_pool.json"
         ;;
     fp8decode)
         run ops_scaled_mm_sweep_m1 480 benchmarks.ops_scaled_mm_sweep --tokens 1 --json "$out/ops_scaled_mm_sweep_m1.json"
