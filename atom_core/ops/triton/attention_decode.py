@@ -219,7 +219,8 @@ def _launch_params(num_heads: int, num_kv_heads: int, head_dim: int, page_size: 
     block_m = max(16, next_power_of_2(max_seqlen_q * group))
     block_n, warps, stages = _decode_config(head_dim_pad, dtype, block_m, interpret, cache_itemsize, many_programs)
     constexprs = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, GROUP=group, MAX_QLEN=max_seqlen_q,
-                      BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page_size, **dot_options(dtype, interpret))
+                      BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page_size, FP16_DOTS=fp16_dots(dtype, cache_itemsize),
+                      **dot_options(dtype, interpret))
     return constexprs, dict(num_warps=warps, num_stages=stages)
 
 
@@ -260,8 +261,8 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, cu_seqlens_q, cont
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         num_heads, float(scale), float(logit_softcap), int(sliding_window or 0), NUM_SPLITS=num_splits,
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_softcap > 0, HAS_SINKS=sinks is not None,
-        HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None, FP16_DOTS=fp16_dots(q.dtype, k_cache.dtype),
-        **constexprs, **options, **launch_kwargs(q, num_tokens),
+        HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None, **constexprs, **options,
+        **launch_kwargs(q, num_tokens),
     )
     if num_splits == 1:
         if out_scale is not None:

@@ -334,15 +334,16 @@ def dot_options(dtype: torch.dtype, interpret: bool) -> dict:
                 DOT_UPCAST=interpret and dtype == torch.bfloat16)
 
 
-def fp16_dots(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
-    """Whether bf16 queries over a pool of ``cache_dtype`` take fp16 dots (``fp16_queries``): fp8 pools.
+def fp16_dots(q_dtype: torch.dtype, cache_itemsize: int) -> bool:
+    """Whether bf16 queries over a pool of ``cache_itemsize``-byte elements take fp16 dots (``fp16_queries``):
+    fp8 pools.
 
     The GQA kernels only. On an H200 the split-K decode over an fp8 pool took 0.114 against 0.130 ms at
     256 rows x 1k context (Qwen3-30B-A3B heads), 0.262 against 0.299 at 64 x 4k (Llama-3-8B heads), the
     unified kernel 0.262 against 0.318 at 4 rows x 512 tokens over 2k cached; the MLA
     kernels, whose [64, 512] q tile already takes every register, were slower with it (64 x 4k with DeepSeek-V3
     heads 0.491 against 0.438 ms) and keep bf16 dots."""
-    return q_dtype == torch.bfloat16 and cache_dtype.itemsize == 1
+    return q_dtype == torch.bfloat16 and cache_itemsize == 1
 
 
 class TileConfig(NamedTuple):
@@ -384,7 +385,8 @@ def default_config(head_dim_pad: int, dtype: torch.dtype, group: int, interpret:
 
 @functools.lru_cache(maxsize=LAUNCH_CACHE_SIZE)
 def _launch_params(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
-                   interpret: bool, device_index: int | None, config: TileConfig | None) -> tuple[dict, dict, int]:
+                   cache_itemsize: int, interpret: bool, device_index: int | None,
+                   config: TileConfig | None) -> tuple[dict, dict, int]:
     """(constexprs, launch options, BLOCK_Q) for one shape signature; cached, so a call does int math only."""
     group = num_heads // num_kv_heads
     head_dim_pad = max(next_power_of_2(head_dim), 16)
@@ -393,7 +395,8 @@ def _launch_params(num_heads: int, num_kv_heads: int, head_dim: int, page_size: 
     block_m = max(config.block_m, next_power_of_2(group))
     block_q = block_m // group
     constexprs = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m,
-                      BLOCK_N=config.block_n, PAGE_SIZE=page_size, **dot_options(dtype, interpret))
+                      BLOCK_N=config.block_n, PAGE_SIZE=page_size, FP16_DOTS=fp16_dots(dtype, cache_itemsize),
+                      **dot_options(dtype, interpret))
     return constexprs, dict(num_warps=config.num_warps, num_stages=config.num_stages), block_q
 
 
@@ -410,7 +413,8 @@ def paged_attention_unified(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
         return
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     constexprs, options, block_q = _launch_params(num_heads, num_kv_heads, head_dim, page_size, q.dtype,
-                                                  triton_interpret(), q.device.index if q.is_cuda else None, config)
+                                                  k_cache.element_size(), triton_interpret(),
+                                                  q.device.index if q.is_cuda else None, config)
     num_q_blocks = num_tokens // block_q + num_rows
     _unified_attention_kernel[(num_q_blocks * num_kv_heads,)](
         q, k_cache, v_cache, out, block_tables, cu_seqlens_q, context_lens,
@@ -420,6 +424,5 @@ def paged_attention_unified(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         float(scale), float(logit_softcap), int(sliding_window or 0),
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_softcap > 0, HAS_SINKS=sinks is not None,
-        HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None,
-        FP16_DOTS=fp16_dots(q.dtype, k_cache.dtype), **constexprs, **options,
+        HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None, **constexprs, **options,
     )
