@@ -144,6 +144,7 @@ def test_triton_split_k_partials_sum_to_the_twin(fmt, split_k, k, monkeypatch):
     (98, 2300, 4, 1024, 2),   # the GPU launches' shapes: 4-row tiles (the last one partial), 2 warps, 64 values
                               # a thread (2D accumulator), K in three steps of eight groups, the last partial
     (40, 2200, 8, 2048, 2),   # 8 x 2048 on 2 warps: 256 values a thread, so each step summed over K
+    (64, 4096, 8, 2048, 4),   # 8 x 2048 on 4 warps (N >= 16,384 on the GPU): 128 values a thread, unmasked
     (64, 4096, 4, 2048, 2),   # 4 x 2048 on 2 warps (N >= 5120 on the GPU), whole tiles: the unmasked loop
     (24, 4000, 8, 4096, 8),   # 8 x 4096 on 8 warps (N = 4096, K <= 4096): the whole row in one K step, partial
 ])

@@ -197,10 +197,14 @@ def _gemv_tile(n: int, k: int) -> tuple[int, int, int]:
     in turn, as a model's layers read theirs; docs/benchmarks.md, "FP8 GEMV tiles, and dependent launch kernel
     by kernel"), us per call and % of copy bandwidth on one machine (another ran some up to 16% slower),
     Llama-3-8B / Qwen3-30B-A3B:
-    - N >= 5120: 4 x 2048 on 2 warps (Llama qkv 8.4, 71%; gate_up 29.4, 94%; Qwen3 qkv 4.9, 50%);
+    - N >= 16,384: 8 x 2048 on 4 warps (Llama gate_up 28.6, 97%; 4 x 2048 on 2 warps took 29.3, and 0.016 ms
+      more a Llama-3-8B FP8 bs-1 step, in the same process);
+    - N >= 5120: 4 x 2048 on 2 warps (Llama qkv 8.4, 71%; Qwen3 qkv 4.9, 50%);
     - N >= 4096, K <= 4096: 8 rows of the whole K in one step on 8 warps (Llama o_proj 6.2, 64%);
     - N >= 4096, longer K: 4 x 1024 on 2 warps (Llama down_proj 17.3, 80%);
     - else 4 x 2048 on 4 warps (Qwen3 o_proj 4.2, 48%)."""
+    if n >= 16384:
+        return 8, 2048, 4
     if n >= 5120:
         return 4, 2048, 2
     if n >= 4096:
