@@ -28,8 +28,8 @@ SMALL_M = ([(16, bn, 128, 4, 4, sk, "bk") for bn in (32, 64) for sk in (1, 2, 4,
            # 16-wide column tiles: twice the programs of 32, so fewer K splits (or none) to fill the multiprocessors
            + [(16, 16, 128, warps, stages, sk, "bk") for warps in (2, 4) for stages in (4, 6) for sk in (1, 2)])
 # M = 1 also: the GEMV kernel (BLOCK_M = 1: no tensor cores, no split-K), by rows and K step per program (one
-# stage count: Triton stages only loads that feed tl.dot, and the GEMV's PTX has no cp.async at any count), up to
-# 512 weight values a thread
+# stage count: its K loop is a plain range, which Triton does not stage; staged with tl.range(num_stages=...) it
+# was faster alone and no faster in a decode step, docs/benchmarks.md), up to 512 weight values a thread
 GEMV = [(1, bn, bk, warps, 4, 1, None) for bn in (2, 4, 8, 16) for bk in (1024, 2048, 4096) for warps in (1, 2, 4, 8)
         if bn * bk <= 512 * 32 * warps]
 WEIGHT_COPIES = 10  # the weights a timed M <= 16 call cycles through (module docstring)
