@@ -266,7 +266,8 @@ def fp8_sweep_configs(tokens: int, sizes: dict, which: str = "regime") -> list:
     token count; ``"regime"``: those of the token count's rows per expert, decode or prefill)."""
     from atom_core.ops.triton.fused_moe import BlockConfig
 
-    decode = [BlockConfig(16, 32, 128, 1, 4, 3), BlockConfig(16, 64, 128, 1, 4, 4)]
+    decode = [BlockConfig(16, 32, 128, 1, 4, 3), BlockConfig(16, 64, 128, 1, 4, 3), BlockConfig(16, 64, 128, 1, 4, 4),
+              BlockConfig(16, 64, 128, 1, 4, 6), BlockConfig(16, 128, 128, 1, 4, 4)]
     prefill = [BlockConfig(*c) for c in (
         (64, 64, 128, 8, 4, 3), (128, 64, 128, 8, 8, 3), (64, 128, 128, 8, 4, 3), (64, 128, 128, 8, 8, 4),
         (128, 128, 128, 8, 8, 3), (128, 128, 128, 8, 8, 4), (128, 64, 128, 8, 4, 4), (256, 64, 128, 8, 8, 3))]

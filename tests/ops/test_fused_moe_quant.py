@@ -248,6 +248,25 @@ def test_triton_other_tile_configs(weight_format, block_m, block_n, block_k, gro
 
 
 @needs_triton
+@pytest.mark.parametrize("weight_format", ["fp8_block", "fp8_channel"])
+@pytest.mark.parametrize("block_m, block_n", [(16, 64), (16, 128), (32, 64)])
+def test_triton_fp8_tiles_multiplied_transposed_match_twin(weight_format, block_m, block_n):
+    # Rows < 64 by columns >= 64: both GEMMs accumulate w^T · a^T (swaps_ab; sm90's fp8 wgmma), then transpose.
+    # H = 160: a masked K step in gate/up; I = 192: a whole and a masked step in down (block format: its
+    # scales per step too); 33 tokens on 4 experts: several M blocks of one expert.
+    from atom_core.ops.triton import fused_moe as triton_moe
+    config = triton_moe.BlockConfig(block_m, block_n, 128, 1, 4, 2)
+    assert triton_moe.swaps_ab(config)
+    x, (w13, s13, w2, s2), (weights, ids), b13, b2 = make_case(weight_format, 33, 4, 2, 160, 192, torch.bfloat16,
+                                                               biases=True, seed=block_m + block_n)
+    out = torch.empty_like(x)
+    triton_moe.fused_experts_quant(x, w13, s13, w2, s2, weights, ids, weight_format, "silu", b13, b2, out,
+                                   config=config)
+    want = reference.fused_experts_quant(x, w13, s13, w2, s2, weights, ids, weight_format, "silu", b13, b2)
+    torch.testing.assert_close(out, want, **tol(weight_format, torch.bfloat16))
+
+
+@needs_triton
 def test_triton_refuses_tile_configs_that_split_a_scale_block():
     from atom_core.ops.triton import fused_moe as triton_moe
     x, (w13, s13, w2, s2), (weights, ids), _, _ = make_case("fp8_block", 3, 4, 2, 64, 32, torch.float32)

@@ -18,7 +18,9 @@ its stored format and dequantizes it in registers (``atom_core.ops.triton.moe_qu
 loop of its own, with tiles from :data:`MXFP4_BLOCK_CONFIGS`). With fp8
 weights each GEMM's input is quantized to fp8 once, by one launch of ``triton.quant``'s
 ``per_group_quant`` (groups of 128) or ``per_token_quant`` before it (hidden before step 2, act before
-step 3), and the GEMM loads fp8 rows and their scales. ``W_PLAIN`` compiles to the unquantized kernel.
+step 3), and the GEMM loads fp8 rows and their scales. Tiles of fewer than 64 rows by at least 64 columns
+(decode) multiply transposed (``swaps_ab``, ``_fp8_step``): on sm90 that is fp8 wgmma instead of fp16
+mma.sync on widened tiles. ``W_PLAIN`` compiles to the unquantized kernel.
 """
 
 # T tokens, E experts, K top-k, H hidden, I intermediate
@@ -125,6 +127,36 @@ def _round_to_bf16_values(x):
 
 
 @triton.jit
+def _fp8_acc(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
+    """A zero fp32 accumulator for an fp8 tile: [BLOCK_M, BLOCK_N], or [BLOCK_N, BLOCK_M] with SWAP_AB."""
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def _fp8_step(acc, a, w, a_scale, w_scale, BLOCKWISE: tl.constexpr, SWAP_AB: tl.constexpr):
+    """One K step of an fp8 tile: acc += a [BM, BK] · w [BK, BN]; BLOCKWISE: the step is one scale group,
+    times a_scale [BM] and w_scale [BN] (else the scales come after the loop, never read here).
+
+    SWAP_AB: acc is the transposed tile [BN, BM], += w^T · a^T. On sm90 a 16-row fp8 dot runs on mma.sync
+    with both tiles widened to fp16 first; transposed, its M is BLOCK_N (>= 64) and Triton issues fp8
+    wgmma straight from shared memory (N = BLOCK_M = 16), with nothing widened."""
+    if SWAP_AB:
+        if BLOCKWISE:
+            acc += tl.dot(tl.trans(w), tl.trans(a)) * w_scale[:, None] * a_scale[None, :]
+        else:
+            acc = tl.dot(tl.trans(w), tl.trans(a), acc)
+    elif BLOCKWISE:
+        acc += tl.dot(a, w) * a_scale[:, None] * w_scale[None, :]
+    else:
+        acc = tl.dot(a, w, acc)
+    return acc
+
+
+@triton.jit
 def _mxfp4_dot(a, w_byte_ptrs, byte_mask, w_scales, acc, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
     """acc + a [BLOCK_M, BLOCK_K] · the decoded MXFP4 tile [BLOCK_K, BLOCK_N] (bytes [BLOCK_K / 2, BLOCK_N] at
@@ -220,7 +252,7 @@ def _gate_up_kernel(
     stride_be, stride_bn, stride_an,
     TOP_K: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, W_FORMAT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, ROUND_BF16: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, ROUND_BF16: tl.constexpr, SWAP_AB: tl.constexpr,
 ):
     """act[entry, j] = act(x[entry // K] · w13[e, gate_row(j)] + b, x · w13[e, up_row(j)] + b).
 
@@ -229,7 +261,8 @@ def _gate_up_kernel(
     Quantized weights (``W_FORMAT``): ws_ptr is w13's scale, strides (expert, row, column);
     MXFP4's stride_wh is that of w13's bytes (two elements each). fp8 formats: x is hidden quantized to
     fp8 and xs_ptr its fp32 scales, strides (token, group): [T, ceil(H / 128)] for fp8_block (group =
-    K step), [T, 1] for fp8_channel; the plain and MXFP4 formats never read xs_ptr.
+    K step), [T, 1] for fp8_channel; the plain and MXFP4 formats never read xs_ptr. SWAP_AB (fp8 formats):
+    the tiles are multiplied transposed (``_fp8_step``).
     """
     pid_m, pid_n = _tile_of(tl.program_id(0), num_blocks, tl.cdiv(inter, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -250,8 +283,8 @@ def _gate_up_kernel(
     gate_ptrs = w_expert + gate_rows[None, :] * stride_wn + k[:, None] * stride_wh
     up_ptrs = gate_ptrs + up_row_offset * stride_wn
     xs_ptrs = xs_ptr + token * stride_xst
-    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_gate = _fp8_acc(BLOCK_M, BLOCK_N, SWAP_AB)
+    acc_up = _fp8_acc(BLOCK_M, BLOCK_N, SWAP_AB)
     # MXFP4 runs a K loop of its own (_mxfp4_gate_up): whole steps unmasked, then the tail.
     if W_FORMAT == W_MXFP4:
         acc_gate, acc_up = _mxfp4_gate_up(x_ptrs, w_expert + gate_rows[None, :] * stride_wn,
@@ -272,20 +305,21 @@ def _gate_up_kernel(
             else:
                 w_gate = tl.load(gate_ptrs, mask=w_mask, other=0.0)
                 w_up = tl.load(up_ptrs, mask=w_mask, other=0.0)
+                a_scale, gate_s, up_s = row_ok, col_ok, col_ok  # (stand-ins: read only by the block format)
                 if W_FORMAT == W_FP8_BLOCK:  # BLOCK_K == 128: this step is block column `step`, activation group `step`
                     a_scale = tl.load(xs_ptrs + step * stride_xsg, mask=row_ok, other=0.0)
                     gate_s = tl.load(s_expert + (gate_rows // FP8_BLOCK) * stride_sn + step * stride_sh, mask=col_ok,
                                      other=0.0)
                     up_s = tl.load(s_expert + (up_rows // FP8_BLOCK) * stride_sn + step * stride_sh, mask=col_ok,
                                    other=0.0)
-                    acc_gate += tl.dot(a, w_gate) * a_scale[:, None] * gate_s[None, :]
-                    acc_up += tl.dot(a, w_up) * a_scale[:, None] * up_s[None, :]
-                else:
-                    acc_gate = tl.dot(a, w_gate, acc_gate)
-                    acc_up = tl.dot(a, w_up, acc_up)
+                acc_gate = _fp8_step(acc_gate, a, w_gate, a_scale, gate_s, W_FORMAT == W_FP8_BLOCK, SWAP_AB)
+                acc_up = _fp8_step(acc_up, a, w_up, a_scale, up_s, W_FORMAT == W_FP8_BLOCK, SWAP_AB)
             x_ptrs += BLOCK_K * stride_xh
             gate_ptrs += BLOCK_K * stride_wh
             up_ptrs += BLOCK_K * stride_wh
+    if SWAP_AB:
+        acc_gate = tl.trans(acc_gate)
+        acc_up = tl.trans(acc_up)
 
     if W_FORMAT == W_FP8_CHANNEL:
         a_scale = tl.load(xs_ptrs, mask=row_ok, other=0.0)
@@ -317,10 +351,10 @@ def _down_kernel(
     stride_be, stride_bn, stride_tw_t, stride_tw_k, stride_yn,
     TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, W_FORMAT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, SWAP_AB: tl.constexpr,
 ):
-    """y[entry, h] = topk_weight[entry] * (act[entry] · w2[e, h] + b2[e, h]) (formats as the gate/up kernel:
-    for fp8, act is the activation quantized to fp8 and as_ptr its scales [N, ceil(I / 128)] or [N, 1])."""
+    """y[entry, h] = topk_weight[entry] * (act[entry] · w2[e, h] + b2[e, h]) (formats and SWAP_AB as the gate/up
+    kernel: for fp8, act is the activation quantized to fp8 and as_ptr its scales [N, ceil(I / 128)] or [N, 1])."""
     pid_m, pid_n = _tile_of(tl.program_id(0), num_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -337,7 +371,7 @@ def _down_kernel(
     w_rows = w_ptr + expert * stride_we + cols.to(tl.int64)[None, :] * stride_wn
     w_ptrs = w_rows + k[:, None] * stride_wi
     as_ptrs = as_ptr + entry * stride_asn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = _fp8_acc(BLOCK_M, BLOCK_N, SWAP_AB)
     # MXFP4: a K loop of its own (_mxfp4_down), as in the gate/up kernel
     if W_FORMAT == W_MXFP4:
         acc = _mxfp4_down(a_ptrs, w_rows, s_expert + cols.to(tl.int64)[None, :] * stride_sn, row_ok, col_ok, inter,
@@ -353,14 +387,15 @@ def _down_kernel(
                 acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
             else:
                 w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+                a_scale, w_s = row_ok, col_ok  # (stand-ins: read only by the block format)
                 if W_FORMAT == W_FP8_BLOCK:
                     a_scale = tl.load(as_ptrs + step * stride_asg, mask=row_ok, other=0.0)
                     w_s = tl.load(s_expert + (cols // FP8_BLOCK) * stride_sn + step * stride_si, mask=col_ok, other=0.0)
-                    acc += tl.dot(a, w) * a_scale[:, None] * w_s[None, :]
-                else:
-                    acc = tl.dot(a, w, acc)
+                acc = _fp8_step(acc, a, w, a_scale, w_s, W_FORMAT == W_FP8_BLOCK, SWAP_AB)
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K * stride_wi
+    if SWAP_AB:
+        acc = tl.trans(acc)
 
     if W_FORMAT == W_FP8_CHANNEL:
         a_scale = tl.load(as_ptrs, mask=row_ok, other=0.0)
@@ -482,10 +517,11 @@ def check_mxfp4_block_k(block_k: int) -> None:
 def quant_block_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype,
                        weight_format: str) -> BlockConfig:
     """:func:`block_config` with BLOCK_K = 128 for fp8 weights (one block column / activation group
-    per K step; 128 fp8 bytes, as many as 64 bf16 ones), and for decode batches of more than one token
-    16 x 64 tiles with 4 stages: on an H200 (Qwen3-30B-A3B's layer, 12 candidates) 1-11% faster than
-    16 x 32 with 3 stages at 8-256 tokens, and within 6% of the best at one token, whose 25 us are
-    fixed costs whatever the tiles; from 16 to 64 rows per expert the 64 x 64 tiles of the regime above
+    per K step; 128 fp8 bytes, as many as 64 bf16 ones), and at up to 16 rows per expert 16 x 64 tiles,
+    multiplied transposed (:func:`swaps_ab`), with 3 stages, or 6 at one token: on an H200 (Qwen3-30B-A3B's
+    layer) 0.082 / 0.149 / 0.191 ms at 8 / 32 / 256 tokens in fp8_channel, and 20 us
+    at one token against 25 for the 16 x 32 tiles of the plain regime (0-2% under 4 stages at 8-256 tokens);
+    from 16 to 64 rows per expert the 64 x 64 tiles of the regime above
     (``python -m benchmarks.ops_moe --sweep fp8_block``: 1.27x / 1.46x faster than 32 x 64 at 512 / 1,024
     tokens, 1.09x / 1.44x for fp8_channel; docs/benchmarks.md). MXFP4: the first candidate of its regime in
     :data:`MXFP4_BLOCK_CONFIGS` (fp32 halves BLOCK_K, as in :func:`block_config`, down to 32)."""
@@ -497,8 +533,8 @@ def quant_block_config(num_tokens: int, top_k: int, num_experts: int, dtype: tor
         return cfg
     cfg = block_config(num_tokens, top_k, num_experts, dtype)
     if weight_format.startswith("fp8"):
-        if cfg.block_m == 16 and num_tokens > 1:  # decode batches: 64-wide N tiles, 4 stages (docstring)
-            return BlockConfig(16, 64, 128, 1, 4, 4)
+        if cfg.block_m == 16:  # decode: 64-wide N tiles, multiplied transposed (docstring)
+            return BlockConfig(16, 64, 128, 1, 4, 3 if num_tokens > 1 else 6)
         if cfg.block_m == 32:  # 16 < m <= 64: the next regime's 64 x 64 tiles (docstring)
             return BlockConfig(64, 64, 128, 8, 4, 3)
         return BlockConfig(cfg.block_m, cfg.block_n, 128, cfg.group_m, cfg.num_warps, cfg.num_stages)
@@ -518,6 +554,12 @@ def fused_experts_quant(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk
         check_mxfp4_block_k(cfg.block_k)
     _launch(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight_format, activation, w13_bias,
             w2_bias, out, cfg)
+
+
+def swaps_ab(cfg: BlockConfig) -> bool:
+    """Whether the fp8 GEMMs of ``cfg`` multiply their tiles transposed (``_fp8_step``): rows of fewer than 64
+    (the least M of sm90's wgmma) by columns of at least 64."""
+    return cfg.block_m < 64 <= cfg.block_n
 
 
 def _quantize_input(x, weight_format, fp8_dtype):
@@ -554,6 +596,7 @@ def _launch(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight
     upcast = triton_interpret() and hidden.dtype == torch.bfloat16
     w_format = FORMAT_CODES[weight_format]
     fp8 = weight_format in ("fp8_block", "fp8_channel")
+    swap_ab = fp8 and swaps_ab(cfg)
     sorted_entries, block_experts, num_padded = moe_align(topk_ids, num_experts, cfg.block_m)
 
     # fp8 weights: the GEMM reads hidden quantized (fp8 of w13's dtype) with its scales; other formats
@@ -572,7 +615,7 @@ def _launch(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight
         *(w13_bias.stride() if w13_bias is not None else (0, 0)), act.stride(0),
         TOP_K=top_k, ACT=SWIGLU_CLAMPED if swiglu else SILU, HAS_BIAS=w13_bias is not None,
         EVEN_K=shape.even_hidden, W_FORMAT=w_format, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, DOT_PRECISION=precision, UPCAST_DOT=upcast, ROUND_BF16=upcast,
+        GROUP_M=cfg.group_m, DOT_PRECISION=precision, UPCAST_DOT=upcast, ROUND_BF16=upcast, SWAP_AB=swap_ab,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -591,7 +634,8 @@ def _launch(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight
         *(w2_bias.stride() if w2_bias is not None else (0, 0)), *topk_weights.stride(), y.stride(0),
         TOP_K=top_k, HAS_BIAS=w2_bias is not None, EVEN_K=shape.even_inter, W_FORMAT=w_format,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        DOT_PRECISION=precision, UPCAST_DOT=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DOT_PRECISION=precision, UPCAST_DOT=upcast, SWAP_AB=swap_ab, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
 
     _sum_choices_kernel[shape.sum_grid](
