@@ -19,8 +19,8 @@ loop of its own, with tiles from :data:`MXFP4_BLOCK_CONFIGS`). With fp8
 weights each GEMM's input is quantized to fp8 once, by one launch of ``triton.quant``'s
 ``per_group_quant`` (groups of 128) or ``per_token_quant`` before it (hidden before step 2, act before
 step 3), and the GEMM loads fp8 rows and their scales. Tiles of fewer than 64 rows by at least 64 columns
-(decode) multiply transposed (``swaps_ab``, ``_fp8_step``): on sm90 that is fp8 wgmma instead of fp16
-mma.sync on widened tiles. ``W_PLAIN`` compiles to the unquantized kernel.
+(decode) multiply transposed (``swaps_ab``, ``moe_quant_tiles.fp8_step``): on sm90 that is fp8 wgmma
+instead of fp16 mma.sync on widened tiles. ``W_PLAIN`` compiles to the unquantized kernel.
 """
 
 # T tokens, E experts, K top-k, H hidden, I intermediate
@@ -39,7 +39,7 @@ from atom_core.ops.reference.quant import GROUP_SIZE
 from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2
 from atom_core.ops.triton.moe_align import align_sizes, moe_align
 from atom_core.ops.triton.moe_quant_tiles import (FORMAT_CODES, FP8_BLOCK, MXFP4_BLOCK, W_FP8_BLOCK, W_FP8_CHANNEL,
-                                                  W_MXFP4, W_PLAIN, mxfp4_tile)
+                                                  W_MXFP4, W_PLAIN, fp8_acc, fp8_step, mxfp4_tile)
 from atom_core.ops.triton.quant import per_group_quant, per_token_quant
 
 SILU = tl.constexpr(0)
@@ -124,36 +124,6 @@ def _round_to_bf16_values(x):
     bits = x.to(tl.int32, bitcast=True)
     bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
     return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _fp8_acc(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
-    """A zero fp32 accumulator for an fp8 tile: [BLOCK_M, BLOCK_N], or [BLOCK_N, BLOCK_M] with SWAP_AB."""
-    if SWAP_AB:
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    return acc
-
-
-@triton.jit
-def _fp8_step(acc, a, w, a_scale, w_scale, BLOCKWISE: tl.constexpr, SWAP_AB: tl.constexpr):
-    """One K step of an fp8 tile: acc += a [BM, BK] · w [BK, BN]; BLOCKWISE: the step is one scale group,
-    times a_scale [BM] and w_scale [BN] (else the scales come after the loop, never read here).
-
-    SWAP_AB: acc is the transposed tile [BN, BM], += w^T · a^T. On sm90 a 16-row fp8 dot runs on mma.sync
-    with both tiles widened to fp16 first; transposed, its M is BLOCK_N (>= 64) and Triton issues fp8
-    wgmma straight from shared memory (N = BLOCK_M = 16), with nothing widened."""
-    if SWAP_AB:
-        if BLOCKWISE:
-            acc += tl.dot(tl.trans(w), tl.trans(a)) * w_scale[:, None] * a_scale[None, :]
-        else:
-            acc = tl.dot(tl.trans(w), tl.trans(a), acc)
-    elif BLOCKWISE:
-        acc += tl.dot(a, w) * a_scale[:, None] * w_scale[None, :]
-    else:
-        acc = tl.dot(a, w, acc)
-    return acc
 
 
 @triton.jit
@@ -262,7 +232,7 @@ def _gate_up_kernel(
     MXFP4's stride_wh is that of w13's bytes (two elements each). fp8 formats: x is hidden quantized to
     fp8 and xs_ptr its fp32 scales, strides (token, group): [T, ceil(H / 128)] for fp8_block (group =
     K step), [T, 1] for fp8_channel; the plain and MXFP4 formats never read xs_ptr. SWAP_AB (fp8 formats):
-    the tiles are multiplied transposed (``_fp8_step``).
+    the tiles are multiplied transposed (``moe_quant_tiles.fp8_step``).
     """
     pid_m, pid_n = _tile_of(tl.program_id(0), num_blocks, tl.cdiv(inter, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -283,8 +253,8 @@ def _gate_up_kernel(
     gate_ptrs = w_expert + gate_rows[None, :] * stride_wn + k[:, None] * stride_wh
     up_ptrs = gate_ptrs + up_row_offset * stride_wn
     xs_ptrs = xs_ptr + token * stride_xst
-    acc_gate = _fp8_acc(BLOCK_M, BLOCK_N, SWAP_AB)
-    acc_up = _fp8_acc(BLOCK_M, BLOCK_N, SWAP_AB)
+    acc_gate = fp8_acc(BLOCK_M, BLOCK_N, SWAP_AB)
+    acc_up = fp8_acc(BLOCK_M, BLOCK_N, SWAP_AB)
     # MXFP4 runs a K loop of its own (_mxfp4_gate_up): whole steps unmasked, then the tail.
     if W_FORMAT == W_MXFP4:
         acc_gate, acc_up = _mxfp4_gate_up(x_ptrs, w_expert + gate_rows[None, :] * stride_wn,
@@ -312,8 +282,8 @@ def _gate_up_kernel(
                                      other=0.0)
                     up_s = tl.load(s_expert + (up_rows // FP8_BLOCK) * stride_sn + step * stride_sh, mask=col_ok,
                                    other=0.0)
-                acc_gate = _fp8_step(acc_gate, a, w_gate, a_scale, gate_s, W_FORMAT == W_FP8_BLOCK, SWAP_AB)
-                acc_up = _fp8_step(acc_up, a, w_up, a_scale, up_s, W_FORMAT == W_FP8_BLOCK, SWAP_AB)
+                acc_gate = fp8_step(acc_gate, a, w_gate, a_scale, gate_s, W_FORMAT == W_FP8_BLOCK, SWAP_AB)
+                acc_up = fp8_step(acc_up, a, w_up, a_scale, up_s, W_FORMAT == W_FP8_BLOCK, SWAP_AB)
             x_ptrs += BLOCK_K * stride_xh
             gate_ptrs += BLOCK_K * stride_wh
             up_ptrs += BLOCK_K * stride_wh
@@ -371,7 +341,7 @@ def _down_kernel(
     w_rows = w_ptr + expert * stride_we + cols.to(tl.int64)[None, :] * stride_wn
     w_ptrs = w_rows + k[:, None] * stride_wi
     as_ptrs = as_ptr + entry * stride_asn
-    acc = _fp8_acc(BLOCK_M, BLOCK_N, SWAP_AB)
+    acc = fp8_acc(BLOCK_M, BLOCK_N, SWAP_AB)
     # MXFP4: a K loop of its own (_mxfp4_down), as in the gate/up kernel
     if W_FORMAT == W_MXFP4:
         acc = _mxfp4_down(a_ptrs, w_rows, s_expert + cols.to(tl.int64)[None, :] * stride_sn, row_ok, col_ok, inter,
@@ -391,7 +361,7 @@ def _down_kernel(
                 if W_FORMAT == W_FP8_BLOCK:
                     a_scale = tl.load(as_ptrs + step * stride_asg, mask=row_ok, other=0.0)
                     w_s = tl.load(s_expert + (cols // FP8_BLOCK) * stride_sn + step * stride_si, mask=col_ok, other=0.0)
-                acc = _fp8_step(acc, a, w, a_scale, w_s, W_FORMAT == W_FP8_BLOCK, SWAP_AB)
+                acc = fp8_step(acc, a, w, a_scale, w_s, W_FORMAT == W_FP8_BLOCK, SWAP_AB)
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K * stride_wi
     if SWAP_AB:
@@ -557,8 +527,8 @@ def fused_experts_quant(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk
 
 
 def swaps_ab(cfg: BlockConfig) -> bool:
-    """Whether the fp8 GEMMs of ``cfg`` multiply their tiles transposed (``_fp8_step``): rows of fewer than 64
-    (the least M of sm90's wgmma) by columns of at least 64."""
+    """Whether the fp8 GEMMs of ``cfg`` multiply their tiles transposed (``moe_quant_tiles.fp8_step``): rows
+    of fewer than 64 (the least M of sm90's wgmma) by columns of at least 64."""
     return cfg.block_m < 64 <= cfg.block_n
 
 

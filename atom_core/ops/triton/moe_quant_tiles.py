@@ -9,6 +9,8 @@ Weight formats (``W_FORMAT``, a constexpr of both kernels; layouts in ``atom_cor
 - ``W_FP8_BLOCK``: fp8 weights with a scale per 128 x 128 block; the activation rows arrive quantized
   per 1 x 128 group, and each K step covers exactly one 128-wide block column (BLOCK_K = 128), whose
   partial product is scaled by ``a_scale[m, step] * w_scale[n // 128, step]``;
+  both fp8 formats take one K step with :func:`fp8_step` (transposed tiles for the decode launches, whose
+  rows are fewer than 64: fp8 wgmma on sm90);
 - ``W_MXFP4``: packed E2M1 codes (two per byte along K: the even element in the low nibble) with an
   E8M0 scale per 32 along K. A K step loads the [BLOCK_K / 2, BLOCK_N] tile of bytes and (a step
   ahead) the [BLOCK_K / 32, BLOCK_N] tile of their scales; each scale becomes its fp32 factor once
@@ -41,6 +43,36 @@ FORMAT_CODES = {None: 0, "fp8_channel": 1, "fp8_block": 2, "mxfp4": 3}  # weight
 
 FP8_BLOCK = tl.constexpr(128)
 MXFP4_BLOCK = tl.constexpr(32)
+
+
+@triton.jit
+def fp8_acc(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
+    """A zero fp32 accumulator for an fp8 tile: [BLOCK_M, BLOCK_N], or [BLOCK_N, BLOCK_M] with SWAP_AB."""
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def fp8_step(acc, a, w, a_scale, w_scale, BLOCKWISE: tl.constexpr, SWAP_AB: tl.constexpr):
+    """One K step of an fp8 tile: acc += a [BM, BK] · w [BK, BN]; BLOCKWISE: the step is one scale group,
+    times a_scale [BM] and w_scale [BN] (else the scales come after the loop, never read here).
+
+    SWAP_AB: acc is the transposed tile [BN, BM], += w^T · a^T. On sm90 a 16-row fp8 dot runs on mma.sync
+    with both tiles widened to fp16 first; transposed, its M is BLOCK_N (>= 64) and Triton issues fp8
+    wgmma straight from shared memory (N = BLOCK_M = 16), with nothing widened."""
+    if SWAP_AB:
+        if BLOCKWISE:
+            acc += tl.dot(tl.trans(w), tl.trans(a)) * w_scale[:, None] * a_scale[None, :]
+        else:
+            acc = tl.dot(tl.trans(w), tl.trans(a), acc)
+    elif BLOCKWISE:
+        acc += tl.dot(a, w) * a_scale[:, None] * w_scale[None, :]
+    else:
+        acc = tl.dot(a, w, acc)
+    return acc
 
 
 @triton.jit
