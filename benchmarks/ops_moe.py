@@ -25,7 +25,7 @@ design.
 
     python -m benchmarks.ops_moe [--device cuda] [--json out.json] [--smoke] [--no-compile]
                                  [--formats bf16 fp8_block fp8_channel mxfp4] [--tokens 1 2 4 8]
-    python -m benchmarks.ops_moe --sweep {fp8_block,fp8_channel,mxfp4} [--which regime | all] [--tokens 1 8 64 512 4096]
+    python -m benchmarks.ops_moe --sweep {bf16,fp8_block,fp8_channel,mxfp4} [--which regime | all] [--tokens 1 8 64 512 4096]
                                  [--json out.json]
 
 ``--smoke`` runs tiny sizes (and no torch.compile) so the script can be checked on a CPU, where the
@@ -33,7 +33,8 @@ Triton kernels run in the interpreter.
 
 ``--sweep FORMAT`` runs nothing else: it times the Triton kernels with FORMAT experts under every launch
 candidate (MXFP4: GPT-OSS-20B's layer and ``atom_core.ops.triton.fused_moe.MXFP4_BLOCK_CONFIGS``; fp8:
-Qwen3-30B-A3B's layer and :func:`fp8_sweep_configs`; ``--which regime``, the default: the candidates of
+Qwen3-30B-A3B's layer and :func:`fp8_sweep_configs`; bf16: ``fused_experts`` on that layer's dequantized fp8
+weights, :func:`bf16_sweep_configs`; ``--which regime``, the default: the candidates of
 the token count's own regime of rows per expert; ``all``: every candidate at every token count), one row
 per (tokens, config), each against bf16 ``fused_experts`` on the same layer and routing
 (``bf16_ms``, ``x_bf16``), with ``%copy`` as above and ``rel_err``, the output's largest difference from
@@ -258,22 +259,37 @@ COLUMNS = ["op", "format", "shapes", "tokens", "backend", "experts_hit", "weight
 
 
 # Launch candidates of ``--sweep FORMAT`` for the fp8 formats, by token count (BLOCK_K is 128: one weight
-# block column / activation group per K step). Decode sizes keep the 16-row tiles of ``quant_block_config``;
-# prefill sizes (compute-bound) try taller and wider tiles than the defaults. The gate/up kernel holds two
-# [BLOCK_M, BLOCK_N] fp32 accumulators: 128 x 128 needs 8 warps.
+# block column / activation group per K step). Decode sizes try 16-row tiles; from 12 rows per expert, where
+# many experts pass 16 rows, 32-row tiles beside them and the 64-row ones above; prefill sizes (compute-bound)
+# try taller and wider tiles than the defaults. The gate/up kernel holds two [BLOCK_M, BLOCK_N] fp32
+# accumulators: 128 x 128 needs 8 warps.
 def fp8_sweep_configs(tokens: int, sizes: dict, which: str = "regime") -> list:
     """The launch configs ``--sweep fp8_*`` times at ``tokens`` (``which="all"``: every candidate below at every
-    token count; ``"regime"``: those of the token count's rows per expert, decode or prefill)."""
+    token count; ``"regime"``: those of the token count's rows per expert: decode, 32-row blocks or prefill)."""
     from atom_core.ops.triton.fused_moe import BlockConfig
 
     decode = [BlockConfig(16, 32, 128, 1, 4, 3), BlockConfig(16, 64, 128, 1, 4, 3), BlockConfig(16, 64, 128, 1, 4, 4),
               BlockConfig(16, 64, 128, 1, 4, 6), BlockConfig(16, 128, 128, 1, 4, 4)]
+    rows32 = [BlockConfig(*c) for c in (
+        (16, 64, 128, 1, 4, 3), (32, 64, 128, 1, 4, 3), (32, 64, 128, 4, 4, 3), (32, 64, 128, 1, 4, 2),
+        (32, 128, 128, 1, 4, 3), (32, 128, 128, 1, 8, 3), (64, 64, 128, 8, 4, 3))]
     prefill = [BlockConfig(*c) for c in (
         (64, 64, 128, 8, 4, 3), (128, 64, 128, 8, 8, 3), (64, 128, 128, 8, 4, 3), (64, 128, 128, 8, 8, 4),
         (128, 128, 128, 8, 8, 3), (128, 128, 128, 8, 8, 4), (128, 64, 128, 8, 4, 4), (256, 64, 128, 8, 8, 3))]
     if which == "all":
-        return decode + prefill
-    return decode if tokens * sizes["top_k"] / sizes["num_experts"] <= 16 else prefill
+        return list(dict.fromkeys(decode + rows32 + prefill))
+    rows_per_expert = tokens * sizes["top_k"] / sizes["num_experts"]
+    return decode if rows_per_expert <= 12 else rows32 if rows_per_expert <= 32 else prefill
+
+
+def bf16_sweep_configs(tokens: int, sizes: dict, which: str = "regime") -> list:
+    """The launch configs ``--sweep bf16`` times (``fused_experts``' own tiles, ``block_config``) at ``tokens``:
+    the same candidates at every count (``which`` has nothing to choose between)."""
+    from atom_core.ops.triton.fused_moe import BlockConfig
+
+    return [BlockConfig(*c) for c in (
+        (16, 32, 128, 1, 4, 3), (16, 64, 64, 1, 4, 3), (32, 64, 64, 4, 4, 4), (32, 64, 64, 1, 4, 3),
+        (32, 64, 128, 1, 4, 3), (64, 64, 64, 8, 4, 3), (64, 64, 128, 8, 4, 3), (128, 64, 64, 8, 8, 3))]
 
 
 def mxfp4_sweep_configs(tokens: int, sizes: dict, which: str = "regime") -> list:
@@ -306,7 +322,7 @@ def sweep(weight_format: str = "mxfp4", device: str = "cuda", smoke: bool = Fals
     sizes = layer_sizes(smoke, GPT_OSS_CONFIG if weight_format == "mxfp4" else CONFIG)
     timed = adaptive_timing(device, smoke)
     copy_gbs = copy_bandwidth_gbs(device, nbytes=1 << 20 if smoke else 2 << 30)
-    candidates = mxfp4_sweep_configs if weight_format == "mxfp4" else fp8_sweep_configs
+    candidates = {"mxfp4": mxfp4_sweep_configs, "bf16": bf16_sweep_configs}.get(weight_format, fp8_sweep_configs)
     rows = []
     for t in tokens or sizes["tokens"]:
         rows += _sweep_rows(weight_format, candidates(t, sizes, which), t, sizes, device, timed, copy_gbs)
@@ -323,7 +339,8 @@ def _sweep_rows(weight_format, configs, tokens, sizes, device, timed, copy_gbs):
     from atom_core.ops.triton import fused_moe as triton_moe
     from benchmarks.common import _reason
 
-    inputs = quant_layer_inputs(weight_format, tokens, sizes, device)
+    plain = weight_format == "bf16"  # fused_experts' own tiles, on the fp8 layer's dequantized weights
+    inputs = quant_layer_inputs("fp8_block" if plain else weight_format, tokens, sizes, device)
     hidden, weights, ids, quant = inputs["hidden"], inputs["weights"], inputs["ids"], inputs["quant"]
     activation, biases = inputs["activation"], inputs["biases"]
     bf16_out, out = torch.empty_like(hidden), torch.empty_like(hidden)
@@ -333,6 +350,9 @@ def _sweep_rows(weight_format, configs, tokens, sizes, device, timed, copy_gbs):
                              out=bf16_out, backend="triton", **biases)
 
     def call(cfg):
+        if plain:
+            return triton_moe.fused_experts(hidden, quant["w13_ref"], quant["w2_ref"], weights, ids, activation,
+                                            None, None, out, config=cfg)
         return triton_moe.fused_experts_quant(hidden, quant["w13"], quant["w13_scale"], quant["w2"], quant["w2_scale"],
                                               weights, ids, weight_format, activation, biases.get("w13_bias"),
                                               biases.get("w2_bias"), out, config=cfg)
@@ -340,9 +360,13 @@ def _sweep_rows(weight_format, configs, tokens, sizes, device, timed, copy_gbs):
     bf16 = guarded(timed, lambda: bf16_call)  # (its runs leave bf16_out written)
     scale = None if bf16 is None else max(bf16_out.float().abs().max().item(), 1e-30)
     experts_hit = int(torch.unique(ids).numel())
-    weight_bytes = experts_hit * 3 * sizes["hidden"] * sizes["inter"] * BYTES_PER_WEIGHT[weight_format]
-    default = triton_moe.quant_block_config(tokens, sizes["top_k"], sizes["num_experts"], hidden.dtype,
-                                            weight_format)
+    bytes_per_weight = hidden.element_size() if plain else BYTES_PER_WEIGHT[weight_format]
+    weight_bytes = experts_hit * 3 * sizes["hidden"] * sizes["inter"] * bytes_per_weight
+    if plain:
+        default = triton_moe.block_config(tokens, sizes["top_k"], sizes["num_experts"], hidden.dtype)
+    else:
+        default = triton_moe.quant_block_config(tokens, sizes["top_k"], sizes["num_experts"], hidden.dtype,
+                                                weight_format)
     regime = (triton_moe.mxfp4_regime(tokens, sizes["top_k"], sizes["num_experts"]) if weight_format == "mxfp4"
               else f"{tokens * sizes['top_k'] / sizes['num_experts']:g} rows/expert")
     rows = []
@@ -377,8 +401,9 @@ def main() -> None:
         parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
         parser.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS),
                             help="expert weight formats to run (bf16: fused_experts)")
-        parser.add_argument("--sweep", choices=FORMATS[1:],
-                            help="time the Triton kernels of this expert format under each launch candidate instead")
+        parser.add_argument("--sweep", choices=FORMATS,
+                            help="time the Triton kernels of this expert format under each launch candidate instead "
+                                 "(bf16: fused_experts)")
         parser.add_argument("--which", choices=("regime", "all"), default="regime",
                             help="--sweep's candidates: the token count's own regime (default), or all at every count")
         parser.add_argument("--tokens", type=int, nargs="+",

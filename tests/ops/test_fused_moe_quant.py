@@ -375,7 +375,7 @@ def test_empty_batch(backend):
 
 @needs_gpu
 @pytest.mark.parametrize("weight_format", FORMATS)
-@pytest.mark.parametrize("tokens", [1, 7, 64, 1029])
+@pytest.mark.parametrize("tokens", [1, 7, 64, 256, 1029])
 def test_gpu_triton_matches_twin(weight_format, tokens):
     # Qwen3-30B-A3B's expert shapes (fp8), GPT-OSS-20B's (MXFP4, with its activation and biases).
     gpt_oss = weight_format == "mxfp4"

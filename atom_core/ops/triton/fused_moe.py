@@ -36,6 +36,7 @@ import triton.language as tl
 
 from atom_core.ops.dispatch import triton_interpret
 from atom_core.ops.reference.quant import GROUP_SIZE
+from atom_core.ops.triton.dependent_launch import launch_kwargs, wait_for_inputs
 from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2
 from atom_core.ops.triton.moe_align import align_sizes, moe_align
 from atom_core.ops.triton.moe_quant_tiles import (FORMAT_CODES, FP8_BLOCK, MXFP4_BLOCK, W_FP8_BLOCK, W_FP8_CHANNEL,
@@ -64,14 +65,20 @@ def block_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dty
 
     | m         | BLOCK_M | BLOCK_N | BLOCK_K | GROUP_M | warps | stages | regime                          |
     |-----------|---------|---------|---------|---------|-------|--------|---------------------------------|
-    | <= 16     | 16      | 32      | 128     | 1       | 4     | 3      | decode: weight-bandwidth bound  |
+    | <= 12     | 16      | 32      | 128     | 1       | 4     | 3      | decode: weight-bandwidth bound  |
+    | <= 28     | 32      | 64      | 128     | 1       | 4     | 3      | decode, experts past 16 rows    |
     | <= 64     | 32      | 64      | 64      | 4       | 4     | 4      | small batches                   |
     | <= 512    | 64      | 64      | 64      | 8       | 4     | 3      | prefill                         |
     | > 512     | 128     | 64      | 64      | 8       | 8     | 3      | long prefill                    |
 
     BLOCK_M is the padding unit of an expert's rows: small when experts see few rows (decode pads
     each hit expert to 16 rows, the smallest tensor-core tile), large when they see many (fewer
-    reloads of the weights). GROUP_M > 1 walks several M blocks over one N stripe for L2 reuse.
+    reloads of the weights). An expert with more rows than BLOCK_M has its weights read once per
+    BLOCK_M block: routed tokens do not spread evenly, so from a mean of 12 rows many experts pass 16
+    and 32-row blocks read less (Qwen3-30B-A3B's layer on an H200, random routing: at 256 tokens, m = 16,
+    the experts hit need 180 blocks of 16 rows but 128 of 32, and the layer takes 0.305 ms instead of
+    0.336; at 192, m = 12, the two are within 1%; ``benchmarks/results/h200_ops_moe_row_blocks.json``).
+    GROUP_M > 1 walks several M blocks over one N stripe for L2 reuse.
     Decode reads each hit expert's weights once and does little math, so it wants many programs in
     flight: BLOCK_N = 32 gives 2 x the programs of 64 (T = 1, K = 8, I = 768: 8 x 24 gate/up programs).
     The gate/up kernel holds two [BLOCK_M, BLOCK_N] accumulators, hence BLOCK_N <= 64 throughout.
@@ -79,8 +86,10 @@ def block_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dty
     These are starting values; ``benchmarks/ops_moe.py`` measures them on the target GPU.
     """
     rows_per_expert = num_tokens * top_k / max(num_experts, 1)
-    if rows_per_expert <= 16:
+    if rows_per_expert <= 12:
         config = BlockConfig(16, 32, 128, 1, 4, 3)
+    elif rows_per_expert <= 28:
+        config = BlockConfig(32, 64, 128, 1, 4, 3)
     elif rows_per_expert <= 64:
         config = BlockConfig(32, 64, 64, 4, 4, 4)
     elif rows_per_expert <= 512:
@@ -223,6 +232,7 @@ def _gate_up_kernel(
     TOP_K: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, W_FORMAT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, ROUND_BF16: tl.constexpr, SWAP_AB: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """act[entry, j] = act(x[entry // K] · w13[e, gate_row(j)] + b, x · w13[e, up_row(j)] + b).
 
@@ -234,6 +244,7 @@ def _gate_up_kernel(
     K step), [T, 1] for fp8_channel; the plain and MXFP4 formats never read xs_ptr. SWAP_AB (fp8 formats):
     the tiles are multiplied transposed (``moe_quant_tiles.fp8_step``).
     """
+    wait_for_inputs(PDL)
     pid_m, pid_n = _tile_of(tl.program_id(0), num_blocks, tl.cdiv(inter, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -321,10 +332,11 @@ def _down_kernel(
     stride_be, stride_bn, stride_tw_t, stride_tw_k, stride_yn,
     TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, W_FORMAT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, SWAP_AB: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, SWAP_AB: tl.constexpr, PDL: tl.constexpr,
 ):
     """y[entry, h] = topk_weight[entry] * (act[entry] · w2[e, h] + b2[e, h]) (formats and SWAP_AB as the gate/up
     kernel: for fp8, act is the activation quantized to fp8 and as_ptr its scales [N, ceil(I / 128)] or [N, 1])."""
+    wait_for_inputs(PDL)
     pid_m, pid_n = _tile_of(tl.program_id(0), num_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -382,9 +394,10 @@ def _down_kernel(
 @triton.jit
 def _sum_choices_kernel(
     y_ptr, ids_ptr, out_ptr, hidden, num_experts, stride_yn, stride_it, stride_ik, stride_ot, stride_oh,
-    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[t] = sum over the token's valid choices k of y[t * K + k], in fp32."""
+    wait_for_inputs(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     col_ok = cols < hidden
@@ -487,11 +500,14 @@ def check_mxfp4_block_k(block_k: int) -> None:
 def quant_block_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype,
                        weight_format: str) -> BlockConfig:
     """:func:`block_config` with BLOCK_K = 128 for fp8 weights (one block column / activation group
-    per K step; 128 fp8 bytes, as many as 64 bf16 ones), and at up to 16 rows per expert 16 x 64 tiles,
+    per K step; 128 fp8 bytes, as many as 64 bf16 ones), and at up to 14 rows per expert 16 x 64 tiles,
     multiplied transposed (:func:`swaps_ab`), with 3 stages, or 6 at one token: on an H200 (Qwen3-30B-A3B's
-    layer) 0.082 / 0.149 / 0.191 ms at 8 / 32 / 256 tokens in fp8_channel, and 20 us
-    at one token against 25 for the 16 x 32 tiles of the plain regime (0-2% under 4 stages at 8-256 tokens);
-    from 16 to 64 rows per expert the 64 x 64 tiles of the regime above
+    layer) 0.082 / 0.149 ms at 8 / 32 tokens in fp8_channel, and 20 us at one token against 25 for the
+    16 x 32 tiles of the plain regime (0-2% under 4 stages at 8-256 tokens); from 14 to 28 rows per expert
+    32 x 64 tiles, also transposed, which read the weights of an expert of 17-32 rows once (fp8_block
+    0.187 against 0.195 ms at 256 tokens, 0.202 against 0.219 for 64 x 64 at 384; equal at 240 and 512;
+    ``benchmarks/results/h200_ops_moe_row_blocks.json``); from 28 to 64 rows per expert the 64 x 64 tiles
+    of the regime above
     (``python -m benchmarks.ops_moe --sweep fp8_block``: 1.27x / 1.46x faster than 32 x 64 at 512 / 1,024
     tokens, 1.09x / 1.44x for fp8_channel; docs/benchmarks.md). MXFP4: the first candidate of its regime in
     :data:`MXFP4_BLOCK_CONFIGS` (fp32 halves BLOCK_K, as in :func:`block_config`, down to 32)."""
@@ -503,9 +519,12 @@ def quant_block_config(num_tokens: int, top_k: int, num_experts: int, dtype: tor
         return cfg
     cfg = block_config(num_tokens, top_k, num_experts, dtype)
     if weight_format.startswith("fp8"):
-        if cfg.block_m == 16:  # decode: 64-wide N tiles, multiplied transposed (docstring)
+        rows_per_expert = num_tokens * top_k / max(num_experts, 1)
+        if rows_per_expert <= 14:  # decode: 64-wide N tiles, multiplied transposed (docstring)
             return BlockConfig(16, 64, 128, 1, 4, 3 if num_tokens > 1 else 6)
-        if cfg.block_m == 32:  # 16 < m <= 64: the next regime's 64 x 64 tiles (docstring)
+        if rows_per_expert <= 28:  # 32-row blocks, multiplied transposed
+            return BlockConfig(32, 64, 128, 4, 4, 3)
+        if cfg.block_m == 32:  # 28 < m <= 64: the next regime's 64 x 64 tiles (docstring)
             return BlockConfig(64, 64, 128, 8, 4, 3)
         return BlockConfig(cfg.block_m, cfg.block_n, 128, cfg.group_m, cfg.num_warps, cfg.num_stages)
     return cfg
@@ -532,27 +551,27 @@ def swaps_ab(cfg: BlockConfig) -> bool:
     return cfg.block_m < 64 <= cfg.block_n
 
 
-def _quantize_input(x, weight_format, fp8_dtype):
+def _quantize_input(x, weight_format, fp8_dtype, tokens):
     """One GEMM input x [R, C] → (fp8 [R, C] of ``fp8_dtype``, fp32 scales) in one launch, as the twin's
     ``activation_quantizer``: fp8_block per 1 x 128 group (scales [R, ceil(C / 128)]), fp8_channel per
-    row (scales [R, 1])."""
+    row (scales [R, 1]); ``tokens``: the tokens the layer serves (dependent launch)."""
     if x.stride(1) != 1:  # the quantization kernels read each row as contiguous
         x = x.contiguous()
     rows, cols = x.shape
     q = torch.empty(rows, cols, dtype=fp8_dtype, device=x.device)
     if weight_format == "fp8_block":
         scale = torch.empty(rows, cdiv(cols, GROUP_SIZE), dtype=torch.float32, device=x.device)
-        per_group_quant(x, GROUP_SIZE, q, scale)
+        per_group_quant(x, GROUP_SIZE, q, scale, tokens)
     else:
         scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
-        per_token_quant(x, q, scale)
+        per_token_quant(x, q, scale, tokens)
     return q, scale
 
 
 def _launch(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight_format, activation, w13_bias,
             w2_bias, out, cfg):
-    """Align, gate/up, down, sum. Strides are passed as ``*t.stride()`` (one call per tensor;
-    ``t.stride(i)`` costs as much each)."""
+    """Align, gate/up, down, sum; every launch dependent (``dependent_launch``) on the layer's token count.
+    Strides are passed as ``*t.stride()`` (one call per tensor; ``t.stride(i)`` costs as much each)."""
     num_tokens, hidden_size = hidden.shape
     num_experts, two_inter, _ = w13.shape
     inter = two_inter // 2
@@ -568,10 +587,11 @@ def _launch(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight
     fp8 = weight_format in ("fp8_block", "fp8_channel")
     swap_ab = fp8 and swaps_ab(cfg)
     sorted_entries, block_experts, num_padded = moe_align(topk_ids, num_experts, cfg.block_m)
+    pdl = launch_kwargs(hidden, num_tokens)
 
     # fp8 weights: the GEMM reads hidden quantized (fp8 of w13's dtype) with its scales; other formats
     # read hidden itself, and x_scale is any pointer, never read.
-    x, x_scale = _quantize_input(hidden, weight_format, w13.dtype) if fp8 else (hidden, hidden)
+    x, x_scale = _quantize_input(hidden, weight_format, w13.dtype, num_tokens) if fp8 else (hidden, hidden)
     act = torch.empty(num_entries, inter, dtype=hidden.dtype, device=hidden.device)
     swiglu = activation == "swiglu_clamped"
     b13 = w13_bias if w13_bias is not None else w13  # any pointer; never read without HAS_BIAS
@@ -586,14 +606,14 @@ def _launch(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight
         TOP_K=top_k, ACT=SWIGLU_CLAMPED if swiglu else SILU, HAS_BIAS=w13_bias is not None,
         EVEN_K=shape.even_hidden, W_FORMAT=w_format, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, DOT_PRECISION=precision, UPCAST_DOT=upcast, ROUND_BF16=upcast, SWAP_AB=swap_ab,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )
 
     # fp32 rows: the sum over K is rounded once, as in the twin (costs 2x the bytes of a 16-bit y,
     # a few % of a prefill, nothing at decode).
     y = torch.empty(num_entries, hidden_size, dtype=torch.float32, device=hidden.device)
     # Rows of dropped choices were never written: they are quantized too (each row on its own) and never read.
-    a, a_scale = _quantize_input(act, weight_format, w2.dtype) if fp8 else (act, act)
+    a, a_scale = _quantize_input(act, weight_format, w2.dtype, num_tokens) if fp8 else (act, act)
     b2 = w2_bias if w2_bias is not None else w2
     s2 = w2_scale if w2_scale is not None else w2
     _down_kernel[shape.down_grid](
@@ -605,10 +625,10 @@ def _launch(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight
         TOP_K=top_k, HAS_BIAS=w2_bias is not None, EVEN_K=shape.even_inter, W_FORMAT=w_format,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         DOT_PRECISION=precision, UPCAST_DOT=upcast, SWAP_AB=swap_ab, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        num_stages=cfg.num_stages, **pdl,
     )
 
     _sum_choices_kernel[shape.sum_grid](
         y, topk_ids, out, hidden_size, num_experts, y.stride(0), *topk_ids.stride(), *out.stride(),
-        TOP_K=top_k, BLOCK_H=shape.block_h, num_warps=4,
+        TOP_K=top_k, BLOCK_H=shape.block_h, num_warps=4, **pdl,
     )

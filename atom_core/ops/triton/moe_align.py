@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from atom_core.ops.triton.dependent_launch import launch_kwargs, wait_for_inputs
 from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2
 
 _BLOCK_ROWS = 32  # blocks labelled per loop step
@@ -51,7 +52,9 @@ def _moe_align_kernel(
     ids_ptr, sorted_ptr, block_experts_ptr, num_padded_ptr, cursor_ptr,
     num_entries, num_experts, max_padded, max_blocks,
     BLOCK_M: tl.constexpr, EXPERTS_P2: tl.constexpr, CHUNK: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     experts = tl.arange(0, EXPERTS_P2)
     expert_ok = experts < num_experts
     chunk = tl.arange(0, CHUNK)
@@ -113,5 +116,6 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
         ids, sorted_entries, block_experts, num_padded, cursor,
         num_entries, num_experts, max_padded, max_blocks,
         BLOCK_M=block_m, EXPERTS_P2=experts_p2, CHUNK=chunk, BLOCK_ROWS=block_rows, num_warps=num_warps,
+        **launch_kwargs(topk_ids, topk_ids.shape[0]),
     )
     return sorted_entries, block_experts, num_padded

@@ -14,6 +14,7 @@ import functools
 import triton
 import triton.language as tl
 
+from atom_core.ops.triton.dependent_launch import launch_kwargs, wait_for_inputs
 from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, next_power_of_2
 
 MAX_EXPERTS = 512
@@ -51,8 +52,9 @@ def _routing_kernel(
     num_groups, group_size, top_k, topk_group, scale,
     stride_lt, stride_le, stride_wt, stride_it,
     SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr, RENORMALIZE: tl.constexpr,
-    GROUPS_P2: tl.constexpr, GROUP_SIZE_P2: tl.constexpr, K_P2: tl.constexpr,
+    GROUPS_P2: tl.constexpr, GROUP_SIZE_P2: tl.constexpr, K_P2: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     t = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, GROUPS_P2)
     j = tl.arange(0, GROUP_SIZE_P2)
@@ -126,6 +128,7 @@ def _launch(logits, bias, weights, ids, *, num_groups, topk_group, renormalize, 
         logits.stride(0), logits.stride(1), weights.stride(0), ids.stride(0),
         SIGMOID=sigmoid, HAS_BIAS=bias is not None, GROUPED=num_groups > 1, RENORMALIZE=renormalize,
         GROUPS_P2=groups_p2, GROUP_SIZE_P2=group_size_p2, K_P2=k_p2, num_warps=num_warps,
+        **launch_kwargs(logits, num_tokens),
     )
 
 

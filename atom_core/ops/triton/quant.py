@@ -151,14 +151,15 @@ def per_tensor_quant(x, static_scale, q, scale):
                              STATIC=static_scale is not None, BLOCK_T=block_t, BLOCK_K=block_k, **_format(q), **pdl)
 
 
-def per_token_quant(x, q, scale):
-    """x [T, K] → q [T, K], scale [T, 1]."""
+def per_token_quant(x, q, scale, tokens=None):
+    """x [T, K] → q [T, K], scale [T, 1]; ``tokens``: the tokens the launch serves, for dependent launch
+    (default T; a fused MoE's [T * top_k, I] activation serves T)."""
     rows, cols = x.shape
     if rows == 0:
         return
     _per_token_kernel[(rows,)](x, q, scale, cols, x.stride(0), q.stride(0), scale.stride(0), AMAX_FLOOR,
                                BLOCK=min(next_power_of_2(max(cols, 1)), _ROW_BLOCK), **_format(q),
-                               **launch_kwargs(x, rows))
+                               **launch_kwargs(x, rows if tokens is None else tokens))
 
 
 @functools.lru_cache(maxsize=LAUNCH_CACHE_SIZE)
@@ -169,8 +170,9 @@ def _group_launch(num_groups: int, group_size: int) -> tuple[int, int, int]:
     return cdiv(num_groups, per_program), group_pad, per_program
 
 
-def per_group_quant(x, group_size, q, scale):
-    """x [T, K] → q [T, K], scale [T, G] with G = ceil(K / group_size)."""
+def per_group_quant(x, group_size, q, scale, tokens=None):
+    """x [T, K] → q [T, K], scale [T, G] with G = ceil(K / group_size); ``tokens`` as in
+    :func:`per_token_quant`."""
     rows, cols = x.shape
     num_groups = scale.shape[1]
     if rows == 0 or num_groups == 0:
@@ -178,7 +180,8 @@ def per_group_quant(x, group_size, q, scale):
     programs, group_pad, per_program = _group_launch(num_groups, group_size)
     _per_group_kernel[(rows, programs)](x, q, scale, cols, num_groups, x.stride(0), q.stride(0), scale.stride(0),
                                         AMAX_FLOOR, GROUP=group_size, GROUP_PAD=group_pad,
-                                        GROUPS_PER_PROGRAM=per_program, **_format(q), **launch_kwargs(x, rows))
+                                        GROUPS_PER_PROGRAM=per_program, **_format(q),
+                                        **launch_kwargs(x, rows if tokens is None else tokens))
 
 
 def per_head_quant(x, q, scale):
