@@ -39,8 +39,18 @@ from atom_core.ops.reference.quant import GROUP_SIZE
 from atom_core.ops.triton.dependent_launch import launch_kwargs, wait_for_inputs
 from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2
 from atom_core.ops.triton.moe_align import align_sizes, moe_align
-from atom_core.ops.triton.moe_quant_tiles import (FORMAT_CODES, FP8_BLOCK, MXFP4_BLOCK, W_FP8_BLOCK, W_FP8_CHANNEL,
-                                                  W_MXFP4, W_PLAIN, fp8_acc, fp8_step, mxfp4_tile)
+from atom_core.ops.triton.moe_quant_tiles import (
+    FORMAT_CODES,
+    FP8_BLOCK,
+    W_FP8_BLOCK,
+    W_FP8_CHANNEL,
+    W_MXFP4,
+    W_PLAIN,
+    fp8_acc,
+    fp8_step,
+    mxfp4_down_loop,
+    mxfp4_gate_up_loop,
+)
 from atom_core.ops.triton.quant import per_group_quant, per_token_quant
 
 SILU = tl.constexpr(0)
@@ -136,94 +146,6 @@ def _round_to_bf16_values(x):
 
 
 @triton.jit
-def _mxfp4_dot(a, w_byte_ptrs, byte_mask, w_scales, acc, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
-    """acc + a [BLOCK_M, BLOCK_K] · the decoded MXFP4 tile [BLOCK_K, BLOCK_N] (bytes [BLOCK_K / 2, BLOCK_N] at
-    w_byte_ptrs, their E8M0 scales [BLOCK_K / 32, BLOCK_N] already loaded), one dot: the activation tile as
-    loaded (contiguous), the weights decoded in K order (moe_quant_tiles.mxfp4_tile) to hidden's dtype (exact
-    in bf16 and fp32; fp16: for scales 2**-23 ... 2**13), or to fp32 where the interpreter's dots take fp32
-    operands (UPCAST_DOT)."""
-    if UPCAST_DOT:
-        return tl.dot(a.to(tl.float32), mxfp4_tile(w_byte_ptrs, byte_mask, w_scales, tl.float32), acc,
-                      input_precision=DOT_PRECISION)
-    return tl.dot(a, mxfp4_tile(w_byte_ptrs, byte_mask, w_scales, a.dtype), acc, input_precision=DOT_PRECISION)
-
-
-@triton.jit
-def _mxfp4_gate_up(x_ptrs, gate_rows_ptr, gate_rows_s_ptr, up_offset, up_offset_s, row_ok, col_ok, hidden,
-                   stride_xh, stride_wh, stride_sh, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
-    """The gate/up kernel's K loop over MXFP4 weights → (acc_gate, acc_up) fp32 [BLOCK_M, BLOCK_N].
-
-    x_ptrs: [BLOCK_M, BLOCK_K] pointers to the first K step of the rows' hidden; gate_rows_ptr /
-    gate_rows_s_ptr: [1, BLOCK_N] pointers to the gate rows' bytes and scales (column 0); the up rows are
-    up_offset / up_offset_s further. H // BLOCK_K whole steps run without K masks; the rest of H (a
-    multiple of 32), if any, in one masked step after them (EVEN_K: none). Each step loads the next
-    step's scale tiles (the pipeliner overlaps the activation and byte tiles' loads by itself)."""
-    k = tl.arange(0, BLOCK_K)
-    pair = tl.arange(0, BLOCK_K // 2)
-    group = tl.arange(0, BLOCK_K // MXFP4_BLOCK)
-    gate_ptrs = gate_rows_ptr + pair[:, None] * stride_wh
-    gate_s_ptrs = gate_rows_s_ptr + group[:, None] * stride_sh
-    s_mask = (group * MXFP4_BLOCK < hidden)[:, None] & col_ok[None, :]
-    gate_s = tl.load(gate_s_ptrs, mask=s_mask, other=127)
-    up_s = tl.load(gate_s_ptrs + up_offset_s, mask=s_mask, other=127)
-    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for step in range(hidden // BLOCK_K):
-        gate_s_ptrs += (BLOCK_K // MXFP4_BLOCK) * stride_sh
-        s_mask = (group * MXFP4_BLOCK < hidden - (step + 1) * BLOCK_K)[:, None] & col_ok[None, :]
-        next_gate_s = tl.load(gate_s_ptrs, mask=s_mask, other=127)
-        next_up_s = tl.load(gate_s_ptrs + up_offset_s, mask=s_mask, other=127)
-        a = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
-        acc_gate = _mxfp4_dot(a, gate_ptrs, col_ok[None, :], gate_s, acc_gate, BLOCK_M, BLOCK_K, DOT_PRECISION,
-                              UPCAST_DOT)
-        acc_up = _mxfp4_dot(a, gate_ptrs + up_offset, col_ok[None, :], up_s, acc_up, BLOCK_M, BLOCK_K, DOT_PRECISION,
-                            UPCAST_DOT)
-        gate_s, up_s = next_gate_s, next_up_s
-        x_ptrs += BLOCK_K * stride_xh
-        gate_ptrs += (BLOCK_K // 2) * stride_wh
-    if not EVEN_K:
-        left = hidden % BLOCK_K
-        a = tl.load(x_ptrs, mask=row_ok[:, None] & (k < left)[None, :], other=0.0)
-        byte_mask = (2 * pair < left)[:, None] & col_ok[None, :]
-        acc_gate = _mxfp4_dot(a, gate_ptrs, byte_mask, gate_s, acc_gate, BLOCK_M, BLOCK_K, DOT_PRECISION, UPCAST_DOT)
-        acc_up = _mxfp4_dot(a, gate_ptrs + up_offset, byte_mask, up_s, acc_up, BLOCK_M, BLOCK_K, DOT_PRECISION,
-                            UPCAST_DOT)
-    return acc_gate, acc_up
-
-
-@triton.jit
-def _mxfp4_down(a_ptrs, w_rows_ptr, w_rows_s_ptr, row_ok, col_ok, inter, stride_wi, stride_si, EVEN_K: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                UPCAST_DOT: tl.constexpr):
-    """The down kernel's K loop over MXFP4 weights → acc fp32 [BLOCK_M, BLOCK_N] (as :func:`_mxfp4_gate_up`, one
-    weight matrix: a_ptrs [BLOCK_M, BLOCK_K] into act, w_rows_ptr / w_rows_s_ptr [1, BLOCK_N] into w2)."""
-    k = tl.arange(0, BLOCK_K)
-    pair = tl.arange(0, BLOCK_K // 2)
-    group = tl.arange(0, BLOCK_K // MXFP4_BLOCK)
-    w_ptrs = w_rows_ptr + pair[:, None] * stride_wi
-    s_ptrs = w_rows_s_ptr + group[:, None] * stride_si
-    w_s = tl.load(s_ptrs, mask=(group * MXFP4_BLOCK < inter)[:, None] & col_ok[None, :], other=127)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for step in range(inter // BLOCK_K):
-        s_ptrs += (BLOCK_K // MXFP4_BLOCK) * stride_si
-        next_w_s = tl.load(s_ptrs, mask=(group * MXFP4_BLOCK < inter - (step + 1) * BLOCK_K)[:, None] & col_ok[None, :],
-                           other=127)
-        a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-        acc = _mxfp4_dot(a, w_ptrs, col_ok[None, :], w_s, acc, BLOCK_M, BLOCK_K, DOT_PRECISION, UPCAST_DOT)
-        w_s = next_w_s
-        a_ptrs += BLOCK_K
-        w_ptrs += (BLOCK_K // 2) * stride_wi
-    if not EVEN_K:
-        left = inter % BLOCK_K
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & (k < left)[None, :], other=0.0)
-        acc = _mxfp4_dot(a, w_ptrs, (2 * pair < left)[:, None] & col_ok[None, :], w_s, acc, BLOCK_M, BLOCK_K,
-                         DOT_PRECISION, UPCAST_DOT)
-    return acc
-
-
-@triton.jit
 def _gate_up_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, act_ptr, sorted_ptr, block_experts_ptr, num_padded_ptr,
     num_entries, hidden, inter, num_blocks, gate_row_step, up_row_offset, alpha, limit,
@@ -266,14 +188,14 @@ def _gate_up_kernel(
     xs_ptrs = xs_ptr + token * stride_xst
     acc_gate = fp8_acc(BLOCK_M, BLOCK_N, SWAP_AB)
     acc_up = fp8_acc(BLOCK_M, BLOCK_N, SWAP_AB)
-    # MXFP4 runs a K loop of its own (_mxfp4_gate_up): whole steps unmasked, then the tail.
+    # MXFP4 runs a K loop of its own (moe_quant_tiles.mxfp4_gate_up_loop): whole steps unmasked, then the tail.
     if W_FORMAT == W_MXFP4:
-        acc_gate, acc_up = _mxfp4_gate_up(x_ptrs, w_expert + gate_rows[None, :] * stride_wn,
-                                          s_expert + gate_rows[None, :] * stride_sn, up_row_offset * stride_wn,
-                                          up_row_offset * stride_sn, row_ok, col_ok, hidden, stride_xh, stride_wh,
-                                          stride_sh, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, UPCAST_DOT)
+        acc_gate, acc_up = mxfp4_gate_up_loop(x_ptrs, w_expert + gate_rows[None, :] * stride_wn,
+                                              s_expert + gate_rows[None, :] * stride_sn, up_row_offset * stride_wn,
+                                              up_row_offset * stride_sn, row_ok, col_ok, hidden, stride_xh, stride_wh,
+                                              stride_sh, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, UPCAST_DOT)
     else:
-        for step in range(0, tl.cdiv(hidden, BLOCK_K)):
+        for step in range(tl.cdiv(hidden, BLOCK_K)):
             a_mask, w_mask = _k_step_masks(row_ok, col_ok, k, hidden - step * BLOCK_K, EVEN_K)
             a = tl.load(x_ptrs, mask=a_mask, other=0.0)
             if W_FORMAT == W_PLAIN:
@@ -354,12 +276,13 @@ def _down_kernel(
     w_ptrs = w_rows + k[:, None] * stride_wi
     as_ptrs = as_ptr + entry * stride_asn
     acc = fp8_acc(BLOCK_M, BLOCK_N, SWAP_AB)
-    # MXFP4: a K loop of its own (_mxfp4_down), as in the gate/up kernel
+    # MXFP4: a K loop of its own (moe_quant_tiles.mxfp4_down_loop), as in the gate/up kernel
     if W_FORMAT == W_MXFP4:
-        acc = _mxfp4_down(a_ptrs, w_rows, s_expert + cols.to(tl.int64)[None, :] * stride_sn, row_ok, col_ok, inter,
-                          stride_wi, stride_si, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, UPCAST_DOT)
+        acc = mxfp4_down_loop(a_ptrs, w_rows, s_expert + cols.to(tl.int64)[None, :] * stride_sn, row_ok, col_ok,
+                              inter, stride_wi, stride_si, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
+                              UPCAST_DOT)
     else:
-        for step in range(0, tl.cdiv(inter, BLOCK_K)):
+        for step in range(tl.cdiv(inter, BLOCK_K)):
             a_mask, w_mask = _k_step_masks(row_ok, col_ok, k, inter - step * BLOCK_K, EVEN_K)
             a = tl.load(a_ptrs, mask=a_mask, other=0.0)
             if W_FORMAT == W_PLAIN:

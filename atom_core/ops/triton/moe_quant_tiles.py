@@ -21,6 +21,8 @@ Weight formats (``W_FORMAT``, a constexpr of both kernels; layouts in ``atom_cor
   in one dot. The weights never exist decoded in memory. :func:`mxfp4_pairs` is the per-element
   decode the kernels used before (a scale load and its decode per byte), kept as the definition the
   tiled decode is pinned against (``decode_mxfp4(..., tiled=False)``).
+  :func:`mxfp4_gate_up_loop` and :func:`mxfp4_down_loop` are the two kernels' whole K loops over MXFP4
+  weights (whole steps unmasked, then one masked tail; each step loads the next step's scales).
 
 For the fp8 formats each GEMM's input is quantized once, by one launch before that GEMM, with the
 activation quantization kernels of ``atom_core.ops.triton.quant`` (``per_group_quant`` with groups
@@ -155,6 +157,95 @@ def mxfp4_tile(byte_ptrs, byte_mask, scales, DTYPE: tl.constexpr):
     packed = tl.load(byte_ptrs, mask=byte_mask, other=0)
     scale = mxfp4_block_rows(e8m0_value(scales.to(tl.int32)), byte_ptrs.shape[0])
     return mxfp4_decode(packed, scale, DTYPE)
+
+
+@triton.jit
+def mxfp4_dot(a, w_byte_ptrs, byte_mask, w_scales, acc, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+              DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """acc + a [BLOCK_M, BLOCK_K] · the decoded MXFP4 tile [BLOCK_K, BLOCK_N] (bytes [BLOCK_K / 2, BLOCK_N] at
+    w_byte_ptrs, their E8M0 scales [BLOCK_K / 32, BLOCK_N] already loaded), one dot: the activation tile as
+    loaded (contiguous), the weights decoded in K order (:func:`mxfp4_tile`) to hidden's dtype (exact
+    in bf16 and fp32; fp16: for scales 2**-23 ... 2**13), or to fp32 where the interpreter's dots take fp32
+    operands (UPCAST_DOT)."""
+    if UPCAST_DOT:
+        return tl.dot(a.to(tl.float32), mxfp4_tile(w_byte_ptrs, byte_mask, w_scales, tl.float32), acc,
+                      input_precision=DOT_PRECISION)
+    return tl.dot(a, mxfp4_tile(w_byte_ptrs, byte_mask, w_scales, a.dtype), acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def mxfp4_gate_up_loop(x_ptrs, gate_rows_ptr, gate_rows_s_ptr, up_offset, up_offset_s, row_ok, col_ok, hidden,
+                       stride_xh, stride_wh, stride_sh, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                       UPCAST_DOT: tl.constexpr):
+    """The gate/up kernel's K loop over MXFP4 weights → (acc_gate, acc_up) fp32 [BLOCK_M, BLOCK_N].
+
+    x_ptrs: [BLOCK_M, BLOCK_K] pointers to the first K step of the rows' hidden; gate_rows_ptr /
+    gate_rows_s_ptr: [1, BLOCK_N] pointers to the gate rows' bytes and scales (column 0); the up rows are
+    up_offset / up_offset_s further. H // BLOCK_K whole steps run without K masks; the rest of H (a
+    multiple of 32), if any, in one masked step after them (EVEN_K: none). Each step loads the next
+    step's scale tiles (the pipeliner overlaps the activation and byte tiles' loads by itself)."""
+    k = tl.arange(0, BLOCK_K)
+    pair = tl.arange(0, BLOCK_K // 2)
+    group = tl.arange(0, BLOCK_K // MXFP4_BLOCK)
+    gate_ptrs = gate_rows_ptr + pair[:, None] * stride_wh
+    gate_s_ptrs = gate_rows_s_ptr + group[:, None] * stride_sh
+    s_mask = (group * MXFP4_BLOCK < hidden)[:, None] & col_ok[None, :]
+    gate_s = tl.load(gate_s_ptrs, mask=s_mask, other=127)
+    up_s = tl.load(gate_s_ptrs + up_offset_s, mask=s_mask, other=127)
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for step in range(hidden // BLOCK_K):
+        gate_s_ptrs += (BLOCK_K // MXFP4_BLOCK) * stride_sh
+        s_mask = (group * MXFP4_BLOCK < hidden - (step + 1) * BLOCK_K)[:, None] & col_ok[None, :]
+        next_gate_s = tl.load(gate_s_ptrs, mask=s_mask, other=127)
+        next_up_s = tl.load(gate_s_ptrs + up_offset_s, mask=s_mask, other=127)
+        a = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+        acc_gate = mxfp4_dot(a, gate_ptrs, col_ok[None, :], gate_s, acc_gate, BLOCK_M, BLOCK_K, DOT_PRECISION,
+                             UPCAST_DOT)
+        acc_up = mxfp4_dot(a, gate_ptrs + up_offset, col_ok[None, :], up_s, acc_up, BLOCK_M, BLOCK_K, DOT_PRECISION,
+                           UPCAST_DOT)
+        gate_s, up_s = next_gate_s, next_up_s
+        x_ptrs += BLOCK_K * stride_xh
+        gate_ptrs += (BLOCK_K // 2) * stride_wh
+    if not EVEN_K:
+        left = hidden % BLOCK_K
+        a = tl.load(x_ptrs, mask=row_ok[:, None] & (k < left)[None, :], other=0.0)
+        byte_mask = (2 * pair < left)[:, None] & col_ok[None, :]
+        acc_gate = mxfp4_dot(a, gate_ptrs, byte_mask, gate_s, acc_gate, BLOCK_M, BLOCK_K, DOT_PRECISION, UPCAST_DOT)
+        acc_up = mxfp4_dot(a, gate_ptrs + up_offset, byte_mask, up_s, acc_up, BLOCK_M, BLOCK_K, DOT_PRECISION,
+                           UPCAST_DOT)
+    return acc_gate, acc_up
+
+
+@triton.jit
+def mxfp4_down_loop(a_ptrs, w_rows_ptr, w_rows_s_ptr, row_ok, col_ok, inter, stride_wi, stride_si,
+                    EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """The down kernel's K loop over MXFP4 weights → acc fp32 [BLOCK_M, BLOCK_N] (as :func:`mxfp4_gate_up_loop`, one
+    weight matrix: a_ptrs [BLOCK_M, BLOCK_K] into act, w_rows_ptr / w_rows_s_ptr [1, BLOCK_N] into w2)."""
+    k = tl.arange(0, BLOCK_K)
+    pair = tl.arange(0, BLOCK_K // 2)
+    group = tl.arange(0, BLOCK_K // MXFP4_BLOCK)
+    w_ptrs = w_rows_ptr + pair[:, None] * stride_wi
+    s_ptrs = w_rows_s_ptr + group[:, None] * stride_si
+    w_s = tl.load(s_ptrs, mask=(group * MXFP4_BLOCK < inter)[:, None] & col_ok[None, :], other=127)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for step in range(inter // BLOCK_K):
+        s_ptrs += (BLOCK_K // MXFP4_BLOCK) * stride_si
+        next_w_s = tl.load(s_ptrs, mask=(group * MXFP4_BLOCK < inter - (step + 1) * BLOCK_K)[:, None] & col_ok[None, :],
+                           other=127)
+        a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+        acc = mxfp4_dot(a, w_ptrs, col_ok[None, :], w_s, acc, BLOCK_M, BLOCK_K, DOT_PRECISION, UPCAST_DOT)
+        w_s = next_w_s
+        a_ptrs += BLOCK_K
+        w_ptrs += (BLOCK_K // 2) * stride_wi
+    if not EVEN_K:
+        left = inter % BLOCK_K
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & (k < left)[None, :], other=0.0)
+        acc = mxfp4_dot(a, w_ptrs, (2 * pair < left)[:, None] & col_ok[None, :], w_s, acc, BLOCK_M, BLOCK_K,
+                        DOT_PRECISION, UPCAST_DOT)
+    return acc
 
 
 @triton.jit
