@@ -59,6 +59,26 @@ def test_smoke_run_writes_complete_rows_and_meta(script, columns, tmp_path, monk
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not available")
+@pytest.mark.parametrize("weight_format", ["bf16", "fp8_block"])
+def test_moe_sweep_times_every_candidate_against_the_default_launch_and_each_computes_the_same(weight_format):
+    # The default launch comes first, marked, and every candidate's output equals the bf16 kernel's up to
+    # accumulation order (fp32 smoke sizes: bf16 arm) or fp8's rounding (fp8 arm, same for every launch).
+    pytest.importorskip("triton")
+    from atom_core.ops.triton import fused_moe as triton_moe
+    rows = ops_moe.sweep(weight_format, "cpu", smoke=True, tokens=[8])
+    sizes = ops_moe.layer_sizes(True)
+    configs = (ops_moe.bf16_sweep_configs if weight_format == "bf16" else ops_moe.fp8_sweep_configs)(8, sizes)
+    default = (triton_moe.block_config(8, sizes["top_k"], sizes["num_experts"], sizes["dtype"])
+               if weight_format == "bf16" else
+               triton_moe.quant_block_config(8, sizes["top_k"], sizes["num_experts"], sizes["dtype"], weight_format))
+    assert [r["config"] for r in rows] == [ops_moe.config_name(c) for c in dict.fromkeys([default, *configs])]
+    assert [r["default"] for r in rows] == [True] + [False] * (len(rows) - 1)
+    errors = [r["rel_err"] for r in rows]
+    assert all(r["ms"] > 0 for r in rows)
+    assert max(errors) < (1e-5 if weight_format == "bf16" else 0.1)
+    assert max(errors) - min(errors) < 1e-5
+
+
 def test_comm_smoke_run_over_two_gloo_ranks_writes_both_sections(tmp_path):
     """benchmarks/comm.py at its --smoke sizes on the CPU: two forked ranks over gloo, rank 0 writes the rows."""
     path = tmp_path / "comm.json"
