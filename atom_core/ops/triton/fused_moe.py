@@ -37,13 +37,7 @@ import triton.language as tl
 from atom_core.ops.dispatch import triton_interpret
 from atom_core.ops.reference.quant import GROUP_SIZE
 from atom_core.ops.triton.dependent_launch import launch_kwargs, wait_for_inputs
-from atom_core.ops.triton.launch import (
-    LAUNCH_CACHE_SIZE,
-    cdiv,
-    max_shared_memory,
-    next_power_of_2,
-    stages_that_fit,
-)
+from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2
 from atom_core.ops.triton.moe_align import align_sizes, moe_align
 from atom_core.ops.triton.moe_quant_tiles import (
     FORMAT_CODES,
@@ -497,14 +491,6 @@ def _quantize_input(x, weight_format, fp8_dtype, tokens):
     return q, scale
 
 
-def _stages(cfg: BlockConfig, a_itemsize: int, w_itemsize: int, matrices: int, packed: bool, shared: int | None) -> int:
-    """cfg's pipeline stages trimmed to the device's shared memory (``launch.stages_that_fit``; None: no limit):
-    a stage holds the [BLOCK_M, BLOCK_K] activation tile and ``matrices`` [BLOCK_K, BLOCK_N] weight tiles
-    (``packed``: MXFP4, two values a byte)."""
-    w_tile = cfg.block_k * cfg.block_n * w_itemsize // (2 if packed else 1)
-    return stages_that_fit(cfg.num_stages, cfg.block_m * cfg.block_k * a_itemsize + matrices * w_tile, shared)
-
-
 def _launch(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight_format, activation, w13_bias,
             w2_bias, out, cfg):
     """Align, gate/up, down, sum; every launch dependent (``dependent_launch``) on the layer's token count.
@@ -525,8 +511,6 @@ def _launch(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight
     swap_ab = fp8 and swaps_ab(cfg)
     sorted_entries, block_experts, num_padded = moe_align(topk_ids, num_experts, cfg.block_m)
     pdl = launch_kwargs(hidden, num_tokens)
-    shared = None if triton_interpret() else max_shared_memory(hidden.device.index or 0)
-    packed = weight_format == "mxfp4"
 
     # fp8 weights: the GEMM reads hidden quantized (fp8 of w13's dtype) with its scales; other formats
     # read hidden itself, and x_scale is any pointer, never read.
@@ -545,8 +529,7 @@ def _launch(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight
         TOP_K=top_k, ACT=SWIGLU_CLAMPED if swiglu else SILU, HAS_BIAS=w13_bias is not None,
         EVEN_K=shape.even_hidden, W_FORMAT=w_format, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, DOT_PRECISION=precision, UPCAST_DOT=upcast, ROUND_BF16=upcast, SWAP_AB=swap_ab,
-        num_warps=cfg.num_warps, num_stages=_stages(cfg, x.element_size(), w13.element_size(), 2, packed, shared),
-        **pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )
 
     # fp32 rows: the sum over K is rounded once, as in the twin (costs 2x the bytes of a 16-bit y,
@@ -565,7 +548,7 @@ def _launch(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight
         TOP_K=top_k, HAS_BIAS=w2_bias is not None, EVEN_K=shape.even_inter, W_FORMAT=w_format,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         DOT_PRECISION=precision, UPCAST_DOT=upcast, SWAP_AB=swap_ab, num_warps=cfg.num_warps,
-        num_stages=_stages(cfg, a.element_size(), w2.element_size(), 1, packed, shared), **pdl,
+        num_stages=cfg.num_stages, **pdl,
     )
 
     _sum_choices_kernel[shape.sum_grid](

@@ -40,8 +40,7 @@ from atom_core.ops.dispatch import triton_interpret
 from atom_core.ops.reference.quant import INT8_DTYPE
 from atom_core.ops.reference.scaled_mm import BLOCK
 from atom_core.ops.triton.dependent_launch import launch_kwargs, wait_for_inputs
-from atom_core.ops.triton.launch import (LAUNCH_CACHE_SIZE, cdiv, max_shared_memory, next_power_of_2, num_sms,
-                                        stages_that_fit)
+from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2, num_sms
 
 GEMV_LANES_PER_THREAD = 64  # the GEMV kernel's 2D accumulator up to this many fp32 values a thread
 PER_TENSOR = tl.constexpr(0)  # values of SCALES (tl.constexpr: read inside the kernel)
@@ -192,11 +191,6 @@ class LaunchConfig:
     split_k: int = 1
     max_imprecise: int | None = 0  # <= block_k; None: Triton's default (no promotion within the K loop)
 
-    def stages_within(self, shared_memory: int | None, itemsize: int) -> int:
-        """``num_stages`` trimmed to ``shared_memory`` bytes (``launch.stages_that_fit``; None: no limit): a stage
-        holds an [BLOCK_M, BLOCK_K] and a [BLOCK_K, BLOCK_N] tile of ``itemsize``-byte operands."""
-        return stages_that_fit(self.num_stages, (self.block_m + self.block_n) * self.block_k * itemsize, shared_memory)
-
 
 def _gemv_tile(n: int, k: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, warps) of the GEMV kernel on an H200, each weight timed out of L2 (copies of it read
@@ -288,7 +282,6 @@ def _scaled_mm(scales, a, a_scale, w, w_scale, bias, out_dtype, config: LaunchCo
     target = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=a.device)
     grid = (cdiv(m, config.block_m) * cdiv(n, config.block_n), splits)
     pdl = launch_kwargs(a, m)
-    shared = None if triton_interpret() else max_shared_memory(a.device.index or 0)
     _scaled_mm_kernel[grid](
         a, w, a_scale, w_scale, bias if bias is not None else out, target, m, n, k, k_per_split,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), *scale_strides, target.stride(-2),
@@ -296,7 +289,7 @@ def _scaled_mm(scales, a, a_scale, w, w_scale, bias, out_dtype, config: LaunchCo
         SCALES=scales, HAS_BIAS=bias is not None, IS_INT8=a.dtype == INT8_DTYPE, SCALE_BLOCK=BLOCK,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=8,
         MAX_IMPRECISE=config.max_imprecise, num_warps=config.num_warps,
-        num_stages=config.stages_within(shared, a.element_size()), **pdl,
+        num_stages=config.num_stages, **pdl,
     )
     if splits > 1:
         block = 1024
