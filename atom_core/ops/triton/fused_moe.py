@@ -76,6 +76,7 @@ def block_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dty
     | m         | BLOCK_M | BLOCK_N | BLOCK_K | GROUP_M | warps | stages | regime                          |
     |-----------|---------|---------|---------|---------|-------|--------|---------------------------------|
     | <= 12     | 16      | 32      | 128     | 1       | 4     | 3      | decode: weight-bandwidth bound  |
+    | <= 28     | 32      | 64      | 128     | 1       | 4     | 3      | decode, experts past 16 rows    |
     | <= 64     | 32      | 64      | 64      | 4       | 4     | 4      | small batches                   |
     | <= 512    | 64      | 64      | 64      | 8       | 4     | 3      | prefill                         |
     | > 512     | 128     | 64      | 64      | 8       | 8     | 3      | long prefill                    |
@@ -85,11 +86,11 @@ def block_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dty
     reloads of the weights). An expert with more rows than BLOCK_M has its weights read once per
     BLOCK_M block: routed tokens do not spread evenly, so from a mean of 12 rows many experts pass 16
     and 32-row blocks read less (Qwen3-30B-A3B's layer on an H200, random routing: at 256 tokens, m = 16,
-    the experts hit need 180 blocks of 16 rows but 128 of 32, and the layer takes 0.315 ms instead of
+    the experts hit need 180 blocks of 16 rows but 128 of 32, and the layer takes 0.305 ms instead of
     0.336; at 192, m = 12, the two are within 1%; ``benchmarks/results/h200_ops_moe_row_blocks.json``).
-    32 x 64 x 128 tiles with 3 stages were 3% faster still there, but their 120 KB of shared memory is more
-    than GPUs other than the datacenter parts give a program (about 99 KB); the tiles here need at most 96
-    (operand tiles times stages).
+    Shared memory (Triton 3.6, compiled for each target off the GPU): the most any of these takes on sm86 /
+    sm89, whose programs get ~99 KB, is the 32 x 64 x 128 gate/up kernel's 80 KB (Triton stages one buffer
+    fewer than ``num_stages`` there); on sm90, 96 KB (128 x 64 x 64).
     GROUP_M > 1 walks several M blocks over one N stripe for L2 reuse.
     Decode reads each hit expert's weights once and does little math, so it wants many programs in
     flight: BLOCK_N = 32 gives 2 x the programs of 64 (T = 1, K = 8, I = 768: 8 x 24 gate/up programs).
@@ -100,6 +101,8 @@ def block_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dty
     rows_per_expert = num_tokens * top_k / max(num_experts, 1)
     if rows_per_expert <= 12:
         config = BlockConfig(16, 32, 128, 1, 4, 3)
+    elif rows_per_expert <= 28:
+        config = BlockConfig(32, 64, 128, 1, 4, 3)
     elif rows_per_expert <= 64:
         config = BlockConfig(32, 64, 64, 4, 4, 4)
     elif rows_per_expert <= 512:
