@@ -266,7 +266,7 @@ COLUMNS = ["op", "format", "shapes", "tokens", "backend", "experts_hit", "weight
 def fp8_sweep_configs(tokens: int, sizes: dict, which: str = "regime") -> list:
     """The launch configs ``--sweep fp8_*`` times at ``tokens`` (``which="all"``: every candidate below at every
     token count; ``"regime"``: those of the token count's rows per expert: decode, 32-row blocks or prefill)."""
-    from atom_core.ops.triton.fused_moe import BlockConfig
+    from atom_core.ops.triton.fused_moe import BlockConfig, rows_per_expert
 
     decode = [BlockConfig(16, 32, 128, 1, 4, 3), BlockConfig(16, 64, 128, 1, 4, 3), BlockConfig(16, 64, 128, 1, 4, 4),
               BlockConfig(16, 64, 128, 1, 4, 6), BlockConfig(16, 128, 128, 1, 4, 4)]
@@ -278,8 +278,8 @@ def fp8_sweep_configs(tokens: int, sizes: dict, which: str = "regime") -> list:
         (128, 128, 128, 8, 8, 3), (128, 128, 128, 8, 8, 4), (128, 64, 128, 8, 4, 4), (256, 64, 128, 8, 8, 3))]
     if which == "all":
         return list(dict.fromkeys(decode + rows32 + prefill))
-    rows_per_expert = tokens * sizes["top_k"] / sizes["num_experts"]
-    return decode if rows_per_expert <= 12 else rows32 if rows_per_expert <= 32 else prefill
+    m = rows_per_expert(tokens, sizes["top_k"], sizes["num_experts"])
+    return decode if m <= 12 else rows32 if m <= 32 else prefill
 
 
 def bf16_sweep_configs(tokens: int, sizes: dict, which: str = "regime") -> list:
@@ -368,7 +368,7 @@ def _sweep_rows(weight_format, configs, tokens, sizes, device, timed, copy_gbs):
         default = triton_moe.quant_block_config(tokens, sizes["top_k"], sizes["num_experts"], hidden.dtype,
                                                 weight_format)
     regime = (triton_moe.mxfp4_regime(tokens, sizes["top_k"], sizes["num_experts"]) if weight_format == "mxfp4"
-              else f"{tokens * sizes['top_k'] / sizes['num_experts']:g} rows/expert")
+              else f"{triton_moe.rows_per_expert(tokens, sizes['top_k'], sizes['num_experts']):g} rows/expert")
     rows = []
     for cfg in dict.fromkeys([default, *configs]):  # the default always, first, as the others' yardstick
         row = {"format": weight_format, "tokens": tokens, "regime": regime, "config": config_name(cfg),

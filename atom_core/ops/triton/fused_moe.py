@@ -69,6 +69,11 @@ class BlockConfig:
     num_stages: int
 
 
+def rows_per_expert(num_tokens: int, top_k: int, num_experts: int) -> float:
+    """m = T * K / E, the mean rows an expert sees: what every tile rule here is keyed by."""
+    return num_tokens * top_k / max(num_experts, 1)
+
+
 @functools.lru_cache(maxsize=LAUNCH_CACHE_SIZE)
 def block_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype) -> BlockConfig:
     """Tile sizes by the mean rows per expert, m = T * K / E.
@@ -98,14 +103,14 @@ def block_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dty
     fp32 (full-precision dot, twice the bytes per element) halves BLOCK_K.
     These are starting values; ``benchmarks/ops_moe.py`` measures them on the target GPU.
     """
-    rows_per_expert = num_tokens * top_k / max(num_experts, 1)
-    if rows_per_expert <= 12:
+    m = rows_per_expert(num_tokens, top_k, num_experts)
+    if m <= 12:
         config = BlockConfig(16, 32, 128, 1, 4, 3)
-    elif rows_per_expert <= 28:
+    elif m <= 28:
         config = BlockConfig(32, 64, 128, 1, 4, 3)
-    elif rows_per_expert <= 64:
+    elif m <= 64:
         config = BlockConfig(32, 64, 64, 4, 4, 4)
-    elif rows_per_expert <= 512:
+    elif m <= 512:
         config = BlockConfig(64, 64, 64, 8, 4, 3)
     else:
         config = BlockConfig(128, 64, 64, 8, 8, 3)
@@ -410,8 +415,8 @@ MXFP4_REGIMES = ((16, "decode"), (64, "small"), (256, "prefill"), (float("inf"),
 
 def mxfp4_regime(num_tokens: int, top_k: int, num_experts: int) -> str:
     """The :data:`MXFP4_BLOCK_CONFIGS` regime of a call: by the mean rows per expert m = T * K / E."""
-    rows_per_expert = num_tokens * top_k / max(num_experts, 1)
-    return next(name for largest, name in MXFP4_REGIMES if rows_per_expert <= largest)
+    m = rows_per_expert(num_tokens, top_k, num_experts)
+    return next(name for largest, name in MXFP4_REGIMES if m <= largest)
 
 
 def check_mxfp4_block_k(block_k: int) -> None:
@@ -445,12 +450,12 @@ def quant_block_config(num_tokens: int, top_k: int, num_experts: int, dtype: tor
         return cfg
     cfg = block_config(num_tokens, top_k, num_experts, dtype)
     if weight_format.startswith("fp8"):
-        rows_per_expert = num_tokens * top_k / max(num_experts, 1)
-        if rows_per_expert <= 14:  # decode: 64-wide N tiles, multiplied transposed (docstring)
+        m = rows_per_expert(num_tokens, top_k, num_experts)
+        if m <= 14:  # decode: 64-wide N tiles, multiplied transposed (docstring)
             return BlockConfig(16, 64, 128, 1, 4, 3 if num_tokens > 1 else 6)
-        if rows_per_expert <= 28:  # 32-row blocks, multiplied transposed
+        if m <= 28:  # 32-row blocks, multiplied transposed
             return BlockConfig(32, 64, 128, 4, 4, 3)
-        if cfg.block_m == 32:  # 28 < m <= 64: the next regime's 64 x 64 tiles (docstring)
+        if m <= 64:  # the next regime's 64 x 64 tiles (docstring)
             return BlockConfig(64, 64, 128, 8, 4, 3)
         return BlockConfig(cfg.block_m, cfg.block_n, 128, cfg.group_m, cfg.num_warps, cfg.num_stages)
     return cfg
