@@ -207,6 +207,47 @@ def test_triton_strided_inputs_out_given_and_dropped_choices():
                                **tol(torch.float32))
 
 
+@needs_triton
+@settings(max_examples=30, deadline=None)
+@given(tokens=st.integers(1, 8), top_k=st.integers(1, 4), experts=st.integers(1, 6), data=st.data())
+@example(tokens=8, top_k=2, experts=3, data=None)  # 16 choices: the most one block holds
+def test_triton_small_batch_sorts_in_program_any_ids(tokens, top_k, experts, data):
+    # At most BLOCK_M (16) choices: no moe_align launch; each GEMM program finds its expert and rows from topk_ids,
+    # whatever they hold: repeats within a token, dropped (-1) and out-of-range ids.
+    from atom_core.ops.triton import fused_moe as triton_moe
+    if tokens * top_k > 16:
+        tokens = 16 // top_k
+    x, w13, w2, _, _, b13, b2 = make_moe(tokens, experts, 1, 32, 16, torch.float32, biases=True, seed=3)
+    weights = torch.rand(tokens, top_k, generator=torch.Generator().manual_seed(tokens)).to(DEVICE)
+    if data is None:
+        ids = torch.tensor([[0, 0], [1, -1], [2, 3], [0, 2]] * 2, dtype=torch.int32, device=DEVICE)
+    else:
+        ids = torch.tensor(data.draw(st.lists(st.lists(st.integers(-1, experts), min_size=top_k, max_size=top_k),
+                                              min_size=tokens, max_size=tokens)), dtype=torch.int32, device=DEVICE)
+    align = triton_moe.moe_align
+    sorts = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(triton_moe, "moe_align", lambda *args: sorts.append(args) or align(*args))
+        got = fused_experts(x, w13, w2, weights, ids, w13_bias=b13, w2_bias=b2, backend="triton")
+    assert sorts == []
+    torch.testing.assert_close(got, reference.fused_experts(x, w13, w2, weights, ids, "silu", b13, b2),
+                               **tol(torch.float32))
+
+
+@needs_triton
+def test_triton_batch_past_one_block_is_sorted_by_moe_align():
+    from atom_core.ops.triton import fused_moe as triton_moe
+    x, w13, w2, weights, ids, b13, b2 = make_moe(9, 4, 2, 32, 16, torch.float32, biases=True, seed=4)  # 18 choices
+    align = triton_moe.moe_align
+    sorts = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(triton_moe, "moe_align", lambda *args: sorts.append(args) or align(*args))
+        got = fused_experts(x, w13, w2, weights, ids, w13_bias=b13, w2_bias=b2, backend="triton")
+    assert len(sorts) == 1
+    torch.testing.assert_close(got, reference.fused_experts(x, w13, w2, weights, ids, "silu", b13, b2),
+                               **tol(torch.float32))
+
+
 GPU_TOKENS = [1, 7, 129, 4099]
 GPU_EXPERTS_TOPK = [(8, 1), (8, 2), (64, 2), (64, 8), (128, 8)]
 

@@ -1,6 +1,8 @@
 """Triton fused experts: sort the choices by expert (``moe_align``), then two grouped GEMMs and a sum.
 
-1. ``moe_align`` — choices sorted by expert, each expert's run padded to BLOCK_M rows.
+1. ``moe_align`` — choices sorted by expert, each expert's run padded to BLOCK_M rows. A batch of at most
+   BLOCK_M choices (decode of one or two tokens at top-8) skips this launch: each GEMM program derives its
+   block from topk_ids itself (``_block_of``).
 2. gate/up GEMM — program (block, n-tile) multiplies BLOCK_M rows of one expert by the gate rows
    AND the matching up rows of w13 (two accumulators), adds the biases and applies the activation
    in the epilogue: act [N, I] in hidden's dtype, one row per choice (N = T * K).
@@ -130,6 +132,36 @@ def _tile_of(pid, num_blocks, num_n_tiles, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _block_of(pid_m, sorted_ptr, block_experts_ptr, num_padded_ptr, ids_ptr, stride_it, stride_ik, num_entries,
+              num_experts, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, SORT_HERE: tl.constexpr):
+    """(expert, entries [BLOCK_M]) of M block pid_m; expert -1: no such block (the program returns). Entries are
+    choice indices t * K + k, num_entries past the block's rows.
+
+    From ``moe_align``'s sort, or with SORT_HERE (a batch of at most BLOCK_M choices, so that no expert has more
+    rows than one block) from topk_ids itself: block b is the b-th distinct valid expert in choice order, and
+    its rows are the choices that picked it, in order. Every program derives its own block from the
+    BLOCK_M ids (a [BLOCK_M, BLOCK_M] comparison), so a small batch needs no sort launch."""
+    rows = tl.arange(0, BLOCK_M)
+    if SORT_HERE:
+        ids = tl.load(ids_ptr + (rows // TOP_K) * stride_it + (rows % TOP_K) * stride_ik, mask=rows < num_entries,
+                      other=-1)
+        valid = (ids >= 0) & (ids < num_experts)
+        repeats = tl.sum(((ids[:, None] == ids[None, :]) & (rows[None, :] < rows[:, None])).to(tl.int32), axis=1)
+        first = valid & (repeats == 0)  # the expert's first choice
+        rank = tl.cumsum(first.to(tl.int32), axis=0) - 1
+        expert = tl.max(tl.where(first & (rank == pid_m), ids, -1), axis=0)
+        hit = valid & (ids == expert)
+        slot = tl.cumsum(hit.to(tl.int32), axis=0) - 1  # the row of each choice of this block
+        match = hit[None, :] & (slot[None, :] == rows[:, None])  # [row, choice]
+        entry = tl.where(tl.sum(match.to(tl.int32), axis=1) > 0, tl.sum(tl.where(match, rows[None, :], 0), axis=1),
+                         num_entries)
+    else:
+        expert = tl.where(pid_m * BLOCK_M < tl.load(num_padded_ptr), tl.load(block_experts_ptr + pid_m), -1)
+        entry = tl.load(sorted_ptr + pid_m * BLOCK_M + rows)
+    return expert, entry
+
+
+@triton.jit
 def _k_step_masks(row_ok, col_ok, k, remaining, EVEN_K: tl.constexpr):
     """(activation mask, weight mask) of one K step of a [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] tile with
     ``remaining`` columns of K left (EVEN_K: every step is whole, only rows and columns are masked)."""
@@ -155,14 +187,14 @@ def _round_to_bf16_values(x):
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, act_ptr, sorted_ptr, block_experts_ptr, num_padded_ptr,
-    num_entries, hidden, inter, num_blocks, gate_row_step, up_row_offset, alpha, limit,
+    x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, act_ptr, sorted_ptr, block_experts_ptr, num_padded_ptr, ids_ptr,
+    num_entries, num_experts, hidden, inter, num_blocks, gate_row_step, up_row_offset, alpha, limit, stride_it, stride_ik,
     stride_xt, stride_xh, stride_xst, stride_xsg, stride_we, stride_wn, stride_wh, stride_se, stride_sn, stride_sh,
     stride_be, stride_bn, stride_an,
     TOP_K: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, W_FORMAT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, ROUND_BF16: tl.constexpr, SWAP_AB: tl.constexpr,
-    PDL: tl.constexpr,
+    SORT_HERE: tl.constexpr, PDL: tl.constexpr,
 ):
     """act[entry, j] = act(x[entry // K] · w13[e, gate_row(j)] + b, x · w13[e, up_row(j)] + b).
 
@@ -176,10 +208,11 @@ def _gate_up_kernel(
     """
     wait_for_inputs(PDL)
     pid_m, pid_n = _tile_of(tl.program_id(0), num_blocks, tl.cdiv(inter, BLOCK_N), GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+    expert, entry = _block_of(pid_m, sorted_ptr, block_experts_ptr, num_padded_ptr, ids_ptr, stride_it, stride_ik,
+                              num_entries, num_experts, TOP_K, BLOCK_M, SORT_HERE)
+    if expert < 0:
         return
-    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
-    entry = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    expert = expert.to(tl.int64)
     row_ok = entry < num_entries
     token = (entry // TOP_K).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -257,21 +290,23 @@ def _gate_up_kernel(
 @triton.jit
 def _down_kernel(
     act_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, topk_weights_ptr, y_ptr, sorted_ptr, block_experts_ptr, num_padded_ptr,
-    num_entries, hidden, inter, num_blocks,
+    ids_ptr, num_entries, num_experts, hidden, inter, num_blocks, stride_it, stride_ik,
     stride_an, stride_asn, stride_asg, stride_we, stride_wn, stride_wi, stride_se, stride_sn, stride_si,
     stride_be, stride_bn, stride_tw_t, stride_tw_k, stride_yn,
     TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, W_FORMAT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, SWAP_AB: tl.constexpr, PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, SWAP_AB: tl.constexpr, SORT_HERE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """y[entry, h] = topk_weight[entry] * (act[entry] · w2[e, h] + b2[e, h]) (formats and SWAP_AB as the gate/up
     kernel: for fp8, act is the activation quantized to fp8 and as_ptr its scales [N, ceil(I / 128)] or [N, 1])."""
     wait_for_inputs(PDL)
     pid_m, pid_n = _tile_of(tl.program_id(0), num_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+    expert, entry = _block_of(pid_m, sorted_ptr, block_experts_ptr, num_padded_ptr, ids_ptr, stride_it, stride_ik,
+                              num_entries, num_experts, TOP_K, BLOCK_M, SORT_HERE)
+    if expert < 0:
         return
-    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
-    entry = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    expert = expert.to(tl.int64)
     row_ok = entry < num_entries
     entry = entry.to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -346,6 +381,7 @@ class LaunchShape:
     """What the launches of one call derive from its sizes alone."""
     num_entries: int  # N = T * K choices
     num_blocks: int  # BLOCK_M blocks of the aligned choices (worst case)
+    sorts_in_program: bool  # N <= BLOCK_M: no moe_align launch, each GEMM program finds its block (_block_of)
     gate_up_grid: tuple[int]
     down_grid: tuple[int]
     sum_grid: tuple[int, int]
@@ -359,10 +395,12 @@ def launch_shape(num_tokens: int, top_k: int, num_experts: int, hidden_size: int
                  cfg: BlockConfig) -> LaunchShape:
     """The grids and flags of :func:`fused_experts`' launches, per shape and block config."""
     num_entries = num_tokens * top_k
-    _, num_blocks = align_sizes(num_entries, num_experts, cfg.block_m)
+    sorts_in_program = num_entries <= cfg.block_m
+    # in-program: at most one block per choice (one per distinct expert)
+    num_blocks = num_entries if sorts_in_program else align_sizes(num_entries, num_experts, cfg.block_m)[1]
     block_h = min(next_power_of_2(hidden_size), 1024)
     return LaunchShape(
-        num_entries, num_blocks,
+        num_entries, num_blocks, sorts_in_program,
         gate_up_grid=(num_blocks * cdiv(inter, cfg.block_n),),
         down_grid=(num_blocks * cdiv(hidden_size, cfg.block_n),),
         sum_grid=(num_tokens, cdiv(hidden_size, block_h)), block_h=block_h,
@@ -432,9 +470,12 @@ def quant_block_config(num_tokens: int, top_k: int, num_experts: int, dtype: tor
                        weight_format: str) -> BlockConfig:
     """:func:`block_config` with BLOCK_K = 128 for fp8 weights (one block column / activation group
     per K step; 128 fp8 bytes, as many as 64 bf16 ones), and at up to 14 rows per expert 16 x 64 tiles,
-    multiplied transposed (:func:`swaps_ab`), with 3 stages, or 6 at one token: on an H200 (Qwen3-30B-A3B's
-    layer) 0.082 / 0.149 ms at 8 / 32 tokens in fp8_channel, and 20 us at one token against 25 for the
-    16 x 32 tiles of the plain regime (0-2% under 4 stages at 8-256 tokens); from 14 to 28 rows per expert
+    multiplied transposed (:func:`swaps_ab`), with 3 stages from 8 tokens, 4 at 2-4 tokens and at one token in
+    fp8_block, 6 at one token in fp8_channel: on an H200 (Qwen3-30B-A3B's layer) 0.082 / 0.149 ms at 8 / 32
+    tokens in fp8_channel (0-2% slower with 4 stages at 8-256 tokens), 20 us at one token against 25 for the
+    16 x 32 tiles of the plain regime; at 1 / 2 / 4 tokens, 3 / 4 / 6 stages: fp8_channel 20.5 / 18.6 / 18.2,
+    31.8 / 31.7 / 34.8, 53.0 / 51.9 / 54.6 us; fp8_block 20.2 / 20.2 / 20.8, 32.6 / 32.2 / 35.3,
+    51.8 / 51.4 / 55.1 (``benchmarks/results/h200_ops_moe_sort_in_program.json``); from 14 to 28 rows per expert
     32 x 64 tiles, also transposed, which read the weights of an expert of 17-32 rows once (fp8_block
     0.187 against 0.195 ms at 256 tokens, 0.202 against 0.219 for 64 x 64 at 384; equal at 240 and 512;
     ``benchmarks/results/h200_ops_moe_row_blocks.json``); from 28 to 64 rows per expert the 64 x 64 tiles
@@ -451,8 +492,9 @@ def quant_block_config(num_tokens: int, top_k: int, num_experts: int, dtype: tor
     cfg = block_config(num_tokens, top_k, num_experts, dtype)
     if weight_format.startswith("fp8"):
         m = rows_per_expert(num_tokens, top_k, num_experts)
-        if m <= 14:  # decode: 64-wide N tiles, multiplied transposed (docstring)
-            return BlockConfig(16, 64, 128, 1, 4, 3 if num_tokens > 1 else 6)
+        if m <= 14:  # decode: 64-wide N tiles, multiplied transposed; stages by tokens (docstring)
+            stages = 3 if num_tokens > 4 else 6 if num_tokens == 1 and weight_format == "fp8_channel" else 4
+            return BlockConfig(16, 64, 128, 1, 4, stages)
         if m <= 28:  # 32-row blocks, multiplied transposed
             return BlockConfig(32, 64, 128, 4, 4, 3)
         if m <= 64:  # the next regime's 64 x 64 tiles (docstring)
@@ -517,7 +559,10 @@ def _launch(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight
     w_format = FORMAT_CODES[weight_format]
     fp8 = weight_format in ("fp8_block", "fp8_channel")
     swap_ab = fp8 and swaps_ab(cfg)
-    sorted_entries, block_experts, num_padded = moe_align(topk_ids, num_experts, cfg.block_m)
+    if shape.sorts_in_program:  # the GEMM programs read topk_ids themselves; the sort's pointers are never read
+        sorted_entries = block_experts = num_padded = topk_ids
+    else:
+        sorted_entries, block_experts, num_padded = moe_align(topk_ids, num_experts, cfg.block_m)
     pdl = launch_kwargs(hidden, num_tokens)
 
     # fp8 weights: the GEMM reads hidden quantized (fp8 of w13's dtype) with its scales; other formats
@@ -528,16 +573,16 @@ def _launch(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight
     b13 = w13_bias if w13_bias is not None else w13  # any pointer; never read without HAS_BIAS
     s13 = w13_scale if w13_scale is not None else w13  # never read by the plain format
     _gate_up_kernel[shape.gate_up_grid](
-        x, x_scale, w13, s13, b13, act, sorted_entries, block_experts, num_padded,
-        num_entries, hidden_size, inter, num_blocks, 2 if swiglu else 1, 1 if swiglu else inter,
-        SWIGLU_ALPHA, SWIGLU_LIMIT,
+        x, x_scale, w13, s13, b13, act, sorted_entries, block_experts, num_padded, topk_ids,
+        num_entries, num_experts, hidden_size, inter, num_blocks, 2 if swiglu else 1, 1 if swiglu else inter,
+        SWIGLU_ALPHA, SWIGLU_LIMIT, *topk_ids.stride(),
         *x.stride(), *(x_scale.stride() if fp8 else (0, 0)),
         *w13.stride(), *(w13_scale.stride() if w13_scale is not None else (0, 0, 0)),
         *(w13_bias.stride() if w13_bias is not None else (0, 0)), act.stride(0),
         TOP_K=top_k, ACT=SWIGLU_CLAMPED if swiglu else SILU, HAS_BIAS=w13_bias is not None,
         EVEN_K=shape.even_hidden, W_FORMAT=w_format, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, DOT_PRECISION=precision, UPCAST_DOT=upcast, ROUND_BF16=upcast, SWAP_AB=swap_ab,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
+        SORT_HERE=shape.sorts_in_program, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )
 
     # fp32 rows: the sum over K is rounded once, as in the twin (costs 2x the bytes of a 16-bit y,
@@ -548,15 +593,15 @@ def _launch(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight
     b2 = w2_bias if w2_bias is not None else w2
     s2 = w2_scale if w2_scale is not None else w2
     _down_kernel[shape.down_grid](
-        a, a_scale, w2, s2, b2, topk_weights, y, sorted_entries, block_experts, num_padded,
-        num_entries, hidden_size, inter, num_blocks,
+        a, a_scale, w2, s2, b2, topk_weights, y, sorted_entries, block_experts, num_padded, topk_ids,
+        num_entries, num_experts, hidden_size, inter, num_blocks, *topk_ids.stride(),
         a.stride(0), *(a_scale.stride() if fp8 else (0, 0)),
         *w2.stride(), *(w2_scale.stride() if w2_scale is not None else (0, 0, 0)),
         *(w2_bias.stride() if w2_bias is not None else (0, 0)), *topk_weights.stride(), y.stride(0),
         TOP_K=top_k, HAS_BIAS=w2_bias is not None, EVEN_K=shape.even_inter, W_FORMAT=w_format,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        DOT_PRECISION=precision, UPCAST_DOT=upcast, SWAP_AB=swap_ab, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl,
+        DOT_PRECISION=precision, UPCAST_DOT=upcast, SWAP_AB=swap_ab, SORT_HERE=shape.sorts_in_program,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )
 
     _sum_choices_kernel[shape.sum_grid](
