@@ -19,6 +19,7 @@ from torch import Tensor
 from atom_core.ops import quant as quant_ops
 from atom_core.ops.dispatch import Op, call_op, custom_op
 from atom_core.ops.reference import moe as reference_moe
+from atom_core.ops.reference import quant as reference_quant
 from atom_core.ops.reference.moe import FP8_BLOCK, MXFP4_BLOCK, WEIGHT_FORMATS
 from atom_core.ops.reference.quant import FP8_DTYPE
 from atom_core.ops.validation import (FLOAT_DTYPES, check_out, check_out_shape, check_same_device, check_shape,
@@ -138,7 +139,8 @@ def fused_experts(hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor,
 # ------------------------------------------------------------------------------ quantized expert weights
 
 def _torch_fused_experts_quant(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight_format,
-                               activation, w13_bias, w2_bias, out):
+                               activation, w13_bias, w2_bias, out, hidden_q, hidden_scale):
+    # hidden_q / hidden_scale are hidden's own quantization (the op's contract): the twin quantizes hidden itself
     out.copy_(reference_moe.fused_experts_quant(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids,
                                                 weight_format, activation, w13_bias, w2_bias))
 
@@ -155,7 +157,7 @@ def _triton_quant_key(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_i
 
 
 def _aiter_quant_supports(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight_format, activation,
-                          w13_bias, w2_bias, out) -> str | None:
+                          w13_bias, w2_bias, out, hidden_q, hidden_scale) -> str | None:
     if weight_format == "mxfp4":
         # aiter/fused_moe.py, QuantType.per_1x32: bf16 activations only with ActivationType.Swiglu on
         # gate/up halves, weights and scales pre-shuffled (moe_shuffle_weight / moe_shuffle_scale) and
@@ -178,7 +180,7 @@ def _aiter_quant_supports(hidden, w13, w13_scale, w2, w2_scale, topk_weights, to
 
 
 def _aiter_quant_key(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight_format, activation,
-                     w13_bias, w2_bias, out):
+                     w13_bias, w2_bias, out, hidden_q, hidden_scale):
     """What :func:`_aiter_quant_supports` reads."""
     return (weight_format, _aiter_key(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, out),
             w13_scale.is_contiguous(), w2_scale.is_contiguous(), hidden.shape[1] % FP8_BLOCK == 0,
@@ -196,14 +198,15 @@ FUSED_EXPERTS_QUANT.register("aiter", "atom_core.ops.aiter.moe:fused_experts_qua
 def _fused_experts_quant_op(hidden: Tensor, w13: Tensor, w13_scale: Tensor, w2: Tensor, w2_scale: Tensor,
                             topk_weights: Tensor, topk_ids: Tensor, weight_format: str, activation: str,
                             w13_bias: Optional[Tensor], w2_bias: Optional[Tensor], out: Tensor,
+                            hidden_q: Optional[Tensor], hidden_scale: Optional[Tensor],
                             backend: Optional[str]) -> None:
     FUSED_EXPERTS_QUANT(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight_format, activation,
-                        w13_bias, w2_bias, out, backend=backend)
+                        w13_bias, w2_bias, out, hidden_q, hidden_scale, backend=backend)
 
 
 @_fused_experts_quant_op.register_fake
 def _(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight_format, activation, w13_bias, w2_bias,
-      out, backend) -> None:
+      out, hidden_q, hidden_scale, backend) -> None:
     return None
 
 
@@ -246,9 +249,32 @@ def _check_fused_experts_quant_args(hidden, w13, w13_scale, w2, w2_scale, topk_w
     check_out("out", out, hidden.shape, hidden.dtype, hidden.device)
 
 
+def _check_hidden_quant(hidden, weight_format, hidden_q, hidden_scale):
+    """Debug mode: hidden_q / hidden_scale, when given, are hidden's quantization in the format's activation
+    scheme (``reference.moe.activation_quantizer``'s), bit for bit."""
+    if hidden_q is None and hidden_scale is None:
+        return
+    if hidden_q is None or hidden_scale is None:
+        raise ValueError("hidden_q and hidden_scale come together (hidden's quantization and its scales)")
+    if weight_format not in ("fp8_block", "fp8_channel"):
+        raise ValueError(f"hidden_q / hidden_scale: {weight_format} GEMMs read hidden itself (weight-only)")
+    if weight_format == "fp8_block":
+        want_q, want_scale = reference_quant.per_group_quant(hidden, FP8_DTYPE, FP8_BLOCK)
+    else:
+        want_q, want_scale = reference_quant.per_token_quant(hidden, FP8_DTYPE)
+    check_tensor("hidden_q", hidden_q, ndim=2, dtypes=(FP8_DTYPE,))
+    check_shape("hidden_q", hidden_q, tuple(want_q.shape))
+    check_tensor("hidden_scale", hidden_scale, ndim=2, dtypes=(torch.float32,))
+    check_shape("hidden_scale", hidden_scale, tuple(want_scale.shape))
+    if not (torch.equal(hidden_q.float(), want_q.float()) and torch.equal(hidden_scale, want_scale)):
+        raise ValueError(f"hidden_q / hidden_scale are not hidden's {weight_format} quantization "
+                         "(reference.quant per_group_quant / per_token_quant of hidden)")
+
+
 def fused_experts_quant(hidden: Tensor, w13: Tensor, w13_scale: Tensor, w2: Tensor, w2_scale: Tensor,
                         topk_weights: Tensor, topk_ids: Tensor, *, weight_format: str, activation: str = "silu",
                         w13_bias: Tensor | None = None, w2_bias: Tensor | None = None, out: Tensor | None = None,
+                        hidden_q: Tensor | None = None, hidden_scale: Tensor | None = None,
                         backend: str | None = None) -> Tensor:
     """:func:`fused_experts` with quantized expert weights; ``weight_format`` says which:
 
@@ -269,13 +295,22 @@ def fused_experts_quant(hidden: Tensor, w13: Tensor, w13_scale: Tensor, w2: Tens
     bf16, routing, activation and its gate/up row layout, biases, ``out``) is as in :func:`fused_experts`.
     The twin dequantizes each chosen expert to fp32 and, for fp8, quantizes the hidden and intermediate
     activations as ``per_group_quant`` / ``per_token_quant`` do (``reference.moe.fused_experts_quant``).
+
+    ``hidden_q`` / ``hidden_scale`` (fp8 formats, both or neither): hidden already quantized as the gate/up
+    GEMM reads it, fp8 e4m3fn [T, H] with fp32 scales [T, ceil(H / 128)] (fp8_block) or [T, 1] (fp8_channel),
+    e.g. by the norm that produced hidden (``rms_norm_quant(..., normed=hidden)``, one launch for both). They
+    must be hidden's own quantization (checked in debug mode): the Triton backend reads them instead of
+    quantizing hidden (one launch fewer), the twin and AITER quantize hidden themselves.
     """
     if debug_enabled():
         _check_fused_experts_quant_args(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight_format,
                                         activation, w13_bias, w2_bias, out)
+        _check_hidden_quant(hidden, weight_format, hidden_q, hidden_scale)
+    elif (hidden_q is None) != (hidden_scale is None):  # always on: one without the other is never meant
+        raise ValueError("hidden_q and hidden_scale come together (hidden's quantization and its scales)")
     elif out is not None:  # always on (see check_out_shape)
         check_out_shape("out", out, hidden.shape)
     out = torch.empty_like(hidden) if out is None else out
     call_op("fused_experts_quant", hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight_format,
-            activation, w13_bias, w2_bias, out, backend)
+            activation, w13_bias, w2_bias, out, hidden_q, hidden_scale, backend)
     return out

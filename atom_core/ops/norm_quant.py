@@ -30,18 +30,29 @@ from torch import Tensor
 from atom_core.ops.dispatch import Op, call_op, custom_op
 from atom_core.ops.norm import TRITON_MAX_HIDDEN, _check_eps
 from atom_core.ops.quant import fp8_e4m3fn_native
+from atom_core.ops.reference import norm as reference_norm
 from atom_core.ops.reference import norm_quant as reference_norm_quant
 from atom_core.ops.reference.quant import FP8_DTYPE, GROUP_SIZE, QUANT_DTYPES
-from atom_core.ops.validation import FLOAT_DTYPES, check_same_device, check_shape, check_tensor, debug_enabled
+from atom_core.ops.validation import (
+    FLOAT_DTYPES,
+    check_out,
+    check_same_device,
+    check_shape,
+    check_tensor,
+    debug_enabled,
+)
 
 RMS_NORM_QUANT = Op("rms_norm_quant")
 SILU_AND_MUL_QUANT = Op("silu_and_mul_quant")
 
 
-def _torch_rms_norm_quant(x, weight, eps, residual, gemma, group_size, q, scale, residual_out):
+def _torch_rms_norm_quant(x, weight, eps, residual, gemma, group_size, q, scale, residual_out, normed):
     result = reference_norm_quant.rms_norm_quant(x, weight, eps, residual, gemma, group_size, q.dtype)
     for out, got in zip((q, scale, residual_out), result):
         out.copy_(got)
+    if normed is not None:
+        got = reference_norm.rms_norm(x, weight, eps, residual, gemma)
+        normed.copy_(got if residual is None else got[0])
 
 
 def _torch_silu_and_mul_quant(x, group_size, q, scale):
@@ -58,8 +69,8 @@ def _triton_row_supports(x, row_length: int, q) -> str | None:
     return None
 
 
-def _triton_rms_supports(x, weight, eps, residual, gemma, group_size, q, scale, residual_out) -> str | None:
-    if any(t is not None and t.stride()[-1] != 1 for t in (x, weight, residual, residual_out)):
+def _triton_rms_supports(x, weight, eps, residual, gemma, group_size, q, scale, residual_out, normed) -> str | None:
+    if any(t is not None and t.stride()[-1] != 1 for t in (x, weight, residual, residual_out, normed)):
         return "triton rms_norm_quant needs the last dim of x, weight and residual contiguous"
     return _triton_row_supports(x, x.shape[-1], q)
 
@@ -68,10 +79,10 @@ def _unit_last_stride(t: Tensor | None) -> bool:
     return t is None or t.stride()[-1] == 1
 
 
-def _triton_rms_key(x, weight, eps, residual, gemma, group_size, q, scale, residual_out):
+def _triton_rms_key(x, weight, eps, residual, gemma, group_size, q, scale, residual_out, normed):
     """What :func:`_triton_rms_supports` reads (an absent tensor passes; the device is in every signature)."""
     return (x.shape[-1] > TRITON_MAX_HIDDEN, x.stride()[-1] == 1, weight.stride()[-1] == 1,
-            _unit_last_stride(residual), _unit_last_stride(residual_out), q.dtype)
+            _unit_last_stride(residual), _unit_last_stride(residual_out), _unit_last_stride(normed), q.dtype)
 
 
 def _triton_silu_supports(x, group_size, q, scale) -> str | None:
@@ -93,14 +104,15 @@ SILU_AND_MUL_QUANT.register("triton", "atom_core.ops.triton.norm_quant:silu_and_
                             _triton_silu_key)
 
 
-@custom_op("rms_norm_quant", mutates_args=("q", "scale", "residual_out"))
+@custom_op("rms_norm_quant", mutates_args=("q", "scale", "residual_out", "normed"))
 def _rms_norm_quant_op(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None, gemma: bool, group_size: int,
-                       q: Tensor, scale: Tensor, residual_out: Tensor | None, backend: str | None) -> None:
-    RMS_NORM_QUANT(x, weight, eps, residual, gemma, group_size, q, scale, residual_out, backend=backend)
+                       q: Tensor, scale: Tensor, residual_out: Tensor | None, normed: Tensor | None,
+                       backend: str | None) -> None:
+    RMS_NORM_QUANT(x, weight, eps, residual, gemma, group_size, q, scale, residual_out, normed, backend=backend)
 
 
 @_rms_norm_quant_op.register_fake
-def _(x, weight, eps, residual, gemma, group_size, q, scale, residual_out, backend) -> None:
+def _(x, weight, eps, residual, gemma, group_size, q, scale, residual_out, normed, backend) -> None:
     return None
 
 
@@ -149,7 +161,7 @@ def _quant_outputs(x: Tensor, row_length: int, group_size: int, dtype: torch.dty
 
 def rms_norm_quant(x: Tensor, weight: Tensor, eps: float = 1e-6, *, residual: Tensor | None = None,
                    gemma: bool = False, group_size: int = GROUP_SIZE, dtype: torch.dtype = FP8_DTYPE,
-                   backend: str | None = None):
+                   normed: Tensor | None = None, backend: str | None = None):
     """:func:`rms_norm` of the rows of ``x`` quantized per group: exactly ``per_group_quant(rms_norm(...))``.
 
     x: [T, D] fp32/fp16/bf16; weight: [D]; residual: [T, D] like x or None; gemma as in :func:`rms_norm`.
@@ -159,14 +171,19 @@ def rms_norm_quant(x: Tensor, weight: Tensor, eps: float = 1e-6, *, residual: Te
     normalised rows (rounded to x's dtype first, as ``rms_norm`` returns them); with a residual,
     ``(q, scale, residual_out)`` where ``residual_out = x + residual`` [T, D] in x's dtype is the new
     residual stream and the rows normalised are ``residual_out``'s.
+    normed: [T, D] of x's dtype (last dim contiguous), or None: also receives the normalised rows themselves
+    (what ``rms_norm`` returns), for a consumer that reads both (a MoE block: its router the rows, its experts
+    the quantized rows); same launch.
     """
     if debug_enabled():
         _check_rms_norm_quant_args(x, weight, eps, residual, dtype)
     _check_group_size(group_size, x.shape[-1])
     q, scale = _quant_outputs(x, x.shape[-1], group_size, dtype)
+    if normed is not None:
+        check_out("normed", normed, x.shape, x.dtype, x.device)
     residual_out = None if residual is None else torch.empty_like(x)
     call_op("rms_norm_quant", x, weight, float(eps), residual, bool(gemma), group_size, q, scale, residual_out,
-            backend)
+            normed, backend)
     return (q, scale) if residual is None else (q, scale, residual_out)
 
 

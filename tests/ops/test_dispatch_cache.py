@@ -121,8 +121,9 @@ def _rms_norm_quant_args(c: Call):
     residual_out = None if residual is None else c.tensor(rows, hidden, dtype=dtype)
     group_size = c.vary(128, 64, hidden)
     q = c.tensor(rows, hidden, dtype=c.vary(FP8, torch.int8))
+    normed = c.maybe(False, lambda: c.tensor(rows, hidden, dtype=dtype))
     return x, weight, 1e-6, residual, c.flag(False), group_size, q, c.tensor(rows, -(-hidden // group_size)), \
-        residual_out
+        residual_out, normed
 
 
 def _silu_and_mul_quant_args(c: Call):
@@ -265,8 +266,12 @@ def _fused_experts_quant_args(c: Call):
     activation = c.vary("silu", "swiglu_clamped")
     w13_bias = c.maybe(False, lambda: c.tensor(experts, 2 * inter, dtype=dtype))
     w2_bias = c.maybe(False, lambda: c.tensor(experts, hidden, dtype=dtype))
+    fp8 = not mxfp4
+    hidden_q = c.maybe(False, lambda: c.tensor(tokens, hidden, dtype=FP8)) if fp8 else None
+    groups = -(-hidden // 128) if weight_format == "fp8_block" else 1
+    hidden_scale = None if hidden_q is None else c.tensor(tokens, groups)
     return (hidden_states, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight_format, activation, w13_bias,
-            w2_bias, c.tensor(tokens, hidden, dtype=dtype))
+            w2_bias, c.tensor(tokens, hidden, dtype=dtype), hidden_q, hidden_scale)
 
 
 def _quant_args(c: Call, name: str):

@@ -21,6 +21,7 @@ from atom_core.ops import quant as quant_ops
 from atom_core.ops.dispatch import triton_interpret
 from atom_core.ops.fused_moe import fused_experts_quant
 from atom_core.ops.reference import moe as reference
+from atom_core.ops.reference import quant as reference_quant
 from atom_core.ops.selftest_cases_moe_quant import TOLERANCES, mxfp4_experts, quant_experts
 from atom_core.ops.tolerances import MOE
 from tests.ops import fake_aiter
@@ -206,6 +207,47 @@ def test_triton_matches_twin(weight_format, tokens, experts, top_k, hidden, inte
                               w13_bias=b13, w2_bias=b2, backend="triton")
     want = reference.fused_experts_quant(x, w13, s13, w2, s2, weights, ids, weight_format, activation, b13, b2)
     torch.testing.assert_close(got, want, **tol(weight_format, dtype))
+
+
+@needs_triton
+@pytest.mark.parametrize("weight_format", ["fp8_block", "fp8_channel"])
+def test_triton_reads_hidden_quantized_by_the_norm_and_quantizes_only_the_activation(weight_format):
+    from atom_core import ops
+    from atom_core.ops.triton import fused_moe as triton_moe
+    x, (w13, s13, w2, s2), (weights, ids), _, _ = make_case(weight_format, 7, 8, 2, 160, 96, torch.bfloat16, seed=5)
+    norm_weight = torch.rand(160, generator=torch.Generator().manual_seed(1)).to(DEVICE) + 0.5
+    hidden = torch.empty_like(x)
+    q, scale = ops.rms_norm_quant(x, norm_weight, 1e-6, group_size=128 if weight_format == "fp8_block" else 160,
+                                  normed=hidden, backend="triton")
+    quantize = triton_moe._quantize_input
+    inputs = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(triton_moe, "_quantize_input", lambda x, *rest: inputs.append(x.shape) or quantize(x, *rest))
+        got = fused_experts_quant(hidden, w13, s13, w2, s2, weights, ids, weight_format=weight_format, hidden_q=q,
+                                  hidden_scale=scale, backend="triton")
+    assert inputs == [(14, 96)]  # the activation only: hidden's quantization came from the norm
+    want = reference.fused_experts_quant(hidden, w13, s13, w2, s2, weights, ids, weight_format)
+    torch.testing.assert_close(got, want, **tol(weight_format, torch.bfloat16))
+
+
+@pytest.mark.parametrize("weight_format", ["fp8_block", "fp8_channel"])
+def test_hidden_quantization_that_is_not_hiddens_or_comes_alone_is_refused(weight_format):
+    from atom_core.ops.validation import debug_checks
+    x, (w13, s13, w2, s2), (weights, ids), _, _ = make_case(weight_format, 3, 4, 2, 256, 128, torch.float32,
+                                                            device="cpu")
+    q, scale = (reference_quant.per_group_quant(x, FP8, 128) if weight_format == "fp8_block"
+                else reference_quant.per_token_quant(x, FP8))
+    args = (x, w13, s13, w2, s2, weights, ids)
+    with pytest.raises(ValueError, match="hidden_q and hidden_scale come together"):
+        fused_experts_quant(*args, weight_format=weight_format, hidden_q=q, backend="torch")
+    with debug_checks():
+        fused_experts_quant(*args, weight_format=weight_format, hidden_q=q, hidden_scale=scale, backend="torch")
+        with pytest.raises(ValueError, match="not hidden's .* quantization"):
+            fused_experts_quant(*args, weight_format=weight_format, hidden_q=q, hidden_scale=2 * scale,
+                                backend="torch")
+        with pytest.raises(ValueError, match="hidden_scale must have shape"):
+            fused_experts_quant(*args, weight_format=weight_format, hidden_q=q, hidden_scale=scale[:, :1].repeat(1, 3),
+                                backend="torch")
 
 
 @needs_interpreter
@@ -466,7 +508,7 @@ def test_aiter_adapter_maps_fp8_formats_to_its_quant_types(monkeypatch, weight_f
     x, (w13, s13, w2, s2), (weights, ids), _, _ = make_case(weight_format, 5, 4, 2, 256, 128, torch.bfloat16,
                                                             device="cpu")
     out = torch.empty_like(x)
-    aiter_moe.fused_experts_quant(x, w13, s13, w2, s2, weights, ids, weight_format, "silu", None, None, out)
+    aiter_moe.fused_experts_quant(x, w13, s13, w2, s2, weights, ids, weight_format, "silu", None, None, out, None, None)
     torch.testing.assert_close(out, reference.fused_experts_quant(x, w13, s13, w2, s2, weights, ids, weight_format))
     name, args = fake.calls[-1]
     assert name == "fused_moe" and args["quant_type"] == getattr(fake.QuantType, quant_type)
@@ -480,7 +522,7 @@ def test_aiter_refusals_name_the_reason(monkeypatch):
     def call(weight_format="fp8_block", hidden=256, inter=128, dtype=torch.bfloat16, activation="silu", biases=False):
         x, (w13, s13, w2, s2), (weights, ids), b13, b2 = make_case(weight_format, 3, 4, 2, hidden, inter, dtype,
                                                                    biases=biases, device="cpu")
-        return supports(x, w13, s13, w2, s2, weights, ids, weight_format, activation, b13, b2, x)
+        return supports(x, w13, s13, w2, s2, weights, ids, weight_format, activation, b13, b2, x, None, None)
 
     assert "e4m3fnuz" in call()  # on this CPU, as on an MI300
     monkeypatch.setattr(quant_ops, "fp8_e4m3fn_native", lambda device: True)
@@ -507,7 +549,7 @@ def test_compiles_in_one_graph_and_passes_opcheck():
                                                                device="cpu")
     torch.library.opcheck(torch.ops.atom_core.fused_experts_quant.default,
                           (x, w13, s13, w2, s2, weights, ids, "mxfp4", "swiglu_clamped", b13, b2, torch.empty_like(x),
-                           "torch"))
+                           None, None, "torch"))
 
 
 def _args(weight_format="fp8_block", **change):

@@ -145,6 +145,30 @@ def test_an_all_zero_row_quantizes_to_zero_with_the_floor_scale(backend, quant_d
             assert bool((scale[0] > floor).all())
 
 
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_normed_receives_the_rows_rms_norm_returns_bit_for_bit_in_the_same_call(backend, variant, dtype):
+    x, weight, residual = _norm_inputs(33, 200, dtype, variant, seed=11)
+    gemma = variant.endswith("gemma")
+    normed = torch.full_like(x, float("nan"))
+    with trace_backends() as calls:
+        got = ops.rms_norm_quant(x, weight, EPS, residual=residual, gemma=gemma, group_size=128, normed=normed,
+                                 backend=backend)
+    assert calls == [("rms_norm_quant", backend)]
+    want = ops.rms_norm(x, weight, EPS, residual=residual, gemma=gemma, backend=backend)
+    assert torch.equal(normed, want if residual is None else want[0])
+    _assert_same_bits(got, ops.rms_norm_quant(x, weight, EPS, residual=residual, gemma=gemma, group_size=128,
+                                              backend=backend))
+
+
+def test_normed_of_another_shape_or_dtype_is_refused_by_name():
+    x, weight, _ = _norm_inputs(3, 96, torch.bfloat16)
+    for bad in (torch.empty(3, 95, dtype=torch.bfloat16), torch.empty(3, 96, dtype=torch.float32)):
+        with pytest.raises((ValueError, TypeError), match="normed"):
+            ops.rms_norm_quant(x, weight, EPS, normed=bad.to(DEVICE))
+
+
 # ---------------------------------------------------------------- Triton kernels
 
 
@@ -295,7 +319,7 @@ def test_a_transposed_input_falls_back_to_torch_unless_triton_is_named():
 def test_triton_refuses_a_row_past_one_program():
     big = norm_quant_module.TRITON_MAX_HIDDEN + 1
     x, q, scale = torch.empty(2, big, device="meta"), torch.empty(2, big, dtype=FP8), torch.empty(2, 1)
-    reason = norm_quant_module._triton_rms_supports(x, torch.empty(big), EPS, None, False, big, q, scale, None)
+    reason = norm_quant_module._triton_rms_supports(x, torch.empty(big), EPS, None, False, big, q, scale, None, None)
     assert reason == f"row length {big} exceeds one row per program ({big - 1})"
     wide = torch.empty(2, 2 * big, device="meta")
     assert norm_quant_module._triton_silu_supports(wide, big, q, scale) == reason

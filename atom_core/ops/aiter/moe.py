@@ -54,8 +54,9 @@ def fused_experts(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias,
 
 
 def fused_experts_quant(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight_format, activation,
-                        w13_bias, w2_bias, out):
-    # fp8 formats, silu with [gate | up] halves, no biases (the op's supports() keeps other cases away).
+                        w13_bias, w2_bias, out, hidden_q, hidden_scale):
+    # fp8 formats, silu with [gate | up] halves, no biases (the op's supports() keeps other cases away). AITER
+    # quantizes hidden itself: hidden_q / hidden_scale, hidden's own quantization by contract, are not read.
     quant_type = QuantType.per_1x128 if weight_format == "fp8_block" else QuantType.per_Token
     result = aiter_fused_moe(hidden, w13, w2, topk_weights, topk_ids, activation=ActivationType.Silu,
                              quant_type=quant_type, w1_scale=w13_scale, w2_scale=w2_scale, a1_scale=None,

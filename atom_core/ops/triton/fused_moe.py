@@ -504,8 +504,9 @@ def quant_block_config(num_tokens: int, top_k: int, num_experts: int, dtype: tor
 
 
 def fused_experts_quant(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight_format, activation,
-                        w13_bias, w2_bias, out, config=None):
-    """Backend entry of ``ops.fused_experts_quant``; ``config`` overrides :func:`quant_block_config`
+                        w13_bias, w2_bias, out, hidden_q=None, hidden_scale=None, config=None):
+    """Backend entry of ``ops.fused_experts_quant`` (hidden_q / hidden_scale: hidden quantized by the caller, read
+    instead of quantizing it); ``config`` overrides :func:`quant_block_config`
     (fp8_block needs BLOCK_K = 128, MXFP4 a power of two >= 32: :func:`check_mxfp4_block_k`)."""
     if hidden.shape[0] == 0:
         return
@@ -514,8 +515,9 @@ def fused_experts_quant(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk
         raise ValueError(f"fp8_block needs BLOCK_K = 128 (one scale block per K step), got {cfg.block_k}")
     if weight_format == "mxfp4":
         check_mxfp4_block_k(cfg.block_k)
+    hidden_quant = None if hidden_q is None else (hidden_q, hidden_scale)
     _launch(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight_format, activation, w13_bias,
-            w2_bias, out, cfg)
+            w2_bias, out, cfg, hidden_quant)
 
 
 def swaps_ab(cfg: BlockConfig) -> bool:
@@ -542,8 +544,9 @@ def _quantize_input(x, weight_format, fp8_dtype, tokens):
 
 
 def _launch(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight_format, activation, w13_bias,
-            w2_bias, out, cfg):
+            w2_bias, out, cfg, hidden_quant=None):
     """Align, gate/up, down, sum; every launch dependent (``dependent_launch``) on the layer's token count.
+    hidden_quant: (fp8 [T, H], scales) of hidden, from the caller (fp8 formats; else quantized here).
     Strides are passed as ``*t.stride()`` (one call per tensor; ``t.stride(i)`` costs as much each)."""
     num_tokens, hidden_size = hidden.shape
     num_experts, two_inter, _ = w13.shape
@@ -567,7 +570,12 @@ def _launch(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight
 
     # fp8 weights: the GEMM reads hidden quantized (fp8 of w13's dtype) with its scales; other formats
     # read hidden itself, and x_scale is any pointer, never read.
-    x, x_scale = _quantize_input(hidden, weight_format, w13.dtype, num_tokens) if fp8 else (hidden, hidden)
+    if not fp8:
+        x, x_scale = hidden, hidden
+    elif hidden_quant is not None:
+        x, x_scale = hidden_quant
+    else:
+        x, x_scale = _quantize_input(hidden, weight_format, w13.dtype, num_tokens)
     act = torch.empty(num_entries, inter, dtype=hidden.dtype, device=hidden.device)
     swiglu = activation == "swiglu_clamped"
     b13 = w13_bias if w13_bias is not None else w13  # any pointer; never read without HAS_BIAS

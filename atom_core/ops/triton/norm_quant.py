@@ -54,9 +54,9 @@ def _quantize_groups(y, row, first_group, q_ptr, scale_ptr, N, num_groups, strid
 
 @triton.jit
 def _rms_norm_quant_kernel(
-    x_ptr, res_ptr, w_ptr, q_ptr, scale_ptr, res_out_ptr,
-    D, num_groups, stride_x, stride_res, stride_q, stride_s, stride_res_out, eps, amax_floor,
-    HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr, BLOCK_D: tl.constexpr,
+    x_ptr, res_ptr, w_ptr, q_ptr, scale_ptr, res_out_ptr, normed_ptr,
+    D, num_groups, stride_x, stride_res, stride_q, stride_s, stride_res_out, stride_normed, eps, amax_floor,
+    HAS_RESIDUAL: tl.constexpr, HAS_NORMED: tl.constexpr, GEMMA: tl.constexpr, BLOCK_D: tl.constexpr,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, QMAX: tl.constexpr, IS_INT8: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -68,7 +68,10 @@ def _rms_norm_quant_kernel(
     x = load_row(x_ptr, res_ptr, res_out_ptr, row, cols, mask, stride_x, stride_res, stride_res_out, HAS_RESIDUAL)
     y = rms_normalize(x, w_ptr, cols, mask, D, eps, GEMMA)
     # The value rms_norm stores (x's dtype), as per_group_quant reads it back.
-    y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
+    y = y.to(x_ptr.dtype.element_ty)
+    if HAS_NORMED:
+        tl.store(normed_ptr + row * stride_normed + cols, y, mask=mask)
+    y = y.to(tl.float32)
     _quantize_groups(y, row, 0, q_ptr, scale_ptr, D, num_groups, stride_q, stride_s, amax_floor,
                      GROUP, G_PAD, QMAX, IS_INT8)
 
@@ -120,17 +123,19 @@ def _format(q) -> dict:
     return dict(QMAX=qmax(q.dtype), IS_INT8=q.dtype == INT8_DTYPE)
 
 
-def rms_norm_quant(x, weight, eps, residual, gemma, group_size, q, scale, residual_out):
-    """x [T, D] → q [T, D], scale [T, G] (and residual_out [T, D] with a residual)."""
+def rms_norm_quant(x, weight, eps, residual, gemma, group_size, q, scale, residual_out, normed):
+    """x [T, D] → q [T, D], scale [T, G] (and residual_out [T, D] with a residual, normed [T, D] if given)."""
     rows, d = x.shape
     if rows == 0 or d == 0:
         return
     block_d, num_warps, group, g_pad = _launch_config(d, group_size)
     _rms_norm_quant_kernel[(rows,)](
-        x, residual, weight, q, scale, residual_out,
+        x, residual, weight, q, scale, residual_out, normed,
         d, scale.shape[1], x.stride(0), residual.stride(0) if residual is not None else 0, q.stride(0),
-        scale.stride(0), residual_out.stride(0) if residual_out is not None else 0, eps, AMAX_FLOOR,
-        HAS_RESIDUAL=residual is not None, GEMMA=gemma, BLOCK_D=block_d, GROUP=group, G_PAD=g_pad,
+        scale.stride(0), residual_out.stride(0) if residual_out is not None else 0,
+        normed.stride(0) if normed is not None else 0, eps, AMAX_FLOOR,
+        HAS_RESIDUAL=residual is not None, HAS_NORMED=normed is not None, GEMMA=gemma, BLOCK_D=block_d, GROUP=group,
+        G_PAD=g_pad,
         num_warps=num_warps, **_format(q), **launch_kwargs(x, rows, RMS_NORM_PDL_ROWS),
     )
 
