@@ -30,8 +30,14 @@ from atom_core.models.base import QUANTIZED_DENSE_FORMATS, CausalLM, PreNormDeco
 from atom_core.models.config import ModelConfig
 from atom_core.models.layers.linear import ReplicatedLinear
 from atom_core.models.layers.mlp import GatedMLP
-from atom_core.models.layers.moe import FusedMoE, expert_params_mapping, moe_ranks, moe_ranks_of
+from atom_core.models.layers.moe import (
+    FusedMoE,
+    expert_params_mapping,
+    moe_ranks,
+    moe_ranks_of,
+)
 from atom_core.models.layers.norm import RMSNorm
+from atom_core.models.quantization.activation import QuantizedActivation
 from atom_core.models.qwen3 import Qwen3Attention
 from atom_core.models.registry import register_model
 
@@ -75,12 +81,17 @@ class SoftmaxTopKMoE(nn.Module):
         quant = {} if quant_config is None else {"quant_config": quant_config, "prefix": prefix}
         self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, activation="silu", dtype=dtype,
                                 **(experts_ranks or moe_ranks(tp_rank, tp_size, expert_parallel, tp_group)), **quant)
+        self.input_quant = self.experts.input_quant  # what forward also takes (layers.norm quantizes)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
+        """x [T, H], or quantized as ``input_quant`` says with its float rows (``normed``) -> [T, H]."""
+        hidden_quant = x if isinstance(x, QuantizedActivation) else None
+        if hidden_quant is not None:
+            x = hidden_quant.normed
         router_logits = self.gate(x)                                                   # [T, E]
         topk_weights, topk_ids = ops.topk_softmax(router_logits, self.top_k,
                                                   renormalize=self.renormalize)        # [T, K] fp32, int32
-        return self.experts(x, topk_weights, topk_ids)                                 # [T, H]
+        return self.experts(x, topk_weights, topk_ids, hidden_quant)                   # [T, H]
 
 
 @register_model("Qwen3MoeForCausalLM")

@@ -67,6 +67,7 @@ from atom_core.models.quantization import (
 )
 from atom_core.models.quantization.activation import QuantizedActivation
 from atom_core.models.quantization.schemes import make_scheme
+from atom_core.models.qwen3_moe import SoftmaxTopKMoE
 from atom_core.ops.dispatch import trace_backends
 from tests.models import quant_checkpoints as qc
 from tests.models.parity_harness import (
@@ -254,8 +255,11 @@ def check_fused_input_quantization(loaded: Loaded) -> None:
         by_heads = quant is not None and quant.dtype == torch.float8_e4m3fn and quant.group_size == head_dim
         assert isinstance(x, QuantizedActivation) == by_heads, name
     names = [op for op, _ in calls]
-    want = {"rms_norm_quant": sum(n.endswith(("self_attn.qkv_proj", "mlp.gate_up_proj"))  # one forward
-                                  and not n.endswith("shared_experts.gate_up_proj") for n in fused),
+    # a softmax top-k MoE block with fp8 experts: its norm quantizes for the experts and keeps the rows for the router
+    fp8_moe_blocks = sum(isinstance(m, SoftmaxTopKMoE) and m.experts.weight_format in ("fp8_block", "fp8_channel")
+                         for m in loaded.quantized.modules())
+    want = {"rms_norm_quant": fp8_moe_blocks + sum(n.endswith(("self_attn.qkv_proj", "mlp.gate_up_proj"))  # one forward
+                                                   and not n.endswith("shared_experts.gate_up_proj") for n in fused),
             "silu_and_mul_quant": sum(n.endswith("down_proj") for n in fused)}
     assert {op: names.count(op) for op in want} == want
     unfused_logits = model_logits(qc.unfused(copy.deepcopy(loaded.quantized)))

@@ -75,6 +75,7 @@ from atom_core.models.parallel import (
     reduce_over,
     require_group,
 )
+from atom_core.models.quantization.activation import QuantizedActivation
 from atom_core.models.quantization.config import QuantConfig
 from atom_core.models.quantization.expert_methods import ExpertMethod, expert_method_for
 from atom_core.models.quantization.linear_methods import quantize_weight
@@ -265,6 +266,8 @@ class FusedMoE(nn.Module):
         dtype = dtype or torch.get_default_dtype()
         e_r, i_r = self.shard.num_local_experts, self.shard.intermediate_size
         self.quant_method.create_weights(self, e_r, hidden_size, i_r, dtype, self._param)
+        # what forward's hidden_quant may hold (the norm before the block quantizes: models.quantization.activation)
+        self.input_quant = self.quant_method.input_quant(self)
         if bias:
             self.w13_bias = self._param((e_r, 2 * i_r), dtype, "w13_bias")
             self.w2_bias = self._param((e_r, hidden_size), dtype, "w2_bias")
@@ -446,8 +449,10 @@ class FusedMoE(nn.Module):
         held = (local >= 0) & (local < self.shard.num_local_experts)
         return torch.where(held, local, torch.full_like(local, -1))
 
-    def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                hidden_quant: QuantizedActivation | None = None) -> torch.Tensor:
         """hidden [T, H]; topk_weights [T, K] fp32; topk_ids [T, K] int32 global expert ids -> [T, H].
+        hidden_quant: hidden quantized as ``input_quant`` says (by the norm before the block), or None.
 
         With several ranks and ``reduce_results=False`` the result is this rank's partial sum.
         """
@@ -459,7 +464,7 @@ class FusedMoE(nn.Module):
             return all_to_all_experts(self, hidden, topk_weights, topk_ids, group,
                                       tokens_replicated=self.tokens_replicated)
         out = self.quant_method.apply(self, hidden, topk_weights, self.local_topk_ids(topk_ids),
-                                      self.w2_bias if self.tp_rank == 0 else None)
+                                      self.w2_bias if self.tp_rank == 0 else None, hidden_quant)
         if self.reduce_results and self.tp_size * self.ep_size > 1:
             out = reduce_over(out, self.group, self.tp_size * self.ep_size, self)
         return out

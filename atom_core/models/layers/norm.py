@@ -52,7 +52,8 @@ class RMSNorm(nn.Module):
         ``residual_out = x + residual`` (the updated residual stream) and
         ``out = rms_norm(residual_out)``. Leading dims are flattened for the op and restored.
         ``quant``: ``out`` comes as a 2-D ``QuantizedActivation`` quantized that way, for the linear layer
-        that reads it (``ops.rms_norm_quant``: one launch; ``models.quantization.activation``).
+        that reads it (``ops.rms_norm_quant``: one launch; ``models.quantization.activation``), with the 2-D
+        float rows as its ``normed`` when ``quant.keep_normed`` (a MoE block: router and experts).
         """
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"x: last dim must be hidden_size={self.hidden_size}, got shape {tuple(x.shape)}")
@@ -62,10 +63,11 @@ class RMSNorm(nn.Module):
         x2 = x.reshape(-1, self.hidden_size)
         if quant is not None:
             flat_residual = None if residual is None else residual.reshape(-1, self.hidden_size)
+            normed = torch.empty_like(x2) if quant.keep_normed else None
             q, scale, *residual_out = ops.rms_norm_quant(x2, self.weight, self.eps, residual=flat_residual,
                                                          gemma=self.gemma, group_size=quant.group_size,
-                                                         dtype=quant.dtype)
-            out = QuantizedActivation(q, scale, x.dtype)
+                                                         dtype=quant.dtype, normed=normed)
+            out = QuantizedActivation(q, scale, x.dtype, normed)
             return out if residual is None else (out, residual_out[0].view(residual.shape))
         if residual is None:
             out = ops.rms_norm(x2, self.weight, self.eps, gemma=self.gemma)

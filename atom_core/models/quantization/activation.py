@@ -25,6 +25,7 @@ class ActivationQuant:
 
     dtype: torch.dtype
     group_size: int
+    keep_normed: bool = False  # the float activation too (QuantizedActivation.normed): a MoE block's router reads it
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class QuantizedActivation:
     q: torch.Tensor
     scale: torch.Tensor
     dtype: torch.dtype
+    normed: torch.Tensor | None = None  # the float activation itself, when ActivationQuant.keep_normed asked for it
 
     @property
     def shape(self) -> torch.Size:

@@ -38,6 +38,10 @@ import torch
 from torch import nn
 
 from atom_core import ops
+from atom_core.models.quantization.activation import (
+    ActivationQuant,
+    QuantizedActivation,
+)
 from atom_core.models.quantization.linear_methods import quantize_weight
 from atom_core.models.quantization.schemes import (
     FP8_BLOCK_128,
@@ -84,8 +88,15 @@ class ExpertMethod:
         """Refuse (naming ``where``) a rank's slice of the intermediate dim that cuts a scale block."""
 
     def apply(self, layer: nn.Module, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              w2_bias: torch.Tensor | None) -> torch.Tensor:
+              w2_bias: torch.Tensor | None, hidden_quant: QuantizedActivation | None = None) -> torch.Tensor:
+        """hidden [T, H] -> [T, H]; ``hidden_quant``: hidden quantized as :meth:`input_quant` says, by the op that
+        produced it (methods without an ``input_quant`` never get one)."""
         raise NotImplementedError
+
+    def input_quant(self, layer: nn.Module) -> ActivationQuant | None:
+        """How the experts' first GEMM quantizes hidden, when the norm before the block can do it instead (it
+        also keeps the float rows for the router: ``models.quantization.activation``); None: hidden only."""
+        return None
 
     @torch.no_grad()
     def init_dummy(self, layer: nn.Module, generator: torch.Generator, std: float) -> list[nn.Parameter]:
@@ -107,16 +118,18 @@ class UnquantizedExperts(ExpertMethod):
         layer.register_parameter("w13_weight_scale", None)
         layer.register_parameter("w2_weight_scale", None)
 
-    def apply(self, layer, hidden, topk_weights, topk_ids, w2_bias):
+    def apply(self, layer, hidden, topk_weights, topk_ids, w2_bias, hidden_quant=None):
         return ops.fused_experts(hidden, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
                                  activation=layer.activation, w13_bias=layer.w13_bias, w2_bias=w2_bias)
 
 
 class _QuantizedExperts(ExpertMethod):
-    def apply(self, layer, hidden, topk_weights, topk_ids, w2_bias):
+    def apply(self, layer, hidden, topk_weights, topk_ids, w2_bias, hidden_quant=None):
+        q, scale = (None, None) if hidden_quant is None else (hidden_quant.q, hidden_quant.scale)
         return ops.fused_experts_quant(hidden, layer.w13_weight, layer.w13_weight_scale, layer.w2_weight,
                                        layer.w2_weight_scale, topk_weights, topk_ids, weight_format=self.weight_format,
-                                       activation=layer.activation, w13_bias=layer.w13_bias, w2_bias=w2_bias)
+                                       activation=layer.activation, w13_bias=layer.w13_bias, w2_bias=w2_bias,
+                                       hidden_q=q, hidden_scale=scale)
 
 
 class Fp8Experts(_QuantizedExperts):
@@ -129,6 +142,10 @@ class Fp8Experts(_QuantizedExperts):
         self.block = weight_format == "fp8_block"
         # what online quantization and dummy weights make: the format the op reads
         self.stored = FP8_BLOCK_128 if self.block else FP8_PER_CHANNEL
+
+    def input_quant(self, layer):
+        # the gate/up GEMM's input: fp8 per 1 x 128 group (block) or per token, as fused_experts_quant quantizes it
+        return ActivationQuant(FP8_DTYPE, BLOCK if self.block else layer.hidden_size, keep_normed=True)
 
     def create_weights(self, layer, num_local, hidden, inter_local, dtype, make) -> None:
         layer.w13_weight = make((num_local, 2 * inter_local, hidden), FP8_DTYPE, "w13_weight", 1, 1)
