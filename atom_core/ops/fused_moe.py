@@ -250,12 +250,10 @@ def _check_fused_experts_quant_args(hidden, w13, w13_scale, w2, w2_scale, topk_w
 
 
 def _check_hidden_quant(hidden, weight_format, hidden_q, hidden_scale):
-    """Debug mode: hidden_q / hidden_scale, when given, are hidden's quantization in the format's activation
-    scheme (``reference.moe.activation_quantizer``'s), bit for bit."""
-    if hidden_q is None and hidden_scale is None:
+    """Debug mode: hidden_q / hidden_scale (both or neither, checked before), when given, are hidden's
+    quantization in the format's activation scheme (``reference.moe.activation_quantizer``'s), bit for bit."""
+    if hidden_q is None:
         return
-    if hidden_q is None or hidden_scale is None:
-        raise ValueError("hidden_q and hidden_scale come together (hidden's quantization and its scales)")
     if weight_format not in ("fp8_block", "fp8_channel"):
         raise ValueError(f"hidden_q / hidden_scale: {weight_format} GEMMs read hidden itself (weight-only)")
     if weight_format == "fp8_block":
@@ -302,12 +300,12 @@ def fused_experts_quant(hidden: Tensor, w13: Tensor, w13_scale: Tensor, w2: Tens
     must be hidden's own quantization (checked in debug mode): the Triton backend reads them instead of
     quantizing hidden (one launch fewer), the twin and AITER quantize hidden themselves.
     """
+    if (hidden_q is None) != (hidden_scale is None):  # always on: one without the other is never meant
+        raise ValueError("hidden_q and hidden_scale come together (hidden's quantization and its scales)")
     if debug_enabled():
         _check_fused_experts_quant_args(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight_format,
                                         activation, w13_bias, w2_bias, out)
         _check_hidden_quant(hidden, weight_format, hidden_q, hidden_scale)
-    elif (hidden_q is None) != (hidden_scale is None):  # always on: one without the other is never meant
-        raise ValueError("hidden_q and hidden_scale come together (hidden's quantization and its scales)")
     elif out is not None:  # always on (see check_out_shape)
         check_out_shape("out", out, hidden.shape)
     out = torch.empty_like(hidden) if out is None else out

@@ -2,7 +2,7 @@
 
 1. ``moe_align`` — choices sorted by expert, each expert's run padded to BLOCK_M rows. A batch of at most
    BLOCK_M choices (decode of one or two tokens at top-8) skips this launch: each GEMM program derives its
-   block from topk_ids itself (``_block_of``).
+   block from topk_ids itself (``moe_align.block_of``).
 2. gate/up GEMM — program (block, n-tile) multiplies BLOCK_M rows of one expert by the gate rows
    AND the matching up rows of w13 (two accumulators), adds the biases and applies the activation
    in the epilogue: act [N, I] in hidden's dtype, one row per choice (N = T * K).
@@ -40,7 +40,7 @@ from atom_core.ops.dispatch import triton_interpret
 from atom_core.ops.reference.quant import GROUP_SIZE
 from atom_core.ops.triton.dependent_launch import launch_kwargs, wait_for_inputs
 from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2
-from atom_core.ops.triton.moe_align import align_sizes, moe_align
+from atom_core.ops.triton.moe_align import align_sizes, block_of, moe_align
 from atom_core.ops.triton.moe_quant_tiles import (
     FORMAT_CODES,
     FP8_BLOCK,
@@ -132,36 +132,6 @@ def _tile_of(pid, num_blocks, num_n_tiles, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _block_of(pid_m, sorted_ptr, block_experts_ptr, num_padded_ptr, ids_ptr, stride_it, stride_ik, num_entries,
-              num_experts, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, SORT_HERE: tl.constexpr):
-    """(expert, entries [BLOCK_M]) of M block pid_m; expert -1: no such block (the program returns). Entries are
-    choice indices t * K + k, num_entries past the block's rows.
-
-    From ``moe_align``'s sort, or with SORT_HERE (a batch of at most BLOCK_M choices, so that no expert has more
-    rows than one block) from topk_ids itself: block b is the b-th distinct valid expert in choice order, and
-    its rows are the choices that picked it, in order. Every program derives its own block from the
-    BLOCK_M ids (a [BLOCK_M, BLOCK_M] comparison), so a small batch needs no sort launch."""
-    rows = tl.arange(0, BLOCK_M)
-    if SORT_HERE:
-        ids = tl.load(ids_ptr + (rows // TOP_K) * stride_it + (rows % TOP_K) * stride_ik, mask=rows < num_entries,
-                      other=-1)
-        valid = (ids >= 0) & (ids < num_experts)
-        repeats = tl.sum(((ids[:, None] == ids[None, :]) & (rows[None, :] < rows[:, None])).to(tl.int32), axis=1)
-        first = valid & (repeats == 0)  # the expert's first choice
-        rank = tl.cumsum(first.to(tl.int32), axis=0) - 1
-        expert = tl.max(tl.where(first & (rank == pid_m), ids, -1), axis=0)
-        hit = valid & (ids == expert)
-        slot = tl.cumsum(hit.to(tl.int32), axis=0) - 1  # the row of each choice of this block
-        match = hit[None, :] & (slot[None, :] == rows[:, None])  # [row, choice]
-        entry = tl.where(tl.sum(match.to(tl.int32), axis=1) > 0, tl.sum(tl.where(match, rows[None, :], 0), axis=1),
-                         num_entries)
-    else:
-        expert = tl.where(pid_m * BLOCK_M < tl.load(num_padded_ptr), tl.load(block_experts_ptr + pid_m), -1)
-        entry = tl.load(sorted_ptr + pid_m * BLOCK_M + rows)
-    return expert, entry
-
-
-@triton.jit
 def _k_step_masks(row_ok, col_ok, k, remaining, EVEN_K: tl.constexpr):
     """(activation mask, weight mask) of one K step of a [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] tile with
     ``remaining`` columns of K left (EVEN_K: every step is whole, only rows and columns are masked)."""
@@ -188,7 +158,8 @@ def _round_to_bf16_values(x):
 @triton.jit
 def _gate_up_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, act_ptr, sorted_ptr, block_experts_ptr, num_padded_ptr, ids_ptr,
-    num_entries, num_experts, hidden, inter, num_blocks, gate_row_step, up_row_offset, alpha, limit, stride_it, stride_ik,
+    num_entries, num_experts, hidden, inter, num_blocks, gate_row_step, up_row_offset, alpha, limit,
+    stride_it, stride_ik,
     stride_xt, stride_xh, stride_xst, stride_xsg, stride_we, stride_wn, stride_wh, stride_se, stride_sn, stride_sh,
     stride_be, stride_bn, stride_an,
     TOP_K: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, W_FORMAT: tl.constexpr,
@@ -208,7 +179,7 @@ def _gate_up_kernel(
     """
     wait_for_inputs(PDL)
     pid_m, pid_n = _tile_of(tl.program_id(0), num_blocks, tl.cdiv(inter, BLOCK_N), GROUP_M)
-    expert, entry = _block_of(pid_m, sorted_ptr, block_experts_ptr, num_padded_ptr, ids_ptr, stride_it, stride_ik,
+    expert, entry = block_of(pid_m, sorted_ptr, block_experts_ptr, num_padded_ptr, ids_ptr, stride_it, stride_ik,
                               num_entries, num_experts, TOP_K, BLOCK_M, SORT_HERE)
     if expert < 0:
         return
@@ -302,7 +273,7 @@ def _down_kernel(
     kernel: for fp8, act is the activation quantized to fp8 and as_ptr its scales [N, ceil(I / 128)] or [N, 1])."""
     wait_for_inputs(PDL)
     pid_m, pid_n = _tile_of(tl.program_id(0), num_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
-    expert, entry = _block_of(pid_m, sorted_ptr, block_experts_ptr, num_padded_ptr, ids_ptr, stride_it, stride_ik,
+    expert, entry = block_of(pid_m, sorted_ptr, block_experts_ptr, num_padded_ptr, ids_ptr, stride_it, stride_ik,
                               num_entries, num_experts, TOP_K, BLOCK_M, SORT_HERE)
     if expert < 0:
         return
@@ -381,7 +352,7 @@ class LaunchShape:
     """What the launches of one call derive from its sizes alone."""
     num_entries: int  # N = T * K choices
     num_blocks: int  # BLOCK_M blocks of the aligned choices (worst case)
-    sorts_in_program: bool  # N <= BLOCK_M: no moe_align launch, each GEMM program finds its block (_block_of)
+    sorts_in_program: bool  # N <= BLOCK_M: no moe_align launch, each GEMM program finds its block (block_of)
     gate_up_grid: tuple[int]
     down_grid: tuple[int]
     sum_grid: tuple[int, int]
@@ -515,9 +486,8 @@ def fused_experts_quant(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk
         raise ValueError(f"fp8_block needs BLOCK_K = 128 (one scale block per K step), got {cfg.block_k}")
     if weight_format == "mxfp4":
         check_mxfp4_block_k(cfg.block_k)
-    hidden_quant = None if hidden_q is None else (hidden_q, hidden_scale)
     _launch(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight_format, activation, w13_bias,
-            w2_bias, out, cfg, hidden_quant)
+            w2_bias, out, cfg, hidden_q, hidden_scale)
 
 
 def swaps_ab(cfg: BlockConfig) -> bool:
@@ -544,9 +514,9 @@ def _quantize_input(x, weight_format, fp8_dtype, tokens):
 
 
 def _launch(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight_format, activation, w13_bias,
-            w2_bias, out, cfg, hidden_quant=None):
+            w2_bias, out, cfg, hidden_q=None, hidden_scale=None):
     """Align, gate/up, down, sum; every launch dependent (``dependent_launch``) on the layer's token count.
-    hidden_quant: (fp8 [T, H], scales) of hidden, from the caller (fp8 formats; else quantized here).
+    hidden_q / hidden_scale: hidden's fp8 [T, H] and scales from the caller (fp8 formats; else quantized here).
     Strides are passed as ``*t.stride()`` (one call per tensor; ``t.stride(i)`` costs as much each)."""
     num_tokens, hidden_size = hidden.shape
     num_experts, two_inter, _ = w13.shape
@@ -572,8 +542,8 @@ def _launch(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, weight
     # read hidden itself, and x_scale is any pointer, never read.
     if not fp8:
         x, x_scale = hidden, hidden
-    elif hidden_quant is not None:
-        x, x_scale = hidden_quant
+    elif hidden_q is not None:
+        x, x_scale = hidden_q, hidden_scale
     else:
         x, x_scale = _quantize_input(hidden, weight_format, w13.dtype, num_tokens)
     act = torch.empty(num_entries, inter, dtype=hidden.dtype, device=hidden.device)

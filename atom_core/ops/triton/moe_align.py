@@ -13,6 +13,9 @@ into buffers whose sizes depend only on the shapes:
 each wastes fewer than BLOCK_M slots. Within an expert the order of entries is unspecified (slots are
 claimed with atomics); each row of the GEMM is computed on its own, so the order changes no result.
 Ids outside [0, E) are left out: they reach no expert.
+
+:func:`block_of` gives a GEMM program its block: from these buffers, or, for a batch of at most BLOCK_M
+choices, from the routing ids themselves (the same blocks, sorted in the program; no launch here).
 """
 
 # T tokens, E experts, K top-k, H hidden, I intermediate
@@ -119,3 +122,33 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
         **launch_kwargs(topk_ids, topk_ids.shape[0]),
     )
     return sorted_entries, block_experts, num_padded
+
+
+@triton.jit
+def block_of(pid_m, sorted_ptr, block_experts_ptr, num_padded_ptr, ids_ptr, stride_it, stride_ik, num_entries,
+             num_experts, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, SORT_HERE: tl.constexpr):
+    """(expert, entries [BLOCK_M]) of M block pid_m of the fused-MoE GEMMs (``fused_moe``); expert -1: no such
+    block (the program returns). Entries are choice indices t * K + k, num_entries past the block's rows.
+
+    From :func:`moe_align`'s buffers, or with SORT_HERE (a batch of at most BLOCK_M choices, so that no expert
+    has more rows than one block) from topk_ids itself: block b is the b-th distinct valid expert in choice
+    order, and its rows are the choices that picked it, in order. Every program derives its own block from the
+    BLOCK_M ids (a [BLOCK_M, BLOCK_M] comparison), so a small batch needs no sort launch."""
+    rows = tl.arange(0, BLOCK_M)
+    if SORT_HERE:
+        ids = tl.load(ids_ptr + (rows // TOP_K) * stride_it + (rows % TOP_K) * stride_ik, mask=rows < num_entries,
+                      other=-1)
+        valid = (ids >= 0) & (ids < num_experts)
+        repeats = tl.sum(((ids[:, None] == ids[None, :]) & (rows[None, :] < rows[:, None])).to(tl.int32), axis=1)
+        first = valid & (repeats == 0)  # the expert's first choice
+        rank = tl.cumsum(first.to(tl.int32), axis=0) - 1
+        expert = tl.max(tl.where(first & (rank == pid_m), ids, -1), axis=0)
+        hit = valid & (ids == expert)
+        slot = tl.cumsum(hit.to(tl.int32), axis=0) - 1  # the row of each choice of this block
+        match = hit[None, :] & (slot[None, :] == rows[:, None])  # [row, choice]
+        entry = tl.where(tl.sum(match.to(tl.int32), axis=1) > 0, tl.sum(tl.where(match, rows[None, :], 0), axis=1),
+                         num_entries)
+    else:
+        expert = tl.where(pid_m * BLOCK_M < tl.load(num_padded_ptr), tl.load(block_experts_ptr + pid_m), -1)
+        entry = tl.load(sorted_ptr + pid_m * BLOCK_M + rows)
+    return expert, entry
