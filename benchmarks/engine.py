@@ -645,15 +645,16 @@ def section_host(args) -> list[dict]:
 
 def section_profile(args) -> list[dict]:
     """Where a decode step's time goes at ``--profile-bs`` running requests (``--model``'s shapes, quantized
-    per ``--quantization``): torch.profiler over 10 steps (kernels inside the CUDA graphs included); rows are
-    the kernels with the most GPU time, plus the step's wall time."""
+    per ``--quantization``, KV pool per ``--kv-cache-dtype``): torch.profiler over 10 steps (kernels inside the
+    CUDA graphs included); rows are the kernels with the most GPU time, plus the step's wall time."""
     from torch.profiler import ProfilerActivity, profile
 
     from atom_core.engine import Engine, SamplingParams
 
     model = build_bench_model(load_config(args.model), args.quantization)
     bs = args.profile_bs
-    engine = Engine(model, None, device="cuda", max_num_seqs=bs, max_model_len=2048)
+    engine = Engine(model, None, device="cuda", max_num_seqs=bs, max_model_len=2048,
+                    kv_cache_dtype=args.kv_cache_dtype)
     rng = random.Random(0)
     for _ in range(bs):
         engine.add_request([rng.randint(0, 9999) for _ in range(rng.randint(100, 1024))],
@@ -671,7 +672,8 @@ def section_profile(args) -> list[dict]:
         wall_ms = (time.perf_counter() - t0) / steps * 1e3
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     gpu_total = sum(e.self_device_time_total for e in events) / steps / 1e3
-    label = {"model": args.model, "quantization": args.quantization or "bf16", "bs": bs}
+    label = {"model": args.model, "quantization": args.quantization or "bf16", "kv_cache_dtype": args.kv_cache_dtype,
+             "bs": bs}
     rows = [{**label, "name": "STEP (wall)", "ms_per_step": wall_ms},
             {**label, "name": "all GPU kernels", "ms_per_step": gpu_total,
              "calls_per_step": sum(e.count for e in events) / steps}]

@@ -5,7 +5,7 @@ with its accumulation error (fp32 output, the same launch) against the fp32 prod
 operands, as a share of max |out|. The defaults of
 ``scaled_mm.launch_config`` are read off this table.
 
-At M <= 16 (weight-bound) each timed call reads the next of ``WEIGHT_COPIES`` copies of the weight, as a
+At M <= 256 (decode batches) each timed call reads the next of ``WEIGHT_COPIES`` copies of the weight, as a
 model's layers each read their own: one weight of 8-60 MB, timed alone, stays in the H200's 50 MB L2 and
 reads faster than a decode step ever does (Llama-3-8B's o_proj GEMV: 5.3 us with one copy, 7.7 out of L2).
 
@@ -32,7 +32,8 @@ SMALL_M = ([(16, bn, 128, 4, 4, sk, "bk") for bn in (32, 64) for sk in (1, 2, 4,
 # was faster alone and no faster in a decode step, docs/benchmarks.md), up to 512 weight values a thread
 GEMV = [(1, bn, bk, warps, 4, 1, None) for bn in (2, 4, 8, 16) for bk in (1024, 2048, 4096) for warps in (1, 2, 4, 8)
         if bn * bk <= 512 * 32 * warps]
-WEIGHT_COPIES = 10  # the weights a timed M <= 16 call cycles through (module docstring)
+WEIGHT_COPIES = 10  # the weights a timed call of at most COLD_M rows cycles through (module docstring)
+COLD_M = 256
 MID_M = [(bm, bn, 128, 4 if bm <= 64 else 8, 3, sk, imp) for bm in (64, 128) for bn in (64, 128) for sk in (1, 2, 4)
          for imp in (None,)]
 LARGE_M = [(bm, bn, bk, w, st, 1, imp)
@@ -67,7 +68,7 @@ def run(tokens: list[int], json_path: str | None, device: str = "cuda", smoke: b
                 gemm = ops.scaled_mm_per_token if fmt == "per_token" else ops.scaled_mm_block
                 want = gemm(a, a_scale, w, w_scale, out_dtype=torch.float32, backend="torch")
                 # (the copies hold the same values: the error check may read any of them)
-                weights = itertools.cycle([w] + [w.clone() for _ in range(WEIGHT_COPIES - 1)] if m <= 16 else [w])
+                weights = itertools.cycle([w] + [w.clone() for _ in range(WEIGHT_COPIES - 1)] if m <= COLD_M else [w])
                 cublas = None if smoke else guarded(
                     timed, lambda: lambda: gemm(a, a_scale, next(weights), w_scale, out_dtype=torch.bfloat16,
                                                 backend="scaled_mm"))

@@ -152,8 +152,10 @@ def test_triton_equals_the_twin_bit_for_bit(dtype, x_dtype, rows, cols):
 
 
 @needs_triton
-def test_triton_group_sizes_other_than_128_strided_rows_and_long_rows():
-    x = non_contiguous_rows(torch.randn(5, 9000, device=DEVICE))  # rows padded; per-token: 3 steps of 4096
+@pytest.mark.parametrize("rows, cols", [(5, 9000), (37, 700)])
+def test_triton_group_sizes_other_than_128_strided_rows_short_and_long(rows, cols):
+    # rows padded; per-token: 9000 columns read twice in 3 steps of 4096 each, 700 read once
+    x = non_contiguous_rows(torch.randn(rows, cols, device=DEVICE))
     for dtype in QUANT_DTYPES:
         for call, twin in ((lambda t: ops.per_token_quant(t, dtype=dtype, backend="triton"),
                             lambda t: reference.per_token_quant(t, dtype)),
