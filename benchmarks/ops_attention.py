@@ -20,12 +20,15 @@ no twin baselines (the twin's [Hq, T, T] logits would take 34 GB); benchmarks/at
 sweeps the kernel's tile configs on long prefills.
 
     python -m benchmarks.ops_attention [--device cuda] [--json out.json] [--smoke]
-        [--kv-heads 4] [--fp8-pool] [--decode-only] [--decode 256x1024 64x4096]
+        [--kv-heads 4] [--fp8-pool] [--decode-only] [--decode 256x1024 64x4096 256x105-1029]
 
 ``--fp8-pool`` adds, after each decode row, the same problem over an fp8 (e4m3) pool holding K / 0.5 and
 V / 0.25 (as ``store_kv_`` writes it, with those scales), timed in the same run: its bytes count one byte a
 cached element, and ``x_bf16_pool`` is the bf16 pool's time over the fp8 pool's. ``--kv-heads`` sets Hk
-(4: Qwen3-30B-A3B's heads); ``--decode`` replaces the decode grid (BATCHxCONTEXT).
+(4: Qwen3-30B-A3B's heads); ``--decode`` replaces the decode grid (BATCHxCONTEXT). A context LO-HI gives each
+row its own, drawn uniformly from [LO, HI] (seeded), as in the decode steps of the nano-vllm workload (prompts of
+100-1,024 tokens): rows of uneven length, whose longest set a program's tail; the SDPA baselines need equal
+contexts and are left out of such rows (the twin takes them).
 
 ``--smoke`` runs tiny sizes without torch.compile so the script can be checked on a CPU, where the
 Triton kernels run in the interpreter.
@@ -34,7 +37,9 @@ Triton kernels run in the interpreter.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
+import random
 from dataclasses import dataclass
 
 import torch
@@ -48,12 +53,12 @@ FULL = dict(q_heads=32, kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfl
 # The twin materialises fp32 logits [Hq, T, T] per row: past this many tokens it is not timed.
 TWIN_MAX_PREFILL_TOKENS = 8192
 SMOKE = dict(q_heads=4, kv_heads=2, head_dim=32, block_size=4, dtype=torch.float32,
-             decode=[(1, 16), (2, 40)], prefill=[(1, 24), (2, 12)])
+             decode=[(1, 16), (2, 40), (3, (9, 30))], prefill=[(1, 24), (2, 12)])
 
 
 @dataclass
 class Problem:
-    """A batch of rows with equal context, its pool and layout tensors (on the device)."""
+    """A batch of rows, its pool and layout tensors (on the device)."""
 
     q: torch.Tensor  # [T, Hq, D]
     k_cache: torch.Tensor  # [NB, BS, Hk, D]
@@ -63,27 +68,50 @@ class Problem:
     context_lens: torch.Tensor  # int32 [B]
     max_seqlen_q: int
     max_seqlen_k: int
+    contexts: list[int]  # context_lens on the host
+
+    @property
+    def even(self) -> bool:
+        return len(set(self.contexts)) == 1
 
     def args(self):
         return (self.q, self.k_cache, self.v_cache, self.block_tables, self.cu_seqlens_q, self.context_lens,
                 self.max_seqlen_q, self.max_seqlen_k)
 
 
+def row_contexts(rows: int, context) -> list[int]:
+    """Each row's context: ``context`` itself, or for a (lo, hi) pair one drawn uniformly from [lo, hi]."""
+    if isinstance(context, int):
+        return [context] * rows
+    rng = random.Random(rows)
+    return [rng.randint(*context) for _ in range(rows)]
+
+
+def context_label(context) -> str:
+    return str(context) if isinstance(context, int) else f"{context[0]}-{context[1]}"
+
+
 def make_problem(rows, query_len, context, sizes, device) -> Problem:
+    """``context``: every row's, or (lo, hi): each row's own (:func:`row_contexts`); pages scattered over the pool
+    (a row's table padded with -1 past its pages)."""
     block_size, kv_heads, head_dim, dtype = sizes["block_size"], sizes["kv_heads"], sizes["head_dim"], sizes["dtype"]
-    pages = math.ceil(context / block_size)
-    num_blocks = rows * pages
+    contexts = row_contexts(rows, context)
+    pages = [math.ceil(c / block_size) for c in contexts]
+    num_blocks = sum(pages)
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device)
     v_cache = torch.randn_like(k_cache)
-    block_tables = torch.randperm(num_blocks, device=device).to(torch.int32).view(rows, pages)
+    scattered = torch.randperm(num_blocks, device=device).to(torch.int32)
+    block_tables = torch.full((rows, max(pages)), -1, dtype=torch.int32, device=device)
+    for row, start in enumerate(itertools.accumulate([0] + pages[:-1])):
+        block_tables[row, :pages[row]] = scattered[start:start + pages[row]]
     q = torch.randn(rows * query_len, sizes["q_heads"], head_dim, dtype=dtype, device=device)
     cu_seqlens_q = torch.arange(0, rows * query_len + 1, query_len, dtype=torch.int32, device=device)
-    context_lens = torch.full((rows,), context, dtype=torch.int32, device=device)
-    return Problem(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, query_len, context)
+    context_lens = torch.tensor(contexts, dtype=torch.int32, device=device)
+    return Problem(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, query_len, max(contexts), contexts)
 
 
 def gather_dense(problem: Problem, cache: torch.Tensor) -> torch.Tensor:
-    """[B, Hk, S, D]: every row's context copied out of the pool (rows have equal context S)."""
+    """[B, Hk, S, D]: every row's context copied out of the pool (rows of equal context S only)."""
     rows, pages = problem.block_tables.shape
     pages_kv = cache[problem.block_tables.long()]  # [B, P, BS, Hk, D]
     return pages_kv.reshape(rows, pages * cache.shape[1], *cache.shape[2:])[:, : problem.max_seqlen_k].transpose(1, 2)
@@ -111,7 +139,7 @@ def _decode_row(rows, context, sizes, device, smoke, timed, copy_gbs, twin_basel
     out = torch.empty_like(p.q)
     ms = timed(lambda: paged_attention(*p.args(), scale=scale, out=out, backend=backend))
     elt = p.q.element_size()
-    kv_bytes = 2 * rows * context * sizes["kv_heads"] * sizes["head_dim"] * p.k_cache.element_size()
+    kv_bytes = 2 * sum(p.contexts) * sizes["kv_heads"] * sizes["head_dim"] * p.k_cache.element_size()
     nbytes = kv_bytes + 2 * p.q.numel() * elt  # K and V read once; q read, out written
     gbs = nbytes / (ms * 1e-3) / 1e9
 
@@ -122,19 +150,19 @@ def _decode_row(rows, context, sizes, device, smoke, timed, copy_gbs, twin_basel
         dense["k"], dense["v"] = gather_dense(p, p.k_cache), gather_dense(p, p.v_cache)
         return lambda: _sdpa(q4, dense["k"], dense["v"], scale, False)
 
-    sdpa_ms = guarded(timed, pre_gathered)
+    sdpa_ms = guarded(timed, pre_gathered) if p.even else None
     dense.clear()
     sdpa_gather_ms = guarded(timed, lambda: lambda: _sdpa(q4, gather_dense(p, p.k_cache), gather_dense(p, p.v_cache),
-                                                           scale, False))
+                                                           scale, False)) if p.even else None
     twin_ms = None if not twin_baselines else guarded(
         timed, lambda: lambda: twin.paged_attention(*p.args(), scale=scale), graph=False)
     compile_ms = None if smoke or not twin_baselines else guarded(
         timed, lambda: (lambda f: lambda: f(*p.args(), scale=scale))(torch.compile(twin.paged_attention)), graph=False)
     split_k = uses_split_k_decode(1, sizes["q_heads"], sizes["kv_heads"])
     return {
-        "case": "decode", "batch": rows, "context": context, "backend": backend,
+        "case": "decode", "batch": rows, "context": context_label(context), "backend": backend,
         "path": "split-k" if split_k else "unified",
-        "splits": choose_num_splits(rows, sizes["kv_heads"], context, torch.device(device)) if split_k else 1,
+        "splits": choose_num_splits(rows, sizes["kv_heads"], p.max_seqlen_k, torch.device(device)) if split_k else 1,
         "ms": ms, "GB/s": gbs, "%copy": 100 * gbs / copy_gbs, "TFLOP/s": None,
         "sdpa_ms": sdpa_ms, "x_sdpa": ratio(sdpa_ms, ms),
         "sdpa+gather_ms": sdpa_gather_ms, "x_sdpa+gather": ratio(sdpa_gather_ms, ms),
@@ -155,7 +183,7 @@ def _fp8_pool_row(rows, context, sizes, device, timed, copy_gbs, bf16_row):
     out = torch.empty_like(p.q)
     ms = timed(lambda: paged_attention(*p.args(), scale=scale, k_scale=k_scale, v_scale=v_scale, out=out,
                                        backend=bf16_row["backend"]))
-    nbytes = 2 * rows * context * sizes["kv_heads"] * sizes["head_dim"] + 2 * p.q.numel() * p.q.element_size()
+    nbytes = 2 * sum(p.contexts) * sizes["kv_heads"] * sizes["head_dim"] + 2 * p.q.numel() * p.q.element_size()
     gbs = nbytes / (ms * 1e-3) / 1e9
     return {**{k: bf16_row[k] for k in ("batch", "context", "backend", "path", "splits")},
             "case": "decode (fp8 pool)", "ms": ms, "GB/s": gbs, "%copy": 100 * gbs / copy_gbs,
@@ -247,11 +275,18 @@ def _flags(parser) -> None:
     parser.add_argument("--decode", nargs="+", metavar="BATCHxCONTEXT", help="decode cases, e.g. 256x1024")
 
 
+def parse_decode_case(case: str) -> tuple:
+    """"BATCHxCONTEXT" → (batch, context); "BATCHxLO-HI" → (batch, (lo, hi))."""
+    batch, context = case.split("x")
+    lo, _, hi = context.partition("-")
+    return int(batch), int(lo) if not hi else (int(lo), int(hi))
+
+
 def main() -> None:
     from benchmarks.common import op_bench_args, report
 
     args = op_bench_args(__doc__.splitlines()[0], _flags)
-    decode = [tuple(int(n) for n in case.split("x")) for case in args.decode] if args.decode else None
+    decode = [parse_decode_case(case) for case in args.decode] if args.decode else None
     report(run(args.device, smoke=args.smoke, twin_baselines=not args.sdpa_only, kv_heads=args.kv_heads,
                fp8_pool=args.fp8_pool, decode_only=args.decode_only, decode=decode), COLUMNS, args.json)
 
