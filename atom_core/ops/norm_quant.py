@@ -47,12 +47,16 @@ SILU_AND_MUL_QUANT = Op("silu_and_mul_quant")
 
 
 def _torch_rms_norm_quant(x, weight, eps, residual, gemma, group_size, q, scale, residual_out, normed):
-    result = reference_norm_quant.rms_norm_quant(x, weight, eps, residual, gemma, group_size, q.dtype)
-    for out, got in zip((q, scale, residual_out), result):
-        out.copy_(got)
+    # reference_norm_quant.rms_norm_quant's two twins, the normalised rows kept for ``normed``
+    rows = reference_norm.rms_norm(x, weight, eps, residual, gemma)
+    if residual is not None:
+        rows, summed = rows
+        residual_out.copy_(summed)
+    got_q, got_scale = reference_norm_quant.quantize_rows(rows, q.dtype, group_size)
+    q.copy_(got_q)
+    scale.copy_(got_scale)
     if normed is not None:
-        got = reference_norm.rms_norm(x, weight, eps, residual, gemma)
-        normed.copy_(got if residual is None else got[0])
+        normed.copy_(rows)
 
 
 def _torch_silu_and_mul_quant(x, group_size, q, scale):

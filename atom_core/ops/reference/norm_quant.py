@@ -23,7 +23,8 @@ from atom_core.ops.reference.norm import rms_norm
 from atom_core.ops.reference.quant import FP8_DTYPE, GROUP_SIZE, per_group_quant
 
 
-def _quantize(h: Tensor, dtype: torch.dtype, group_size: int) -> tuple[Tensor, Tensor]:
+def quantize_rows(h: Tensor, dtype: torch.dtype, group_size: int) -> tuple[Tensor, Tensor]:
+    """``per_group_quant`` of the activation h [T, C]; a group of at least C columns is the whole row."""
     # A group past the row's end holds the row and zero padding: the same as a group of the row's
     # length (zeros change no amax), without padding to group_size columns.
     return per_group_quant(h, dtype, min(group_size, max(h.shape[1], 1)))
@@ -35,12 +36,12 @@ def rms_norm_quant(x: Tensor, weight: Tensor, eps: float, residual: Tensor | Non
     and residual_out = x + residual [T, D] (x's dtype) as a third output when residual is given."""
     normed = rms_norm(x, weight, eps, residual, gemma)
     if residual is None:
-        return _quantize(normed, dtype, group_size)
+        return quantize_rows(normed, dtype, group_size)
     out, residual_out = normed
-    return (*_quantize(out, dtype, group_size), residual_out)
+    return (*quantize_rows(out, dtype, group_size), residual_out)
 
 
 def silu_and_mul_quant(x: Tensor, group_size: int = GROUP_SIZE,
                        dtype: torch.dtype = FP8_DTYPE) -> tuple[Tensor, Tensor]:
     """x [T, 2I] = [gate | up] → (q [T, I] of ``dtype``, scale [T, G] fp32) of silu(gate) * up."""
-    return _quantize(silu_and_mul(x), dtype, group_size)
+    return quantize_rows(silu_and_mul(x), dtype, group_size)
