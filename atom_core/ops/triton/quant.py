@@ -174,10 +174,13 @@ def per_token_quant(x, q, scale, tokens=None):
         return
     # Rows of up to _ROW_BLOCK columns stay in registers, one read (H200, bf16 to fp8: 16,384 x 768 27 against
     # 31 us, 8,192 x 4,096 38 against 44, 2,048 x 768 5.6 against 6.2; 1-256 rows within 0.3 us; docs/benchmarks.md).
-    kernel = _per_token_row_kernel if cols <= _ROW_BLOCK else _per_token_kernel
-    kernel[(rows,)](x, q, scale, cols, x.stride(0), q.stride(0), scale.stride(0), AMAX_FLOOR,
-                    BLOCK=min(next_power_of_2(max(cols, 1)), _ROW_BLOCK), **_format(q),
-                    **launch_kwargs(x, rows if tokens is None else tokens))
+    args = (x, q, scale, cols, x.stride(0), q.stride(0), scale.stride(0), AMAX_FLOOR)
+    block = min(next_power_of_2(max(cols, 1)), _ROW_BLOCK)
+    pdl = launch_kwargs(x, rows if tokens is None else tokens)
+    if cols <= _ROW_BLOCK:
+        _per_token_row_kernel[(rows,)](*args, BLOCK=block, **_format(q), **pdl)
+    else:
+        _per_token_kernel[(rows,)](*args, BLOCK=block, **_format(q), **pdl)
 
 
 @functools.lru_cache(maxsize=LAUNCH_CACHE_SIZE)
