@@ -19,7 +19,6 @@ from torch import Tensor
 from atom_core.ops import quant as quant_ops
 from atom_core.ops.dispatch import Op, call_op, custom_op
 from atom_core.ops.reference import moe as reference_moe
-from atom_core.ops.reference import quant as reference_quant
 from atom_core.ops.reference.moe import FP8_BLOCK, MXFP4_BLOCK, WEIGHT_FORMATS
 from atom_core.ops.reference.quant import FP8_DTYPE
 from atom_core.ops.validation import (FLOAT_DTYPES, check_out, check_out_shape, check_same_device, check_shape,
@@ -251,15 +250,12 @@ def _check_fused_experts_quant_args(hidden, w13, w13_scale, w2, w2_scale, topk_w
 
 def _check_hidden_quant(hidden, weight_format, hidden_q, hidden_scale):
     """Debug mode: hidden_q / hidden_scale (both or neither, checked before), when given, are hidden's
-    quantization in the format's activation scheme (``reference.moe.activation_quantizer``'s), bit for bit."""
+    quantization in the format's activation scheme (``reference.moe.quantize_activation``'s), bit for bit."""
     if hidden_q is None:
         return
     if weight_format not in ("fp8_block", "fp8_channel"):
         raise ValueError(f"hidden_q / hidden_scale: {weight_format} GEMMs read hidden itself (weight-only)")
-    if weight_format == "fp8_block":
-        want_q, want_scale = reference_quant.per_group_quant(hidden, FP8_DTYPE, FP8_BLOCK)
-    else:
-        want_q, want_scale = reference_quant.per_token_quant(hidden, FP8_DTYPE)
+    want_q, want_scale = reference_moe.quantize_activation(hidden, weight_format)
     check_tensor("hidden_q", hidden_q, ndim=2, dtypes=(FP8_DTYPE,))
     check_shape("hidden_q", hidden_q, tuple(want_q.shape))
     check_tensor("hidden_scale", hidden_scale, ndim=2, dtypes=(torch.float32,))

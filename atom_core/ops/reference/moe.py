@@ -204,15 +204,22 @@ def dequantize_weight(w: torch.Tensor, scale: torch.Tensor, weight_format: str) 
     return w.float() * expand_block_scales(scale, w.shape[0], w.shape[1], FP8_BLOCK)
 
 
+def quantize_activation(x: torch.Tensor, weight_format: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """An activation x [N, C] as the GEMMs of an fp8 ``weight_format`` read it (``reference.quant``): fp8
+    with scales per 1 x 128 group [N, ceil(C / 128)] for fp8_block, per row [N, 1] for fp8_channel."""
+    if weight_format == "fp8_block":
+        return per_group_quant(x, FP8_DTYPE, FP8_BLOCK)
+    return per_token_quant(x, FP8_DTYPE)
+
+
 def activation_quantizer(weight_format: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """What the GEMMs of ``weight_format`` read for an activation x [N, C]: fp8 weights quantize it
-    dynamically (``reference.quant``: 1 x 128 groups for fp8_block, one scale per row for
-    fp8_channel) and multiply back; MXFP4 weights read it as it is (weight-only)."""
-    if weight_format == "fp8_block":
-        return lambda x: dequantize(*per_group_quant(x, FP8_DTYPE, FP8_BLOCK), FP8_BLOCK)
-    if weight_format == "fp8_channel":
-        return lambda x: dequantize(*per_token_quant(x, FP8_DTYPE))
-    return None
+    dynamically (:func:`quantize_activation`) and multiply back; MXFP4 weights read it as it is
+    (weight-only)."""
+    if weight_format not in ("fp8_block", "fp8_channel"):
+        return None
+    group = FP8_BLOCK if weight_format == "fp8_block" else None
+    return lambda x: dequantize(*quantize_activation(x, weight_format), group)
 
 
 def fused_experts_quant(hidden: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
