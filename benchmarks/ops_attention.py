@@ -28,7 +28,8 @@ cached element, and ``x_bf16_pool`` is the bf16 pool's time over the fp8 pool's.
 (4: Qwen3-30B-A3B's heads); ``--decode`` replaces the decode grid (BATCHxCONTEXT). A context LO-HI gives each
 row its own, drawn uniformly from [LO, HI] (seeded), as in the decode steps of the nano-vllm workload (prompts of
 100-1,024 tokens): rows of uneven length, whose longest set a program's tail; the SDPA baselines need equal
-contexts and are left out of such rows (the twin takes them).
+contexts and are left out of such rows (the twin takes them). Every decode launch passes the engine's
+``row_order`` (rows longest first); rows of uneven context are also timed without it (``in_row_order_ms``).
 
 ``--smoke`` runs tiny sizes without torch.compile so the script can be checked on a CPU, where the
 Triton kernels run in the interpreter.
@@ -42,9 +43,11 @@ import math
 import random
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from atom_core.cache.token_layout import longest_first
 from benchmarks.common import adaptive_timer, guarded, ratio
 
 FULL = dict(q_heads=32, kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16,
@@ -69,6 +72,7 @@ class Problem:
     max_seqlen_q: int
     max_seqlen_k: int
     contexts: list[int]  # context_lens on the host
+    row_order: torch.Tensor  # int32 [B]: the rows longest first, as the engine's layout orders them
 
     @property
     def even(self) -> bool:
@@ -107,7 +111,8 @@ def make_problem(rows, query_len, context, sizes, device) -> Problem:
     q = torch.randn(rows * query_len, sizes["q_heads"], head_dim, dtype=dtype, device=device)
     cu_seqlens_q = torch.arange(0, rows * query_len + 1, query_len, dtype=torch.int32, device=device)
     context_lens = torch.tensor(contexts, dtype=torch.int32, device=device)
-    return Problem(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, query_len, max(contexts), contexts)
+    return Problem(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, query_len, max(contexts), contexts,
+                   longest_first(np.array(contexts)).to(device))
 
 
 def gather_dense(problem: Problem, cache: torch.Tensor) -> torch.Tensor:
@@ -137,7 +142,9 @@ def _decode_row(rows, context, sizes, device, smoke, timed, copy_gbs, twin_basel
     p = make_problem(rows, 1, context, sizes, device)
     scale = sizes["head_dim"] ** -0.5
     out = torch.empty_like(p.q)
-    ms = timed(lambda: paged_attention(*p.args(), scale=scale, out=out, backend=backend))
+    ms = timed(lambda: paged_attention(*p.args(), scale=scale, out=out, row_order=p.row_order, backend=backend))
+    # Rows of uneven context: the same launch in row order (without the engine's longest-first row_order).
+    row_order_ms = None if p.even else timed(lambda: paged_attention(*p.args(), scale=scale, out=out, backend=backend))
     elt = p.q.element_size()
     kv_bytes = 2 * sum(p.contexts) * sizes["kv_heads"] * sizes["head_dim"] * p.k_cache.element_size()
     nbytes = kv_bytes + 2 * p.q.numel() * elt  # K and V read once; q read, out written
@@ -164,6 +171,7 @@ def _decode_row(rows, context, sizes, device, smoke, timed, copy_gbs, twin_basel
         "path": "split-k" if split_k else "unified",
         "splits": choose_num_splits(rows, sizes["kv_heads"], p.max_seqlen_k, torch.device(device)) if split_k else 1,
         "ms": ms, "GB/s": gbs, "%copy": 100 * gbs / copy_gbs, "TFLOP/s": None,
+        "in_row_order_ms": row_order_ms, "x_in_row_order": ratio(row_order_ms, ms),
         "sdpa_ms": sdpa_ms, "x_sdpa": ratio(sdpa_ms, ms),
         "sdpa+gather_ms": sdpa_gather_ms, "x_sdpa+gather": ratio(sdpa_gather_ms, ms),
         "twin_ms": twin_ms, "x_twin": ratio(twin_ms, ms),
@@ -182,11 +190,14 @@ def _fp8_pool_row(rows, context, sizes, device, timed, copy_gbs, bf16_row):
     scale = sizes["head_dim"] ** -0.5
     out = torch.empty_like(p.q)
     ms = timed(lambda: paged_attention(*p.args(), scale=scale, k_scale=k_scale, v_scale=v_scale, out=out,
-                                       backend=bf16_row["backend"]))
+                                       row_order=p.row_order, backend=bf16_row["backend"]))
+    row_order_ms = None if p.even else timed(lambda: paged_attention(
+        *p.args(), scale=scale, k_scale=k_scale, v_scale=v_scale, out=out, backend=bf16_row["backend"]))
     nbytes = 2 * sum(p.contexts) * sizes["kv_heads"] * sizes["head_dim"] + 2 * p.q.numel() * p.q.element_size()
     gbs = nbytes / (ms * 1e-3) / 1e9
     return {**{k: bf16_row[k] for k in ("batch", "context", "backend", "path", "splits")},
             "case": "decode (fp8 pool)", "ms": ms, "GB/s": gbs, "%copy": 100 * gbs / copy_gbs,
+            "in_row_order_ms": row_order_ms, "x_in_row_order": ratio(row_order_ms, ms),
             "bf16_pool_ms": bf16_row["ms"], "x_bf16_pool": ratio(bf16_row["ms"], ms)}
 
 
@@ -263,7 +274,7 @@ def run(device: str = "cuda", smoke: bool = False, twin_baselines: bool = True, 
 
 
 COLUMNS = ["case", "batch", "context", "backend", "path", "splits", "ms", "GB/s", "%copy", "TFLOP/s", "x_sdpa",
-           "x_sdpa+gather", "sdpa_TFLOP/s", "x_twin", "x_compile", "x_bf16_pool"]
+           "x_sdpa+gather", "sdpa_TFLOP/s", "x_twin", "x_compile", "x_bf16_pool", "x_in_row_order"]
 
 
 def _flags(parser) -> None:

@@ -53,6 +53,9 @@ class StepLayout:
             and for padding rows.
         num_prefill_rows: int, rows with ``is_prefill``.
         num_decode_rows: int, the other rows (padding rows included).
+        row_order: int32 [B], the rows by descending ``context_lens`` (ties in row order): the order
+            the split-K decode attention launches them in, so that the longest start first and the
+            short ones fill in behind them (``ops.paged_attention(row_order=...)``).
     """
 
     positions: torch.Tensor
@@ -67,6 +70,7 @@ class StepLayout:
     is_prefill: torch.Tensor
     num_prefill_rows: int
     num_decode_rows: int
+    row_order: torch.Tensor
 
     @property
     def num_rows(self) -> int:
@@ -86,6 +90,11 @@ class StepLayout:
             if isinstance(value := getattr(self, f.name), torch.Tensor)
         }
         return replace(self, **moved)
+
+
+def longest_first(context_lens: np.ndarray) -> torch.Tensor:
+    """``StepLayout.row_order``: the rows by descending context, ties in row order (int32 [B])."""
+    return torch.from_numpy(np.argsort(-np.asarray(context_lens, dtype=np.int64), kind="stable").astype(np.int32))
 
 
 def _check_lengths(query: np.ndarray, cached: np.ndarray) -> None:
@@ -208,6 +217,7 @@ def build_step_layout(
         is_prefill=torch.from_numpy(is_prefill),
         num_prefill_rows=num_prefill_rows,
         num_decode_rows=num_rows - num_prefill_rows,
+        row_order=longest_first(all_context),
     )
 
 
@@ -309,4 +319,5 @@ def build_decode_layout(
         is_prefill=torch.from_numpy(is_prefill),
         num_prefill_rows=num_prefill_rows,
         num_decode_rows=num_rows - num_prefill_rows,
+        row_order=longest_first(context),
     )

@@ -32,7 +32,8 @@ from atom_core.cache import StepLayout
 
 DECODE, MIXED = "decode", "mixed"
 # Fields of the layout that the model reads; each has a static buffer a replay copies into.
-COPIED_FIELDS = ("positions", "slot_mapping", "cu_seqlens_q", "cu_seqlens_k", "context_lens", "logits_indices")
+COPIED_FIELDS = ("positions", "slot_mapping", "cu_seqlens_q", "cu_seqlens_k", "context_lens", "logits_indices",
+                 "row_order")
 
 
 def decode_graph_sizes(max_num_seqs: int) -> list[int]:
@@ -99,6 +100,7 @@ class StepGraphs:
         self.block_tables = torch.full((max_rows, max_pages), -1, dtype=torch.int32, device=dev)
         self.logits_indices = torch.zeros(max_rows, dtype=torch.int64, device=dev)
         self.is_prefill = torch.zeros(max_rows, dtype=torch.bool, device=dev)
+        self.row_order = torch.arange(max_rows, dtype=torch.int32, device=dev)
         self._graphs: dict[Bucket, _Graph] = {}
         self._pool = None
 
@@ -143,7 +145,7 @@ class StepGraphs:
             max_seqlen_q=1 if bucket.kind == DECODE else t, max_seqlen_k=self.max_model_len,
             context_lens=self.context_lens[:b], block_tables=self.block_tables[:b],
             logits_indices=self.logits_indices[:b], is_prefill=self.is_prefill[:b],
-            num_prefill_rows=0, num_decode_rows=b)
+            num_prefill_rows=0, num_decode_rows=b, row_order=self.row_order[:b])
 
     def capture_all(self, progress: Callable[[Bucket], None] | None = None) -> None:
         """Capture every bucket not captured yet, largest first, so the shared memory pool is sized
@@ -163,6 +165,7 @@ class StepGraphs:
         self.cu_seqlens_q[rows:] = bucket.num_tokens
         self.context_lens.zero_()
         self.slot_mapping.fill_(-1)
+        torch.arange(self.row_order.shape[0], out=self.row_order)  # each bucket's first rows: a permutation of them
         ids = self.input_ids[:bucket.num_tokens]
         for _ in range(2):  # warm up: Triton compiles and lazy initialisation happen outside the graph
             self.forward_logits(ids, layout)

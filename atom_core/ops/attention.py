@@ -30,7 +30,7 @@ from atom_core.ops.reference import attention as reference_attention
 from atom_core.ops.reference import quant as reference_quant
 from atom_core.ops.validation import (FLOAT_DTYPES, check_out, check_out_shape, check_same_device, check_shape,
                                       check_tensor, debug_enabled)
-from atom_core.ops.value_checks import check_attention_layout
+from atom_core.ops.value_checks import check_attention_layout, check_permutation
 
 PAGED_ATTENTION = Op("paged_attention")
 
@@ -45,7 +45,7 @@ DECODE_MAX_TILE_ROWS = 128
 
 
 def _torch_paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k,
-                           scale, sliding_window, logit_softcap, sinks, k_scale, v_scale, out, out_scale):
+                           scale, sliding_window, logit_softcap, sinks, k_scale, v_scale, out, out_scale, row_order):
     result = reference_attention.paged_attention(
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k, scale=scale,
         sliding_window=sliding_window, logit_softcap=logit_softcap, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
@@ -69,11 +69,12 @@ def uses_split_k_decode(max_seqlen_q: int, num_heads: int, num_kv_heads: int) ->
 
 
 def _triton_paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k,
-                            scale, sliding_window, logit_softcap, sinks, k_scale, v_scale, out, out_scale):
+                            scale, sliding_window, logit_softcap, sinks, k_scale, v_scale, out, out_scale, row_order):
     args = (q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k, scale,
             sliding_window, logit_softcap, sinks, k_scale, v_scale)
     if uses_split_k_decode(max_seqlen_q, q.shape[1], k_cache.shape[2]):  # quantizes as it sees fit
-        importlib.import_module("atom_core.ops.triton.attention_decode").paged_attention_decode(*args, out, out_scale)
+        importlib.import_module("atom_core.ops.triton.attention_decode").paged_attention_decode(
+            *args, out, out_scale, row_order=row_order)
         return
     unified = importlib.import_module("atom_core.ops.triton.attention_unified").paged_attention_unified
     if out_scale is None:
@@ -85,7 +86,7 @@ def _triton_paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
 
 
 def _triton_supports(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k,
-                     scale, sliding_window, logit_softcap, sinks, k_scale, v_scale, out, out_scale) -> str | None:
+                     scale, sliding_window, logit_softcap, sinks, k_scale, v_scale, out, out_scale, row_order) -> str | None:
     if any(t.stride(-1) != 1 for t in (q, k_cache, v_cache, out)):
         return "triton attention needs the head dim (last dim) of q, out and the caches contiguous"
     if out_scale is not None and (not out.is_contiguous() or out_scale.stride(-1) != 1):
@@ -99,7 +100,7 @@ def _triton_supports(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_le
 
 
 def _triton_key(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k,
-                scale, sliding_window, logit_softcap, sinks, k_scale, v_scale, out, out_scale):
+                scale, sliding_window, logit_softcap, sinks, k_scale, v_scale, out, out_scale, row_order):
     """What :func:`_triton_supports` reads (the compute capability follows from q's device, in the signature)."""
     quant = out_scale is not None and (out.is_contiguous(), out_scale.stride()[-1] == 1)
     return (q.stride()[-1] == 1, k_cache.stride()[-1] == 1, v_cache.stride()[-1] == 1, out.stride()[-1] == 1,
@@ -122,14 +123,14 @@ def _paged_attention_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table
                         context_lens: Tensor, max_seqlen_q: int, max_seqlen_k: int, scale: float,
                         sliding_window: Optional[int], logit_softcap: float, sinks: Optional[Tensor],
                         k_scale: Optional[Tensor], v_scale: Optional[Tensor], out: Tensor, out_scale: Optional[Tensor],
-                        backend: Optional[str]) -> None:
+                        row_order: Optional[Tensor], backend: Optional[str]) -> None:
     PAGED_ATTENTION(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k, scale,
-                    sliding_window, logit_softcap, sinks, k_scale, v_scale, out, out_scale, backend=backend)
+                    sliding_window, logit_softcap, sinks, k_scale, v_scale, out, out_scale, row_order, backend=backend)
 
 
 @_paged_attention_op.register_fake
 def _(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k, scale,
-      sliding_window, logit_softcap, sinks, k_scale, v_scale, out, out_scale, backend) -> None:
+      sliding_window, logit_softcap, sinks, k_scale, v_scale, out, out_scale, row_order, backend) -> None:
     return None
 
 
@@ -151,7 +152,7 @@ def _check_scale_tensor(name: str, t: Tensor | None) -> None:
 
 
 def _check_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k, scale,
-                sliding_window, logit_softcap, sinks, k_scale, v_scale, out, quantize=False) -> None:
+                sliding_window, logit_softcap, sinks, k_scale, v_scale, out, quantize=False, row_order=None) -> None:
     """The per-call checks, run in debug mode only (atom_core.ops.validation)."""
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     _, num_heads, head_dim = q.shape
@@ -184,17 +185,23 @@ def _check_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, m
     _check_scale_tensor("v_scale", v_scale)
     if not quantize:
         check_out("out", out, q.shape, q.dtype, q.device)
+    if row_order is not None:
+        check_tensor("row_order", row_order, ndim=1, dtypes=(torch.int32,))
+        check_shape("row_order", row_order, (num_rows,))
     check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, cu_seqlens_q=cu_seqlens_q,
-                      context_lens=context_lens, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+                      context_lens=context_lens, sinks=sinks, k_scale=k_scale, v_scale=v_scale, row_order=row_order)
     check_attention_layout(q.shape[0], k_cache.shape[0], k_cache.shape[1], block_tables, cu_seqlens_q, context_lens,
                            max_seqlen_q, max_seqlen_k)
+    if row_order is not None:
+        check_permutation("row_order", row_order)
 
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, cu_seqlens_q: Tensor,
                     context_lens: Tensor, max_seqlen_q: int, max_seqlen_k: int, *, scale: float,
                     sliding_window: int | None = None, logit_softcap: float = 0.0, sinks: Tensor | None = None,
                     k_scale: Tensor | None = None, v_scale: Tensor | None = None, out: Tensor | None = None,
-                    quantize: bool = False, backend: str | None = None) -> Tensor | tuple[Tensor, Tensor]:
+                    quantize: bool = False, row_order: Tensor | None = None,
+                    backend: str | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """Causal attention of each row's query tokens over its context in the paged KV pool.
 
     q: [T, Hq, D] fp32/fp16/bf16 (any strides with the last dim contiguous for Triton, e.g. a view
@@ -219,6 +226,10 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
         ``group_size=D``: with D = 128 the 1 x 128 groups of a block-FP8 o_proj's input. Triton: a decode
         split over the context quantizes in its reduce kernel's epilogue (one launch fewer); one split and
         prefill quantize after the kernel.
+    row_order: int32 [B] or None, a permutation of the rows: the order the Triton split-K decode kernel
+        launches them in (None: 0 .. B-1). The output does not depend on it. Rows by descending
+        context (``StepLayout.row_order``) let the long rows start first and the short ones fill in
+        behind them: over rows of uneven context the launch takes up to a quarter less time.
 
     Query i of row r sits at position ``p = context_lens[r] - q_len + i`` and sees keys
     ``j <= p`` (bottom-right causal). GQA / MQA: query head h reads kv head ``h // (Hq // Hk)``.
@@ -229,7 +240,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
         raise ValueError("paged_attention(quantize=True) allocates its fp8 output and scales: pass out=None")
     if debug_enabled():
         _check_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k, scale,
-                    sliding_window, logit_softcap, sinks, k_scale, v_scale, out, quantize)
+                    sliding_window, logit_softcap, sinks, k_scale, v_scale, out, quantize, row_order)
     elif out is not None:  # always on (see check_out_shape)
         check_out_shape("out", out, q.shape)
     out_scale = None
@@ -240,7 +251,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     call_op("paged_attention", q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q,
             max_seqlen_k, float(scale), sliding_window, float(logit_softcap), sinks, k_scale, v_scale, out, out_scale,
-            backend)
+            row_order, backend)
     return (out, out_scale) if quantize else out
 
 
@@ -248,8 +259,8 @@ def paged_attention_from_layout(q: Tensor, k_cache: Tensor, v_cache: Tensor, lay
     """:func:`paged_attention` with the step's metadata taken from ``layout``.
 
     layout: an ``atom_core.cache.StepLayout`` on q's device (or any object with ``block_tables``,
-    ``cu_seqlens_q``, ``context_lens``, ``max_seqlen_q`` and ``max_seqlen_k``); kwargs as in
+    ``cu_seqlens_q``, ``context_lens``, ``max_seqlen_q``, ``max_seqlen_k`` and ``row_order``); kwargs as in
     :func:`paged_attention` (``scale`` is required).
     """
     return paged_attention(q, k_cache, v_cache, layout.block_tables, layout.cu_seqlens_q, layout.context_lens,
-                           layout.max_seqlen_q, layout.max_seqlen_k, **kwargs)
+                           layout.max_seqlen_q, layout.max_seqlen_k, row_order=layout.row_order, **kwargs)

@@ -58,6 +58,18 @@ def check_slots(slot_mapping: Tensor, num_slots: int) -> None:
                              f"-1 writes nothing; the pool has {num_slots} slots")
 
 
+def check_permutation(name: str, order: Tensor) -> None:
+    """order: int [B]; each of 0 .. B-1 exactly once."""
+    if not contents_readable(order):
+        return
+    values = order.cpu().long()
+    _raise_first_outside(name, values, 0, values.shape[0], f"it orders {values.shape[0]} rows")
+    seen = torch.zeros(values.shape[0], dtype=torch.long).index_add_(0, values, torch.ones_like(values))
+    index = first_true(seen != 1)
+    if index is not None:
+        raise ValueError(f"{name} must hold each row once: row {index[0]} appears {int(seen[index])} times")
+
+
 def check_attention_layout(num_tokens: int, num_blocks: int, block_size: int, block_tables: Tensor,
                            cu_seqlens_q: Tensor, context_lens: Tensor, max_seqlen_q: int, max_seqlen_k: int) -> None:
     """The step's layout as ``paged_attention`` reads it (shapes and dtypes already checked).

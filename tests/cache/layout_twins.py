@@ -60,6 +60,7 @@ def twin_step_layout(query_lens, cached_lens, block_tables, block_size, pad_rows
         "is_prefill": is_prefill,
         "num_prefill_rows": num_prefill_rows,
         "num_decode_rows": len(is_prefill) - num_prefill_rows,
+        "row_order": sorted(range(len(context_lens)), key=lambda r: (-context_lens[r], r)),
     }
 
 

@@ -23,6 +23,7 @@ EXPECTED_DTYPES = {
     "block_tables": torch.int32,
     "logits_indices": torch.int64,
     "is_prefill": torch.bool,
+    "row_order": torch.int32,
 }
 TENSOR_FIELDS = tuple(EXPECTED_DTYPES)
 INT_FIELDS = ("max_seqlen_q", "max_seqlen_k", "num_prefill_rows", "num_decode_rows")
@@ -409,6 +410,15 @@ def test_decode_layout_anchor():
     assert layout.cu_seqlens_q.tolist() == [0, 1, 2, 3] and layout.logits_indices.tolist() == [0, 1, 2]
     assert layout.is_prefill.tolist() == [False, False, True]
     assert (layout.max_seqlen_q, layout.max_seqlen_k, layout.num_prefill_rows) == (1, 48, 1)
+    assert layout.row_order.tolist() == [0, 1, 2]  # contexts 48 > 17 > 1
+
+
+def test_row_order_puts_the_longest_context_first_and_keeps_ties_in_row_order():
+    # contexts [5, 9, 5, 1, 9] and two padding rows (context 0): 9, 9 (rows 1, 4), 5, 5 (rows 0, 2), 1, 0, 0
+    layout = build_step_layout([1, 2, 1, 1, 3], [4, 7, 4, 0, 6], [[0, 1], [2, 3, 4], [5, 6], [7], [8, 9, 10]], 4,
+                               pad_rows_to=7)
+    assert layout.context_lens.tolist() == [5, 9, 5, 1, 9, 0, 0]
+    assert layout.row_order.tolist() == [1, 4, 0, 2, 3, 5, 6]
 
 
 def test_decode_layout_keeps_the_given_width_and_does_not_alias_the_table():

@@ -241,6 +241,31 @@ def test_split_k_decode_with_several_splits(num_splits, features):
     torch.testing.assert_close(out, batch.twin(**features), **tolerance(torch.float32, ATTENTION))
 
 
+def test_row_order_holding_a_row_twice_is_named():
+    batch = PagedBatch([1, 1, 1], [4, 9, 2], seed=3)
+    with pytest.raises(ValueError, match="row_order must hold each row once: row 1 appears 0 times"):
+        paged_attention(*batch.args(), scale=SCALE, row_order=torch.tensor([0, 2, 2], dtype=torch.int32, device=DEVICE))
+
+
+@needs_triton
+@settings(max_examples=12, deadline=None)
+@given(order=st.permutations(range(6)), num_splits=st.sampled_from([1, 3]))
+def test_split_k_decode_output_is_bit_equal_in_any_row_order(order, num_splits):
+    from atom_core.ops.triton.attention_decode import paged_attention_decode
+
+    # Uneven contexts (one row spans several 16-key tiles, one is padding); each row's programs compute the
+    # same values whichever order they are launched in.
+    batch = PagedBatch([1] * 5, [40, 3, 17, 0, 9], block_size=4, pad_rows_to=6, seed=5)
+    outs = []
+    for row_order in (None, torch.tensor(order, dtype=torch.int32, device=DEVICE)):
+        out = torch.full_like(batch.q, float("nan"))
+        paged_attention_decode(*batch.args(), SCALE, None, 0.0, None, None, None, out, num_splits=num_splits,
+                               row_order=row_order)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    torch.testing.assert_close(outs[0], batch.twin(), **tolerance(torch.float32, ATTENTION))
+
+
 @needs_triton
 @pytest.mark.parametrize("query_lens", [[1, 1], [6, 2]], ids=["decode", "prefill"])
 def test_padding_rows_output_zeros(query_lens):
@@ -406,7 +431,8 @@ def test_custom_op_passes_opcheck(quantize):
     # (the schema test compares the mutated arguments with arithmetic CPU torch lacks for fp8: the fake
     # tensors only, for the quantized form; its schema is the same)
     torch.library.opcheck(torch.ops.atom_core.paged_attention.default,
-                          (*batch.args(), SCALE, 3, 0.0, sinks_for(4), None, None, out, out_scale, "torch"),
+                          (*batch.args(), SCALE, 3, 0.0, sinks_for(4), None, None, out, out_scale,
+                           batch.layout.row_order, "torch"),
                           test_utils=("test_faketensor",) if quantize else ("test_schema", "test_faketensor"))
 
 
@@ -445,6 +471,9 @@ def _bad(**changes):
     (_bad(sinks=torch.zeros(3)), "sinks must have shape"),
     (_bad(k_scale=torch.ones(2)), "k_scale must hold one value"),
     (_bad(out=torch.empty(2, 4, 16)), "out must have shape"),
+    (_bad(row_order=torch.zeros(2, dtype=torch.int32, device=DEVICE)), "row_order must have shape"),
+    (_bad(row_order=torch.zeros(1, dtype=torch.int64, device=DEVICE)), "row_order dtype"),
+    (_bad(row_order=torch.ones(1, dtype=torch.int32, device=DEVICE)), r"row_order\[0\] = 1 is outside \[0, 1\)"),
 ])
 def test_bad_arguments_are_named(call, match):
     with pytest.raises((ValueError, TypeError), match=match):
@@ -504,7 +533,7 @@ def test_aiter_adapter_argument_mapping(monkeypatch, query_lens, cached_lens, fe
                        seed=29, device="cpu")
     out = torch.empty_like(batch.q)
     args = (*batch.args(), SCALE, features.get("sliding_window"), features.get("logit_softcap", 0.0), None, None, None,
-            out, None)
+            out, None, batch.layout.row_order)
     assert aiter_attention.supports(*args) is None
     aiter_attention.paged_attention(*args)
     torch.testing.assert_close(out, batch.twin(**features), **tolerance(torch.bfloat16, ATTENTION))
@@ -525,7 +554,7 @@ def test_aiter_supports_is_conservative(monkeypatch):
     def reason(batch, out_scale=None, **features):
         return aiter_attention.supports(*batch.args(), SCALE, features.get("sliding_window"),
                                         features.get("logit_softcap", 0.0), features.get("sinks"), batch.k_scale,
-                                        batch.v_scale, torch.empty_like(batch.q), out_scale)
+                                        batch.v_scale, torch.empty_like(batch.q), out_scale, None)
 
     decode = PagedBatch([1, 1], [5, 9], block_size=16, head_dim=64, dtype=torch.bfloat16, device="cpu")
     assert reason(decode) is None

@@ -194,8 +194,9 @@ def _attention_args(c: Call):
     quantize = c.flag(False)  # paged_attention(quantize=True): fp8 out and a scale a head
     out = c.tensor(*q.shape, dtype=FP8 if quantize else dtype)
     out_scale = c.tensor(*q.shape[:2]) if quantize else None
+    row_order = c.maybe(False, lambda: c.tensor(rows, dtype=torch.int32))
     return (q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, c.vary(40, 8), 0.125,
-            sliding_window, softcap, sinks, k_scale, v_scale, out, out_scale)
+            sliding_window, softcap, sinks, k_scale, v_scale, out, out_scale, row_order)
 
 
 def _sample_args(c: Call):

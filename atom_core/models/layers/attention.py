@@ -109,7 +109,7 @@ class PagedAttention(nn.Module):
             q, self.k_cache, self.v_cache, batch.block_tables, batch.cu_seqlens_q, batch.context_lens,
             batch.max_seqlen_q, batch.max_seqlen_k, scale=self.scale, sliding_window=self.sliding_window,
             logit_softcap=self.logit_softcap, sinks=sinks, k_scale=self.k_scale, v_scale=self.v_scale,
-            quantize=quantize,
+            quantize=quantize, row_order=batch.row_order,
         )
 
     def extra_repr(self) -> str:

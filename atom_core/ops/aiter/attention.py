@@ -35,7 +35,7 @@ def _is_decode(q, block_tables, max_seqlen_q) -> bool:
 
 
 def supports(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k, scale,
-             sliding_window, logit_softcap, sinks, k_scale, v_scale, out, out_scale) -> str | None:
+             sliding_window, logit_softcap, sinks, k_scale, v_scale, out, out_scale, row_order=None) -> str | None:
     """Why AITER cannot serve this call, or None."""
     if out_scale is not None:
         return "aiter attention does not quantize its output (the triton kernels do)"
@@ -67,7 +67,7 @@ def supports(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_
 
 
 def supports_key(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k, scale,
-                 sliding_window, logit_softcap, sinks, k_scale, v_scale, out, out_scale):
+                 sliding_window, logit_softcap, sinks, k_scale, v_scale, out, out_scale, row_order=None):
     """What :func:`supports` reads: the dispatcher's cache key for this backend."""
     return (out_scale is None, q.dtype, k_cache.dtype, k_scale is None, v_scale is None, sinks is None, q.stride()[-1] == 1,
             out.stride()[-1] == 1, q.shape[-1], k_cache.shape[1], q.shape[1] // k_cache.shape[2],
@@ -133,7 +133,8 @@ def _varlen(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_s
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k, scale,
-                    sliding_window, logit_softcap, sinks, k_scale, v_scale, out, out_scale):
+                    sliding_window, logit_softcap, sinks, k_scale, v_scale, out, out_scale, row_order=None):
+    # row_order orders the launch of our split-K kernel; AITER's kernels schedule their own.
     if q.shape[0] == 0 or block_tables.shape[0] == 0:
         return
     if _is_decode(q, block_tables, max_seqlen_q):
