@@ -86,7 +86,8 @@ def _triton_paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
 
 
 def _triton_supports(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k,
-                     scale, sliding_window, logit_softcap, sinks, k_scale, v_scale, out, out_scale, row_order) -> str | None:
+                     scale, sliding_window, logit_softcap, sinks, k_scale, v_scale, out, out_scale,
+                     row_order) -> str | None:
     if any(t.stride(-1) != 1 for t in (q, k_cache, v_cache, out)):
         return "triton attention needs the head dim (last dim) of q, out and the caches contiguous"
     if out_scale is not None and (not out.is_contiguous() or out_scale.stride(-1) != 1):
@@ -229,7 +230,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
     row_order: int32 [B] or None, a permutation of the rows: the order the Triton split-K decode kernel
         launches them in (None: 0 .. B-1). The output does not depend on it. Rows by descending
         context (``StepLayout.row_order``) let the long rows start first and the short ones fill in
-        behind them: over rows of uneven context the launch takes up to a quarter less time.
+        behind them (256 decode rows of uneven context on an H200: 1.18-1.40x faster).
 
     Query i of row r sits at position ``p = context_lens[r] - q_len + i`` and sees keys
     ``j <= p`` (bottom-right causal). GQA / MQA: query head h reads kv head ``h // (Hq // Hk)``.

@@ -67,7 +67,8 @@ def supports(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_
 
 
 def supports_key(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k, scale,
-                 sliding_window, logit_softcap, sinks, k_scale, v_scale, out, out_scale, row_order=None):
+                 sliding_window, logit_softcap, sinks, k_scale, v_scale, out, out_scale,
+                 row_order=None):
     """What :func:`supports` reads: the dispatcher's cache key for this backend."""
     return (out_scale is None, q.dtype, k_cache.dtype, k_scale is None, v_scale is None, sinks is None, q.stride()[-1] == 1,
             out.stride()[-1] == 1, q.shape[-1], k_cache.shape[1], q.shape[1] // k_cache.shape[2],
@@ -133,7 +134,8 @@ def _varlen(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_s
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k, scale,
-                    sliding_window, logit_softcap, sinks, k_scale, v_scale, out, out_scale, row_order=None):
+                    sliding_window, logit_softcap, sinks, k_scale, v_scale, out, out_scale,
+                 row_order=None):
     # row_order orders the launch of our split-K kernel; AITER's kernels schedule their own.
     if q.shape[0] == 0 or block_tables.shape[0] == 0:
         return
