@@ -43,7 +43,6 @@ import math
 import random
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -112,7 +111,7 @@ def make_problem(rows, query_len, context, sizes, device) -> Problem:
     cu_seqlens_q = torch.arange(0, rows * query_len + 1, query_len, dtype=torch.int32, device=device)
     context_lens = torch.tensor(contexts, dtype=torch.int32, device=device)
     return Problem(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, query_len, max(contexts), contexts,
-                   longest_first(np.array(contexts)).to(device))
+                   longest_first(contexts).to(device))
 
 
 def gather_dense(problem: Problem, cache: torch.Tensor) -> torch.Tensor:

@@ -92,8 +92,9 @@ class StepLayout:
         return replace(self, **moved)
 
 
-def longest_first(context_lens: np.ndarray) -> torch.Tensor:
-    """``StepLayout.row_order``: the rows by descending context, ties in row order (int32 [B])."""
+def longest_first(context_lens) -> torch.Tensor:
+    """``StepLayout.row_order``: the rows by descending context (int [B], any array-like), ties in row order
+    (int32 [B])."""
     return torch.from_numpy(np.argsort(-np.asarray(context_lens, dtype=np.int64), kind="stable").astype(np.int32))
 
 

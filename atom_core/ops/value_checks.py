@@ -64,7 +64,7 @@ def check_permutation(name: str, order: Tensor) -> None:
         return
     values = order.cpu().long()
     _raise_first_outside(name, values, 0, values.shape[0], f"it orders {values.shape[0]} rows")
-    seen = torch.zeros(values.shape[0], dtype=torch.long).index_add_(0, values, torch.ones_like(values))
+    seen = torch.bincount(values, minlength=values.shape[0])
     index = first_true(seen != 1)
     if index is not None:
         raise ValueError(f"{name} must hold each row once: row {index[0]} appears {int(seen[index])} times")
