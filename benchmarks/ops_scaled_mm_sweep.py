@@ -34,8 +34,11 @@ GEMV = [(1, bn, bk, warps, 4, 1, None) for bn in (2, 4, 8, 16) for bk in (1024, 
         if bn * bk <= 512 * 32 * warps]
 WEIGHT_COPIES = 10  # the weights a timed call of at most COLD_M rows cycles through (module docstring)
 COLD_M = 256
-MID_M = [(bm, bn, 128, 4 if bm <= 64 else 8, 3, sk, imp) for bm in (64, 128) for bn in (64, 128) for sk in (1, 2, 4)
-         for imp in (None,)]
+MID_M_TO = 512  # 16 < M <= this: MID_M
+MID_M = [(bm, bn, 128, warps, stages, sk, None)
+         for bm, bn, warps, stages in [(32, 64, 4, 4), (64, 64, 4, 4), (64, 64, 4, 3), (64, 128, 4, 4), (128, 64, 4, 4),
+                                       (128, 64, 8, 3), (128, 128, 4, 4), (128, 128, 8, 3), (128, 256, 8, 3)]
+         for sk in (1, 2, 4)]
 LARGE_M = [(bm, bn, bk, w, st, 1, imp)
            for bm, bn, bk, w, st in [(128, 128, 128, 8, 3), (128, 256, 64, 8, 3), (128, 256, 128, 8, 3),
                                      (64, 256, 128, 4, 4)]
@@ -46,7 +49,7 @@ def _configs(m: int):
     from atom_core.ops.triton.scaled_mm import LaunchConfig
 
     for bm, bn, bk, warps, stages, split, imprecise in ((GEMV if m == 1 else []) + SMALL_M if m <= 16 else
-                                                         MID_M if m <= 256 else LARGE_M):
+                                                         MID_M if m <= MID_M_TO else LARGE_M):
         yield LaunchConfig(bm, bn, bk, warps, stages, split, bk if imprecise == "bk" else imprecise)
 
 

@@ -4,7 +4,7 @@ unquantized product."""
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from atom_core import ops
@@ -277,6 +277,7 @@ def test_bad_arguments_are_named(call, match):
 @given(m=st.one_of(st.just(1), st.integers(1, 20000)), n=st.integers(1, 60000), k=st.integers(1, 20000),
        out_dtype=st.sampled_from(OUT_DTYPES), scales=st.integers(0, 2), num_sms=st.integers(1, 200),
        int8=st.booleans())
+@settings(deadline=None)  # the first example imports the Triton module (0.4 s on a GPU machine)
 def test_every_gpu_launch_config_is_one_the_kernel_accepts(m, n, k, out_dtype, scales, num_sms, int8):
     from atom_core.ops.triton.scaled_mm import LaunchConfig, launch_config
 
@@ -324,4 +325,23 @@ def test_on_nvidia_gpus_one_row_runs_the_gemv_tile_chosen_for_the_shape_and_matc
     assert config.block_m == 1
     got = triton_scaled_mm._scaled_mm(kind, a, a_scale, w, w_scale, None, BF16, config)
     want = getattr(reference, f"scaled_mm_{fmt}")(a, a_scale, w, w_scale, None, BF16)
+    torch.testing.assert_close(got, want, **tolerance(BF16, SCALED_MM))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.version.hip is None
+                         and torch.cuda.get_device_capability() >= (8, 9)), reason="needs an NVIDIA sm89+ GPU")
+@pytest.mark.parametrize("m", [48, 128, 256])
+@pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 4096), (4096, 14336), (5120, 2048), (2048, 4096)])
+def test_on_nvidia_gpus_mid_m_per_token_runs_the_launch_chosen_for_the_shape_and_matches_the_twin(m, n, k):
+    # K = 14,336 keeps the launch before (K ranges bound the fast accumulation's chains): it must match too
+    from atom_core.ops.triton import scaled_mm as triton_scaled_mm
+    from atom_core.ops.triton.launch import num_sms
+
+    a, a_scale, w, w_scale, bias = make_inputs("per_token", FP8, m, n, k, bias=True, seed=m + n + k)
+    kind = triton_scaled_mm.PER_TOKEN.value
+    config = triton_scaled_mm.launch_config(m, n, k, BF16, kind, num_sms(0), False)
+    assert config.num_stages == (4 if k <= triton_scaled_mm.MID_M_MAX_K else 3), config
+    got = triton_scaled_mm._scaled_mm(kind, a, a_scale, w, w_scale, bias, BF16, config)
+    want = reference.scaled_mm_per_token(a, a_scale, w, w_scale, bias, BF16)
     torch.testing.assert_close(got, want, **tolerance(BF16, SCALED_MM))

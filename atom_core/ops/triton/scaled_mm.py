@@ -43,6 +43,8 @@ from atom_core.ops.triton.dependent_launch import launch_kwargs, wait_for_inputs
 from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2, num_sms
 
 GEMV_LANES_PER_THREAD = 64  # the GEMV kernel's 2D accumulator up to this many fp32 values a thread
+MID_M_TILES_PER_SM = 3  # 16 < M < 1024, few tiles: 64-row tiles while at most this many a multiprocessor
+MID_M_MAX_K = 8192  # ... and K at most this (launch_config)
 PER_TENSOR = tl.constexpr(0)  # values of SCALES (tl.constexpr: read inside the kernel)
 PER_TOKEN = tl.constexpr(1)
 BLOCKWISE = tl.constexpr(2)
@@ -230,6 +232,15 @@ def launch_config(m: int, n: int, k: int, out_dtype: torch.dtype, scales: int, n
       multiprocessors (the first launch ran llama's qkv_proj at M = 128 on 48 programs, 0.3x of cuBLAS),
       64-wide tiles and then K ranges, as for M <= 16 (M = 128 with these launches: 0.68-1.71x of cuBLAS
       over the Llama-3-8B and Qwen3-30B-A3B projections, ``benchmarks.ops_scaled_mm``);
+    - there, fp8 with per-token or per-tensor scales and K <= ``MID_M_MAX_K`` takes 4 warps and 4 stages, and
+      64-row tiles while those number at most ``MID_M_TILES_PER_SM`` a multiprocessor (more re-read each weight
+      stripe once a row tile: Qwen3-30B-A3B's qkv_proj at M = 384 took 14.5 us on 64-row tiles, 10.5 on 128).
+      Over the Llama-3-8B and Qwen3-30B-A3B projections at M = 32-512 the 25 launches this changed took 0.88x
+      the time of the launch before (128-row tiles on 8 warps and 3 stages) in total, 0.69-0.98x each
+      (Qwen3-30B-A3B's qkv_proj at M = 128: 8.0 against 11.4 us; ``benchmarks/results/h200_ops_scaled_mm_mid_m.json``).
+      Longer K keeps the launch before: more row tiles leave fewer K ranges, and each range is one chain of
+      fast accumulation (Llama-3-8B's down_proj, K = 14,336, at M = 256 on one range: 0.025 off the twin,
+      past the bf16 tolerance of 0.016; on the two ranges before, within it). So do the block format and int8;
     - promotion (module docstring): fp32 outputs every instruction, fp16 once per K step, bf16 never
       within the K loop (the tensor cores' own accumulation, as cuBLAS's and CUTLASS's "fast accumulation"
       fp8 kernels do: measured 4e-3 of max |out| at K = 4096 and 1e-2 at K = 14336, against 1.5e-4 when
@@ -249,13 +260,17 @@ def launch_config(m: int, n: int, k: int, out_dtype: torch.dtype, scales: int, n
     block_m = max(16, min(next_power_of_2(m), 128))
     wide = scales != BLOCKWISE.value and block_m == 128 and cdiv(m, 128) * cdiv(n, 256) >= 2 * num_sms
     block_n, split_k = 256 if wide else 128, 1
+    warps, stages = 4 if block_m <= 64 else 8, 3
     if m < 1024 and cdiv(m, block_m) * cdiv(n, block_n) < num_sms:  # fewer tiles than multiprocessors:
         block_n = 64                                                  # narrower tiles, then K ranges
+        if scales != BLOCKWISE.value and not int8 and k <= MID_M_MAX_K:
+            warps, stages = 4, 4
+            if cdiv(m, 64) * cdiv(n, 64) <= MID_M_TILES_PER_SM * num_sms:
+                block_m = min(block_m, 64)
         tiles = cdiv(m, block_m) * cdiv(n, block_n)
         if tiles < num_sms:
             split_k = min(4, cdiv(k, block_k), next_power_of_2(cdiv(num_sms, tiles)))
-    return LaunchConfig(block_m, block_n, block_k, 4 if block_m <= 64 else 8, 3, split_k=split_k,
-                        max_imprecise=max_imprecise)
+    return LaunchConfig(block_m, block_n, block_k, warps, stages, split_k=split_k, max_imprecise=max_imprecise)
 
 
 def _scaled_mm(scales, a, a_scale, w, w_scale, bias, out_dtype, config: LaunchConfig | None = None):
