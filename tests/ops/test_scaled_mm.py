@@ -333,7 +333,7 @@ def test_on_nvidia_gpus_one_row_runs_the_gemv_tile_chosen_for_the_shape_and_matc
                          and torch.cuda.get_device_capability() >= (8, 9)), reason="needs an NVIDIA sm89+ GPU")
 @pytest.mark.parametrize("m", [48, 128, 256])
 @pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 4096), (4096, 14336), (5120, 2048), (2048, 4096)])
-def test_on_nvidia_gpus_mid_m_per_token_runs_the_launch_chosen_for_the_shape_and_matches_the_twin(m, n, k):
+def test_on_nvidia_gpus_mid_m_per_token_launches_four_stages_up_to_mid_m_max_k_and_match_the_twin(m, n, k):
     # K = 14,336 keeps the launch before (K ranges bound the fast accumulation's chains): it must match too
     from atom_core.ops.triton import scaled_mm as triton_scaled_mm
     from atom_core.ops.triton.launch import num_sms

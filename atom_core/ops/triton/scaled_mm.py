@@ -233,8 +233,8 @@ def launch_config(m: int, n: int, k: int, out_dtype: torch.dtype, scales: int, n
       64-wide tiles and then K ranges, as for M <= 16 (M = 128 with these launches: 0.68-1.71x of cuBLAS
       over the Llama-3-8B and Qwen3-30B-A3B projections, ``benchmarks.ops_scaled_mm``);
     - there, fp8 with per-token or per-tensor scales and K <= ``MID_M_MAX_K`` takes 4 warps and 4 stages, and
-      64-row tiles while those number at most ``MID_M_TILES_PER_SM`` a multiprocessor (more re-read each weight
-      stripe once a row tile: Qwen3-30B-A3B's qkv_proj at M = 384 took 14.5 us on 64-row tiles, 10.5 on 128).
+      64-row tiles while those number at most ``MID_M_TILES_PER_SM`` a multiprocessor (more of them re-read each weight
+      stripe once per row tile: Qwen3-30B-A3B's qkv_proj at M = 384 took 14.5 us on 64-row tiles, 10.5 on 128).
       Over the Llama-3-8B and Qwen3-30B-A3B projections at M = 32-512 the 25 launches this changed took 0.88x
       the time of the launch before (128-row tiles on 8 warps and 3 stages) in total, 0.69-0.98x each
       (Qwen3-30B-A3B's qkv_proj at M = 128: 8.0 against 11.4 us; ``benchmarks/results/h200_ops_scaled_mm_mid_m.json``).
