@@ -143,7 +143,8 @@ def _decode_row(rows, context, sizes, device, smoke, timed, copy_gbs, twin_basel
     out = torch.empty_like(p.q)
     ms = timed(lambda: paged_attention(*p.args(), scale=scale, out=out, row_order=p.row_order, backend=backend))
     # Rows of uneven context: the same launch in row order (without the engine's longest-first row_order).
-    row_order_ms = None if p.even else timed(lambda: paged_attention(*p.args(), scale=scale, out=out, backend=backend))
+    in_row_order_ms = None if p.even else timed(
+        lambda: paged_attention(*p.args(), scale=scale, out=out, backend=backend))
     elt = p.q.element_size()
     kv_bytes = 2 * sum(p.contexts) * sizes["kv_heads"] * sizes["head_dim"] * p.k_cache.element_size()
     nbytes = kv_bytes + 2 * p.q.numel() * elt  # K and V read once; q read, out written
@@ -170,7 +171,7 @@ def _decode_row(rows, context, sizes, device, smoke, timed, copy_gbs, twin_basel
         "path": "split-k" if split_k else "unified",
         "splits": choose_num_splits(rows, sizes["kv_heads"], p.max_seqlen_k, torch.device(device)) if split_k else 1,
         "ms": ms, "GB/s": gbs, "%copy": 100 * gbs / copy_gbs, "TFLOP/s": None,
-        "in_row_order_ms": row_order_ms, "x_in_row_order": ratio(row_order_ms, ms),
+        "in_row_order_ms": in_row_order_ms, "x_in_row_order": ratio(in_row_order_ms, ms),
         "sdpa_ms": sdpa_ms, "x_sdpa": ratio(sdpa_ms, ms),
         "sdpa+gather_ms": sdpa_gather_ms, "x_sdpa+gather": ratio(sdpa_gather_ms, ms),
         "twin_ms": twin_ms, "x_twin": ratio(twin_ms, ms),
@@ -190,13 +191,13 @@ def _fp8_pool_row(rows, context, sizes, device, timed, copy_gbs, bf16_row):
     out = torch.empty_like(p.q)
     ms = timed(lambda: paged_attention(*p.args(), scale=scale, k_scale=k_scale, v_scale=v_scale, out=out,
                                        row_order=p.row_order, backend=bf16_row["backend"]))
-    row_order_ms = None if p.even else timed(lambda: paged_attention(
+    in_row_order_ms = None if p.even else timed(lambda: paged_attention(
         *p.args(), scale=scale, k_scale=k_scale, v_scale=v_scale, out=out, backend=bf16_row["backend"]))
     nbytes = 2 * sum(p.contexts) * sizes["kv_heads"] * sizes["head_dim"] + 2 * p.q.numel() * p.q.element_size()
     gbs = nbytes / (ms * 1e-3) / 1e9
     return {**{k: bf16_row[k] for k in ("batch", "context", "backend", "path", "splits")},
             "case": "decode (fp8 pool)", "ms": ms, "GB/s": gbs, "%copy": 100 * gbs / copy_gbs,
-            "in_row_order_ms": row_order_ms, "x_in_row_order": ratio(row_order_ms, ms),
+            "in_row_order_ms": in_row_order_ms, "x_in_row_order": ratio(in_row_order_ms, ms),
             "bf16_pool_ms": bf16_row["ms"], "x_bf16_pool": ratio(bf16_row["ms"], ms)}
 
 

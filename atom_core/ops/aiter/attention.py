@@ -134,8 +134,7 @@ def _varlen(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_s
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k, scale,
-                    sliding_window, logit_softcap, sinks, k_scale, v_scale, out, out_scale,
-                 row_order=None):
+                    sliding_window, logit_softcap, sinks, k_scale, v_scale, out, out_scale, row_order=None):
     # row_order orders the launch of our split-K kernel; AITER's kernels schedule their own.
     if q.shape[0] == 0 or block_tables.shape[0] == 0:
         return
