@@ -1,5 +1,6 @@
-"""Memory-bound ops at Llama-8B-like sizes: rms_norm (+ residual), silu_and_mul, apply_rope_, qk_norm_rope_,
-store_kv_, and rms_norm_quant / silu_and_mul_quant / rope_store_kv_ beside their unfused pairs.
+"""Memory-bound ops at Llama-8B-like sizes: rms_norm (+ residual), silu_and_mul, per_token_quant (fp8, the
+input of a per-token GEMM), apply_rope_, qk_norm_rope_, store_kv_, and rms_norm_quant / silu_and_mul_quant /
+rope_store_kv_ beside their unfused pairs.
 
 The fused quantizing ops run at Llama-3-8B's D = 4096 and I = 14336, fp8 in groups of 128, each next to
 the same computation as two ops (``rms_norm`` + ``per_group_quant``, ``silu_and_mul`` + ``per_group_quant``);
@@ -72,6 +73,16 @@ def _silu_and_mul_case(tokens, hidden, dtype, device, backend):
     return Case("silu_and_mul", tokens, f"[{tokens}, {2 * hidden}] -> [{tokens}, {hidden}]", nbytes,
                 lambda: silu_and_mul(x, out=out, backend=backend),
                 lambda: reference.silu_and_mul(x))
+
+
+def _per_token_quant_case(tokens, hidden, dtype, device, backend):
+    from atom_core.ops.quant import per_token_quant
+    from atom_core.ops.reference import quant as reference
+
+    x = torch.randn(tokens, hidden, dtype=dtype, device=device)
+    nbytes = tokens * hidden * (x.element_size() + 1) + 4 * tokens  # read x; write q and one fp32 scale a row
+    return Case("per_token_quant", tokens, f"[{tokens}, {hidden}]", nbytes,
+                lambda: per_token_quant(x, backend=backend), lambda: reference.per_token_quant(x))
 
 
 def _quant_bytes(tokens, cols):
@@ -232,6 +243,7 @@ def _cases(device, smoke, backend, dtype):
     for tokens in sizes["tokens"]:
         yield _rms_norm_case(tokens, sizes["hidden"], dtype, device, backend)
         yield _silu_and_mul_case(tokens, sizes["hidden"], dtype, device, backend)
+        yield _per_token_quant_case(tokens, sizes["hidden"], dtype, device, backend)
         yield from _rms_norm_quant_cases(tokens, sizes["hidden"], dtype, device, backend)
         yield from _silu_and_mul_quant_cases(tokens, sizes["inter"], dtype, device, backend)
         yield _rope_case(tokens, sizes["q_heads"], sizes["kv_heads"], sizes["head_size"], dtype, device, backend)

@@ -6,12 +6,14 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from atom_core import ops
 from atom_core.ops import quant as quant_module
 from atom_core.ops.dispatch import BackendUnavailable, backend_available, trace_backends
 from atom_core.ops.reference import quant as reference
-from tests.ops.conftest import DEVICE, needs_triton, non_contiguous_rows
+from tests.ops.conftest import DEVICE, ON_GPU, needs_triton, non_contiguous_rows
 
 FP8, INT8 = torch.float8_e4m3fn, torch.int8
 QUANT_DTYPES = [FP8, INT8]
@@ -149,6 +151,47 @@ def test_triton_equals_the_twin_bit_for_bit(dtype, x_dtype, rows, cols):
         assert torch.equal(q.view(torch.uint8) if dtype == FP8 else q,
                            want_q.view(torch.uint8) if dtype == FP8 else want_q), granularity
         assert torch.equal(scale, want_scale), granularity
+
+
+def _assert_triton_equals_the_twin(x, dtype):
+    """Bit for bit where x is finite. An infinite x quantizes inf / inf: NaN, whose fp8 byte is the platform's
+    (x86 divides into a negative NaN, CUDA into a positive one; the interpreter's cast makes it a number),
+    and whose int8 is the cast's; on a GPU the fp8 byte must still be a NaN."""
+    finite = x.isfinite()
+    view = (lambda t: t.view(torch.uint8)) if dtype == FP8 else (lambda t: t)
+    for granularity in ("tensor", "token", "group"):
+        q, scale = getattr(ops, f"per_{granularity}_quant")(x, dtype=dtype, backend="triton")
+        want_q, want_scale = getattr(reference, f"per_{granularity}_quant")(x, dtype)
+        assert torch.equal(view(q)[finite], view(want_q)[finite]), granularity
+        assert torch.equal(scale, want_scale), granularity
+        if ON_GPU and dtype == FP8:
+            assert bool(q.float()[~finite].isnan().all()), granularity
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", QUANT_DTYPES)
+def test_triton_divisions_equal_the_twins_at_signed_zeros_an_infinity_and_all_ones_significands(dtype):
+    cols = 300
+    binades = torch.arange(cols, dtype=torch.float32) % 60 - 40
+    x = torch.stack([
+        torch.where(torch.arange(cols) % 2 == 0, -0.0, 0.0),  # an all-zero row of both signs
+        torch.cat([torch.tensor([-0.0, 0.0, -1e-30, 1e-30, -1e-42]), torch.randn(cols - 5)]),  # zeros beside values
+        torch.cat([torch.tensor([math.inf]), torch.randn(cols - 1)]),  # a row holding an infinity: scale inf
+        (2 - torch.arange(1, cols + 1, dtype=torch.float32) * 2**-23) * torch.exp2(binades),  # significands ~1.11..1
+        (1 + torch.rand(cols, generator=torch.Generator().manual_seed(5))) * torch.exp2(binades) * (-1) ** binades,
+    ]).to(DEVICE)
+    _assert_triton_equals_the_twin(x, dtype)
+
+
+@needs_triton
+@settings(deadline=None, max_examples=25)
+@given(values=st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False), min_size=1, max_size=300),
+       rows=st.integers(1, 3))
+def test_triton_equals_the_twin_bit_for_bit_on_any_finite_fp32_rows(values, rows):
+    # each row the values rotated by one and halved: other groups and amaxes, and the smallest go subnormal
+    x = torch.stack([torch.tensor(values, dtype=torch.float32).roll(r) * 2.0**-r for r in range(rows)])
+    for dtype in QUANT_DTYPES:
+        _assert_triton_equals_the_twin(x.to(DEVICE), dtype)
 
 
 @needs_triton

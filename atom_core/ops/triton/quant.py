@@ -1,12 +1,24 @@
 """Triton dynamic activation quantization: per-tensor, per-token (one program per row, read once up to 4,096
 columns, else twice) and per-group (one program per row and run of groups), to fp8 e4m3fn or int8.
 
-Rounding is done in fp32 arithmetic before the store, identically on GPUs and in the CPU
-interpreter, so the results equal the twin's bit for bit: int8 rounds half to even with the
-1.5 * 2**23 trick (adding it leaves no fraction bits, and IEEE addition rounds to nearest even);
-fp8 rounds to 3 mantissa bits the same way, scaled by the value's power of two, and the cast then
-converts an exactly representable value (the interpreter's own fp32 -> fp8 cast does not round
-ties to even). ``x / scale`` is an IEEE division (``tl.div_rn``), as in the twin.
+The results equal the twin's bit for bit, on GPUs and in the CPU interpreter:
+- ``x / scale`` is the twin's IEEE division. The kernels here compute it as :func:`divide` does:
+  ``x * (1 / scale)`` and two corrections by the exact residual (an fma), one reciprocal per scale. A
+  per-element ``tl.div_rn`` cost more than the loads and stores (H200, bf16 to fp8 per token, 2,048 x 768:
+  5.0 against 3.1 us with the cast below; 256 x 4,096: 3.5 against 2.3;
+  ``benchmarks/results/h200_ops_quant_division.json``).
+- int8 rounds half to even with the 1.5 * 2**23 trick (adding it leaves no fraction bits, and IEEE
+  addition rounds to nearest even).
+- fp8 e4m3fn: here, on CUDA, the hardware's conversion (``cvt.rn.satfinite``: to nearest, ties to even).
+  In the interpreter and on ROCm, and in :func:`round_to_format`, rounding to 3 mantissa bits the same way
+  as int8, scaled by the value's power of two (the interpreter's own fp32 -> fp8 cast does not round ties
+  to even), so that the cast then converts an exactly representable value.
+
+Other kernels' quantizing epilogues (:func:`quantize_groups` with its default, ``BY_RECIPROCAL=False``:
+RMSNorm and SiLU-and-mul, the attention output, the MLA and DSA caches) keep ``tl.div_rn`` and
+:func:`round_to_format`. With the division and cast of this module inside it, ``rms_norm_quant`` of fp32
+rows no longer equalled ``rms_norm`` followed by ``per_group_quant`` (H200: 14 of 1,056 scales of 33 x 4,096
+rows differed, the amaxes of the rows rms_norm_quant normalized); that is not yet explained.
 
 Legend: T = rows (tokens), K = columns, G = groups per row.
 """
@@ -19,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from atom_core.ops.dispatch import triton_interpret
 from atom_core.ops.reference.quant import AMAX_FLOOR, FP8_DTYPE, INT8_DTYPE, qmax
 from atom_core.ops.triton.dependent_launch import launch_kwargs, wait_for_inputs
 from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2
@@ -29,12 +42,31 @@ _TILE = 4096  # elements per program of the per-tensor and per-group kernels
 # For other kernels' fp8 epilogues (quantize_groups' arguments): the scales' floor and e4m3's largest value.
 TL_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 TL_FP8_MAX = tl.constexpr(qmax(FP8_DTYPE))
+# fp8 e4m3fn through the hardware's conversion (module docstring): compiled for CUDA (every target that has
+# e4m3fn, sm89 and later), not in the interpreter and not on ROCm.
+_HARDWARE_FP8_CAST = tl.constexpr(not triton_interpret() and torch.version.hip is None)
 
 
 @triton.jit
 def round_to_format(y, QMAX: tl.constexpr, IS_INT8: tl.constexpr):
     """fp32 y (already divided by its scale) → the exactly representable value the twin stores."""
-    y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+    return _round_clamped(tl.minimum(tl.maximum(y, -QMAX), QMAX), IS_INT8)
+
+
+@triton.jit
+def _round_for_store(y, QMAX: tl.constexpr, IS_INT8: tl.constexpr):
+    """fp32 y (already divided by its scale) → the exactly representable value the twin stores (as fp32),
+    fp8 by the hardware's cast on CUDA (module docstring). The clamp keeps NaN, as the twin's does (fp8 stores
+    it; int8 has none, and the cast's result is the platform's)."""
+    y = tl.clamp(y, -QMAX, QMAX, propagate_nan=tl.PropagateNan.ALL)
+    if IS_INT8 or not _HARDWARE_FP8_CAST:
+        return _round_clamped(y, IS_INT8)
+    return y.to(tl.float8e4nv).to(tl.float32)
+
+
+@triton.jit
+def _round_clamped(y, IS_INT8: tl.constexpr):
+    """fp32 y within the format's range → its value rounded to the format, by fp32 arithmetic (module docstring)."""
     if IS_INT8:
         return (y + _MAGIC) - _MAGIC
     # fp8 e4m3fn: 3 mantissa bits; below the smallest normal (2**-6) the step is 2**-9.
@@ -48,10 +80,33 @@ def round_to_format(y, QMAX: tl.constexpr, IS_INT8: tl.constexpr):
 
 
 @triton.jit
-def quantize_groups(y, amax_floor, QMAX: tl.constexpr, IS_INT8: tl.constexpr):
+def divide(y, scale, inverse):
+    """y / scale rounded as one IEEE division (``tl.div_rn``), given inverse = ``tl.div_rn(1.0, scale)``
+    (one per scale, broadcast as scale is).
+
+    q = y * inverse is within two ulps of the quotient; each step adds the exact residual y - q * scale
+    (one fma) times inverse. After the first, q is within one ulp (faithful); after the second it is the
+    rounded quotient (Markstein's theorem: a faithful q and a reciprocal within half an ulp). Where that
+    sequence differs from the division, y * inverse is taken, which is the division there: a zero y (the
+    residual's sum of zeros would lose a -0's sign) and an infinite scale (a row holding an infinity:
+    inverse 0, a NaN residual; IEEE's y / inf is 0 for finite y and NaN for infinite)."""
+    product = y * inverse
+    q = product
+    for _ in tl.static_range(2):
+        q = tl.fma(tl.fma(-q, scale, y), inverse, q)
+    return tl.where(y == 0.0, product, tl.where(inverse == 0.0, product, q))
+
+
+@triton.jit
+def quantize_groups(y, amax_floor, QMAX: tl.constexpr, IS_INT8: tl.constexpr, BY_RECIPROCAL: tl.constexpr = False):
     """fp32 y [G, N], one group a row (zeros where masked) → (q fp32 [G, N], the values the twin stores;
-    scale fp32 [G] = max(amax, amax_floor) / QMAX), IEEE divisions as ``reference.quant``."""
+    scale fp32 [G] = max(amax, amax_floor) / QMAX), IEEE divisions as ``reference.quant``: by
+    :func:`divide` and rounded by :func:`_round_for_store` with ``BY_RECIPROCAL`` (this module's kernels),
+    else by ``tl.div_rn`` and :func:`round_to_format` (module docstring)."""
     scale = tl.div_rn(tl.maximum(tl.max(tl.abs(y), axis=1), amax_floor), QMAX)
+    if BY_RECIPROCAL:
+        quotient = divide(y, scale[:, None], tl.div_rn(1.0, scale)[:, None])
+        return _round_for_store(quotient, QMAX, IS_INT8), scale
     return round_to_format(tl.div_rn(y, scale[:, None]), QMAX, IS_INT8), scale
 
 
@@ -67,10 +122,11 @@ def _per_token_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, stride_s, 
         amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
     scale = tl.div_rn(tl.maximum(tl.max(amax, axis=0), amax_floor), QMAX)
     tl.store(scale_ptr + row * stride_s, scale)
+    inverse = tl.div_rn(1.0, scale)
     for start in range(0, K, BLOCK):  # a second read: the row is still in cache
         mask = start + cols < K
         x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0).to(tl.float32)
-        q = round_to_format(tl.div_rn(x, scale), QMAX, IS_INT8)
+        q = _round_for_store(divide(x, scale, inverse), QMAX, IS_INT8)
         tl.store(q_ptr + row * stride_q + start + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
@@ -84,7 +140,7 @@ def _per_token_row_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, stride
     mask = cols[None, :] < K
     row = row.to(tl.int64)
     x = tl.load(x_ptr + row[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    q, scale = quantize_groups(x, amax_floor, QMAX, IS_INT8)
+    q, scale = quantize_groups(x, amax_floor, QMAX, IS_INT8, BY_RECIPROCAL=True)
     tl.store(scale_ptr + row * stride_s, scale)
     tl.store(q_ptr + row[:, None] * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
 
@@ -100,7 +156,7 @@ def _per_group_kernel(x_ptr, q_ptr, scale_ptr, K, num_groups, stride_x, stride_q
     cols = groups[:, None] * GROUP + offsets[None, :]  # [groups, GROUP_PAD]
     mask = (groups < num_groups)[:, None] & (offsets < GROUP)[None, :] & (cols < K)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    q, scale = quantize_groups(x, amax_floor, QMAX, IS_INT8)
+    q, scale = quantize_groups(x, amax_floor, QMAX, IS_INT8, BY_RECIPROCAL=True)
     tl.store(scale_ptr + row * stride_s + groups, scale, mask=groups < num_groups)
     tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
@@ -130,7 +186,7 @@ def _per_tensor_kernel(x_ptr, q_ptr, source_ptr, scale_ptr, T, K, stride_x, stri
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (rows < T)[:, None] & (cols < K)[None, :]
     x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    q = round_to_format(tl.div_rn(x, scale), QMAX, IS_INT8)
+    q = _round_for_store(divide(x, scale, tl.div_rn(1.0, scale)), QMAX, IS_INT8)
     tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
