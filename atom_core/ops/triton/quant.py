@@ -18,7 +18,10 @@ Other kernels' quantizing epilogues (:func:`quantize_groups` with its default, `
 RMSNorm and SiLU-and-mul, the attention output, the MLA and DSA caches) keep ``tl.div_rn`` and
 :func:`round_to_format`. With the division and cast of this module inside it, ``rms_norm_quant`` of fp32
 rows no longer equalled ``rms_norm`` followed by ``per_group_quant`` (H200: 14 of 1,056 scales of 33 x 4,096
-rows differed, the amaxes of the rows rms_norm_quant normalized); that is not yet explained.
+rows differed). The cause is in the normalization, not the division: the compiler contracts the sum of
+squares' products into fma's, and which element's square it leaves as a plain multiply depends on the code
+around it (sm90 PTX of ``rms_normalize``: ``mul x3*x3`` then ``fma x1*x1 + .`` inside ``rms_norm`` and before,
+``mul x1*x1`` then ``fma x3*x3 + .`` with this division), so the two kernels' rstd differed in the last bit.
 
 Legend: T = rows (tokens), K = columns, G = groups per row.
 """
