@@ -171,14 +171,14 @@ def _assert_triton_equals_the_twin(x, dtype):
 @needs_triton
 @pytest.mark.parametrize("dtype", QUANT_DTYPES)
 def test_triton_divisions_equal_the_twins_at_signed_zeros_an_infinity_and_all_ones_significands(dtype):
-    cols = 300
+    cols, g = 300, torch.Generator().manual_seed(5)
     binades = torch.arange(cols, dtype=torch.float32) % 60 - 40
     x = torch.stack([
         torch.where(torch.arange(cols) % 2 == 0, -0.0, 0.0),  # an all-zero row of both signs
-        torch.cat([torch.tensor([-0.0, 0.0, -1e-30, 1e-30, -1e-42]), torch.randn(cols - 5)]),  # zeros beside values
-        torch.cat([torch.tensor([math.inf]), torch.randn(cols - 1)]),  # a row holding an infinity: scale inf
+        torch.cat([torch.tensor([-0.0, 0.0, -1e-30, 1e-30, -1e-42]), torch.randn(cols - 5, generator=g)]),
+        torch.cat([torch.tensor([math.inf]), torch.randn(cols - 1, generator=g)]),  # an infinity: the scale inf
         (2 - torch.arange(1, cols + 1, dtype=torch.float32) * 2**-23) * torch.exp2(binades),  # significands ~1.11..1
-        (1 + torch.rand(cols, generator=torch.Generator().manual_seed(5))) * torch.exp2(binades) * (-1) ** binades,
+        (1 + torch.rand(cols, generator=g)) * torch.exp2(binades) * (-1) ** binades,  # 60 binades, both signs
     ]).to(DEVICE)
     _assert_triton_equals_the_twin(x, dtype)
 
