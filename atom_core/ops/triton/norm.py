@@ -28,7 +28,9 @@ def load_row(x_ptr, res_ptr, res_out_ptr, row, cols, mask, stride_x, stride_res,
 def rms_normalize(x, w_ptr, cols, mask, D, eps, GEMMA: tl.constexpr):
     """fp32 ``x / sqrt(mean(x**2) + eps) * w`` (``1 + w`` with GEMMA) of a row held whole (zeros past D)."""
     h = x.to(tl.float32)
-    var = tl.sum(h * h, axis=0) / D
+    # Squares as explicit fma's: a plain h * h is contracted into the sum's adds, and which square stays a
+    # multiply depends on the code after it, so rms_norm_quant would round rstd differently from rms_norm.
+    var = tl.sum(tl.fma(h, h, 0.0), axis=0) / D
     y = h * tl.rsqrt(var + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if GEMMA:

@@ -10,18 +10,15 @@ The results equal the twin's bit for bit, on GPUs and in the CPU interpreter:
 - int8 rounds half to even with the 1.5 * 2**23 trick (adding it leaves no fraction bits, and IEEE
   addition rounds to nearest even).
 - fp8 e4m3fn: here, on CUDA, the hardware's conversion (``cvt.rn.satfinite``: to nearest, ties to even).
-  In the interpreter and on ROCm, and in :func:`round_to_format`, rounding to 3 mantissa bits the same way
+  In the interpreter and on ROCm, rounding to 3 mantissa bits the same way
   as int8, scaled by the value's power of two (the interpreter's own fp32 -> fp8 cast does not round ties
   to even), so that the cast then converts an exactly representable value.
 
-Other kernels' quantizing epilogues (:func:`quantize_groups` with its default, ``BY_RECIPROCAL=False``:
-RMSNorm and SiLU-and-mul, the attention output, the MLA and DSA caches) keep ``tl.div_rn`` and
-:func:`round_to_format`. With the division and cast of this module inside it, ``rms_norm_quant`` of fp32
-rows no longer equalled ``rms_norm`` followed by ``per_group_quant`` (H200: 14 of 1,056 scales of 33 x 4,096
-rows differed). The cause is in the normalization, not the division: the compiler contracts the sum of
-squares' products into fma's, and which element's square it leaves as a plain multiply depends on the code
-around it (sm90 PTX of ``rms_normalize``: ``mul x3*x3`` then ``fma x1*x1 + .`` inside ``rms_norm`` and before,
-``mul x1*x1`` then ``fma x3*x3 + .`` with this division), so the two kernels' rstd differed in the last bit.
+Other kernels' quantizing epilogues (RMSNorm and SiLU-and-mul, the attention output, the MLA and DSA caches)
+and the fp8 KV store quantize with the same :func:`quantize_groups`, :func:`divide` and :func:`round_to_format`.
+A fused kernel equals its two-op pipeline bit for bit only if the values it quantizes are the same bits: the
+compiler's contraction of a multiply and an add into one fma depends on the code around them, so a sum that
+feeds a quantization (RMSNorm's sum of squares) is written with explicit fma's (``norm.rms_normalize``).
 
 Legend: T = rows (tokens), K = columns, G = groups per row.
 """
@@ -52,12 +49,6 @@ _HARDWARE_FP8_CAST = tl.constexpr(not triton_interpret() and torch.version.hip i
 
 @triton.jit
 def round_to_format(y, QMAX: tl.constexpr, IS_INT8: tl.constexpr):
-    """fp32 y (already divided by its scale) → the exactly representable value the twin stores."""
-    return _round_clamped(tl.minimum(tl.maximum(y, -QMAX), QMAX), IS_INT8)
-
-
-@triton.jit
-def _round_for_store(y, QMAX: tl.constexpr, IS_INT8: tl.constexpr):
     """fp32 y (already divided by its scale) → the exactly representable value the twin stores (as fp32),
     fp8 by the hardware's cast on CUDA (module docstring). The clamp keeps NaN, as the twin's does (fp8 stores
     it; int8 has none, and the cast's result is the platform's)."""
@@ -101,16 +92,12 @@ def divide(y, scale, inverse):
 
 
 @triton.jit
-def quantize_groups(y, amax_floor, QMAX: tl.constexpr, IS_INT8: tl.constexpr, BY_RECIPROCAL: tl.constexpr = False):
+def quantize_groups(y, amax_floor, QMAX: tl.constexpr, IS_INT8: tl.constexpr):
     """fp32 y [G, N], one group a row (zeros where masked) → (q fp32 [G, N], the values the twin stores;
-    scale fp32 [G] = max(amax, amax_floor) / QMAX), IEEE divisions as ``reference.quant``: by
-    :func:`divide` and rounded by :func:`_round_for_store` with ``BY_RECIPROCAL`` (this module's kernels),
-    else by ``tl.div_rn`` and :func:`round_to_format` (module docstring)."""
+    scale fp32 [G] = max(amax, amax_floor) / QMAX), IEEE divisions as ``reference.quant``."""
     scale = tl.div_rn(tl.maximum(tl.max(tl.abs(y), axis=1), amax_floor), QMAX)
-    if BY_RECIPROCAL:
-        quotient = divide(y, scale[:, None], tl.div_rn(1.0, scale)[:, None])
-        return _round_for_store(quotient, QMAX, IS_INT8), scale
-    return round_to_format(tl.div_rn(y, scale[:, None]), QMAX, IS_INT8), scale
+    quotient = divide(y, scale[:, None], tl.div_rn(1.0, scale)[:, None])
+    return round_to_format(quotient, QMAX, IS_INT8), scale
 
 
 @triton.jit
@@ -129,7 +116,7 @@ def _per_token_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, stride_s, 
     for start in range(0, K, BLOCK):  # a second read: the row is still in cache
         mask = start + cols < K
         x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0).to(tl.float32)
-        q = _round_for_store(divide(x, scale, inverse), QMAX, IS_INT8)
+        q = round_to_format(divide(x, scale, inverse), QMAX, IS_INT8)
         tl.store(q_ptr + row * stride_q + start + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
@@ -143,7 +130,7 @@ def _per_token_row_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, stride
     mask = cols[None, :] < K
     row = row.to(tl.int64)
     x = tl.load(x_ptr + row[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    q, scale = quantize_groups(x, amax_floor, QMAX, IS_INT8, BY_RECIPROCAL=True)
+    q, scale = quantize_groups(x, amax_floor, QMAX, IS_INT8)
     tl.store(scale_ptr + row * stride_s, scale)
     tl.store(q_ptr + row[:, None] * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
 
@@ -159,7 +146,7 @@ def _per_group_kernel(x_ptr, q_ptr, scale_ptr, K, num_groups, stride_x, stride_q
     cols = groups[:, None] * GROUP + offsets[None, :]  # [groups, GROUP_PAD]
     mask = (groups < num_groups)[:, None] & (offsets < GROUP)[None, :] & (cols < K)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    q, scale = quantize_groups(x, amax_floor, QMAX, IS_INT8, BY_RECIPROCAL=True)
+    q, scale = quantize_groups(x, amax_floor, QMAX, IS_INT8)
     tl.store(scale_ptr + row * stride_s + groups, scale, mask=groups < num_groups)
     tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
@@ -189,7 +176,7 @@ def _per_tensor_kernel(x_ptr, q_ptr, source_ptr, scale_ptr, T, K, stride_x, stri
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (rows < T)[:, None] & (cols < K)[None, :]
     x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    q = _round_for_store(divide(x, scale, tl.div_rn(1.0, scale)), QMAX, IS_INT8)
+    q = round_to_format(divide(x, scale, tl.div_rn(1.0, scale)), QMAX, IS_INT8)
     tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
