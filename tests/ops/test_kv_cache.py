@@ -2,7 +2,7 @@ import importlib
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from atom_core.ops import kv_cache as kv_cache_module
@@ -156,6 +156,26 @@ def test_triton_fp8_cache_equals_the_twin_bytes_and_round_trips(dtype):
     torch.testing.assert_close(stored_k, k[keep].float(), atol=atol, rtol=rtol)
     stored_v = got_v[slots // block_size, slots % block_size].float() * v_scale
     assert stored_v.abs().max().item() == pytest.approx(448 * 0.1)  # saturated, not inf/nan
+
+
+@needs_triton
+@settings(deadline=None, max_examples=25)
+@given(values=st.lists(st.floats(width=32, allow_nan=False), min_size=2, max_size=128),
+       scale=st.floats(min_value=2.0**-20, max_value=2.0**20, width=32))
+@example(values=[3e38, -3e38, float("inf"), float("-inf"), 1e30, 0.0, -0.0], scale=1e-3)  # quotients past fp32
+def test_triton_fp8_store_equals_the_twin_bytes_for_any_values_and_scale(values, scale):
+    # Any scale, not only powers of two (those divide exactly): the quotient must be the IEEE one, rounded
+    # to nearest even and clamped to +-448 (infinities and quotients past fp32's range too), as the twin's
+    # x / scale then cast.
+    k = torch.tensor(values, dtype=torch.float32, device=DEVICE).view(-1, 1, 1)
+    v = k.flip(0) * 3
+    slots = torch.arange(k.shape[0], device=DEVICE)
+    got_k, got_v, want_k, want_v = (torch.zeros(k.shape[0], 1, 1, 1, device=DEVICE).to(FP8) for _ in range(4))
+    scale = torch.tensor([scale], device=DEVICE)
+    store_kv_(k, v, got_k, got_v, slots, k_scale=scale, v_scale=scale, backend="triton")
+    reference.store_kv_(k, v, want_k, want_v, slots, scale, scale)
+    assert torch.equal(got_k.view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(got_v.view(torch.uint8), want_v.view(torch.uint8))
 
 
 @needs_triton

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from atom_core import ops
@@ -192,6 +192,22 @@ def test_triton_equals_the_twin_bit_for_bit_on_any_finite_fp32_rows(values, rows
     x = torch.stack([torch.tensor(values, dtype=torch.float32).roll(r) * 2.0**-r for r in range(rows)])
     for dtype in QUANT_DTYPES:
         _assert_triton_equals_the_twin(x.to(DEVICE), dtype)
+
+
+@needs_triton
+@settings(deadline=None, max_examples=25)
+@given(values=st.lists(st.floats(width=32, allow_nan=False), min_size=1, max_size=300),
+       scale=st.floats(min_value=2.0**-20, max_value=2.0**20, width=32))
+@example(values=[3e38, -3e38, math.inf, -math.inf, 1e30, 0.0, -0.0, 1.0], scale=1e-3)  # quotients past fp32
+def test_triton_static_scale_equals_the_twin_bit_for_bit_for_any_values_and_scale(values, scale):
+    # A static scale does not bound the quotient: infinities and quotients past fp32's range clamp to the
+    # format's largest value, as the twin's x / scale then clamp does.
+    x = torch.tensor([values], dtype=torch.float32, device=DEVICE)
+    static = torch.tensor([scale], device=DEVICE)
+    for dtype in QUANT_DTYPES:
+        q, _ = ops.per_tensor_quant(x, dtype=dtype, scale=static, backend="triton")
+        want, _ = reference.per_tensor_quant(x, dtype, static)
+        assert torch.equal(q.view(torch.uint8) if dtype == FP8 else q, want.view(torch.uint8) if dtype == FP8 else want)
 
 
 @needs_triton

@@ -10,9 +10,9 @@ The results equal the twin's bit for bit, on GPUs and in the CPU interpreter:
 - int8 rounds half to even with the 1.5 * 2**23 trick (adding it leaves no fraction bits, and IEEE
   addition rounds to nearest even).
 - fp8 e4m3fn: here, on CUDA, the hardware's conversion (``cvt.rn.satfinite``: to nearest, ties to even).
-  In the interpreter and on ROCm, rounding to 3 mantissa bits the same way
-  as int8, scaled by the value's power of two (the interpreter's own fp32 -> fp8 cast does not round ties
-  to even), so that the cast then converts an exactly representable value.
+  In the interpreter and on ROCm, rounding to 3 mantissa bits the same way as int8, scaled by the value's
+  power of two (the interpreter's own fp32 -> fp8 cast does not round ties to even), so that the cast then
+  converts an exactly representable value.
 
 Other kernels' quantizing epilogues (RMSNorm and SiLU-and-mul, the attention output, the MLA and DSA caches)
 and the fp8 KV store quantize with the same :func:`quantize_groups`, :func:`divide` and :func:`round_to_format`.
@@ -81,14 +81,19 @@ def divide(y, scale, inverse):
     q = y * inverse is within two ulps of the quotient; each step adds the exact residual y - q * scale
     (one fma) times inverse. After the first, q is within one ulp (faithful); after the second it is the
     rounded quotient (Markstein's theorem: a faithful q and a reciprocal within half an ulp). Where that
-    sequence differs from the division, y * inverse is taken, which is the division there: a zero y (the
-    residual's sum of zeros would lose a -0's sign) and an infinite scale (a row holding an infinity:
-    inverse 0, a NaN residual; IEEE's y / inf is 0 for finite y and NaN for infinite)."""
+    sequence differs from the division, y * inverse is taken, which is the division there:
+    - a zero y: the residual's sum of zeros would lose a -0's sign;
+    - a NaN q from a finite or infinite y: an infinite scale (a row holding an infinity: inverse 0, so the
+      residual is NaN; IEEE's y / inf is 0 for finite y and NaN for infinite), or an infinite product (an
+      infinite y, or under a static scale a quotient past fp32's range: the corrections add inf - inf).
+    Within two ulps of fp32's largest value the product may be infinite where the quotient is not: every
+    format here clamps both to its largest value."""
     product = y * inverse
     q = product
     for _ in tl.static_range(2):
         q = tl.fma(tl.fma(-q, scale, y), inverse, q)
-    return tl.where(y == 0.0, product, tl.where(inverse == 0.0, product, q))
+    q = tl.where(q != q, product, q)
+    return tl.where(y == 0.0, product, q)
 
 
 @triton.jit
