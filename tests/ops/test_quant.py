@@ -20,6 +20,11 @@ QUANT_DTYPES = [FP8, INT8]
 BACKENDS = ["torch", pytest.param("triton", marks=needs_triton)]
 
 
+def _bits(q):
+    """fp8 as its bytes (NaN and -0 compare by bits), int8 as is."""
+    return q.view(torch.uint8) if q.dtype == FP8 else q
+
+
 def _fp8_grid() -> list[float]:
     """Every finite non-negative e4m3fn value, decoded from its bits (no torch cast involved)."""
     values = []
@@ -148,8 +153,7 @@ def test_triton_equals_the_twin_bit_for_bit(dtype, x_dtype, rows, cols):
             q, scale = call(x, dtype=dtype, backend="triton")
         want_q, want_scale = getattr(reference, f"per_{granularity}_quant")(x, dtype)
         assert calls[0][1] == "triton" and q.dtype == dtype and scale.dtype == torch.float32
-        assert torch.equal(q.view(torch.uint8) if dtype == FP8 else q,
-                           want_q.view(torch.uint8) if dtype == FP8 else want_q), granularity
+        assert torch.equal(_bits(q), _bits(want_q)), granularity
         assert torch.equal(scale, want_scale), granularity
 
 
@@ -158,11 +162,10 @@ def _assert_triton_equals_the_twin(x, dtype):
     (x86 divides into a negative NaN, CUDA into a positive one; the interpreter's cast makes it a number),
     and whose int8 is the cast's; on a GPU the fp8 byte must still be a NaN."""
     finite = x.isfinite()
-    view = (lambda t: t.view(torch.uint8)) if dtype == FP8 else (lambda t: t)
     for granularity in ("tensor", "token", "group"):
         q, scale = getattr(ops, f"per_{granularity}_quant")(x, dtype=dtype, backend="triton")
         want_q, want_scale = getattr(reference, f"per_{granularity}_quant")(x, dtype)
-        assert torch.equal(view(q)[finite], view(want_q)[finite]), granularity
+        assert torch.equal(_bits(q)[finite], _bits(want_q)[finite]), granularity
         assert torch.equal(scale, want_scale), granularity
         if ON_GPU and dtype == FP8:
             assert bool(q.float()[~finite].isnan().all()), granularity
@@ -207,7 +210,7 @@ def test_triton_static_scale_equals_the_twin_bit_for_bit_for_any_values_and_scal
     for dtype in QUANT_DTYPES:
         q, _ = ops.per_tensor_quant(x, dtype=dtype, scale=static, backend="triton")
         want, _ = reference.per_tensor_quant(x, dtype, static)
-        assert torch.equal(q.view(torch.uint8) if dtype == FP8 else q, want.view(torch.uint8) if dtype == FP8 else want)
+        assert torch.equal(_bits(q), _bits(want))
 
 
 @needs_triton
