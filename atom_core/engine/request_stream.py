@@ -186,8 +186,12 @@ class RequestStream:
 
     @property
     def num_ready(self) -> int:
-        """Items the next ``__anext__`` calls return without waiting (a consumer may batch its writes)."""
-        return len(self._items)
+        """Outputs the next ``__anext__`` calls return without waiting (a consumer may batch its writes); the
+        end of the stream (or its error), which stays queued, is not one."""
+        items = self._items
+        if items and items[-1].__class__ is not StreamOutput:
+            return len(items) - 1
+        return len(items)
 
     def __aiter__(self) -> RequestStream:
         return self

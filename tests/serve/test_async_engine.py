@@ -314,3 +314,19 @@ def test_step_thread_serves_an_engine_built_on_plain_cuda_with_the_offline_token
         assert outs[-1].token_ids == ref.token_ids and outs[-1].finish_reason is not None
     assert_idle_and_clean(engine)
     engine.shutdown()
+
+
+def test_a_finished_stream_has_no_outputs_ready_though_its_end_stays_queued(engine):
+    async def main():
+        async with AsyncEngine(engine) as async_engine:
+            stream = await async_engine.add_request(PROMPTS[0], GREEDY)
+            outs = [o async for o in stream]
+            ready_after_end = stream.num_ready
+            again = [o async for o in stream]  # the end stays queued: iterating again ends again
+            return outs, ready_after_end, again
+
+    outs, ready_after_end, again = asyncio.run(main())
+    assert outs[-1].finished
+    assert ready_after_end == 0
+    assert again == []
+    assert_idle_and_clean(engine)
