@@ -119,6 +119,8 @@ def render(template: str, conversation: list, *, add_generation_prompt: bool, to
                                                  add_generation_prompt=add_generation_prompt, **variables)
     except jinja2.TemplateError as e:  # SecurityError and raise_exception's TemplateError included
         raise ChatTemplateError(f"chat template: {type(e).__name__}: {e}") from e
+    except (TypeError, ValueError, LookupError, ArithmeticError) as e:  # the template's own code failed on its inputs
+        raise ChatTemplateError(f"chat template: {type(e).__name__}: {e}") from e
 
 
 @functools.lru_cache(maxsize=32)

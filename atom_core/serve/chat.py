@@ -13,6 +13,8 @@ a ``usage`` chunk (``stream_options.include_usage``), then ``[DONE]``.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import AsyncIterator
 
 from atom_core.engine.async_engine import EngineClosedError, EngineStepError
@@ -55,8 +57,7 @@ class ChatJob:
         from atom_core.engine.chat_template import ChatTemplateError
 
         kwargs = dict(self.req.chat_template_kwargs or {})
-        reserved = {"messages", "conversation", "add_generation_prompt", "tools", "documents", "tokenize",
-                    "chat_template"} & kwargs.keys()
+        reserved = _reserved_template_kwargs() & kwargs.keys()
         if reserved:
             raise APIError(400, f"chat_template_kwargs may not set {sorted(reserved)}", param="chat_template_kwargs")
         try:
@@ -148,3 +149,17 @@ class ChatJob:
         except (EngineStepError, EngineClosedError) as e:
             yield "".join(pending) + stream_error_event(e)
         yield SSE_DONE
+
+
+@functools.cache
+def _reserved_template_kwargs() -> frozenset[str]:
+    """Names chat_template_kwargs may not use: the parameters of ``Tokenizer.apply_chat_template`` and
+    ``chat_template.render`` (each would reach its function twice) and ``messages`` (what the template reads)."""
+    from atom_core.engine.chat_template import render
+    from atom_core.engine.tokenizer import Tokenizer
+
+    names = {"messages"}
+    for function in (Tokenizer.apply_chat_template, render):
+        names.update(name for name, p in inspect.signature(function).parameters.items()
+                     if p.kind is not inspect.Parameter.VAR_KEYWORD)
+    return frozenset(names)

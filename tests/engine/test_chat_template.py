@@ -192,6 +192,17 @@ def test_templates_are_sandboxed_and_their_errors_are_chat_template_errors(templ
         render(template, [{"role": "user", "content": "hi"}], add_generation_prompt=True)
 
 
+@pytest.mark.parametrize("template, variables, message", [
+    ("{% set ns = namespace(n=0) %}", {"namespace": 1}, "TypeError"),
+    ("{{ raise_exception('bad role') }}", {"raise_exception": 1}, "TypeError"),
+    ("{{ 1 // n }}", {"n": 0}, "ZeroDivisionError"),
+    ("{{ (n | int) + 1 }}{{ range(n) | list }}", {"n": 10**9}, "OverflowError|range too big"),
+])
+def test_a_template_failing_on_its_variables_is_a_chat_template_error(template, variables, message):
+    with pytest.raises(ChatTemplateError, match=message):
+        render(template, [{"role": "user", "content": "hi"}], add_generation_prompt=True, **variables)
+
+
 def test_a_tokenizer_without_a_template_refuses_by_name():
     with pytest.raises(ChatTemplateError, match="no chat template"):
         Tokenizer(DEMO_MODEL).apply_chat_template([{"role": "user", "content": "hi"}])

@@ -122,6 +122,9 @@ def test_wrong_types_are_a_400_naming_the_field(server, unharmed, path, body, pa
     ("/v1/chat/completions", chat(max_completion_tokens=10**9), "max_completion_tokens"),
     ("/v1/chat/completions", chat(tool_choice="required"), "tool_choice"),
     ("/v1/chat/completions", chat(chat_template_kwargs={"messages": []}), "chat_template_kwargs"),
+    ("/v1/chat/completions", chat(chat_template_kwargs={"special_tokens": {}}), "chat_template_kwargs"),
+    ("/v1/chat/completions", chat(chat_template_kwargs={"template": "x"}), "chat_template_kwargs"),
+    ("/v1/chat/completions", chat(chat_template_kwargs={"self": 1}), "chat_template_kwargs"),
 ], ids=lambda v: json.dumps(v)[:60] if isinstance(v, dict) else None)
 def test_absurd_values_are_a_400(server, unharmed, path, body, param):
     assert_error(request(server, "POST", path, body), 400, param=param)
