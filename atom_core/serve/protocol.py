@@ -69,8 +69,15 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
+def _null_is_default(cls, value, info):
+    """A field OpenAI declares nullable: null means its default (clients write unset fields as null)."""
+    return cls.model_fields[info.field_name].default if value is None else value
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
+
+    _include_usage_null = field_validator("include_usage", mode="before")(classmethod(_null_is_default))
 
 
 class JsonSchemaFormat(_Strict):
@@ -121,6 +128,8 @@ class _SamplingFields(_Strict):
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
     structured_outputs: Optional[dict[str, Any]] = None
+
+    _openai_nullable = field_validator("n", "stream", mode="before")(classmethod(_null_is_default))
 
     @field_validator("guided_json", mode="plain")
     @classmethod
@@ -217,6 +226,8 @@ class CompletionRequest(_SamplingFields):
     best_of: Optional[int] = Field(None, ge=1, le=MAX_N)
     suffix: Optional[str] = None
 
+    _echo_null = field_validator("echo", mode="before")(classmethod(_null_is_default))
+
     @field_validator("prompt", mode="plain")
     @classmethod
     def _prompt(cls, value):
@@ -274,6 +285,8 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Optional[Any] = None
     add_generation_prompt: bool = True
     chat_template_kwargs: Optional[dict[str, Any]] = None
+
+    _logprobs_null = field_validator("logprobs", mode="before")(classmethod(_null_is_default))
 
     def conversation(self) -> list[dict]:
         return [m.model_dump(exclude_none=True) for m in self.messages]

@@ -53,6 +53,20 @@ def test_streamed_completion_chunks_concatenate_to_the_non_streamed_text(server)
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
+def test_null_in_the_fields_openai_declares_nullable_means_their_default(server):
+    client = server.client()
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+    want = client.completions.create(**kwargs).choices
+    got = client.completions.create(n=None, stream=None, echo=None, **kwargs).choices
+    assert [(c.index, c.text) for c in got] == [(c.index, c.text) for c in want]
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": None}, **kwargs))
+    assert all(c.usage is None for c in chunks) and "".join(c.choices[0].text for c in chunks) == want[0].text
+    chat = dict(model=MODEL, messages=CONVERSATION, max_tokens=8, temperature=0)
+    want = client.chat.completions.create(**chat).choices
+    got = client.chat.completions.create(n=None, stream=None, logprobs=None, **chat).choices
+    assert [(c.index, c.message.content, c.logprobs) for c in got] == [(c.index, c.message.content, None) for c in want]
+
+
 def test_token_id_prompts_and_a_prompt_batch_give_choices_in_prompt_then_sequence_order(server):
     client = server.client()
     prompts = [[5, 6, 7, 8], [100, 200, 300]]
