@@ -71,7 +71,7 @@ class ChatJob:
         return token_ids
 
     async def start(self) -> None:
-        self.stream = (await self.ctx.add_requests([self.prompt], self.params,
+        self.stream = (await self.ctx.add_requests([self.prompt], [self.params],
                                                    structured_param=self.req.structured_output()[1]))[0]
 
     def abort(self) -> None:

@@ -108,7 +108,7 @@ class ServerContext:
                                 f"max_model_len={self.max_model_len} tokens (prompt + output)",
                            param=prompt_param, code="context_length_exceeded")
         if requested is None:
-            return min(room, self.max_output_tokens) if default is None else min(default, room)
+            return min(room, self.max_output_tokens, room if default is None else default)
         if requested > self.max_output_tokens:
             raise APIError(400, f"{param}={requested} exceeds this server's limit of {self.max_output_tokens}",
                            param=param)
@@ -125,15 +125,15 @@ class ServerContext:
 
     # ---- running requests
 
-    async def add_requests(self, prompts: list[list[int]], params: SamplingParams,
+    async def add_requests(self, prompts: list[list[int]], params: list[SamplingParams],
                            structured_param: str | None = None) -> list[RequestStream]:
-        """One stream per prompt; on any refusal the ones already added are aborted. A structured-output
-        constraint the engine refuses (a schema, regex or grammar that does not compile) is a 400
-        naming ``structured_param``, the request field that asked for it."""
+        """One stream per prompt, prompt i with ``params[i]``; on any refusal the ones already added are
+        aborted. A structured-output constraint the engine refuses (a schema, regex or grammar that does not
+        compile) is a 400 naming ``structured_param``, the request field that asked for it."""
         streams: list[RequestStream] = []
         try:
-            for token_ids in prompts:
-                streams.append(await self.async_engine.add_request(token_ids, params))
+            for token_ids, prompt_params in zip(prompts, params, strict=True):
+                streams.append(await self.async_engine.add_request(token_ids, prompt_params))
         except BaseException as e:
             for stream in streams:
                 stream.abort()

@@ -9,6 +9,7 @@ alternatives plus the chosen one (``{text: log-prob}``), and its character offse
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from atom_core.engine.async_engine import EngineClosedError, EngineStepError
 from atom_core.engine.request_stream import RequestStream
@@ -45,12 +46,14 @@ class CompletionJob:
             else:
                 ctx.check_token_ids(p)
                 self.prompts.append(_Prompt(list(p), None))
-        max_tokens = min(ctx.max_tokens_for(req.max_tokens, len(p.token_ids), DEFAULT_MAX_TOKENS)
-                         for p in self.prompts)
+        # Each prompt's own max_tokens: without one in the request, the default capped by that prompt's room.
+        max_tokens = [ctx.max_tokens_for(req.max_tokens, len(p.token_ids), DEFAULT_MAX_TOKENS) for p in self.prompts]
         self.echo_logprobs = req.echo and req.logprobs is not None
         prompt_logprobs = req.logprobs if self.echo_logprobs else None
-        self.params = req.sampling_params(max_tokens=max_tokens, logprobs=req.logprobs,
+        self.params = req.sampling_params(max_tokens=max_tokens[0], logprobs=req.logprobs,
                                           prompt_logprobs=prompt_logprobs, default=ctx.default_params)
+        self.prompt_params = [self.params if m == self.params.max_tokens else replace(self.params, max_tokens=m)
+                              for m in max_tokens]
         self.id = request_id("cmpl")
         self.created = now()
         self.streams: list[RequestStream] = []
@@ -58,7 +61,7 @@ class CompletionJob:
                                "model": ctx.config.model_name})
 
     async def start(self) -> None:
-        self.streams = await self.ctx.add_requests([p.token_ids for p in self.prompts], self.params,
+        self.streams = await self.ctx.add_requests([p.token_ids for p in self.prompts], self.prompt_params,
                                                    structured_param=self.req.structured_output()[1])
 
     def abort(self) -> None:

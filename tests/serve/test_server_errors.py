@@ -212,6 +212,15 @@ def test_the_bounded_queue_answers_503_the_body_limit_413_and_the_output_limit_4
         live.stop()
 
 
+def test_the_output_limit_caps_a_completion_that_leaves_max_tokens_to_the_default():
+    live = LiveServer(demo_engine(), max_output_tokens=8).start()  # below completions' default of 16
+    try:
+        status, body = request(live, "POST", "/v1/completions", completion(ignore_eos=True, max_tokens=None))
+        assert status == 200 and body["usage"]["completion_tokens"] == 8
+    finally:
+        live.stop()
+
+
 def live_wait(condition, deadline_s: float = 120) -> None:
     import time
 

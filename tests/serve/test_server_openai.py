@@ -67,6 +67,17 @@ def test_null_in_the_fields_openai_declares_nullable_means_their_default(server)
     assert [(c.index, c.message.content, c.logprobs) for c in got] == [(c.index, c.message.content, None) for c in want]
 
 
+def test_without_max_tokens_each_prompt_of_a_batch_gets_the_default_its_own_room_allows(server):
+    client = server.client()
+    short, near_full = [17, 18, 19], [40 + i % 50 for i in range(server.engine.max_model_len - 3)]
+    kwargs = dict(model=MODEL, temperature=0, logprobs=0, extra_body={"ignore_eos": True})
+    alone = client.completions.create(prompt=[short], **kwargs).choices
+    both = client.completions.create(prompt=[short, near_full], **kwargs).choices
+    assert [len(c.logprobs.tokens) for c in alone] == [16]  # OpenAI's default max_tokens
+    assert [len(c.logprobs.tokens) for c in both] == [16, 3]  # the second prompt leaves room for 3
+    assert both[0].text == alone[0].text
+
+
 def test_token_id_prompts_and_a_prompt_batch_give_choices_in_prompt_then_sequence_order(server):
     client = server.client()
     prompts = [[5, 6, 7, 8], [100, 200, 300]]
