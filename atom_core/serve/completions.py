@@ -3,7 +3,8 @@
 Choice ``i * n + j`` is prompt i's sequence j (OpenAI's order). ``echo`` puts the prompt before
 the text (with ``logprobs``, the prompt's tokens lead the log-probs: the first has none, as in
 OpenAI's legacy API and vLLM). ``logprobs=N``: per token its text, log-prob, the N most likely
-alternatives plus the chosen one (``{text: log-prob}``), and its character offset in the text.
+alternatives plus the chosen one (``{text: log-prob}``), and its text offset: the characters of the token
+strings before it (vLLM's; with echo the prompt's tokens count, a BOS the tokenizer added included).
 """
 
 from __future__ import annotations
@@ -93,6 +94,15 @@ class CompletionJob:
         return {"tokens": tokens, "token_logprobs": [logprob(v) for v in values], "top_logprobs": top,
                 "text_offset": offsets}
 
+    def _output_offset(self, i: int) -> int:
+        """Where prompt i's output tokens' text offsets start: after the prompt tokens' strings when their
+        log-probs lead (the offsets run over the tokens' strings, as vLLM's: a BOS the tokenizer added counts),
+        else 0."""
+        if not self.echo_logprobs:
+            return 0
+        text = self.ctx.token_text
+        return sum(len(text(t)) for t in self.prompts[i].token_ids)
+
     def _prompt_logprobs(self, i: int, out) -> dict:
         prompt = self.prompts[i].token_ids
         values = out.prompt_logprobs or [None] * len(prompt)
@@ -122,7 +132,7 @@ class CompletionJob:
             logprobs = None
             prefix = self._echo_text(i) if self.req.echo else ""
             if self.req.logprobs is not None:
-                logprobs = self._logprobs(out.token_ids, out.logprobs, out.top_logprobs, len(prefix))
+                logprobs = self._logprobs(out.token_ids, out.logprobs, out.top_logprobs, self._output_offset(i))
                 if self.echo_logprobs:
                     logprobs = self._join(self._prompt_logprobs(i, out), logprobs)
             choices.append({"index": index, "text": prefix + text, "logprobs": logprobs,
@@ -142,7 +152,7 @@ class CompletionJob:
 
     async def events(self) -> AsyncIterator[str]:
         n = self.params.n
-        offsets: dict[int, int] = {}  # choice -> characters sent so far (log-prob text offsets)
+        offsets: dict[int, int] = {}  # choice -> the text offset of its next output token
         completion_tokens = 0
         include_usage = self.req.stream_options is not None and self.req.stream_options.include_usage
         echo, with_logprobs = self.req.echo, self.req.logprobs is not None
@@ -157,16 +167,16 @@ class CompletionJob:
                 logprobs = None
                 if echo or with_logprobs:  # (else: the text as it is, no offsets to keep)
                     if index not in offsets:
-                        offsets[index] = 0
+                        offsets[index] = self._output_offset(i)
                         if echo:
                             text = self._echo_text(i) + text
                             if self.echo_logprobs:
                                 logprobs = self._prompt_logprobs(i, out)
                     if with_logprobs:
-                        start = offsets[index] + (len(text) - len(out.new_text))
-                        new = self._logprobs(out.new_token_ids, out.new_logprobs, out.new_top_logprobs, start)
+                        new = self._logprobs(out.new_token_ids, out.new_logprobs, out.new_top_logprobs,
+                                             offsets[index])
                         logprobs = self._join(logprobs, new)
-                    offsets[index] += len(text)
+                    offsets[index] += len(out.new_text)
                 if out.finish_reason is not None:
                     completion_tokens += out.num_output_tokens
                 pending.append(chunk(index, text, logprobs, out.finish_reason, out.stop_reason))

@@ -151,6 +151,20 @@ def test_echo_with_logprobs_prepends_the_prompt_and_its_logprobs(server):
                                               logprobs=1, stream=True))
     assert "".join(c.choices[0].text for c in streamed) == got.text
     assert [t for c in streamed for t in c.choices[0].logprobs.tokens] == got.logprobs.tokens
+    assert [t for c in streamed for t in c.choices[0].logprobs.text_offset] == got.logprobs.text_offset
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echoed_text_offsets_run_over_the_prompt_then_the_output_tokens_strings(server, stream):
+    """vLLM's offsets: cumulative over every token's string, the BOS the tokenizer adds to a text prompt included."""
+    client = server.client()
+    response = client.completions.create(model=MODEL, prompt="a b.", max_tokens=6, temperature=0, echo=True,
+                                         logprobs=0, stream=stream, extra_body={"ignore_eos": True})
+    choices = [c.choices[0] for c in response] if stream else response.choices
+    tokens = [t for c in choices for t in c.logprobs.tokens]
+    offsets = [o for c in choices for o in c.logprobs.text_offset]
+    assert len(tokens) > 6
+    assert offsets == [sum(len(t) for t in tokens[:k]) for k in range(len(tokens))]
 
 
 def test_logit_bias_is_clamped_to_100_and_applied(server):
