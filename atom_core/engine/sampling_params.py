@@ -259,12 +259,13 @@ class SamplingParams:
             bad("logit_bias", "must be None or a dict of token id -> bias")
         checked = {}
         for token, value in bias.items():
-            if isinstance(token, str) and token.isdigit():  # JSON object keys are strings (OpenAI's API)
+            if isinstance(token, str) and token.isascii() and token.isdigit():  # JSON keys are strings (OpenAI's)
                 token = int(token)
             if not _is_int(token) or token < 0:
                 bad("logit_bias", f"keys must be token ids (ints >= 0), got {token!r}")
-            if not _is_real(value) or not math.isfinite(value):
-                bad("logit_bias", f"values must be finite numbers, got {value!r} for token {token}")
+            if not _is_real(value) or not math.isfinite(value) or abs(value) > FLOAT32_MAX:
+                bad("logit_bias", f"values must be finite numbers within float32's range (|bias| <= "
+                                  f"{FLOAT32_MAX:.4g}), got {value!r} for token {token}")
             checked[int(token)] = float(value)
         as_type("logit_bias", checked or None)
 

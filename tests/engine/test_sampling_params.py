@@ -54,6 +54,8 @@ def test_vllm_fields_defaults_and_normalised_values():
         ({"logit_bias": [1, 2]}, "logit_bias"), ({"logit_bias": {-1: 1.0}}, "logit_bias"),
         ({"logit_bias": {1: float("nan")}}, "logit_bias"), ({"logit_bias": {"a": 1.0}}, "logit_bias"),
         ({"logit_bias": {True: 1.0}}, "logit_bias"),
+        ({"logit_bias": {1: 1e39}}, "logit_bias"), ({"logit_bias": {1: -1e300}}, "logit_bias"),  # inf in float32
+        ({"logit_bias": {"\u00b2": 1.0}}, "logit_bias"), ({"logit_bias": {"\u0663": 1.0}}, "logit_bias"),  # not ASCII
         ({"allowed_token_ids": []}, "allowed_token_ids"), ({"allowed_token_ids": [1, -1]}, "allowed_token_ids"),
         ({"allowed_token_ids": 3}, "allowed_token_ids"),
         ({"bad_words": "word"}, "bad_words"), ({"bad_words": [" "]}, "bad_words"), ({"bad_words": [[]]}, "bad_words"),
