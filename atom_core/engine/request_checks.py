@@ -87,8 +87,8 @@ class RequestChecks:
 
     def check_params(self, params: SamplingParams, grammar=None) -> None:
         """What SamplingParams cannot check alone: token ids inside this vocabulary, log-prob counts
-        under ``max_logprobs``, bad words that need a tokenizer, a structured output's constraint (or
-        that ``grammar``, compiled already, is this engine's compilation of it)."""
+        under ``max_logprobs``, stop strings and bad words that need a tokenizer, a structured output's
+        constraint (or that ``grammar``, compiled already, is this engine's compilation of it)."""
         vocab = self.vocab_size
 
         def outside(name, token_ids):
@@ -96,6 +96,9 @@ class RequestChecks:
             if bad is not None:
                 raise ValueError(f"SamplingParams.{name}: token id {bad} is outside the vocabulary [0, {vocab})")
 
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError("SamplingParams.stop: stop strings need a tokenizer (tokenizer.json in the model "
+                             "folder) to read the text; pass stop_token_ids instead")
         if params.logit_bias:
             outside("logit_bias", params.logit_bias)
         if params.allowed_token_ids is not None:

@@ -218,6 +218,7 @@ def test_abort_takes_every_sequence_of_a_prompt(setup):
     (SamplingParams(allowed_token_ids=[1, 200]), "allowed_token_ids: token id 200"),
     (SamplingParams(bad_words=[[5, 500]]), "bad_words: token id 500"),
     (SamplingParams(bad_words=["word"]), "string words need a tokenizer"),
+    (SamplingParams(stop="word"), "stop strings need a tokenizer"),
     (SamplingParams(logprobs=21), "at most max_logprobs=20"),
     (SamplingParams(prompt_logprobs=30), "prompt_logprobs=30: at most max_logprobs=20"),
 ])
