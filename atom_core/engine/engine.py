@@ -526,16 +526,17 @@ class Engine:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run prompts to completion; one output per prompt, in prompt order (generated part only).
 
-        ``prompts``: a string or one token-id list (one prompt), or a list of them. Every prompt is
-        checked before any is queued. With ``n > 1`` a prompt's output is its sequence 0, and its
-        ``outputs`` holds all n in index order. ``generate`` runs only its own prompts: it refuses
-        while requests added with ``add_request`` are unfinished (step them or abort them first), so
-        no output of theirs is consumed here.
+        ``prompts``: a string, one token-id list or one of vLLM's prompt dicts (one prompt), or a list
+        of them. Every prompt is checked before any is queued. With ``n > 1`` a prompt's output is its
+        sequence 0, and its ``outputs`` holds all n in index order. ``generate`` runs only its own
+        prompts: it refuses while requests added with ``add_request`` are unfinished (step them or abort
+        them first), so no output of theirs is consumed here. When it raises (a step failed, or
+        KeyboardInterrupt), it aborts its prompts still queued or running first.
         """
         if self.has_unfinished_requests():
             raise RuntimeError(f"generate() runs only its own prompts, but {self._num_unfinished()} requests added "
                                f"with add_request are unfinished: run step() until they finish, or abort them")
-        if isinstance(prompts, (str, np.ndarray, torch.Tensor)) or (
+        if isinstance(prompts, (str, Mapping, np.ndarray, torch.Tensor)) or (
                 isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]  # one prompt
         prompts = list(prompts)
@@ -548,15 +549,22 @@ class Engine:
                 checked.append(self._check_request(prompt, sp))
             except (TypeError, ValueError) as e:
                 raise type(e)(f"prompt {i}: {e}") from None
-        ids = [self.add_request(token_ids, sp) for token_ids, sp in checked]
-        order = {rid: i for i, rid in enumerate(ids)}
-        finished: dict[int, list[RequestOutput]] = {rid: [] for rid in ids}
-        with tqdm(total=sum(sp.n for _, sp in checked), desc="generate", disable=not use_tqdm) as bar:
-            while self.has_unfinished_requests():
-                for out in self.step().finished():
-                    if out.request_id in order:
-                        finished[out.request_id].append(out)
-                        bar.update(1)
+        ids: list[int] = []
+        try:
+            for token_ids, sp in checked:
+                ids.append(self.add_request(token_ids, sp))
+            order = {rid: i for i, rid in enumerate(ids)}
+            finished: dict[int, list[RequestOutput]] = {rid: [] for rid in ids}
+            with tqdm(total=sum(sp.n for _, sp in checked), desc="generate", disable=not use_tqdm) as bar:
+                while self.has_unfinished_requests():
+                    for out in self.step().finished():
+                        if out.request_id in order:
+                            finished[out.request_id].append(out)
+                            bar.update(1)
+        except BaseException:
+            for rid in ids:
+                self.abort(rid)  # a no-op for the finished (and the failed) ones
+            raise
         results = []
         for rid in sorted(finished, key=order.__getitem__):
             group = sorted(finished[rid], key=lambda out: out.index)

@@ -10,7 +10,7 @@ compilation is then a cache hit), the front only parses it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,8 +22,10 @@ from atom_core.engine.tokenizer import Tokenizer
 
 def encode_prompt(prompt, tokenizer: Tokenizer | None) -> list[int]:
     """A prompt as a list of Python ints: a string (through the tokenizer), a list or tuple of
-    ints (numpy ints too), or a 1-D integer numpy array or tensor. Bools and everything else are
-    refused by name."""
+    ints (numpy ints too), a 1-D integer numpy array or tensor, or vLLM's prompt dicts
+    (``{"prompt": text}``, ``{"prompt_token_ids": ids}``). Bools and everything else are refused by name."""
+    if isinstance(prompt, Mapping):
+        prompt = _vllm_prompt(prompt)
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("string prompts need a tokenizer (tokenizer.json in the model folder); "
@@ -49,6 +51,15 @@ def encode_prompt(prompt, tokenizer: Tokenizer | None) -> list[int]:
     if not token_ids:
         raise ValueError("empty prompt: a prompt needs at least one token")
     return token_ids
+
+
+def _vllm_prompt(prompt: Mapping):
+    """What vLLM's ``TextPrompt`` / ``TokensPrompt`` dict holds: its text or its token ids."""
+    keys = set(prompt)
+    if keys in ({"prompt"}, {"prompt_token_ids"}):
+        return prompt["prompt" if "prompt" in keys else "prompt_token_ids"]
+    raise TypeError(f"a prompt dict holds only 'prompt' (text) or only 'prompt_token_ids' (vLLM's TextPrompt / "
+                    f"TokensPrompt), got keys {sorted(map(str, keys))}")
 
 
 @dataclass(frozen=True)

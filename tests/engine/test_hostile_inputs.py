@@ -147,3 +147,51 @@ def test_soak_on_the_demo_model_with_random_aborts_and_a_tiny_pool():
     assert not live and num_finished + num_aborted == 320 and num_aborted > 0
     assert engine.num_preemptions > 0  # the pool was tight enough to preempt
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+class _RaisesOnCall:
+    """A model forward that raises ``error`` on its ``fail_at``-th call."""
+
+    def __init__(self, model, fail_at, error):
+        self.model, self.fail_at, self.error, self.calls = model, fail_at, error, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise self.error
+        return type(self.model).forward(self.model, *args, **kwargs)
+
+
+@pytest.mark.parametrize("error", [RuntimeError("injected failure"), KeyboardInterrupt()])
+def test_generate_that_raises_aborts_its_prompts_and_the_next_generate_runs(tiny_qwen3, error):
+    folder, _ = tiny_qwen3
+    params = SamplingParams(temperature=0, max_tokens=5)
+    with ops.use_backend("torch"):
+        engine = Engine.from_pretrained(folder, device="cpu", dtype=torch.float32, max_num_seqs=2)
+        want = engine.generate([[1, 2, 3]], params, use_tqdm=False)[0].token_ids
+        engine.model.forward = _RaisesOnCall(engine.model, 2, error)
+        with pytest.raises(type(error)):
+            engine.generate([[1, 2, 3]] * 6, params, use_tqdm=False)  # two run, four wait when the step raises
+        del engine.model.forward
+        assert not engine.has_unfinished_requests()
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        assert engine.generate([[1, 2, 3]], params, use_tqdm=False)[0].token_ids == want
+
+
+def test_vllm_prompt_dicts_run_as_their_text_or_token_ids_and_other_keys_are_refused(tiny_qwen3):
+    folder, _ = tiny_qwen3
+    params = SamplingParams(temperature=0, max_tokens=4)
+    with ops.use_backend("torch"):
+        engine = Engine.from_pretrained(folder, device="cpu", dtype=torch.float32)
+        want = engine.generate([[5, 6, 7]], params, use_tqdm=False)[0].token_ids
+        assert engine.generate({"prompt_token_ids": [5, 6, 7]}, params, use_tqdm=False)[0].token_ids == want
+        assert [o.token_ids for o in engine.generate([{"prompt_token_ids": [5, 6, 7]}] * 2, params,
+                                                     use_tqdm=False)] == [want, want]
+        for prompt in ({"prompt_token_ids": [5, 6, 7], "multi_modal_data": None}, {}, {"prompt": "x", "extra": 1}):
+            with pytest.raises(TypeError, match="prompt dict holds only"):
+                engine.generate(prompt, params, use_tqdm=False)
+        assert not engine.has_unfinished_requests()
+        text_engine = Engine.from_pretrained(device="cpu", dtype=torch.float32)  # the demo model has a tokenizer
+        want_text = text_engine.generate("Return the number of", params, use_tqdm=False)[0].token_ids
+        assert text_engine.generate({"prompt": "Return the number of"}, params,
+                                    use_tqdm=False)[0].token_ids == want_text
