@@ -13,6 +13,8 @@ import types
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from atom_core.models import get_model_class
@@ -475,3 +477,93 @@ def test_check_quantization_supported_follows_the_architecture_list():
     check_quantization_supported(None, get_model_class("LlamaForCausalLM"))
     with pytest.raises(UnsupportedQuantizationError, match="^m: .*quant_method='mxfp4'.*LlamaForCausalLM does not"):
         check_quantization_supported(mxfp4, get_model_class("LlamaForCausalLM"), source="m")
+
+
+# --- each format's precedence, against the tool that wrote the checkpoint ---
+
+
+class _Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            setattr(self, name, nn.Linear(16, 16, bias=False))
+
+
+class _Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            setattr(self, name, nn.Linear(16, 16, bias=False))
+
+
+class _Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.self_attn, self.mlp = _Attention(), _Mlp()
+
+
+class _Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([_Layer() for _ in range(3)])
+
+
+class _CausalLM(nn.Module):
+    """The module names of a 3-layer Llama checkpoint (what the configs' targets are written against)."""
+
+    def __init__(self):
+        super().__init__()
+        self.model, self.lm_head = _Model(), nn.Linear(16, 16, bias=False)
+
+
+_LINEARS = [name for name, module in _CausalLM().named_modules() if isinstance(module, nn.Linear)]
+_REGEXES = [r"re:.*self_attn\..*", r"re:.*proj$", r"re:.*layers\.1\..*", r"re:.*(q|k|v)_proj$", r"re:.*mlp\..*",
+            r"re:model\.layers\.[02]\.mlp\.down_proj"]
+_CT_PRESETS = {"W8A8": LinearScheme(QuantMethod.INT8, INT8_PER_CHANNEL, A.DYNAMIC_PER_TOKEN), "FP8_DYNAMIC": PTPC,
+               "FP8": LinearScheme(QuantMethod.FP8, FP8_PER_TENSOR, A.STATIC_PER_TENSOR), "FP8_BLOCK": FP8_BLOCK}
+_ct_targets = st.lists(st.one_of(st.sampled_from(_LINEARS), st.sampled_from(_REGEXES), st.just("Linear")),
+                       min_size=1, max_size=3, unique=True)
+
+
+@settings(max_examples=60, deadline=None)
+@given(groups=st.lists(st.tuples(st.sampled_from(sorted(_CT_PRESETS)), _ct_targets), min_size=1, max_size=3),
+       ignore=st.lists(st.one_of(st.sampled_from(_LINEARS), st.sampled_from(_REGEXES)), max_size=2, unique=True))
+def test_compressed_tensors_gives_each_layer_the_scheme_compressed_tensors_itself_applies(groups, ignore):
+    ct = _ct()
+    written = ct_written({f"group_{i}": ct_preset(preset, targets) for i, (preset, targets) in enumerate(groups)},
+                         ignore=ignore, fmt="mixed-precision")
+    model = _CausalLM()
+    ct.apply_quantization_config(model, ct.QuantizationConfig.model_validate(written))
+    def args(s):
+        return s.weights.model_dump_json(), s.input_activations.model_dump_json()
+
+    by_args = {args(ct_preset(p)): scheme for p, scheme in _CT_PRESETS.items()}
+    config = parse_quant_config(written)
+    for name in _LINEARS:
+        applied = getattr(dict(model.named_modules())[name], "quantization_scheme", None)
+        want = UNQUANTIZED if applied is None else by_args[args(applied)]
+        assert config.checkpoint_scheme(name)[0] == want, name
+
+
+_QUARK_GLOBS = ["*self_attn*", "*proj", "*layers.1.*", "*mlp*", "*q_proj", "model.layers.[02].*"]
+_QUARK_SCHEMES = {("per_tensor", False): LinearScheme(QuantMethod.FP8, FP8_PER_TENSOR, A.STATIC_PER_TENSOR),
+                  ("per_channel", True): PTPC}  # (weight qscheme, dynamic inputs) of the templates fp8, ptpc_fp8
+
+
+@settings(max_examples=60, deadline=None)
+@given(default=st.sampled_from(["fp8", "ptpc_fp8"]),
+       layers=st.dictionaries(st.one_of(st.sampled_from(_LINEARS), st.sampled_from(_QUARK_GLOBS)),
+                              st.sampled_from(["fp8", "ptpc_fp8"]), max_size=3),
+       exclude=st.lists(st.one_of(st.sampled_from(_LINEARS), st.sampled_from(_QUARK_GLOBS)), max_size=2, unique=True))
+def test_quark_gives_each_layer_the_scheme_quark_itself_applies(quark, default, layers, exclude):
+    from quark.torch.quantization.model_transformation import setup_config_per_layer
+
+    qconfig = quark.template("llama").get_config(scheme=default, layer_config=layers, exclude_layers=exclude)
+    model = _CausalLM()
+    applied: dict = {}
+    setup_config_per_layer(qconfig, dict(model.named_modules()), applied)
+    config = parse_quant_config(quark.export(qconfig))
+    for name in _LINEARS:
+        cfg = applied.get(name)
+        want = UNQUANTIZED if cfg is None else _QUARK_SCHEMES[(cfg.weight.qscheme.value, cfg.input_tensors.is_dynamic)]
+        assert config.checkpoint_scheme(name)[0] == want, name

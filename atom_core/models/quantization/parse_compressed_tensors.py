@@ -15,9 +15,11 @@ What maps to what:
   FP8_BLOCK); ``int``/8 symmetric ``channel`` -> ``INT8_PER_CHANNEL`` (preset W8A8);
 - activations: ``token`` dynamic -> per-token, ``tensor`` dynamic / static -> dynamic / static
   per-tensor, ``group`` 128 dynamic -> per-group-128; same type and bits as the weights;
-- rules, in vLLM's order: ``ignore`` (exact names, ``re:`` regexes) -> unquantized; then targets
-  that name layers (exact, ``re:``), group by group; then the class target ``"Linear"``; a layer
-  no target reaches stays unquantized;
+- rules, in compressed-tensors' own order (``match_targets``, what decided how the checkpoint was
+  stored): ``ignore`` (exact names, ``re:`` regexes) -> unquantized; then exact-name targets; then
+  ``re:`` targets sorted by their text; then the class target ``"Linear"``. A target that several
+  groups name takes the last group's scheme; the groups' order decides nothing else (vLLM tries the
+  targets group by group, which can differ); a layer no target reaches stays unquantized;
 - ``kv_cache_scheme`` ``float``/8 ``tensor`` static symmetric -> FP8 KV cache (``k_scale``/``v_scale``).
 
 Refused by name: other bit widths (int4, NVFP4/MXFP4 packing), asymmetric, group or tensor-group
@@ -167,7 +169,7 @@ def parse_compressed_tensors(qc: dict, where: str) -> ParsedRules:
     groups = qc.get("config_groups") or {}
     if not isinstance(groups, dict):
         raise UnsupportedQuantizationError(f"{where}.config_groups must be an object, got {groups!r}")
-    name_rules, class_rules = [], []
+    by_target: dict[str, LayerRule] = {}  # a target named by several groups: the last group's (as compressed-tensors)
     for name, group in groups.items():
         gwhere = f"{where}.config_groups.{name}"
         if not isinstance(group, dict):
@@ -177,8 +179,14 @@ def parse_compressed_tensors(qc: dict, where: str) -> ParsedRules:
         scheme = _scheme(group, gwhere)
         targets = string_list(group.get("targets"), f"{gwhere}.targets")
         for target in targets:
-            rule = _target_rule(target, scheme, f"config_groups.{name} target {target!r}", f"{gwhere}.targets")
-            (class_rules if rule.match == "linear" else name_rules).append(rule)
+            by_target.pop(target, None)
+            by_target[target] = _target_rule(target, scheme, f"config_groups.{name} target {target!r}",
+                                             f"{gwhere}.targets")
+    # compressed-tensors' precedence (match_targets): exact names, then regexes in the sorted order of their
+    # target strings, then the class target; the groups' order does not enter.
+    class_rules = [rule for rule in by_target.values() if rule.match == "linear"]
+    name_rules = [by_target[target] for target in sorted(by_target, key=lambda t: ("re:" in t, t))
+                  if by_target[target].match != "linear"]
     quantized = any(r.scheme.is_quantized for r in name_rules + class_rules)
     if quantized and qc.get("format") not in (None, "mixed-precision", *_FORMATS):
         raise _refuse(f"{where}.format", f"format {qc.get('format')!r} (weights not stored as plain quantized values)",

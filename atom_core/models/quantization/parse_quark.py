@@ -19,7 +19,8 @@ What maps to what:
 - inputs (same dtype family as the weights): ``per_tensor`` static / dynamic -> static / dynamic
   per-tensor; ``per_channel`` dynamic -> dynamic per-token (PTPC FP8: one scale per token);
   ``per_group`` 128 dynamic -> per-group-128; none -> weight-only;
-- rules, in Quark's own order (``get_layer_quant_config``): ``exclude`` -> unquantized; the first
+- rules, in Quark's own order (``setup_config_per_layer``): ``exclude`` -> unquantized; a
+  ``layer_quant_config`` key that is the layer's whole name (no ``*``, ``?`` or ``[``); the first
   matching ``layer_quant_config`` pattern; ``layer_type_quant_config["Linear"]``; else the global
   config (also the experts' default);
 - ``kv_cache_quant_config`` with ``fp8_e4m3`` ``per_tensor`` static ``output_tensors`` -> FP8 KV
@@ -203,12 +204,17 @@ def parse_quark(qc: dict, where: str) -> ParsedRules:
     # Older exports name the KV layers only in export.kv_cache_group (their output_tensors are the KV cache's).
     kv_patterns = set(kv_configs) | set(string_list((qc.get("export") or {}).get("kv_cache_group"),
                                                     f"{where}.export.kv_cache_group"))
+    exact_rules, glob_rules = [], []
     for pattern, cfg in layer_configs.items():
         lwhere = f"{where}.layer_quant_config[{pattern!r}]"
         scheme = _layer(cfg, lwhere, kv_pattern=pattern in kv_patterns)
         if pattern in kv_patterns and isinstance(cfg, dict) and cfg.get("output_tensors") is not None:
             kv = FP8_KV_CACHE  # _layer checked it is static fp8_e4m3 per_tensor
-        rules.append(make_rule("fnmatch", pattern, scheme, origin=f"layer_quant_config {pattern!r}", where=lwhere))
+        exact = not any(ch in pattern for ch in "*?[")  # a whole module name: Quark looks it up before any pattern
+        (exact_rules if exact else glob_rules).append(
+            make_rule("exact" if exact else "fnmatch", pattern, scheme, origin=f"layer_quant_config {pattern!r}",
+                      where=lwhere))
+    rules += exact_rules + glob_rules
     for type_name, cfg in type_configs.items():
         twhere = f"{where}.layer_type_quant_config[{type_name!r}]"
         if type_name != "Linear":
