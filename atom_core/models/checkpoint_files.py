@@ -28,6 +28,14 @@ _DTYPE_BITS = {
     "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32,
     "I64": 64, "U64": 64, "F64": 64, "C64": 64, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
 }
+# The torch dtype safetensors reads each header dtype as (the sub-byte types have none).
+TORCH_DTYPES = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "F8_E5M2": torch.float8_e5m2,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E8M0": torch.float8_e8m0fnu, "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
+    "F8_E5M2FNUZ": torch.float8_e5m2fnuz, "I16": torch.int16, "U16": torch.uint16, "F16": torch.float16,
+    "BF16": torch.bfloat16, "I32": torch.int32, "U32": torch.uint32, "F32": torch.float32, "I64": torch.int64,
+    "U64": torch.uint64, "F64": torch.float64, "C64": torch.complex64,
+}
 
 
 def read_safetensors_header(path: str | Path) -> dict[str, dict]:

@@ -64,11 +64,13 @@ headers and their reads are ``models.checkpoint_files``):
   whose target lies outside the folder. In a Hugging Face cache snapshot
   (``.../models--org--name/snapshots/<rev>/``, shards linked to ``../../blobs/<hash>``) links may
   point anywhere inside that cache repository (``models--org--name``), not out of it;
-- a stored dtype that differs from its parameter's, unless both are floating point (a cast) and
-  neither is FP8: FP8 values mean nothing without their scales, so they load only into an FP8
-  parameter of a quantized layer, and an FP8 parameter takes only FP8 values, or, created with
-  ``quantize_on_load`` (online quantization), floating-point values it quantizes itself; INT8 only
-  into INT8; integer data (MXFP4 ``uint8`` codes and scales) only into a parameter of its dtype;
+- before any tensor is read (from the shard headers), a stored dtype that differs from its parameter's,
+  unless both are floating point (a cast) and neither is FP8: FP8 values mean nothing without their
+  scales, so they load only into an FP8 parameter of a quantized layer (a config that quantizes a layer
+  the model keeps unquantized, an LM head or a router, is named as such), and an FP8 parameter takes
+  only FP8 values, or, created with ``quantize_on_load`` (online quantization), floating-point values
+  it quantizes itself; INT8 only into INT8; integer data (MXFP4 ``uint8`` codes and scales) only into a
+  parameter of its dtype;
 - with ``check_finite`` (the default), a tensor holding NaN or Inf;
 - before any tensor is read, a ``quantization_config`` in the model's config that
   ``models.quantization.parse_quant_config`` refuses (named), or whose format the model's class
@@ -92,7 +94,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from atom_core.models.checkpoint_files import (INDEX_FILE, checkpoint_files, get_tensor, open_shard,
+from atom_core.models.checkpoint_files import (INDEX_FILE, TORCH_DTYPES, checkpoint_files, get_tensor, open_shard,
                                                read_safetensors_header, read_tensor)
 from atom_core.models.config import ModelConfig
 from atom_core.models.layers.linear import default_weight_loader
@@ -228,33 +230,45 @@ def _tied_parameter(model: nn.Module, params: dict[str, nn.Parameter]) -> str | 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 
 
-def _check_dtype(param: nn.Parameter, tensor: torch.Tensor, target: _Target, ckpt_name: str, file: Path) -> None:
-    """A stored dtype other than the parameter's is cast only from float to float: integer or bool
-    data in a float parameter (or the reverse) is a different quantity, not a precision change; so is
-    FP8 data (it needs its scales) anywhere but an FP8 parameter, and anything but FP8 in an FP8
-    parameter, except one that quantizes on load (online quantization) from a float tensor."""
-    if tensor.dtype == param.dtype:
+def _check_dtype(param: nn.Parameter, dtype: torch.dtype, target: _Target, ckpt_name: str, file: Path,
+                 model: nn.Module) -> None:
+    """A stored dtype (the shard header's) other than the parameter's is cast only from float to float:
+    integer or bool data in a float parameter (or the reverse) is a different quantity, not a precision
+    change; so is FP8 data (it needs its scales) anywhere but an FP8 parameter, and anything but FP8 in an
+    FP8 parameter, except one that quantizes on load (online quantization) from a float tensor."""
+    if dtype == param.dtype:
         return
-    fp8_tensor, fp8_param = tensor.dtype in _FP8_DTYPES, param.dtype in _FP8_DTYPES
+    fp8_tensor, fp8_param = dtype in _FP8_DTYPES, param.dtype in _FP8_DTYPES
     if fp8_param and getattr(param, "quantize_on_load", None) is not None:
-        if tensor.is_floating_point() and not fp8_tensor:
+        if dtype.is_floating_point and not fp8_tensor:
             return
-        raise ValueError(f"checkpoint tensor {ckpt_name!r} in {file}: stored as {tensor.dtype}; online quantization "
+        raise ValueError(f"checkpoint tensor {ckpt_name!r} in {file}: stored as {dtype}; online quantization "
                          f"of {target.param_name!r} reads an unquantized floating-point tensor")
     if fp8_tensor and not fp8_param:
-        raise ValueError(
-            f"checkpoint tensor {ckpt_name!r} in {file}: stored as {tensor.dtype}, but parameter "
-            f"{target.param_name!r} is {param.dtype}: FP8 values load only into a quantized layer (the "
-            "checkpoint's quantization_config does not quantize this layer, or the model was built without it: "
-            "load_model builds it from the config)")
-    if tensor.dtype.is_floating_point and param.dtype.is_floating_point and not fp8_param:
+        raise ValueError(f"checkpoint tensor {ckpt_name!r} in {file}: stored as {dtype}, but parameter "
+                         f"{target.param_name!r} is {param.dtype}: FP8 values load only into a quantized layer "
+                         f"({_why_unquantized(model, ckpt_name)})")
+    if dtype.is_floating_point and param.dtype.is_floating_point and not fp8_param:
         return
     raise ValueError(
-        f"checkpoint tensor {ckpt_name!r} in {file}: stored as {tensor.dtype}, but parameter "
+        f"checkpoint tensor {ckpt_name!r} in {file}: stored as {dtype}, but parameter "
         f"{target.param_name!r} is {param.dtype}; only float-to-float casts are made"
         + (" (an FP8 parameter takes FP8 values: the checkpoint does not quantize this layer as the model does)"
            if fp8_param else "")
     )
+
+
+def _why_unquantized(model: nn.Module, ckpt_name: str) -> str:
+    """Why the layer of checkpoint tensor ``ckpt_name`` is unquantized in ``model``, for the FP8 dtype error."""
+    quant_config = getattr(model, "quant_config", None)
+    if quant_config is None:
+        return "the model was built without a quantization_config: load_model builds it from the checkpoint's"
+    scheme, origin = quant_config.checkpoint_scheme(ckpt_name.rpartition(".")[0])
+    if not scheme.is_quantized:
+        return f"the checkpoint's quantization_config does not quantize this layer ({origin})"
+    return (f"the checkpoint's quantization_config quantizes this layer ({origin}: {scheme.describe()}), but "
+            f"{type(model).__name__} keeps it unquantized, as it does every embedding, LM head and MoE router; "
+            "use a checkpoint whose config leaves this layer out (compressed-tensors' ignore, quark's exclude)")
 
 
 # Checkpoint names of per-layer FP8 KV-cache scales -> (attention module prefix, "k" or "v"):
@@ -287,7 +301,6 @@ def _set_kv_scale(attn: nn.Module, which: str, tensor: torch.Tensor, ckpt_name: 
 
 
 def _load_one(param: nn.Parameter, tensor: torch.Tensor, target: _Target, ckpt_name: str, file: Path) -> None:
-    _check_dtype(param, tensor, target, ckpt_name, file)
     if target.rows is not None:
         start, size = target.rows
         if tensor.shape[0] < start + size:
@@ -414,8 +427,10 @@ def load_weights(model: nn.Module, path: str | Path, *, strict: bool = True,
     # Which file holds each tensor (the first shard that lists it). Every header is checked here,
     # so a corrupt or truncated shard is named before any tensor is loaded.
     file_of: dict[str, Path] = {}
+    dtype_of: dict[str, str] = {}  # each tensor's stored dtype, from its shard's header
     for file, index_names in checkpoint_files(folder).items():
-        header_names = list(read_safetensors_header(file))
+        header = read_safetensors_header(file)
+        header_names = list(header)
         names = header_names if index_names is None else index_names
         if index_names is not None:
             absent = sorted(set(index_names) - set(header_names))
@@ -427,6 +442,7 @@ def load_weights(model: nn.Module, path: str | Path, *, strict: bool = True,
                                name, file.name)
                 continue
             file_of[name] = file
+            dtype_of[name] = header[name]["dtype"]
 
     # Plan: into which parameters each tensor goes, grouped by file.
     plan: dict[Path, list[tuple[str, list[_Target]]]] = {}
@@ -447,6 +463,10 @@ def load_weights(model: nn.Module, path: str | Path, *, strict: bool = True,
         if not all(t.param_name in params for t in mapped):
             report.unused.append(name)
             continue
+        stored = TORCH_DTYPES.get(dtype_of[name])  # checked here, before any tensor is read
+        if stored is not None:
+            for t in mapped:
+                _check_dtype(params[t.param_name], stored, t, name, file, model)
         plan.setdefault(file, []).append((name, mapped))
         for t in mapped:
             if t.shard_id is None and t.rows is None:

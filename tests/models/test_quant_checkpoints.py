@@ -381,6 +381,22 @@ def test_fp8_tensors_load_only_into_fp8_layers(bf16_checkpoint, tmp_path):
         load_weights(plain, quantized)
 
 
+def test_a_config_that_quantizes_the_lm_head_is_refused_naming_it_before_any_tensor_is_read(tmp_path, monkeypatch):
+    """compressed-tensors with target Linear and no ignore list quantizes lm_head too (llm-compressor does, given
+    a recipe without one); the model keeps its LM head unquantized."""
+    from atom_core.models import loader
+
+    folder = qc.ct_checkpoint(qc.hf_model("llama", qc.ODD), tmp_path / "ct", "FP8_DYNAMIC",
+                              architecture="LlamaForCausalLM", ignore=())
+    reads = []
+    read = loader.get_tensor
+    monkeypatch.setattr(loader, "get_tensor", lambda f, name, file: reads.append(name) or read(f, name, file))
+    with pytest.raises(ValueError, match=r"'lm_head.weight'.*float8_e4m3fn.*quantizes this layer \(config_groups"
+                                         r".*keeps it unquantized"):
+        load_model(folder, device="cpu", dtype=torch.float32)
+    assert reads == []
+
+
 # --- MoE: quantized experts -------------------------------------------------------------------------------
 #
 # compressed-tensors quantizes the checkpoint's own expert projections (``quant_checkpoints.ct_tree_checkpoint``:
