@@ -203,10 +203,24 @@ def test_triton_strided_operands_and_scales(fmt):
     a_strided = non_contiguous_rows(a)  # padded rows
     w_transposed = w.t().contiguous().t()  # [N, K] with the K stride N: a column-major weight
     a_scale_strided = a_scale if fmt == "per_tensor" else non_contiguous_rows(a_scale)
+    bias_strided = torch.stack([bias, -bias], dim=1)[:, 0]  # every other element of a buffer
     got = getattr(ops, f"scaled_mm_{fmt}")(a_strided, a_scale_strided, w_transposed, w_scale, out_dtype=FP32,
-                                           bias=bias, backend="triton")
+                                           bias=bias_strided, backend="triton")
     want = getattr(reference, f"scaled_mm_{fmt}")(a, a_scale, w, w_scale, bias, FP32)
     torch.testing.assert_close(got, want, **tolerance(FP32, SCALED_MM))
+
+
+@needs_triton
+@pytest.mark.parametrize("fmt", ["per_tensor", "per_token", "block"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_triton_with_k_zero_gives_the_bias_alone_as_the_twin(fmt, with_bias):
+    a, a_scale, w, w_scale, bias = make_inputs(fmt, FP8, 3, 5, 128, bias=with_bias)
+    a, w = a[:, :0], w[:, :0]
+    if fmt == "block":
+        a_scale, w_scale = a_scale[:, :0], w_scale[:, :0]
+    got = getattr(ops, f"scaled_mm_{fmt}")(a, a_scale, w, w_scale, out_dtype=BF16, bias=bias, backend="triton")
+    torch.testing.assert_close(got, getattr(reference, f"scaled_mm_{fmt}")(a, a_scale, w, w_scale, bias, BF16),
+                               rtol=0, atol=0)
 
 
 @needs_triton

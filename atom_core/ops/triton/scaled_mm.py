@@ -278,6 +278,10 @@ def _scaled_mm(scales, a, a_scale, w, w_scale, bias, out_dtype, config: LaunchCo
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return out
+    if k == 0:  # an empty sum: the bias alone
+        return out.copy_(bias.float().expand(m, n)) if bias is not None else out.zero_()
+    if bias is not None:
+        bias = bias.contiguous()  # the kernels read it at unit stride
     if config is None:
         interpret = triton_interpret()
         sms = 1 if interpret else num_sms(a.device.index or 0)
