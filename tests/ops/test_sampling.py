@@ -190,6 +190,23 @@ def test_a_rows_draw_ignores_its_batch_mates_and_position(backend):
     assert torch.equal(strided, tokens)
 
 
+def _every_other(t):
+    """The same values as the 1-D ``t``, each second element of a wider buffer."""
+    return torch.stack([t, t], dim=1)[:, 0]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_strided_and_expanded_per_row_parameters_draw_as_their_contiguous_copies(backend):
+    logits, temperature, top_k, top_p, min_p, seeds, offsets = mixed_batch()
+    want = sample(logits, temperature, top_k, top_p, min_p, seeds, offsets, backend=backend)
+    views = [_every_other(t) for t in (temperature, top_k, top_p, min_p, seeds, offsets)]
+    assert torch.equal(sample(logits, *views, backend=backend), want)
+    one_seed = seeds[:1].expand(seeds.shape[0])  # stride 0: one seed for the batch
+    assert torch.equal(sample(logits, temperature, top_k, top_p, min_p, one_seed, offsets, backend=backend),
+                       sample(logits, temperature, top_k, top_p, min_p, one_seed.contiguous(), offsets,
+                              backend=backend))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_offsets_and_seeds_change_the_draw(backend):
     rows, vocab = 64, 1000
@@ -381,6 +398,16 @@ def test_rejection_matches_naive_loop(backend, rows, k, vocab):
             n += 1
         assert num_accepted[r].item() == n
         assert out[r].tolist() == argmax[r][:n + 1] + [-1] * (k - n)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_column_major_drafts_are_accepted_as_their_contiguous_copy(backend):
+    target = torch.randn(3 * 3, 50, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    draft = target.argmax(-1).view(3, 3)[:, :2]
+    column_major = draft.t().contiguous().t()
+    assert column_major.stride() == (1, 3)
+    out, num_accepted = rejection_sample_greedy(column_major, target, backend=backend)
+    assert num_accepted.tolist() == [2, 2, 2] and torch.equal(out, target.argmax(-1).view(3, 3))
 
 
 @needs_triton

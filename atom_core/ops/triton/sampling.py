@@ -236,8 +236,9 @@ def _row_pass(logits, temperature, cutoff, seeds, offsets, token_ids, logprobs, 
 def sample(logits, temperature, top_k, top_p, min_p, seeds, offsets, token_ids, logprobs, *, num_splits=None):
     """Backend entry of ``atom_core.ops.sampling.sample``: writes token_ids [B] int64 (and logprobs [B] f32)."""
     cutoff = filter_cutoff(logits, temperature, top_k, top_p, min_p)
-    _row_pass(logits, temperature, cutoff, seeds, offsets, token_ids, logprobs, all_greedy=False,
-              num_splits=num_splits)
+    # The kernel reads the per-row tensors at unit stride (a strided or expanded view is copied).
+    _row_pass(logits, temperature.contiguous(), cutoff, seeds.contiguous(), offsets.contiguous(), token_ids,
+              logprobs, all_greedy=False, num_splits=num_splits)
 
 
 def rejection_sample_greedy(draft_token_ids, target_logits, output_token_ids, num_accepted, *, num_splits=None):
@@ -247,6 +248,7 @@ def rejection_sample_greedy(draft_token_ids, target_logits, output_token_ids, nu
         return
     target_argmax = torch.empty(target_logits.shape[0], dtype=torch.int64, device=target_logits.device)
     _row_pass(target_logits, None, None, None, None, target_argmax, None, all_greedy=True, num_splits=num_splits)
+    draft_token_ids = draft_token_ids.contiguous()  # the kernel reads each row at unit stride
     _accept_kernel[(rows,)](
         draft_token_ids, draft_token_ids.stride(0), target_argmax, output_token_ids, output_token_ids.stride(0),
         num_accepted, k, BLOCK_K=next_power_of_2(k + 1), num_warps=1,
