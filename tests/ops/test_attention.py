@@ -294,6 +294,36 @@ def test_non_contiguous_q_and_out_given(scenario):
     torch.testing.assert_close(out, batch.twin(), **tolerance(torch.float32, ATTENTION))
 
 
+def _strided(t):
+    """The same values as ``t``, every other element of a wider buffer along its first dim."""
+    return torch.stack([t, torch.zeros_like(t)], dim=1)[:, 0]
+
+
+@needs_triton
+@pytest.mark.parametrize("scenario", ["mixed", "decode"])
+def test_strided_layout_tensors_and_sinks_give_the_contiguous_result(scenario):
+    query_lens, cached_lens, block_size = SCENARIOS[scenario]
+    batch = PagedBatch(query_lens, cached_lens, block_size=block_size, seed=17)
+    q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_q, max_k = batch.args()
+    sinks = sinks_for(q.shape[1])
+    want = batch.twin(sinks=sinks)
+    views = (_strided(cu_seqlens_q), _strided(context_lens))
+    column_major = block_tables.t().contiguous().t()
+    got = paged_attention(q, k_cache, v_cache, column_major, *views, max_q, max_k, backend="triton",
+                          **batch.kwargs(sinks=_strided(sinks)))
+    torch.testing.assert_close(got, want, **tolerance(q.dtype, ATTENTION))
+
+
+@needs_triton
+def test_an_expanded_context_lens_gives_the_contiguous_result():
+    batch = PagedBatch([1, 1, 1], [8, 8, 8], block_size=4, seed=19)  # every row 9 tokens long
+    q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_q, max_k = batch.args()
+    expanded = context_lens[:1].clone().expand(context_lens.shape[0])  # storage of one element
+    got = paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, expanded, max_q, max_k, backend="triton",
+                          **batch.kwargs())
+    torch.testing.assert_close(got, batch.twin(), **tolerance(q.dtype, ATTENTION))
+
+
 @needs_triton
 def test_from_layout_and_path_choice():
     decode = PagedBatch([1, 1], [8, 3], seed=17)

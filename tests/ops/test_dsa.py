@@ -25,7 +25,7 @@ from atom_core.ops.dispatch import BackendUnavailable, backend_available, trace_
 from atom_core.ops.reference import dsa as twin
 from atom_core.ops.tolerances import ATTENTION, tolerance
 from tests.ops.conftest import DEVICE, needs_triton
-from tests.ops.test_mla import LAYOUTS, SENTINEL, MLABatch, on_device
+from tests.ops.test_mla import LAYOUTS, SENTINEL, MLABatch, on_device, strided_layout
 
 FP32_TOL = tolerance(torch.float32, ATTENTION)
 
@@ -329,6 +329,20 @@ def test_sparse_attention_with_every_visible_position_selected_equals_dense_mla(
     torch.testing.assert_close(sparse, dense, **FP32_TOL)
     num_real = sum(query_lens)
     assert torch.equal(sparse[num_real:], torch.zeros_like(sparse[num_real:]))  # padding rows: zeros
+
+
+@needs_triton
+def test_triton_indexer_and_sparse_attention_on_strided_layout_tensors_equal_the_contiguous_layout():
+    batch = on_device(DSABatch([2, 1, 3], [5, 8, 0], block_size=4, seed=8))
+    topk = max(batch.context) + 3
+    args = topk_args_on_device(batch)
+    want = ops.indexer_topk(*args, topk=topk, scale=batch.index_scale, backend="triton")
+    got = ops.indexer_topk(*strided_layout(args), topk=topk, scale=batch.index_scale, backend="triton")
+    assert torch.equal(got, want)
+    want = ops.mla_sparse_attention(*batch.args()[:5], want, *batch.args()[5:], scale=batch.scale, backend="triton")
+    got = ops.mla_sparse_attention(*batch.args()[:5], got, *strided_layout(batch.args())[5:], scale=batch.scale,
+                                   backend="triton")
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_sparse_attention_reads_an_fp8_pool_as_row_times_kv_scale():

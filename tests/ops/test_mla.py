@@ -292,6 +292,24 @@ def test_triton_forms_equal_the_twin_on_any_layout(rows, block_size, pad_rows, n
     assert torch.equal(split[num_real:].cpu(), torch.zeros_like(split[num_real:].cpu()))  # padding rows: zeros
 
 
+def strided_layout(args: tuple) -> tuple:
+    """``MLABatch.args()`` with the same layout values in strided views: column-major block tables, and
+    cu_seqlens_q and context_lens every other element of a wider buffer."""
+    *head, block_tables, cu_seqlens_q, context_lens, max_q, max_k = args
+    every_other = [torch.stack([t, torch.zeros_like(t)], dim=1)[:, 0] for t in (cu_seqlens_q, context_lens)]
+    return (*head, block_tables.t().contiguous().t(), *every_other, max_q, max_k)
+
+
+@needs_triton
+@pytest.mark.parametrize("layout", ["chunk_after_prefix", "decode"])
+def test_triton_forms_on_strided_layout_tensors_equal_the_twin(layout):
+    batch = on_device(MLABatch(*LAYOUTS[layout], seed=5))
+    want = twin_of("prefill", batch)
+    for op in (ops.mla_prefill_attention, ops.mla_decode_attention):
+        got = op(*strided_layout(batch.args()), scale=batch.scale, backend="triton")
+        torch.testing.assert_close(got.cpu(), want.cpu(), **FP32_TOL)
+
+
 @needs_triton
 @pytest.mark.parametrize("num_splits, heads", [(2, 3), (3, 20), (7, 3)])   # 20 heads: blocks of 16 and of 4
 def test_triton_decode_with_several_splits_equals_the_twin_including_empty_splits(num_splits, heads):

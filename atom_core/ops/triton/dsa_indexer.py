@@ -163,6 +163,9 @@ def indexer_topk(q, weights, indexer_cache, block_tables, cu_seqlens_q, context_
     if block_tables.shape[0] == 0:
         out.fill_(-1)
         return
+    # The score kernel reads the layout at unit stride (block tables: each row's pages).
+    block_tables, cu_seqlens_q, context_lens = block_tables.contiguous(), cu_seqlens_q.contiguous(), \
+        context_lens.contiguous()
     chunk = max(1, min(num_tokens, SCORE_BUFFER_BYTES // (4 * width)))
     scores = torch.empty(chunk, width, dtype=torch.float32, device=q.device)
     for first in range(0, num_tokens, chunk):

@@ -124,6 +124,9 @@ def mla_sparse_attention(q_nope, q_pe, mla_cache, w_uk, w_uv, topk_indices, bloc
     if num_rows == 0 or num_entries == 0:
         out.zero_()
         return
+    # The kernel reads the layout at unit stride (block tables: each row's pages).
+    block_tables, cu_seqlens_q, context_lens = block_tables.contiguous(), cu_seqlens_q.contiguous(), \
+        context_lens.contiguous()
     latent_dim, rope_dim = w_uk.shape[2], q_pe.shape[2]
     device_index = q_nope.device.index if q_nope.is_cuda else None
     constexprs, options = _launch_params(num_heads, latent_dim, rope_dim, mla_cache.shape[1], q_nope.dtype,

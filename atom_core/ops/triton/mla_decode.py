@@ -345,6 +345,9 @@ def mla_decode_attention(q_nope, q_pe, mla_cache, w_uk, w_uv, block_tables, cu_s
     if num_rows == 0:
         out.zero_()
         return
+    # The kernel reads the layout at unit stride (block tables: each row's pages).
+    block_tables, cu_seqlens_q, context_lens = block_tables.contiguous(), cu_seqlens_q.contiguous(), \
+        context_lens.contiguous()
     latent_dim, rope_dim = w_uk.shape[2], q_pe.shape[2]
     device_index = q_nope.device.index if q_nope.is_cuda else None
     constexprs, options = _launch_params(num_heads, latent_dim, rope_dim, mla_cache.shape[1], max_seqlen_q,
