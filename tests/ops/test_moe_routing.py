@@ -244,6 +244,17 @@ def test_triton_grouped_topk_matches_twin(tokens, experts, top_k, groups, topk_g
         assert_same_choice(got, want, torch.sigmoid(logits.float()) + bias)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_strided_correction_bias_routes_as_its_contiguous_copy(backend):
+    g = torch.Generator().manual_seed(11)
+    logits, bias = rand(6, 16, generator=g), 0.5 * rand(16, generator=g)
+    strided = torch.stack([bias, -bias], dim=1)[:, 0]  # every other element of a buffer
+    kwargs = dict(num_expert_group=4, topk_group=2, renormalize=True, scoring="sigmoid", routed_scaling_factor=1.0)
+    got = grouped_topk(logits, 4, e_score_correction_bias=strided, backend=backend, **kwargs)
+    want = grouped_topk(logits, 4, e_score_correction_bias=bias, backend=backend, **kwargs)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+
+
 @needs_triton
 @pytest.mark.filterwarnings("ignore:invalid value encountered")  # the interpreter's numpy sees NaN - NaN
 def test_triton_strided_logits_and_nan_rows_stay_in_range():

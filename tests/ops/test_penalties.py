@@ -136,6 +136,34 @@ def test_penalties_in_place_on_a_strided_row_view(backend):
     assert (wide[:, 64:] == 0).all()
 
 
+def _every_other(t):
+    """The same values as the 1-D ``t``, each second element of a wider buffer."""
+    return torch.stack([t, t], dim=1)[:, 0]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_penalties_with_strided_and_expanded_per_row_tensors_equal_the_contiguous_ones(backend):
+    logits, state, slots, presence, frequency, repetition, _ = random_case(4, 64, 5, seed=4)
+    logits, state = logits.to(DEVICE), state.to(DEVICE)
+    per_row = [t.to(DEVICE) for t in (slots, presence, frequency, repetition)]
+    want = ops.reference.penalties.apply_penalties(logits, state, *per_row)
+    got = apply_penalties_(logits.clone(), state, *[_every_other(t) for t in per_row], backend=backend)
+    torch.testing.assert_close(got, want)
+    one = [t[:1].clone().expand(4) for t in per_row[1:]]  # one row's penalties for the batch, stride 0
+    want = ops.reference.penalties.apply_penalties(logits, state, per_row[0], *[t.contiguous() for t in one])
+    torch.testing.assert_close(apply_penalties_(logits.clone(), state, per_row[0], *one, backend=backend), want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_token_bias_with_strided_or_expanded_entries_equals_the_contiguous_ones(backend):
+    logits = torch.randn(2, 8, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    rows, tokens = torch.tensor([0, 0, 1], device=DEVICE), torch.tensor([1, 2, 3], device=DEVICE)
+    ban = torch.tensor([float("-inf")], device=DEVICE).expand(3)  # one value for every entry, stride 0
+    want = ops.reference.penalties.apply_token_bias(logits, rows, tokens, ban.contiguous())
+    got = apply_token_bias_(logits.clone(), _every_other(rows), _every_other(tokens), ban, backend=backend)
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_token_bias_backends_equal_the_twin(backend):
     g = torch.Generator().manual_seed(0)

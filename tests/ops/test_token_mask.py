@@ -63,6 +63,14 @@ def test_in_place_on_a_strided_row_view_with_a_wider_bitmask(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_strided_masked_rows_equal_the_contiguous_ones(backend):
+    logits, bitmask, masked = token_mask_inputs(4, 64, torch.float32, DEVICE, seed=3)
+    strided = torch.stack([masked, torch.zeros_like(masked)], dim=1)[:, 0]  # every other element of a buffer
+    got = apply_token_mask_(logits.clone(), bitmask, strided, backend=backend)
+    assert torch.equal(got, apply_token_mask(logits, bitmask, masked))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_no_masked_rows_changes_nothing(backend):
     logits = torch.randn(2, 40, device=DEVICE)
     empty = torch.empty(0, bitmask_words(40), dtype=torch.int32, device=DEVICE)

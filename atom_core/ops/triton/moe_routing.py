@@ -139,7 +139,8 @@ def topk_softmax(router_logits, renormalize, topk_weights, topk_ids):
 
 def grouped_topk(router_logits, num_expert_group, topk_group, renormalize, scoring, e_score_correction_bias,
                  routed_scaling_factor, topk_weights, topk_ids):
-    _launch(router_logits, e_score_correction_bias, topk_weights, topk_ids, num_groups=num_expert_group,
+    bias = None if e_score_correction_bias is None else e_score_correction_bias.contiguous()  # read at unit stride
+    _launch(router_logits, bias, topk_weights, topk_ids, num_groups=num_expert_group,
             topk_group=topk_group, renormalize=renormalize, sigmoid=scoring == "sigmoid",
             scale=routed_scaling_factor)
 

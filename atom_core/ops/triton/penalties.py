@@ -70,9 +70,9 @@ def apply_penalties_(logits, token_state, slots, presence_penalty, frequency_pen
     if rows == 0 or vocab == 0:
         return
     block = _penalties_block(vocab)
-    _penalties_kernel[(rows, cdiv(vocab, block))](
-        logits, logits.stride(0), token_state, token_state.stride(0), slots,
-        presence_penalty, frequency_penalty, repetition_penalty, vocab,
+    _penalties_kernel[(rows, cdiv(vocab, block))](  # the per-row tensors are read at unit stride
+        logits, logits.stride(0), token_state, token_state.stride(0), slots.contiguous(),
+        presence_penalty.contiguous(), frequency_penalty.contiguous(), repetition_penalty.contiguous(), vocab,
         COUNT_MASK_=COUNT_MASK, BANNED_BIT_=BANNED_BIT, PROMPT_BIT_=PROMPT_BIT, BLOCK=block, num_warps=4,
     )
 
@@ -82,5 +82,6 @@ def apply_token_bias_(logits, rows, token_ids, bias):
     entries = rows.shape[0]
     if entries == 0:
         return
-    _token_bias_kernel[(cdiv(entries, _BLOCK_E),)](logits, logits.stride(0), rows, token_ids, bias, entries,
-                                                   BLOCK=_BLOCK_E, num_warps=4)
+    _token_bias_kernel[(cdiv(entries, _BLOCK_E),)](  # the entries are read at unit stride
+        logits, logits.stride(0), rows.contiguous(), token_ids.contiguous(), bias.contiguous(), entries,
+        BLOCK=_BLOCK_E, num_warps=4)

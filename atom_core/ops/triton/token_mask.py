@@ -42,5 +42,6 @@ def apply_token_mask_(logits, bitmask, rows):
     if masked == 0 or vocab == 0:
         return
     block = _block(vocab)
-    _token_mask_kernel[(masked, cdiv(vocab, block))](logits, logits.stride(0), bitmask, bitmask.stride(0), rows,
+    _token_mask_kernel[(masked, cdiv(vocab, block))](logits, logits.stride(0), bitmask, bitmask.stride(0),
+                                                     rows.contiguous(),  # read at unit stride
                                                      vocab, BLOCK=block, num_warps=4)
