@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import math
 import os
 import statistics
@@ -40,6 +39,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+from benchmarks.common import write_json
 
 # The kernel module as it was before the full/edge tile split (the "old" row).
 OLD_REV = "a91ea4182a0b24d7cf94962d9c3d024ed44d227a"
@@ -386,8 +387,7 @@ def main() -> None:
     print_table(rows)
     summarize(rows)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_json(rows, args.json)
 
 
 if __name__ == "__main__":

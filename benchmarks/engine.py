@@ -93,6 +93,18 @@ def build_bench_model(cfg: dict, quantization: str | None):
     return build_model(plain, dtype=torch.bfloat16, device="cuda", quantization=quantization)
 
 
+def step_weight_bytes(model, batch_size: int) -> int:
+    """Weight bytes a dense model's decode step of ``batch_size`` tokens reads: every parameter as stored (fp8
+    one byte, MXFP4 half), less the input embedding table, of which the step gathers only its tokens' rows,
+    unless the LM head is tied to it and reads it whole."""
+    embedding = model.model.embed_tokens.weight
+    total = sum(p.numel() * p.element_size() for p in model.parameters())  # a tied table is one parameter
+    if model.lm_head.weight is not embedding:
+        total -= (embedding.shape[0] - min(batch_size, embedding.shape[0])) * embedding.shape[1] * \
+            embedding.element_size()
+    return total
+
+
 def kv_bytes_per_token(model, cfg: dict, dtype: torch.dtype) -> dict:
     """KV bytes per token of the engine's pool (every layer, caches kept beside it over the same blocks
     such as DSA's indexer keys included) and of per-head K and V for the same attention, as a cache without
@@ -289,9 +301,21 @@ def section_throughput(args) -> list[dict]:
 
 # ---------------------------------------------------------------------------------------- latency
 
+def _step_until_decoding(engine, request_ids) -> None:
+    """Step until every request of ``request_ids`` has its first output token (a long batch's prompts take
+    several prefill chunks)."""
+    waiting = set(request_ids)
+    while waiting:
+        for out in engine.step():
+            waiting.discard(out.request_id)
+
+
 def section_latency(args) -> list[dict]:
     """Decode ms per step at bs 1 / 64 per model (bf16, and with ``--quantization`` the quantized model in the
-    same run, ``vs_bf16`` its speedup); GB/s counts the weights as stored (fp8 one byte, MXFP4 half) plus the KV."""
+    same run, ``vs_bf16`` its speedup); ``weight_GB``: every parameter as stored. For a dense model GB/s counts
+    what a step reads (``step_weight_bytes``: the embedding's gathered rows, not its whole table, unless tied to
+    the LM head) plus the KV; a MoE step reads only its tokens' experts: no such figure. Timing starts once
+    every request has its first output token (no prefill chunk in the timed steps)."""
     from atom_core.engine import Engine, SamplingParams
 
     copy_gbs = copy_bandwidth_gbs()
@@ -301,16 +325,16 @@ def section_latency(args) -> list[dict]:
         cfg = load_config(name)
         model = build_bench_model(cfg, quantization)
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        # (tied embeddings are one parameter: counted once, read once per step by the LM head)
+        dense = not _is_moe(cfg)
         for eager in (False, True):
             engine = Engine(model, None, device="cuda", max_num_seqs=64, max_model_len=4096,
                             num_kv_blocks=64 * 4096 // 16 + 64, enforce_eager=eager)
             for bs in (1, 64):
                 prompt_len, steps = 512, 64
-                for i in range(bs):
-                    engine.add_request(list(range(i, i + prompt_len)),
-                                       SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
-                engine.step()  # prefill
+                ids = [engine.add_request(list(range(i, i + prompt_len)),
+                                          SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
+                       for i in range(bs)]
+                _step_until_decoding(engine, ids)
                 for _ in range(3):
                     engine.step()
                 _sync()
@@ -321,13 +345,13 @@ def section_latency(args) -> list[dict]:
                 ms = (time.perf_counter() - t0) / steps * 1e3
                 while engine.has_unfinished_requests():
                     engine.step()
-                spec = model.kv_cache_spec()
-                context = prompt_len + 3 + steps // 2
-                kv_bytes = bs * context * spec.bytes_per_token  # bf16 K and V, or MLA's latent rows
-                gbs = (weight_bytes + kv_bytes) / (ms * 1e-3) / 1e9
                 row = {"model": name, "quantization": quantization or "bf16", "bs": bs, "cuda_graphs": not eager,
-                       "ms_per_step": ms, "tok_per_s": bs / ms * 1e3, "weight_GB": weight_bytes / 1e9, "GB/s": gbs,
-                       "%copy_bw": 100 * gbs / copy_gbs}
+                       "ms_per_step": ms, "tok_per_s": bs / ms * 1e3, "weight_GB": weight_bytes / 1e9}
+                if dense:
+                    context = prompt_len + 4 + steps // 2  # the timed steps' mean context (at least)
+                    kv_bytes = bs * context * model.kv_cache_spec().bytes_per_token  # K and V, or MLA's latent rows
+                    gbs = (step_weight_bytes(model, bs) + kv_bytes) / (ms * 1e-3) / 1e9
+                    row |= {"GB/s": gbs, "%copy_bw": 100 * gbs / copy_gbs}
                 base = next((r for r in rows if r["model"] == name and r["quantization"] == "bf16" and r["bs"] == bs
                              and r["cuda_graphs"] == (not eager)), None)
                 if quantization and base is not None:
@@ -383,7 +407,8 @@ def section_tp(args) -> list[dict]:
 
     ``vs_first``: against the model's first run (TP 1 by default) — its time / this one for latency, this
     throughput / its for throughput. Decode rows of a dense model also give ``weight_GB_per_rank`` (rank 0's
-    parameters), ``GB/s_per_rank`` (its weights plus its KV rows read, over the step time) and
+    parameters), ``GB/s_per_rank`` (what its step reads, ``step_weight_bytes``, plus its KV rows, over the step
+    time) and
     ``%agg_copy_bw``: the bytes every rank reads per step over the time, against N x the copy bandwidth of
     GPU 0 measured in the same run (= the per-rank rate over one GPU's copy bandwidth; the ranks read their
     shards at once). A MoE step reads only its tokens' experts: no such figure."""
@@ -417,11 +442,12 @@ def section_tp(args) -> list[dict]:
                     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
                     kv_per_token = engine.model.kv_cache_spec().bytes_per_token  # this rank's KV (or MLA) rows
                     for bs in batch_sizes:
-                        for i in range(bs):
-                            engine.add_request(list(range(i, i + prompt_len)),
-                                               SamplingParams(temperature=0, max_tokens=timed_steps + 8,
-                                                              ignore_eos=True))
-                        for _ in range(4):
+                        ids = [engine.add_request(list(range(i, i + prompt_len)),
+                                                  SamplingParams(temperature=0, max_tokens=timed_steps + 8,
+                                                                 ignore_eos=True))
+                               for i in range(bs)]
+                        _step_until_decoding(engine, ids)
+                        for _ in range(3):
                             engine.step()
                         _sync()
                         t0 = time.perf_counter()
@@ -435,8 +461,9 @@ def section_tp(args) -> list[dict]:
                         row = {**label, "metric": f"decode ms/step bs{bs}", "value": ms,
                                "vs_first": base[("latency", bs)] / ms}
                         if dense:
-                            context = prompt_len + 3 + timed_steps // 2
-                            gbs = (weight_bytes + bs * context * kv_per_token) / (ms * 1e-3) / 1e9
+                            context = prompt_len + 4 + timed_steps // 2
+                            gbs = (step_weight_bytes(engine.model, bs) + bs * context * kv_per_token) / (ms * 1e-3) \
+                                / 1e9
                             row |= {"weight_GB_per_rank": weight_bytes / 1e9, "GB/s_per_rank": gbs,
                                     "%agg_copy_bw": 100 * gbs / copy_gbs}
                         rows.append(row)

@@ -45,11 +45,12 @@ LARGE_M = [(bm, bn, bk, w, st, 1, imp)
            for imp in ("bk", None)]
 
 
-def _configs(m: int):
+def _configs(m: int, smoke: bool = False):
+    """The launches swept at M = m; ``smoke``: the first of each list only (a CPU check of the script)."""
     from atom_core.ops.triton.scaled_mm import LaunchConfig
 
-    for bm, bn, bk, warps, stages, split, imprecise in ((GEMV if m == 1 else []) + SMALL_M if m <= 16 else
-                                                         MID_M if m <= MID_M_TO else LARGE_M):
+    lists = ([GEMV] if m == 1 else []) + [SMALL_M] if m <= 16 else [MID_M] if m <= MID_M_TO else [LARGE_M]
+    for bm, bn, bk, warps, stages, split, imprecise in (c for configs in lists for c in configs[:1 if smoke else None]):
         yield LaunchConfig(bm, bn, bk, warps, stages, split, bk if imprecise == "bk" else imprecise)
 
 
@@ -76,7 +77,7 @@ def run(tokens: list[int], json_path: str | None, device: str = "cuda", smoke: b
                     timed, lambda: lambda: gemm(a, a_scale, next(weights), w_scale, out_dtype=torch.bfloat16,
                                                 backend="scaled_mm"))
                 nbytes = m * k + n * k + 2 * m * n
-                for config in _configs(m):
+                for config in _configs(m, smoke):
                     def call(config=config, out_dtype=torch.bfloat16):
                         return triton_scaled_mm._scaled_mm(kind, a, a_scale, next(weights), w_scale, None, out_dtype,
                                                            config)

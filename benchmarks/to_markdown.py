@@ -30,20 +30,39 @@ def fmt(value) -> str:
 
 
 def table(rows: list[dict], columns: list[str] | None = None) -> str:
-    columns = columns or [c for c in rows[0] if c != "error"]
+    """Every key of any row is a column (in order of first appearance), unless ``columns`` names them."""
+    columns = columns or [c for c in dict.fromkeys(key for row in rows for key in row) if c != "error"]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(fmt(r.get(c)) for c in columns) + " |" for r in rows]
     return "\n".join(lines)
 
 
+def _one_or_all(value, short=lambda v: str(v)) -> str:
+    """A meta value as text; a file merging several runs holds a list (each run's, in order)."""
+    if isinstance(value, list):
+        return " / ".join(dict.fromkeys(short(v) for v in value))
+    return short(value)
+
+
+def _cache_state(value) -> str | None:
+    """``triton_cache``'s state: a dict's ``state``, or the text a hand-merged file holds instead."""
+    if isinstance(value, dict):
+        return value.get("state")
+    return _one_or_all(value, lambda v: v.get("state", "?") if isinstance(v, dict) else str(v)) if value else None
+
+
 def caption(meta: dict) -> str:
     """One line saying where the rows come from: GPU, versions, commit, Triton cache state (where the
-    file records it: ``atom-core bench`` files do not), date."""
-    commit = str(meta.get("commit", "unknown"))[:10] + (" (dirty)" if meta.get("dirty") else "")
-    cache = (meta.get("triton_cache") or {}).get("state")
+    file records it: ``atom-core bench`` files do not), date. A file merging several runs may hold a list
+    for any of these: each run's value is shown once."""
+    commit = _one_or_all(meta.get("commit", "unknown"), lambda v: str(v)[:10])
+    commit += " (dirty)" if meta.get("dirty") is True else ""
+    cache = _cache_state(meta.get("triton_cache"))
     cache = f"Triton cache {cache} at start; " if cache else ""
-    versions = ", ".join(f"{name} {meta[name]}" for name in ("torch", "triton", "cuda", "hip") if meta.get(name))
-    return f"*{meta.get('gpu', '?')}; {versions}; commit {commit}; {cache}{meta.get('utc', '?')}*"
+    versions = ", ".join(f"{name} {_one_or_all(meta[name])}" for name in ("torch", "triton", "cuda", "hip")
+                         if meta.get(name))
+    gpu, utc = _one_or_all(meta.get("gpu", "?")), _one_or_all(meta.get("utc", "?"))
+    return f"*{gpu}; {versions}; commit {commit}; {cache}{utc}*"
 
 
 def render(path, columns: list[str] | None = None) -> str:

@@ -217,6 +217,16 @@ def test_readers_take_both_json_forms(tmp_path, monkeypatch):
     assert roofline.load("ops_moe") == rows
 
 
+def test_a_table_has_every_rows_columns_and_a_merged_runs_caption_names_each_run():
+    rows = [{"model": "m", "ms": 1.0}, {"model": "m", "ms": 0.5, "vs_bf16": 2.0}]
+    assert to_markdown.table(rows).splitlines()[0] == "| model | ms | vs_bf16 |"
+    meta = {"gpu": "G", "torch": "2.11", "commit": ["aaaaaaaaaaaa1", "bbbbbbbbbbbb2"], "dirty": [False, True],
+            "triton_cache": [{"state": "warm"}, {"state": "cold"}], "utc": ["t1", "t2"]}
+    assert to_markdown.caption(meta) == "*G; torch 2.11; commit aaaaaaaaaa / bbbbbbbbbb; Triton cache warm / cold at " \
+                                        "start; t1 / t2*"
+    assert "Triton cache warm at start" in to_markdown.caption({"triton_cache": "warm"})
+
+
 # The DeepSeek shapes of benchmarks/configs shrunk to a CPU-sized model, every other key kept.
 TINY_DEEPSEEK = {"vocab_size": 101, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 24,
                  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 32,
@@ -319,3 +329,17 @@ def test_engine_tp_smoke_run_at_four_gloo_ranks_gives_the_copy_bandwidth_fractio
     assert all(r["vs_first"] == 1 and r["value"] > 0 for r in rows)
     for row in rows[:2]:
         assert 0 < row["weight_GB_per_rank"] and 0 < row["%agg_copy_bw"] and math.isfinite(row["%agg_copy_bw"])
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_decode_step_reads_the_embedding_rows_it_gathers_unless_the_head_is_tied(tied):
+    from atom_core.models import build_model
+    from benchmarks.engine import TP_SMOKE_SHAPES, load_config, step_weight_bytes
+
+    cfg = load_config("llama-3-8b") | TP_SMOKE_SHAPES | {"tie_word_embeddings": tied}
+    model = build_model(cfg, device="cpu", dtype=torch.float32, load_format="zeros")
+    stored = sum(p.numel() * p.element_size() for p in model.parameters())
+    table = cfg["vocab_size"] * cfg["hidden_size"] * 4
+    for bs in (1, 64):
+        want = stored if tied else stored - table + bs * cfg["hidden_size"] * 4
+        assert step_weight_bytes(model, bs) == want

@@ -290,7 +290,9 @@ OFFLINE_COLUMNS = ["requests", "input_tokens", "output_tokens", "seconds", "outp
 
 def run_info() -> dict:
     """What a result file says about its run: this machine's GPU (or "cpu"), versions, the commit
-    (``ATOM_CORE_COMMIT`` where set, else ``git rev-parse HEAD`` beside the package, else None), when, how."""
+    (``ATOM_CORE_COMMIT`` where set, else ``git rev-parse HEAD`` beside the package, else None) and whether
+    tracked files differed from it (``dirty``; None without git), the host, when, how. (The server's Triton
+    cache is the server's to report: a client does not see it.)"""
     import importlib.metadata
     import os
     import platform
@@ -306,16 +308,23 @@ def run_info() -> dict:
         except importlib.metadata.PackageNotFoundError:
             return None
 
-    commit = os.environ.get("ATOM_CORE_COMMIT")
-    if not commit:
+    def git(*args: str) -> str | None:
         try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
-                                    text=True, timeout=10, check=True).stdout.strip()
+            return subprocess.run(["git", *args], cwd=Path(__file__).parent, capture_output=True, text=True,
+                                  timeout=10, check=True).stdout.strip()
         except (OSError, subprocess.SubprocessError):
-            commit = None
+            return None
+
+    commit, dirty = os.environ.get("ATOM_CORE_COMMIT"), None
+    if not commit:
+        commit = git("rev-parse", "HEAD")
+        status = None if commit is None else git("status", "--porcelain", "--untracked-files=no")
+        dirty = None if status is None else bool(status)
     return {"gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+            "cuda": torch.version.cuda, "hip": getattr(torch.version, "hip", None),
             "torch": torch.__version__, "triton": version("triton"), "transformers": version("transformers"),
             "python": platform.python_version(), "atom_core": version("atom_core"), "commit": commit,
+            "dirty": dirty, "hostname": platform.node(),
             "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": " ".join(sys.argv)}
 
 
