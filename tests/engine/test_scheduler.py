@@ -122,6 +122,9 @@ def test_bad_limits():
         scheduler(4, 4, max_num_seqs=1, max_num_batched_tokens=0)
     with pytest.raises(ValueError, match="max_model_len"):
         scheduler(4, 4, max_num_seqs=1, max_num_batched_tokens=8, max_model_len=0)
+    for budget in (64.5, True, "64"):  # a token budget is a count
+        with pytest.raises(TypeError, match="max_num_batched_tokens must be an int"):
+            scheduler(4, 4, max_num_seqs=1, max_num_batched_tokens=budget)
 
 
 # --- the vectorized decode path equals the per-row path; scheduling one step ahead changes nothing
