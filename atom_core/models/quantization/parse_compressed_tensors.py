@@ -179,7 +179,6 @@ def parse_compressed_tensors(qc: dict, where: str) -> ParsedRules:
         scheme = _scheme(group, gwhere)
         targets = string_list(group.get("targets"), f"{gwhere}.targets")
         for target in targets:
-            by_target.pop(target, None)
             by_target[target] = _target_rule(target, scheme, f"config_groups.{name} target {target!r}",
                                              f"{gwhere}.targets")
     # compressed-tensors' precedence (match_targets): exact names, then regexes in the sorted order of their
