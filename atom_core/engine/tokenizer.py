@@ -67,10 +67,13 @@ class Tokenizer:
         return cls(folder) if (Path(folder) / "tokenizer.json").is_file() else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``; the BOS token first when tokenizer_config.json says ``add_bos_token``
-        and ``add_special_tokens`` (a chat template writes its own)."""
-        ids = self._tok.encode(text, add_special_tokens=False).ids
-        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
+        """Token ids of ``text``. With ``add_special_tokens`` (a chat template writes its own), as transformers'
+        fast tokenizers: what tokenizer.json's post-processor adds (Llama-3's BOS), and the BOS token first
+        when tokenizer_config.json says ``add_bos_token`` and the post-processor has not put it there."""
+        encoding = self._tok.encode(text, add_special_tokens=add_special_tokens)
+        ids = encoding.ids
+        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None and not (
+                ids and ids[0] == self.bos_token_id and encoding.special_tokens_mask[0]):
             ids = [self.bos_token_id] + ids
         return ids
 
