@@ -4,8 +4,9 @@ HF transformers and vLLM both read it: instruct checkpoints often name their end
 only there, and give their recommended temperature / top-p there. What is taken, as vLLM does:
 
 - ``eos_token_id`` (an int or a list): added to the model config's EOS ids;
-- ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``max_new_tokens`` (as ``max_tokens``): the
-  defaults of ``Engine.default_sampling_params``, used when a request gives no ``SamplingParams``.
+- ``repetition_penalty``, ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``max_new_tokens`` (as
+  ``max_tokens``): the defaults of ``Engine.default_sampling_params``, used when a request gives no
+  ``SamplingParams``.
   (``do_sample`` is not read: as in vLLM, a temperature given there applies; a file with
   ``do_sample: false`` and no temperature leaves the default temperature.)
 """
@@ -15,8 +16,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-SAMPLING_FIELDS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
-                   "max_new_tokens": "max_tokens"}
+SAMPLING_FIELDS = {"repetition_penalty": "repetition_penalty", "temperature": "temperature", "top_k": "top_k",
+                   "top_p": "top_p", "min_p": "min_p", "max_new_tokens": "max_tokens"}
 
 
 def read_generation_config(folder: str | Path) -> tuple[list[int], dict]:

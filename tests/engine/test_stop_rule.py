@@ -65,10 +65,12 @@ def _checkpoint_with(tmp_path, generation_config):
 
 def test_generation_config_adds_eos_ids_and_gives_the_default_sampling_params(tmp_path):
     folder = _checkpoint_with(tmp_path, json.dumps({"eos_token_id": [7, 9], "temperature": 0.3, "top_p": 0.5,
-                                                    "top_k": 20, "max_new_tokens": 11, "do_sample": True}))
+                                                    "top_k": 20, "max_new_tokens": 11, "do_sample": True,
+                                                    "repetition_penalty": 1.05}))
     engine = Engine.from_pretrained(folder, device="cpu", dtype=torch.float32)
     assert {7, 9} <= engine.eos_token_ids and 0 in engine.eos_token_ids  # config.json's EOS stays
-    assert engine.default_sampling_params == SamplingParams(temperature=0.3, top_p=0.5, top_k=20, max_tokens=11)
+    assert engine.default_sampling_params == SamplingParams(temperature=0.3, top_p=0.5, top_k=20, max_tokens=11,
+                                                            repetition_penalty=1.05)
     rid = engine.add_request([1, 2, 3])
     assert engine._requests[rid][0].params == engine.default_sampling_params
 
