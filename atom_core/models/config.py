@@ -5,7 +5,7 @@ readable as an attribute (``cfg.moe_intermediate_size`` falls back to
 ``cfg.extra["moe_intermediate_size"]``).
 
 Rotary embedding parameters come in two spellings, both accepted and normalised to the same
-result:
+result (a file with both: ``rope_scaling``, as transformers reads it):
 
 - published checkpoints: ``rope_theta`` plus ``rope_scaling`` (``{"type": "linear", ...}`` in
   older files, ``{"rope_type": ...}`` in newer ones);
@@ -20,7 +20,9 @@ per-layer-type parameters. ``rope_params(layer_type)`` returns the pair for a la
 
 from __future__ import annotations
 
+import copy
 import json
+import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,8 +32,11 @@ import torch
 
 from atom_core.cache.pool_sizing import host_memory_available_bytes
 
-# Defaults for keys a config.json may leave out, by model_type. Values follow the published
-# checkpoints of each family (every Qwen3 checkpoint uses rope_theta 1e6).
+logger = logging.getLogger(__name__)
+
+# Defaults for keys a config.json may leave out, by model_type: transformers' (its config classes'
+# defaults; tests/models/test_config.py checks each against them). Keys that are not ModelConfig
+# fields (n_shared_experts, ...) land in ``extra`` when the file lacks them.
 GENERIC_DEFAULTS: dict[str, Any] = {
     "max_position_embeddings": 2048,
     "rms_norm_eps": 1e-6,
@@ -41,13 +46,32 @@ GENERIC_DEFAULTS: dict[str, Any] = {
     "mlp_bias": False,
     "hidden_act": "silu",
 }
+_DEEPSEEK_V3_ROUTING = {"n_shared_experts": 1, "routed_scaling_factor": 2.5, "first_k_dense_replace": 3,
+                        "norm_topk_prob": True, "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8}
 ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"rope_theta": 10000.0, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6},
-    "mistral": {"rope_theta": 10000.0, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6},
-    "qwen2": {"rope_theta": 1e6, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
-              "attention_bias": True},
-    "qwen3": {"rope_theta": 1e6, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6},
-    "qwen3_moe": {"rope_theta": 1e6, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6},
+    "mistral": {"rope_theta": 10000.0, "max_position_embeddings": 131072, "rms_norm_eps": 1e-6},
+    "qwen2": {"rope_theta": 10000.0, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+              "attention_bias": True},  # (no config key: Qwen2's q/k/v projections always have a bias)
+    "qwen3": {"rope_theta": 10000.0, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "head_dim": 128},
+    "qwen3_moe": {"rope_theta": 10000.0, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+                  "norm_topk_prob": False, "num_experts_per_tok": 8},
+    "mixtral": {"rope_theta": 1e6, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+                "num_experts_per_tok": 2},
+    "glm4_moe": {"max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "partial_rotary_factor": 0.5,
+                 "n_shared_experts": 1, "routed_scaling_factor": 1.0, "first_k_dense_replace": 1,
+                 "norm_topk_prob": True, "n_group": 1, "topk_group": 1, "use_qk_norm": False,
+                 "num_experts_per_tok": 8},
+    "gpt_oss": {"rope_theta": 150000.0, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+                "attention_bias": True, "head_dim": 64, "sliding_window": 128, "num_experts_per_tok": 4,
+                "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                 "truncate": False, "original_max_position_embeddings": 4096}},
+    "deepseek_v2": {"max_position_embeddings": 2048, "n_shared_experts": 2, "routed_scaling_factor": 1.0,
+                    "first_k_dense_replace": 0, "norm_topk_prob": False, "topk_method": "greedy"},
+    "deepseek_v3": {"max_position_embeddings": 4096, "rope_interleave": True, **_DEEPSEEK_V3_ROUTING},
+    "deepseek_v32": {"max_position_embeddings": 163840, **_DEEPSEEK_V3_ROUTING},
+    "glm_moe_dsa": {"max_position_embeddings": 202752, "rms_norm_eps": 1e-5,
+                    **_DEEPSEEK_V3_ROUTING, "n_group": 1, "topk_group": 1},
 }
 # Architecture to assume when config.json has no "architectures" list (e.g. a bare
 # PretrainedConfig.save_pretrained output).
@@ -65,6 +89,23 @@ _DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
 }
 _LAYER_TYPE_KEYS = ("full_attention", "sliding_attention", "chunked_attention", "linear_attention")
+# ARCH_DEFAULTS keys that the parser applies itself (the others, when absent, go to ``extra``).
+_FIELD_DEFAULTS = frozenset(GENERIC_DEFAULTS) | {"head_dim", "sliding_window", "rope_scaling"}
+_NO_SLIDING_WINDOW = ("llama",)  # transformers' Llama ignores a sliding_window key
+
+
+def _default_layer_types(model_type: str, sliding_window: int | None, max_window_layers: Any,
+                         num_layers: int) -> list[str]:
+    """Each layer's attention when config.json gives no ``layer_types``, as transformers derives them."""
+    if sliding_window is None or model_type in _NO_SLIDING_WINDOW:
+        return ["full_attention"] * num_layers
+    if model_type == "gpt_oss":  # sliding, full, sliding, ...
+        return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
+    if model_type in ("qwen2", "qwen3") or max_window_layers is not None:
+        # Qwen2's rule: layers from max_window_layers (default 28) on use the window.
+        first = 28 if max_window_layers is None else _as_int(max_window_layers, "max_window_layers", minimum=0)
+        return ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    return ["sliding_attention"] * num_layers
 
 
 def parse_dtype(value: Any, *, what: str = "dtype") -> torch.dtype | None:
@@ -236,7 +277,7 @@ class ModelConfig:
             raise ValueError(
                 f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}"
             )
-        head_dim = take("head_dim")
+        head_dim = take("head_dim") if "head_dim" in d else defaults.get("head_dim")
         if head_dim is None:
             if hidden_size % num_heads != 0:
                 raise ValueError(
@@ -252,7 +293,7 @@ class ModelConfig:
         rope_theta, rope_scaling, rope_by_layer_type = cls._parse_rope(d, used, defaults)
 
         use_sliding_window = take("use_sliding_window")
-        sliding_window = take("sliding_window")
+        sliding_window = take("sliding_window") if "sliding_window" in d else defaults.get("sliding_window")
         # Qwen2/Qwen3 configs carry a sliding_window value that only applies when use_sliding_window is true.
         if use_sliding_window is False:
             sliding_window = None
@@ -260,15 +301,7 @@ class ModelConfig:
             sliding_window = _as_int(sliding_window, "sliding_window")
         layer_types = take("layer_types")
         if layer_types is None:
-            max_window_layers = d.get("max_window_layers")
-            if sliding_window is None:
-                layer_types = ["full_attention"] * num_layers
-            elif max_window_layers is not None:
-                # Qwen2 rule: layers from max_window_layers on use the sliding window.
-                layer_types = ["sliding_attention" if i >= max_window_layers else "full_attention"
-                               for i in range(num_layers)]
-            else:
-                layer_types = ["sliding_attention"] * num_layers
+            layer_types = _default_layer_types(model_type, sliding_window, d.get("max_window_layers"), num_layers)
         if (not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types)
                 or len(layer_types) < num_layers):
             raise ValueError(
@@ -342,6 +375,9 @@ class ModelConfig:
                 entry["rope_scaling"] = None
         if use_sliding_window is not None:
             cfg.extra["use_sliding_window"] = use_sliding_window
+        for key, value in defaults.items():  # the family's defaults of keys that are not fields
+            if key not in _FIELD_DEFAULTS and key not in d:
+                cfg.extra.setdefault(key, copy.deepcopy(value))
         return cfg
 
     @staticmethod
@@ -353,7 +389,14 @@ class ModelConfig:
         theta_s, scaling = normalize_rope_scaling(d.get("rope_scaling"), what="rope_scaling")
         params = d.get("rope_parameters")
         by_type = None
-        if params is not None:
+        if params is not None and d.get("rope_scaling") is not None:
+            # transformers: a rope_scaling dict replaces rope_parameters whole (rope_theta included: it then
+            # comes from rope_scaling, the top-level key, or the family's default).
+            logger.warning("config has both rope_scaling and rope_parameters: rope_scaling is used and "
+                           "rope_parameters ignored, as transformers does (rope_theta %s)",
+                           theta_s if theta_s is not None else top_theta if top_theta is not None else
+                           f"{float(defaults['rope_theta'])} by default")
+        elif params is not None:
             if not isinstance(params, dict):
                 raise ValueError(f"rope_parameters must be a dict, got {type(params).__name__}")
             if params and all(isinstance(v, dict) for v in params.values()) and (
@@ -369,11 +412,12 @@ class ModelConfig:
                 scaling_p = None if main["rope_scaling"] is None else dict(main["rope_scaling"])
             else:
                 theta_p, scaling_p = normalize_rope_scaling(params, what="rope_parameters")
-            # rope_parameters is the newer spelling and authoritative when present.
             theta_s, scaling = theta_p, scaling_p
         theta = theta_s if theta_s is not None else top_theta
         if theta is None:
             theta = float(defaults["rope_theta"])
+        if d.get("rope_scaling") is None and params is None and defaults.get("rope_scaling") is not None:
+            scaling = dict(defaults["rope_scaling"])  # the family's default scaling (gpt-oss: YaRN)
         return theta, scaling, by_type
 
 

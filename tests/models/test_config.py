@@ -71,7 +71,7 @@ def test_partial_rotary_factor_in_the_rope_dict_beats_a_stale_top_level_copy():
 def test_defaults_per_architecture():
     llama = parse()
     qwen3 = parse(architectures=["Qwen3ForCausalLM"], model_type="qwen3")
-    assert llama.rope_theta == 10000.0 and qwen3.rope_theta == 1e6
+    assert llama.rope_theta == 10000.0 and qwen3.rope_theta == 10000.0  # transformers' defaults (files say 1e6)
     assert llama.num_key_value_heads == 4  # = num_attention_heads
     assert llama.head_dim == 16            # 64 hidden / 4 heads
     assert llama.tie_word_embeddings is False and llama.attention_bias is False
@@ -123,11 +123,12 @@ def test_extra_keys_readable_as_attributes_and_copyable():
 
 def test_sliding_window_rules():
     assert parse(sliding_window=4096, use_sliding_window=False).sliding_window is None
-    assert parse(sliding_window=16).layer_types == ["sliding_attention"] * 3
-    qwen2 = parse(sliding_window=16, use_sliding_window=True, max_window_layers=1)
+    assert parse(model_type="mixtral", sliding_window=16).layer_types == ["sliding_attention"] * 3
+    assert parse(sliding_window=16).layer_types == ["full_attention"] * 3  # Llama has no window
+    qwen2 = parse(model_type="qwen2", sliding_window=16, use_sliding_window=True, max_window_layers=1)
     assert qwen2.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
     given = ["sliding_attention", "full_attention", "sliding_attention"]
-    assert parse(sliding_window=8, layer_types=given).layer_types == given
+    assert parse(model_type="gpt_oss", sliding_window=8, layer_types=given).layer_types == given
 
 
 @pytest.mark.parametrize(
@@ -204,3 +205,85 @@ def test_transformers_saved_config_parses(tmp_path, kind):
         assert cfg.rope_scaling is None
     if kind == "qwen2-sliding":
         assert cfg.sliding_window == 8
+
+
+# --- defaults and derived fields against transformers' config classes --------------------------------------------
+
+_MINIMAL = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=4)
+_MOE_KEYS = dict(moe_intermediate_size=16, n_routed_experts=8, num_experts=8, num_local_experts=8, kv_lora_rank=16,
+                 q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, index_head_dim=8,
+                 index_n_heads=2)
+_DEFAULTED = ["max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "attention_bias", "head_dim",
+              "sliding_window"]
+_DEFAULTED_EXTRA = ["n_shared_experts", "routed_scaling_factor", "first_k_dense_replace", "norm_topk_prob", "n_group",
+                    "topk_group", "use_qk_norm", "num_experts_per_tok", "topk_method", "rope_interleave"]
+
+
+def _hf_rope(hf) -> tuple[float, dict | None]:
+    """(rope_theta, scaling without theta or None) of a transformers config (the full-attention entry)."""
+    params = hf.rope_parameters
+    if all(isinstance(v, dict) for v in params.values()):
+        params = params["full_attention"]
+    scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    return params["rope_theta"], None if scaling == {"rope_type": "default"} else scaling
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "gpt_oss",
+                                        "deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa"])
+def test_a_config_of_the_required_keys_only_takes_transformers_defaults(model_type):
+    transformers = pytest.importorskip("transformers")
+    d = {**_MINIMAL, **(_MOE_KEYS if model_type not in ("llama", "qwen2", "qwen3") else {})}
+    hf = transformers.AutoConfig.for_model(model_type, **d)
+    ours = ModelConfig.from_dict({**d, "model_type": model_type})
+    assert (ours.rope_theta, ours.rope_scaling) == _hf_rope(hf)
+    for key in _DEFAULTED:
+        want = getattr(hf, key, None)
+        if key == "head_dim" and want is None:
+            want = hf.hidden_size // hf.num_attention_heads
+        if key == "sliding_window" and not getattr(hf, "use_sliding_window", True):
+            want = None  # (Qwen: the window applies only with use_sliding_window)
+        if hasattr(hf, key) or key == "head_dim":
+            assert getattr(ours, key) == want, key
+    for key in _DEFAULTED_EXTRA:
+        if getattr(hf, key, None) is not None:
+            assert ours.get(key) == getattr(hf, key), key
+    if "partial_rotary_factor" in hf.rope_parameters:
+        assert ours.partial_rotary_factor == hf.rope_parameters["partial_rotary_factor"]
+    if getattr(hf, "layer_types", None) is not None and "indexed_attention" not in hf.layer_types:
+        assert ours.layer_types == list(hf.layer_types)
+
+
+@pytest.mark.parametrize("model_type, extra", [
+    ("llama", dict(sliding_window=16)),                                  # transformers' Llama has no window
+    ("qwen3", dict(use_sliding_window=True, sliding_window=16)),         # from max_window_layers' default (28)
+    ("qwen3", dict(use_sliding_window=True, sliding_window=16, max_window_layers=2)),
+    ("qwen2", dict(use_sliding_window=False, sliding_window=16)),
+    ("mixtral", dict(sliding_window=16, **_MOE_KEYS)),                    # every layer
+    ("gpt_oss", dict(sliding_window=16, **_MOE_KEYS)),                    # every other layer, from the first
+])
+def test_layer_types_without_the_key_are_what_transformers_derives(model_type, extra):
+    transformers = pytest.importorskip("transformers")
+    d = {**_MINIMAL, "num_hidden_layers": 30, **extra}
+    hf = transformers.AutoConfig.for_model(model_type, **d)
+    ours = ModelConfig.from_dict({**d, "model_type": model_type})
+    want = list(getattr(hf, "layer_types", None) or [])
+    if not want:  # no layer_types attribute: a window applies to every layer when the config keeps one
+        want = ["sliding_attention" if hf.sliding_window is not None else "full_attention"] * 30
+        if model_type == "llama":
+            want = ["full_attention"] * 30
+    assert ours.layer_types == want
+
+
+@pytest.mark.parametrize("file", [
+    dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}),
+    dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6}, rope_theta=5e5,
+         rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}),
+])
+def test_rope_scaling_beside_rope_parameters_is_read_as_transformers_reads_it(file):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoConfig.for_model("qwen3", **_MINIMAL, **file)
+    ours = ModelConfig.from_dict({**_MINIMAL, "model_type": "qwen3", **file})
+    assert (ours.rope_theta, ours.rope_scaling) == _hf_rope(hf)
