@@ -356,6 +356,8 @@ class Engine:
 
         ``grammar``: ``params.structured_outputs`` already compiled by :meth:`compile_structured`
         (on another thread, say); without it, a request with structured output is compiled here."""
+        if self._channel is not None:
+            self._channel.check_usable()  # DistributedEngineError: the ranks are gone, no step would run it
         token_ids, params = self._check_request(prompt, params, grammar)
         if grammar is None and params.structured_outputs is not None:
             grammar = self.compile_structured(params)  # a cache hit: the check above compiled it
@@ -461,7 +463,11 @@ class Engine:
         are read, so the device never waits for the host between steps.
         """
         if self._channel is not None:
-            self._channel.check_usable()
+            try:
+                self._channel.check_usable()
+            except BaseException:
+                self._fail_all()
+                raise
         if not self.runner.is_bound:  # another engine on this model bound its own pool since
             self.runner.bind()
         current, self._in_flight = self._in_flight, None
@@ -484,6 +490,7 @@ class Engine:
             self._fail(scheduled)
             if self._channel is not None and self._channel.failure is not None:
                 self.shutdown()  # the ranks are out of step: stop the workers now
+                self._fail_all()
             raise
         for i in record.finish_reasons:
             self._forget_if_done(record.requests[i].group_id)
@@ -517,6 +524,19 @@ class Engine:
                     self.scheduler.finish(request, "error")
                     self._forget_if_done(request.group_id)
                     failed.add(request.group_id)
+        self.failed_request_ids = sorted(failed)
+
+    def _fail_all(self) -> None:
+        """The ranks can no longer run: finish every unfinished request with reason "error" as well (the
+        waiting ones too: no step will run them) and add them to ``failed_request_ids``."""
+        self._in_flight = None
+        failed = set(self.failed_request_ids)
+        for group_id, group in list(self._requests.items()):
+            for request in group:
+                if not request.finished:
+                    self.scheduler.finish(request, "error")
+            self._forget_if_done(group_id)
+            failed.add(group_id)
         self.failed_request_ids = sorted(failed)
 
     # ------------------------------------------------------------------ offline

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from atom_core.engine.async_engine import AsyncEngine, EngineClosedError, EngineStepError, QueueFullError
+from atom_core.engine.distributed import DistributedEngineError
 from atom_core.engine.request_stream import RequestStream, StreamOutput
 from atom_core.engine.sampling_params import SamplingParams
 from atom_core.serve.metrics import ServerMetrics
@@ -142,6 +143,8 @@ class ServerContext:
                 raise APIError(503, str(e), code="queue_full") from None
             if isinstance(e, EngineClosedError):
                 raise APIError(503, str(e), code="shutting_down") from None
+            if isinstance(e, DistributedEngineError):  # a worker rank or replica failed: nothing runs any more
+                raise APIError(503, str(e), code="engine_failed") from None
             if isinstance(e, (ValueError, TypeError)):
                 self.metrics.rejected.labels(reason="invalid").inc()
                 param = sampling_param_of(str(e))

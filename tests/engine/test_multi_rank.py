@@ -9,6 +9,7 @@ timeouts) are there so that a broken build fails instead of hanging; they claim 
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
 import os
@@ -242,6 +243,58 @@ def test_a_worker_that_dies_or_hangs_gives_a_named_error_and_leaves_no_process(t
     assert not engine.has_unfinished_requests() or all(r.finished for g in engine._requests.values() for r in g)
     engine.shutdown()  # (already stopped by the failure: idempotent)
     assert worker.poll() is not None and _live_children() <= children
+
+
+def test_after_a_worker_dies_every_request_ends_with_an_error_and_new_ones_are_refused(tiny_qwen3):
+    """With one request running at a time the others wait: no step will run them, so they end with the failure
+    too (a streaming caller, AsyncEngine, learns it from failed_request_ids), and add_request refuses."""
+    folder, _ = tiny_qwen3
+    with ops.use_backend("torch"):
+        engine = Engine.from_pretrained(folder, device="cpu", dtype=torch.float32, tensor_parallel_size=2,
+                                        max_num_seqs=1, step_timeout=60)
+        ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+               for p in _prompts(96, lengths=(5, 9, 3))]
+        engine.step()
+        (worker,) = engine.workers.processes.values()
+        os.kill(worker.pid, signal.SIGKILL)
+        with pytest.raises(WorkerFailedError):
+            for _ in range(200):
+                engine.step()
+        assert engine.failed_request_ids == ids and not engine.has_unfinished_requests()
+        with pytest.raises(DistributedEngineError, match="can no longer run"):
+            engine.add_request([1, 2, 3])
+        engine.shutdown()
+
+
+def test_an_async_engine_over_a_dead_worker_ends_its_streams_and_refuses_new_requests(tiny_qwen3):
+    from atom_core.engine.async_engine import AsyncEngine, EngineStepError
+
+    folder, _ = tiny_qwen3
+
+    async def main(engine):
+        async with AsyncEngine(engine) as async_engine:
+            params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+            streams = [await async_engine.add_request(p, params) for p in _prompts(96, lengths=(5, 9, 3))]
+            await streams[0].__anext__()  # the first request runs
+            (worker,) = engine.workers.processes.values()
+            os.kill(worker.pid, signal.SIGKILL)
+            ends = []
+            for stream in streams:
+                try:
+                    async for _ in stream:
+                        pass
+                    ends.append("finished")
+                except EngineStepError:
+                    ends.append("error")
+            with pytest.raises(DistributedEngineError):
+                await async_engine.add_request([1, 2, 3], params)
+            return ends
+
+    with ops.use_backend("torch"):
+        engine = Engine.from_pretrained(folder, device="cpu", dtype=torch.float32, tensor_parallel_size=2,
+                                        max_num_seqs=1, step_timeout=60)
+        assert asyncio.run(asyncio.wait_for(main(engine), 60)) == ["error"] * 3
+        engine.shutdown()
 
 
 def test_a_teardown_that_blocks_is_left_behind_after_its_bound_and_one_that_raises_is_logged(caplog):

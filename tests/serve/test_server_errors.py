@@ -250,3 +250,18 @@ def test_a_failing_step_is_a_500_or_an_error_event_and_the_server_keeps_serving(
         assert events[-1] == "[DONE]" and "injected failure" in json.loads(events[-2])["error"]["message"]
     finally:
         server.submit(lambda e: delattr(e.model, "forward"))
+
+
+def test_an_engine_whose_ranks_failed_answers_503_engine_failed(server, unharmed):
+    from atom_core.engine.distributed import DistributedEngineError
+
+    def refuse(*args, **kwargs):
+        raise DistributedEngineError("this multi-rank engine can no longer run: worker rank 1 was killed")
+
+    server.wait_idle()
+    server.submit(lambda e: setattr(e, "add_request", refuse))
+    try:
+        error = assert_error(request(server, "POST", "/v1/completions", completion()), 503, code="engine_failed")
+        assert "can no longer run" in error["message"]
+    finally:
+        server.submit(lambda e: delattr(e, "add_request"))
