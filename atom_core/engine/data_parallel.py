@@ -436,8 +436,9 @@ class DataParallelEngine:
                 messages.append(inbox.get_nowait())
             except queue.Empty:
                 break
-        # Also while other replicas keep sending: a hung one must not hide behind their messages.
-        self._raise_if_hung(time.monotonic())
+        # Also while other replicas keep sending: a hung one must not hide behind their messages. (A replica with
+        # messages here, not applied yet, is not hung: a caller that steps late finds its last outputs waiting.)
+        self._raise_if_hung(time.monotonic(), exempt={index for index, _ in messages})
         return messages
 
     def _wait_for_message(self) -> tuple[int, tuple]:
@@ -453,11 +454,11 @@ class DataParallelEngine:
                     raise self._fail(replica, ReplicaFailedError(f"{replica.describe_exit()}"))
             self._raise_if_hung(time.monotonic())
 
-    def _raise_if_hung(self, now: float) -> None:
+    def _raise_if_hung(self, now: float, exempt: set[int] = frozenset()) -> None:
         """ReplicaFailedError for a replica with unfinished sequences that sent nothing for step_timeout
-        (its reader thread stamps every message as it arrives)."""
+        (its reader thread stamps every message as it arrives), unless its index is in ``exempt``."""
         for replica in self._replicas:
-            if replica.num_unfinished and now - replica.last_heard > self.step_timeout:
+            if replica.index not in exempt and replica.num_unfinished and now - replica.last_heard > self.step_timeout:
                 raise self._fail(replica, ReplicaFailedError(
                     f"{replica.describe_exit()} sent nothing within step_timeout={self.step_timeout:g} s while "
                     f"running {replica.num_unfinished} sequences: it hangs"))

@@ -295,6 +295,22 @@ def test_a_replica_that_dies_or_hangs_gives_a_named_error_and_leaves_no_process(
     assert _live_children() <= children and not any(map(_pid_exists, pids))
 
 
+def test_a_caller_that_steps_later_than_step_timeout_gets_the_finished_outputs(monkeypatch):
+    """The replica finished and went quiet; its outputs wait in the front's inbox: not a hang."""
+    monkeypatch.setenv("ATOM_CORE_BACKEND", "torch")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    with Engine.from_pretrained(None, data_parallel_size=2, device="cpu", dtype=torch.float32,
+                                step_timeout=1) as engine:
+        rid = engine.add_request("Return the number of", SamplingParams(max_tokens=4, ignore_eos=True))
+        deadline = time.monotonic() + 60
+        while engine._inbox.qsize() < 4 and time.monotonic() < deadline:  # the replica's four steps arrived
+            time.sleep(0.05)
+        time.sleep(1.5)  # past step_timeout since the replica's last message
+        outs = [o for _ in range(4) for o in engine.step()]
+        assert [(o.request_id, o.finish_reason) for o in outs][-1] == (rid, "length")
+        assert all(p.poll() is None for p in engine.processes)
+
+
 def test_no_dict_of_a_replica_holds_a_request_it_aborted(one):
     """The replica's loop (``dp_replica._serve``, driven in this process by a scripted connection): once a
     request with log-probs is aborted after its first steps and the engine is idle, no dict refers to it
