@@ -305,9 +305,10 @@ class DataParallelEngine:
         self._check_usable()
         for replica in self._replicas:
             replica.conn.send((STATS,))
+        asked = time.monotonic()
         answers: dict[int, dict] = {}
         while len(answers) < len(self._replicas):
-            index, message = self._wait_for_message()
+            index, message = self._wait_for_message(owing=set(range(len(self._replicas))) - set(answers), since=asked)
             if message[0] == STATS:
                 answers[index] = self._replicas[index].counters = message[1]
             else:
@@ -441,8 +442,9 @@ class DataParallelEngine:
         self._raise_if_hung(time.monotonic(), exempt={index for index, _ in messages})
         return messages
 
-    def _wait_for_message(self) -> tuple[int, tuple]:
-        """The next message of any replica; a replica that died or hangs raises ReplicaFailedError."""
+    def _wait_for_message(self, owing: set[int] = frozenset(), since: float = 0.0) -> tuple[int, tuple]:
+        """The next message of any replica; a replica that died or hangs raises ReplicaFailedError, and so
+        does one of ``owing`` (asked for an answer at ``since``) that has not answered within step_timeout."""
         while True:
             try:
                 return self._inbox.get(timeout=_WAIT_SLICE_S)
@@ -452,7 +454,12 @@ class DataParallelEngine:
                 if replica.process.poll() is not None:
                     replica.reap()
                     raise self._fail(replica, ReplicaFailedError(f"{replica.describe_exit()}"))
-            self._raise_if_hung(time.monotonic())
+            now = time.monotonic()
+            self._raise_if_hung(now)
+            if owing and now - since > self.step_timeout:
+                replica = self._replicas[min(owing)]
+                raise self._fail(replica, ReplicaFailedError(
+                    f"{replica.describe_exit()} did not answer within step_timeout={self.step_timeout:g} s: it hangs"))
 
     def _raise_if_hung(self, now: float, exempt: set[int] = frozenset()) -> None:
         """ReplicaFailedError for a replica with unfinished sequences that sent nothing for step_timeout

@@ -27,6 +27,7 @@ joins the replicas' world, builds its model over it, and serves in lock step wit
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import subprocess
@@ -100,6 +101,10 @@ def start_replica(index: int, gpus: list[str], ranks: int, config: dict, inbox: 
     """Start replica ``index`` on ``gpus`` (its CUDA_VISIBLE_DEVICES; none on the CPU, where ``ranks``
     processes share the cores), send it ``config`` (its ``Engine.from_pretrained`` arguments) and start the
     thread that puts its messages into ``inbox`` as ``(index, message)``."""
+    try:  # before the process starts: a send that fails after would leave it running
+        pickle.dumps(config)
+    except Exception as e:  # (pickle raises several kinds)
+        raise TypeError(f"the replicas' engine arguments go to other processes and must be picklable: {e}") from e
     ours, theirs = socket.socketpair()
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV}
     env |= {FD_ENV: str(theirs.fileno()), FRONT_ENV: str(os.getpid())}

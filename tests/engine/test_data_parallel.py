@@ -347,3 +347,27 @@ def test_no_dict_of_a_replica_holds_a_request_it_aborted(one):
     with ops.use_backend("torch"):
         assert _serve(one, script)
     assert script.aborted and script.dicts_holding_it == 0
+
+
+def test_replica_stats_of_an_idle_replica_that_hangs_raises_after_step_timeout(monkeypatch):
+    monkeypatch.setenv("ATOM_CORE_BACKEND", "torch")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    engine = Engine.from_pretrained(None, data_parallel_size=2, device="cpu", dtype=torch.float32, step_timeout=2)
+    try:
+        victim = engine.processes[1]
+        os.kill(victim.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(ReplicaFailedError, match=r"replica 1 .*did not answer within step_timeout=2"):
+            engine.replica_stats()
+        assert time.monotonic() - t0 < 20
+    finally:
+        engine.shutdown()
+
+
+def test_engine_arguments_that_cannot_go_to_a_replica_are_refused_before_any_starts(monkeypatch):
+    monkeypatch.setenv("ATOM_CORE_BACKEND", "torch")
+    children = _live_children()
+    with pytest.raises(TypeError, match="must be picklable"):
+        Engine.from_pretrained(None, data_parallel_size=2, device="cpu", kv_cache_dtype=lambda: 0)
+    gc.collect()
+    assert _live_children() <= children
