@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from atom_core.serve.engine_options import (DEFAULT_PROMPTS, DEFAULT_THREADS, HUB_ID, Parser, UsageError,
-                                             finite_float, generate_and_print, positive_int)
+                                             clean_text, finite_float, generate_and_print, positive_int, thread_count)
 
 PROG = "python -m atom_core.demo"
 
@@ -22,7 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a local checkpoint folder (config.json, *.safetensors, tokenizer.json); "
                              "default: the built-in demo model")
     parser.add_argument("--prompt", action="append", help="a prompt (repeatable); default: a few built-in ones")
-    parser.add_argument("--max-tokens", type=positive_int, default=48, help="tokens to generate per prompt (default 48)")
+    parser.add_argument("--max-tokens", type=positive_int, default=48,
+                        help="tokens to generate per prompt (default 48)")
     parser.add_argument("--temperature", type=finite_float(0.0, 100.0), default=0.7,
                         help="sampling temperature; 0 = greedy (default 0.7)")
     parser.add_argument("--top-p", type=finite_float(0.0, 1.0, low_open=True), default=0.9, help="(default 0.9)")
@@ -32,8 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: the engine's choice for the model)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--dtype", default=None,
-                        help="float32, bfloat16 or float16 (default: the model's on GPU, float32 on CPU)")
-    parser.add_argument("--threads", type=positive_int, default=DEFAULT_THREADS,
+                        help="float32, bfloat16, float16 or auto (default auto: the model's on GPU, float32 on CPU)")
+    parser.add_argument("--threads", type=thread_count, default=DEFAULT_THREADS,
                         help=f"CPU threads for torch (default {DEFAULT_THREADS}: half the cores, at most 4). "
                              "One thread per core oversubscribes a machine whose cores other processes use: "
                              "on 2 shared cores the demo ran at ~590 tokens/s with 1 thread, ~160 with 2")
@@ -64,12 +65,12 @@ def run(args: argparse.Namespace) -> None:
             torch.device(args.device)
         except RuntimeError:
             raise UsageError(f"--device {args.device!r}: expected cpu, cuda or cuda:N") from None
-    engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype, max_num_seqs=64,
-                                    max_num_batched_tokens=2048, max_model_len=args.max_model_len)
-    prompts = args.prompt or DEFAULT_PROMPTS
+    engine = Engine.from_pretrained(args.model, device=args.device, dtype=None if args.dtype == "auto" else args.dtype,
+                                    max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=args.max_model_len)
+    prompts = [clean_text(p) for p in args.prompt] if args.prompt else DEFAULT_PROMPTS
     params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                              seed=args.seed + i) for i in range(len(prompts))]
-    engine.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up: one-time set-up costs
+    engine.generate(prompts[:1], SamplingParams(max_tokens=1), use_tqdm=False)  # warm-up: one-time set-up costs
     generate_and_print(engine, prompts, params, note=f", {args.threads} CPU thread(s)")
 
 
@@ -78,9 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     refuses) prints one line, ``error: ...``, on stderr and returns 2 instead of a traceback."""
     try:
         run(build_parser().parse_args(argv))
-    except (UsageError, ValueError, TypeError, FileNotFoundError) as e:
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+    except (UsageError, ValueError, TypeError, FileNotFoundError, MemoryError) as e:
+        print(f"error: {' '.join(str(e).split()) or type(e).__name__}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return 130
     return 0
 
 

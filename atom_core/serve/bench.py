@@ -74,7 +74,7 @@ def run_offline(engine, workload: Workload, temperature: float) -> dict:
 
     params = [SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=m, seed=i)
               for i, m in enumerate(workload.output_lens)]
-    engine.generate(workload.prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # one-time set-up costs
+    engine.generate(workload.prompts[:1], SamplingParams(max_tokens=1), use_tqdm=False)  # one-time set-up costs
     start = time.perf_counter()
     outputs = engine.generate(workload.prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start

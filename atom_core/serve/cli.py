@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import os
 import sys
 from pathlib import Path
 
 from atom_core.serve.engine_options import (DEFAULT_PROMPTS, Parser, UsageError, add_engine_arguments,
-                                            build_engine, chat_template_for, finite_float, generate_and_print,
-                                            positive_int)
+                                            build_engine, chat_template_for, clean_text, finite_float,
+                                            generate_and_print, positive_int)
 
 PROG = "atom-core"
 
@@ -34,12 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="the OpenAI-compatible HTTP server")
     add_engine_arguments(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8000, help="(default 8000)")
+    serve.add_argument("--port", type=port_number, default=8000, help="(default 8000)")
     serve.add_argument("--served-model-name", default=None,
                        help="the model name clients send (default: the folder's name, or 'atom_core-demo')")
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on /v1 (default: $ATOM_CORE_API_KEY, else none)")
-    serve.add_argument("--max-waiting-requests", type=int, default=1024,
+    serve.add_argument("--max-waiting-requests", type=positive_int, default=1024,
                        help="requests that may wait for their first token; more get 503 (default 1024)")
     serve.add_argument("--max-request-bytes", type=positive_int, default=8 * 2**20,
                        help="largest request body; larger get 413 (default 8 MiB)")
@@ -98,6 +99,16 @@ def math_inf() -> float:
     return float("inf")
 
 
+def port_number(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in [0, 65535], got {value}")
+    return value
+
+
 def _add_sampling_arguments(parser, *, max_tokens: int, temperature: float) -> None:
     parser.add_argument("--max-tokens", type=positive_int, default=max_tokens,
                         help=f"tokens to generate (default {max_tokens})")
@@ -121,10 +132,8 @@ def run_serve(args) -> None:
     from atom_core.serve.app import create_app
     from atom_core.serve.common import ServerConfig
 
-    if args.max_waiting_requests < 0:
-        raise UsageError("--max-waiting-requests must be >= 0")
     engine = build_engine(args)
-    name = args.served_model_name or (Path(args.path).name if args.path else "atom_core-demo")
+    name = args.served_model_name or (_model_name(args.path) if args.path else "atom_core-demo")
     config = ServerConfig(model_name=name, api_key=args.api_key or os.environ.get("ATOM_CORE_API_KEY") or None,
                           max_request_bytes=args.max_request_bytes, max_output_tokens=args.max_output_tokens,
                           chat_template=chat_template_for(engine, args.chat_template))
@@ -135,6 +144,12 @@ def run_serve(args) -> None:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         _shutdown(engine)
+
+
+def _model_name(path: str) -> str:
+    """The served name of a checkpoint at ``path``: its folder's name (``.`` resolved), a config file's stem."""
+    p = Path(path).resolve()
+    return p.stem if p.is_file() else p.name or str(p)
 
 
 def _shutdown(engine) -> None:
@@ -155,7 +170,7 @@ def run_generate(args) -> None:
 def _generate(engine, args) -> None:
     from atom_core.engine import SamplingParams
 
-    prompts = args.prompt or DEFAULT_PROMPTS
+    prompts = [clean_text(p) for p in args.prompt] if args.prompt else DEFAULT_PROMPTS
     seed = args.seed if args.seed is not None else 0
     params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                              seed=seed + i) for i in range(len(prompts))]
@@ -163,9 +178,17 @@ def _generate(engine, args) -> None:
 
 
 def run_chat(args, stdin=None, stdout=None) -> None:
+    if stdin is None:
+        if sys.stdin is None:
+            raise UsageError("chat reads its messages from standard input, which is closed")
+        buffer = getattr(sys.stdin, "buffer", None)  # (a text stream put in its place has none)
+        # Undecodable bytes become U+FFFD, not an error that ends the conversation.
+        stdin = sys.stdin if buffer is None else io.TextIOWrapper(buffer, encoding="utf-8", errors="replace")
     engine = build_engine(args)
     try:
-        _chat(engine, args, stdin or sys.stdin, stdout or sys.stdout)
+        _chat(engine, args, stdin, stdout or sys.stdout)
+    except BrokenPipeError:  # the reader (| head) left: the conversation ends there (and stdout's final flush
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # must not fail again)
     finally:
         _shutdown(engine)
 
@@ -181,7 +204,7 @@ def _chat(engine, args, stdin, stdout) -> None:
     stop = ["\nuser:"] if template == FALLBACK_CHAT_TEMPLATE else None
     opening = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(opening)
-    interactive = stdin.isatty()
+    interactive = stdin.isatty() if hasattr(stdin, "isatty") else False
     if interactive:
         print("chat with the model: one line per message; /reset forgets, /exit quits", file=sys.stderr)
     turn = 0
@@ -191,7 +214,7 @@ def _chat(engine, args, stdin, stdout) -> None:
         line = stdin.readline()
         if not line:
             break
-        text = line.strip()
+        text = clean_text(line).strip()
         if not text:
             continue
         if text in ("/exit", "/quit"):
@@ -221,14 +244,16 @@ def _chat(engine, args, stdin, stdout) -> None:
 
 
 def _fit_context(engine, messages: list[dict], opening: list[dict], template: str | None) -> list[int] | None:
-    """The rendered conversation's token ids, dropping the oldest turns until a reply has room."""
+    """The rendered conversation's token ids, dropping the oldest exchanges (a user message and the reply to it,
+    so the history still opens with a user turn, as templates that check alternating roles require) until a
+    reply has room."""
     while True:
         prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, chat_template=template)
         if len(prompt) < engine.max_model_len:
             return prompt
         if len(messages) <= len(opening) + 1:
             return None
-        del messages[len(opening)]  # the oldest message after the system one
+        del messages[len(opening):len(opening) + 2]  # the oldest user message after the system one, and its reply
 
 
 def run_bench(args) -> None:
@@ -240,6 +265,8 @@ def run_bench(args) -> None:
         raise UsageError(f"--input-len / --output-len: {e}") from None
     if not all(rate > 0 for rate in args.rate):
         raise UsageError(f"--rate must be > 0 (or inf), got {' '.join(map(str, args.rate))}")
+    if args.json:  # found out now, not after the whole run
+        _check_writable(args.json)
     rows = []
     if args.offline:
         engine = build_engine(args)
@@ -248,7 +275,7 @@ def run_bench(args) -> None:
             workload = bench.make_workload(args.num_prompts, input_len, output_len, vocab, args.seed,
                                            engine.max_model_len)
             if workload.note:
-                print(workload.note)
+                print(workload.note, file=sys.stderr)
             rows.append(bench.run_offline(engine, workload, args.bench_temperature))
         finally:
             _shutdown(engine)
@@ -264,7 +291,7 @@ def run_bench(args) -> None:
         vocab = min(args.vocab, vocab_size) if isinstance(vocab_size, int) and vocab_size > 0 else args.vocab
         workload = bench.make_workload(args.num_prompts, input_len, output_len, vocab, args.seed, max_model_len)
         if workload.note:
-            print(workload.note)
+            print(workload.note, file=sys.stderr)
         for rate in args.rate:
             rows.append(asyncio.run(bench.run_online(args.url, workload, rate, model=args.model or model,
                                                      kind=args.endpoint, api_key=api_key,
@@ -281,6 +308,14 @@ def run_bench(args) -> None:
         Path(args.json).write_text(bench.as_json(rows))
 
 
+def _check_writable(path: str) -> None:
+    """--json: a file this process can write (an existing one is replaced at the end)."""
+    p = Path(path)
+    if p.is_dir() or not p.parent.is_dir() or (p.exists() and not os.access(p, os.W_OK)) or \
+            (not p.exists() and not os.access(p.parent, os.W_OK)):
+        raise UsageError(f"--json {path!r}: not a file that can be written")
+
+
 COMMANDS = {"serve": run_serve, "generate": run_generate, "chat": run_chat, "bench": run_bench}
 
 
@@ -289,8 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         COMMANDS[args.command](args)
-    except (UsageError, ValueError, TypeError, FileNotFoundError) as e:
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+    except (UsageError, ValueError, TypeError, OSError, MemoryError) as e:
+        print(f"error: {' '.join(str(e).split()) or type(e).__name__}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

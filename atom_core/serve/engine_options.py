@@ -4,6 +4,7 @@ used for a model that has none. Imports nothing beyond the base install."""
 from __future__ import annotations
 
 import argparse
+import atexit
 import functools
 import logging
 import math
@@ -51,6 +52,21 @@ def positive_int(text: str) -> int:
     return value
 
 
+def thread_count(text: str) -> int:
+    """--threads: 1 .. the machine's cores (more oversubscribes them, and a huge count crashes OpenMP)."""
+    value = positive_int(text)
+    cores = os.cpu_count() or 1
+    if value > cores:
+        raise argparse.ArgumentTypeError(f"expected at most this machine's {cores} cores, got {value}")
+    return value
+
+
+def clean_text(text: str) -> str:
+    """``text`` with what is not Unicode text (the lone surrogates Python makes of undecodable bytes in argv
+    or stdin) replaced by U+FFFD, as a tokenizer takes only valid text."""
+    return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+
+
 def finite_float(low: float, high: float, *, low_open: bool = False):
     def parse(text: str) -> float:
         try:
@@ -73,8 +89,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, with_path: bool = T
     group.add_argument("--max-model-len", type=positive_int, default=None,
                        help="longest sequence (prompt + output) in tokens (default: the engine's choice)")
     group.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    group.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the model's on GPU, "
-                                                     "float32 on CPU)")
+    group.add_argument("--dtype", default=None, help="float32, bfloat16, float16 or auto (default auto: the model's "
+                                                     "on GPU, float32 on CPU)")
     group.add_argument("--max-num-seqs", type=positive_int, default=256, help="rows per step (default 256)")
     group.add_argument("--max-num-batched-tokens", type=positive_int, default=8192,
                        help="tokens per step (default 8192)")
@@ -105,8 +121,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, with_path: bool = T
                        help="with --data-parallel-size and a MoE model: the replicas hold the whole attention and "
                             "split the experts among them, each sending its own tokens to their experts (all-to-all); "
                             "the replicas step together, eagerly")
-    group.add_argument("--threads", type=positive_int, default=DEFAULT_THREADS,
-                       help=f"CPU threads for torch (default {DEFAULT_THREADS}: half the cores, at most 4)")
+    group.add_argument("--threads", type=thread_count, default=DEFAULT_THREADS,
+                       help=f"CPU threads for torch, in this process and each rank or replica it starts "
+                            f"(default {DEFAULT_THREADS}: half the cores, at most 4)")
 
 
 def model_folder(path: str | None, load_format: str) -> str | None:
@@ -117,6 +134,7 @@ def model_folder(path: str | None, load_format: str) -> str | None:
     p = Path(path)
     if p.is_file() and p.suffix == ".json" and load_format in ("dummy", "zeros"):
         folder = Path(tempfile.mkdtemp(prefix="atom_core_config_"))
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
         shutil.copy(p, folder / "config.json")
         return str(folder)
     if p.is_dir():
@@ -135,6 +153,7 @@ def build_engine(args: argparse.Namespace):
     from atom_core.engine import Engine
 
     torch.set_num_threads(args.threads)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # what the ranks and replicas this process starts take
     if args.device is not None:
         try:
             torch.device(args.device)
@@ -156,8 +175,9 @@ def build_engine(args: argparse.Namespace):
         from atom_core.engine import DataParallelEngine
 
         build = functools.partial(DataParallelEngine, data_parallel_size=1)  # one replica, in its own process
+    dtype = None if args.dtype == "auto" else args.dtype  # vLLM's spelling of the default
     return build(
-        folder, device=args.device, dtype=args.dtype, load_format=args.load_format, quantization=args.quantization,
+        folder, device=args.device, dtype=dtype, load_format=args.load_format, quantization=args.quantization,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_dtype=args.kv_cache_dtype,
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
@@ -186,7 +206,14 @@ def chat_template_for(engine, option: str | None) -> str | None:
     model's own) when the model has one, else FALLBACK_CHAT_TEMPLATE (logged)."""
     if option is not None:
         path = Path(option)
-        return path.read_text(encoding="utf-8") if path.is_file() else option
+        if path.is_file():
+            try:
+                return path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise UsageError(f"--chat-template {option!r}: cannot read it as UTF-8 text ({e})") from None
+        if not any(ch in option for ch in "{}\n"):  # vLLM's rule: no template syntax, so a path that is not there
+            raise UsageError(f"--chat-template {option!r}: no such file (a template given inline holds {{ }})")
+        return option
     if engine.tokenizer is not None and engine.tokenizer.chat_templates:
         return None
     logger.warning("the model has no chat template: using a plain 'role: content' one (--chat-template to choose)")

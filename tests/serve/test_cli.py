@@ -103,6 +103,41 @@ def test_chat_answers_each_stdin_line_as_engine_chat_does_and_stops_at_exit(caps
     assert out == "".join(f"assistant: {w}\n" for w in want)
 
 
+def test_chat_goes_on_past_undecodable_bytes_and_trims_whole_exchanges(tmp_path, monkeypatch, capsys):
+    """A line of bytes that are not UTF-8 is read with U+FFFD in their place; a long chat drops its oldest
+    exchange whole, so a template that requires alternating roles keeps rendering."""
+    strict = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+              "{{ raise_exception('Conversation roles must alternate') }}{% endif %}"
+              "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+    template = tmp_path / "strict.jinja"
+    template.write_text(strict)
+    lines = b"hello\n\xff bad\n" + b"".join(b"open the file number %d please\n" % i for i in range(8))
+    stdin = tmp_path / "stdin"
+    stdin.write_bytes(lines)
+    with stdin.open("rb") as raw:
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(raw))
+        assert cli.main(["chat", "--threads", "1", "--max-tokens", "12", "--temperature", "0", "--max-model-len",
+                         "96", "--chat-template", str(template)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("assistant:") == 10
+
+
+def test_generate_and_the_demo_fit_a_run_whose_context_holds_one_output_token(capsys):
+    from atom_core import demo
+
+    args = ["--prompt", "Return the number of", "--max-tokens", "1", "--max-model-len", "6", "--threads", "1",
+            "--temperature", "0", "--dtype", "auto"]
+    assert cli.main(["generate", *args]) == 0 and demo.main(args) == 0
+    assert capsys.readouterr().out.count("1 tokens in") == 2
+
+
+def test_a_served_checkpoint_is_named_after_its_folder_even_given_as_dot(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert cli._model_name(".") == tmp_path.name
+    (tmp_path / "config.json").write_text("{}")
+    assert cli._model_name("config.json") == "config"
+
+
 def test_bench_offline_reports_throughput(tmp_path, capsys):
     path = tmp_path / "offline.json"
     assert cli.main(["bench", "--offline", "--threads", "1", "--num-prompts", "6", "--input-len", "8:16",
@@ -163,6 +198,11 @@ def test_bench_against_a_server_listing_no_model_asks_for_model(monkeypatch, cap
     (["generate", "--data-parallel-size", "0"], "--data-parallel-size"),
     (["generate", "--dp-attention"], "--dp-attention needs --data-parallel-size > 1"),
     (["nothing"], "invalid choice"),
+    (["serve", "--port", "70000"], "--port"),
+    (["serve", "--max-waiting-requests", "0"], "--max-waiting-requests"),
+    (["generate", "--threads", str((os.cpu_count() or 1) + 1)], "--threads"),
+    (["chat", "--chat-template", "/no/such/template.jinja"], "--chat-template '/no/such/template.jinja': no such file"),
+    (["bench", "--offline", "--json", "/"], "--json '/'"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
 def test_user_errors_print_one_error_line_and_return_2(argv, says, capsys):
     assert cli.main(argv) == 2
