@@ -30,10 +30,9 @@ def config(name: str, **overrides) -> ModelConfig:
 
 
 def without_experts(name: str, **overrides) -> ModelConfig:
-    """The config's dense twin: the same sizes with no expert routing (no num_experts_per_tok)."""
-    cfg = config_dict(name, **overrides)
-    cfg.pop("num_experts_per_tok")
-    return ModelConfig.from_dict(cfg)
+    """The config's dense twin: the same sizes with no expert routing (num_experts_per_tok null: an absent key
+    would take the model type's default)."""
+    return ModelConfig.from_dict(config_dict(name, **overrides, num_experts_per_tok=None))
 
 
 # ---- properties, on the CPU ----------------------------------------------------------------------
