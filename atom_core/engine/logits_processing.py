@@ -39,8 +39,8 @@ class RequestProcessing:
 
     bias_token_ids / bias_values: ``logit_bias`` as arrays (int64 / float32 [K]), or None.
     bad_words: token sequences whose last token is banned after the others.
-    min_tokens_ban: int64, the ids banned while the output is shorter than ``min_tokens`` (EOS unless
-        ``ignore_eos``, and the stop token ids, within the vocabulary), or None.
+    min_tokens_ban: int64, the ids banned while the output is shorter than ``min_tokens`` (EOS, with
+        ``ignore_eos`` too, as in vLLM, and the stop token ids, within the vocabulary), or None.
     allowed_token_ids: int64, or None (all allowed).
     """
 
@@ -84,7 +84,7 @@ def request_processing(params: SamplingParams, eos_token_ids, vocab_size: int,
     if params.bad_words:
         processing.bad_words = bad_words_token_ids(params.bad_words, tokenizer)
     if params.min_tokens > 0:
-        ban = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else set(eos_token_ids))
+        ban = set(params.stop_token_ids or ()) | set(eos_token_ids)  # (vLLM bans EOS whatever ignore_eos)
         ban = sorted(t for t in ban if 0 <= t < vocab_size)
         processing.min_tokens_ban = np.array(ban, dtype=np.int64) if ban else None
     if params.allowed_token_ids is not None:

@@ -238,3 +238,16 @@ def test_n_sequences_of_one_token_each_all_finish(setup):
     # the first finished with its first token: the others were released then, and took its blocks
     assert [len(o.token_ids) for o in out.outputs] == [1] * 4 and [o.index for o in out.outputs] == [0, 1, 2, 3]
     assert not engine.has_unfinished_requests() and engine.block_manager.stats.hits > 0
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_min_tokens_bans_eos_with_or_without_ignore_eos(ignore_eos):
+    """vLLM's rule: EOS is banned while the output is shorter than min_tokens, ignore_eos or not."""
+    with ops.use_backend("torch"):
+        engine = Engine.from_pretrained(device="cpu", dtype=torch.float32)  # the demo model: EOS is token 0
+        eos = next(iter(engine.eos_token_ids))
+        params = SamplingParams(temperature=0, max_tokens=8, min_tokens=5, ignore_eos=ignore_eos,
+                                logit_bias={eos: 30.0})  # EOS the most likely token everywhere
+        out = engine.generate([[17, 18, 19]], params, use_tqdm=False)[0]
+    assert eos not in out.token_ids[:5]
+    assert out.token_ids[5:] == [eos] * (3 if ignore_eos else 1)
