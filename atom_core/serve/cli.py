@@ -187,8 +187,9 @@ def run_chat(args, stdin=None, stdout=None) -> None:
     engine = build_engine(args)
     try:
         _chat(engine, args, stdin, stdout or sys.stdout)
-    except BrokenPipeError:  # the reader (| head) left: the conversation ends there (and stdout's final flush
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # must not fail again)
+    except BrokenPipeError:
+        # The reader (| head) left: the conversation ends there, and stdout's last flush must not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     finally:
         _shutdown(engine)
 
@@ -204,7 +205,7 @@ def _chat(engine, args, stdin, stdout) -> None:
     stop = ["\nuser:"] if template == FALLBACK_CHAT_TEMPLATE else None
     opening = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(opening)
-    interactive = stdin.isatty() if hasattr(stdin, "isatty") else False
+    interactive = stdin.isatty()
     if interactive:
         print("chat with the model: one line per message; /reset forgets, /exit quits", file=sys.stderr)
     turn = 0
