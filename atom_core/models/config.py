@@ -373,6 +373,11 @@ class ModelConfig:
         for entry in (rope_by_layer_type or {}).values():
             if entry["rope_scaling"] == {"rope_type": "default"}:
                 entry["rope_scaling"] = None
+        # transformers: the scaled types' pretraining length is the dict's, else max_position_embeddings (a
+        # top-level key wins only for the classes that declare it, Phi-3's, which atom_core does not serve).
+        for scaling in [cfg.rope_scaling] + [e["rope_scaling"] for e in (rope_by_layer_type or {}).values()]:
+            if scaling is not None and scaling.get("rope_type") in ("llama3", "yarn", "longrope"):
+                scaling.setdefault("original_max_position_embeddings", cfg.max_position_embeddings)
         if use_sliding_window is not None:
             cfg.extra["use_sliding_window"] = use_sliding_window
         for key, value in defaults.items():  # the family's defaults of keys that are not fields

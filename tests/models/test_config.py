@@ -281,9 +281,12 @@ def test_layer_types_without_the_key_are_what_transformers_derives(model_type, e
     dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6}, rope_theta=5e5,
          rope_scaling={"rope_type": "linear", "factor": 2.0}),
     dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}),
+    dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}, max_position_embeddings=4096),  # length: max_pos
+    dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
+         original_max_position_embeddings=2048),  # the dict's length (a top-level one wins only for Phi-3)
 ])
 def test_rope_scaling_beside_rope_parameters_is_read_as_transformers_reads_it(file):
     transformers = pytest.importorskip("transformers")
-    hf = transformers.AutoConfig.for_model("qwen3", **_MINIMAL, **file)
+    hf = transformers.AutoConfig.for_model("qwen3", **_MINIMAL, **copy.deepcopy(file))  # (it edits the dicts)
     ours = ModelConfig.from_dict({**_MINIMAL, "model_type": "qwen3", **file})
     assert (ours.rope_theta, ours.rope_scaling) == _hf_rope(hf)
