@@ -43,6 +43,9 @@ logger = logging.getLogger(__name__)
 EXTRA = "structured"
 INSTALL_HINT = f"pip install 'atom_core[{EXTRA}]'"
 MAX_COMPILE_THREADS = 8
+# The compiled grammars xgrammar keeps for reuse, in bytes: least recently used ones go past this (vLLM's
+# default). Unbounded, a server whose clients send their own schemas grows for as long as it runs.
+GRAMMAR_CACHE_BYTES = 512 * 2**20
 MAX_MASK_THREADS = 8  # threads that fill one step's masks (xgrammar's BatchGrammarMatcher)
 # ... from this many rows on: below, starting the threads costs more than it saves (4 rows of cheap
 # masks: 0.14 ms on threads against 0.013 ms in turn; 64 rows of a JSON schema at a 151,643-token
@@ -125,7 +128,8 @@ class GrammarCompiler:
                                       stop_token_ids=stop or None, add_prefix_space=metadata["add_prefix_space"])
         self.vocab_size = vocab_size
         threads = max(1, min(MAX_COMPILE_THREADS, os.cpu_count() or 1))
-        self.compiler = xgr.GrammarCompiler(self.info, max_threads=threads, cache_enabled=True)
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=threads, cache_enabled=True,
+                                            cache_limit_bytes=GRAMMAR_CACHE_BYTES)
         self.batch_matcher = xgr.BatchGrammarMatcher(max_threads=max(1, min(MAX_MASK_THREADS, os.cpu_count() or 1)))
 
     def compile(self, spec: StructuredOutputsParams) -> CompiledStructuredOutput:

@@ -273,6 +273,18 @@ def test_the_data_parallel_front_checks_a_constraint_without_compiling_it(engine
         checks.check("Return the", SamplingParams(structured_outputs=constraint))
 
 
+def test_the_compiled_grammar_cache_stays_within_its_bound(engine, monkeypatch):
+    from atom_core.engine import structured_output
+
+    monkeypatch.setattr(structured_output, "GRAMMAR_CACHE_BYTES", 2**20)
+    compiler = structured_output.GrammarCompiler(engine.tokenizer, engine.model.config.vocab_size,
+                                                 engine.eos_token_ids)
+    for i in range(150):  # ~17 KB each over the demo vocabulary: 2.5 MB unbounded
+        compiler.compile(StructuredOutputsParams(json={"type": "object", "properties": {f"field_{i}": {
+            "type": "integer"}}, "required": [f"field_{i}"]}))
+    assert compiler.compiler.get_cache_size_bytes() <= 1.25 * 2**20
+
+
 def test_without_a_tokenizer_or_without_xgrammar_the_request_is_refused(engine, monkeypatch):
     from atom_core.engine import structured_output
 
