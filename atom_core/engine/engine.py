@@ -466,6 +466,7 @@ class Engine:
             try:
                 self._channel.check_usable()
             except BaseException:
+                self.failed_request_ids = []  # (this call's failures only: the earlier ones were reported)
                 self._fail_all()
                 raise
         if not self.runner.is_bound:  # another engine on this model bound its own pool since
