@@ -466,7 +466,6 @@ class Engine:
             try:
                 self._channel.check_usable()
             except BaseException:
-                self.failed_request_ids = []  # (this call's failures only: the earlier ones were reported)
                 self._fail_all()
                 raise
         if not self.runner.is_bound:  # another engine on this model bound its own pool since
@@ -491,7 +490,7 @@ class Engine:
             self._fail(scheduled)
             if self._channel is not None and self._channel.failure is not None:
                 self.shutdown()  # the ranks are out of step: stop the workers now
-                self._fail_all()
+                self._fail_all(also=self.failed_request_ids)
             raise
         for i in record.finish_reasons:
             self._forget_if_done(record.requests[i].group_id)
@@ -527,11 +526,11 @@ class Engine:
                     failed.add(request.group_id)
         self.failed_request_ids = sorted(failed)
 
-    def _fail_all(self) -> None:
-        """The ranks can no longer run: finish every unfinished request with reason "error" as well (the
-        waiting ones too: no step will run them) and add them to ``failed_request_ids``."""
+    def _fail_all(self, also=()) -> None:
+        """The ranks can no longer run: finish every unfinished request with reason "error" (the waiting ones
+        too: no step will run them); ``failed_request_ids`` lists them and the ids ``also`` given."""
         self._in_flight = None
-        failed = set(self.failed_request_ids)
+        failed = set(also)
         for group_id, group in list(self._requests.items()):
             for request in group:
                 if not request.finished:

@@ -68,10 +68,11 @@ def _default_device(device: str | torch.device | None) -> torch.device:
 
 
 def _default_dtype(config: ModelConfig, dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
-    """Explicit dtype > (on a GPU) the checkpoint's torch_dtype, else bfloat16 > (on CPU) float32."""
+    """Explicit dtype > (on a GPU) the checkpoint's torch_dtype, else bfloat16 > (on CPU) float32 ("auto", as
+    vLLM spells it, is None: the default)."""
+    if isinstance(dtype, str):
+        dtype = parse_dtype(dtype, what="dtype")
     if dtype is not None:
-        if isinstance(dtype, str):
-            dtype = parse_dtype(dtype, what="dtype")
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype or a name like 'bfloat16', got {dtype!r}")
         return dtype

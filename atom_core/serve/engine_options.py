@@ -175,9 +175,8 @@ def build_engine(args: argparse.Namespace):
         from atom_core.engine import DataParallelEngine
 
         build = functools.partial(DataParallelEngine, data_parallel_size=1)  # one replica, in its own process
-    dtype = None if args.dtype == "auto" else args.dtype  # vLLM's spelling of the default
     return build(
-        folder, device=args.device, dtype=dtype, load_format=args.load_format, quantization=args.quantization,
+        folder, device=args.device, dtype=args.dtype, load_format=args.load_format, quantization=args.quantization,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_dtype=args.kv_cache_dtype,
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
