@@ -70,11 +70,6 @@ def uses_split_k_decode(max_seqlen_q: int, num_heads: int, num_kv_heads: int) ->
 
 def _triton_paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k,
                             scale, sliding_window, logit_softcap, sinks, k_scale, v_scale, out, out_scale, row_order):
-    # The kernels read the layout tensors, sinks and row_order at unit stride (block tables: each row's pages).
-    block_tables, cu_seqlens_q, context_lens = block_tables.contiguous(), cu_seqlens_q.contiguous(), \
-        context_lens.contiguous()
-    sinks = None if sinks is None else sinks.contiguous()
-    row_order = None if row_order is None else row_order.contiguous()
     args = (q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k, scale,
             sliding_window, logit_softcap, sinks, k_scale, v_scale)
     if uses_split_k_decode(max_seqlen_q, q.shape[1], k_cache.shape[2]):  # quantizes as it sees fit

@@ -36,7 +36,7 @@ import triton.language as tl
 from atom_core.ops.dispatch import triton_interpret
 from atom_core.ops.triton.attention_unified import attend_key_range, dot_options, fp16_dots, fp16_queries
 from atom_core.ops.triton.dependent_launch import launch_kwargs, wait_for_inputs
-from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2, num_sms
+from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2, num_sms, unit_stride
 from atom_core.ops.triton.quant import TL_AMAX_FLOOR, TL_FP8_MAX, per_head_quant, quantize_groups
 
 # Programs wanted per SM; fewer programs than this leave HBM bandwidth unused.
@@ -248,6 +248,8 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, cu_seqlens_q, cont
     num_rows = block_tables.shape[0]
     if num_tokens == 0 or num_rows == 0:
         return
+    block_tables, cu_seqlens_q, context_lens, sinks, row_order = unit_stride(block_tables, cu_seqlens_q, context_lens,
+                                                                             sinks, row_order)
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     itemsize = k_cache.element_size()
     constexprs, options = _launch_params(num_heads, num_kv_heads, head_dim, page_size, max_seqlen_q, q.dtype,

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from atom_core.ops.dispatch import triton_interpret
-from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, next_power_of_2
+from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, next_power_of_2, unit_stride
 
 
 @triton.jit
@@ -411,6 +411,7 @@ def paged_attention_unified(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
     num_rows = block_tables.shape[0]
     if num_tokens == 0 or num_rows == 0:
         return
+    block_tables, cu_seqlens_q, context_lens, sinks = unit_stride(block_tables, cu_seqlens_q, context_lens, sinks)
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     constexprs, options, block_q = _launch_params(num_heads, num_kv_heads, head_dim, page_size, q.dtype,
                                                   k_cache.element_size(), triton_interpret(),

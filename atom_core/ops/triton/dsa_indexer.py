@@ -32,7 +32,7 @@ import triton.language as tl
 
 from atom_core.ops.dispatch import triton_interpret
 from atom_core.ops.triton.attention_unified import _tile_rows, dot_options
-from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2, num_sms
+from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2, num_sms, unit_stride
 from atom_core.ops.triton.mla_decode import row_of_token
 from atom_core.ops.triton.quant import TL_AMAX_FLOOR, TL_FP8_MAX, quantize_groups
 
@@ -163,9 +163,7 @@ def indexer_topk(q, weights, indexer_cache, block_tables, cu_seqlens_q, context_
     if block_tables.shape[0] == 0:
         out.fill_(-1)
         return
-    # The score kernel reads the layout at unit stride (block tables: each row's pages).
-    block_tables, cu_seqlens_q, context_lens = block_tables.contiguous(), cu_seqlens_q.contiguous(), \
-        context_lens.contiguous()
+    block_tables, cu_seqlens_q, context_lens = unit_stride(block_tables, cu_seqlens_q, context_lens)
     chunk = max(1, min(num_tokens, SCORE_BUFFER_BYTES // (4 * width)))
     scores = torch.empty(chunk, width, dtype=torch.float32, device=q.device)
     for first in range(0, num_tokens, chunk):

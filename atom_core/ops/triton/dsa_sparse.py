@@ -31,7 +31,7 @@ import triton.language as tl
 
 from atom_core.ops.dispatch import triton_interpret
 from atom_core.ops.triton.attention_unified import dot_options
-from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv
+from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, unit_stride
 from atom_core.ops.triton.mla_decode import (MLAConfig, absorb_queries, choose_splits, default_config,
                                              expand_outputs, fold_latent_tile, latent_pads, launch_reduce, partials,
                                              row_of_token, write_latent_output)
@@ -124,9 +124,7 @@ def mla_sparse_attention(q_nope, q_pe, mla_cache, w_uk, w_uv, topk_indices, bloc
     if num_rows == 0 or num_entries == 0:
         out.zero_()
         return
-    # The kernel reads the layout at unit stride (block tables: each row's pages).
-    block_tables, cu_seqlens_q, context_lens = block_tables.contiguous(), cu_seqlens_q.contiguous(), \
-        context_lens.contiguous()
+    block_tables, cu_seqlens_q, context_lens = unit_stride(block_tables, cu_seqlens_q, context_lens)
     latent_dim, rope_dim = w_uk.shape[2], q_pe.shape[2]
     device_index = q_nope.device.index if q_nope.is_cuda else None
     constexprs, options = _launch_params(num_heads, latent_dim, rope_dim, mla_cache.shape[1], q_nope.dtype,

@@ -24,6 +24,12 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def unit_stride(*tensors):
+    """The tensors a kernel reads at unit stride (1-D per-row tensors, the rows of a block table), each
+    made contiguous: no copy when it already is, a copy of a strided or expanded view; None stays None."""
+    return tuple(None if t is None else t.contiguous() for t in tensors)
+
+
 @functools.lru_cache(maxsize=None)
 def num_sms(device_index: int) -> int:
     """Multiprocessors of CUDA / ROCm device ``device_index`` (asked once)."""

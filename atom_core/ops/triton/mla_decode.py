@@ -42,7 +42,7 @@ from atom_core.ops.triton.attention_decode import (MAX_SPLITS, MIN_KEYS_PER_SPLI
                                                   choose_num_splits)
 from atom_core.ops.triton.attention_unified import _is_sm90, _tile_rows, dot_options
 from atom_core.ops.triton.dependent_launch import launch_kwargs
-from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2, num_sms
+from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2, num_sms, unit_stride
 
 LOG2E = 1.4426950408889634
 
@@ -345,9 +345,7 @@ def mla_decode_attention(q_nope, q_pe, mla_cache, w_uk, w_uv, block_tables, cu_s
     if num_rows == 0:
         out.zero_()
         return
-    # The kernel reads the layout at unit stride (block tables: each row's pages).
-    block_tables, cu_seqlens_q, context_lens = block_tables.contiguous(), cu_seqlens_q.contiguous(), \
-        context_lens.contiguous()
+    block_tables, cu_seqlens_q, context_lens = unit_stride(block_tables, cu_seqlens_q, context_lens)
     latent_dim, rope_dim = w_uk.shape[2], q_pe.shape[2]
     device_index = q_nope.device.index if q_nope.is_cuda else None
     constexprs, options = _launch_params(num_heads, latent_dim, rope_dim, mla_cache.shape[1], max_seqlen_q,

@@ -82,7 +82,6 @@ def mla_prefill_attention(q_nope, q_pe, mla_cache, w_uk, w_uv, block_tables, cu_
         out.zero_()
         return
     q, k_cache, v_cache, tables = expand_pages(q_nope, q_pe, mla_cache, w_uk, w_uv, block_tables, kv_scale)
-    cu_seqlens_q, context_lens = cu_seqlens_q.contiguous(), context_lens.contiguous()  # read at unit stride
     out_full = torch.empty_like(q)
     paged_attention_unified(q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, max_seqlen_q, max_seqlen_k,
                             scale, None, 0.0, None, None, None, out_full)

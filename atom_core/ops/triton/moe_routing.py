@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from atom_core.ops.triton.dependent_launch import launch_kwargs, wait_for_inputs
-from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, next_power_of_2
+from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, next_power_of_2, unit_stride
 
 MAX_EXPERTS = 512
 _NONE = tl.constexpr(1 << 30)  # larger than any expert or group index
@@ -139,7 +139,7 @@ def topk_softmax(router_logits, renormalize, topk_weights, topk_ids):
 
 def grouped_topk(router_logits, num_expert_group, topk_group, renormalize, scoring, e_score_correction_bias,
                  routed_scaling_factor, topk_weights, topk_ids):
-    bias = None if e_score_correction_bias is None else e_score_correction_bias.contiguous()  # read at unit stride
+    (bias,) = unit_stride(e_score_correction_bias)
     _launch(router_logits, bias, topk_weights, topk_ids, num_groups=num_expert_group,
             topk_group=topk_group, renormalize=renormalize, sigmoid=scoring == "sigmoid",
             scale=routed_scaling_factor)
