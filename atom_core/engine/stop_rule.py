@@ -3,6 +3,8 @@
 A request stops after a token when:
 
 - the token is an EOS id (unless ``ignore_eos``) or one of its ``stop_token_ids`` -> "stop"
+  (``stop_reason``: None for the model's own EOS token, the id for any other, as vLLM reports the
+  EOS ids that only generation_config.json names);
   (``min_tokens`` keeps them from being sampled earlier: they are masked on the device);
 - its decoded output contains one of its stop strings -> "stop" (the text ends before it, or
   after it with ``include_stop_str_in_output``; not checked before ``min_tokens`` tokens);
@@ -25,12 +27,18 @@ from atom_core.engine.request import Request
 
 
 class StopRule:
-    """The stop conditions of one engine: its EOS ids, ``max_model_len`` and tokenizer (or None)."""
+    """The stop conditions of one engine: its EOS ids, ``max_model_len`` and tokenizer (or None).
+
+    The model's own EOS token (its stop_reason is None) is the tokenizer's ``eos_token`` where the
+    tokenizer names one, else each of the EOS ids given here; EOS ids added later report their id.
+    """
 
     def __init__(self, eos_token_ids, max_model_len: int, tokenizer=None):
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
+        named = getattr(tokenizer, "eos_token_id", None)
+        self.model_eos_token_ids = frozenset({named} if named is not None else self._eos_token_ids)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -71,7 +79,7 @@ class StopRule:
         num_output = request.num_output_tokens
         is_eos = not params.ignore_eos and token in self._eos_token_ids
         if is_eos or token in (params.stop_token_ids or ()):
-            request.stop_reason = None if is_eos else token
+            request.stop_reason = None if is_eos and token in self.model_eos_token_ids else token
             if detokenizer is not None:
                 detokenizer.finish(num_output if params.include_stop_str_in_output else num_output - 1)
             return "stop"

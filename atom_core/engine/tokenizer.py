@@ -40,6 +40,7 @@ class Tokenizer:
             raise ValueError(f"{file}: not a tokenizer the tokenizers library can read ({e})") from e
         self.add_bos_token = False
         self.bos_token_id = None
+        self.eos_token_id = None  # tokenizer_config.json's eos_token, where it names a token of the vocabulary
         self.chat_templates: dict[str, str] = {}  # name -> Jinja source ("default" for a single one)
         self.special_tokens: dict[str, str] = {}  # bos_token, eos_token, ...: what a chat template sees
         config = file.with_name("tokenizer_config.json")
@@ -54,13 +55,18 @@ class Tokenizer:
             if not isinstance(add_bos, bool) and add_bos is not None:
                 raise ValueError(f"{config}: add_bos_token must be true or false, got {add_bos!r}")
             self.add_bos_token = bool(add_bos)
+            self.bos_token_id = self._token_id(settings.get("bos_token"))
+            self.eos_token_id = self._token_id(settings.get("eos_token"))
             bos = settings.get("bos_token")
-            if isinstance(bos, dict):
-                bos = bos.get("content")
-            self.bos_token_id = self._tok.token_to_id(bos) if isinstance(bos, str) else None
             if self.add_bos_token and self.bos_token_id is None:
                 # Prompts would silently lose the token the model was trained to see first.
                 raise ValueError(f"{config}: add_bos_token is true, but bos_token {bos!r} is not a token of {file}")
+
+    def _token_id(self, token) -> int | None:
+        """The id of a tokenizer_config.json special token entry (a string or {"content": ...}), or None."""
+        if isinstance(token, dict):
+            token = token.get("content")
+        return self._tok.token_to_id(token) if isinstance(token, str) else None
 
     @classmethod
     def maybe_from(cls, folder: str | Path) -> Tokenizer | None:

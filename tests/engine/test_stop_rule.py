@@ -82,3 +82,31 @@ def test_a_bad_generation_config_is_refused_naming_the_file(tmp_path, content, m
     folder = _checkpoint_with(tmp_path, content)
     with pytest.raises(ValueError, match=f"generation_config.json.*{message}"):
         Engine.from_pretrained(folder, device="cpu", dtype=torch.float32)
+
+
+def test_only_the_models_own_eos_token_has_no_stop_reason(tmp_path, tokenizer):
+    """vLLM's stop_reason: None for the tokenizer's eos_token, the id for an EOS id only generation_config.json
+    names (vLLM makes those stop token ids)."""
+    folder = _checkpoint_with(tmp_path, json.dumps({"eos_token_id": [7, 9]}))
+    engine = Engine.from_pretrained(folder, device="cpu", dtype=torch.float32)
+    own = tokenizer.eos_token_id
+    assert own is not None and own in engine.eos_token_ids
+    reasons = {}
+    for eos in (own, 9):
+        request = Request(0, [5, 6], SamplingParams(max_tokens=50), seed=0)
+        request.length_limit = engine.stop_rule.length_limit(request)
+        request.token_ids += [11, eos]
+        reasons[eos] = (engine.stop_rule.finish_reason(request), request.stop_reason)
+    assert reasons == {own: ("stop", None), 9: ("stop", 9)}
+
+
+def test_without_a_named_eos_token_the_model_configs_eos_ids_have_no_stop_reason():
+    rule = StopRule(eos_token_ids=[3, 4], max_model_len=100)
+    rule.eos_token_ids = rule.eos_token_ids | {8}  # as from_pretrained adds generation_config.json's
+    reasons = []
+    for eos in (3, 4, 8):
+        request = Request(0, [5, 6], SamplingParams(max_tokens=50), seed=0)
+        request.length_limit = rule.length_limit(request)
+        request.token_ids.append(eos)
+        reasons.append((rule.finish_reason(request), request.stop_reason))
+    assert reasons == [("stop", None), ("stop", None), ("stop", 8)]
