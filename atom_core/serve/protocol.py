@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from atom_core.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -130,6 +130,13 @@ class _SamplingFields(_Strict):
     structured_outputs: Optional[dict[str, Any]] = None
 
     _openai_nullable = field_validator("n", "stream", mode="before")(classmethod(_null_is_default))
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, value, info: ValidationInfo):
+        if value is not None and not info.data.get("stream"):  # as OpenAI and vLLM refuse it
+            raise ValueError("only allowed with stream: true")
+        return value
 
     @field_validator("guided_json", mode="plain")
     @classmethod
@@ -269,7 +276,7 @@ class ChatMessage(BaseModel):
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                     raise ValueError("content parts must be {'type': 'text', 'text': str} (only text is supported)")
                 parts.append(part["text"])
-            return "".join(parts)
+            return "\n".join(parts)  # as vLLM joins text parts
         raise ValueError("content must be a string or a list of text parts")
 
 

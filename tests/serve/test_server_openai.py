@@ -191,11 +191,13 @@ def test_chat_completion_equals_engine_chat_with_usage(server):
     assert message.role == "assistant" and message.content == want.text
     assert got.choices[0].finish_reason == want.finish_reason
     assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (len(want.prompt_token_ids), len(want.token_ids))
-    parts = [{"role": "system", "content": [{"type": "text", "text": "You write "}, {"type": "text", "text":
-                                                                                     "docstrings."}]},
+    # Text parts are joined with newlines, as vLLM joins them.
+    parts = [{"role": "system", "content": [{"type": "text", "text": "You write"}, {"type": "text", "text": "docs."}]},
              CONVERSATION[1]]
-    assert client.chat.completions.create(model=MODEL, messages=parts, max_tokens=20, temperature=0)\
-        .choices[0].message.content == want.text
+    joined = offline_chat(server, [{"role": "system", "content": "You write\ndocs."}, CONVERSATION[1]],
+                          temperature=0, max_tokens=20)
+    got = client.chat.completions.create(model=MODEL, messages=parts, max_tokens=20, temperature=0)
+    assert (got.choices[0].message.content, got.usage.prompt_tokens) == (joined.text, len(joined.prompt_token_ids))
 
 
 def test_chat_stream_opens_with_the_role_and_its_deltas_add_up(server):
