@@ -211,6 +211,18 @@ def test_constructors_refuse_uneven_or_empty_sizes(make):
         make()
 
 
+@pytest.mark.parametrize("make, match", [
+    (lambda: ColumnParallelLinear(4, 6, tp_size=4, prefix="model.layers.3.x"), r"model\.layers\.3\.x: output_size=6"),
+    (lambda: RowParallelLinear(6, 4, tp_size=4, prefix="model.layers.3.x"), r"model\.layers\.3\.x: input_size=6"),
+    (lambda: MergedColumnParallelLinear(4, [4, 6], tp_size=4, prefix="model.layers.3.x"),
+     r"model\.layers\.3\.x: output_sizes\[1\]=6"),
+    (lambda: QKVParallelLinear(8, 2, 6, 6, tp_size=4), r"num_heads \(num_attention_heads\)=6"),
+])
+def test_an_uneven_split_is_refused_naming_the_layer_and_the_size(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
 @SETTINGS
 @given(tp_size=TP_SIZES, vocab=st.integers(1, 30))
 def test_vocab_parallel_embedding_shards_and_masked_sum(tp_size, vocab):

@@ -109,7 +109,7 @@ def test_moe_shard_anchor():
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(num_experts=6, intermediate_size=8, ep_size=4), "num_experts=6 is not divisible by ep_size=4"),
-    (dict(num_experts=8, intermediate_size=6, tp_size=4), "intermediate_size=6 is not divisible"),
+    (dict(num_experts=8, intermediate_size=6, tp_size=4), "intermediate size, 6, is not divisible by tp_size=4"),
     (dict(num_experts=8, intermediate_size=8, ep_rank=2, ep_size=2), "ep_rank"),
     (dict(num_experts=8, intermediate_size=8, tp_rank=-1, tp_size=2), "tp_rank"),
     (dict(num_experts=0, intermediate_size=8), "num_experts"),
@@ -204,7 +204,7 @@ def test_constructor_refuses_bad_arguments():
         FusedMoE(4, 8, 8, activation="gelu")
     with pytest.raises(ValueError, match="hidden_size"):
         FusedMoE(4, 0, 8)
-    with pytest.raises(ValueError, match="intermediate_size=6 is not divisible by tp_size=4"):
+    with pytest.raises(ValueError, match="intermediate size, 6, is not divisible by tp_size=4"):
         FusedMoE(4, 8, 6, tp_size=4, tp_rank=0)
 
 

@@ -96,6 +96,11 @@ def _make_param(shape: Sequence[int], dtype: torch.dtype | None, label: str,
     return make_param(shape, dtype or torch.get_default_dtype(), label, loader, **sharding)
 
 
+def _named(prefix: str, what: str) -> str:
+    """``what`` in an error message, after the layer's name where the layer was given one."""
+    return f"{prefix}: {what}" if prefix else what
+
+
 def linear_method(quant_config: QuantConfig | None, prefix: str) -> LinearMethod:
     """The linear method of the layer named ``prefix`` under ``quant_config`` (None: unquantized)."""
     if quant_config is None:
@@ -261,7 +266,7 @@ class ColumnParallelLinear(_Linear):
         check_tp(tp_rank, tp_size)
         self.input_size = input_size
         self.output_size = output_size
-        self.output_size_per_rank = divide(output_size, tp_size, what="output_size")
+        self.output_size_per_rank = divide(output_size, tp_size, what=_named(prefix, "output_size"))
         super().__init__(input_size, self.output_size_per_rank, bias, self.output_size_per_rank,
                          dtype, tp_rank, tp_size, quant_config=quant_config, prefix=prefix,
                          part_sizes=[o // tp_size for o in getattr(self, "output_sizes", [output_size])],
@@ -344,7 +349,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         check_tp(tp_rank, tp_size)
         for i, size in enumerate(output_sizes):
             _check_positive(**{f"output_sizes[{i}]": size})
-            divide(size, tp_size, what=f"output_sizes[{i}]")
+            divide(size, tp_size, what=_named(prefix, f"output_sizes[{i}]"))
         self.output_sizes = list(output_sizes)
         super().__init__(input_size, sum(self.output_sizes), bias, tp_rank=tp_rank, tp_size=tp_size, dtype=dtype,
                          quant_config=quant_config, prefix=prefix, tp_group=tp_group)
@@ -434,7 +439,7 @@ class RowParallelLinear(_Linear):
         check_tp(tp_rank, tp_size)
         self.input_size = input_size
         self.output_size = output_size
-        self.input_size_per_rank = divide(input_size, tp_size, what="input_size")
+        self.input_size_per_rank = divide(input_size, tp_size, what=_named(prefix, "input_size"))
         self.reduce_results = reduce_results
         super().__init__(self.input_size_per_rank, output_size, bias, output_size, dtype, tp_rank, tp_size,
                          quant_config=quant_config, prefix=prefix, tp_group=tp_group)

@@ -116,7 +116,10 @@ def moe_shard(num_experts: int, intermediate_size: int, *, tp_rank: int = 0, tp_
     if num_experts % ep_size:
         raise ValueError(f"num_experts={num_experts} is not divisible by ep_size={ep_size}")
     experts_per_rank = num_experts // ep_size
-    inter_per_rank = divide(intermediate_size, tp_size, what="intermediate_size")
+    if intermediate_size % tp_size:
+        raise ValueError(f"the experts' intermediate size, {intermediate_size}, is not divisible by tp_size={tp_size}; "
+                         "with expert_parallel the ranks split the experts instead")
+    inter_per_rank = intermediate_size // tp_size
     return MoEShard(expert_start=ep_rank * experts_per_rank, num_local_experts=experts_per_rank,
                     intermediate_start=tp_rank * inter_per_rank, intermediate_size=inter_per_rank)
 

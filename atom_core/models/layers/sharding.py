@@ -83,9 +83,9 @@ def qkv_shard(num_heads: int, num_kv_heads: int, head_dim: int, tp_rank: int, tp
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-    heads_per_rank = divide(num_heads, tp_size, what="num_heads")
+    heads_per_rank = divide(num_heads, tp_size, what="num_heads (num_attention_heads)")
     if num_kv_heads >= tp_size:
-        kv_per_rank = divide(num_kv_heads, tp_size, what="num_kv_heads")
+        kv_per_rank = divide(num_kv_heads, tp_size, what="num_kv_heads (num_key_value_heads)")
         kv_start = tp_rank * kv_per_rank
         replicas = 1
     else:
