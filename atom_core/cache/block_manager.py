@@ -179,7 +179,7 @@ class BlockManager:
     # ---------------------------------------------------------------- allocation
 
     def allocate(self, seq_id: Hashable, prompt_token_ids: Sequence[int] | np.ndarray, *,
-                 use_cache: bool = True) -> int | None:
+                 use_cache: bool = True, count_stats: bool = True) -> int | None:
         """Reserve blocks for every prompt token, taking cached full prefix blocks where possible.
 
         Args:
@@ -188,6 +188,8 @@ class BlockManager:
                 the prompt plus the tokens generated so far).
             use_cache: False allocates every block fresh, whatever the prefix cache holds (a
                 request that needs every prompt position computed); its blocks are still published.
+            count_stats: False keeps the lookup out of ``stats`` (a preempted request's recompute:
+                the statistics count prompts).
 
         Returns:
             The number of leading prompt tokens whose KV is already in the pool (a multiple of
@@ -236,10 +238,11 @@ class BlockManager:
         self._seqs[seq_id] = _SeqBlocks(block_ids, hit_hashes)
 
         num_cached_tokens = len(hit_blocks) * bs
-        self._queries += num_eligible
-        self._hits += len(hit_blocks)
-        self._query_tokens += num_eligible * bs
-        self._hit_tokens += num_cached_tokens
+        if count_stats:
+            self._queries += num_eligible
+            self._hits += len(hit_blocks)
+            self._query_tokens += num_eligible * bs
+            self._hit_tokens += num_cached_tokens
         return num_cached_tokens
 
     def append_slots(self, seq_id: Hashable, num_tokens_total: int) -> bool:

@@ -138,7 +138,6 @@ class Engine:
         self.failed_request_ids: list[int] = []  # the requests the last step that raised finished with "error"
         self._next_id = 0
         self._seed_source = random.Random()
-        self.num_preemptions = 0  # requests sent back to recompute because the pool ran dry
         self._grammar_compiler = None  # structured output's GrammarCompiler, made on first use
         self._grammar_compiler_lock = threading.Lock()  # compile_structured may run on other threads
         if warmup:
@@ -449,6 +448,11 @@ class Engine:
     # ------------------------------------------------------------------ stepping
 
     @property
+    def num_preemptions(self) -> int:
+        """Requests sent back to recompute because the pool ran dry (each time counted)."""
+        return self.scheduler.num_preemptions
+
+    @property
     def eos_token_ids(self) -> frozenset[int]:
         return self.stop_rule.eos_token_ids
 
@@ -506,7 +510,6 @@ class Engine:
         if step is None:
             return None
         scheduled.append(step)  # from here on, a failure finishes its requests
-        self.num_preemptions += len(step.preempted)
         return self.runner.launch(step)
 
     def _fail(self, steps: list) -> None:

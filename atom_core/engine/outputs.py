@@ -51,7 +51,8 @@ class RequestOutput:
             first); prompt_top_logprobs: the ``prompt_logprobs`` most likely tokens there. None
             unless asked for (``SamplingParams.prompt_logprobs``).
         outputs: the prompt's sequences, in index order (see the module docstring).
-        num_cached_tokens: prompt tokens its last admission took from the prefix cache.
+        num_cached_tokens: prompt tokens its first admission took from the prefix cache (as vLLM
+            reports it: a recompute after a preemption does not change it).
     """
 
     __slots__ = ("_request", "num_output_tokens", "finish_reason", "new_token_ids", "_group")

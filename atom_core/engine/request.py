@@ -44,7 +44,7 @@ class Request:
         processing: what it adds to its logits (``logits_processing.RequestProcessing``) or None.
         grammar: its structured output's ``GrammarState`` (``engine.structured_output``) while it
             is unfinished, else None.
-        num_cached_tokens: prompt tokens served by the prefix cache at its last admission.
+        num_cached_tokens: prompt tokens served by the prefix cache at its first admission.
         num_preemptions: times it was sent back to recompute.
         row: its row in the scheduler's running batch while it runs, else None.
     """

@@ -76,6 +76,7 @@ class Scheduler:
         self.running: list[Request] = []  # admission order (the batch keeps them in row order)
         self.held: list[tuple[Request, Request]] = []  # (first sequence, a later one waiting for its prompt)
         self.num_steps = 0
+        self.num_preemptions = 0  # every preemption, also one of a schedule() that then has nothing to run
         self.num_structured = 0  # unfinished requests with a grammar (structured output)
         self.failed_requests: list[Request] = []  # what the last schedule() finished with "error" before raising
         self._ones = np.ones(max_num_seqs, dtype=np.int64)
@@ -247,12 +248,15 @@ class Scheduler:
         # Allocated as a miss; its blocks are published like any other's.
         needs_every_position = (request.params.prompt_logprobs is not None
                                 and request.num_prompt_logprobs_scheduled < request.num_prompt_tokens - 1)
-        cached = bm.allocate(request.request_id, request.token_ids, use_cache=not needs_every_position)
+        recompute = request.num_preemptions > 0
+        cached = bm.allocate(request.request_id, request.token_ids, use_cache=not needs_every_position,
+                             count_stats=not recompute)
         if cached is None:
             return None
         self.waiting.popleft()
         request.status = Status.RUNNING
-        request.num_cached_tokens = cached
+        if not recompute:  # the prompt's hits, as vLLM reports them: a recompute's are not the prompt's
+            request.num_cached_tokens = cached
         self.batch.add(request, bm.block_table(request.request_id), cached, cached // bm.block_size)
         self.running.append(request)
         return min(request.num_tokens - cached, budget)
@@ -509,6 +513,7 @@ class Scheduler:
         self._stop_running(request)
         request.status = Status.WAITING
         request.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     def finish(self, request: Request, reason: str) -> None:

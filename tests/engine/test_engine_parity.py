@@ -196,3 +196,28 @@ def test_requests_that_can_never_fit_are_rejected(tiny_qwen3):
     with pytest.raises(ValueError, match="token ids must be in"):
         engine.add_request([1, 5000])
     assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("async_scheduling, older_max_tokens", [(False, 14), (True, 14), (True, 13)])
+def test_a_recompute_after_preemption_is_neither_the_prompts_cache_hits_nor_missed_in_the_count(async_scheduling,
+                                                                                                 older_max_tokens):
+    """Two one-block prompts: nothing of them can come from the prefix cache. The older request grows
+    and preempts the younger, whose recompute takes its own computed blocks from the cache: those
+    hits are not the prompt's (vLLM keeps num_cached_tokens from the first admission and the prompt
+    statistics apart), and every preemption is counted, also one of a schedule() that then has no
+    row to run (async scheduling, while the older request's last token is pending)."""
+    with ops.use_backend("torch"):
+        engine = Engine.from_pretrained(device="cpu", dtype=torch.float32, block_size=4, num_kv_blocks=8,
+                                        max_model_len=32, max_num_seqs=2, async_scheduling=async_scheduling)
+        params = [SamplingParams(temperature=0, max_tokens=older_max_tokens, ignore_eos=True),
+                  SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)]
+        ids = [engine.add_request(p, q) for p, q in zip([[11, 12, 13, 14], [21, 22, 23, 24]], params)]
+        requests = [engine._requests[i][0] for i in ids]
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+    preemptions = sum(r.num_preemptions for r in requests)
+    assert preemptions > 0, "the pool is meant to preempt"
+    assert engine.num_preemptions == preemptions
+    assert [done[i].num_cached_tokens for i in ids] == [0, 0]
+    assert engine.block_manager.stats.hits == 0

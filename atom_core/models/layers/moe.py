@@ -67,7 +67,7 @@ from torch import nn
 
 from atom_core.models.layers.expert_exchange import EXCHANGES, all_to_all_experts
 from atom_core.models.layers.linear import check_shape, copy_into
-from atom_core.models.layers.sharding import check_tp, divide
+from atom_core.models.layers.sharding import check_tp
 from atom_core.models.parallel import (
     ParallelContext,
     check_group,
