@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--vocab", type=positive_int, default=10000,
                        help="prompt token ids are drawn below this (default 10000; at most the model's vocabulary "
                             "offline, and online where /v1/models gives vocab_size, as atom-core serve's does)")
-    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--seed", type=seed_value, default=0)
     bench.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                        help="online: do not send ignore_eos (vLLM's extension) for servers that refuse unknown "
                             "fields; requests may then end early at EOS (the figures count the tokens received)")
@@ -109,13 +109,24 @@ def port_number(text: str) -> int:
     return value
 
 
+def seed_value(text: str) -> int:
+    """--seed: an int in [0, 2**64), what SamplingParams takes."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 0 <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**64), got {value}")
+    return value
+
+
 def _add_sampling_arguments(parser, *, max_tokens: int, temperature: float) -> None:
     parser.add_argument("--max-tokens", type=positive_int, default=max_tokens,
                         help=f"tokens to generate (default {max_tokens})")
     parser.add_argument("--temperature", type=finite_float(0.0, 100.0), default=temperature,
                         help=f"0 = greedy (default {temperature})")
     parser.add_argument("--top-p", type=finite_float(0.0, 1.0, low_open=True), default=0.9, help="(default 0.9)")
-    parser.add_argument("--seed", type=int, default=None, help="seed (generate: prompt i uses seed + i)")
+    parser.add_argument("--seed", type=seed_value, default=None, help="seed (generate: prompt i uses seed + i)")
 
 
 # ------------------------------------------------------------------------------------------ commands

@@ -175,13 +175,32 @@ def build_engine(args: argparse.Namespace):
         from atom_core.engine import DataParallelEngine
 
         build = functools.partial(DataParallelEngine, data_parallel_size=1)  # one replica, in its own process
-    return build(
-        folder, device=args.device, dtype=args.dtype, load_format=args.load_format, quantization=args.quantization,
-        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_dtype=args.kv_cache_dtype,
-        num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
-        block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
-        enforce_eager=args.enforce_eager, **parallel)
+    try:
+        return build(
+            folder, device=args.device, dtype=args.dtype, load_format=args.load_format, quantization=args.quantization,
+            max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_dtype=args.kv_cache_dtype,
+            num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
+            block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
+            enforce_eager=args.enforce_eager, **parallel)
+    except ValueError as e:
+        raise ValueError(with_flag_names(str(e))) from e
+
+
+# The library's names for what an engine flag sets, as its errors spell them ("max_model_len=...").
+FLAG_OF = {"max_model_len": "--max-model-len", "num_blocks": "--num-kv-blocks", "num_kv_blocks": "--num-kv-blocks",
+           "block_size": "--block-size", "max_num_seqs": "--max-num-seqs",
+           "max_num_batched_tokens": "--max-num-batched-tokens", "tp_size": "--tensor-parallel-size",
+           "tensor_parallel_size": "--tensor-parallel-size", "data_parallel_size": "--data-parallel-size",
+           "gpu_memory_utilization": "--gpu-memory-utilization", "kv_cache_dtype": "--kv-cache-dtype",
+           "dtype": "--dtype", "device": "--device", "quantization": "--quantization"}
+_LIBRARY_NAME = re.compile(r"(?<![\w.-])(" + "|".join(FLAG_OF) + r")(?=[=:])")
+
+
+def with_flag_names(message: str) -> str:
+    """An engine error with the flag in place of each library name it gives a value of (``name=`` or
+    ``name:``): ``max_model_len=100000 exceeds ...`` -> ``--max-model-len=100000 exceeds ...``."""
+    return _LIBRARY_NAME.sub(lambda m: FLAG_OF[m.group(1)], message)
 
 
 def engine_process(args: argparse.Namespace) -> bool:

@@ -203,6 +203,12 @@ def test_bench_against_a_server_listing_no_model_asks_for_model(monkeypatch, cap
     (["generate", "--threads", str((os.cpu_count() or 1) + 1)], "--threads"),
     (["chat", "--chat-template", "/no/such/template.jinja"], "--chat-template '/no/such/template.jinja': no such file"),
     (["bench", "--offline", "--json", "/"], "--json '/'"),
+    (["generate", "--seed", "-5"], "--seed"),
+    (["bench", "--offline", "--seed", str(2**64)], "--seed"),
+    # the engine's errors name the flags, not the library's parameters
+    (["generate", "--threads", "1", "--max-model-len", "100000"], "error: --max-model-len=100000 exceeds"),
+    (["generate", "--threads", "1", "--dtype", "int3"], "error: --dtype: unsupported dtype 'int3'"),
+    (["generate", "--threads", "1", "--num-kv-blocks", "1"], "error: --num-kv-blocks=1 cannot hold"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
 def test_user_errors_print_one_error_line_and_return_2(argv, says, capsys):
     assert cli.main(argv) == 2
