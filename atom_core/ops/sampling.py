@@ -47,7 +47,7 @@ from torch import Tensor
 from atom_core.ops.dispatch import Op, call_op, custom_op
 from atom_core.ops.reference import sampling as reference_sampling
 from atom_core.ops.validation import FLOAT_DTYPES, check_same_device, check_shape, check_tensor, debug_enabled
-from atom_core.ops.value_checks import check_logits, contents_readable, first_true
+from atom_core.ops.value_checks import check_logits, check_no_nan, contents_readable, first_true
 
 SAMPLE = Op("sample")
 REJECTION_SAMPLE_GREEDY = Op("rejection_sample_greedy")
@@ -188,6 +188,7 @@ def _check_rejection_args(draft_token_ids, target_logits) -> None:
     if target_logits.shape[1] == 0:
         raise ValueError("target_logits must have at least one column (vocab size 0)")
     check_same_device(draft_token_ids=draft_token_ids, target_logits=target_logits)
+    check_no_nan("target_logits", target_logits)  # the backends' argmaxes would disagree on it
 
 
 def sample(logits: Tensor, temperature: Tensor, top_k: Tensor | None, top_p: Tensor | None, min_p: Tensor | None,

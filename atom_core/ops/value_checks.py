@@ -128,13 +128,20 @@ def _check_block_tables(table: Tensor, context: Tensor, num_blocks: int, block_s
                          f"context_lens[{r}] = {int(context[r])} needs")
 
 
+def check_no_nan(name: str, values: Tensor) -> None:
+    """No NaN in ``values`` (its first one is named)."""
+    if not contents_readable(values):
+        return
+    index = first_true(values.isnan())
+    if index is not None:
+        raise ValueError(f"{_at(name, index)} is NaN")
+
+
 def check_logits(logits: Tensor) -> None:
     """logits [B, V]: no NaN, and every row has a finite or +inf entry (something to draw)."""
     if not contents_readable(logits):
         return
-    index = first_true(logits.isnan())
-    if index is not None:
-        raise ValueError(f"{_at('logits', index)} is NaN")
+    check_no_nan("logits", logits)
     row = first_true((logits == float("-inf")).all(dim=-1))
     if row is not None:
         raise ValueError(f"logits row {row[0]} is all -inf: no token can be drawn")

@@ -429,6 +429,9 @@ def test_triton_rejection_split_rows():
         (torch.ones(2, 3, dtype=torch.int64), torch.randn(7, 5), "target_logits must have shape"),
         (torch.ones(6, dtype=torch.int64), torch.randn(8, 5), "draft_token_ids must have 2 dims"),
         (torch.ones(2, 3, dtype=torch.int64), torch.randn(8, 5).long(), "target_logits dtype"),
+        (torch.ones(2, 3, dtype=torch.int64), torch.randn(8, 5).index_put_((torch.tensor(6), torch.tensor(2)),
+                                                                          torch.tensor(float("nan"))),
+         r"target_logits\[6, 2\] is NaN"),
     ],
 )
 def test_bad_rejection_arguments_are_named(draft, target, match):
