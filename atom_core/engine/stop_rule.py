@@ -3,9 +3,9 @@
 A request stops after a token when:
 
 - the token is an EOS id (unless ``ignore_eos``) or one of its ``stop_token_ids`` -> "stop"
-  (``stop_reason``: None for the model's own EOS token, the id for any other, as vLLM reports the
-  EOS ids that only generation_config.json names);
-  (``min_tokens`` keeps them from being sampled earlier: they are masked on the device);
+  (``min_tokens`` keeps them from being sampled earlier: they are masked on the device;
+  ``stop_reason`` is None for the model's own EOS token and the id for any other, as vLLM reports
+  the EOS ids that only generation_config.json names);
 - its decoded output contains one of its stop strings -> "stop" (the text ends before it, or
   after it with ``include_stop_str_in_output``; not checked before ``min_tokens`` tokens);
 - it has ``max_tokens`` output tokens or ``max_model_len`` tokens in all -> "length"
