@@ -9,8 +9,7 @@ chained hash (see ``prefix_hash``) and records it in an index ``hash -> block id
 ``allocate`` whose prompt starts with the same full blocks takes those blocks (incrementing
 their ref count) instead of recomputing them. Freed blocks keep their hash and content until
 they are handed out for something else, so a finished or preempted sequence's prefix stays
-reusable for a while. A hit must also match the block's key: its token ids, its parent's hash
-and the very block it was computed after (so a 64-bit hash collision is a miss, never wrong KV).
+reusable for a while.
 
 Free list. Blocks with ref count 0 sit in one ordered list; new blocks are taken from its
 head. A freed block without a hash holds nothing reusable and goes to the head; a freed
@@ -123,13 +122,9 @@ class BlockManager:
         self.enable_prefix_caching = bool(enable_prefix_caching)
 
         self._ref_counts = [0] * self._num_blocks
-        # Published content of each block: its hash, and its key (parent hash, parent block, token ids);
-        # None = nothing reusable. The parent block is (block id, generation) or None for a first block:
-        # a block's generation counts the times it was handed out fresh, so a key names the very content
-        # its KV was computed after, whatever hashes collide (the collision guard compares keys).
+        # Published content of each block: (hash, parent hash, token ids); None = nothing reusable.
         self._block_hash: list[int | None] = [None] * self._num_blocks
-        self._block_key: list[tuple | None] = [None] * self._num_blocks
-        self._generation = [0] * self._num_blocks
+        self._block_key: list[tuple[int, tuple[int, ...]] | None] = [None] * self._num_blocks
         self._hash_to_block: dict[int, int] = {}
         # Ref-0 blocks in hand-out order (head first); values unused.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(self._num_blocks))
@@ -215,22 +210,20 @@ class BlockManager:
         hit_blocks: list[int] = []
         hit_hashes: list[int] = []
         hit_set: set[int] = set()
-        parent, parent_block = ROOT_PARENT_HASH, None
+        parent = ROOT_PARENT_HASH
         for i in range(num_eligible):
             block_tokens = tokens[i * bs : (i + 1) * bs]
             block_hash = hash_block_tokens(parent, block_tokens)
             block_id = self._hash_to_block.get(block_hash)
-            # Collision guard: the stored parent (its hash and the block hit before) and token ids must
-            # equal the request's.
-            if block_id is None or \
-                    self._block_key[block_id] != (parent, parent_block, tuple(block_tokens.tolist())):
+            # Collision guard: the stored parent and token ids must equal the request's.
+            if block_id is None or self._block_key[block_id] != (parent, tuple(block_tokens.tolist())):
                 break
             if block_id in hit_set:  # only after a 64-bit collision of two chains
                 break
             hit_blocks.append(block_id)
             hit_set.add(block_id)
             hit_hashes.append(block_hash)
-            parent, parent_block = block_hash, (block_id, self._generation[block_id])
+            parent = block_hash
 
         num_hit_free = sum(1 for b in hit_blocks if self._ref_counts[b] == 0)
         num_new = _blocks_for(num_tokens, bs) - len(hit_blocks)
@@ -308,7 +301,7 @@ class BlockManager:
                 block_id = seq.block_ids[i]
                 self._hash_to_block[block_hash] = block_id
                 self._block_hash[block_id] = block_hash
-                self._block_key[block_id] = (parent, self._parent_block(seq, i), tuple(block_tokens.tolist()))
+                self._block_key[block_id] = (parent, tuple(block_tokens.tolist()))
             parent = block_hash
 
     # ---------------------------------------------------------------- bulk forms for the engine's steps
@@ -322,11 +315,10 @@ class BlockManager:
         got nothing). An unknown or repeated seq_id raises ValueError before anything changes.
         """
         seqs = self._get_distinct_seqs(seq_ids)
-        free, block_hashes, ref_counts, generation = self._free, self._block_hash, self._ref_counts, self._generation
+        free, block_hashes, ref_counts = self._free, self._block_hash, self._ref_counts
         new_block_ids = []
         for seq in seqs[: len(free)]:  # _take_free_block, inlined: this runs every decode step
             block_id, _ = free.popitem(last=False)
-            generation[block_id] += 1
             old_hash = block_hashes[block_id]
             if old_hash is not None:  # its old content leaves the index
                 del self._hash_to_block[old_hash]
@@ -390,7 +382,7 @@ class BlockManager:
                 block_id = seq.block_ids[index]
                 self._hash_to_block[block_hash] = block_id
                 self._block_hash[block_id] = block_hash
-                self._block_key[block_id] = (parent, self._parent_block(seq, index), tuple(token_list))
+                self._block_key[block_id] = (parent, tuple(token_list))
 
     def free(self, seq_id: Hashable) -> None:
         """Release the sequence's blocks, tail first; hashed ones stay reusable until reused."""
@@ -422,17 +414,9 @@ class BlockManager:
             raise ValueError("seq_ids must not repeat a sequence")
         return seqs
 
-    def _parent_block(self, seq: _SeqBlocks, index: int) -> tuple[int, int] | None:
-        """The key's parent block of the sequence's block ``index``: the block before it, as (id, generation)."""
-        if index == 0:
-            return None
-        block_id = seq.block_ids[index - 1]
-        return block_id, self._generation[block_id]
-
     def _take_free_block(self) -> int:
         """Pop the head of the free list; its old content (if any) leaves the index."""
         block_id, _ = self._free.popitem(last=False)
-        self._generation[block_id] += 1
         old_hash = self._block_hash[block_id]
         if old_hash is not None:
             del self._hash_to_block[old_hash]
@@ -478,7 +462,7 @@ class BlockManager:
                 f"{self._block_hash[block_id]}"
             )
             key = self._block_key[block_id]
-            assert key is not None and hash_block_tokens(key[0], key[2]) == block_hash, (
+            assert key is not None and hash_block_tokens(key[0], key[1]) == block_hash, (
                 f"block {block_id}: stored parent/tokens do not hash to {block_hash}"
             )
         for block_id in range(n):
