@@ -209,11 +209,12 @@ class Scheduler:
         """Rows and query lengths of the running requests, in admission order, under ``budget``
         (the general case: prompts in progress, or more rows than the budget)."""
         batch, requests, query_lens = self.batch, [], []
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            i += 1
+        for request in list(self.running):  # a copy: growing a row may take an older one out
+            if budget <= 0:
+                break
             row = request.row
+            if row is None:
+                continue  # its last token is pending and its blocks went to a row before this one
             num_tokens = int(batch.num_tokens[row])
             if num_tokens >= request.length_limit:
                 continue  # its last token is being sampled: nothing left to compute
@@ -228,9 +229,18 @@ class Scheduler:
 
     def _grow_or_preempt(self, request: Request, num_tokens_total: int, preempted: list[Request]) -> bool:
         """Grow ``request``'s table to ``num_tokens_total`` tokens, preempting the newest running
-        requests until it fits; False when ``request`` itself had to go."""
+        requests until it fits; False when ``request`` itself had to go. A running request whose
+        last token is still pending (async scheduling: it computes nothing more) gives its blocks
+        first, at no cost: its token is recorded and it finishes as it would have."""
         bm = self.block_manager
         while not bm.append_slots(request.request_id, num_tokens_total):
+            done = self._pending_last_token(request)
+            if done is not None:
+                self._stop_running(done)
+                done.status = Status.WAITING  # until record() gives it its last token and finishes it
+                self.waiting.appendleft(done)
+                preempted.append(done)
+                continue
             victim = self.running[-1]  # newest; never one already scheduled (those are older)
             self._preempt(victim)
             preempted.append(victim)
@@ -240,6 +250,15 @@ class Scheduler:
         if num_tokens_total > num_pages * bm.block_size:
             self.batch.append_blocks(request.row, bm.block_table(request.request_id, start=num_pages))
         return True
+
+    def _pending_last_token(self, other_than: Request) -> Request | None:
+        """The newest running request at its length limit (its last token sampled, not yet recorded:
+        never scheduled again), other than ``other_than``; None if there is none."""
+        num_tokens = self.batch.num_tokens
+        for request in reversed(self.running):
+            if request is not other_than and int(num_tokens[request.row]) >= request.length_limit:
+                return request
+        return None
 
     def _admit(self, request: Request, budget: int) -> int | None:
         """Move the head of the queue into the batch; its query length, or None if it does not fit."""
