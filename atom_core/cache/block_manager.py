@@ -9,7 +9,9 @@ chained hash (see ``prefix_hash``) and records it in an index ``hash -> block id
 ``allocate`` whose prompt starts with the same full blocks takes those blocks (incrementing
 their ref count) instead of recomputing them. Freed blocks keep their hash and content until
 they are handed out for something else, so a finished or preempted sequence's prefix stays
-reusable for a while.
+reusable for a while. A hit must also match the block's key: its parent's hash, its token ids and
+a 128-bit digest of the whole prefix (xxh3-128, chained like the hash), so a 64-bit collision of two
+prefixes is a miss, never KV computed after other tokens (vLLM offers sha256 for the same reason).
 
 Free list. Blocks with ref count 0 sit in one ordered list; new blocks are taken from its
 head. A freed block without a hash holds nothing reusable and goes to the head; a freed
@@ -69,6 +71,16 @@ class _SeqBlocks:
     # from the cache or published). Kept even when the block itself is not in the index
     # (duplicate content), because the next block's hash chains on it.
     block_hashes: list[int]
+    block_digests: list[bytes]  # the prefix digests of the same blocks
+
+
+# The prefix digest chained before a sequence's first block; block i's digest is
+# xxh3_128(digest of block i-1 ‖ its token ids as little-endian int64).
+ROOT_DIGEST = bytes(16)
+
+
+def _prefix_digest(parent_digest: bytes, token_bytes: bytes) -> bytes:
+    return xxhash.xxh3_128_digest(parent_digest + token_bytes)
 
 
 def _blocks_for(num_tokens: int, block_size: int) -> int:
@@ -122,9 +134,10 @@ class BlockManager:
         self.enable_prefix_caching = bool(enable_prefix_caching)
 
         self._ref_counts = [0] * self._num_blocks
-        # Published content of each block: (hash, parent hash, token ids); None = nothing reusable.
+        # Published content of each block: its hash, and its key (parent hash, token ids, prefix digest);
+        # None = nothing reusable.
         self._block_hash: list[int | None] = [None] * self._num_blocks
-        self._block_key: list[tuple[int, tuple[int, ...]] | None] = [None] * self._num_blocks
+        self._block_key: list[tuple[int, tuple[int, ...], bytes] | None] = [None] * self._num_blocks
         self._hash_to_block: dict[int, int] = {}
         # Ref-0 blocks in hand-out order (head first); values unused.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(self._num_blocks))
@@ -209,20 +222,25 @@ class BlockManager:
         num_eligible = (num_tokens - 1) // bs if self.enable_prefix_caching and use_cache else 0
         hit_blocks: list[int] = []
         hit_hashes: list[int] = []
+        hit_digests: list[bytes] = []
         hit_set: set[int] = set()
-        parent = ROOT_PARENT_HASH
+        parent, digest = ROOT_PARENT_HASH, ROOT_DIGEST
         for i in range(num_eligible):
             block_tokens = tokens[i * bs : (i + 1) * bs]
             block_hash = hash_block_tokens(parent, block_tokens)
             block_id = self._hash_to_block.get(block_hash)
-            # Collision guard: the stored parent and token ids must equal the request's.
-            if block_id is None or self._block_key[block_id] != (parent, tuple(block_tokens.tolist())):
+            if block_id is None:
+                break
+            # Collision guard: the stored parent, token ids and prefix digest must equal the request's.
+            digest = _prefix_digest(digest, block_tokens.astype("<i8").tobytes())
+            if self._block_key[block_id] != (parent, tuple(block_tokens.tolist()), digest):
                 break
             if block_id in hit_set:  # only after a 64-bit collision of two chains
                 break
             hit_blocks.append(block_id)
             hit_set.add(block_id)
             hit_hashes.append(block_hash)
+            hit_digests.append(digest)
             parent = block_hash
 
         num_hit_free = sum(1 for b in hit_blocks if self._ref_counts[b] == 0)
@@ -235,7 +253,7 @@ class BlockManager:
                 del self._free[block_id]
             self._ref_counts[block_id] += 1
         block_ids = hit_blocks + [self._take_free_block() for _ in range(num_new)]
-        self._seqs[seq_id] = _SeqBlocks(block_ids, hit_hashes)
+        self._seqs[seq_id] = _SeqBlocks(block_ids, hit_hashes, hit_digests)
 
         num_cached_tokens = len(hit_blocks) * bs
         if count_stats:
@@ -293,15 +311,18 @@ class BlockManager:
             return
         tokens = _as_token_array("token_ids", token_ids[first * bs : num_full * bs])
         parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_PARENT_HASH
+        digest = seq.block_digests[-1] if seq.block_digests else ROOT_DIGEST
         for i in range(first, num_full):
             block_tokens = tokens[(i - first) * bs : (i - first + 1) * bs]
             block_hash = hash_block_tokens(parent, block_tokens)
+            digest = _prefix_digest(digest, block_tokens.astype("<i8").tobytes())
             seq.block_hashes.append(block_hash)
+            seq.block_digests.append(digest)
             if block_hash not in self._hash_to_block:
                 block_id = seq.block_ids[i]
                 self._hash_to_block[block_hash] = block_id
                 self._block_hash[block_id] = block_hash
-                self._block_key[block_id] = (parent, tuple(block_tokens.tolist()))
+                self._block_key[block_id] = (parent, tuple(block_tokens.tolist()), digest)
             parent = block_hash
 
     # ---------------------------------------------------------------- bulk forms for the engine's steps
@@ -374,15 +395,16 @@ class BlockManager:
         row_bytes = 8 * bs
         for k, (seq, index, token_list) in enumerate(zip(seqs, indices, array.tolist())):
             parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_PARENT_HASH
-            block_hash = xxhash.xxh64_intdigest(
-                parent.to_bytes(8, "little") + token_bytes[k * row_bytes : (k + 1) * row_bytes]
-            )
+            block_bytes = token_bytes[k * row_bytes : (k + 1) * row_bytes]
+            block_hash = xxhash.xxh64_intdigest(parent.to_bytes(8, "little") + block_bytes)
+            digest = _prefix_digest(seq.block_digests[-1] if seq.block_digests else ROOT_DIGEST, block_bytes)
             seq.block_hashes.append(block_hash)
+            seq.block_digests.append(digest)
             if block_hash not in self._hash_to_block:
                 block_id = seq.block_ids[index]
                 self._hash_to_block[block_hash] = block_id
                 self._block_hash[block_id] = block_hash
-                self._block_key[block_id] = (parent, tuple(token_list))
+                self._block_key[block_id] = (parent, tuple(token_list), digest)
 
     def free(self, seq_id: Hashable) -> None:
         """Release the sequence's blocks, tail first; hashed ones stay reusable until reused."""

@@ -334,8 +334,8 @@ def _corrupt_index(bm):
 
 def _corrupt_stored_tokens(bm):
     block_id = bm.block_table("a")[0]
-    parent, _ = bm._block_key[block_id]
-    bm._block_key[block_id] = (parent, (0, 0, 0, 0))
+    parent, _, digest = bm._block_key[block_id]
+    bm._block_key[block_id] = (parent, (0, 0, 0, 0), digest)
 
 
 def _corrupt_table(bm):
@@ -404,4 +404,46 @@ def test_allocate_without_the_cache_takes_fresh_blocks_and_still_publishes_them(
     bm.free("a")
     bm.free("b")
     bm.free("c")
+    bm.check_integrity()
+
+
+def test_collision_guard_compares_the_whole_prefix_not_only_the_parents_hash(monkeypatch):
+    # A hash equal for any order of a block's tokens: blocks (2, 1) and (1, 2) collide as first blocks.
+    monkeypatch.setattr(block_manager_module, "hash_block_tokens",
+                        lambda parent, tokens: hash((parent, tuple(sorted(int(t) for t in tokens)))) & (2**64 - 1))
+    bm = BlockManager(num_blocks=16, block_size=2)
+    _allocated_and_published(bm, "a", [2, 1, 0])  # (2, 1) holds the first blocks' shared hash
+    # (1, 2) is not served (tokens differ) nor indexed (its hash is taken); (5, 6), computed after it, is.
+    _allocated_and_published(bm, "b", [1, 2, 5, 6, 0])
+    # (2, 1) hits; (5, 6) after (2, 1) was never computed: only the first block may be served.
+    assert bm.allocate("c", [2, 1, 5, 6, 0]) == 2
+    bm.check_integrity()
+
+
+def test_a_block_computed_after_a_duplicate_of_its_prefix_is_served():
+    bm = BlockManager(num_blocks=16, block_size=2)
+    _allocated_and_published(bm, "a", [1, 2, 0])
+    # "b" computes its own copy of (1, 2) (every block fresh), then (3, 4) after it: that copy is not indexed
+    # (the hash is "a"'s block's), (3, 4) is; its prefix is the same content, so it is served after "a"'s copy.
+    assert bm.allocate("b", [1, 2, 3, 4, 0], use_cache=False) == 0
+    bm.publish("b", [1, 2, 3, 4, 0], 4)
+    assert bm.allocate("c", [1, 2, 3, 4, 0]) == 4
+    bm.check_integrity()
+
+
+def test_a_refilled_parent_block_does_not_pass_for_the_content_it_held(monkeypatch):
+    # First blocks (1, 2) and (2, 4) collide. (1, 2)'s block is handed out again, for (2, 4), while its child
+    # (5, 6) stays cached: that child was computed after (1, 2), not (2, 4). (The free list hands out children
+    # before their parents; the order is forced here.)
+    monkeypatch.setattr(block_manager_module, "hash_block_tokens",
+                        lambda parent, tokens: hash((parent, sum(int(t) for t in tokens) % 3)) & (2**64 - 1))
+    bm = BlockManager(num_blocks=3, block_size=2)
+    _allocated_and_published(bm, "a", [1, 2, 5, 6, 0])
+    parent_block = bm.block_table("a")[0]
+    bm.free("a")
+    bm._free.move_to_end(parent_block, last=False)
+    _allocated_and_published(bm, "b", [2, 4, 0])
+    assert bm.block_table("b")[0] == parent_block and bm.num_cached_blocks == 2  # (2, 4) and the child
+    bm.free("b")
+    assert bm.allocate("c", [2, 4, 5, 6, 0]) == 2  # (2, 4) only
     bm.check_integrity()
