@@ -198,13 +198,9 @@ def test_requests_that_can_never_fit_are_rejected(tiny_qwen3):
     assert not engine.has_unfinished_requests()
 
 
-@pytest.mark.parametrize("async_scheduling, older_max_tokens", [(False, 14), (True, 14)])
-def test_a_recompute_after_preemption_is_neither_the_prompts_cache_hits_nor_missed_in_the_count(async_scheduling,
-                                                                                                 older_max_tokens):
-    """Two one-block prompts: nothing of them can come from the prefix cache. The older request grows
-    and preempts the younger, whose recompute takes its own computed blocks from the cache: those
-    hits are not the prompt's (vLLM keeps num_cached_tokens from the first admission and the prompt
-    statistics apart), and every preemption is counted."""
+def _run_two_one_block_prompts(async_scheduling: bool, older_max_tokens: int):
+    """Two one-block prompts on a pool of 8 four-token blocks, the older one asking ``older_max_tokens``, the
+    younger 20, run to the end (the block manager checked after each step); (engine, ids, requests, outputs)."""
     with ops.use_backend("torch"):
         engine = Engine.from_pretrained(device="cpu", dtype=torch.float32, block_size=4, num_kv_blocks=8,
                                         max_model_len=32, max_num_seqs=2, async_scheduling=async_scheduling)
@@ -215,6 +211,18 @@ def test_a_recompute_after_preemption_is_neither_the_prompts_cache_hits_nor_miss
         done = {}
         while engine.has_unfinished_requests():
             done.update({o.request_id: o for o in engine.step() if o.finished})
+            engine.block_manager.check_integrity()
+    return engine, ids, requests, done
+
+
+@pytest.mark.parametrize("async_scheduling, older_max_tokens", [(False, 14), (True, 14)])
+def test_a_recompute_after_preemption_is_neither_the_prompts_cache_hits_nor_missed_in_the_count(async_scheduling,
+                                                                                                 older_max_tokens):
+    """Two one-block prompts: nothing of them can come from the prefix cache. The older request grows
+    and preempts the younger, whose recompute takes its own computed blocks from the cache: those
+    hits are not the prompt's (vLLM keeps num_cached_tokens from the first admission and the prompt
+    statistics apart), and every preemption is counted."""
+    engine, ids, requests, done = _run_two_one_block_prompts(async_scheduling, older_max_tokens)
     preemptions = sum(r.num_preemptions for r in requests)
     assert preemptions > 0, "the pool is meant to preempt"
     assert engine.num_preemptions == preemptions
@@ -228,17 +236,7 @@ def test_async_scheduling_takes_the_blocks_of_a_request_whose_last_token_is_pend
     records that token before scheduling and never preempts here either). Outputs as sync's."""
     outputs = {}
     for async_scheduling in (False, True):
-        with ops.use_backend("torch"):
-            engine = Engine.from_pretrained(device="cpu", dtype=torch.float32, block_size=4, num_kv_blocks=8,
-                                            max_model_len=32, max_num_seqs=2, async_scheduling=async_scheduling)
-            params = [SamplingParams(temperature=0, max_tokens=13, ignore_eos=True),
-                      SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)]
-            ids = [engine.add_request(p, q) for p, q in zip([[11, 12, 13, 14], [21, 22, 23, 24]], params)]
-            requests = [engine._requests[i][0] for i in ids]
-            done = {}
-            while engine.has_unfinished_requests():
-                done.update({o.request_id: o for o in engine.step() if o.finished})
-                engine.block_manager.check_integrity()
+        engine, ids, requests, done = _run_two_one_block_prompts(async_scheduling, 13)
         assert [r.num_preemptions for r in requests] == [0, 0] and engine.num_preemptions == 0
         assert engine.block_manager.num_free_blocks == 8
         outputs[async_scheduling] = [(done[i].token_ids, done[i].finish_reason) for i in ids]
