@@ -236,9 +236,7 @@ class Scheduler:
         while not bm.append_slots(request.request_id, num_tokens_total):
             done = self._pending_last_token(request)
             if done is not None:
-                self._stop_running(done)
-                done.status = Status.WAITING  # until record() gives it its last token and finishes it
-                self.waiting.appendleft(done)
+                self._send_back(done)  # until record() gives it its last token and finishes it
                 preempted.append(done)
                 continue
             victim = self.running[-1]  # newest; never one already scheduled (those are older)
@@ -528,12 +526,16 @@ class Scheduler:
         bm.free(request.request_id)
         batch.remove(request)
 
-    def _preempt(self, request: Request) -> None:
+    def _send_back(self, request: Request) -> None:
+        """Out of the batch, its blocks freed, to the head of the queue."""
         self._stop_running(request)
         request.status = Status.WAITING
+        self.waiting.appendleft(request)
+
+    def _preempt(self, request: Request) -> None:
+        self._send_back(request)
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
 
     def finish(self, request: Request, reason: str) -> None:
         """Take a request out (finished or aborted) and free its blocks. After an "error" its blocks
