@@ -14,8 +14,14 @@ from atom_core.ops.dispatch import BackendUnavailable
 from atom_core.ops.reference import quant as reference_quant
 from atom_core.ops.reference import scaled_mm as reference
 from atom_core.ops.tolerances import SCALED_MM, tolerance
-from tests.ops import fake_aiter
-from tests.ops.test_scaled_mm import make_inputs
+from tests.ops import fake_aiter, test_scaled_mm
+
+
+def make_inputs(*args, **kwargs):
+    """test_scaled_mm's inputs, on the CPU on every machine (a GPU one too): the AITER stand-in, the CPU counted
+    as a GPU and torch's CPU kernel are what these tests exercise."""
+    return tuple(None if t is None else t.cpu() for t in test_scaled_mm.make_inputs(*args, **kwargs))
+
 
 FP8, INT8 = torch.float8_e4m3fn, torch.int8
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
