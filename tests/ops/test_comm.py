@@ -190,8 +190,9 @@ def _worker(rank: int, init_file: str) -> None:
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
 def test_collectives_over_subgroups_of_a_four_rank_world_combine_only_their_group(tmp_path):
-    # fork: the children reuse the imported torch; a failure in any rank raises here (and ends the others)
-    mp.start_processes(_worker, args=(os.path.join(tmp_path, "init"),), nprocs=WORLD, join=True, start_method="fork")
+    # spawn, not fork: torch.compile in a rank reads the CUDA RNG state, which a child forked from a process that
+    # has used CUDA (any earlier GPU test) cannot; a failure in any rank raises here (and ends the others)
+    mp.start_processes(_worker, args=(os.path.join(tmp_path, "init"),), nprocs=WORLD, join=True, start_method="spawn")
 
 
 # ---- the one-shot all-reduce (CUDA, two GPUs) ---------------------------------------------------------------------
