@@ -13,7 +13,7 @@ from atom_core.ops import dispatch, selftest, verified
 from atom_core.ops.reference import norm as reference_norm
 from tests.ops import fake_aiter
 from atom_core.ops.selftest_cases import all_cases
-from tests.ops.conftest import needs_triton
+from tests.ops.conftest import DEVICE, needs_triton
 from tests.ops.test_dispatch_cache import OPS as REAL_OPS  # every Op defined by a module of atom_core.ops
 
 PASSED = {"passed": True, "cases": 2, "refused": 0, "failures": []}
@@ -29,13 +29,15 @@ def test_quick_selftest_passes_torch_and_triton_on_every_op_and_writes_the_recor
     assert record["format"] == verified.FORMAT
     (entry,) = record["entries"].values()
     triton_version = verified.library_versions()["triton"]
-    assert entry["key"] == {"device": "cpu", "torch": torch.__version__, "triton": triton_version, "aiter": None}
+    here = torch.device(DEVICE)  # the selftest's default: the GPU where there is one
+    assert entry["key"] == {"device": verified.device_name(here), "torch": torch.__version__, "triton": triton_version,
+                            "aiter": None}
     assert set(entry["results"]) == set(REAL_OPS)
     for op_name, by_backend in entry["results"].items():  # every backend the op has, of the two asked for
         assert set(by_backend) == {"torch", "triton"} & set(REAL_OPS[op_name].backends), op_name
         for result in by_backend.values():
             assert result["passed"] is True and result["cases"] > 0 and result["failures"] == [], op_name
-    assert verified.verdict("paged_attention", "triton", torch.device("cpu")) is True
+    assert verified.verdict("paged_attention", "triton", here) is True
     assert f"record written to {path}" in capsys.readouterr().out
 
 
@@ -62,8 +64,8 @@ def test_a_wrong_backend_fails_the_selftest_and_the_record_names_the_case(selfte
     result = results["rms_norm"]["triton"]
     assert result["passed"] is False and result["cases"] == 2 and len(result["failures"]) == 2
     assert result["failures"][0].startswith("T=7 D=96 torch.float32: output 0")
-    selftest_record(results)
-    assert verified.verdict("rms_norm", "triton", torch.device("cpu")) is False
+    selftest_record(results, device=DEVICE)
+    assert verified.verdict("rms_norm", "triton", torch.device(DEVICE)) is False
 
 
 def test_an_unreadable_record_counts_as_empty(tmp_path):
@@ -107,9 +109,10 @@ def _rmsnorm2d_fwd_with_add(out, input, residual_in, residual_out, weight, epsil
 
 
 @pytest.fixture
-def aiter_on_cpu(monkeypatch):
-    """The stand-in aiter (rmsnorm behaves as AITER documents it), available and taking CPU tensors;
-    triton counts as available too (its kernels run only if chosen: under the interpreter)."""
+def aiter_stand_in(monkeypatch):
+    """The stand-in aiter (rmsnorm behaves as AITER documents it), available and taking tensors on any device;
+    triton counts as available too (its kernels run only if chosen: on the GPU, or on the CPU under the
+    interpreter). The calls below put their tensors on DEVICE, where the selftest runs and its record is kept."""
     fake = fake_aiter.install(monkeypatch, {"rmsnorm2d_fwd": _rmsnorm2d_fwd,
                                             "rmsnorm2d_fwd_with_add": _rmsnorm2d_fwd_with_add})
     monkeypatch.setattr(dispatch, "backend_available", lambda name: True)
@@ -131,52 +134,53 @@ def served_by(call) -> str:
 
 
 def rms_norm_call():
-    return ops.rms_norm(torch.randn(3, 8), torch.ones(8))
+    return ops.rms_norm(torch.randn(3, 8, device=DEVICE), torch.ones(8, device=DEVICE))
 
 
-def test_auto_does_not_choose_aiter_without_a_record(aiter_on_cpu, selftest_record):
+def test_auto_does_not_choose_aiter_without_a_record(aiter_stand_in, selftest_record):
     assert served_by(rms_norm_call) == "triton"
-    assert aiter_on_cpu.calls == []
+    assert aiter_stand_in.calls == []
 
 
-def test_auto_chooses_aiter_for_an_op_once_the_selftest_in_this_process_passed_it(aiter_on_cpu, selftest_record):
+def test_auto_chooses_aiter_for_an_op_once_the_selftest_in_this_process_passed_it(aiter_stand_in, selftest_record):
     assert served_by(rms_norm_call) == "triton"  # cached: the record must invalidate this choice
     results = selftest.run_selftest(grid="quick", backends=["aiter"], ops=["rms_norm"])
     assert results["rms_norm"]["aiter"]["passed"] is True
-    selftest_record(results)
+    selftest_record(results, device=DEVICE)
     assert served_by(rms_norm_call) == "aiter"
-    assert served_by(lambda: ops.silu_and_mul(torch.randn(3, 8))) != "aiter"  # no record for that op
+    assert served_by(lambda: ops.silu_and_mul(torch.randn(3, 8, device=DEVICE))) != "aiter"  # no record for that op
 
 
-def test_auto_does_not_choose_aiter_where_the_selftest_failed_it(aiter_on_cpu, selftest_record, monkeypatch):
-    monkeypatch.setattr(aiter_on_cpu, "rmsnorm2d_fwd", lambda *a, **kw: torch.zeros(3, 8))
+def test_auto_does_not_choose_aiter_where_the_selftest_failed_it(aiter_stand_in, selftest_record, monkeypatch):
+    monkeypatch.setattr(aiter_stand_in, "rmsnorm2d_fwd", lambda *a, **kw: torch.zeros(3, 8, device=DEVICE))
     results = selftest.run_selftest(grid="quick", backends=["aiter"], ops=["rms_norm"])
     assert results["rms_norm"]["aiter"]["passed"] is False
-    selftest_record(results)
+    selftest_record(results, device=DEVICE)
     assert served_by(rms_norm_call) == "triton"
 
 
-def test_a_passing_record_for_another_device_or_versions_does_not_count(aiter_on_cpu, selftest_record, monkeypatch):
+def test_a_passing_record_for_another_device_or_versions_does_not_count(aiter_stand_in, selftest_record, monkeypatch):
     selftest_record({"rms_norm": {"aiter": PASSED}}, device="meta")
     assert served_by(rms_norm_call) == "triton"
-    selftest_record({"rms_norm": {"aiter": PASSED}})
+    selftest_record({"rms_norm": {"aiter": PASSED}}, device=DEVICE)
     assert served_by(rms_norm_call) == "aiter"
     monkeypatch.setattr(verified, "library_versions", lambda: {"torch": "0", "triton": None, "aiter": "0.1"})
     verified.reload()
     assert served_by(rms_norm_call) == "triton"
 
 
-def test_a_named_backend_is_chosen_without_a_record(aiter_on_cpu, selftest_record):
-    assert served_by(lambda: ops.rms_norm(torch.randn(3, 8), torch.ones(8), backend="aiter")) == "aiter"
+def test_a_named_backend_is_chosen_without_a_record(aiter_stand_in, selftest_record):
+    x, weight = torch.randn(3, 8, device=DEVICE), torch.ones(8, device=DEVICE)
+    assert served_by(lambda: ops.rms_norm(x, weight, backend="aiter")) == "aiter"
     with ops.use_backend("aiter"):
         assert served_by(rms_norm_call) == "aiter"
 
 
-def test_triton_is_chosen_without_a_record_and_not_where_the_record_says_it_failed(aiter_on_cpu, selftest_record):
+def test_triton_is_chosen_without_a_record_and_not_where_the_record_says_it_failed(aiter_stand_in, selftest_record):
     assert served_by(rms_norm_call) == "triton"
-    selftest_record({"rms_norm": {"triton": FAILED}})
+    selftest_record({"rms_norm": {"triton": FAILED}}, device=DEVICE)
     assert served_by(rms_norm_call) == "torch"
-    selftest_record({"rms_norm": {"triton": PASSED}})
+    selftest_record({"rms_norm": {"triton": PASSED}}, device=DEVICE)
     assert served_by(rms_norm_call) == "triton"
 
 

@@ -1,6 +1,7 @@
 """Debug checks that read tensor contents (atom_core.ops.value_checks): with the checks on, each bad
 value raises ValueError naming the argument and the first bad index and value; with them off the call
-runs and does what docs/ops.md says the backend does with it."""
+runs and does what docs/ops.md says the backend does with it. Tensors live on DEVICE (the GPU where there is
+one: Triton runs CPU tensors only in its interpreter)."""
 
 import math
 
@@ -8,22 +9,22 @@ import pytest
 import torch
 
 from atom_core import ops
-from tests.ops.conftest import needs_triton
+from tests.ops.conftest import DEVICE, needs_triton
 
 T, H, DH, NB, BS, V = 3, 2, 8, 4, 4, 10
-COS_SIN = ops.rope_cos_sin_cache(DH, 16, 10000.0)[0]  # 16 positions
+COS_SIN = ops.rope_cos_sin_cache(DH, 16, 10000.0, device=DEVICE)[0]  # 16 positions
 
 
 def rope(positions, backend="torch"):
-    q, k = torch.ones(len(positions), H, DH), torch.ones(len(positions), 1, DH)
-    ops.apply_rope_(q, k, torch.tensor(positions), COS_SIN, backend=backend)
+    q, k = torch.ones(len(positions), H, DH, device=DEVICE), torch.ones(len(positions), 1, DH, device=DEVICE)
+    ops.apply_rope_(q, k, torch.tensor(positions, device=DEVICE), COS_SIN, backend=backend)
     return q, k
 
 
 def store(slots, backend="torch"):
-    k_cache, v_cache = torch.zeros(NB, BS, 1, DH), torch.zeros(NB, BS, 1, DH)
-    k = torch.ones(len(slots), 1, DH)
-    ops.store_kv_(k, k, k_cache, v_cache, torch.tensor(slots), backend=backend)
+    k_cache, v_cache = torch.zeros(NB, BS, 1, DH, device=DEVICE), torch.zeros(NB, BS, 1, DH, device=DEVICE)
+    k = torch.ones(len(slots), 1, DH, device=DEVICE)
+    ops.store_kv_(k, k, k_cache, v_cache, torch.tensor(slots, device=DEVICE), backend=backend)
     return k_cache
 
 
@@ -31,21 +32,25 @@ def attend(block_tables, cu_seqlens_q, context_lens, max_seqlen_q=None, max_seql
     """paged_attention of T query tokens over a pool of NB blocks of BS slots (one kv head); out starts
     as 7.0, so unwritten tokens show."""
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(T, H, DH, generator=g)
-    k_cache, v_cache = torch.randn(NB, BS, 1, DH, generator=g), torch.randn(NB, BS, 1, DH, generator=g)
+    q, k_cache, v_cache = (torch.randn(*shape, generator=g).to(DEVICE) for shape in [(T, H, DH), (NB, BS, 1, DH),
+                                                                                     (NB, BS, 1, DH)])
     lens = [b - a for a, b in zip(cu_seqlens_q, cu_seqlens_q[1:])]
-    out = torch.full(q.shape, 7.0)
+    out = torch.full(q.shape, 7.0, device=DEVICE)
+
+    def ints(values):
+        return torch.tensor(values, dtype=torch.int32, device=DEVICE)
+
     return ops.paged_attention(
-        q, k_cache, v_cache, torch.tensor(block_tables, dtype=torch.int32),
-        torch.tensor(cu_seqlens_q, dtype=torch.int32), torch.tensor(context_lens, dtype=torch.int32),
+        q, k_cache, v_cache, ints(block_tables), ints(cu_seqlens_q), ints(context_lens),
         max(lens) if max_seqlen_q is None else max_seqlen_q,
         max(context_lens) if max_seqlen_k is None else max_seqlen_k, scale=DH ** -0.5, out=out, backend=backend)
 
 
 def draw(logits, temperature=1.0, top_k=None, backend="torch"):
     rows = logits.shape[0]
-    return ops.sample(logits, torch.full((rows,), temperature), top_k, None, None, torch.arange(rows),
-                      torch.zeros(rows, dtype=torch.int64), return_logprobs=True, backend=backend)
+    return ops.sample(logits, torch.full((rows,), temperature, device=DEVICE), top_k, None, None,
+                      torch.arange(rows, device=DEVICE), torch.zeros(rows, dtype=torch.int64, device=DEVICE),
+                      return_logprobs=True, backend=backend)
 
 
 def logits_with(**entries):
@@ -53,7 +58,7 @@ def logits_with(**entries):
     for name, value in entries.items():
         row, col = (int(part) for part in name[1:].split("_"))
         x[row, col] = value
-    return x
+    return x.to(DEVICE)
 
 
 def all_minus_inf_row(row):
@@ -62,7 +67,7 @@ def all_minus_inf_row(row):
     return x
 
 
-X, W = torch.randn(T, DH), torch.ones(DH)
+X, W = torch.randn(T, DH, device=DEVICE), torch.ones(DH, device=DEVICE)
 OK_TABLE = [[0, 1], [2, -1]]  # row 0: 5 tokens on blocks 0, 1; row 1: 2 tokens on block 2
 
 CASES = {
