@@ -141,8 +141,21 @@ def test_aiter_gemm_refusals(every_backend_here):
         ops.scaled_mm_per_token(a, a_scale, w.t().contiguous().t(), w_scale, backend="aiter")
 
 
+def _cpu_scaled_mm_takes_row_wise_scales() -> bool:
+    a = torch.ones(16, 16).to(FP8)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=BF16)
+    except RuntimeError:  # e.g. torch 2.11: "_scaled_mm only supports per-tensor scaling for CPU backend"
+        return False
+    return True
+
+
+needs_cpu_row_wise = pytest.mark.skipif(not _cpu_scaled_mm_takes_row_wise_scales(),
+                                        reason="this torch's CPU _scaled_mm takes per-tensor scales only")
+
+
 @pytest.mark.parametrize("out_dtype", [FP32, FP16, BF16])
-@pytest.mark.parametrize("fmt", ["per_tensor", "per_token"])
+@pytest.mark.parametrize("fmt", ["per_tensor", pytest.param("per_token", marks=needs_cpu_row_wise)])
 def test_scaled_mm_adapters_match_the_twin_with_torchs_cpu_kernel(fmt, out_dtype):
     for bias in (False, True):
         a, a_scale, w, w_scale, b = make_inputs(fmt, FP8, 7, 48, 96, bias=bias)
@@ -209,12 +222,20 @@ def test_auto_prefers_triton_then_scaled_mm_then_the_twin(every_backend_here, se
     failed = {"passed": False, "cases": 1, "refused": 0, "failures": ["x"]}
     selftest_record({"scaled_mm_per_token": {"triton": failed}})
     assert op.choose(a, a_scale, w, w_scale, None, BF16) == "scaled_mm"
-    torch.testing.assert_close(ops.scaled_mm_per_token(a, a_scale, w, w_scale),
-                               reference.scaled_mm_per_token(a, a_scale, w, w_scale, None, BF16),
-                               **tolerance(BF16, SCALED_MM))
     assert op.choose(a, a_scale, w, w_scale, None, FP16) == "torch"  # scaled_mm's row-wise writes bf16 only
     with dispatch.use_backend("scaled_mm"):
         assert op.choose(a, a_scale, w, w_scale, None, BF16) == "scaled_mm"
+
+
+@needs_cpu_row_wise
+def test_auto_runs_the_scaled_mm_backend_once_triton_failed_its_selftest(every_backend_here, selftest_record):
+    a, a_scale, w, w_scale, _ = make_inputs("per_token", FP8, 3, 64, 128)
+    selftest_record({"scaled_mm_per_token": {"triton": {"passed": False, "cases": 1, "refused": 0, "failures": ["x"]}}})
+    with ops.trace_backends() as calls:
+        got = ops.scaled_mm_per_token(a, a_scale, w, w_scale)
+    assert calls == [("scaled_mm_per_token", "scaled_mm")]
+    torch.testing.assert_close(got, reference.scaled_mm_per_token(a, a_scale, w, w_scale, None, BF16),
+                               **tolerance(BF16, SCALED_MM))
 
 
 def test_adapter_modules_import_against_the_stand_in(every_backend_here):
