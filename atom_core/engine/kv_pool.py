@@ -13,6 +13,7 @@ import torch
 
 from atom_core.cache import budget_from_memory, plan_kv_pool
 from atom_core.cache.pool_sizing import check_fits_in_memory, host_memory_available_bytes
+from atom_core.models.config import cuda_memory_info
 from atom_core.models.layers.mla import EXPANDED_MAX_SLOTS_PER_TOKEN
 
 logger = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ def plan_pool(model, device: torch.device, *, block_size: int, num_kv_blocks: in
         on_gpu = device.type == "cuda"
         check_fits_in_memory(f"a KV pool of num_kv_blocks={num_kv_blocks}",
                              plan.total_bytes + plan.num_blocks * extra_block_bytes,
-                             torch.cuda.mem_get_info(device)[0] if on_gpu else host_memory_available_bytes(),
+                             cuda_memory_info(device)[0] if on_gpu else host_memory_available_bytes(),
                              where=str(device) if on_gpu else "host memory",
                              hint="ask for fewer num_kv_blocks, or leave it None to size the pool from memory")
     return spec, extra_specs, plan
@@ -121,6 +122,6 @@ def _cpu_budget(spec, block_size: int, max_model_len: int) -> int:
 
 
 def _gpu_budget(model, device: torch.device, utilization: float, max_num_batched_tokens: int, max_num_seqs: int) -> int:
-    free, total = torch.cuda.mem_get_info(device)
+    free, total = cuda_memory_info(device)  # a dropped engine's cached pool counts as free
     activations = step_activation_bytes(model.config, max_num_batched_tokens, max_num_seqs)
     return budget_from_memory(total, total - free + activations, utilization)

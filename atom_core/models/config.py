@@ -21,6 +21,7 @@ per-layer-type parameters. ``rope_params(layer_type)`` returns the pair for a la
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import logging
 import math
@@ -429,16 +430,27 @@ class ModelConfig:
 # --- what a config costs in memory (checked by build_model / load_model before anything is built) ---
 
 
+def cuda_memory_info(device: torch.device | str) -> tuple[int, int]:
+    """(free, total) bytes of a CUDA device: ``torch.cuda.mem_get_info`` after a garbage collection and
+    ``torch.cuda.empty_cache()``. torch's allocator keeps the blocks of dropped tensors (a model or an engine
+    built before this one) cached, and the driver counts them as used until they are given back; without
+    this, a second model or KV pool that fits in this process would be refused or sized too small."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)
+
+
 def available_memory_bytes(device: torch.device | str | None) -> int | None:
     """Bytes a new allocation on ``device`` can take now; None when unknown (then nothing is refused).
 
-    CUDA: the device's free memory (``torch.cuda.mem_get_info``); CPU (and None): the host's
-    (``cache.pool_sizing.host_memory_available_bytes``); other devices (meta, ...): None.
+    CUDA: the device's free memory (:func:`cuda_memory_info`, the allocator's cache of dropped tensors
+    counted as free); CPU (and None): the host's (``cache.pool_sizing.host_memory_available_bytes``);
+    other devices (meta, ...): None.
     """
     device = torch.device("cpu" if device is None else device)
     if device.type == "cuda":
         try:
-            return int(torch.cuda.mem_get_info(device)[0])
+            return int(cuda_memory_info(device)[0])
         except (RuntimeError, AssertionError, ValueError):  # no CUDA here: the build itself will say so
             return None
     return host_memory_available_bytes() if device.type == "cpu" else None
