@@ -257,8 +257,10 @@ def main(argv=None) -> None:
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
+        # spawned on the CPU too: a rank forked from a process that has used CUDA could not read the GPU's name
+        # for the result file's metadata
         mp.start_processes(_spawned, args=(args.nproc, os.path.join(tmp, "init"), args), nprocs=args.nproc,
-                           join=True, start_method="spawn" if args.device == "cuda" else "fork")
+                           join=True, start_method="spawn")
 
 
 if __name__ == "__main__":

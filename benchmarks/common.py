@@ -50,6 +50,22 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+def runs_on(backend: str, device) -> bool:
+    """Whether ``backend``'s kernels can run on ``device``: the backend is available here and can read that
+    device's tensors (a GPU's; for Triton also the CPU's, under its interpreter). On a GPU machine
+    ``backend_available("triton")`` is True, but Triton is then no backend for ``--device cpu``."""
+    from atom_core.ops.dispatch import backend_available, triton_interpret
+
+    if not backend_available(backend):
+        return False
+    return torch.device(device).type == "cuda" or (backend == "triton" and triton_interpret())
+
+
+def kernel_backend(device) -> str:
+    """The backend a benchmark times on ``device``: Triton where it runs there, else the torch twin."""
+    return "triton" if runs_on("triton", device) else "torch"
+
+
 def triton_cache_state() -> dict:
     """Where Triton caches compiled kernels and whether that cache is empty now.
 

@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from atom_core.cache.token_layout import longest_first
-from benchmarks.common import adaptive_timer, guarded, ratio
+from benchmarks.common import adaptive_timer, guarded, kernel_backend, ratio
 
 FULL = dict(q_heads=32, kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16,
             decode=[(b, s) for b in (1, 64, 256) for s in (512, 4096, 32768)],
@@ -133,11 +133,10 @@ def _sdpa(q, k, v, scale, causal):
 
 def _decode_row(rows, context, sizes, device, smoke, timed, copy_gbs, twin_baselines=True):
     from atom_core.ops.attention import paged_attention, uses_split_k_decode
-    from atom_core.ops.dispatch import backend_available
     from atom_core.ops.reference import attention as twin
     from atom_core.ops.triton.attention_decode import choose_num_splits
 
-    backend = "triton" if backend_available("triton") else "torch"
+    backend = kernel_backend(device)
     p = make_problem(rows, 1, context, sizes, device)
     scale = sizes["head_dim"] ** -0.5
     out = torch.empty_like(p.q)
@@ -211,10 +210,9 @@ def _flash_backend(device):
 
 def _prefill_row(rows, length, sizes, device, smoke, timed, copy_gbs, twin_baselines=True):
     from atom_core.ops.attention import paged_attention
-    from atom_core.ops.dispatch import backend_available
     from atom_core.ops.reference import attention as twin
 
-    backend = "triton" if backend_available("triton") else "torch"
+    backend = kernel_backend(device)
     p = make_problem(rows, length, length, sizes, device)
     scale = sizes["head_dim"] ** -0.5
     out = torch.empty_like(p.q)

@@ -256,10 +256,10 @@ def _cases(device, smoke, backend, dtype):
 
 def run(device: str = "cuda", smoke: bool = False) -> list[dict]:
     """One row per (op, token count). Times in ms; bandwidth in GB/s (1e9 bytes/s)."""
-    from atom_core.ops.dispatch import backend_available
-    from benchmarks.common import bandwidth_row, bench_timed, copy_bandwidth_gbs, guarded, ms_of, timing_column
+    from benchmarks.common import (bandwidth_row, bench_timed, copy_bandwidth_gbs, guarded, kernel_backend, ms_of,
+                                   timing_column)
 
-    backend = "triton" if backend_available("triton") else "torch"
+    backend = kernel_backend(device)
     dtype = torch.bfloat16
     iters = dict(warmup=1, iters=3) if smoke else dict(warmup=10, iters=100)
 

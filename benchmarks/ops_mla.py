@@ -55,7 +55,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import adaptive_timing, guarded, ms_of, ratio, timing_column
+from benchmarks.common import adaptive_timing, guarded, kernel_backend, ms_of, ratio, timing_column
 
 CONFIGS = Path(__file__).with_name("configs")
 BLOCK_SIZE = 16  # the engine's default block size
@@ -153,12 +153,6 @@ def expand_kv(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     return k, v
 
 
-def _backend() -> str:
-    from atom_core.ops.dispatch import backend_available
-
-    return "triton" if backend_available("triton") else "torch"
-
-
 def _device_index(device: str) -> int | None:
     """The CUDA device index of ``device`` (the kernels' default config depends on it), None off CUDA."""
     d = torch.device(device)
@@ -176,7 +170,7 @@ def _decode_row(rows, context, s, device, timed, copy_gbs, twin_baseline) -> dic
     from atom_core.ops.reference import mla as twin
     from atom_core.ops.triton.mla_decode import choose_splits, default_config, latent_pads
 
-    backend = _backend()
+    backend = kernel_backend(device)
     p = make_problem(rows, context, s, device)
     out = torch.empty(rows, s["heads"], s["v_dim"], dtype=s["dtype"], device=device)
     ours = timed(lambda: mla_decode_attention(p.q_nope, p.q_pe, p.mla_cache, p.w_uk, p.w_uv, *p.layout(),
@@ -220,7 +214,7 @@ def _dsa_rows(rows, context, s, device, timed, copy_gbs, fp8=False) -> list[dict
     quantized by ``store_indexer_k_`` with one scale a key), the dense side over the same fp8 latent pool."""
     from atom_core.ops import indexer_topk, mla_decode_attention, mla_sparse_attention, store_indexer_k_
 
-    backend = _backend()
+    backend = kernel_backend(device)
     p = make_problem(rows, context, s, device, seed=1)
     g = torch.Generator(device=device).manual_seed(2)
     index_heads, index_dim, topk = s["index_heads"], s["index_dim"], s["topk"]

@@ -226,15 +226,14 @@ def run(device: str = "cuda", smoke: bool = False, compile_twin: bool = True, fo
         tokens=None) -> list[dict]:
     """One row per (op, weight format, token count; ``tokens`` default: the layer's TOKENS). Times in ms;
     bandwidth in GB/s (1e9 bytes/s)."""
-    from atom_core.ops.dispatch import backend_available
-    from benchmarks.common import copy_bandwidth_gbs
+    from benchmarks.common import copy_bandwidth_gbs, kernel_backend
 
     sizes = layer_sizes(smoke)
     if tokens:
         sizes = {**sizes, "tokens": list(tokens)}
     timed = adaptive_timing(device, smoke)
     copy_gbs = copy_bandwidth_gbs(device, nbytes=1 << 20 if smoke else 2 << 30)
-    backend = "triton" if backend_available("triton") else "torch"
+    backend = kernel_backend(device)
     rows = []
     for weight_format in formats:
         for tokens in sizes["tokens"]:
@@ -314,11 +313,11 @@ def sweep(weight_format: str = "mxfp4", device: str = "cuda", smoke: bool = Fals
     against bf16 ``fused_experts`` on the same (dequantized) weights, routing and tokens. A config that fails
     (does not compile, too much shared memory) is a row with its ``error``. The rows are written to
     ``json_path`` after every token count."""
-    from atom_core.ops.dispatch import backend_available
-    from benchmarks.common import copy_bandwidth_gbs, write_json
+    from benchmarks.common import copy_bandwidth_gbs, runs_on, write_json
 
-    if not backend_available("triton"):
-        raise SystemExit("--sweep times the Triton kernels: Triton (a GPU, or the CPU interpreter) is needed")
+    if not runs_on("triton", device):
+        raise SystemExit(f"--sweep times the Triton kernels, which cannot run on {device} here (they need a GPU, "
+                         "or TRITON_INTERPRET=1 for the CPU)")
     sizes = layer_sizes(smoke, GPT_OSS_CONFIG if weight_format == "mxfp4" else CONFIG)
     timed = adaptive_timing(device, smoke)
     copy_gbs = copy_bandwidth_gbs(device, nbytes=1 << 20 if smoke else 2 << 30)

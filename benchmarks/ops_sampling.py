@@ -78,10 +78,10 @@ def _cases(device, smoke, backend):
 
 def run(device: str = "cuda", smoke: bool = False) -> list[dict]:
     """One row per (case, batch size). Times in ms; bandwidth in GB/s (1e9 bytes/s) of logits read."""
-    from atom_core.ops.dispatch import backend_available
-    from benchmarks.common import bandwidth_row, bench_timed, copy_bandwidth_gbs, guarded, ms_of, timing_column
+    from benchmarks.common import (bandwidth_row, bench_timed, copy_bandwidth_gbs, guarded, kernel_backend, ms_of,
+                                   timing_column)
 
-    backend = "triton" if backend_available("triton") else "torch"
+    backend = kernel_backend(device)
     iters = dict(warmup=1, iters=3) if smoke else dict(warmup=10, iters=100)
 
     def timer(fn):

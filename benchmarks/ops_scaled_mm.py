@@ -87,12 +87,11 @@ def _row(model, layer, n, k, m, fmt, backend, device, timed, copy_gbs):
 
 
 def run(device: str = "cuda", smoke: bool = False, tokens: list[int] | None = None) -> list[dict]:
-    from atom_core.ops.dispatch import backend_available
-    from benchmarks.common import copy_bandwidth_gbs
+    from benchmarks.common import copy_bandwidth_gbs, runs_on
 
     timed = adaptive_timing(device, smoke)
     copy_gbs = copy_bandwidth_gbs(device, nbytes=1 << 20 if smoke else 2 << 30)
-    backends = [b for b in ("triton", "aiter") if backend_available(b)] or ["torch"]
+    backends = [b for b in ("triton", "aiter") if runs_on(b, device)] or ["torch"]
     rows = []
     for model, layer, n, k in (SMOKE_SHAPES if smoke else SHAPES):
         for m in (SMOKE_TOKENS if smoke else tokens or TOKENS):

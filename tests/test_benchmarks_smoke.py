@@ -24,6 +24,10 @@ from benchmarks import (
     to_markdown,
 )
 
+# Scripts that time Triton kernels alone run with --device cpu only under the interpreter (not on a GPU machine).
+needs_triton_on_the_cpu = pytest.mark.skipif(not common.runs_on("triton", "cpu"),
+                                             reason="Triton runs CPU tensors only in its interpreter")
+
 # What run_metadata must record (docs/benchmarks.md, "Conventions").
 META_KEYS = {"gpu", "cuda", "hip", "torch", "triton", "transformers", "python", "commit", "dirty", "hostname",
              "utc", "command", "triton_cache"}
@@ -31,7 +35,8 @@ META_KEYS = {"gpu", "cuda", "hip", "torch", "triton", "transformers", "python", 
 
 @pytest.mark.parametrize("script, columns", [
     (ops_elementwise, {"op", "tokens", "backend", "ms", "GB/s", "%copy", "eager_ms", "x_eager", "timing"}),
-    (ops_dependent_launch, {"tokens", "variant", "ms", "x_off", "same_bits", "timing"}),
+    pytest.param(ops_dependent_launch, {"tokens", "variant", "ms", "x_off", "same_bits", "timing"},
+                 marks=needs_triton_on_the_cpu),
     (ops_sampling, {"op", "rows", "vocab", "backend", "ms", "GB/s", "%copy", "eager_ms", "x_eager", "timing"}),
     (ops_moe, {"op", "tokens", "backend", "ms", "x_twin", "timing"}),
     (ops_scaled_mm, {"format", "M", "N", "K", "backend", "ms", "TFLOP/s", "%copy", "x_bf16", "timing"}),
@@ -59,6 +64,7 @@ def test_smoke_run_writes_complete_rows_and_meta(script, columns, tmp_path, monk
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not available")
+@needs_triton_on_the_cpu
 @pytest.mark.parametrize("weight_format", ["bf16", "fp8_block"])
 def test_moe_sweep_times_every_candidate_against_the_default_launch_and_each_computes_the_same(weight_format):
     # The default launch comes first, marked, and every candidate's output equals the bf16 kernel's up to
@@ -80,7 +86,7 @@ def test_moe_sweep_times_every_candidate_against_the_default_launch_and_each_com
 
 
 def test_comm_smoke_run_over_two_gloo_ranks_writes_both_sections(tmp_path):
-    """benchmarks/comm.py at its --smoke sizes on the CPU: two forked ranks over gloo, rank 0 writes the rows."""
+    """benchmarks/comm.py at its --smoke sizes on the CPU: two spawned ranks over gloo, rank 0 writes the rows."""
     path = tmp_path / "comm.json"
     comm.main(["--device", "cpu", "--smoke", "--json", str(path)])
     data = json.loads(path.read_text())
