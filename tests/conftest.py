@@ -1,3 +1,4 @@
+import gc
 import os
 
 import pytest
@@ -19,3 +20,31 @@ def _one_cpu_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _empty_selftest_record(tmp_path_factory):
+    """The suite runs without a selftest record (a user's ~/.cache record must not change auto's choices, in
+    the engine and model tests as in the op tests); tests that need one point ATOM_CORE_SELFTEST_PATH
+    elsewhere with tests/ops' ``selftest_record``."""
+    from atom_core.ops import verified
+
+    saved = os.environ.get(verified.PATH_ENV_VAR)
+    os.environ[verified.PATH_ENV_VAR] = str(tmp_path_factory.mktemp("selftest") / "none.json")
+    verified.reload()
+    yield
+    if saved is None:
+        os.environ.pop(verified.PATH_ENV_VAR)
+    else:
+        os.environ[verified.PATH_ENV_VAR] = saved
+    verified.reload()
+
+
+@pytest.fixture(autouse=True)
+def _give_back_cached_cuda_memory():
+    """On a GPU, after each test: the blocks of the engines and models it dropped go back to the driver, so
+    that an engine a later test starts in another process (sized from the GPU's free memory) finds them free."""
+    yield
+    if torch.cuda.is_initialized():
+        gc.collect()
+        torch.cuda.empty_cache()

@@ -29,23 +29,6 @@ def non_contiguous_rows(x: torch.Tensor) -> torch.Tensor:
     return wide[:, : x.shape[1]]
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _empty_selftest_record(tmp_path_factory):
-    """Op tests run without a selftest record (a user's ~/.cache record must not change auto's choices);
-    tests that need one point ATOM_CORE_SELFTEST_PATH elsewhere with ``selftest_record``."""
-    from atom_core.ops import verified
-
-    saved = os.environ.get(verified.PATH_ENV_VAR)
-    os.environ[verified.PATH_ENV_VAR] = str(tmp_path_factory.mktemp("selftest") / "none.json")
-    verified.reload()
-    yield
-    if saved is None:
-        os.environ.pop(verified.PATH_ENV_VAR)
-    else:
-        os.environ[verified.PATH_ENV_VAR] = saved
-    verified.reload()
-
-
 @pytest.fixture
 def selftest_record(tmp_path):
     """``write(results, device="cpu")`` merges ``{op: {backend: result}}`` into a fresh record of this

@@ -34,7 +34,8 @@ def keep_torch_threads():
 
 def test_generate_prints_every_prompt_and_the_token_rate(capsys):
     prompts = ["Return the number of", "Create a new"]
-    assert cli.main(["generate", "--max-tokens", "5", "--threads", "1", "--prompt", prompts[0],
+    # --device cpu: the reference is demo_engine(), the demo on the CPU in fp32 (the default: a GPU where present)
+    assert cli.main(["generate", "--device", "cpu", "--max-tokens", "5", "--threads", "1", "--prompt", prompts[0],
                      "--prompt", prompts[1], "--temperature", "0"]) == 0
     out = capsys.readouterr().out
     want = demo_engine().generate(prompts, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
@@ -45,7 +46,8 @@ def test_generate_prints_every_prompt_and_the_token_rate(capsys):
 
 def test_generate_over_two_data_parallel_replicas_prints_the_one_engine_text(capsys):
     prompts = ["Return the number of", "Create a new", "Open the"]
-    argv = ["generate", "--max-tokens", "5", "--threads", "1", "--temperature", "0", "--data-parallel-size", "2"]
+    argv = ["generate", "--device", "cpu", "--max-tokens", "5", "--threads", "1", "--temperature", "0",
+            "--data-parallel-size", "2"]
     assert cli.main(argv + [arg for prompt in prompts for arg in ("--prompt", prompt)]) == 0
     out = capsys.readouterr().out
     want = demo_engine().generate(prompts, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
@@ -91,8 +93,8 @@ def test_a_server_over_a_data_parallel_front_on_cuda_answers_as_one_engine():
 
 def test_chat_answers_each_stdin_line_as_engine_chat_does_and_stops_at_exit(capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.StringIO("Open a file\n\n/reset\nClose it\n/exit\nnever read\n"))
-    assert cli.main(["chat", "--threads", "1", "--max-tokens", "12", "--temperature", "0", "--system",
-                     "You write docstrings."]) == 0
+    assert cli.main(["chat", "--device", "cpu", "--threads", "1", "--max-tokens", "12", "--temperature", "0",
+                     "--system", "You write docstrings."]) == 0
     out = capsys.readouterr().out
     engine = demo_engine()
     params = SamplingParams(temperature=0, max_tokens=12, stop=["\nuser:"])
