@@ -59,17 +59,6 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(torch.cuda.devic
 
 
 @pytest.fixture(autouse=True)
-def _free_gpu_memory():
-    """After each test: an engine kept alive by a reference cycle (an exception's traceback) releases its
-    KV pool now, and the allocator's cache goes back to the device; the next engine sizes its pool from
-    the device's free memory."""
-    yield
-    if torch.cuda.is_available():
-        gc.collect()
-        torch.cuda.empty_cache()
-
-
-@pytest.fixture(autouse=True)
 def _workers_prefer_the_torch_ops(monkeypatch):
     """The worker processes read ATOM_CORE_BACKEND at import (rank 0 runs inside use_backend("torch"))."""
     monkeypatch.setenv("ATOM_CORE_BACKEND", "torch")
