@@ -61,6 +61,13 @@ def runs_on(backend: str, device) -> bool:
     return torch.device(device).type == "cuda" or (backend == "triton" and triton_interpret())
 
 
+def require_triton_on(device, what: str) -> None:
+    """Exit naming ``what`` when Triton cannot run on ``device`` (see :func:`runs_on`)."""
+    if not runs_on("triton", device):
+        raise SystemExit(f"{what} times Triton kernels, which cannot run on {device} here (they need a GPU, or "
+                         "TRITON_INTERPRET=1 for the CPU)")
+
+
 def kernel_backend(device) -> str:
     """The backend a benchmark times on ``device``: Triton where it runs there, else the torch twin."""
     return "triton" if runs_on("triton", device) else "torch"

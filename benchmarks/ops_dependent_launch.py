@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.common import adaptive_timing, ms_of, op_bench_args, print_table, runs_on, write_json
+from benchmarks.common import adaptive_timing, ms_of, op_bench_args, print_table, require_triton_on, write_json
 
 HIDDEN, INTER, QKV, LAYERS = 4096, 14336, 6144, 32
 SMOKE = dict(hidden=256, inter=512, qkv=384, layers=2)
@@ -104,9 +104,7 @@ def main() -> None:
         parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 16, 64])
 
     args = op_bench_args(__doc__.splitlines()[0], flags)
-    if not runs_on("triton", args.device):
-        raise SystemExit(f"this benchmark times Triton kernels, which cannot run on {args.device} here (they need a "
-                         "GPU, or TRITON_INTERPRET=1 for the CPU)")
+    require_triton_on(args.device, "this benchmark")
     rows = run([3] if args.smoke else args.tokens, args.device, args.smoke)  # smoke: one count, interpreted
     if args.json:
         write_json(rows, args.json)

@@ -313,11 +313,9 @@ def sweep(weight_format: str = "mxfp4", device: str = "cuda", smoke: bool = Fals
     against bf16 ``fused_experts`` on the same (dequantized) weights, routing and tokens. A config that fails
     (does not compile, too much shared memory) is a row with its ``error``. The rows are written to
     ``json_path`` after every token count."""
-    from benchmarks.common import copy_bandwidth_gbs, runs_on, write_json
+    from benchmarks.common import copy_bandwidth_gbs, require_triton_on, write_json
 
-    if not runs_on("triton", device):
-        raise SystemExit(f"--sweep times the Triton kernels, which cannot run on {device} here (they need a GPU, "
-                         "or TRITON_INTERPRET=1 for the CPU)")
+    require_triton_on(device, "--sweep")
     sizes = layer_sizes(smoke, GPT_OSS_CONFIG if weight_format == "mxfp4" else CONFIG)
     timed = adaptive_timing(device, smoke)
     copy_gbs = copy_bandwidth_gbs(device, nbytes=1 << 20 if smoke else 2 << 30)
