@@ -40,6 +40,19 @@ def _empty_selftest_record(tmp_path_factory):
     verified.reload()
 
 
+@pytest.fixture
+def cuda_caching_dropped_tensors(monkeypatch):
+    """``cache(cached, total=80 GiB)`` makes torch.cuda a GPU of ``total`` bytes whose allocator caches ``cached``
+    bytes of dropped tensors: the driver's free memory counts them as used until ``empty_cache`` gives them back.
+    No GPU is needed (only ``mem_get_info`` and ``empty_cache`` are replaced)."""
+    def cache(cached: int, total: int = 80 << 30) -> None:
+        state = {"cached": cached}
+        monkeypatch.setattr(torch.cuda, "empty_cache", lambda: state.update(cached=0))
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total - state["cached"], total))
+
+    return cache
+
+
 @pytest.fixture(autouse=True)
 def _give_back_cached_cuda_memory():
     """On a GPU, after each test: the blocks of the engines and models it dropped go back to the driver, so

@@ -193,25 +193,17 @@ def test_an_explicit_pool_larger_than_the_memory_available_is_refused_before_all
         Engine(model, device="cpu", max_model_len=256, num_kv_blocks=100_000, warmup=False)
 
 
-def _fake_cuda_with_a_dropped_engines_cache(monkeypatch, cached: int, total: int = 80 << 30):
-    """torch.cuda as a GPU of ``total`` bytes whose allocator caches ``cached`` bytes of dropped tensors:
-    the driver's free memory counts them as used until ``empty_cache`` gives them back."""
-    state = {"cached": cached}
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: state.update(cached=0))
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total - state["cached"], total))
-
-
-def test_a_gpu_pool_is_sized_with_a_dropped_engines_cached_memory_counted_as_free(monkeypatch):
+def test_a_gpu_pool_is_sized_with_a_dropped_engines_cached_memory_counted_as_free(cuda_caching_dropped_tensors):
     from atom_core.engine import kv_pool
 
     model = _qwen3_06b_shapes_model()
     sizing = dict(block_size=16, num_kv_blocks=None, gpu_memory_utilization=0.9, max_num_seqs=8,
                   max_num_batched_tokens=256, max_model_len=1024, kv_cache_dtype="auto")
-    _fake_cuda_with_a_dropped_engines_cache(monkeypatch, cached=0)
+    cuda_caching_dropped_tensors(cached=0)
     fresh = kv_pool.plan_pool(model, torch.device("cuda:0"), **sizing)[2].num_blocks
-    _fake_cuda_with_a_dropped_engines_cache(monkeypatch, cached=70 << 30)
+    cuda_caching_dropped_tensors(cached=70 << 30)
     assert kv_pool.plan_pool(model, torch.device("cuda:0"), **sizing)[2].num_blocks == fresh
-    _fake_cuda_with_a_dropped_engines_cache(monkeypatch, cached=70 << 30)  # and an explicit pool is not refused
+    cuda_caching_dropped_tensors(cached=70 << 30)  # and an explicit pool is not refused
     assert kv_pool.plan_pool(model, torch.device("cuda:0"), **sizing | {"num_kv_blocks": fresh})[2].num_blocks == fresh
 
 

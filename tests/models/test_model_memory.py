@@ -118,11 +118,8 @@ def test_device_memory_is_what_a_cuda_build_is_checked_against(monkeypatch):
         build_model({**LLAMA, "vocab_size": 10**7, "hidden_size": 64}, device="cuda:0", dtype="bfloat16")
 
 
-def test_a_dropped_models_blocks_in_the_cuda_allocators_cache_count_as_free(monkeypatch):
-    # torch keeps the blocks of freed tensors cached; the driver counts them as used until empty_cache.
-    cached = {"bytes": 70 * GIB}
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: cached.update(bytes=0))
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 * GIB - cached["bytes"], 80 * GIB))
+def test_a_dropped_models_blocks_in_the_cuda_allocators_cache_count_as_free(cuda_caching_dropped_tensors):
+    cuda_caching_dropped_tensors(cached=70 * GIB, total=80 * GIB)
     assert available_memory_bytes("cuda:0") == 80 * GIB
 
 
