@@ -176,6 +176,12 @@ class StepOutputs(Sequence):
         return RequestOutput(request, int(self._num_tokens[i]) - request.num_prompt_tokens,
                              [self._new_token_list[i]], self._finish_reasons.get(i))
 
+    def __iter__(self):
+        """The outputs in order (what a streaming consumer reads every step: no per-index checks)."""
+        new_tokens, reasons = self._new_token_ids.tolist(), self._finish_reasons
+        for i, (request, num_tokens) in enumerate(zip(self._requests, self._num_tokens.tolist())):
+            yield RequestOutput(request, num_tokens - request.num_prompt_tokens, [new_tokens[i]], reasons.get(i))
+
     def finished(self) -> list[RequestOutput]:
         """Outputs of the requests that finished this step (built without touching the others)."""
         return [self[i] for i in sorted(self._finish_reasons)]

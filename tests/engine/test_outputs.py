@@ -57,6 +57,21 @@ def test_sequence_protocol():
     assert [o.new_token_ids for o in outs] == [[7], [7], [7]]
 
 
+def test_iterating_gives_each_rows_output_as_indexing_does_with_python_ints():
+    prompts = ([1, 2, 3], [4], [5, 6])
+    requests = [running_request(rid, prompt) for rid, prompt in enumerate(prompts)]
+    for r, tokens in zip(requests, ([70, 71], [80], [90, 91, 92])):
+        r.token_ids.extend(tokens)
+    outs = StepOutputs(requests, np.array([71, 80, 92]), np.array([5, 2, 5]), {1: "stop"})
+
+    def fields(o):
+        return o.request_id, o.num_output_tokens, o.new_token_ids, o.finish_reason, o.token_ids
+
+    assert [fields(o) for o in outs] == [fields(outs[i]) for i in range(3)] == [
+        (0, 2, [71], None, [70, 71]), (1, 1, [80], "stop", [80]), (2, 3, [92], None, [90, 91, 92])]
+    assert all(type(o.new_token_ids[0]) is int and type(o.num_output_tokens) is int for o in outs)  # JSON-ready
+
+
 def test_streamed_new_tokens_add_up_to_the_final_output(tiny_qwen3):
     folder, _ = tiny_qwen3
     with ops.use_backend("torch"):
