@@ -181,6 +181,9 @@ def run_generate(args) -> None:
 def _generate(engine, args) -> None:
     from atom_core.engine import SamplingParams
 
+    if engine.tokenizer is None:
+        raise UsageError("generate needs a model with a tokenizer (tokenizer.json); bench --offline and serve take "
+                         "token ids")
     prompts = [clean_text(p) for p in args.prompt] if args.prompt else DEFAULT_PROMPTS
     seed = args.seed if args.seed is not None else 0
     params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,

@@ -128,7 +128,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, with_path: bool = T
 
 def model_folder(path: str | None, load_format: str) -> str | None:
     """The checkpoint folder to load (None = the demo model); a config.json file with a dummy load
-    format is copied into a temporary folder of its own."""
+    format is copied into a temporary folder of its own, with the tokenizer, chat templates and
+    generation config that sit beside it."""
     if path is None:
         return None
     p = Path(path)
@@ -136,6 +137,14 @@ def model_folder(path: str | None, load_format: str) -> str | None:
         folder = Path(tempfile.mkdtemp(prefix="atom_core_config_"))
         atexit.register(shutil.rmtree, folder, ignore_errors=True)
         shutil.copy(p, folder / "config.json")
+        from atom_core.engine.chat_template import CHAT_TEMPLATE_DIR, CHAT_TEMPLATE_FILE
+
+        # what a model folder holds beside config.json and the weights: tokenizer, chat templates, defaults
+        for name in ("tokenizer.json", "tokenizer_config.json", CHAT_TEMPLATE_FILE, "generation_config.json"):
+            if (p.parent / name).is_file():
+                shutil.copy(p.parent / name, folder / name)
+        if (p.parent / CHAT_TEMPLATE_DIR).is_dir():
+            shutil.copytree(p.parent / CHAT_TEMPLATE_DIR, folder / CHAT_TEMPLATE_DIR)
         return str(folder)
     if p.is_dir():
         return str(p)

@@ -17,7 +17,7 @@ import torch
 
 from atom_core.engine import SamplingParams
 from atom_core.serve import cli
-from atom_core.serve.engine_options import FALLBACK_CHAT_TEMPLATE
+from atom_core.serve.engine_options import FALLBACK_CHAT_TEMPLATE, model_folder
 from tests.serve.conftest import API_KEY, demo_engine
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -216,6 +216,32 @@ def test_user_errors_print_one_error_line_and_return_2(argv, says, capsys):
     assert cli.main(argv) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], lines
+
+
+def test_a_bare_config_with_dummy_weights_takes_the_tokenizer_and_chat_template_beside_it(tmp_path, capsys):
+    from atom_core.engine.engine import DEMO_MODEL
+
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((Path(DEMO_MODEL) / name).read_bytes())
+    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}<{{ m['content'] }}>{% endfor %}")
+    argv = ["--device", "cpu", "--threads", "1", "--max-tokens", "3", "--load-format", "dummy"]
+    assert cli.main(["generate", str(tmp_path / "config.json"), *argv, "--prompt", "Return the"]) == 0
+    assert "--- 'Return the'\nReturn the" in capsys.readouterr().out
+    folder = model_folder(str(tmp_path / "config.json"), "dummy")
+    assert sorted(p.name for p in Path(folder).iterdir()) == ["chat_template.jinja", "config.json", "tokenizer.json",
+                                                               "tokenizer_config.json"]
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_generate_and_chat_without_a_tokenizer_refuse_naming_what_it_needs(tmp_path, capsys, monkeypatch, command):
+    from atom_core.engine.engine import DEMO_MODEL
+
+    (tmp_path / "model.json").write_bytes((Path(DEMO_MODEL) / "config.json").read_bytes())  # no tokenizer beside it
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\n"))
+    argv = [command, str(tmp_path / "model.json"), "--device", "cpu", "--threads", "1", "--load-format", "dummy"]
+    assert cli.main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1].startswith(f"error: {command} needs a model with a tokenizer (tokenizer.json)"), lines
 
 
 def test_the_base_install_runs_generate_chat_and_offline_bench_and_serve_names_the_extra():
