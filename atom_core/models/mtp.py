@@ -165,9 +165,23 @@ class MultiTokenPredictor(MLACaches, nn.Module):
 def load_mtp_module(path: str | Path, target: nn.Module, *, check_finite: bool = True) -> MultiTokenPredictor:
     """The draft module of ``target`` (loaded from the same checkpoint folder ``path``) with its MTP weights.
 
-    Raises ValueError when the config has no MTP layers, or (naming them) when the checkpoint lacks some of
-    the MTP tensors. Returns the module in eval mode; its caches are still to be allocated and bound.
+    Raises ValueError when the config has no MTP layers, when the checkpoint holds none of an MTP layer's
+    tensors (released checkpoints re-exported without them; HF's DeepSeek-V3 config sets one MTP layer by
+    default), or, naming them as the checkpoint does, when it lacks some of them. Returns the module in eval
+    mode; its caches are still to be allocated and bound.
     """
     module = MultiTokenPredictor(target)
-    load_weights(module, path, load_extra_layers=True, check_finite=check_finite)
+    report = load_weights(module, path, strict=False, load_extra_layers=True, check_finite=check_finite)
+    missing = [entry.split(" ")[0] for entry in report.missing]
+    if missing:
+        for depth, layer in enumerate(module.layers):
+            names = [f"layers.{depth}.{name}" for name, _ in layer.named_parameters()]
+            if set(names) <= set(missing):
+                index = module.first_layer + depth
+                raise ValueError(f"checkpoint {path} holds no tensor of MTP layer {index} (model.layers.{index}.*), "
+                                 f"which config.json's num_nextn_predict_layers = {len(module.layers)} announces: "
+                                 f"this checkpoint has no draft layers")
+        shown = ", ".join(module.checkpoint_name(name) for name in missing[:20])
+        more = f" (and {len(missing) - 20} more)" if len(missing) > 20 else ""
+        raise ValueError(f"{len(missing)} MTP tensors not found in checkpoint {path}: {shown}{more}")
     return module.eval()

@@ -242,18 +242,31 @@ def test_a_config_without_mtp_layers_is_refused_by_name(loaded):
         MultiTokenPredictor(target, num_layers=0)
 
 
-def test_a_checkpoint_missing_an_mtp_tensor_is_refused_naming_it(mtp_pair, loaded, tmp_path):
+def _copy_without(mtp_pair, folder, drop) -> None:
+    """mtp_pair's checkpoint copied into folder, less the tensors for which drop(name) holds."""
     from safetensors.torch import load_file, save_file
 
-    target, _ = loaded
     for file in mtp_pair.path.iterdir():
         if file.suffix == ".safetensors":
-            tensors = load_file(str(file))
-            tensors.pop(f"model.layers.{mtp_pair.num_layers}.hnorm.weight", None)
-            save_file(tensors, str(tmp_path / file.name))
+            save_file({k: v for k, v in load_file(str(file)).items() if not drop(k)}, str(folder / file.name))
         else:
-            (tmp_path / file.name).write_bytes(file.read_bytes())
-    with pytest.raises(ValueError, match="layers.0.hnorm.weight"):
+            (folder / file.name).write_bytes(file.read_bytes())
+
+
+def test_a_checkpoint_missing_an_mtp_tensor_is_refused_naming_it_as_the_checkpoint_does(mtp_pair, loaded, tmp_path):
+    target, _ = loaded
+    name = f"model.layers.{mtp_pair.num_layers}.hnorm.weight"
+    _copy_without(mtp_pair, tmp_path, lambda k: k == name)
+    with pytest.raises(ValueError, match=rf"1 MTP tensors not found in checkpoint .*: {re.escape(name)}$"):
+        load_mtp_module(tmp_path, target)
+
+
+def test_a_checkpoint_without_its_mtp_layer_is_refused_as_having_no_draft_layers(mtp_pair, loaded, tmp_path):
+    target, _ = loaded
+    index = mtp_pair.num_layers
+    _copy_without(mtp_pair, tmp_path, lambda k: k.startswith(f"model.layers.{index}."))
+    with pytest.raises(ValueError, match=rf"holds no tensor of MTP layer {index} \(model\.layers\.{index}\.\*\), "
+                                         r"which config\.json's num_nextn_predict_layers = 1 announces"):
         load_mtp_module(tmp_path, target)
 
 
