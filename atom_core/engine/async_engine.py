@@ -158,6 +158,15 @@ class AsyncEngine:
         """The step thread is alive and not shutting down."""
         return self._thread is not None and self._thread.is_alive() and not self._closed and self._dead is None
 
+    def check_health(self) -> None:
+        """Raise ``EngineClosedError`` when the step thread is not running, or the engine's
+        ``DistributedEngineError`` when it can no longer step (a worker rank or replica process exited):
+        what a server's health check reports. Safe to call from the loop while the step thread runs."""
+        if not self.is_running:
+            raise EngineClosedError("the engine is not running" if self._dead is None else
+                                    f"the step thread died: {self._dead!r}")
+        self.engine.check_health()
+
     async def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                           request_id: str | None = None) -> RequestStream:
         """Queue a prompt; returns its stream once the engine has accepted it.

@@ -315,6 +315,14 @@ class DataParallelEngine:
                 self._held.append((index, message))
         return [answers[i] for i in range(len(self._replicas))]
 
+    def check_health(self) -> None:
+        """Raise ``DistributedEngineError`` naming why the replicas can no longer step: one of their processes
+        has exited, or a step failed. Reads the replicas' exit statuses only (a server's health check)."""
+        self._check_usable()
+        for replica in self._replicas:
+            if replica.process.poll() is not None:
+                raise ReplicaFailedError(f"this data-parallel engine can no longer run: {replica.describe_exit()}")
+
     def _check_usable(self) -> None:
         if self._failure is not None:
             raise DistributedEngineError(f"this data-parallel engine can no longer run: {self._failure}")

@@ -278,6 +278,17 @@ class Engine:
         if self._finalizer is not None:
             self._finalizer()
 
+    def check_health(self) -> None:
+        """Raise ``DistributedEngineError`` naming why this engine can no longer step: a worker rank's process
+        has exited, or a step failed across the ranks. Reads the workers' exit statuses only (a server's health
+        check); a one-rank engine always passes."""
+        if self._channel is None:
+            return
+        self._channel.check_usable()
+        failure = self._channel.find_failure()
+        if failure is not None:
+            raise WorkerFailedError(f"this multi-rank engine can no longer run: {failure}")
+
     def __enter__(self) -> Engine:
         return self
 

@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from atom_core.engine.async_engine import AsyncEngine, EngineClosedError, EngineStepError
+from atom_core.engine.distributed import DistributedEngineError
 from atom_core.serve.chat import ChatJob
 from atom_core.serve.common import APIError, ServerConfig, ServerContext, error_body, now
 from atom_core.serve.completions import CompletionJob
@@ -196,8 +197,12 @@ def create_app(async_engine: AsyncEngine, config: ServerConfig | None = None) ->
 
     @app.get("/health")
     async def health():
-        if not async_engine.is_running:
-            raise APIError(503, "the engine is not running", code="engine_not_running")
+        try:
+            async_engine.check_health()
+        except EngineClosedError as e:
+            raise APIError(503, str(e), code="engine_not_running") from None
+        except DistributedEngineError as e:  # a worker rank or replica exited: no request can run any more
+            raise APIError(503, str(e), code="engine_failed") from None
         return {"status": "ok"}
 
     @app.get("/metrics")

@@ -270,7 +270,12 @@ def test_a_replica_that_dies_or_hangs_gives_a_named_error_and_leaves_no_process(
     on_victim = {i for i in ids if engine.replica_of(i) == 1}
     assert on_victim
     victim = engine.processes[1]
+    engine.check_health()  # passes while every replica runs
     os.kill(victim.pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+    if how == "killed":  # before any step finds it, the health check (a server's /health) names it
+        victim.wait(30)
+        with pytest.raises(ReplicaFailedError, match=rf"replica 1 \(pid {victim.pid}\) was killed by SIGKILL"):
+            engine.check_health()
     t0 = time.monotonic()
     with pytest.raises(ReplicaFailedError) as failure:
         for _ in range(2000):  # bounded: a step that never fails ends the loop (and the test fails)

@@ -234,7 +234,8 @@ def test_a_worker_that_dies_or_hangs_gives_a_named_error_and_leaves_no_process(t
     assert worker.poll() is not None and _live_children() <= children
 
 
-def test_after_a_worker_dies_every_request_ends_with_an_error_and_new_ones_are_refused(tiny_qwen3):
+def test_after_a_worker_dies_the_health_check_names_it_every_request_ends_with_an_error_and_new_ones_are_refused(
+        tiny_qwen3):
     """With one request running at a time the others wait: no step will run them, so they end with the failure
     too (a streaming caller, AsyncEngine, learns it from failed_request_ids), and add_request refuses."""
     folder, _ = tiny_qwen3
@@ -244,8 +245,12 @@ def test_after_a_worker_dies_every_request_ends_with_an_error_and_new_ones_are_r
         ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
                for p in _prompts(96, lengths=(5, 9, 3))]
         engine.step()
+        engine.check_health()  # passes while every rank runs
         (worker,) = engine.workers.processes.values()
         os.kill(worker.pid, signal.SIGKILL)
+        worker.wait(30)
+        with pytest.raises(WorkerFailedError, match=rf"worker rank 1 \(pid {worker.pid}\) was killed by SIGKILL"):
+            engine.check_health()  # before any step finds it: what a server's /health reports
         with pytest.raises(WorkerFailedError):
             for _ in range(200):
                 engine.step()

@@ -176,6 +176,21 @@ def test_a_missing_or_wrong_key_is_a_401_and_health_and_metrics_need_none(server
     assert request(server, "GET", "/metrics", headers={"X-None": "1"})[0] == 200
 
 
+def test_health_is_a_503_naming_the_failure_while_the_engine_cannot_step(server, monkeypatch):
+    """What a dead worker rank or replica makes ``Engine.check_health`` raise (tests/engine/test_multi_rank.py and
+    test_data_parallel.py kill real ones) turns /health into a 503 that names it."""
+    from atom_core.engine.distributed import WorkerFailedError
+
+    def dead():
+        raise WorkerFailedError("this multi-rank engine can no longer run: worker rank 1 (pid 7) was killed by SIGKILL")
+
+    monkeypatch.setattr(server.engine, "check_health", dead)
+    error = assert_error(request(server, "GET", "/health"), 503, code="engine_failed")
+    assert "worker rank 1 (pid 7) was killed by SIGKILL" in error["message"]
+    monkeypatch.undo()
+    assert request(server, "GET", "/health") == (200, {"status": "ok"})
+
+
 def test_unknown_model_route_and_method_are_404_and_405(server, unharmed):
     assert_error(request(server, "POST", "/v1/completions", completion(model="gpt-4")), 404, param="model",
                  code="model_not_found")
