@@ -207,9 +207,9 @@ class CausalLM(nn.Module):
             return {}
         scheme = self.quant_config.scheme_for(prefix)
         if scheme.is_quantized:
-            method = expert_method_for(scheme, online=self.quant_config.online, where=prefix)
+            where = self.quant_config.source or "quantization_config"
+            method = expert_method_for(scheme, online=self.quant_config.online, where=f"{where}: layer {prefix!r}")
             if method.weight_format not in self.supported_expert_formats:
-                where = self.quant_config.source or "quantization_config"
                 raise UnsupportedQuantizationError(
                     f"{where}: layer {prefix!r} is MoE experts quantized as {scheme.describe()}, which "
                     f"{type(self).__name__} does not load (its experts load unquantized or as "

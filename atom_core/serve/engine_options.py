@@ -194,6 +194,8 @@ def build_engine(args: argparse.Namespace):
             enforce_eager=args.enforce_eager, **parallel)
     except ValueError as e:
         raise ValueError(with_flag_names(str(e))) from e
+    except FileNotFoundError as e:  # a folder without weights
+        raise FileNotFoundError(with_flag_names(str(e))) from e
 
 
 # The library's names for what an engine flag sets, as its errors spell them ("max_model_len=...").
@@ -202,7 +204,7 @@ FLAG_OF = {"max_model_len": "--max-model-len", "num_blocks": "--num-kv-blocks", 
            "max_num_batched_tokens": "--max-num-batched-tokens", "tp_size": "--tensor-parallel-size",
            "tensor_parallel_size": "--tensor-parallel-size", "data_parallel_size": "--data-parallel-size",
            "gpu_memory_utilization": "--gpu-memory-utilization", "kv_cache_dtype": "--kv-cache-dtype",
-           "dtype": "--dtype", "device": "--device", "quantization": "--quantization"}
+           "dtype": "--dtype", "device": "--device", "quantization": "--quantization", "load_format": "--load-format"}
 _LIBRARY_NAME = re.compile(r"(?<![\w.-])(" + "|".join(FLAG_OF) + r")(?=[=:])")
 
 

@@ -244,6 +244,22 @@ def test_generate_and_chat_without_a_tokenizer_refuse_naming_what_it_needs(tmp_p
     assert lines[-1].startswith(f"error: {command} needs a model with a tokenizer (tokenizer.json)"), lines
 
 
+def test_errors_about_quantization_and_weights_name_the_flags(tmp_path, capsys):
+    from atom_core.engine.engine import DEMO_MODEL
+
+    (tmp_path / "config.json").write_bytes((Path(DEMO_MODEL) / "config.json").read_bytes())  # no weights
+    assert cli.main(["generate", str(tmp_path), "--device", "cpu", "--threads", "1"]) == 2
+    assert "(pass --load-format='dummy' to build it with random weights)" in capsys.readouterr().err
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                     "weight_block_size": [128, 128]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert cli.main(["generate", str(tmp_path), "--device", "cpu", "--threads", "1", "--quantization", "fp8"]) == 2
+    err = capsys.readouterr().err
+    assert "--quantization='fp8' asks to quantize while loading" in err
+    assert "drop the quantization argument to load it as is" in err
+
+
 def test_the_base_install_runs_generate_chat_and_offline_bench_and_serve_names_the_extra():
     """A process where the serve extra's packages cannot be imported."""
     script = f"""
