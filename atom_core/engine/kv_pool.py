@@ -94,7 +94,9 @@ def plan_pool(model, device: torch.device, *, block_size: int, num_kv_blocks: in
     if num_kv_blocks is not None:
         plan = plan_kv_pool(spec, num_blocks=num_kv_blocks, **sizing)
     elif device.type == "cpu":
-        plan = plan_kv_pool(spec, budget_bytes=int(_cpu_budget(spec, block_size, max_model_len) * share), **sizing)
+        block_bytes = spec.bytes_per_block(block_size) + extra_block_bytes
+        plan = plan_kv_pool(spec, budget_bytes=int(_cpu_budget(block_bytes, block_size, max_model_len) * share),
+                            **sizing)
     else:
         plan = plan_kv_pool(spec, budget_bytes=int(share * _gpu_budget(
             model, device, gpu_memory_utilization, max_num_batched_tokens, max_num_seqs)), **sizing)
@@ -109,12 +111,11 @@ def plan_pool(model, device: torch.device, *, block_size: int, num_kv_blocks: in
     return spec, extra_specs, plan
 
 
-def _cpu_budget(spec, block_size: int, max_model_len: int) -> int:
-    """Bytes of a CPU pool: room for CPU_DEFAULT_POOL_SEQS requests of max_model_len, within
-    CPU_POOL_MEMORY_SHARE of the host memory available (plan_kv_pool refuses, with the numbers,
-    a budget that cannot hold one request)."""
-    budget = CPU_DEFAULT_POOL_SEQS * -(-max_model_len // block_size) * spec.bytes_per_block(block_size)
-    # (the caller takes the KV pool's share of this budget when a model keeps extra caches)
+def _cpu_budget(block_bytes: int, block_size: int, max_model_len: int) -> int:
+    """Bytes of a CPU pool and the caches beside it (``block_bytes`` a block, both together): room for
+    CPU_DEFAULT_POOL_SEQS requests of max_model_len, within CPU_POOL_MEMORY_SHARE of the host memory
+    available (plan_kv_pool refuses, with the numbers, a budget that cannot hold one request)."""
+    budget = CPU_DEFAULT_POOL_SEQS * -(-max_model_len // block_size) * block_bytes
     available = host_memory_available_bytes()
     if available is not None:
         budget = min(budget, int(available * CPU_POOL_MEMORY_SHARE))

@@ -244,3 +244,17 @@ def test_a_decode_step_with_only_decode_rows_goes_through_the_sparse_op(v32_pair
     ops_used = {name for name, _ in calls}
     assert {"indexer_topk", "store_indexer_k_", "mla_sparse_attention"} <= ops_used
     assert not ops_used & {"mla_decode_attention", "mla_prefill_attention"}
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_a_cpu_pool_sized_from_memory_holds_its_requests_with_the_indexer_keys_counted(v32_pair, monkeypatch,
+                                                                                      kv_cache_dtype):
+    """CPU_DEFAULT_POOL_SEQS requests of max_model_len, the indexer keys' blocks in the same budget (not taken
+    out of the pool's share of it)."""
+    from atom_core.engine import kv_pool
+
+    monkeypatch.setattr(kv_pool, "host_memory_available_bytes", lambda: 1 << 40)
+    sizing = dict(block_size=16, num_kv_blocks=None, gpu_memory_utilization=0.9, max_num_seqs=4,
+                  max_num_batched_tokens=256, max_model_len=1000, kv_cache_dtype=kv_cache_dtype)
+    _, extra_specs, plan = kv_pool.plan_pool(v32_pair.load_atom(), torch.device("cpu"), **sizing)
+    assert extra_specs and plan.num_blocks == kv_pool.CPU_DEFAULT_POOL_SEQS * 63  # ceil(1000 / 16) blocks each
