@@ -29,7 +29,8 @@ class RequestOutput:
         request_id: the id ``add_request`` returned (shared by a prompt's ``n`` sequences).
         index: which of the prompt's sequences this is (0 when ``n == 1``).
         finish_reason: None while running, else "stop" (EOS, a stop token or a stop string),
-            "length" (max_tokens or max_model_len), "abort", or "error" (the step that ran it raised).
+            "length" (max_tokens or max_model_len), or "error" (the step that ran it raised). An aborted
+            request gets no further output (its ``Request.finish_reason`` is "abort").
         finished: ``finish_reason is not None``.
         stop_reason: once finished by a stop string or a stop token id, that string or id (vLLM's);
             None for EOS and the other reasons.
