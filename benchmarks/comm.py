@@ -210,6 +210,9 @@ def run(args) -> None:
         print_table([r for r in rows if r["section"] == "moe"])
         if args.json:
             write_json(rows, args.json)
+    # Every rank leaves together: a gloo rank that tore its group down while another still used it was
+    # aborted ("terminate called without an active exception").
+    dist.barrier(group=control)
 
 
 def _spawned(rank: int, world: int, init_file: str, args) -> None:
