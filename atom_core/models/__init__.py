@@ -272,7 +272,8 @@ def _quant_config_of(config: ModelConfig, cls: type, quantization: str | None, c
         if quant is not None:
             raise UnsupportedQuantizationError(
                 f"{where}: quantization={quantization!r} asks to quantize while loading, but the checkpoint is "
-                f"already quantized (quant_method={quant.quant_method!r}); drop the quantization argument to load it as is")
+                f"already quantized (quant_method={quant.quant_method!r}); drop the quantization argument to load it "
+                "as is")
         quant = online_quant_config(quantization)
     if quant is not None:
         check_quantization_supported(quant, cls, source=where)

@@ -172,16 +172,16 @@ def load_mtp_module(path: str | Path, target: nn.Module, *, check_finite: bool =
     """
     module = MultiTokenPredictor(target)
     report = load_weights(module, path, strict=False, load_extra_layers=True, check_finite=check_finite)
-    missing = [entry.split(" ")[0] for entry in report.missing]
+    missing = [entry.partition(" ") for entry in report.missing]  # (parameter, " ", "(shards ... missing)")
     if missing:
         for depth, layer in enumerate(module.layers):
-            names = [f"layers.{depth}.{name}" for name, _ in layer.named_parameters()]
-            if set(names) <= set(missing):
+            names = {f"layers.{depth}.{name}" for name, _ in layer.named_parameters()}
+            if names <= {name for name, _, _ in missing}:
                 index = module.first_layer + depth
                 raise ValueError(f"checkpoint {path} holds no tensor of MTP layer {index} (model.layers.{index}.*), "
                                  f"which config.json's num_nextn_predict_layers = {len(module.layers)} announces: "
                                  f"this checkpoint has no draft layers")
-        shown = ", ".join(module.checkpoint_name(name) for name in missing[:20])
+        shown = ", ".join(f"{module.checkpoint_name(name)}{gap}{shards}" for name, gap, shards in missing[:20])
         more = f" (and {len(missing) - 20} more)" if len(missing) > 20 else ""
         raise ValueError(f"{len(missing)} MTP tensors not found in checkpoint {path}: {shown}{more}")
     return module.eval()
