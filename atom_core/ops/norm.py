@@ -140,10 +140,15 @@ def _check_norm_args(x, weight, bias, eps, residual, out, residual_out):
     if residual is not None:
         check_tensor("residual", residual, dtypes=(x.dtype,))
         check_shape("residual", residual, tuple(x.shape))
-    elif residual_out is not None:
-        raise ValueError("residual_out given without residual")
+    _check_residual_out(residual, residual_out)
     check_out("out", out, x.shape, x.dtype, x.device)
     check_out("residual_out", residual_out, x.shape, x.dtype, x.device)
+
+
+def _check_residual_out(residual, residual_out) -> None:
+    """Always on, like the out shapes: without a residual there is no residual stream to write."""
+    if residual is None and residual_out is not None:
+        raise ValueError("residual_out given without residual")
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, *, residual: Tensor | None = None, gemma: bool = False,
@@ -160,6 +165,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, *, residual: Tensor |
     elif out is not None or residual_out is not None:  # always on (see check_out_shape)
         check_out_shape("out", out, x.shape)
         check_out_shape("residual_out", residual_out, x.shape)
+        _check_residual_out(residual, residual_out)
     out = torch.empty_like(x) if out is None else out
     if residual is not None and residual_out is None:
         residual_out = torch.empty_like(x)
@@ -178,6 +184,7 @@ def layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float = 1e-5
     elif out is not None or residual_out is not None:  # always on (see check_out_shape)
         check_out_shape("out", out, x.shape)
         check_out_shape("residual_out", residual_out, x.shape)
+        _check_residual_out(residual, residual_out)
     out = torch.empty_like(x) if out is None else out
     if residual is not None and residual_out is None:
         residual_out = torch.empty_like(x)

@@ -102,6 +102,11 @@ def test_env_var_turns_debug_on_at_import(value, enabled):
     (lambda: ops.rms_norm(torch.randn(2, 4), torch.ones(4), out=torch.empty(1, 4)), "out must have shape"),
     (lambda: ops.rms_norm(torch.randn(2, 4), torch.ones(4), residual=torch.randn(2, 4), residual_out=torch.empty(1, 4)),
      "residual_out must have shape"),
+    # (a twin would write row 1 of its one output into residual_out and row 0 into every row of out)
+    (lambda: ops.rms_norm(torch.randn(2, 4), torch.ones(4), out=torch.empty(2, 4), residual_out=torch.empty(2, 4)),
+     "residual_out given without residual"),
+    (lambda: ops.layer_norm(torch.randn(1, 4), torch.ones(4), None, residual_out=torch.empty(1, 4)),
+     "residual_out given without residual"),
     (lambda: ops.silu_and_mul(torch.randn(2, 8), out=torch.empty(2, 3)), "out must have shape"),
     (lambda: ops.fused_experts(torch.randn(2, 4), torch.randn(2, 8, 4), torch.randn(2, 4, 4), torch.rand(2, 1),
                                torch.zeros(2, 1, dtype=torch.int32), out=torch.empty(1, 4)), "out must have shape"),
