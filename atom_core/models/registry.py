@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterable
 # "Architecture": "module:ClassName" for the architectures shipped with atom_core.
 MODEL_MODULES: dict[str, str] = {
     "LlamaForCausalLM": "atom_core.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "atom_core.models.llama:LlamaForCausalLM",  # Llama with a window on every layer
+    "Qwen2ForCausalLM": "atom_core.models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "atom_core.models.qwen3:Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM": "atom_core.models.qwen3_moe:Qwen3MoeForCausalLM",
     "MixtralForCausalLM": "atom_core.models.mixtral:MixtralForCausalLM",
@@ -26,6 +28,9 @@ MODEL_MODULES: dict[str, str] = {
 }
 
 _registered: dict[str, type] = {}
+
+_REGISTER_HINT = ("; a model class of your own registers with atom_core.models.register_model, in each process that "
+                  "loads it (docs/models.md, \"Adding an architecture\")")
 
 
 def register_model(arch_name: str) -> Callable[[type], type]:
@@ -60,9 +65,8 @@ def get_model_class(arch: str) -> type:
         return _registered[arch]
     target = MODEL_MODULES.get(arch)
     if target is None:
-        raise ValueError(
-            f"unsupported architecture {arch!r}; supported: {', '.join(supported_architectures())}"
-        )
+        raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(supported_architectures())}"
+                         f"{_REGISTER_HINT}")
     module_name, _, class_name = target.partition(":")
     module = importlib.import_module(module_name)
     try:
@@ -86,5 +90,5 @@ def resolve_architecture(architectures: Iterable[str]) -> tuple[str, type]:
         )
     raise ValueError(
         f"unsupported architecture {names[0] if len(names) == 1 else names!r}; "
-        f"supported: {', '.join(supported_architectures())}"
+        f"supported: {', '.join(supported_architectures())}{_REGISTER_HINT}"
     )

@@ -62,6 +62,7 @@ _HF_CLASSES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "ministral": ("MinistralConfig", "MinistralForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
 }
 
 
@@ -127,6 +128,9 @@ def build_pair(case: ParityCase, folder: Path, *, seed: int = 0) -> ModelPair:
     """Build the tiny HF model of ``case``, randomise it, save it to ``folder``; return the pair."""
     import transformers
 
+    if case.hf_family not in _HF_CLASSES:
+        raise KeyError(f"unknown hf_family {case.hf_family!r} (known: {', '.join(sorted(_HF_CLASSES))}): add its "
+                       f"(config class, model class) names to parity_harness._HF_CLASSES")
     config_name, model_name = _HF_CLASSES[case.hf_family]
     config = getattr(transformers, config_name)(**case.hf_config_kwargs())
     config._attn_implementation = "eager"
