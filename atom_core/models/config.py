@@ -252,9 +252,12 @@ class ModelConfig:
         if not isinstance(model_type, str):
             raise ValueError(f"model_type must be a string, got {model_type!r}")
         defaults = {**GENERIC_DEFAULTS, **ARCH_DEFAULTS.get(model_type, {})}
+        assumed: list[str] = []  # keys the file leaves out, filled from GENERIC_DEFAULTS for a family not in ARCH_DEFAULTS
 
         def take_or_default(key: str) -> Any:
             value = take(key)
+            if value is None and model_type not in ARCH_DEFAULTS:
+                assumed.append(key)
             return defaults[key] if value is None else value
 
         architectures = take("architectures") or []
@@ -303,6 +306,8 @@ class ModelConfig:
         layer_types = take("layer_types")
         if layer_types is None:
             layer_types = _default_layer_types(model_type, sliding_window, d.get("max_window_layers"), num_layers)
+            if sliding_window is not None and model_type not in ARCH_DEFAULTS:
+                assumed.append("layer_types")
         if (not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types)
                 or len(layer_types) < num_layers):
             raise ValueError(
@@ -384,6 +389,12 @@ class ModelConfig:
         for key, value in defaults.items():  # the family's defaults of keys that are not fields
             if key not in _FIELD_DEFAULTS and key not in d:
                 cfg.extra.setdefault(key, copy.deepcopy(value))
+        if assumed and model_type:
+            logger.warning("config.json of model_type %r, whose family's defaults atom_core does not know, leaves out %s: "
+                           "taking %s (Llama's); a family whose defaults differ must write them into its config",
+                           model_type, ", ".join(assumed),
+                           ", ".join(f"{k}={getattr(cfg, k, None) if k == 'layer_types' else defaults[k]!r}"
+                                     for k in assumed))
         return cfg
 
     @staticmethod

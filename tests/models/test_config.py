@@ -2,6 +2,7 @@
 
 import copy
 import json
+import logging
 
 import pytest
 import torch
@@ -290,3 +291,23 @@ def test_rope_scaling_beside_rope_parameters_is_read_as_transformers_reads_it(fi
     hf = transformers.AutoConfig.for_model("qwen3", **_MINIMAL, **copy.deepcopy(file))  # (it edits the dicts)
     ours = ModelConfig.from_dict({**_MINIMAL, "model_type": "qwen3", **file})
     assert (ours.rope_theta, ours.rope_scaling) == _hf_rope(hf)
+
+
+def test_a_family_without_known_defaults_is_warned_of_each_key_taken_from_llamas(caplog):
+    """A config of a model_type not in ARCH_DEFAULTS that leaves keys out gets Llama's values: said, key by key
+    (Gemma2's hidden_act, tied head and alternating windows would otherwise be lost silently)."""
+    base = {"vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2, "sliding_window": 4}
+    with caplog.at_level(logging.WARNING, logger="atom_core.models.config"):
+        ModelConfig.from_dict({**base, "model_type": "gemma2"})
+    (record,) = caplog.records
+    assert "model_type 'gemma2'" in record.getMessage()
+    assert "layer_types=['sliding_attention', 'sliding_attention']" in record.getMessage()
+    assert "hidden_act='silu'" in record.getMessage() and "tie_word_embeddings=False" in record.getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="atom_core.models.config"):
+        ModelConfig.from_dict({**base, "model_type": "qwen2"})  # a known family: its defaults apply, unsaid
+        ModelConfig.from_dict({**base, "model_type": "gemma2", "hidden_act": "gelu_pytorch_tanh",
+                               "tie_word_embeddings": True, "max_position_embeddings": 8192, "rms_norm_eps": 1e-6,
+                               "attention_bias": False, "mlp_bias": False,
+                               "layer_types": ["sliding_attention", "full_attention"]})  # all written out
+    assert caplog.records == []
