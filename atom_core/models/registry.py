@@ -3,12 +3,18 @@
 Architecture modules are imported lazily: ``MODEL_MODULES`` names where each class lives, and
 the module is imported the first time the class is asked for, so ``import atom_core.models``
 does not import every model file. A class defined elsewhere (a user's own model) registers
-itself with ``@register_model("MyArchForCausalLM")``.
+itself with ``@register_model("MyArchForCausalLM")``, in the process that imports it; an installed
+package reaches every process (worker ranks, the server's engine process, the CLI) through an entry
+point of group ``atom_core.models``, named for the architecture, its value ``"module:ClassName"``
+(in pyproject.toml: ``[project.entry-points."atom_core.models"]``, ``MyArchForCausalLM = "my_pkg.model:MyArch"``).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
+from importlib.metadata import entry_points
 from collections.abc import Callable, Iterable
 
 # "Architecture": "module:ClassName" for the architectures shipped with atom_core.
@@ -27,10 +33,30 @@ MODEL_MODULES: dict[str, str] = {
     "GlmMoeDsaForCausalLM": "atom_core.models.deepseek_v32:GlmMoeDsaForCausalLM",  # GLM-5, GLM-5.1
 }
 
+ENTRY_POINT_GROUP = "atom_core.models"
+
 _registered: dict[str, type] = {}
 
-_REGISTER_HINT = ("; a model class of your own registers with atom_core.models.register_model, in each process that "
-                  "loads it (docs/models.md, \"Adding an architecture\")")
+
+@functools.cache
+def plugin_modules() -> dict[str, str]:
+    """"Architecture": "module:ClassName" of the installed packages' ``atom_core.models`` entry points (read once)."""
+    return {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def _same_class(a: type, b: type) -> bool:
+    """One class definition, also when its file was imported under two module names (a script and pytest)."""
+    if (a.__module__, a.__qualname__) == (b.__module__, b.__qualname__):
+        return True
+    try:
+        return a.__qualname__ == b.__qualname__ and inspect.getsourcefile(a) == inspect.getsourcefile(b) is not None
+    except TypeError:  # a class without a source file (built-in, or made by exec)
+        return False
+
+
+_REGISTER_HINT = ("; a model class of your own registers with atom_core.models.register_model in the process that "
+                  "imports it, or in every process through an atom_core.models entry point of its package "
+                  "(docs/models.md, \"Adding an architecture\")")
 
 
 def register_model(arch_name: str) -> Callable[[type], type]:
@@ -44,7 +70,7 @@ def register_model(arch_name: str) -> Callable[[type], type]:
 
     def decorator(cls: type) -> type:
         old = _registered.get(arch_name)
-        if old is not None and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
+        if old is not None and not _same_class(old, cls):
             raise ValueError(
                 f"architecture {arch_name!r} is already registered to {old.__module__}.{old.__qualname__}"
             )
@@ -56,14 +82,14 @@ def register_model(arch_name: str) -> Callable[[type], type]:
 
 def supported_architectures() -> list[str]:
     """Sorted names that ``get_model_class`` accepts (shipped and registered)."""
-    return sorted(set(MODEL_MODULES) | set(_registered))
+    return sorted(set(MODEL_MODULES) | set(_registered) | set(plugin_modules()))
 
 
 def get_model_class(arch: str) -> type:
     """The model class for an ``architectures`` name; ValueError listing the supported ones if unknown."""
     if arch in _registered:
         return _registered[arch]
-    target = MODEL_MODULES.get(arch)
+    target = MODEL_MODULES.get(arch) or plugin_modules().get(arch)
     if target is None:
         raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(supported_architectures())}"
                          f"{_REGISTER_HINT}")
@@ -81,7 +107,7 @@ def resolve_architecture(architectures: Iterable[str]) -> tuple[str, type]:
     """First name in ``architectures`` that is supported, with its class; ValueError if none is."""
     names = list(architectures)
     for name in names:
-        if name in _registered or name in MODEL_MODULES:
+        if name in _registered or name in MODEL_MODULES or name in plugin_modules():
             return name, get_model_class(name)
     if not names:
         raise ValueError(

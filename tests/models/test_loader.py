@@ -4,8 +4,12 @@ Checkpoints are written here in the Hugging Face naming (separate q/k/v and gate
 the expected fused parameters are assembled with torch.cat / torch.chunk in the tests.
 """
 
+import importlib.util
 import json
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -23,6 +27,7 @@ from atom_core.models.layers.linear import (
 )
 from atom_core.models.checkpoint_files import read_safetensors_header
 from atom_core.models.loader import load_weights
+from atom_core.models.registry import get_model_class
 
 # V = vocab, D = hidden, H/K = query/KV heads, hd = head dim, I = intermediate
 V, D, H, K, HD, I, LAYERS = 10, 8, 4, 2, 2, 6, 2
@@ -421,3 +426,37 @@ def test_registry_lists_builtin_and_registered():
     assert {"LlamaForCausalLM", "Qwen3ForCausalLM", "AtomTinyTestForCausalLM"} <= set(names)
     with pytest.raises(ValueError, match="already registered"):
         register_model("AtomTinyTestForCausalLM")(ScaledModel)
+
+
+def test_an_installed_packages_entry_point_registers_its_architecture_in_a_fresh_process(tmp_path):
+    """What worker ranks, the server's engine process and the CLI start: interpreters that never import the user's
+    module. A package's ``atom_core.models`` entry point reaches them (here a .dist-info on the path)."""
+    (tmp_path / "tinyarch.py").write_text(
+        "from atom_core.models.llama import LlamaForCausalLM\n\nclass TinyArch(LlamaForCausalLM):\n    pass\n")
+    dist = tmp_path / "tinyarch_plugin-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: tinyarch-plugin\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[atom_core.models]\nTinyArchForCausalLM = tinyarch:TinyArch\n")
+    code = ("import sys; from atom_core.models import supported_architectures; "
+            "from atom_core.models.registry import resolve_architecture; "
+            "name, cls = resolve_architecture(['TinyArchForCausalLM']); "
+            "print(cls.__module__, cls.__name__, 'TinyArchForCausalLM' in supported_architectures(), "
+            "'tinyarch' in sys.modules)")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.stdout.split() == ["tinyarch", "TinyArch", "True", "True"], out.stderr
+
+
+def test_one_class_file_imported_under_two_module_names_registers_once_without_error(tmp_path, monkeypatch):
+    (tmp_path / "twice.py").write_text(
+        "from atom_core.models import register_model\nfrom atom_core.models.llama import LlamaForCausalLM\n\n"
+        "@register_model('AtomTwiceImportedForCausalLM')\nclass Twice(LlamaForCausalLM):\n    pass\n")
+    classes = []
+    for name in ("twice", "pkg.twice"):
+        spec = importlib.util.spec_from_file_location(name, tmp_path / "twice.py")
+        module = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, name, module)  # as an import does
+        spec.loader.exec_module(module)  # the second registration sees another module name, the same file
+        classes.append(module.Twice)
+    # the latest definition serves, as after a module reload
+    assert classes[0] is not classes[1] and get_model_class("AtomTwiceImportedForCausalLM") is classes[1]
