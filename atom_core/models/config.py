@@ -71,6 +71,8 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
                     "first_k_dense_replace": 0, "norm_topk_prob": False, "topk_method": "greedy"},
     "deepseek_v3": {"max_position_embeddings": 4096, "rope_interleave": True, **_DEEPSEEK_V3_ROUTING},
     "deepseek_v32": {"max_position_embeddings": 163840, **_DEEPSEEK_V3_ROUTING},
+    # Kimi-K2's checkpoints are DeepseekV3ForCausalLM with their own model_type (and DeepseekV3Config's code)
+    "kimi_k2": {"max_position_embeddings": 4096, "rope_interleave": True, **_DEEPSEEK_V3_ROUTING},
     "glm_moe_dsa": {"max_position_embeddings": 202752, "rms_norm_eps": 1e-5,
                     **_DEEPSEEK_V3_ROUTING, "n_group": 1, "topk_group": 1},
 }
