@@ -254,7 +254,8 @@ class ModelConfig:
         if not isinstance(model_type, str):
             raise ValueError(f"model_type must be a string, got {model_type!r}")
         defaults = {**GENERIC_DEFAULTS, **ARCH_DEFAULTS.get(model_type, {})}
-        assumed: list[str] = []  # keys the file leaves out, filled from GENERIC_DEFAULTS for a family not in ARCH_DEFAULTS
+        # keys the file leaves out, filled from GENERIC_DEFAULTS for a family not in ARCH_DEFAULTS
+        assumed: list[str] = []
 
         def take_or_default(key: str) -> Any:
             value = take(key)
@@ -392,8 +393,9 @@ class ModelConfig:
             if key not in _FIELD_DEFAULTS and key not in d:
                 cfg.extra.setdefault(key, copy.deepcopy(value))
         if assumed and model_type:
-            logger.warning("config.json of model_type %r, whose family's defaults atom_core does not know, leaves out %s: "
-                           "taking %s (Llama's); a family whose defaults differ must write them into its config",
+            logger.warning("config.json of model_type %r, whose family's defaults atom_core does not know, leaves "
+                           "out %s: taking %s (Llama's); a family whose defaults differ must write them into its "
+                           "config",
                            model_type, ", ".join(assumed),
                            ", ".join(f"{k}={getattr(cfg, k, None) if k == 'layer_types' else defaults[k]!r}"
                                      for k in assumed))

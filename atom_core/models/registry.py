@@ -14,8 +14,8 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-from importlib.metadata import entry_points
 from collections.abc import Callable, Iterable
+from importlib.metadata import entry_points
 
 # "Architecture": "module:ClassName" for the architectures shipped with atom_core.
 MODEL_MODULES: dict[str, str] = {
