@@ -447,7 +447,8 @@ def test_an_installed_packages_entry_point_registers_its_architecture_in_a_fresh
     assert out.stdout.split() == ["tinyarch", "TinyArch", "True", "True"], out.stderr
 
 
-def test_one_class_file_imported_under_two_module_names_registers_without_error_and_the_latest_serves(tmp_path, monkeypatch):
+def test_one_class_file_imported_under_two_module_names_registers_without_error_and_the_latest_serves(
+        tmp_path, monkeypatch):
     (tmp_path / "twice.py").write_text(
         "from atom_core.models import register_model\nfrom atom_core.models.llama import LlamaForCausalLM\n\n"
         "@register_model('AtomTwiceImportedForCausalLM')\nclass Twice(LlamaForCausalLM):\n    pass\n")
