@@ -95,6 +95,7 @@ _LAYER_TYPE_KEYS = ("full_attention", "sliding_attention", "chunked_attention", 
 # ARCH_DEFAULTS keys that the parser applies itself (the others, when absent, go to ``extra``).
 _FIELD_DEFAULTS = frozenset(GENERIC_DEFAULTS) | {"head_dim", "sliding_window", "rope_scaling"}
 _NO_SLIDING_WINDOW = ("llama",)  # transformers' Llama ignores a sliding_window key
+_WINDOW_ONLY_WHEN_USED = ("qwen2", "qwen3", "qwen3_moe")  # sliding_window applies only with use_sliding_window
 
 
 def _default_layer_types(model_type: str, sliding_window: int | None, max_window_layers: Any,
@@ -300,6 +301,8 @@ class ModelConfig:
         rope_theta, rope_scaling, rope_by_layer_type = cls._parse_rope(d, used, defaults)
 
         use_sliding_window = take("use_sliding_window")
+        if use_sliding_window is None and model_type in _WINDOW_ONLY_WHEN_USED:
+            use_sliding_window = False  # (transformers' default)
         sliding_window = take("sliding_window") if "sliding_window" in d else defaults.get("sliding_window")
         # Qwen2/Qwen3 configs carry a sliding_window value that only applies when use_sliding_window is true.
         if use_sliding_window is False:

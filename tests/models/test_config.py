@@ -260,6 +260,10 @@ def test_a_config_of_the_required_keys_only_takes_transformers_defaults(model_ty
     ("qwen3", dict(use_sliding_window=True, sliding_window=16)),         # from max_window_layers' default (28)
     ("qwen3", dict(use_sliding_window=True, sliding_window=16, max_window_layers=2)),
     ("qwen2", dict(use_sliding_window=False, sliding_window=16)),
+    # no use_sliding_window key: transformers reads it as False, whatever the window and max_window_layers
+    ("qwen2", dict(sliding_window=16, max_window_layers=2)),
+    ("qwen3", dict(sliding_window=16)),
+    ("qwen3_moe", dict(sliding_window=16, max_window_layers=2, **_MOE_KEYS)),
     ("mixtral", dict(sliding_window=16, **_MOE_KEYS)),                    # every layer
     ("gpt_oss", dict(sliding_window=16, **_MOE_KEYS)),                    # every other layer, from the first
 ])
