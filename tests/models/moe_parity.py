@@ -21,6 +21,7 @@ from atom_core import ops
 
 from tests.models import parity_harness
 from tests.models.parity_harness import (
+    BF16_ARGMAX_MARGIN,
     BF16_TOL,
     HFParityChecks,
     backends_used,
@@ -30,6 +31,7 @@ from tests.models.parity_harness import (
     ParityCase,
     build_pair,
     random_tokens,
+    run_all_checks,
 )
 
 # family -> (transformers config class, model class), added to the harness's table.
@@ -215,6 +217,23 @@ def assert_triton_served(run, required_ops: set[str]) -> None:
     assert not not_triton, f"ops not served by triton: {not_triton} (all: {sorted(used)})"
     missing = required_ops - {op for op, _ in used}
     assert not missing, f"ops never called: {sorted(missing)} (all: {sorted(used)})"
+
+
+# The ops a dense decoder layer (Llama's, Qwen2's) calls.
+DENSE_LAYER_OPS = {"paged_attention", "rope_store_kv_", "rms_norm", "silu_and_mul"}
+
+
+def check_bf16_triton_matches_hf_fp32(pair: ModelPair, required_ops: set[str]) -> None:
+    """The model in bf16 on the GPU, every op served by Triton (``required_ops`` among them), through
+    ``run_all_checks`` against HF in fp32 (``BF16_TOL``; argmax where HF's top-2 margin exceeds
+    ``BF16_ARGMAX_MARGIN``)."""
+    model = pair.load_atom(dtype=torch.bfloat16, device="cuda")
+
+    def run():
+        with ops.use_backend("triton"):  # a preference: a case Triton cannot serve would fall back silently
+            run_all_checks(pair, model, device="cuda", tol=BF16_TOL, argmax_margin=BF16_ARGMAX_MARGIN)
+
+    assert_triton_served(run, required_ops)
 
 
 def check_triton_serves_every_op(pair: ModelPair, routing_op: str) -> None:

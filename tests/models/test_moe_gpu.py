@@ -25,10 +25,10 @@ from tests.models import (  # noqa: E402
 from tests.models.moe_parity import (  # noqa: E402
     assert_triton_served,
     build_moe_pair,
+    check_bf16_triton_matches_hf_fp32,
     check_real_top_k_bf16,
     every_expert_case,
 )
-from tests.models.parity_harness import BF16_ARGMAX_MARGIN, BF16_TOL, run_all_checks  # noqa: E402
 
 CASES = [case for module in (test_parity_qwen3_moe, test_parity_mixtral, test_parity_glm4_moe, test_parity_gpt_oss)
          for case in module.CASES]
@@ -39,14 +39,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_bf16_triton_serves_every_op_and_with_every_expert_matches_hf_fp32(case, tmp_path):
-    pair = build_moe_pair(every_expert_case(case), tmp_path)
-    model = pair.load_atom(dtype=torch.bfloat16, device="cuda")
-
-    def run():
-        with ops.use_backend("triton"):
-            run_all_checks(pair, model, device="cuda", tol=BF16_TOL, argmax_margin=BF16_ARGMAX_MARGIN)
-
-    assert_triton_served(run, {"fused_experts", "paged_attention"})
+    check_bf16_triton_matches_hf_fp32(build_moe_pair(every_expert_case(case), tmp_path),
+                                      {"fused_experts", "paged_attention"})
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)

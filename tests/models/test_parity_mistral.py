@@ -14,17 +14,17 @@ import torch
 
 pytest.importorskip("transformers")
 
-from atom_core import ops  # noqa: E402
 from atom_core.models.llama import LlamaForCausalLM  # noqa: E402
-from tests.models.moe_parity import assert_triton_served, check_engine_greedy  # noqa: E402
+from tests.models.moe_parity import (  # noqa: E402
+    DENSE_LAYER_OPS,
+    check_bf16_triton_matches_hf_fp32,
+    check_engine_greedy,
+)
 from tests.models.parity_harness import (  # noqa: E402,F401  (single_thread_torch is an autouse fixture)
-    BF16_ARGMAX_MARGIN,
-    BF16_TOL,
     HFParityChecks,
     ParityCase,
     check_parameter_names,
     parity_pair_fixture,
-    run_all_checks,
     single_thread_torch,
 )
 
@@ -57,10 +57,4 @@ class TestHFParity(HFParityChecks):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_bf16_triton_serves_every_op_and_matches_hf_fp32(pair):
-    model = pair.load_atom(dtype=torch.bfloat16, device="cuda")
-
-    def run():
-        with ops.use_backend("triton"):
-            run_all_checks(pair, model, device="cuda", tol=BF16_TOL, argmax_margin=BF16_ARGMAX_MARGIN)
-
-    assert_triton_served(run, {"paged_attention", "rope_store_kv_", "rms_norm", "silu_and_mul"})
+    check_bf16_triton_matches_hf_fp32(pair, DENSE_LAYER_OPS)

@@ -16,16 +16,18 @@ pytest.importorskip("transformers")
 
 from atom_core import ops  # noqa: E402
 from atom_core.ops.dispatch import backend_available  # noqa: E402
-from tests.models.moe_parity import assert_triton_served, check_engine_greedy  # noqa: E402
+from tests.models.moe_parity import (  # noqa: E402
+    DENSE_LAYER_OPS,
+    assert_triton_served,
+    check_bf16_triton_matches_hf_fp32,
+    check_engine_greedy,
+)
 from tests.models.parity_harness import (  # noqa: E402,F401  (single_thread_torch is an autouse fixture)
-    BF16_ARGMAX_MARGIN,
-    BF16_TOL,
     HFParityChecks,
     ParityCase,
     check_decode,
     check_parameter_names,
     parity_pair_fixture,
-    run_all_checks,
     single_thread_torch,
 )
 
@@ -69,19 +71,13 @@ def test_triton_backend_serves_every_op_with_the_biases_and_matches_hf(pair, mod
         with ops.use_backend("triton"):
             check_decode(pair, model, 4, num_decode_steps=2, pad_rows=0)
 
-    assert_triton_served(run, {"paged_attention", "rope_store_kv_", "rms_norm", "silu_and_mul"})
+    assert_triton_served(run, DENSE_LAYER_OPS)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_bf16_triton_serves_every_op_and_matches_hf_fp32(pair):
-    model = pair.load_atom(dtype=torch.bfloat16, device="cuda")
-
-    def run():
-        with ops.use_backend("triton"):
-            run_all_checks(pair, model, device="cuda", tol=BF16_TOL, argmax_margin=BF16_ARGMAX_MARGIN)
-
-    assert_triton_served(run, {"paged_attention", "rope_store_kv_", "rms_norm", "silu_and_mul"})
+    check_bf16_triton_matches_hf_fp32(pair, DENSE_LAYER_OPS)
 
 
 def test_online_fp8_quantizes_the_projections_and_keeps_the_qkv_bias(pair):
