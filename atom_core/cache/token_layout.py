@@ -56,6 +56,8 @@ class StepLayout:
         row_order: int32 [B], the rows by descending ``context_lens`` (ties in row order): the order
             the split-K decode attention launches them in, so that the longest start first and the
             short ones fill in behind them (``ops.paged_attention(row_order=...)``).
+        block_size: int, tokens per pool block that ``slot_mapping`` and ``block_tables`` count in; the
+            attention layers refuse a pool of another (``check_pool_block_size``).
     """
 
     positions: torch.Tensor
@@ -71,6 +73,7 @@ class StepLayout:
     num_prefill_rows: int
     num_decode_rows: int
     row_order: torch.Tensor
+    block_size: int
 
     @property
     def num_rows(self) -> int:
@@ -81,6 +84,13 @@ class StepLayout:
     def num_tokens(self) -> int:
         """T, padding tokens included."""
         return int(self.positions.shape[0])
+
+    def check_pool_block_size(self, pool_block_size: int, pool: str) -> None:
+        """Raise ValueError unless ``pool`` (its name in the message) has this layout's block size: a layout
+        built for another one addresses the wrong slots and pages."""
+        if pool_block_size != self.block_size:
+            raise ValueError(f"the step layout was built with block_size={self.block_size} but {pool} holds "
+                             f"{pool_block_size} tokens per block: build the layout with the pool's block size")
 
     def to(self, device, non_blocking: bool = False) -> StepLayout:
         """A copy with every tensor moved to ``device`` (ints stay as they are)."""
@@ -219,6 +229,7 @@ def build_step_layout(
         num_prefill_rows=num_prefill_rows,
         num_decode_rows=num_rows - num_prefill_rows,
         row_order=longest_first(all_context),
+        block_size=block_size,
     )
 
 
@@ -321,4 +332,5 @@ def build_decode_layout(
         num_prefill_rows=num_prefill_rows,
         num_decode_rows=num_rows - num_prefill_rows,
         row_order=longest_first(context),
+        block_size=block_size,
     )

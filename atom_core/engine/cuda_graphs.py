@@ -76,15 +76,17 @@ class StepGraphs:
     Args:
         forward_logits: ``(input_ids [T], layout) -> logits [B, V]`` (the model and its LM head).
         max_num_seqs, max_num_batched_tokens: the engine's limits (the largest decode and mixed graphs).
-        max_pages: block-table width (pages of a ``max_model_len`` request).
         max_model_len: ``max_seqlen_k`` of every graph.
+        block_size: the pool's tokens per block (the block table is as wide as a ``max_model_len`` request's pages).
     """
 
     def __init__(self, forward_logits: Callable, *, device, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_pages: int, max_model_len: int):
+                 max_model_len: int, block_size: int):
         self.forward_logits = forward_logits
         self.device = torch.device(device)
         self.max_model_len = max_model_len
+        self.block_size = block_size
+        max_pages = -(-max_model_len // block_size)
         self.decode_sizes = decode_graph_sizes(max_num_seqs)
         self.mixed_sizes = mixed_graph_sizes(max_num_batched_tokens)
         self.max_num_seqs = max_num_seqs
@@ -145,7 +147,8 @@ class StepGraphs:
             max_seqlen_q=1 if bucket.kind == DECODE else t, max_seqlen_k=self.max_model_len,
             context_lens=self.context_lens[:b], block_tables=self.block_tables[:b],
             logits_indices=self.logits_indices[:b], is_prefill=self.is_prefill[:b],
-            num_prefill_rows=0, num_decode_rows=b, row_order=self.row_order[:b])
+            num_prefill_rows=0, num_decode_rows=b, row_order=self.row_order[:b],
+            block_size=self.block_size)
 
     def capture_all(self, progress: Callable[[Bucket], None] | None = None) -> None:
         """Capture every bucket not captured yet, largest first, so the shared memory pool is sized

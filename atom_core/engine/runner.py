@@ -111,7 +111,7 @@ class ModelRunner:
             # pool and the graph memory alive after the engine is dropped, until the next gc pass.
             self.graphs = StepGraphs(functools.partial(forward_logits, model), device=self.device,
                                      max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                     max_pages=self.max_pages, max_model_len=max_model_len)
+                                     max_model_len=max_model_len, block_size=plan.block_size)
             if channel is not None:
                 channel.graphs = self.graphs  # released before the ranks' communicator is torn down
 

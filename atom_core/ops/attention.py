@@ -261,7 +261,11 @@ def paged_attention_from_layout(q: Tensor, k_cache: Tensor, v_cache: Tensor, lay
 
     layout: an ``atom_core.cache.StepLayout`` on q's device (or any object with ``block_tables``,
     ``cu_seqlens_q``, ``context_lens``, ``max_seqlen_q``, ``max_seqlen_k`` and ``row_order``); kwargs as in
-    :func:`paged_attention` (``scale`` is required).
+    :func:`paged_attention` (``scale`` is required). A ``StepLayout`` built for another block size than the
+    pool's is refused (ValueError).
     """
+    check_block_size = getattr(layout, "check_pool_block_size", None)
+    if check_block_size is not None:
+        check_block_size(k_cache.shape[1], "k_cache")
     return paged_attention(q, k_cache, v_cache, layout.block_tables, layout.cu_seqlens_q, layout.context_lens,
                            layout.max_seqlen_q, layout.max_seqlen_k, row_order=layout.row_order, **kwargs)

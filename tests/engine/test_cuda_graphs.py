@@ -38,7 +38,7 @@ def test_decode_sizes_are_sorted_and_end_at_max_num_seqs(limit):
 def _graphs(max_num_seqs, max_num_batched_tokens):
     # The bucket arithmetic needs no GPU: buffers on the CPU.
     return StepGraphs(None, device="cpu", max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                      max_pages=4, max_model_len=64)
+                      max_model_len=64, block_size=16)
 
 
 @settings(max_examples=200, deadline=None)

@@ -391,6 +391,16 @@ class HFParityChecks:
         with ops.use_backend("torch"):
             check_chunked_and_prefix(pair, model)
 
+    def test_layout_of_another_block_size_is_refused_before_any_write(self, pair, model):
+        runner = PagedRunner(model, block_size=4, num_blocks=4)
+        pools = [t for layer in runner.pool.kv_caches for t in layer]
+        pools += [t for tensors in runner.pool.extra_kv_caches.values() for t in tensors]
+        before = [t.clone() for t in pools]
+        layout = build_step_layout([5], [0], [[0]], 8)  # 5 tokens on one page of 8; the pool's pages hold 4
+        with pytest.raises(ValueError, match="built with block_size=8 but .* holds 4 tokens per block"):
+            model(torch.zeros(5, dtype=torch.long), layout.positions, layout)
+        assert all(torch.equal(a, b) for a, b in zip(pools, before, strict=True))
+
 
 def parity_pair_fixture(cases: list[ParityCase], build=None):
     """A module-scoped ``pair`` fixture over ``cases``: each case's checkpoint built once

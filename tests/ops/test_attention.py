@@ -338,6 +338,14 @@ def test_from_layout_and_path_choice():
         torch.testing.assert_close(got, batch.twin(), **tolerance(torch.float32, ATTENTION))
 
 
+def test_paged_attention_from_layout_refuses_a_layout_of_another_block_size():
+    batch = PagedBatch([5, 1], [0, 6], block_size=4)
+    tables = [row[row >= 0].tolist() for row in batch.layout.block_tables.cpu()]
+    layout = build_step_layout([5, 1], [0, 6], tables, 8).to(DEVICE)  # the pool's blocks hold 4 tokens
+    with pytest.raises(ValueError, match="built with block_size=8 but k_cache holds 4 tokens per block"):
+        paged_attention_from_layout(batch.q, batch.k_cache, batch.v_cache, layout, scale=SCALE)
+
+
 # ---------------------------------------------------------------- unified kernel: full and edge tiles
 
 # Rows (query_len, cached_len): a prefill from scratch, a chunk on a cached prefix, one token late in a

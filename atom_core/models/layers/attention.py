@@ -98,6 +98,7 @@ class PagedAttention(nn.Module):
             )
         if q.dim() != 3 or q.shape[1:] != (self.num_heads, self.head_dim):
             raise ValueError(f"q must have shape [T, {self.num_heads}, {self.head_dim}], got {tuple(q.shape)}")
+        batch.check_pool_block_size(self.k_cache.shape[1], "the KV cache (k_cache)")
         if rotary_emb is None:
             ops.store_kv_(k, v, self.k_cache, self.v_cache, batch.slot_mapping,
                           k_scale=self.k_scale, v_scale=self.v_scale)

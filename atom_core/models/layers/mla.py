@@ -143,6 +143,7 @@ class MLAPagedAttention(nn.Module):
                 "MLAPagedAttention: no latent cache is bound; allocate the pool (model.kv_cache_spec() is an MLA "
                 "spec: one [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim] tensor per layer) and call "
                 "model.bind_kv_cache(kv_caches) before forward, even for a prefill-only step")
+        batch.check_pool_block_size(self.mla_cache.shape[1], "the latent cache (mla_cache)")
         ops.store_mla_(kv_c, k_pe, self.mla_cache, batch.slot_mapping, kv_scale=self.kv_scale)
         if topk_indices is not None:
             return ops.mla_sparse_attention(q_nope, q_pe, self.mla_cache, w_uk, w_uv, topk_indices, batch.block_tables,
@@ -255,6 +256,7 @@ class LightningIndexer(nn.Module):
                 "LightningIndexer: no indexer cache is bound; allocate model.extra_kv_cache_specs()['indexer'] "
                 "(one [num_blocks, block_size, index_head_dim] tensor per indexer layer, the latent pool's blocks) "
                 "and call model.bind_extra_kv_caches({'indexer': [...]}) before forward")
+        batch.check_pool_block_size(self.indexer_cache.shape[1], "the indexer cache")
         num_tokens = hidden.shape[0]
         q = self.wq_b(q_resid).view(num_tokens, self.num_heads, self.head_dim)       # [T, Hi, Di]
         k = self.k_norm(self.wk(hidden))                                              # [T, Di]
