@@ -317,9 +317,14 @@ class DataParallelEngine:
 
     def check_health(self) -> None:
         """Raise ``DistributedEngineError`` naming why the replicas can no longer step: one of their processes
-        has exited, or a step failed. Reads the replicas' exit statuses only (a server's health check)."""
+        has exited or said its engine cannot run (an idle replica checks its own worker ranks), or a step
+        failed. Reads what the replicas' reader threads recorded and their exit statuses only (a server's
+        health check; safe beside a thread that steps)."""
         self._check_usable()
         for replica in self._replicas:
+            if replica.fatal is not None:
+                raise ReplicaFailedError(f"this data-parallel engine can no longer run: {replica.describe_exit()}: "
+                                         f"its engine can no longer run ({replica.fatal})")
             if replica.process.poll() is not None:
                 raise ReplicaFailedError(f"this data-parallel engine can no longer run: {replica.describe_exit()}")
 

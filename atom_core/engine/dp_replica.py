@@ -17,7 +17,8 @@ Front <-> replica: one Unix socket pair per replica (``multiprocessing.connectio
   sequences that need them log-probs, prompt log-probs and prefix-cache hits, and every COUNTERS_EVERY_S
   seconds its engine's counters (pool, preemptions, prefix cache) (``_outputs_message``);
   ``("step_error", request ids, why)`` for a step that raised (its engine stays usable);
-  ``("fatal", why)`` when its engine can no longer run.
+  ``("fatal", why)`` when its engine can no longer run (found by a step, or while idle: a worker rank of its
+  own has exited; the replica then leaves).
 
 With DP attention (``config["dp_attention"]``: its rank, the world's size and rendezvous) the replica first
 joins the replicas' world, builds its model over it, and serves in lock step with its peers
@@ -67,6 +68,7 @@ _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_
                  "MASTER_PORT", "TORCHELASTIC_RUN_ID", "ATOM_CORE_WORKER_ARGS", "ATOM_CORE_PARENT_PID")
 _ENTRY = "from atom_core.engine.dp_replica import replica_main; replica_main()"
 COUNTERS_EVERY_S = 0.5  # a running replica's outputs carry its engine's counters this often (and when it idles)
+HEALTH_EVERY_S = 1.0  # an idle replica checks that its own worker ranks still run this often
 
 
 # ---- the front's side -----------------------------------------------------------------------------------------------
@@ -82,6 +84,7 @@ class ReplicaHandle:
         self.num_unfinished = 0  # its unfinished sequences
         self.num_requests = 0  # requests routed to it so far
         self.last_heard = time.monotonic()  # its last message (or the moment it got work while idle)
+        self.fatal: str | None = None  # why its engine can no longer run, once it said so (FATAL)
 
     def describe_exit(self) -> str:
         code = self.process.poll()
@@ -129,6 +132,8 @@ def _read_messages(conn: Connection, index: int, inbox: queue.Queue, replica: Re
         while True:
             message = conn.recv()
             replica.last_heard = time.monotonic()
+            if message[0] == FATAL:
+                replica.fatal = message[1]
             inbox.put((index, message))
     except (EOFError, OSError):
         inbox.put((index, (CLOSED,)))
@@ -235,6 +240,15 @@ class _Session:
             return True
         return False
 
+    def healthy(self) -> bool:
+        """Whether the engine can still step (``Engine.check_health``); if not, the front is told why (FATAL)."""
+        try:
+            self.engine.check_health()
+        except DistributedEngineError as error:
+            self.conn.send((FATAL, f"{type(error).__name__}: {error}"))
+            return False
+        return True
+
     def counters(self) -> dict:
         """The engine's counters and the loop's timing (in lock step, also the forwards run for the peers)."""
         extra = {} if self.lock_step is None else {"idle_forwards": self.lock_step.idle_forwards}
@@ -276,11 +290,17 @@ class _Session:
 
 def _serve(engine: Engine, conn: Connection) -> bool:
     """The replica's loop: take the front's commands (without waiting while requests run), step, send the
-    step's outputs. Returns True when the front said shutdown, False when the engine can no longer run."""
+    step's outputs. Returns True when the front said shutdown, False when the engine can no longer run. While
+    idle it checks its engine's health every HEALTH_EVERY_S (a worker rank of its own that died): the process
+    then leaves, so the front's health check sees it before any request is routed there."""
     session = _Session(engine, conn, None)
     while True:
         busy = engine.has_unfinished_requests()
         while not busy or conn.poll():
+            if not busy and not conn.poll(HEALTH_EVERY_S):
+                if not session.healthy():
+                    return False
+                continue
             if session.handle(conn.recv()):
                 return True
             busy = engine.has_unfinished_requests()
@@ -293,6 +313,7 @@ def _serve_in_lock_step(engine: Engine, conn: Connection, lock_step: LockStep) -
     agree; every rank steps when any has work (its own step, or an idle forward), and all leave together."""
     session = _Session(engine, conn, lock_step)
     leaving, anyone_busy = False, False
+    last_health = time.monotonic()
     while True:
         wait = 0.0 if anyone_busy or engine.has_unfinished_requests() else IDLE_WAIT_S
         while not leaving and conn.poll(wait):
@@ -308,6 +329,10 @@ def _serve_in_lock_step(engine: Engine, conn: Connection, lock_step: LockStep) -
         if anyone_leaving:
             return True
         if not anyone_busy:
+            if time.monotonic() - last_health >= HEALTH_EVERY_S:
+                if not session.healthy():
+                    return False
+                last_health = time.monotonic()
             continue
         if not busy:
             lock_step.idle(engine)

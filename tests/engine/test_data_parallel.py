@@ -300,6 +300,38 @@ def test_a_replica_that_dies_or_hangs_gives_a_named_error_and_leaves_no_process(
     assert _live_children() <= children and not any(map(_pid_exists, pids))
 
 
+def test_an_idle_replica_whose_worker_rank_dies_fails_the_front_health_check_naming_the_rank(monkeypatch):
+    """Two replicas of two tensor-parallel ranks each; replica 1's second rank is killed while nothing runs. The
+    replica finds it (it checks every HEALTH_EVERY_S while idle) and leaves, and the front's health check names
+    the replica, the rank and the signal before any request goes there. Nothing is left running."""
+    monkeypatch.setenv("ATOM_CORE_BACKEND", "torch")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    children = _live_children()
+    engine = Engine.from_pretrained(None, data_parallel_size=2, tensor_parallel_size=2, device="cpu",
+                                    dtype=torch.float32, step_timeout=30)
+    engine.check_health()  # passes while every process runs
+    replica = engine.processes[1]
+    (worker,) = _live_children(replica.pid)  # the replica's rank 1
+    os.kill(worker, signal.SIGKILL)
+    failure, deadline = None, time.monotonic() + 30
+    while failure is None and time.monotonic() < deadline:
+        try:
+            engine.check_health()
+            time.sleep(0.05)
+        except ReplicaFailedError as error:
+            failure = error
+    assert failure is not None, "the health check still passed 30 s after a replica's worker rank was killed"
+    assert f"replica 1 (pid {replica.pid})" in str(failure)
+    assert f"worker rank 1 (pid {worker}) was killed by SIGKILL" in str(failure)
+    with pytest.raises(ReplicaFailedError, match="replica 1"):
+        engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+    pids = [p.pid for p in engine.processes]
+    engine.shutdown()
+    del engine
+    gc.collect()
+    assert _live_children() <= children and not any(map(_pid_exists, [*pids, worker]))
+
+
 def test_a_caller_that_steps_later_than_step_timeout_gets_the_finished_outputs(monkeypatch):
     """The replica finished and went quiet; its outputs wait in the front's inbox: not a hang."""
     monkeypatch.setenv("ATOM_CORE_BACKEND", "torch")
@@ -332,11 +364,11 @@ def test_no_dict_of_a_replica_holds_a_request_it_aborted(one):
             self.aborted = []  # the aborted request (a list: not a dict)
             self.dicts_holding_it = None
 
-        def poll(self):
+        def poll(self, timeout=0.0):
             if self.steps == 3 and not self.aborted:  # abort after three steps
                 self.aborted.append(one._requests[group_id][0])
                 self.commands.append((ABORT, group_id))
-            return bool(self.commands)
+            return bool(self.commands) or timeout > 0  # the idle loop's wait: recv() comes next
 
         def recv(self):
             if not self.commands:  # idle after the abort: what still refers to the request?

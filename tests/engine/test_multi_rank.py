@@ -77,8 +77,10 @@ def _prompts(vocab: int, lengths=(7, 1, 13, 20, 3), seed=0) -> list[list[int]]:
     return [[rng.randrange(1, vocab - 1) for _ in range(n)] for n in lengths]
 
 
-def _live_children() -> set[int]:
-    """Pids of this process's children that still exist (zombies included: not reaped is left behind)."""
+def _live_children(parent: int | None = None) -> set[int]:
+    """Pids of the children of ``parent`` (default: this process) that still exist (zombies included: not
+    reaped is left behind)."""
+    parent = os.getpid() if parent is None else parent
     children = set()
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -87,7 +89,7 @@ def _live_children() -> set[int]:
                     fields = f.read().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            if int(fields[1]) == os.getpid():
+            if int(fields[1]) == parent:
                 children.add(int(entry))
     return children
 
