@@ -3,8 +3,10 @@
 Legend: T = tokens this step, D = hidden size, V = vocabulary, N = rows whose logits are
 wanted, L = layers.
 
-An architecture file supplies only its decoder layer (``CausalLM.make_layer``); this module
-provides the rest of the contract every model follows:
+An architecture file supplies its decoder layer (``CausalLM.make_layer``) and, where its model
+differs outside the layers, overrides the hooks ``CausalLM.make_final_norm`` (the norm after the
+last layer), ``CausalLM.embed_scale`` (a factor on the embedding output) and ``compute_logits``
+(e.g. soft-capped logits); this module provides the rest of the contract every model follows:
 
 - ``Cls(config, *, dtype, device)`` (and ``quant_config=`` for a quantized checkpoint, ``parallel=`` for a
   shard of a model split over several ranks, see ``CausalLM``);
@@ -90,19 +92,33 @@ class PreNormDecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    """HF's ``model.*``: ``embed_tokens``, ``layers``, ``norm``. Layers are built by the caller."""
+    """HF's ``model.*``: ``embed_tokens``, ``layers``, ``norm``. Layers and the final norm are built by the
+    caller (``norm``: called as ``norm(x)`` and ``norm(x, residual) -> (out, x + residual)``, as ``RMSNorm``).
 
-    def __init__(self, config: ModelConfig, layers: list[nn.Module], *, dtype: torch.dtype,
-                 tp_rank: int = 0, tp_size: int = 1, tp_group=None) -> None:
+    ``embed_scale``: a factor on the embedding output (Gemma's ``sqrt(D)``), rounded to the activations'
+    dtype before it multiplies, as HF does; None: no factor.
+    """
+
+    def __init__(self, config: ModelConfig, layers: list[nn.Module], norm: nn.Module, *, dtype: torch.dtype,
+                 embed_scale: float | None = None, tp_rank: int = 0, tp_size: int = 1, tp_group=None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
                                                    tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, dtype=dtype)
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.norm = norm
+        self.embed_scale = None if embed_scale is None else float(embed_scale)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> [T, D]: the embedding rows, times ``embed_scale`` when there is one."""
+        hidden = self.embed_tokens(input_ids)
+        if self.embed_scale is None:
+            return hidden
+        # the factor in the activations' dtype first (bf16: sqrt(3072) = 55.43 multiplies as 55.5), as HF does
+        return hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: StepLayout) -> torch.Tensor:
         """input_ids [T], positions [T] int64 -> hidden [T, D] after the final norm."""
-        hidden = self.embed_tokens(input_ids)
+        hidden = self.embed(input_ids)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, batch)
@@ -118,7 +134,9 @@ class CausalLM(nn.Module):
     Subclasses implement ``make_layer(layer_idx) -> nn.Module`` (a layer with
     ``forward(positions, hidden, residual, batch) -> (hidden, residual)`` holding one
     ``PagedAttention``); ``rotary_embedding(head_dim, layer_type)`` gives them one rotary table
-    per distinct (head_dim, layer type), shared by the layers that use it.
+    per distinct (head_dim, layer type), shared by the layers that use it. What differs outside the
+    layers has a hook: ``make_final_norm()`` (default a plain ``RMSNorm``), ``embed_scale()`` (a factor
+    on the embedding output; default None) and ``compute_logits`` (default the LM head's logits).
 
     ``dtype`` is the parameters' dtype (default: torch's default dtype); ``device`` where they
     are created. ``parallel`` (a ``models.parallel.ParallelContext``; None: one rank) says which shard
@@ -169,7 +187,8 @@ class CausalLM(nn.Module):
         with placement:
             layers = [self.make_layer(i) for i in range(config.num_hidden_layers)]
             tp = {"tp_rank": self.tp_rank, "tp_size": self.tp_size, "tp_group": self.tp_group}
-            self.model = DecoderModel(config, layers, dtype=self.dtype, **tp)
+            self.model = DecoderModel(config, layers, self.make_final_norm(), dtype=self.dtype,
+                                      embed_scale=self.embed_scale(), **tp)
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype=self.dtype, **tp)
         if config.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
@@ -184,6 +203,16 @@ class CausalLM(nn.Module):
     def make_layer(self, layer_idx: int) -> nn.Module:
         """Layer ``layer_idx``: ``forward(positions, hidden, residual, batch) -> (hidden, residual)``."""
         raise NotImplementedError(f"{type(self).__name__} must implement make_layer")
+
+    def make_final_norm(self) -> nn.Module:
+        """The norm after the last layer (``model.norm``): ``norm(x)`` and ``norm(x, residual) -> (out, x +
+        residual)``. Default: ``RMSNorm(hidden_size, rms_norm_eps)``."""
+        return RMSNorm(self.config.hidden_size, self.config.rms_norm_eps, dtype=self.dtype)
+
+    def embed_scale(self) -> float | None:
+        """The factor the embedding output is multiplied by (rounded to the activations' dtype first); None:
+        none. Default None."""
+        return None
 
     def tp_args(self) -> dict:
         """A tensor-parallel layer builder's keyword arguments: ``tp_rank``, ``tp_size``, ``tp_group`` (from

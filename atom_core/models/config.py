@@ -55,6 +55,11 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen2": {"rope_theta": 10000.0, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
               "attention_bias": True},  # (no config key: Qwen2's q/k/v projections always have a bias)
     "qwen3": {"rope_theta": 10000.0, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "head_dim": 128},
+    # (Gemma2 reads hidden_activation; hidden_act, which its configs also carry, mirrors it)
+    "gemma2": {"rope_theta": 10000.0, "max_position_embeddings": 8192, "rms_norm_eps": 1e-6,
+               "tie_word_embeddings": True, "head_dim": 256, "sliding_window": 4096,
+               "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+               "query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
     "qwen3_moe": {"rope_theta": 10000.0, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
                   "norm_topk_prob": False, "num_experts_per_tok": 8},
     "mixtral": {"rope_theta": 1e6, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
@@ -83,6 +88,7 @@ ARCH_FOR_MODEL_TYPE: dict[str, str] = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
@@ -103,7 +109,7 @@ def _default_layer_types(model_type: str, sliding_window: int | None, max_window
     """Each layer's attention when config.json gives no ``layer_types``, as transformers derives them."""
     if sliding_window is None or model_type in _NO_SLIDING_WINDOW:
         return ["full_attention"] * num_layers
-    if model_type == "gpt_oss":  # sliding, full, sliding, ...
+    if model_type in ("gpt_oss", "gemma2"):  # sliding, full, sliding, ...
         return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
     if model_type in ("qwen2", "qwen3") or max_window_layers is not None:
         # Qwen2's rule: layers from max_window_layers (default 28) on use the window.

@@ -47,14 +47,16 @@ class LlamaAttention(nn.Module):
     before RoPE (Qwen3, GLM-4-MoE's ``use_qk_norm``) give them with :meth:`set_qk_norms`, and the
     norms and the rotation then run as one op (``ops.qk_norm_rope_``). ``qkv_bias`` / ``o_bias`` default to
     ``config.attention_bias``; architectures that bias only q, k, v (Qwen2) pass them explicitly.
+    ``scale``: the softmax scale (None: ``Dh ** -0.5``; Gemma 2: ``query_pre_attn_scalar ** -0.5``);
+    ``logit_softcap``: c > 0 caps the scores as ``c * tanh(s / c)`` (0: off), as ``PagedAttention`` takes them.
     ``quant_config`` / ``prefix`` (``model.layers.{i}.self_attn``): the projections' quantization.
     ``tp_group``: the process group ``o_proj``'s sum runs over (``models.parallel``).
     """
 
     def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, *, sliding_window: int | None,
                  dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1,
-                 qkv_bias: bool | None = None, o_bias: bool | None = None, quant_config=None,
-                 prefix: str = "", tp_group=None) -> None:
+                 qkv_bias: bool | None = None, o_bias: bool | None = None, scale: float | None = None,
+                 logit_softcap: float = 0.0, quant_config=None, prefix: str = "", tp_group=None) -> None:
         super().__init__()
         head_dim = config.head_dim
         self.head_dim = head_dim
@@ -79,7 +81,8 @@ class LlamaAttention(nn.Module):
                                and o_quant.group_size == head_dim)
         self.rotary_emb = rotary_emb
         self.attn = PagedAttention(self.num_heads, head_dim, self.num_kv_heads,
-                                   scale=head_dim ** -0.5, sliding_window=sliding_window)
+                                   scale=head_dim ** -0.5 if scale is None else scale,
+                                   sliding_window=sliding_window, logit_softcap=logit_softcap)
         self.sinks: nn.Parameter | None = None  # per-head sink logits [H] fp32 (GPT-OSS sets them)
         self.q_norm: RMSNorm | None = None  # per-head RMSNorms over Dh before RoPE (set_qk_norms)
         self.k_norm: RMSNorm | None = None

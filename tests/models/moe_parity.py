@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import re
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from tests.models.parity_harness import (
     build_pair,
     random_tokens,
     run_all_checks,
+    save_checkpoint,
 )
 
 # family -> (transformers config class, model class), added to the harness's table.
@@ -66,11 +66,7 @@ def build_moe_pair(case: ParityCase, folder: Path, *, seed: int = 0) -> ModelPai
                 buf.copy_(0.2 * torch.randn(buf.shape, generator=gen))
                 changed = True
     if changed:
-        hf_model.save_pretrained(folder)
-        config_path = Path(folder) / "config.json"
-        saved = json.loads(config_path.read_text())
-        saved["architectures"] = [case.architecture]
-        config_path.write_text(json.dumps(saved, indent=2))
+        save_checkpoint(case, hf_model, folder)
     return pair
 
 

@@ -63,6 +63,7 @@ _HF_CLASSES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "ministral": ("MinistralConfig", "MinistralForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
 }
 
 
@@ -74,6 +75,9 @@ class ParityCase:
     hf_family: str                      # key of _HF_CLASSES
     architecture: str                   # written into config.json's "architectures"
     overrides: dict = field(default_factory=dict)
+    # keys deleted from the saved config.json, as older releases left out keys equal to the family's
+    # defaults: atom_core must then take transformers' defaults (HF's model keeps its config)
+    saved_without: tuple[str, ...] = ()
 
     def hf_config_kwargs(self) -> dict:
         # A deep copy: some transformers configs write into the dicts they are given (e.g.
@@ -137,12 +141,20 @@ def build_pair(case: ParityCase, folder: Path, *, seed: int = 0) -> ModelPair:
     torch.manual_seed(seed)
     hf_model = getattr(transformers, model_name)(config).float().eval()
     randomize_weights_(hf_model, seed)
+    save_checkpoint(case, hf_model, folder)
+    return ModelPair(case=case, hf_model=hf_model, path=Path(folder))
+
+
+def save_checkpoint(case: ParityCase, hf_model: torch.nn.Module, folder: Path) -> None:
+    """``hf_model.save_pretrained(folder)``, its config.json naming the case's architecture and without the
+    case's ``saved_without`` keys."""
     hf_model.save_pretrained(folder)
     config_path = Path(folder) / "config.json"
     saved = json.loads(config_path.read_text())
     saved["architectures"] = [case.architecture]
+    for key in case.saved_without:
+        del saved[key]
     config_path.write_text(json.dumps(saved, indent=2))
-    return ModelPair(case=case, hf_model=hf_model, path=Path(folder))
 
 
 class ShuffledKVPool:

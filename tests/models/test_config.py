@@ -218,7 +218,8 @@ _MOE_KEYS = dict(moe_intermediate_size=16, n_routed_experts=8, num_experts=8, nu
 _DEFAULTED = ["max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "attention_bias", "head_dim",
               "sliding_window"]
 _DEFAULTED_EXTRA = ["n_shared_experts", "routed_scaling_factor", "first_k_dense_replace", "norm_topk_prob", "n_group",
-                    "topk_group", "use_qk_norm", "num_experts_per_tok", "topk_method", "rope_interleave"]
+                    "topk_group", "use_qk_norm", "num_experts_per_tok", "topk_method", "rope_interleave",
+                    "hidden_activation", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"]
 
 
 def _hf_rope(hf) -> tuple[float, dict | None]:
@@ -230,11 +231,11 @@ def _hf_rope(hf) -> tuple[float, dict | None]:
     return params["rope_theta"], None if scaling == {"rope_type": "default"} else scaling
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "gpt_oss",
-                                        "deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "gemma2", "qwen3_moe", "mixtral", "glm4_moe",
+                                        "gpt_oss", "deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa"])
 def test_a_config_of_the_required_keys_only_takes_transformers_defaults(model_type):
     transformers = pytest.importorskip("transformers")
-    d = {**_MINIMAL, **(_MOE_KEYS if model_type not in ("llama", "qwen2", "qwen3") else {})}
+    d = {**_MINIMAL, **(_MOE_KEYS if model_type not in ("llama", "qwen2", "qwen3", "gemma2") else {})}
     hf = transformers.AutoConfig.for_model(model_type, **d)
     ours = ModelConfig.from_dict({**d, "model_type": model_type})
     assert (ours.rope_theta, ours.rope_scaling) == _hf_rope(hf)
@@ -266,6 +267,8 @@ def test_a_config_of_the_required_keys_only_takes_transformers_defaults(model_ty
     ("qwen3_moe", dict(sliding_window=16, max_window_layers=2, **_MOE_KEYS)),
     ("mixtral", dict(sliding_window=16, **_MOE_KEYS)),                    # every layer
     ("gpt_oss", dict(sliding_window=16, **_MOE_KEYS)),                    # every other layer, from the first
+    ("gemma2", dict(sliding_window=16)),                                   # every other layer, from the first
+    ("gemma2", {}),                                                        # the same, with the default window
 ])
 def test_layer_types_without_the_key_are_what_transformers_derives(model_type, extra):
     transformers = pytest.importorskip("transformers")
@@ -299,18 +302,18 @@ def test_rope_scaling_beside_rope_parameters_is_read_as_transformers_reads_it(fi
 
 def test_a_family_without_known_defaults_is_warned_of_each_key_taken_from_llamas(caplog):
     """A config of a model_type not in ARCH_DEFAULTS that leaves keys out gets Llama's values: said, key by key
-    (Gemma2's hidden_act, tied head and alternating windows would otherwise be lost silently)."""
+    (Gemma 3's hidden_act, tied head and windows on five layers of six would otherwise be lost silently)."""
     base = {"vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2, "sliding_window": 4}
     with caplog.at_level(logging.WARNING, logger="atom_core.models.config"):
-        ModelConfig.from_dict({**base, "model_type": "gemma2"})
+        ModelConfig.from_dict({**base, "model_type": "gemma3_text"})
     (record,) = caplog.records
-    assert "model_type 'gemma2'" in record.getMessage()
+    assert "model_type 'gemma3_text'" in record.getMessage()
     assert "layer_types=['sliding_attention', 'sliding_attention']" in record.getMessage()
     assert "hidden_act='silu'" in record.getMessage() and "tie_word_embeddings=False" in record.getMessage()
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="atom_core.models.config"):
         ModelConfig.from_dict({**base, "model_type": "qwen2"})  # a known family: its defaults apply, unsaid
-        ModelConfig.from_dict({**base, "model_type": "gemma2", "hidden_act": "gelu_pytorch_tanh",
+        ModelConfig.from_dict({**base, "model_type": "gemma3_text", "hidden_act": "gelu_pytorch_tanh",
                                "tie_word_embeddings": True, "max_position_embeddings": 8192, "rms_norm_eps": 1e-6,
                                "attention_bias": False, "mlp_bias": False,
                                "layer_types": ["sliding_attention", "full_attention"]})  # all written out

@@ -30,6 +30,7 @@ from atom_core import ops  # noqa: E402
 from atom_core.models import ParallelContext, load_model  # noqa: E402
 from atom_core.models.layers.moe import FusedMoE
 from tests.models import (  # noqa: E402
+    test_parity_gemma2,
     test_parity_glm4_moe,
     test_parity_gpt_oss,
     test_parity_llama,
@@ -51,6 +52,7 @@ DENSE_CASES = [
     test_parity_llama.CASES[0],
     test_parity_qwen3.CASES[0],          # 2 KV heads: one per rank
     test_parity_qwen3.CASES[2],          # MQA (a replicated KV head), intermediate 100, hidden 48
+    test_parity_gemma2.CASES[1],         # MQA, the embedding scale after the all-reduce, capped gathered logits
 ]
 MOE_CASES = [
     test_parity_qwen3_moe.CASES[1],      # a dense layer and sparse ones, tied head
