@@ -132,7 +132,7 @@ class MultiTokenPredictor(MLACaches, nn.Module):
         hidden at p for depth 0, else depth - 1's output), batch: the step's layout over this module's pool.
         Returns h'' [T, E] in the model's dtype (before ``shared_head.norm``)."""
         layer = self.layers[depth]
-        embedded = self.target.model.embed_tokens(input_ids)                                    # [T, E]
+        embedded = self.target.model.embed(input_ids)                                           # [T, E]
         x = layer.eh_proj(torch.cat([layer.enorm(embedded), layer.hnorm(hidden)], dim=-1))       # [T, E]
         out, residual = layer.mtp_block(positions, x, None, batch)
         return out + residual
