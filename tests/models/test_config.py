@@ -252,8 +252,11 @@ def test_a_config_of_the_required_keys_only_takes_transformers_defaults(model_ty
             assert ours.get(key) == getattr(hf, key), key
     if "partial_rotary_factor" in hf.rope_parameters:
         assert ours.partial_rotary_factor == hf.rope_parameters["partial_rotary_factor"]
-    if getattr(hf, "layer_types", None) is not None and "indexed_attention" not in hf.layer_types:
-        assert ours.layer_types == list(hf.layer_types)
+    # transformers names DSA's layers (which our config calls full attention: the indexer is the model's own
+    # business) "indexed_attention" (5.25) or "deepseek_sparse_attention" (5.17)
+    hf_types = getattr(hf, "layer_types", None)
+    if hf_types is not None and not {"indexed_attention", "deepseek_sparse_attention"} & set(hf_types):
+        assert ours.layer_types == list(hf_types)
 
 
 @pytest.mark.parametrize("model_type, extra", [

@@ -9,18 +9,21 @@ import asyncio
 import json
 
 import pytest
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from atom_core.engine.async_engine import AsyncEngine
-from atom_core.engine.request_stream import RequestStream, _Delta
-from atom_core.engine.sampling_params import SamplingParams
-from atom_core.serve.chat import ChatJob
-from atom_core.serve.common import ServerConfig, ServerContext, json_value, sse, sse_head
-from atom_core.serve.completions import CompletionJob
-from atom_core.serve.engine_options import FALLBACK_CHAT_TEMPLATE
-from atom_core.serve.metrics import ITL_BUCKETS, LoopCounter, LoopHistogram, ServerMetrics
-from atom_core.serve.protocol import ChatCompletionRequest, CompletionRequest, parse_request
-from tests.serve.conftest import demo_engine
+pytest.importorskip("pydantic")  # the server's extra (atom_core.serve.protocol): absent, the server tests skip
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest  # noqa: E402
+
+from atom_core.engine.async_engine import AsyncEngine  # noqa: E402
+from atom_core.engine.request_stream import RequestStream, _Delta  # noqa: E402
+from atom_core.engine.sampling_params import SamplingParams  # noqa: E402
+from atom_core.serve.chat import ChatJob  # noqa: E402
+from atom_core.serve.common import ServerConfig, ServerContext, json_value, sse, sse_head  # noqa: E402
+from atom_core.serve.completions import CompletionJob  # noqa: E402
+from atom_core.serve.engine_options import FALLBACK_CHAT_TEMPLATE  # noqa: E402
+from atom_core.serve.metrics import ITL_BUCKETS, LoopCounter, LoopHistogram, ServerMetrics  # noqa: E402
+from atom_core.serve.protocol import ChatCompletionRequest, CompletionRequest, parse_request  # noqa: E402
+from tests.serve.conftest import demo_engine  # noqa: E402
 
 TEXTS = ["", " the", 'say "hi"\n', "tab\there\\back/slash", "\x00\x1f\x7f control", "ünïcødé €", "日本語",
          "emoji 🙂", "\u2028\u2029 separators", "\ud800 lone surrogate", "</script>"]
