@@ -101,26 +101,64 @@ def choose_template(templates: dict[str, str], chat_template: str | None, tools)
                             f"of {sorted(templates)}")
 
 
-def render(template: str, conversation: list, *, add_generation_prompt: bool, tools=None, documents=None,
-           special_tokens: dict[str, str] | None = None, **kwargs) -> str:
+def render(template: str, conversation: list, *, add_generation_prompt: bool, continue_final_message: bool = False,
+           tools=None, documents=None, special_tokens: dict[str, str] | None = None, **kwargs) -> str:
     """One conversation (a list of message dicts) rendered by ``template``; keyword arguments
-    are passed to the template (they override the special tokens of the same name)."""
+    are passed to the template (they override the special tokens of the same name).
+
+    ``continue_final_message``: the text ends with the final message's content, its turn left open for
+    the model to go on writing it (what the template writes after that content is cut, as transformers
+    does); not with ``add_generation_prompt``."""
     if not isinstance(conversation, (list, tuple)) or not conversation:
         raise ChatTemplateError("a conversation is a non-empty list of messages")
+    if continue_final_message and add_generation_prompt:
+        raise ChatTemplateError("continue_final_message (go on writing the final message) and add_generation_prompt "
+                                "(start a new assistant turn) exclude each other: pass add_generation_prompt=False")
     messages = []
     for message in conversation:
         if not isinstance(message, Mapping):
             raise ChatTemplateError(f"chat messages are dicts, got {type(message).__name__}: {message!r}")
         messages.append({key: value for key, value in message.items() if value is not None})
-    messages = _alias_reasoning(_plain(messages))
+    messages = _alias_reasoning(_plain(messages))  # (fresh copies: the caller's messages are never changed)
+    final_text = _mark_final_message(messages[-1]) if continue_final_message else ""
     variables = _plain({**(special_tokens or {}), **kwargs})
     try:
-        return compile_template(template).render(messages=messages, tools=_plain(tools), documents=_plain(documents),
+        text = compile_template(template).render(messages=messages, tools=_plain(tools), documents=_plain(documents),
                                                  add_generation_prompt=add_generation_prompt, **variables)
     except jinja2.TemplateError as e:  # SecurityError and raise_exception's TemplateError included
         raise ChatTemplateError(f"chat template: {type(e).__name__}: {e}") from e
     except (TypeError, ValueError, LookupError, ArithmeticError) as e:  # the template's own code failed on its inputs
         raise ChatTemplateError(f"chat template: {type(e).__name__}: {e}") from e
+    return _cut_at_mark(text, final_text) if continue_final_message else text
+
+
+# continue_final_message: the final message's text gets this mark, and the rendered text ends where the mark is.
+_OPEN_MARK = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _mark_final_message(final: dict) -> str:
+    """Append ``_OPEN_MARK`` to ``final``'s content (a string, or its last text part); returns that text."""
+    content = final.get("content")
+    if isinstance(content, str):
+        final["content"] = content + _OPEN_MARK
+        return content
+    if isinstance(content, list):
+        for part in reversed(content):
+            if isinstance(part, dict) and isinstance(part.get("text"), str):
+                text, part["text"] = part["text"], part["text"] + _OPEN_MARK
+                return text
+    raise ChatTemplateError("continue_final_message needs a final message with text content")
+
+
+def _cut_at_mark(text: str, final_text: str) -> str:
+    """``text`` up to the mark: where the template kept the space after it, the final message's own trailing
+    spaces stay; where it trimmed them, they go too (transformers' rule)."""
+    mark = _OPEN_MARK.strip()
+    at = text.rfind(mark)
+    if at < 0 or final_text.strip() not in text:
+        raise ChatTemplateError("continue_final_message: the chat template does not write the final message's "
+                                "content as given (it changes or drops part of it), so there is no place to go on from")
+    return text[:at] if text.startswith(_OPEN_MARK, at) else text[:at].rstrip()
 
 
 @functools.lru_cache(maxsize=32)

@@ -556,12 +556,13 @@ class Engine:
     # ------------------------------------------------------------------ offline
 
     def generate(self, prompts: str | Sequence[int] | Iterable[str | Sequence[int]],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run prompts to completion; one output per prompt, in prompt order (generated part only).
 
         ``prompts``: a string, one token-id list or one of vLLM's prompt dicts (one prompt), or a list
-        of them. Every prompt is checked before any is queued. With ``n > 1`` a prompt's output is its
+        of them; ``sampling_params``: one for all, or one per prompt (None: the engine's defaults, from the
+        checkpoint's generation config). Every prompt is checked before any is queued. With ``n > 1`` a prompt's output is its
         sequence 0, and its ``outputs`` holds all n in index order. ``generate`` runs only its own
         prompts: it refuses while requests added with ``add_request`` are unfinished (step them or abort
         them first), so no output of theirs is consumed here. When it raises (a step failed, or
@@ -574,6 +575,7 @@ class Engine:
                 isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]  # one prompt
         prompts = list(prompts)
+        params = sampling_params
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
@@ -609,27 +611,34 @@ class Engine:
         return results
 
     def chat(self, messages: Sequence[Mapping] | Sequence[Sequence[Mapping]],
-             params: SamplingParams | Sequence[SamplingParams] | None = None, *, add_generation_prompt: bool = True,
-             chat_template: str | None = None, tools: list[dict] | None = None, use_tqdm: bool = True,
-             **template_kwargs) -> list[RequestOutput]:
-        """``generate`` on conversations rendered by the checkpoint's chat template.
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *, use_tqdm: bool = True,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: Mapping | None = None) -> list[RequestOutput]:
+        """``generate`` on conversations rendered by the checkpoint's chat template (vLLM's ``LLM.chat``).
 
         ``messages``: one conversation (a list of {"role": ..., "content": ...} dicts) or a list of
-        them; ``params`` as for ``generate`` (one, or one per conversation). ``chat_template``: a
-        template name or a template itself (default: the checkpoint's); ``add_generation_prompt``,
-        ``tools`` and further keywords are passed to the template (``engine.chat_template``).
-        Returns one output per conversation. Raises ``ChatTemplateError`` (a ValueError) when a
-        template is missing or refuses a conversation, before anything is queued.
+        them; ``sampling_params`` as for ``generate`` (one, or one per conversation). ``chat_template``: a
+        template name or a template itself (default: the checkpoint's). ``add_generation_prompt`` opens the
+        assistant's turn; ``continue_final_message`` (with ``add_generation_prompt=False``) leaves the final
+        message open for the model to go on writing it. ``tools`` and ``chat_template_kwargs`` (further
+        variables, e.g. ``{"enable_thinking": False}``) are passed to the template. Returns one output per
+        conversation. Raises ``ChatTemplateError`` (a ValueError) when a template is missing or refuses a
+        conversation, before anything is queued.
         """
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer (tokenizer.json and a chat template in the model folder)")
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages: a conversation (a non-empty list of message dicts) or a list of them")
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
+            raise TypeError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
         conversations = list(messages) if isinstance(messages[0], (list, tuple)) else [messages]
         prompts = [self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                                      chat_template=chat_template, tools=tools, **template_kwargs)
+                                                      continue_final_message=continue_final_message,
+                                                      chat_template=chat_template, tools=tools,
+                                                      **(chat_template_kwargs or {}))
                    for conversation in conversations]
-        return self.generate(prompts, params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _num_unfinished(self) -> int:
         return self.scheduler.num_unfinished

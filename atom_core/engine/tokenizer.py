@@ -87,17 +87,20 @@ class Tokenizer:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, conversation: list[dict], *, add_generation_prompt: bool = True,
-                            chat_template: str | None = None, tools: list[dict] | None = None,
-                            documents: list[dict] | None = None, tokenize: bool = True, **template_kwargs):
+                            continue_final_message: bool = False, chat_template: str | None = None,
+                            tools: list[dict] | None = None, documents: list[dict] | None = None, tokenize: bool = True,
+                            **template_kwargs):
         """One conversation (a list of {"role", "content", ...} messages) rendered by the chat template
         (``chat_template``: a template name or a template itself; default: the checkpoint's) and,
         with ``tokenize``, its token ids (no special tokens added: the template writes them), as
-        transformers' ``apply_chat_template``. Raises ``ChatTemplateError`` (a ValueError)."""
+        transformers' ``apply_chat_template``; ``continue_final_message`` leaves the final message open (its
+        text ends the prompt; needs ``add_generation_prompt=False``). Raises ``ChatTemplateError`` (a
+        ValueError)."""
         from atom_core.engine.chat_template import choose_template, render
 
         text = render(choose_template(self.chat_templates, chat_template, tools), conversation,
-                      add_generation_prompt=add_generation_prompt, tools=tools, documents=documents,
-                      special_tokens=self.special_tokens, **template_kwargs)
+                      add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                      tools=tools, documents=documents, special_tokens=self.special_tokens, **template_kwargs)
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
     @property

@@ -237,6 +237,45 @@ def test_a_tokenizer_without_a_template_refuses_by_name():
         Tokenizer(DEMO_MODEL).apply_chat_template([{"role": "user", "content": "hi"}])
 
 
+# A conversation ending with the assistant's partial answer (padded: templates that trim it are cut after the
+# trimmed text, as transformers does), and one whose final message is content parts.
+OPEN_ENDED = [
+    [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "  The colour is "}],
+    CONVERSATIONS[1][:3],
+    [{"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+     {"role": "assistant", "content": [{"type": "text", "text": "Hello, I"}]}],
+]
+
+
+@pytest.mark.parametrize("style", ["qwen", "llama"])
+def test_continue_final_message_equals_transformers(folders, style):
+    from transformers import AutoTokenizer
+
+    ours, theirs = Tokenizer(folders[style]), AutoTokenizer.from_pretrained(folders[style])
+    parts = "{% for m in messages %}{{ m.role }}: {% for p in m.content %}{{ p.text }}{% endfor %}<|im_end|>{% endfor %}"
+    for conversation, template in [(OPEN_ENDED[0], {}), (OPEN_ENDED[1], {}), (OPEN_ENDED[2], {"chat_template": parts})]:
+        if template and style == "llama":
+            continue
+        kwargs = dict(add_generation_prompt=False, continue_final_message=True, **template)
+        text = ours.apply_chat_template(conversation, tokenize=False, **kwargs)
+        assert text == theirs.apply_chat_template(conversation, tokenize=False, **kwargs)
+        content = conversation[-1]["content"]
+        assert text.rstrip().endswith((content if isinstance(content, str) else content[0]["text"]).strip())
+        assert ours.apply_chat_template(conversation, **kwargs) == theirs.apply_chat_template(
+            conversation, tokenize=True, return_dict=False, **kwargs)
+
+
+def test_continue_final_message_refusals():
+    template = "{% for m in messages %}{{ m.role }}: {{ m.content | upper }}\n{% endfor %}"
+    with pytest.raises(ChatTemplateError, match="exclude each other"):
+        render(template, OPEN_ENDED[0], add_generation_prompt=True, continue_final_message=True)
+    with pytest.raises(ChatTemplateError, match="does not write the final message's content as given"):
+        render(template, OPEN_ENDED[0], add_generation_prompt=False, continue_final_message=True)
+    with pytest.raises(ChatTemplateError, match="final message with text content"):
+        render(template, [{"role": "assistant", "content": [{"type": "image"}]}], add_generation_prompt=False,
+               continue_final_message=True)
+
+
 @pytest.fixture(scope="module")
 def chat_engine(tmp_path_factory):
     """The demo model with a plain-text template (its own tokens only: the model has 2048)."""
@@ -269,4 +308,30 @@ def test_engine_chat_generates_from_the_rendered_prompt(chat_engine):
     assert one[0].token_ids == plain[0].token_ids and many[1].token_ids == one[0].token_ids[:3]
     with pytest.raises(ChatTemplateError, match="chat template: TemplateError: stop"):
         engine.chat(CONVERSATIONS[0], greedy, chat_template="{{ raise_exception('stop') }}", use_tqdm=False)
+    assert not engine.has_unfinished_requests()
+
+
+def test_engine_chat_takes_llm_chat_keywords_and_refuses_others(chat_engine):
+    """vLLM's ``LLM.chat`` keywords: ``sampling_params=`` is the parameters (greedy, 3 tokens), template variables
+    go in ``chat_template_kwargs``, ``continue_final_message`` leaves the final turn open; any other keyword is
+    refused rather than passed to the template."""
+    folder, engine = chat_engine
+    template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}{% if shout %}LOUD{% endif %}"
+    conversation = [{"role": "user", "content": "Return the"}, {"role": "assistant", "content": "value of"}]
+    with ops.use_backend("torch"):
+        out = engine.chat(conversation, sampling_params=SamplingParams(temperature=0, max_tokens=3),
+                          chat_template=template, add_generation_prompt=False, continue_final_message=True,
+                          chat_template_kwargs={"shout": True}, use_tqdm=False)[0]
+        again = engine.chat(conversation, SamplingParams(temperature=0, max_tokens=3), chat_template=template,
+                            add_generation_prompt=False, continue_final_message=True, use_tqdm=False)[0]
+    assert len(out.token_ids) == 3 and out.token_ids == again.token_ids
+    assert out.prompt_token_ids == engine.tokenizer.encode("user: Return the\nassistant: value of",
+                                                           add_special_tokens=False)
+    shouted = engine.tokenizer.apply_chat_template(conversation, chat_template=template, add_generation_prompt=False,
+                                                   tokenize=False, shout=True)
+    assert shouted.endswith("LOUD")  # chat_template_kwargs reach the template (the open final turn cut it here)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'enable_thinking'"):
+        engine.chat(conversation, enable_thinking=False, use_tqdm=False)
+    with pytest.raises(TypeError, match="chat_template_kwargs must be a dict"):
+        engine.chat(conversation, chat_template_kwargs=["shout"], use_tqdm=False)
     assert not engine.has_unfinished_requests()
