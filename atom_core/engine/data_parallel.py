@@ -191,9 +191,10 @@ class DataParallelEngine:
             for index in range(data_parallel_size):
                 gpus = visible[index * tensor_parallel_size:(index + 1) * tensor_parallel_size]
                 rank = None if world is None else world | {"rank": index}
-                self._replicas.append(start_replica(index, gpus, ranks,
-                                                    config | {"device": device.type, "dp_attention": rank},
-                                                    self._inbox))
+                own = config | {"device": device.type, "dp_attention": rank}
+                if engine_args.get("seed") is not None:  # replicas draw different seeds for their unseeded requests
+                    own["engine_args"] = engine_args | {"seed": engine_args["seed"] + index}
+                self._replicas.append(start_replica(index, gpus, ranks, own, self._inbox))
             self._wait_ready()
         except BaseException:
             for replica in self._replicas:  # still loading (deaf to a shutdown message), or failed

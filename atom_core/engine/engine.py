@@ -66,7 +66,9 @@ class Engine:
     "auto" (the model's dtype) or "fp8" (``float8_e4m3fn``: one byte per element, so the pool holds
     twice the tokens of a bf16 one; the cache holds ``k / k_scale`` with the checkpoint's per-layer
     scales, or 1.0). ``max_logprobs`` (default 20, vLLM's): the most top alternatives a request may
-    ask for per token (``SamplingParams.logprobs`` / ``prompt_logprobs``).
+    ask for per token (``SamplingParams.logprobs`` / ``prompt_logprobs``). ``seed``: where the draws of
+    requests without their own ``SamplingParams.seed`` come from: an int makes them repeat in every process
+    that adds the same requests in the same order (vLLM's engine seed); None (default): fresh randomness.
 
     A model writes into one KV pool at a time: an engine binds its own pool into the model before
     each step when another engine on the same model has rebound it.
@@ -87,7 +89,8 @@ class Engine:
                  max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, enforce_eager: bool = False, async_scheduling: bool = True,
                  warmup: bool = True, kv_cache_dtype: str | torch.dtype = "auto", max_logprobs: int = 20,
-                 step_timeout: float = DEFAULT_STEP_TIMEOUT, workers: WorkerSet | None = None):
+                 step_timeout: float = DEFAULT_STEP_TIMEOUT, seed: int | None = None,
+                 workers: WorkerSet | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.device = check_device(device) if device is not None else next(model.parameters()).device
@@ -137,7 +140,9 @@ class Engine:
         self._requests: dict[int, list[Request]] = {}  # by the id add_request returned: the prompt's n sequences
         self.failed_request_ids: list[int] = []  # the requests the last step that raised finished with "error"
         self._next_id = 0
-        self._seed_source = random.Random()
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise TypeError(f"seed must be an int or None, got {seed!r}")
+        self._seed_source = random.Random(seed)  # the seeds of requests without their own
         self._grammar_compiler = None  # structured output's GrammarCompiler, made on first use
         self._grammar_compiler_lock = threading.Lock()  # compile_structured may run on other threads
         if warmup:

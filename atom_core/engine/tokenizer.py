@@ -73,9 +73,11 @@ class Tokenizer:
         return cls(folder) if (Path(folder) / "tokenizer.json").is_file() else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``. With ``add_special_tokens`` (a chat template writes its own), as transformers'
-        fast tokenizers: what tokenizer.json's post-processor adds (Llama-3's BOS), and the BOS token first
-        when tokenizer_config.json says ``add_bos_token`` and the post-processor has not put it there."""
+        """Token ids of ``text``. With ``add_special_tokens`` (a chat template writes its own): what
+        tokenizer.json's post-processor adds (Llama-3's BOS), and the BOS token first when tokenizer_config.json
+        says ``add_bos_token`` and the post-processor has not put it there, as transformers' Llama and Gemma
+        tokenizers do (its generic fast tokenizer ignores the key: docs/sampling.md, "Prompts and the BOS
+        token")."""
         encoding = self._tok.encode(text, add_special_tokens=add_special_tokens)
         ids = encoding.ids
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None and not (

@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="the OpenAI-compatible HTTP server")
     add_engine_arguments(serve)
+    serve.add_argument("--seed", type=seed_value, default=None,
+                       help="the engine seed: requests without their own seed draw the same in every run given the "
+                            "same requests in the same order (default: fresh randomness)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=port_number, default=8000, help="(default 8000)")
     serve.add_argument("--served-model-name", default=None,

@@ -191,7 +191,7 @@ def build_engine(args: argparse.Namespace):
             max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_dtype=args.kv_cache_dtype,
             num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
             block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
-            enforce_eager=args.enforce_eager, **parallel)
+            enforce_eager=args.enforce_eager, seed=getattr(args, "seed", None), **parallel)
     except ValueError as e:
         raise ValueError(with_flag_names(str(e))) from e
     except FileNotFoundError as e:  # a folder without weights

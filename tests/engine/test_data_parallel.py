@@ -408,3 +408,22 @@ def test_engine_arguments_that_cannot_go_to_a_replica_are_refused_before_any_sta
         Engine.from_pretrained(None, data_parallel_size=2, device="cpu", kv_cache_dtype=lambda: 0)
     gc.collect()
     assert _live_children() <= children
+
+
+def test_with_an_engine_seed_replica_i_draws_as_one_engine_of_seed_plus_i(monkeypatch):
+    """The same unseeded prompt twice, one on each replica (routing: the second goes to the idle one): each
+    draws what one engine of the seed plus the replica's index draws for its first request."""
+    monkeypatch.setenv("ATOM_CORE_BACKEND", "torch")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    params = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    prompt = "Return the number of"
+    with Engine.from_pretrained(None, data_parallel_size=2, device="cpu", dtype=torch.float32, seed=3) as engine:
+        ids = [engine.add_request(prompt, params) for _ in range(2)]
+        assert [engine.replica_of(i) for i in ids] == [0, 1]
+        outs = {}
+        while engine.has_unfinished_requests():
+            outs |= {o.request_id: o.token_ids for o in engine.step().finished()}
+    with ops.use_backend("torch"):
+        alone = [Engine.from_pretrained(None, device="cpu", dtype=torch.float32, seed=3 + i).generate(
+            prompt, params, use_tqdm=False)[0].token_ids for i in range(2)]
+    assert [outs[i] for i in ids] == alone and alone[0] != alone[1]

@@ -230,3 +230,21 @@ def test_warmups_sampling_part_runs_the_sampler_and_every_logits_processing_op(e
     with ops.trace_backends() as calls, torch.inference_mode():
         engine._warm_sampling()
     assert {"sample", "apply_penalties_", "apply_token_bias_", "apply_token_mask_"} <= {op for op, _ in calls}
+
+
+def test_an_engine_seed_repeats_the_draws_of_unseeded_requests():
+    """Two engines of the same seed give unseeded sampled requests the same tokens; another seed other tokens
+    (16 tokens drawn at temperature 1 from 2,048: the same by chance has probability far below 1e-9)."""
+    params = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    prompts = ["Return the number of", "If the file"]
+
+    def run(seed):
+        with ops.use_backend("torch"):
+            engine = Engine.from_pretrained(None, device="cpu", dtype=torch.float32, seed=seed)
+            return [o.token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
+
+    first = run(7)
+    assert run(7) == first
+    assert run(8) != first
+    with pytest.raises(TypeError, match="seed must be an int"):
+        Engine.from_pretrained(None, device="cpu", seed="7")

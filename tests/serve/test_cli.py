@@ -319,6 +319,18 @@ def test_parallel_flags_reach_engine_from_pretrained_as_its_arguments(flags, wan
     assert {k: v for k, v in seen.items() if k in names} == want
 
 
+@pytest.mark.parametrize("flags, want", [([], None), (["--seed", "5"], 5)])
+def test_serve_seed_flag_is_the_engine_seed(flags, want, monkeypatch):
+    from atom_core.engine import Engine
+    from atom_core.serve import cli
+    from atom_core.serve.engine_options import build_engine
+
+    seen = {}
+    monkeypatch.setattr(Engine, "from_pretrained", classmethod(lambda cls, path, **kwargs: seen.update(kwargs)))
+    build_engine(cli.build_parser().parse_args(["serve", *flags, "--threads", "1", "--device", "cpu"]))
+    assert seen["seed"] == want
+
+
 def test_serve_engine_process_flag_builds_one_replica_in_its_own_process_with_the_engine_flags(monkeypatch):
     from atom_core.engine import DataParallelEngine
     from atom_core.serve.engine_options import build_engine
