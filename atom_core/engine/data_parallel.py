@@ -206,6 +206,7 @@ class DataParallelEngine:
         self.max_model_len = info["max_model_len"]
         self.max_logprobs = info["max_logprobs"]
         self.default_sampling_params = info["default_sampling_params"]
+        self.generation_defaults = info["generation_defaults"]
         self._eos_token_ids = info["eos_token_ids"]
         self.config = info["config"]
         # ``model.config`` as an Engine has it (what servers and benchmarks read); the model runs in the replicas.

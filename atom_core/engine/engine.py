@@ -130,6 +130,9 @@ class Engine:
                                   enforce_eager=enforce_eager, channel=self._channel)
         # What a request without SamplingParams gets (from_pretrained: the checkpoint's generation_config.json).
         self.default_sampling_params = SamplingParams()
+        # The fields generation_config.json gave (SamplingParams names: max_new_tokens is "max_tokens"); a
+        # server takes its defaults from here, where a field the checkpoint left out differs from one it set.
+        self.generation_defaults: dict = {}
         self.max_logprobs = max_logprobs
         engine = weakref.proxy(self)  # (bound methods would keep the engine, and its KV pool, alive: a cycle)
         self._checks = RequestChecks(tokenizer, config.vocab_size, self.max_model_len, max_logprobs,
@@ -224,6 +227,7 @@ class Engine:
             engine.default_sampling_params = SamplingParams(**defaults)
         except ValueError as e:
             raise ValueError(f"{path / 'generation_config.json'}: {e}") from None
+        engine.generation_defaults = dict(defaults)
         return engine
 
     # ------------------------------------------------------------------ several ranks

@@ -97,7 +97,8 @@ class RequestChecks:
         return token_ids
 
     def check_params(self, params: SamplingParams, grammar=None) -> None:
-        """What SamplingParams cannot check alone: token ids inside this vocabulary, log-prob counts
+        """What SamplingParams cannot check alone: token ids inside this vocabulary (logit_bias,
+        allowed_token_ids, stop_token_ids, bad_words), log-prob counts
         under ``max_logprobs``, stop strings and bad words that need a tokenizer, a structured output's
         constraint (or that ``grammar``, compiled already, is this engine's compilation of it)."""
         vocab = self.vocab_size
@@ -114,6 +115,8 @@ class RequestChecks:
             outside("logit_bias", params.logit_bias)
         if params.allowed_token_ids is not None:
             outside("allowed_token_ids", params.allowed_token_ids)
+        if params.stop_token_ids:  # (vLLM refuses them too: such a token can never be sampled)
+            outside("stop_token_ids", params.stop_token_ids)
         for word in params.bad_words or ():
             if isinstance(word, str):
                 if self.tokenizer is None:

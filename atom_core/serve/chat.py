@@ -1,8 +1,12 @@
 """``POST /v1/chat/completions``: a conversation rendered by the model's chat template, streamed or not.
 
 The conversation goes through ``Tokenizer.apply_chat_template`` (the template ``Engine.chat``
-renders; the server's ``--chat-template`` replaces the model's), ``tools`` and
-``chat_template_kwargs`` are passed to the template. The assistant's text is returned as it is:
+renders): the request's ``chat_template`` (with ``--trust-request-chat-template``, as vLLM), else the
+server's ``--chat-template``, else the model's. ``tools``, ``documents``, ``chat_template_kwargs``,
+``reasoning_effort`` (vLLM: also ``enable_thinking``) and vLLM's ``add_generation_prompt`` /
+``continue_final_message`` go to the template; the text is then encoded (``add_special_tokens``,
+``truncate_prompt_tokens``). Without ``max_tokens`` the reply runs to the model's generation_config.json
+``max_new_tokens``, else to the end of the context (vLLM's default). The assistant's text is returned as it is:
 tool calls are not parsed out of it. ``response_format`` (json_object, json_schema) and vLLM's
 ``guided_*`` / ``structured_outputs`` constrain it through a grammar (docs/serving.md).
 
@@ -20,7 +24,8 @@ from collections.abc import AsyncIterator
 from atom_core.engine.async_engine import EngineClosedError, EngineStepError
 from atom_core.engine.request_stream import RequestStream
 from atom_core.serve.common import (SSE_DONE, APIError, ServerContext, choice_chunk, json_str, logprob, now,
-                                    request_id, sse, sse_head, stream_error_event, usage)
+                                    prompt_logprobs_json, request_id, sse, sse_head, stream_error_event,
+                                    token_id_text, usage)
 from atom_core.serve.protocol import ChatCompletionRequest
 
 
@@ -39,13 +44,32 @@ class ChatJob:
             raise APIError(400, f"top_logprobs={req.top_logprobs}: at most {ctx.max_logprobs}", param="top_logprobs")
         if ctx.tokenizer is None:
             raise APIError(400, "this model has no tokenizer (tokenizer.json): chat needs one", param="messages")
-        self.prompt = self._render()
+        if req.chat_template is not None and not ctx.config.trust_request_chat_template:
+            raise APIError(400, "chat_template: a template in the request needs a server started with "
+                                "--trust-request-chat-template (vLLM's rule: the template runs on the server)",
+                           param="chat_template")
+        if req.continue_final_message and req.add_generation_prompt:
+            raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true "
+                                "(add_generation_prompt defaults to true: send add_generation_prompt=false)",
+                           param="continue_final_message")
+        self.num_prompt_top = req.prompt_logprobs  # vLLM's prompt_logprobs (-1: the whole vocabulary)
+        if self.num_prompt_top == -1:
+            self.num_prompt_top = ctx.vocab_size
+        if self.num_prompt_top is not None and self.num_prompt_top > ctx.max_logprobs:
+            raise APIError(400, f"prompt_logprobs={req.prompt_logprobs}: at most {ctx.max_logprobs}",
+                           param="prompt_logprobs")
+        self.token_text = token_id_text if req.return_tokens_as_token_ids else ctx.token_text
         requested, param = req.max_completion_tokens, "max_completion_tokens"
         if requested is None:
             requested, param = req.max_tokens, "max_tokens"
-        max_tokens = ctx.max_tokens_for(requested, len(self.prompt), None, param=param, prompt_param="messages")
+        truncate = ctx.truncation(req.truncate_prompt_tokens, req.truncation_side, requested or 0, param)
+        self.prompt = ctx.encode(self._render(), "messages", add_special_tokens=req.add_special_tokens,
+                                 truncate=truncate)
+        max_tokens = ctx.max_tokens_for(requested, len(self.prompt), ctx.default_max_tokens, param=param,
+                                        prompt_param="messages")
         self.params = req.sampling_params(max_tokens=max_tokens,
                                           logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                                          prompt_logprobs=None if req.stream else self.num_prompt_top,
                                           default=ctx.default_params)
         self.id = request_id("chatcmpl")
         self.created = now()
@@ -53,22 +77,30 @@ class ChatJob:
         self._head = sse_head({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
                                "model": ctx.config.model_name})
 
-    def _render(self) -> list[int]:
+    def _render(self) -> str:
+        """The conversation as the chat template writes it."""
         from atom_core.engine.chat_template import ChatTemplateError
 
-        kwargs = dict(self.req.chat_template_kwargs or {})
+        req = self.req
+        kwargs = dict(req.chat_template_kwargs or {})
         reserved = _reserved_template_kwargs() & kwargs.keys()
         if reserved:
             raise APIError(400, f"chat_template_kwargs may not set {sorted(reserved)}", param="chat_template_kwargs")
+        if req.reasoning_effort is not None:  # vLLM's: the template reads it, and enable_thinking unless given
+            thinking = kwargs.get("enable_thinking", req.reasoning_effort != "none")
+            kwargs.update(reasoning_effort=req.reasoning_effort, enable_thinking=thinking)
+        template = req.chat_template if req.chat_template is not None else self.ctx.config.chat_template
         try:
-            token_ids = self.ctx.tokenizer.apply_chat_template(
-                self.req.conversation(), add_generation_prompt=self.req.add_generation_prompt,
-                chat_template=self.ctx.config.chat_template, tools=self.req.tools, **kwargs)
+            text = self.ctx.tokenizer.apply_chat_template(
+                req.conversation(), add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message, chat_template=template, tools=req.tools,
+                documents=req.documents, tokenize=False, **kwargs)
         except ChatTemplateError as e:
-            raise APIError(400, str(e), param="messages") from None
-        if not token_ids:
+            param = "chat_template" if req.chat_template is not None else "messages"
+            raise APIError(400, str(e), param=param) from None
+        if not text:
             raise APIError(400, "the chat template rendered an empty prompt", param="messages")
-        return token_ids
+        return text
 
     async def start(self) -> None:
         self.stream = (await self.ctx.add_requests([self.prompt], [self.params],
@@ -82,7 +114,7 @@ class ChatJob:
     def _logprobs(self, token_ids, values, tops) -> dict | None:
         if values is None:
             return None
-        text = self.ctx.token_text
+        text = self.token_text
         content = []
         for k, token_id in enumerate(token_ids):
             token = text(token_id)
@@ -110,9 +142,15 @@ class ChatJob:
                             if self.req.logprobs else None,
                             "finish_reason": out.finish_reason, "stop_reason": out.stop_reason})
         completion_tokens = sum(out.num_output_tokens for out in finals.values())
-        return {"id": self.id, "object": "chat.completion", "created": self.created,
-                "model": self.ctx.config.model_name, "choices": choices,
-                "usage": usage(len(self.prompt), completion_tokens)}
+        response = {"id": self.id, "object": "chat.completion", "created": self.created,
+                    "model": self.ctx.config.model_name, "choices": choices,
+                    "usage": usage(len(self.prompt), completion_tokens)}
+        if self.num_prompt_top is not None and finals:  # vLLM's: the response's, not a choice's
+            out = finals[min(finals)]
+            response["prompt_logprobs"] = prompt_logprobs_json(self.prompt, out.prompt_logprobs,
+                                                               out.prompt_top_logprobs, self.num_prompt_top,
+                                                               self.ctx.token_text)
+        return response
 
     def delta_chunk(self, index: int, content: str, logprobs: dict | None, finish_reason: str | None,
                     stop_reason: str | int | None) -> str:

@@ -58,6 +58,8 @@ class ServerConfig:
 
     ``max_output_tokens``: the most ``max_tokens`` a request may ask (default: max_model_len).
     ``chat_template``: a template (the source text) used instead of the model's own.
+    ``trust_request_chat_template``: a chat request may bring its own ``chat_template`` (vLLM's
+    ``--trust-request-chat-template``; refused otherwise: the template runs on the server).
     """
 
     model_name: str = "atom_core"
@@ -65,6 +67,7 @@ class ServerConfig:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     max_output_tokens: int | None = None
     chat_template: str | None = None
+    trust_request_chat_template: bool = False
 
 
 @dataclass
@@ -81,18 +84,42 @@ class ServerContext:
         self.vocab_size = engine.model.config.vocab_size
         self.max_logprobs = engine.max_logprobs
         self.default_params: SamplingParams = engine.default_sampling_params
+        # generation_config.json's max_new_tokens: a chat request's max_tokens when it gives none (vLLM's default;
+        # completions keep OpenAI's 16, as vLLM's do). None: the room the context leaves.
+        self.default_max_tokens: int | None = engine.generation_defaults.get("max_tokens")
         limit = self.config.max_output_tokens
         self.max_output_tokens = self.max_model_len if limit is None else min(limit, self.max_model_len)
 
     # ---- prompts and lengths
 
-    def encode(self, text: str, param: str = "prompt") -> list[int]:
+    def encode(self, text: str, param: str = "prompt", *, add_special_tokens: bool = True,
+               truncate: tuple[int, str] | None = None) -> list[int]:
+        """``text``'s token ids (with the special tokens the tokenizer adds, unless not ``add_special_tokens``),
+        ``truncate`` = (k, side) cut as transformers' truncation cuts (``truncate_ids``)."""
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer (tokenizer.json): send token-id prompts", param=param)
-        token_ids = self.tokenizer.encode(text)
+        token_ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        if truncate is not None and truncate[0] < len(token_ids):
+            plain = token_ids if not add_special_tokens else self.tokenizer.encode(text, add_special_tokens=False)
+            token_ids = truncate_ids(token_ids, *truncate, plain=plain)
         if not token_ids:
             raise APIError(400, "the prompt is empty (no tokens)", param=param)
         return token_ids
+
+    def truncation(self, k: int | None, side: str | None, max_tokens: int,
+                   max_tokens_param: str = "max_tokens") -> tuple[int, str] | None:
+        """vLLM's ``truncate_prompt_tokens`` as (tokens to keep, side): k of them (-1: as many as
+        max_model_len leaves beside the request's ``max_tokens``, 0 when it gives none), kept from the
+        end ("left" truncation, vLLM's default) or the start ("right"). A k above that room is a 400."""
+        if k is None:
+            return None
+        room = self.max_model_len - max_tokens
+        keep = room if k == -1 else k
+        if not 1 <= keep <= room:
+            raise APIError(400, f"truncate_prompt_tokens={k} keeps {keep} tokens: it must keep 1 to max_model_len - "
+                                f"{max_tokens_param} = {self.max_model_len} - {max_tokens} = {room}",
+                           param="truncate_prompt_tokens")
+        return keep, side or "left"
 
     def check_token_ids(self, token_ids: Sequence[int], param: str = "prompt") -> None:
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
@@ -101,8 +128,9 @@ class ServerContext:
 
     def max_tokens_for(self, requested: int | None, num_prompt_tokens: int, default: int | None,
                        param: str = "max_tokens", prompt_param: str = "prompt") -> int:
-        """The request's max_tokens, checked against the server's limit and the context length;
-        ``default`` None = all the room the context leaves (chat)."""
+        """The request's max_tokens, checked against the server's limit and the context length; without
+        one, ``default`` (completions: 16; chat: generation_config.json's max_new_tokens, ``default_max_tokens``)
+        capped by the room the context leaves and the server's limit; ``default`` None = all that room."""
         room = self.max_model_len - num_prompt_tokens
         if room < 1:
             raise APIError(400, f"the prompt has {num_prompt_tokens} tokens; this model's context is "
@@ -213,6 +241,20 @@ class ServerContext:
         return text
 
 
+def truncate_ids(token_ids: list[int], k: int, side: str, plain: list[int] | None = None) -> list[int]:
+    """``token_ids`` cut to k tokens: the last k ("left") or the first k ("right"). With ``plain`` (the same
+    text encoded without special tokens), transformers' rule for a text prompt: the special tokens the tokenizer
+    added (a BOS) stay, and the text's tokens are cut to k minus their number."""
+    num_special = 0 if plain is None else len(token_ids) - len(plain)
+    if 0 < num_special < k:
+        start = next((i for i in range(num_special + 1) if token_ids[i:i + len(plain)] == plain), None)
+        if start is not None:
+            kept = k - num_special
+            text = plain[-kept:] if side == "left" else plain[:kept]
+            return token_ids[:start] + text + token_ids[start + len(plain):]
+    return token_ids[-k:] if side == "left" else token_ids[:k]
+
+
 async def _merged(streams: list[RequestStream]):
     """Several streams interleaved in arrival order (a completion request with several prompts)."""
     queue: asyncio.Queue = asyncio.Queue()
@@ -255,6 +297,31 @@ def logprob(value: float | None) -> float | None:
     if value is None:
         return None
     return MIN_LOGPROB if math.isnan(value) or value < MIN_LOGPROB else float(value)
+
+
+def token_id_text(token_id: int) -> str:
+    """A token written as vLLM's ``return_tokens_as_token_ids`` writes it."""
+    return f"token_id:{token_id}"
+
+
+def prompt_logprobs_json(token_ids, values, tops, num_top: int, token_text) -> list:
+    """vLLM's ``prompt_logprobs``: None for the first token, then per prompt token ``{token id: {"logprob",
+    "rank", "decoded_token"}}`` for the token itself and the ``num_top`` most likely there (ranks 1..num_top).
+    The token's own rank is known when its log-prob reaches the smallest of those (the engine gives the
+    top ones only): else it is None."""
+    result = []
+    for k, token_id in enumerate(token_ids):
+        value = None if values is None else values[k]
+        if value is None:
+            result.append(None)
+            continue
+        top = list((tops[k] or {}).items())[:num_top] if tops is not None else []
+        rank = 1 + sum(v > value for _, v in top) if top and value >= top[-1][1] else None
+        entry = {str(token_id): {"logprob": logprob(value), "rank": rank, "decoded_token": token_text(token_id)}}
+        for i, (t, v) in enumerate(top):
+            entry[str(t)] = {"logprob": logprob(v), "rank": i + 1, "decoded_token": token_text(t)}
+        result.append(entry)
+    return result
 
 
 def sse(payload: dict) -> str:

@@ -5,7 +5,12 @@ bool where an int belongs, NaN or infinity, an unknown enum value or a number ou
 is a 400 naming the field. Fields OpenAI's API defines keep their names and ranges (temperature
 [0, 2], penalties [-2, 2], top_logprobs <= 20, ...); vLLM's extra sampling fields (``top_k``,
 ``min_p``, ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos``, ...) are
-accepted too. Unknown fields are ignored, as OpenAI's own server does for fields it retired.
+accepted too, and vLLM's prompt fields (``truncate_prompt_tokens``, ``add_special_tokens``, chat's
+``continue_final_message``, ``chat_template``, ...) and ``prompt_logprobs`` / ``return_tokens_as_token_ids``.
+vLLM fields that change the prompt or the output and that are not implemented are refused by name
+(``REFUSED_FIELDS``); other unknown fields (OpenAI's ``metadata``, ``store``, ...) are ignored, as OpenAI's
+own server does for fields it retired and vLLM does for fields it does not know (``IGNORED_FIELDS`` lists
+the vLLM and OpenAI ones, with why ignoring them changes nothing).
 
 Structured output, on both endpoints: OpenAI's ``response_format`` (``{"type": "text"}``,
 ``{"type": "json_object"}``, ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``)
@@ -30,7 +35,54 @@ MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS_ENTRIES = 1024
 SEED_MODULUS = 2**64  # an int64 seed (OpenAI allows negative ones) maps to the engine's [0, 2**64)
 
-__all__ = ["ChatCompletionRequest", "CompletionRequest", "RequestError", "parse_request"]
+__all__ = ["ChatCompletionRequest", "CompletionRequest", "IGNORED_FIELDS", "REFUSED_FIELDS", "RequestError",
+           "parse_request"]
+
+# vLLM's request fields that change the prompt or the output and that this server does not implement: a request
+# that sets one to anything but a no-op value (null always is one) is refused with a 400 naming it, instead of
+# running as if it were not there. name -> (no-op values, why). (Chat's ``echo`` only: completions implement it.)
+REFUSED_FIELDS: dict[str, tuple[tuple, str]] = {
+    "echo": ((False,), "chat echo (the reply prefixed with the final message) is not implemented"),
+    "use_beam_search": ((False,), "beam search is not implemented"),
+    "logprob_token_ids": ((), "log-probs of chosen token ids are not implemented (use logprobs / top_logprobs)"),
+    "prompt_embeds": ((), "prompt embeddings are not taken: send text or token ids"),
+    "return_token_ids": ((False,), "token ids in the choices are not implemented (logprobs with "
+                                   "return_tokens_as_token_ids gives the output's)"),
+    "return_prompt_text": ((False,), "the rendered prompt text in the response is not implemented"),
+    "priority": ((0,), "requests are served first come, first served (no priority scheduling)"),
+    "watermarking": ((False,), "watermarking is not implemented"),
+    "thinking_token_budget": ((-1,), "a thinking budget is not implemented"),
+    "repetition_detection": ((), "repetition detection is not implemented"),
+    "cache_salt": ((), "the prefix cache takes no salt: requests with the same prefix share its blocks"),
+    "kv_transfer_params": ((), "KV transfer (disaggregated serving) is not implemented"),
+    "ec_transfer_params": ((), "encoder-cache transfer is not implemented"),
+    "vllm_xargs": (({},), "there are no custom extensions to read them"),
+    "logits_processors": (([],), "custom logits processors are not loaded by the server"),
+    "guided_whitespace_pattern": ((), "the JSON grammar's whitespace cannot be chosen"),
+    "structural_tag": ((), "structural tags are not implemented"),
+    "mm_processor_kwargs": (({},), "multimodal input is not supported"),
+    "media_io_kwargs": (({},), "multimodal input is not supported"),
+    "lora_request": ((), "LoRA adapters are not supported"),
+    "stream_options.continuous_usage_stats": ((False,), "usage in every chunk is not implemented "
+                                                        "(include_usage gives it in the last one)"),
+}
+
+# Fields a vLLM or OpenAI client may send that the server ignores, and why that changes nothing here (the
+# docs list these; any other unknown field is ignored too).
+IGNORED_FIELDS: dict[str, str] = {
+    "user, metadata, store, service_tier, safety_identifier, prompt_cache_key": "OpenAI bookkeeping: no effect on "
+                                                                                "the output",
+    "spaces_between_special_tokens": "only slow tokenizers insert such spaces (vLLM too); atom's are fast "
+                                     "(tokenizer.json)",
+    "detokenize": "not a vLLM request field (SamplingParams only): vLLM's server ignores it too",
+    "include_reasoning, parallel_tool_calls": "vLLM reads them only with a reasoning / tool-call parser; none here",
+    "length_penalty, early_stopping": "beam search only (use_beam_search is refused)",
+    "guided_decoding_backend": "the backend only; the constraint is the same (xgrammar compiles it)",
+    "request_id, session_id": "name the request for routing and logs; the output is the same",
+    "stream_interval": "how many tokens a streamed chunk batches; the text is the same",
+    "return_token_offsets, return_mm_kwargs, routed_experts_prompt_start": "vLLM reads them on other endpoints "
+                                                                           "or with flags this server has not",
+}
 
 
 class RequestError(ValueError):
@@ -69,12 +121,36 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
+class _Body(_Strict):
+    """A request body (or a part of one that REFUSED_FIELDS names into): unknown fields are kept in
+    ``model_extra`` for ``refuse_unimplemented`` to read."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+def refuse_unimplemented(req: _Body) -> None:
+    """RequestError naming the first REFUSED_FIELDS field ``req`` sets to something else than a no-op value."""
+    for name, (no_ops, why) in REFUSED_FIELDS.items():
+        *parents, field = name.split(".")
+        part = req
+        for parent in parents:
+            part = getattr(part, parent, None)
+        extra = getattr(part, "model_extra", None) or {}
+        if field not in extra:
+            continue
+        value = extra[field]
+        if value is None or any(type(value) is type(v) and value == v for v in no_ops):
+            continue
+        raise RequestError(f"{name}: not supported by this server: {why}", param=name.split(".")[0],
+                           code="unsupported")
+
+
 def _null_is_default(cls, value, info):
     """A field OpenAI declares nullable: null means its default (clients write unset fields as null)."""
     return cls.model_fields[info.field_name].default if value is None else value
 
 
-class StreamOptions(_Strict):
+class StreamOptions(_Body):
     include_usage: bool = False
 
     _include_usage_null = field_validator("include_usage", mode="before")(classmethod(_null_is_default))
@@ -95,7 +171,7 @@ class ResponseFormat(_Strict):
     json_schema: Optional[JsonSchemaFormat] = None
 
 
-class _SamplingFields(_Strict):
+class _SamplingFields(_Body):
     """Sampling fields the two endpoints share (OpenAI's, then vLLM's extras)."""
 
     model: Optional[str] = None
@@ -121,6 +197,12 @@ class _SamplingFields(_Strict):
     skip_special_tokens: bool = True
     allowed_token_ids: Optional[list[int]] = None
     bad_words: Optional[list[str]] = None
+    # vLLM's prompt and log-prob fields: keep the last (or first) k prompt tokens (-1: as many as the context
+    # leaves beside max_tokens); the prompt's log-probs (-1: the whole vocabulary); log-prob tokens as "token_id:N"
+    truncate_prompt_tokens: Optional[int] = Field(None, ge=-1, lt=2**63)
+    truncation_side: Optional[Literal["left", "right"]] = None
+    prompt_logprobs: Optional[int] = Field(None, ge=-1)
+    return_tokens_as_token_ids: Optional[bool] = None
     # structured output: OpenAI's response_format, or vLLM's extras
     response_format: Optional[ResponseFormat] = None
     guided_json: Optional[Any] = None
@@ -136,6 +218,13 @@ class _SamplingFields(_Strict):
     def _stream_options_need_stream(cls, value, info: ValidationInfo):
         if value is not None and not info.data.get("stream"):  # as OpenAI and vLLM refuse it
             raise ValueError("only allowed with stream: true")
+        return value
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs_not_streamed(cls, value, info: ValidationInfo):
+        if value is not None and value != 0 and info.data.get("stream"):  # vLLM's rule (a stream has no place for them)
+            raise ValueError("not available with stream: true")
         return value
 
     @field_validator("guided_json", mode="plain")
@@ -227,11 +316,12 @@ class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``."""
 
     prompt: Any
-    max_tokens: Optional[int] = Field(None, ge=1)
+    max_tokens: Optional[int] = Field(None, ge=0)  # 0: with echo only (the prompt scored, nothing generated)
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     best_of: Optional[int] = Field(None, ge=1, le=MAX_N)
     suffix: Optional[str] = None
+    add_special_tokens: bool = True  # vLLM's: what the tokenizer adds to a text prompt (a BOS)
 
     _echo_null = field_validator("echo", mode="before")(classmethod(_null_is_default))
 
@@ -290,8 +380,15 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: Optional[list[dict]] = None
     tool_choice: Optional[Any] = None
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]] = None
+    # vLLM's extras: the template's inputs, the template itself (with --trust-request-chat-template), and
+    # whether the tokenizer's special tokens are added to the rendered text (the template writes its own)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    documents: Optional[list[dict[str, Any]]] = None
+    chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    add_special_tokens: bool = False
 
     _logprobs_null = field_validator("logprobs", mode="before")(classmethod(_null_is_default))
 
@@ -302,7 +399,7 @@ class ChatCompletionRequest(_SamplingFields):
 def parse_request(model: type[_Strict], body: bytes) -> Any:
     """``model`` parsed from a JSON body; RequestError (with ``param``) for malformed JSON or a bad field."""
     try:
-        return model.model_validate_json(body)
+        request = model.model_validate_json(body)
     except ValidationError as e:
         error = e.errors(include_url=False)[0]
         if error["type"] == "json_invalid":
@@ -312,3 +409,5 @@ def parse_request(model: type[_Strict], body: bytes) -> Any:
         loc = [str(part) for part in error["loc"]]
         message = error["msg"].removeprefix("Value error, ")
         raise RequestError(f"{'.'.join(loc)}: {message}", param=loc[0]) from None
+    refuse_unimplemented(request)
+    return request

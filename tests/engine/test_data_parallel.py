@@ -194,13 +194,17 @@ def test_a_step_that_raises_in_a_replica_fails_its_requests_only(dp):
 
 def test_requests_are_checked_in_the_front_as_one_engine_checks_them(dp, one):
     for prompt, params in [([], None), ([1, 5000], None), ([1] * 60, SamplingParams(max_tokens=9)),
-                           ("text", SamplingParams(logprobs=50))]:
+                           ("text", SamplingParams(logprobs=50)), ([1], SamplingParams(stop_token_ids=[5000]))]:
         with pytest.raises((ValueError, TypeError)) as ours:
             dp.add_request(prompt, params)
         with pytest.raises(type(ours.value)) as theirs:
             one.add_request(prompt, params)
         assert str(ours.value) == str(theirs.value)
     assert not dp.has_unfinished_requests()
+    # the checkpoint's defaults, as the server reads them (generation_config.json's fields apart)
+    assert (dp.default_sampling_params, dp.generation_defaults) == (one.default_sampling_params,
+                                                                   one.generation_defaults)
+    assert dp.generation_defaults == {"temperature": 0.8, "top_p": 0.9, "top_k": 0}
 
 
 def test_shutdown_stops_every_replica_and_the_front_refuses_afterwards(dp):

@@ -222,6 +222,8 @@ def test_abort_takes_every_sequence_of_a_prompt(setup):
     (SamplingParams(logit_bias={96: 1.0}), "logit_bias: token id 96 is outside the vocabulary"),
     (SamplingParams(allowed_token_ids=[1, 200]), "allowed_token_ids: token id 200"),
     (SamplingParams(bad_words=[[5, 500]]), "bad_words: token id 500"),
+    (SamplingParams(stop_token_ids=[3, 96]), r"stop_token_ids: token id 96 is outside the vocabulary \[0, 96\)"),
+    (SamplingParams(stop_token_ids=[10**6], min_tokens=2), "stop_token_ids: token id 1000000"),
     (SamplingParams(bad_words=["word"]), "string words need a tokenizer"),
     (SamplingParams(stop="word"), "stop strings need a tokenizer"),
     (SamplingParams(logprobs=21), "at most max_logprobs=20"),

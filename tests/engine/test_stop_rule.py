@@ -71,6 +71,10 @@ def test_generation_config_adds_eos_ids_and_gives_the_default_sampling_params(tm
     assert {7, 9} <= engine.eos_token_ids and 0 in engine.eos_token_ids  # config.json's EOS stays
     assert engine.default_sampling_params == SamplingParams(temperature=0.3, top_p=0.5, top_k=20, max_tokens=11,
                                                             repetition_penalty=1.05)
+    # what the file set, apart from what it left out (a server's chat default length reads max_tokens here)
+    assert engine.generation_defaults == {"temperature": 0.3, "top_p": 0.5, "top_k": 20, "max_tokens": 11,
+                                          "repetition_penalty": 1.05}
+    assert Engine.from_pretrained(device="cpu").generation_defaults == {"temperature": 0.8, "top_p": 0.9, "top_k": 0}
     rid = engine.add_request([1, 2, 3])
     assert engine._requests[rid][0].params == engine.default_sampling_params
 

@@ -118,6 +118,8 @@ def test_wrong_types_are_a_400_naming_the_field(server, unharmed, path, body, pa
     ("/v1/completions", completion(best_of=3), "best_of"),
     ("/v1/completions", completion(suffix="the end"), "suffix"),
     ("/v1/completions", completion(logit_bias={str(10**9): 1}), "logit_bias"),
+    ("/v1/completions", completion(stop_token_ids=[10**6]), "stop_token_ids"),
+    ("/v1/chat/completions", chat(stop_token_ids=[2048]), "stop_token_ids"),
     ("/v1/chat/completions", chat(top_logprobs=3), "top_logprobs"),
     ("/v1/chat/completions", chat(logprobs=True, top_logprobs=50), "top_logprobs"),
     ("/v1/chat/completions", chat(messages=[]), "messages"),
