@@ -52,12 +52,7 @@ class ChatJob:
             raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true "
                                 "(add_generation_prompt defaults to true: send add_generation_prompt=false)",
                            param="continue_final_message")
-        self.num_prompt_top = req.prompt_logprobs  # vLLM's prompt_logprobs (-1: the whole vocabulary)
-        if self.num_prompt_top == -1:
-            self.num_prompt_top = ctx.vocab_size
-        if self.num_prompt_top is not None and self.num_prompt_top > ctx.max_logprobs:
-            raise APIError(400, f"prompt_logprobs={req.prompt_logprobs}: at most {ctx.max_logprobs}",
-                           param="prompt_logprobs")
+        self.num_prompt_top = ctx.prompt_top_logprobs(req.prompt_logprobs)
         self.token_text = token_id_text if req.return_tokens_as_token_ids else ctx.token_text
         requested, param = req.max_completion_tokens, "max_completion_tokens"
         if requested is None:

@@ -106,6 +106,15 @@ class ServerContext:
             raise APIError(400, "the prompt is empty (no tokens)", param=param)
         return token_ids
 
+    def prompt_top_logprobs(self, prompt_logprobs: int | None) -> int | None:
+        """The top alternatives per prompt token that vLLM's ``prompt_logprobs`` asks for (-1: the whole
+        vocabulary), or None; a 400 above the engine's ``max_logprobs``."""
+        top = self.vocab_size if prompt_logprobs == -1 else prompt_logprobs
+        if top is not None and top > self.max_logprobs:
+            raise APIError(400, f"prompt_logprobs={prompt_logprobs}: at most {self.max_logprobs}",
+                           param="prompt_logprobs")
+        return top
+
     def truncation(self, k: int | None, side: str | None, max_tokens: int,
                    max_tokens_param: str = "max_tokens") -> tuple[int, str] | None:
         """vLLM's ``truncate_prompt_tokens`` as (tokens to keep, side): k of them (-1: as many as

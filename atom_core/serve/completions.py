@@ -56,12 +56,7 @@ class CompletionJob:
         if self.echo_only and req.min_tokens:
             raise APIError(400, f"min_tokens={req.min_tokens} needs max_tokens >= min_tokens, got max_tokens=0",
                            param="min_tokens")
-        self.num_prompt_top = req.prompt_logprobs  # vLLM's prompt_logprobs (-1: the whole vocabulary)
-        if self.num_prompt_top == -1:
-            self.num_prompt_top = ctx.vocab_size
-        if self.num_prompt_top is not None and self.num_prompt_top > ctx.max_logprobs:
-            raise APIError(400, f"prompt_logprobs={req.prompt_logprobs}: at most {ctx.max_logprobs}",
-                           param="prompt_logprobs")
+        self.num_prompt_top = ctx.prompt_top_logprobs(req.prompt_logprobs)
         self.token_text = token_id_text if req.return_tokens_as_token_ids else ctx.token_text
         requested = DEFAULT_MAX_TOKENS if req.max_tokens is None else max(req.max_tokens, 1)
         truncate = ctx.truncation(req.truncate_prompt_tokens, req.truncation_side, requested)
