@@ -35,8 +35,14 @@ class ChatJob:
     def __init__(self, ctx: ServerContext, req: ChatCompletionRequest):
         self.ctx, self.req = ctx, req
         ctx.check_model(req.model)
-        if req.tool_choice not in (None, "none", "auto"):
-            raise APIError(400, "tool_choice: only 'none' and 'auto' are supported (tool calls are not parsed)",
+        # Tool calls are not parsed out of the text, so only tool_choice "none" (the tools rendered into the prompt,
+        # the reply plain text) is served. "auto", which OpenAI and vLLM take when tools come without a choice,
+        # would promise a tool_calls field it cannot fill: refused, as vLLM refuses it without a tool-call parser.
+        choice = req.tool_choice if req.tool_choice is not None else ("auto" if req.tools else "none")
+        if choice != "none":
+            raise APIError(400, f"tool_choice={choice!r}{' (the default with tools)' if req.tool_choice is None else ''}"
+                                f": tool calls are not parsed out of the reply here; send tool_choice 'none' to have "
+                                f"the tools rendered into the prompt and read any call from the text",
                            param="tool_choice", code="unsupported")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")

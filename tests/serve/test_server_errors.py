@@ -125,6 +125,8 @@ def test_wrong_types_are_a_400_naming_the_field(server, unharmed, path, body, pa
     ("/v1/chat/completions", chat(messages=[]), "messages"),
     ("/v1/chat/completions", chat(max_completion_tokens=10**9), "max_completion_tokens"),
     ("/v1/chat/completions", chat(tool_choice="required"), "tool_choice"),
+    ("/v1/chat/completions", chat(tool_choice="auto"), "tool_choice"),
+    ("/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tool_choice"),
     ("/v1/chat/completions", chat(chat_template_kwargs={"messages": []}), "chat_template_kwargs"),
     ("/v1/chat/completions", chat(chat_template_kwargs={"special_tokens": {}}), "chat_template_kwargs"),
     ("/v1/chat/completions", chat(chat_template_kwargs={"template": "x"}), "chat_template_kwargs"),

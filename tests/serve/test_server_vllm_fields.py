@@ -289,3 +289,13 @@ def test_refused_vllm_fields_answer_400_and_no_op_or_other_unknown_fields_change
                "user": "u", "spaces_between_special_tokens": False, "detokenize": False, "request_id": "r",
                "logits_processors": [], "thinking_token_budget": -1, "vllm_xargs": None}
     assert completion(server, **ignored)["choices"][0]["text"] == want
+
+
+def test_tools_with_tool_choice_none_reach_the_template_and_the_reply_is_text(tuned):
+    template = "{{ messages[0]['content'] }}|{{ tools[0]['function']['name'] }}"
+    tools = [{"type": "function", "function": {"name": "get_weather"}}]
+    got = chat(tuned, chat_template=template, tools=tools, tool_choice="none")
+    want = offline(tuned, tuned.engine.tokenizer.encode("Open a file|get_weather", add_special_tokens=False))
+    assert (got["usage"]["prompt_tokens"], got["choices"][0]["message"]["content"]) == \
+        (len(want.prompt_token_ids), want.text)
+    assert "tool_calls" not in got["choices"][0]["message"] or not got["choices"][0]["message"]["tool_calls"]
