@@ -3,9 +3,9 @@
     app = create_app(AsyncEngine(Engine.from_pretrained()), ServerConfig(model_name="demo"))
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
-Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (these
-three behind ``Authorization: Bearer <api_key>`` when the server has a key), ``GET /health``,
-``GET /metrics``. Bodies are read up to ``max_request_bytes`` (413 past it) and parsed here (not
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, vLLM's
+``POST /tokenize`` and ``POST /detokenize`` (these five behind ``Authorization: Bearer <api_key>`` when
+the server has a key), ``GET /health``, ``GET /metrics``. Bodies are read up to ``max_request_bytes`` (413 past it) and parsed here (not
 by FastAPI), so every refusal is an OpenAI error body ``{"error": {"message", "type", "param",
 "code"}}``: 400 malformed JSON / wrong types / bad values / too-long prompt, 401 missing or wrong
 key, 404 unknown model or route, 413 body too large, 503 waiting queue full.
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 from collections.abc import Callable
 from contextlib import asynccontextmanager, suppress
@@ -28,11 +29,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from atom_core.engine.async_engine import AsyncEngine, EngineClosedError, EngineStepError
 from atom_core.engine.distributed import DistributedEngineError
-from atom_core.serve.chat import ChatJob
+from atom_core.serve.chat import ChatJob, chat_prompt
 from atom_core.serve.common import APIError, ServerConfig, ServerContext, error_body, now
 from atom_core.serve.completions import CompletionJob
 from atom_core.serve.metrics import CONTENT_TYPE, ServerMetrics
-from atom_core.serve.protocol import ChatCompletionRequest, CompletionRequest, RequestError, parse_request
+from atom_core.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, RequestError,
+                                      TokenizeChatRequest, TokenizeCompletionRequest, parse_request)
 
 logger = logging.getLogger(__name__)
 
@@ -194,6 +196,43 @@ def create_app(async_engine: AsyncEngine, config: ServerConfig | None = None) ->
         return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": now(),
                                             "owned_by": "atom_core", "max_model_len": ctx.max_model_len,
                                             "vocab_size": ctx.vocab_size}]}
+
+    def parse(model, body: bytes):
+        try:
+            return parse_request(model, body)
+        except RequestError as e:
+            metrics.rejected.labels(reason="invalid").inc()
+            raise APIError(400, e.message, param=e.param, code=e.code) from None
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """vLLM's: a text (``prompt``) or a conversation (``messages``) to the token ids the completion or chat
+        endpoint would run; ``count``, ``max_model_len``, ``tokens`` and, on request, ``token_strs``."""
+        authorize(request)
+        body = await read_body(request)
+        try:
+            is_chat = isinstance(data := json.loads(body), dict) and "messages" in data
+        except ValueError:
+            is_chat = False  # parse() names the JSON error
+        req = parse(TokenizeChatRequest if is_chat else TokenizeCompletionRequest, body)
+        ctx.check_model(req.model)
+        tokens = chat_prompt(ctx, req) if is_chat else ctx.encode(req.prompt,
+                                                                  add_special_tokens=req.add_special_tokens)
+        strs = [ctx.tokenizer.backend.id_to_token(t) for t in tokens] if req.return_token_strs else None
+        return {"count": len(tokens), "max_model_len": ctx.max_model_len, "tokens": tokens, "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        """vLLM's: the text of ``tokens`` (special tokens kept, as vLLM decodes them here)."""
+        authorize(request)
+        req = parse(DetokenizeRequest, await read_body(request))
+        ctx.check_model(req.model)
+        if ctx.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer (tokenizer.json)", param="tokens")
+        bad = next((t for t in req.tokens if not 0 <= t < ctx.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary [0, {ctx.vocab_size})", param="tokens")
+        return {"prompt": ctx.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
     @app.get("/health")
     async def health():

@@ -29,6 +29,43 @@ from atom_core.serve.common import (SSE_DONE, APIError, ServerContext, choice_ch
 from atom_core.serve.protocol import ChatCompletionRequest
 
 
+def chat_prompt(ctx: ServerContext, req: ChatCompletionRequest, truncate: tuple[int, str] | None = None) -> list[int]:
+    """The token ids of ``req``'s conversation as the chat template writes it (the request's template where the
+    server trusts it, else the server's, else the checkpoint's), ``truncate`` as ``ServerContext.encode`` takes
+    it; a 400 naming the field for what the template or the request's fields refuse. (/tokenize reads it too.)"""
+    from atom_core.engine.chat_template import ChatTemplateError
+
+    if ctx.tokenizer is None:
+        raise APIError(400, "this model has no tokenizer (tokenizer.json): chat needs one", param="messages")
+    if req.chat_template is not None and not ctx.config.trust_request_chat_template:
+        raise APIError(400, "chat_template: a template in the request needs a server started with "
+                            "--trust-request-chat-template (vLLM's rule: the template runs on the server)",
+                       param="chat_template")
+    if req.continue_final_message and req.add_generation_prompt:
+        raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true "
+                            "(add_generation_prompt defaults to true: send add_generation_prompt=false)",
+                       param="continue_final_message")
+    kwargs = dict(req.chat_template_kwargs or {})
+    reserved = _reserved_template_kwargs() & kwargs.keys()
+    if reserved:
+        raise APIError(400, f"chat_template_kwargs may not set {sorted(reserved)}", param="chat_template_kwargs")
+    if req.reasoning_effort is not None:  # vLLM's: the template reads it, and enable_thinking unless given
+        thinking = kwargs.get("enable_thinking", req.reasoning_effort != "none")
+        kwargs.update(reasoning_effort=req.reasoning_effort, enable_thinking=thinking)
+    template = req.chat_template if req.chat_template is not None else ctx.config.chat_template
+    try:
+        text = ctx.tokenizer.apply_chat_template(
+            req.conversation(), add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message, chat_template=template, tools=req.tools,
+            documents=req.documents, tokenize=False, **kwargs)
+    except ChatTemplateError as e:
+        param = "chat_template" if req.chat_template is not None else "messages"
+        raise APIError(400, str(e), param=param) from None
+    if not text:
+        raise APIError(400, "the chat template rendered an empty prompt", param="messages")
+    return ctx.encode(text, "messages", add_special_tokens=req.add_special_tokens, truncate=truncate)
+
+
 class ChatJob:
     """One chat completion request from parsing to its response."""
 
@@ -48,24 +85,13 @@ class ChatJob:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         if req.top_logprobs is not None and req.top_logprobs > ctx.max_logprobs:
             raise APIError(400, f"top_logprobs={req.top_logprobs}: at most {ctx.max_logprobs}", param="top_logprobs")
-        if ctx.tokenizer is None:
-            raise APIError(400, "this model has no tokenizer (tokenizer.json): chat needs one", param="messages")
-        if req.chat_template is not None and not ctx.config.trust_request_chat_template:
-            raise APIError(400, "chat_template: a template in the request needs a server started with "
-                                "--trust-request-chat-template (vLLM's rule: the template runs on the server)",
-                           param="chat_template")
-        if req.continue_final_message and req.add_generation_prompt:
-            raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true "
-                                "(add_generation_prompt defaults to true: send add_generation_prompt=false)",
-                           param="continue_final_message")
         self.num_prompt_top = ctx.prompt_top_logprobs(req.prompt_logprobs)
         self.token_text = token_id_text if req.return_tokens_as_token_ids else ctx.token_text
         requested, param = req.max_completion_tokens, "max_completion_tokens"
         if requested is None:
             requested, param = req.max_tokens, "max_tokens"
         truncate = ctx.truncation(req.truncate_prompt_tokens, req.truncation_side, requested or 0, param)
-        self.prompt = ctx.encode(self._render(), "messages", add_special_tokens=req.add_special_tokens,
-                                 truncate=truncate)
+        self.prompt = chat_prompt(ctx, req, truncate)
         max_tokens = ctx.max_tokens_for(requested, len(self.prompt), ctx.default_max_tokens, param=param,
                                         prompt_param="messages")
         self.params = req.sampling_params(max_tokens=max_tokens,
@@ -77,31 +103,6 @@ class ChatJob:
         self.stream: RequestStream | None = None
         self._head = sse_head({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
                                "model": ctx.config.model_name})
-
-    def _render(self) -> str:
-        """The conversation as the chat template writes it."""
-        from atom_core.engine.chat_template import ChatTemplateError
-
-        req = self.req
-        kwargs = dict(req.chat_template_kwargs or {})
-        reserved = _reserved_template_kwargs() & kwargs.keys()
-        if reserved:
-            raise APIError(400, f"chat_template_kwargs may not set {sorted(reserved)}", param="chat_template_kwargs")
-        if req.reasoning_effort is not None:  # vLLM's: the template reads it, and enable_thinking unless given
-            thinking = kwargs.get("enable_thinking", req.reasoning_effort != "none")
-            kwargs.update(reasoning_effort=req.reasoning_effort, enable_thinking=thinking)
-        template = req.chat_template if req.chat_template is not None else self.ctx.config.chat_template
-        try:
-            text = self.ctx.tokenizer.apply_chat_template(
-                req.conversation(), add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message, chat_template=template, tools=req.tools,
-                documents=req.documents, tokenize=False, **kwargs)
-        except ChatTemplateError as e:
-            param = "chat_template" if req.chat_template is not None else "messages"
-            raise APIError(400, str(e), param=param) from None
-        if not text:
-            raise APIError(400, "the chat template rendered an empty prompt", param="messages")
-        return text
 
     async def start(self) -> None:
         self.stream = (await self.ctx.add_requests([self.prompt], [self.params],

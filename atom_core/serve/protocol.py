@@ -35,8 +35,8 @@ MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS_ENTRIES = 1024
 SEED_MODULUS = 2**64  # an int64 seed (OpenAI allows negative ones) maps to the engine's [0, 2**64)
 
-__all__ = ["ChatCompletionRequest", "CompletionRequest", "IGNORED_FIELDS", "REFUSED_FIELDS", "RequestError",
-           "parse_request"]
+__all__ = ["ChatCompletionRequest", "CompletionRequest", "DetokenizeRequest", "IGNORED_FIELDS", "REFUSED_FIELDS",
+           "RequestError", "TokenizeChatRequest", "TokenizeCompletionRequest", "parse_request"]
 
 # vLLM's request fields that change the prompt or the output and that this server does not implement: a request
 # that sets one to anything but a no-op value (null always is one) is refused with a 400 naming it, instead of
@@ -394,6 +394,28 @@ class ChatCompletionRequest(_SamplingFields):
 
     def conversation(self) -> list[dict]:
         return [m.model_dump(exclude_none=True) for m in self.messages]
+
+
+class TokenizeCompletionRequest(_Body):
+    """``POST /tokenize`` of a text (vLLM's): its token ids as /v1/completions would run them."""
+
+    model: Optional[str] = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(ChatCompletionRequest):
+    """``POST /tokenize`` of a conversation (vLLM's): its token ids as /v1/chat/completions would run them."""
+
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Body):
+    """``POST /detokenize`` (vLLM's): the text of token ids."""
+
+    model: Optional[str] = None
+    tokens: list[int]
 
 
 def parse_request(model: type[_Strict], body: bytes) -> Any:

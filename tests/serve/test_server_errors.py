@@ -173,7 +173,8 @@ def test_too_long_prompts_are_a_400_context_length_exceeded(server, unharmed):
 def test_a_missing_or_wrong_key_is_a_401_and_health_and_metrics_need_none(server, unharmed):
     for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": API_KEY}):
         for method, path, body in [("POST", "/v1/completions", completion()), ("GET", "/v1/models", None),
-                                   ("POST", "/v1/chat/completions", chat())]:
+                                   ("POST", "/v1/chat/completions", chat()), ("POST", "/tokenize", {"prompt": "a"}),
+                                   ("POST", "/detokenize", {"tokens": [1]})]:
             assert_error(request(server, method, path, body, headers=headers or {"X-None": "1"}), 401,
                          code="invalid_api_key")
     assert request(server, "GET", "/health", headers={"X-None": "1"})[0] == 200

@@ -299,3 +299,26 @@ def test_tools_with_tool_choice_none_reach_the_template_and_the_reply_is_text(tu
     assert (got["usage"]["prompt_tokens"], got["choices"][0]["message"]["content"]) == \
         (len(want.prompt_token_ids), want.text)
     assert "tool_calls" not in got["choices"][0]["message"] or not got["choices"][0]["message"]["tool_calls"]
+
+
+def test_tokenize_gives_the_ids_the_completion_and_chat_endpoints_run_and_detokenize_inverts_it(server):
+    text = completion(server, prompt=PROMPT, max_tokens=1)
+    status, body = request(server, "POST", "/tokenize", {"model": MODEL, "prompt": PROMPT, "return_token_strs": True})
+    assert status == 200, body
+    ids = server.engine.tokenizer.encode(PROMPT)
+    assert body == {"count": len(ids), "max_model_len": server.engine.max_model_len, "tokens": ids,
+                    "token_strs": [server.engine.tokenizer.backend.id_to_token(t) for t in ids]}
+    assert body["count"] == text["usage"]["prompt_tokens"]
+    status, plain = request(server, "POST", "/tokenize", {"prompt": PROMPT, "add_special_tokens": False})
+    assert plain["tokens"] == server.engine.tokenizer.encode(PROMPT, add_special_tokens=False) and plain["token_strs"] is None
+    fields = dict(add_generation_prompt=False, continue_final_message=True)
+    status, chat_ids = request(server, "POST", "/tokenize", {"messages": CONTINUED, **fields})
+    assert status == 200 and chat_ids["tokens"] == render(server, **fields)
+    assert chat_ids["count"] == chat(server, **fields)["usage"]["prompt_tokens"]
+    status, back = request(server, "POST", "/detokenize", {"model": MODEL, "tokens": ids})
+    assert status == 200 and back == {"prompt": server.engine.tokenizer.decode(ids, skip_special_tokens=False)}
+    assert_error(request(server, "POST", "/detokenize", {"tokens": [10**6]}), 400, param="tokens")
+    assert_error(request(server, "POST", "/tokenize", {"prompt": 5}), 400, param="prompt")
+    assert_error(request(server, "POST", "/tokenize", {"model": "other", "prompt": "x"}), 404, param="model")
+    assert_error(request(server, "POST", "/tokenize", {"messages": CONTINUED, **fields, "add_generation_prompt": True}),
+                 400, param="continue_final_message")
