@@ -584,8 +584,8 @@ class Engine:
                 isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]  # one prompt
         prompts = list(prompts)
-        params = sampling_params
-        params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        params_list = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
+                       else [sampling_params] * len(prompts))
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
         checked = []

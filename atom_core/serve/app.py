@@ -155,14 +155,24 @@ def create_app(async_engine: AsyncEngine, config: ServerConfig | None = None) ->
                 raise APIError(413, f"the body exceeds this server's limit of {limit} bytes", code="request_too_large")
         return bytes(body)
 
+    def invalid(e: RequestError) -> APIError:
+        """A request the protocol refuses: counted as rejected, answered with a 400."""
+        metrics.rejected.labels(reason="invalid").inc()
+        return APIError(400, e.message, param=e.param, code=e.code)
+
+    def parse(model, body: bytes):
+        try:
+            return parse_request(model, body)
+        except RequestError as e:
+            raise invalid(e) from None
+
     async def run_job(request: Request, model, job_class):
         authorize(request)
-        body = await read_body(request)
+        req = parse(model, await read_body(request))
         try:
-            job = job_class(ctx, parse_request(model, body))
-        except RequestError as e:
-            metrics.rejected.labels(reason="invalid").inc()
-            raise APIError(400, e.message, param=e.param, code=e.code) from None
+            job = job_class(ctx, req)
+        except RequestError as e:  # (what building the sampling parameters refuses)
+            raise invalid(e) from None
         except APIError as e:
             if e.status == 400:
                 metrics.rejected.labels(reason="invalid").inc()
@@ -197,13 +207,6 @@ def create_app(async_engine: AsyncEngine, config: ServerConfig | None = None) ->
                                             "owned_by": "atom_core", "max_model_len": ctx.max_model_len,
                                             "vocab_size": ctx.vocab_size}]}
 
-    def parse(model, body: bytes):
-        try:
-            return parse_request(model, body)
-        except RequestError as e:
-            metrics.rejected.labels(reason="invalid").inc()
-            raise APIError(400, e.message, param=e.param, code=e.code) from None
-
     @app.post("/tokenize")
     async def tokenize(request: Request):
         """vLLM's: a text (``prompt``) or a conversation (``messages``) to the token ids the completion or chat
@@ -229,9 +232,7 @@ def create_app(async_engine: AsyncEngine, config: ServerConfig | None = None) ->
         ctx.check_model(req.model)
         if ctx.tokenizer is None:
             raise APIError(400, "this model has no tokenizer (tokenizer.json)", param="tokens")
-        bad = next((t for t in req.tokens if not 0 <= t < ctx.vocab_size), None)
-        if bad is not None:
-            raise APIError(400, f"token id {bad} is outside the vocabulary [0, {ctx.vocab_size})", param="tokens")
+        ctx.check_token_ids(req.tokens, "tokens")
         return {"prompt": ctx.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
     @app.get("/health")
