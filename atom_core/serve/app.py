@@ -5,10 +5,12 @@
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, vLLM's
 ``POST /tokenize`` and ``POST /detokenize`` (these five behind ``Authorization: Bearer <api_key>`` when
-the server has a key), ``GET /health``, ``GET /metrics``. Bodies are read up to ``max_request_bytes`` (413 past it) and parsed here (not
-by FastAPI), so every refusal is an OpenAI error body ``{"error": {"message", "type", "param",
-"code"}}``: 400 malformed JSON / wrong types / bad values / too-long prompt, 401 missing or wrong
-key, 404 unknown model or route, 413 body too large, 503 waiting queue full.
+the server has a key), ``GET /health``, vLLM's ``GET|POST /ping`` (SageMaker's liveness probe: /health's
+answer) and ``GET /version``, ``GET /metrics`` (these four open, as vLLM leaves them). Bodies are read up
+to ``max_request_bytes`` (413 past it) and parsed here (not by FastAPI), so every refusal is an OpenAI error
+body ``{"error": {"message", "type", "param", "code"}}``: 400 malformed JSON / wrong types / bad values /
+too-long prompt, 401 missing or wrong key, 404 unknown model or route, 413 body too large, 503 waiting queue
+full.
 
 A client that disconnects aborts its requests (streaming or not): the response task is cancelled,
 which aborts the engine requests and frees their blocks.
@@ -20,13 +22,14 @@ import asyncio
 import hmac
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import asynccontextmanager, suppress
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from atom_core import __version__
 from atom_core.engine.async_engine import AsyncEngine, EngineClosedError, EngineStepError
 from atom_core.engine.distributed import DistributedEngineError
 from atom_core.serve.chat import ChatJob, chat_prompt
@@ -97,9 +100,13 @@ def _error(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
 
-def create_app(async_engine: AsyncEngine, config: ServerConfig | None = None) -> FastAPI:
-    """The server's app. Its lifespan starts the async engine's step thread and shuts it down."""
+def create_app(async_engine: AsyncEngine, config: ServerConfig | None = None, *,
+               model_aliases: Sequence[str] = ()) -> FastAPI:
+    """The server's app. Its lifespan starts the async engine's step thread and shuts it down.
+    ``model_aliases``: more names a request may give for the model (vLLM's ``--served-model-name a b``: ``a``
+    is ``config.model_name``, the one responses give); /v1/models lists them after it."""
     config = config or ServerConfig()
+    served_names = list(dict.fromkeys([config.model_name, *model_aliases]))
     if config.max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be >= 1, got {config.max_request_bytes}")
     metrics = ServerMetrics(async_engine)
@@ -162,9 +169,12 @@ def create_app(async_engine: AsyncEngine, config: ServerConfig | None = None) ->
 
     def parse(model, body: bytes):
         try:
-            return parse_request(model, body)
+            req = parse_request(model, body)
         except RequestError as e:
             raise invalid(e) from None
+        if req.model in served_names:  # any served name is the model; responses give the first (vLLM's rule)
+            req.model = config.model_name
+        return req
 
     async def run_job(request: Request, model, job_class):
         authorize(request)
@@ -203,9 +213,10 @@ def create_app(async_engine: AsyncEngine, config: ServerConfig | None = None) ->
     @app.get("/v1/models")
     async def models(request: Request):
         authorize(request)
-        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": now(),
-                                            "owned_by": "atom_core", "max_model_len": ctx.max_model_len,
-                                            "vocab_size": ctx.vocab_size}]}
+        created = now()
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "atom_core",
+                                            "max_model_len": ctx.max_model_len, "vocab_size": ctx.vocab_size}
+                                           for name in served_names]}
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -235,6 +246,7 @@ def create_app(async_engine: AsyncEngine, config: ServerConfig | None = None) ->
         ctx.check_token_ids(req.tokens, "tokens")
         return {"prompt": ctx.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
+    @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's, for SageMaker: /health's answer
     @app.get("/health")
     async def health():
         try:
@@ -244,6 +256,10 @@ def create_app(async_engine: AsyncEngine, config: ServerConfig | None = None) ->
         except DistributedEngineError as e:  # a worker rank or replica exited: no request can run any more
             raise APIError(503, str(e), code="engine_failed") from None
         return {"status": "ok"}
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def prometheus_metrics():

@@ -12,7 +12,8 @@ tool calls are not parsed out of it. ``response_format`` (json_object, json_sche
 
 Streaming follows OpenAI's chunks: first a ``{"role": "assistant", "content": ""}`` delta per
 choice, then ``{"content": ...}`` deltas with the choice's ``finish_reason`` on its last one, then
-a ``usage`` chunk (``stream_options.include_usage``), then ``[DONE]``.
+a ``usage`` chunk (``stream_options.include_usage``), then ``[DONE]``. The reply's role is "assistant",
+or with ``add_generation_prompt: false`` the last message's role (vLLM's rule: the reply goes on that turn).
 """
 
 from __future__ import annotations
@@ -98,6 +99,8 @@ class ChatJob:
                                           logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                                           prompt_logprobs=None if req.stream else self.num_prompt_top,
                                           default=ctx.default_params)
+        # vLLM's get_chat_request_role: without a generation prompt the reply continues the last message's turn
+        self.role = "assistant" if req.add_generation_prompt else req.messages[-1].role
         self.id = request_id("chatcmpl")
         self.created = now()
         self.stream: RequestStream | None = None
@@ -139,7 +142,7 @@ class ChatJob:
         choices = []
         for index in sorted(finals):
             out = finals[index]
-            choices.append({"index": index, "message": {"role": "assistant", "content": out.text},
+            choices.append({"index": index, "message": {"role": self.role, "content": out.text},
                             "logprobs": self._logprobs(out.token_ids, out.logprobs, out.top_logprobs)
                             if self.req.logprobs else None,
                             "finish_reason": out.finish_reason, "stop_reason": out.stop_reason})
@@ -170,7 +173,7 @@ class ChatJob:
         pending: list[str] = []
         try:
             for index in range(self.params.n):
-                yield sse(self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
+                yield sse(self._chunk([{"index": index, "delta": {"role": self.role, "content": ""},
                                         "logprobs": None, "finish_reason": None}]))
             async for _, out in self.ctx.outputs([stream]):
                 logprobs = (self._logprobs(out.new_token_ids, out.new_logprobs, out.new_top_logprobs)

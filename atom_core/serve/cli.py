@@ -20,8 +20,8 @@ import sys
 from pathlib import Path
 
 from atom_core.serve.engine_options import (DEFAULT_PROMPTS, Parser, UsageError, add_engine_arguments,
-                                            build_engine, chat_template_for, clean_text, finite_float,
-                                            generate_and_print, positive_int)
+                                            build_engine, chat_template_for, checkpoint_path, clean_text,
+                                            finite_float, generate_and_print, positive_int)
 
 PROG = "atom-core"
 
@@ -39,8 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "same requests in the same order (default: fresh randomness)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=port_number, default=8000, help="(default 8000)")
-    serve.add_argument("--served-model-name", default=None,
-                       help="the model name clients send (default: the folder's name, or 'atom_core-demo')")
+    serve.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="the model names a request may give; responses give the first (default: the folder's "
+                            "name, or 'atom_core-demo'). Put PATH before it: the names take what follows")
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on /v1 (default: $ATOM_CORE_API_KEY, else none)")
     serve.add_argument("--max-waiting-requests", type=positive_int, default=1024,
@@ -55,6 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="let a chat request bring its own chat_template (vLLM's flag; refused without it: the "
                             "template runs on the server)")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    serve.add_argument("--enable-log-requests", dest="log_requests", action="store_true", default=True,
+                       help="a log line per HTTP request (uvicorn's access log, at --log-level info; the default). "
+                            "Request contents are never logged")
+    serve.add_argument("--disable-log-requests", dest="log_requests", action="store_false",
+                       help="no log line per request (vLLM's flag)")
+    for flag, metavar in (("--enable-auto-tool-choice", None), ("--tool-call-parser", "NAME")):
+        serve.add_argument(flag, action=RefusedFlag, nargs=0 if metavar is None else None, metavar=metavar,
+                           why=TOOL_CALLS_REFUSED, help="refused: tool-call parsing is not implemented")
     serve.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                        help="run the engine in a process of its own (a one-replica --data-parallel-size front), as "
                             "vLLM does: HTTP, streaming and detokenization then share no GIL with the engine's steps "
@@ -73,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--chat-template", default=None, help="a chat template file (or text) instead of the model's")
 
     bench = commands.add_parser("bench", help="offline engine throughput (--offline) or online serving (--url)")
-    add_engine_arguments(bench)
+    add_engine_arguments(bench, model_flag=False)  # (its --model is the served model's name)
     mode = bench.add_mutually_exclusive_group(required=True)
     mode.add_argument("--offline", action="store_true", help="run the engine in this process")
     mode.add_argument("--url", default=None, help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000")
@@ -99,6 +108,22 @@ def build_parser() -> argparse.ArgumentParser:
                                                        "$OPENAI_API_KEY)")
     bench.add_argument("--json", default=None, help="also write the results to this file")
     return parser
+
+
+TOOL_CALLS_REFUSED = ("tool-call parsing is not implemented: calls are not parsed out of the reply, so a request's "
+                      "tools are served with tool_choice 'none' only (rendered into the prompt; docs/serving.md)")
+
+
+class RefusedFlag(argparse.Action):
+    """A vLLM flag for something atom_core does not do: giving it is a usage error that says why (not
+    "unrecognized arguments")."""
+
+    def __init__(self, option_strings, dest, why: str, **kwargs):
+        super().__init__(option_strings, dest, **kwargs)
+        self.why = why
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string}: {self.why}")
 
 
 def math_inf() -> float:
@@ -149,17 +174,19 @@ def run_serve(args) -> None:
     from atom_core.serve.app import create_app
     from atom_core.serve.common import ServerConfig
 
+    path = checkpoint_path(args)
     engine = build_engine(args)
-    name = args.served_model_name or (_model_name(args.path) if args.path else "atom_core-demo")
+    name, *aliases = args.served_model_name or [_model_name(path) if path else "atom_core-demo"]
     config = ServerConfig(model_name=name, api_key=args.api_key or os.environ.get("ATOM_CORE_API_KEY") or None,
                           max_request_bytes=args.max_request_bytes, max_output_tokens=args.max_output_tokens,
                           chat_template=chat_template_for(engine, args.chat_template),
                           trust_request_chat_template=args.trust_request_chat_template)
-    app = create_app(AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests), config)
+    app = create_app(AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests), config,
+                     model_aliases=aliases)
     print(f"serving {name!r} (max_model_len {engine.max_model_len}, device {engine.device}) on "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.log_requests)
     finally:
         _shutdown(engine)
 

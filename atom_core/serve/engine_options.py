@@ -80,11 +80,26 @@ def finite_float(low: float, high: float, *, low_open: bool = False):
     return parse
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser, *, with_path: bool = True) -> None:
+def nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, *, with_path: bool = True, model_flag: bool = True) -> None:
+    """The engine flags; ``model_flag``: also ``--model PATH`` (vLLM's spelling of PATH; ``bench`` has a ``--model``
+    of its own, the served model's name)."""
     if with_path:
         parser.add_argument("path", nargs="?", default=None,
                             help="a local checkpoint folder (config.json, *.safetensors, tokenizer.json), or with "
                                  "--load-format dummy a config.json file; default: the built-in demo model")
+        if model_flag:
+            parser.add_argument("--model", dest="model_path", metavar="PATH", default=None,
+                                help="PATH given as a flag (vLLM's spelling); with PATH too, both must name it")
     group = parser.add_argument_group("engine")
     group.add_argument("--max-model-len", type=positive_int, default=None,
                        help="longest sequence (prompt + output) in tokens (default: the engine's choice)")
@@ -101,7 +116,20 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, with_path: bool = T
     group.add_argument("--gpu-memory-utilization", type=finite_float(0.0, 1.0, low_open=True), default=0.9,
                        help="share of GPU memory for weights, activations and the KV pool (default 0.9)")
     group.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (default 16)")
-    group.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                       help="the prefix cache (default on; vLLM's flag)")
+    group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=True,
+                       help="turn the prefix cache off (= --no-enable-prefix-caching)")
+    group.add_argument("--max-logprobs", type=nonnegative_int, default=20,
+                       help="the most top alternatives a request may ask per token (logprobs, top_logprobs, "
+                            "prompt_logprobs; default 20, vLLM's)")
+    group.add_argument("--generation-config", default="auto", metavar="{auto,vllm,FOLDER}",
+                       help="sampling defaults and extra EOS ids: auto = the checkpoint's generation_config.json "
+                            "(default), vllm = no sampling defaults (its EOS ids still end sequences), or a folder "
+                            "whose generation_config.json replaces the checkpoint's (vLLM's values)")
+    group.add_argument("--trust-remote-code", action="store_true",
+                       help="accepted for vLLM command lines and does nothing: atom_core never runs code from a "
+                            "checkpoint (its architectures are built in)")
     group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     group.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy", "zeros"],
                        help="dummy: random weights of the config's shapes (benchmarks)")
@@ -168,7 +196,10 @@ def build_engine(args: argparse.Namespace):
             torch.device(args.device)
         except RuntimeError:
             raise UsageError(f"--device {args.device!r}: expected cpu, cuda or cuda:N") from None
-    folder = model_folder(getattr(args, "path", None), args.load_format)
+    folder = model_folder(checkpoint_path(args), args.load_format)
+    generation_config = getattr(args, "generation_config", "auto")
+    if generation_config not in ("auto", "vllm"):
+        folder = with_generation_config(folder, generation_config)
     parallel = {}
     if args.tensor_parallel_size > 1:
         parallel = dict(tensor_parallel_size=args.tensor_parallel_size,
@@ -185,17 +216,54 @@ def build_engine(args: argparse.Namespace):
 
         build = functools.partial(DataParallelEngine, data_parallel_size=1)  # one replica, in its own process
     try:
-        return build(
+        engine = build(
             folder, device=args.device, dtype=args.dtype, load_format=args.load_format, quantization=args.quantization,
             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_dtype=args.kv_cache_dtype,
             num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
-            block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
-            enforce_eager=args.enforce_eager, seed=getattr(args, "seed", None), **parallel)
+            block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
+            enforce_eager=args.enforce_eager, max_logprobs=args.max_logprobs, seed=getattr(args, "seed", None),
+            **parallel)
     except ValueError as e:
         raise ValueError(with_flag_names(str(e))) from e
     except FileNotFoundError as e:  # a folder without weights
         raise FileNotFoundError(with_flag_names(str(e))) from e
+    if generation_config == "vllm" and engine is not None:  # (None: a worker rank under torchrun)
+        from atom_core.engine import SamplingParams
+
+        # vLLM's "vllm": the checkpoint's sampling defaults are dropped; its EOS ids stay (vLLM reads them either way)
+        engine.default_sampling_params, engine.generation_defaults = SamplingParams(), {}
+    return engine
+
+
+def checkpoint_path(args: argparse.Namespace) -> str | None:
+    """The checkpoint the command line names: PATH or ``--model PATH`` (both: they must name the same folder)."""
+    path, flag = getattr(args, "path", None), getattr(args, "model_path", None)
+    if path is not None and flag is not None and os.path.realpath(path) != os.path.realpath(flag):
+        raise UsageError(f"the checkpoint is given twice, as PATH {path!r} and as --model {flag!r}: give one")
+    return path if path is not None else flag
+
+
+def with_generation_config(folder: str | None, option: str) -> str:
+    """``--generation-config FOLDER``: a temporary folder holding the checkpoint's files (links) with
+    FOLDER's generation_config.json in place of the checkpoint's own (vLLM reads that file instead, for the
+    sampling defaults and the EOS ids alike). Every rank and replica loads it, as the checkpoint itself."""
+    from atom_core.engine.engine import DEMO_MODEL
+    from atom_core.engine.generation_config import read_generation_config
+
+    given = Path(option) / "generation_config.json"
+    if not given.is_file():
+        raise UsageError(f"--generation-config {option!r}: expected auto, vllm or a folder holding a "
+                         f"generation_config.json")
+    read_generation_config(option)  # a file that does not parse is refused here, under its own name
+    checkpoint = Path(folder) if folder is not None else Path(DEMO_MODEL)
+    merged = Path(tempfile.mkdtemp(prefix="atom_core_generation_config_"))
+    atexit.register(shutil.rmtree, merged, ignore_errors=True)
+    for entry in checkpoint.iterdir():
+        if entry.name != "generation_config.json":
+            (merged / entry.name).symlink_to(entry.resolve())
+    shutil.copy(given, merged / "generation_config.json")
+    return str(merged)
 
 
 # The library's names for what an engine flag sets, as its errors spell them ("max_model_len=...").
