@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from atom_core.cache import BlockManager
 from atom_core.engine.device import check_device
 from atom_core.engine.distributed import WARMUP, StepChannel, WorkerFailedError, control_group_for
-from atom_core.engine.generation_config import read_generation_config
+from atom_core.engine.generation_config import generation_config_of
 from atom_core.engine.kv_pool import plan_pool
 from atom_core.engine.logits_processing import request_processing
 from atom_core.engine.outputs import RequestOutput, StepOutputs
@@ -155,7 +155,7 @@ class Engine:
     def from_pretrained(cls, path: str | Path | None = None, *, dtype=None, device=None, load_format: str = "auto",
                         quantization: str | None = None, tensor_parallel_size: int = 1,
                         expert_parallel: bool | str = False, data_parallel_size: int = 1,
-                        dp_attention: bool = False, parallel=None,
+                        dp_attention: bool = False, parallel=None, generation_config: str | Path = "auto",
                         **engine_args) -> Engine | DataParallelEngine | None:
         """Load a checkpoint folder (config.json, *.safetensors, tokenizer.json); None = the built-in demo model.
         ``quantization`` (``"fp8"`` / ``"fp8_block"``): quantize an unquantized checkpoint while loading (``load_model``).
@@ -176,17 +176,24 @@ class Engine:
 
         ``parallel``: a ``ParallelContext`` of one TP rank to build the model over (a process that already
         joined a world, e.g. a DP-attention rank); not with ``tensor_parallel_size`` > 1.
+
+        ``generation_config``: where the EOS ids and the sampling defaults of requests without
+        ``SamplingParams`` come from (vLLM's values): ``"auto"`` the checkpoint's generation_config.json,
+        ``"vllm"`` its EOS ids only, or a folder whose generation_config.json is read instead.
         """
         from atom_core.models import load_model
         from atom_core.models.parallel import ep_comm_of
 
+        # refused (a bad value, a folder without the file) before any process starts
+        eos_token_ids, defaults = generation_config_of(path if path is not None else DEMO_MODEL, generation_config)
         if data_parallel_size != 1:
             from atom_core.engine.data_parallel import DataParallelEngine
 
             return DataParallelEngine(path, data_parallel_size=data_parallel_size, dtype=dtype, device=device,
                                       load_format=load_format, quantization=quantization,
                                       tensor_parallel_size=tensor_parallel_size, expert_parallel=expert_parallel,
-                                      dp_attention=dp_attention, **engine_args)
+                                      dp_attention=dp_attention, generation_config=generation_config,
+                                      **engine_args)
         if dp_attention:
             raise ValueError("dp_attention=True splits the experts over data-parallel replicas: it needs "
                              "data_parallel_size > 1")
@@ -198,7 +205,6 @@ class Engine:
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         check_device(device)
-        eos_token_ids, defaults = read_generation_config(path)
         load_args = dict(dtype=dtype, load_format=load_format, quantization=quantization)
         if tensor_parallel_size == 1:
             model = load_model(path, device=device, parallel=parallel, **load_args)
@@ -226,7 +232,8 @@ class Engine:
         try:
             engine.default_sampling_params = SamplingParams(**defaults)
         except ValueError as e:
-            raise ValueError(f"{path / 'generation_config.json'}: {e}") from None
+            source = path if generation_config in ("auto", "vllm") else Path(generation_config)
+            raise ValueError(f"{source / 'generation_config.json'}: {e}") from None
         engine.generation_defaults = dict(defaults)
         return engine
 

@@ -9,6 +9,10 @@ only there, and give their recommended temperature / top-p there. What is taken,
   ``SamplingParams``.
   (``do_sample`` is not read: as in vLLM, a temperature given there applies; a file with
   ``do_sample: false`` and no temperature leaves the default temperature.)
+
+``Engine.from_pretrained(generation_config=)`` takes vLLM's values: ``"auto"`` (the checkpoint's file),
+``"vllm"`` (no sampling defaults; the file's EOS ids still end sequences, as in vLLM), or a folder whose
+``generation_config.json`` replaces the checkpoint's for both.
 """
 
 from __future__ import annotations
@@ -18,6 +22,19 @@ from pathlib import Path
 
 SAMPLING_FIELDS = {"repetition_penalty": "repetition_penalty", "temperature": "temperature", "top_k": "top_k",
                    "top_p": "top_p", "min_p": "min_p", "max_new_tokens": "max_tokens"}
+
+
+def generation_config_of(checkpoint: str | Path, option: str | Path = "auto") -> tuple[list[int], dict]:
+    """``(eos_token_ids, sampling defaults)`` for vLLM's ``generation_config`` value ``option`` (module
+    docstring). Raises ValueError for a value that is none of the three, or a folder without the file."""
+    if option == "auto":
+        return read_generation_config(checkpoint)
+    if option == "vllm":
+        return read_generation_config(checkpoint)[0], {}
+    if not (Path(option) / "generation_config.json").is_file():
+        raise ValueError(f"generation_config={str(option)!r}: expected 'auto', 'vllm' or a folder holding a "
+                         f"generation_config.json")
+    return read_generation_config(option)
 
 
 def read_generation_config(folder: str | Path) -> tuple[list[int], dict]:

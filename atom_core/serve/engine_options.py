@@ -197,9 +197,6 @@ def build_engine(args: argparse.Namespace):
         except RuntimeError:
             raise UsageError(f"--device {args.device!r}: expected cpu, cuda or cuda:N") from None
     folder = model_folder(checkpoint_path(args), args.load_format)
-    generation_config = getattr(args, "generation_config", "auto")
-    if generation_config not in ("auto", "vllm"):
-        folder = with_generation_config(folder, generation_config)
     parallel = {}
     if args.tensor_parallel_size > 1:
         parallel = dict(tensor_parallel_size=args.tensor_parallel_size,
@@ -216,24 +213,18 @@ def build_engine(args: argparse.Namespace):
 
         build = functools.partial(DataParallelEngine, data_parallel_size=1)  # one replica, in its own process
     try:
-        engine = build(
+        return build(
             folder, device=args.device, dtype=args.dtype, load_format=args.load_format, quantization=args.quantization,
             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_dtype=args.kv_cache_dtype,
             num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
             block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
             enforce_eager=args.enforce_eager, max_logprobs=args.max_logprobs, seed=getattr(args, "seed", None),
-            **parallel)
+            generation_config=args.generation_config, **parallel)
     except ValueError as e:
         raise ValueError(with_flag_names(str(e))) from e
     except FileNotFoundError as e:  # a folder without weights
         raise FileNotFoundError(with_flag_names(str(e))) from e
-    if generation_config == "vllm" and engine is not None:  # (None: a worker rank under torchrun)
-        from atom_core.engine import SamplingParams
-
-        # vLLM's "vllm": the checkpoint's sampling defaults are dropped; its EOS ids stay (vLLM reads them either way)
-        engine.default_sampling_params, engine.generation_defaults = SamplingParams(), {}
-    return engine
 
 
 def checkpoint_path(args: argparse.Namespace) -> str | None:
@@ -244,27 +235,6 @@ def checkpoint_path(args: argparse.Namespace) -> str | None:
     return path if path is not None else flag
 
 
-def with_generation_config(folder: str | None, option: str) -> str:
-    """``--generation-config FOLDER``: a temporary folder holding the checkpoint's files (links) with
-    FOLDER's generation_config.json in place of the checkpoint's own (vLLM reads that file instead, for the
-    sampling defaults and the EOS ids alike). Every rank and replica loads it, as the checkpoint itself."""
-    from atom_core.engine.engine import DEMO_MODEL
-    from atom_core.engine.generation_config import read_generation_config
-
-    given = Path(option) / "generation_config.json"
-    if not given.is_file():
-        raise UsageError(f"--generation-config {option!r}: expected auto, vllm or a folder holding a "
-                         f"generation_config.json")
-    read_generation_config(option)  # a file that does not parse is refused here, under its own name
-    checkpoint = Path(folder) if folder is not None else Path(DEMO_MODEL)
-    merged = Path(tempfile.mkdtemp(prefix="atom_core_generation_config_"))
-    atexit.register(shutil.rmtree, merged, ignore_errors=True)
-    for entry in checkpoint.iterdir():
-        if entry.name != "generation_config.json":
-            (merged / entry.name).symlink_to(entry.resolve())
-    shutil.copy(given, merged / "generation_config.json")
-    return str(merged)
-
 
 # The library's names for what an engine flag sets, as its errors spell them ("max_model_len=...").
 FLAG_OF = {"max_model_len": "--max-model-len", "num_blocks": "--num-kv-blocks", "num_kv_blocks": "--num-kv-blocks",
@@ -272,7 +242,8 @@ FLAG_OF = {"max_model_len": "--max-model-len", "num_blocks": "--num-kv-blocks", 
            "max_num_batched_tokens": "--max-num-batched-tokens", "tp_size": "--tensor-parallel-size",
            "tensor_parallel_size": "--tensor-parallel-size", "data_parallel_size": "--data-parallel-size",
            "gpu_memory_utilization": "--gpu-memory-utilization", "kv_cache_dtype": "--kv-cache-dtype",
-           "dtype": "--dtype", "device": "--device", "quantization": "--quantization", "load_format": "--load-format"}
+           "dtype": "--dtype", "device": "--device", "quantization": "--quantization", "load_format": "--load-format",
+           "generation_config": "--generation-config"}
 _LIBRARY_NAME = re.compile(r"(?<![\w.-])(" + "|".join(FLAG_OF) + r")(?=[=:])")
 
 

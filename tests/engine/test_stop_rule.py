@@ -88,6 +88,38 @@ def test_a_bad_generation_config_is_refused_naming_the_file(tmp_path, content, m
         Engine.from_pretrained(folder, device="cpu", dtype=torch.float32)
 
 
+def test_generation_config_vllm_keeps_the_eos_ids_and_drops_the_sampling_defaults(tmp_path):
+    folder = _checkpoint_with(tmp_path, json.dumps({"eos_token_id": [7, 9], "temperature": 0.3}))
+    engine = Engine.from_pretrained(folder, device="cpu", dtype=torch.float32, generation_config="vllm")
+    assert {7, 9} <= engine.eos_token_ids
+    assert engine.default_sampling_params == SamplingParams() and engine.generation_defaults == {}
+
+
+def test_generation_config_folder_is_read_instead_of_the_checkpoints(tmp_path):
+    folder = _checkpoint_with(tmp_path, json.dumps({"eos_token_id": [7], "temperature": 0.3}))
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "generation_config.json").write_text(json.dumps({"eos_token_id": [9], "max_new_tokens": 5}))
+    engine = Engine.from_pretrained(folder, device="cpu", dtype=torch.float32, generation_config=other)
+    assert 9 in engine.eos_token_ids and 7 not in engine.eos_token_ids
+    assert engine.generation_defaults == {"max_tokens": 5}
+    assert engine.default_sampling_params == SamplingParams(max_tokens=5)
+    (other / "generation_config.json").write_text('{"temperature": -1}')
+    with pytest.raises(ValueError, match=f"{other / 'generation_config.json'}: .*SamplingParams.temperature"):
+        Engine.from_pretrained(folder, device="cpu", dtype=torch.float32, generation_config=other)
+
+
+@pytest.mark.parametrize("value", ["greedy", "NO_FILE"])
+def test_generation_config_that_is_no_value_or_folder_is_refused_before_loading(tmp_path, value, monkeypatch):
+    import atom_core.models
+
+    value = str(tmp_path) if value == "NO_FILE" else value
+    monkeypatch.setattr(atom_core.models, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    for data_parallel_size in (1, 2):
+        with pytest.raises(ValueError, match="expected 'auto', 'vllm' or a folder holding a generation_config.json"):
+            Engine.from_pretrained(device="cpu", generation_config=value, data_parallel_size=data_parallel_size)
+
+
 def test_only_the_models_own_eos_token_has_no_stop_reason(tmp_path, tokenizer):
     """vLLM's stop_reason: None for the tokenizer's eos_token, the id for an EOS id only generation_config.json
     names (vLLM makes those stop token ids)."""
