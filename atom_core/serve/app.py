@@ -22,7 +22,7 @@ import asyncio
 import hmac
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import asynccontextmanager, suppress
 
 from fastapi import FastAPI, Request
@@ -100,13 +100,10 @@ def _error(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
 
-def create_app(async_engine: AsyncEngine, config: ServerConfig | None = None, *,
-               model_aliases: Sequence[str] = ()) -> FastAPI:
-    """The server's app. Its lifespan starts the async engine's step thread and shuts it down.
-    ``model_aliases``: more names a request may give for the model (vLLM's ``--served-model-name a b``: ``a``
-    is ``config.model_name``, the one responses give); /v1/models lists them after it."""
+def create_app(async_engine: AsyncEngine, config: ServerConfig | None = None) -> FastAPI:
+    """The server's app. Its lifespan starts the async engine's step thread and shuts it down."""
     config = config or ServerConfig()
-    served_names = list(dict.fromkeys([config.model_name, *model_aliases]))
+    served_names = list(dict.fromkeys([config.model_name, *config.model_aliases]))
     if config.max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be >= 1, got {config.max_request_bytes}")
     metrics = ServerMetrics(async_engine)

@@ -60,9 +60,12 @@ class ServerConfig:
     ``chat_template``: a template (the source text) used instead of the model's own.
     ``trust_request_chat_template``: a chat request may bring its own ``chat_template`` (vLLM's
     ``--trust-request-chat-template``; refused otherwise: the template runs on the server).
+    ``model_aliases``: more names a request may give for the model (vLLM's ``--served-model-name a b``:
+    ``a`` is ``model_name``, the one responses give); /v1/models lists them after it.
     """
 
     model_name: str = "atom_core"
+    model_aliases: tuple[str, ...] = ()
     api_key: str | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     max_output_tokens: int | None = None

@@ -182,9 +182,9 @@ def served(monkeypatch):
     seen = {}
     create_app = app.create_app
 
-    def record_app(async_engine, config, **kwargs):
-        seen.update(config=config, aliases=kwargs.get("model_aliases", ()))
-        return create_app(async_engine, config, **kwargs)
+    def record_app(async_engine, config):
+        seen.update(config=config, aliases=config.model_aliases)
+        return create_app(async_engine, config)
 
     monkeypatch.setattr(app, "create_app", record_app)
     monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: seen.update(run=kwargs))

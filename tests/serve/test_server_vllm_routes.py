@@ -4,7 +4,6 @@ first, /v1/models lists them all), and chat's reply role (the last message's wit
 
 from __future__ import annotations
 
-import functools
 import json
 
 import pytest
@@ -45,14 +44,7 @@ def test_ping_is_a_503_naming_the_failure_as_health_is(server, monkeypatch):
 @pytest.fixture(scope="module")
 def aliased():
     """A server named MODEL that also answers to "second" and "third" (--served-model-name demo second third)."""
-    from atom_core.serve import app
-
-    create_app = app.create_app
-    app.create_app = functools.partial(create_app, model_aliases=["second", "third"])
-    try:
-        live = LiveServer(demo_engine()).start()
-    finally:
-        app.create_app = create_app
+    live = LiveServer(demo_engine(), model_aliases=("second", "third")).start()
     yield live
     live.stop()
 
