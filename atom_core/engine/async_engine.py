@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from atom_core.engine.engine import Engine
+from atom_core.engine.request import prompt_text_of
 from atom_core.engine.request_stream import RequestStream, StreamOutput, _Delta
 from atom_core.engine.sampling_params import SamplingParams
 
@@ -190,7 +191,7 @@ class AsyncEngine:
         if self._num_waiting >= self.max_waiting_requests:
             raise QueueFullError(f"{self._num_waiting} requests are waiting for their first token "
                                  f"(max_waiting_requests={self.max_waiting_requests}); try again later")
-        stream = RequestStream(self, request_id, params)
+        stream = RequestStream(self, request_id, params, prompt_text_of(prompt))
         self._streams[request_id] = stream
         self._num_waiting += 1
         try:

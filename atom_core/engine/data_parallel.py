@@ -73,7 +73,7 @@ from atom_core.engine.dp_replica import (
 )
 from atom_core.engine.engine import DEMO_MODEL, Engine
 from atom_core.engine.outputs import StepOutputs
-from atom_core.engine.request import Request, Status
+from atom_core.engine.request import Request, Status, prompt_text_of
 from atom_core.engine.request_checks import RequestChecks
 from atom_core.engine.sampling_params import SamplingParams
 from atom_core.engine.tokenizer import Tokenizer
@@ -355,10 +355,12 @@ class DataParallelEngine:
         params = self.default_sampling_params if params is None else params
         return self._checks.check(prompt, params), params
 
-    def add_request(self, prompt, params: SamplingParams | None = None) -> int:
+    def add_request(self, prompt, params: SamplingParams | None = None, *, prompt_text: str | None = None) -> int:
         """Queue a prompt on the replica with the fewest outstanding tokens; returns its request id (unique
-        over the replicas). Raises (and queues nothing) as ``Engine.add_request`` does."""
+        over the replicas). Raises (and queues nothing) as ``Engine.add_request`` does; ``prompt_text`` as there
+        (kept on the front's mirrors)."""
         token_ids, params = self._check_request(prompt, params)
+        prompt_text = prompt_text_of(prompt, prompt_text)
         self._check_usable()
         replica = min(self._replicas, key=lambda r: (r.outstanding, r.index))
         group_id = self._next_id
@@ -370,7 +372,7 @@ class DataParallelEngine:
             raise self._fail(replica, error) from None
         self._next_id += params.n
         group = [Request(group_id + index, token_ids, params, 0, group_id=group_id, index=index,
-                         tokenizer=self.tokenizer) for index in range(params.n)]
+                         tokenizer=self.tokenizer, prompt=prompt_text) for index in range(params.n)]
         for request in group:
             request.status = Status.RUNNING
             self._sequences[request.request_id] = request
@@ -557,4 +559,5 @@ class DataParallelEngine:
     # ------------------------------------------------------------------ offline (Engine's own)
 
     generate = Engine.generate
+    _generate = Engine._generate
     chat = Engine.chat

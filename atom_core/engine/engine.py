@@ -28,7 +28,7 @@ from atom_core.engine.generation_config import generation_config_of
 from atom_core.engine.kv_pool import plan_pool
 from atom_core.engine.logits_processing import request_processing
 from atom_core.engine.outputs import RequestOutput, StepOutputs
-from atom_core.engine.request import Request
+from atom_core.engine.request import Request, prompt_text_of
 from atom_core.engine.request_checks import RequestChecks
 from atom_core.engine.runner import LaunchedStep, ModelRunner
 from atom_core.engine.sampling_params import SEED_LIMIT, SamplingParams
@@ -372,7 +372,7 @@ class Engine:
     # ------------------------------------------------------------------ requests
 
     def add_request(self, prompt: str | Sequence[int] | np.ndarray, params: SamplingParams | None = None, *,
-                    grammar: CompiledStructuredOutput | None = None) -> int:
+                    grammar: CompiledStructuredOutput | None = None, prompt_text: str | None = None) -> int:
         """Queue a prompt; returns its request id. Raises (and queues nothing) when the prompt or
         its parameters are not valid or it can never fit.
 
@@ -381,10 +381,15 @@ class Engine:
         the prefix cache. With a seed, sequence i draws with ``seed + i``.
 
         ``grammar``: ``params.structured_outputs`` already compiled by :meth:`compile_structured`
-        (on another thread, say); without it, a request with structured output is compiled here."""
+        (on another thread, say); without it, a request with structured output is compiled here.
+
+        ``prompt_text``: the prompt's text, kept as its outputs' ``prompt`` (vLLM's ``RequestOutput.prompt``):
+        for a prompt of token ids whose text is known (``chat`` passes the rendered conversation). Default:
+        the prompt itself when it is text, else None."""
         if self._channel is not None:
             self._channel.check_usable()  # DistributedEngineError: the ranks are gone, no step would run it
         token_ids, params = self._check_request(prompt, params, grammar)
+        prompt_text = prompt_text_of(prompt, prompt_text)
         if grammar is None and params.structured_outputs is not None:
             grammar = self.compile_structured(params)  # a cache hit: the check above compiled it
         processing = request_processing(params, self.eos_token_ids, self.model.config.vocab_size, self.tokenizer)
@@ -397,7 +402,7 @@ class Engine:
                 seed = (params.seed + index) % SEED_LIMIT
                 seed = seed - SEED_LIMIT if seed >= 2**63 else seed
             request = Request(self._next_id, token_ids, params, seed, group_id=group_id, index=index,
-                              tokenizer=self.tokenizer)
+                              tokenizer=self.tokenizer, prompt=prompt_text)
             request.processing = processing
             if grammar is not None:
                 request.grammar = grammar.compiler.new_state(grammar)
@@ -584,13 +589,19 @@ class Engine:
         them first), so no output of theirs is consumed here. When it raises (a step failed, or
         KeyboardInterrupt), it aborts its prompts still queued or running first.
         """
-        if self.has_unfinished_requests():
-            raise RuntimeError(f"generate() runs only its own prompts, but {self._num_unfinished()} requests added "
-                               f"with add_request are unfinished: run step() until they finish, or abort them")
         if isinstance(prompts, (str, Mapping, np.ndarray, torch.Tensor)) or (
                 isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]  # one prompt
         prompts = list(prompts)
+        return self._generate(prompts, [prompt_text_of(prompt) for prompt in prompts], sampling_params, use_tqdm)
+
+    def _generate(self, prompts: list, prompt_texts: list[str | None],
+                  sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+                  use_tqdm: bool) -> list[RequestOutput]:
+        """``generate`` of a list of prompts, each with its text (its outputs' ``prompt``)."""
+        if self.has_unfinished_requests():
+            raise RuntimeError(f"generate() runs only its own prompts, but {self._num_unfinished()} requests added "
+                               f"with add_request are unfinished: run step() until they finish, or abort them")
         params_list = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
                        else [sampling_params] * len(prompts))
         if len(params_list) != len(prompts):
@@ -603,8 +614,8 @@ class Engine:
                 raise type(e)(f"prompt {i}: {e}") from None
         ids: list[int] = []
         try:
-            for token_ids, sp in checked:
-                ids.append(self.add_request(token_ids, sp))
+            for (token_ids, sp), text in zip(checked, prompt_texts):
+                ids.append(self.add_request(token_ids, sp, prompt_text=text))
             order = {rid: i for i, rid in enumerate(ids)}
             finished: dict[int, list[RequestOutput]] = {rid: [] for rid in ids}
             with tqdm(total=sum(sp.n for _, sp in checked), desc="generate", disable=not use_tqdm) as bar:
@@ -649,12 +660,14 @@ class Engine:
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
             raise TypeError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
         conversations = list(messages) if isinstance(messages[0], (list, tuple)) else [messages]
-        prompts = [self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                                      continue_final_message=continue_final_message,
-                                                      chat_template=chat_template, tools=tools,
-                                                      **(chat_template_kwargs or {}))
-                   for conversation in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        # Rendered to text, then encoded as apply_chat_template(tokenize=True) does: the text is the outputs' prompt.
+        texts = [self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                    continue_final_message=continue_final_message,
+                                                    chat_template=chat_template, tools=tools, tokenize=False,
+                                                    **(chat_template_kwargs or {}))
+                 for conversation in conversations]
+        prompts = [self.tokenizer.encode(text, add_special_tokens=False) for text in texts]
+        return self._generate(prompts, texts, sampling_params, use_tqdm)
 
     def _num_unfinished(self) -> int:
         return self.scheduler.num_unfinished

@@ -11,10 +11,14 @@ decoded (incrementally, a few tokens per step) only when someone reads it.
 ``request_id`` (what ``add_request`` returned) and its ``index`` (0..n-1). ``Engine.generate``
 returns one ``RequestOutput`` per prompt: that of sequence 0, whose ``outputs`` lists all n
 (vLLM's ``RequestOutput.outputs``); a step's outputs have ``outputs == [self]``.
+
+An output is vLLM's ``RequestOutput`` and its ``CompletionOutput`` in one object (``out.outputs[0].text``
+reads as in vLLM); how its fields differ from vLLM's: docs/sampling.md, "RequestOutput".
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -27,6 +31,8 @@ class RequestOutput:
 
     Attributes:
         request_id: the id ``add_request`` returned (shared by a prompt's ``n`` sequences).
+        prompt: the prompt's text when it was given as text (for ``chat``, the rendered conversation), else
+            None (given as token ids).
         index: which of the prompt's sequences this is (0 when ``n == 1``).
         finish_reason: None while running, else "stop" (EOS, a stop token or a stop string),
             "length" (max_tokens or max_model_len), or "error" (the step that ran it raised). An aborted
@@ -46,6 +52,7 @@ class RequestOutput:
         new_text: the characters this step added to ``text``: the ``new_text`` of every step of a
             sequence, concatenated, is its final ``text``.
         logprobs: one log-prob per output token (``SamplingParams.logprobs`` set), else None.
+        cumulative_logprob: the sum (``math.fsum``) of ``logprobs``; None when they are (vLLM V1's rule).
         top_logprobs: per output token, {token id: log-prob} of the ``logprobs`` most likely
             tokens, most likely first (None unless ``logprobs > 0``).
         prompt_logprobs: per prompt token, its log-prob given the tokens before it (None for the
@@ -54,6 +61,8 @@ class RequestOutput:
         outputs: the prompt's sequences, in index order (see the module docstring).
         num_cached_tokens: prompt tokens its first admission took from the prefix cache (as vLLM
             reports it: a recompute after a preemption does not change it).
+        metrics: None (vLLM V1's offline ``LLM`` gives None too, its stats being off; no request here records
+            its arrival or first-token time).
     """
 
     __slots__ = ("_request", "num_output_tokens", "finish_reason", "new_token_ids", "_group")
@@ -73,6 +82,10 @@ class RequestOutput:
     @property
     def index(self) -> int:
         return self._request.index
+
+    @property
+    def prompt(self) -> str | None:
+        return self._request.prompt
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -113,6 +126,11 @@ class RequestOutput:
         return None if logprobs is None else logprobs[:self.num_output_tokens]
 
     @property
+    def cumulative_logprob(self) -> float | None:
+        logprobs = self._request.logprobs  # summed when read: a step costs nothing for it
+        return None if logprobs is None else math.fsum(logprobs[:self.num_output_tokens])
+
+    @property
     def top_logprobs(self) -> list[dict[int, float]] | None:
         top = self._request.top_logprobs
         return None if top is None else top[:self.num_output_tokens]
@@ -134,6 +152,10 @@ class RequestOutput:
     @property
     def num_cached_tokens(self) -> int:
         return self._request.num_cached_tokens
+
+    @property
+    def metrics(self) -> None:
+        return None
 
     def __repr__(self) -> str:
         index = f", index={self.index}" if self.index else ""

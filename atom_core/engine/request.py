@@ -4,15 +4,29 @@ A ``Request`` is a plain record of one output sequence (a prompt with ``n > 1`` 
 sharing a ``group_id``). The scheduler's running batch holds the running requests' progress
 (tokens computed, blocks, a token still being sampled on the device); the request holds what is
 known for good: its prompt, the tokens sampled for it so far, its log-probs, its detokenizer and,
-once it ends, why.
+once it ends, why. ``prompt_text_of`` says what text a prompt was given as (the outputs' ``prompt``).
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 
 from atom_core.engine.detokenizer import Detokenizer, OutputTokens
 from atom_core.engine.sampling_params import SamplingParams
+
+
+def prompt_text_of(prompt, prompt_text: str | None = None) -> str | None:
+    """A request's ``prompt``: ``prompt_text`` when given (the text of token ids), else the text the prompt
+    was given as (a string, or vLLM's ``{"prompt": text}``), else None. TypeError for a ``prompt_text``
+    that is not a string."""
+    if prompt_text is not None:
+        if not isinstance(prompt_text, str):
+            raise TypeError(f"prompt_text must be a string, got {type(prompt_text).__name__}")
+        return prompt_text
+    if isinstance(prompt, Mapping):
+        prompt = prompt.get("prompt")
+    return prompt if isinstance(prompt, str) else None
 
 
 class Status(enum.Enum):
@@ -29,6 +43,7 @@ class Request:
         group_id, index: the id ``Engine.add_request`` returned and which of the prompt's ``n``
             sequences this is (``group_id == request_id`` and ``index == 0`` for the first).
         prompt_token_ids: the prompt.
+        prompt: the prompt's text when it was given as text (for a chat, the rendered conversation), else None.
         token_ids: prompt then every token sampled so far (the engine appends; read it, do not
             modify it).
         params: its ``SamplingParams``; seed: the seed its draws use.
@@ -49,16 +64,17 @@ class Request:
         row: its row in the scheduler's running batch while it runs, else None.
     """
 
-    __slots__ = ("request_id", "group_id", "index", "prompt_token_ids", "token_ids", "params", "seed",
+    __slots__ = ("request_id", "group_id", "index", "prompt", "prompt_token_ids", "token_ids", "params", "seed",
                  "length_limit", "status", "finish_reason", "stop_reason", "logprobs", "top_logprobs",
                  "prompt_logprobs", "prompt_top_logprobs", "num_prompt_logprobs_scheduled", "detokenizer", "processing",
                  "grammar", "num_cached_tokens", "num_preemptions", "row", "_output_view")
 
     def __init__(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams, seed: int, *,
-                 group_id: int | None = None, index: int = 0, tokenizer=None):
+                 group_id: int | None = None, index: int = 0, tokenizer=None, prompt: str | None = None):
         self.request_id = request_id
         self.group_id = request_id if group_id is None else group_id
         self.index = index
+        self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)
         self.params = params

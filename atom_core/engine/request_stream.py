@@ -12,6 +12,7 @@ iterating again ends (raises) again.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -81,9 +82,16 @@ class StreamOutput:
         first_time: ``time`` of the sequence's first output (time to first token = ``first_time -
             stream.arrival_time``); previous_time: ``time`` of its previous output (None for the first).
 
-    Read when accessed (a snapshot of this step): ``text``, ``token_ids``, ``logprobs``,
-    ``top_logprobs``; ``prompt_logprobs`` / ``prompt_top_logprobs`` (``SamplingParams.prompt_logprobs``:
-    known from the sequence's first output on); ``num_cached_tokens`` (once finished).
+    Read when accessed (a snapshot of this step): ``text`` (cumulative: the whole text so far, as vLLM's
+    default ``RequestOutputKind.CUMULATIVE`` gives it; ``new_text`` is this step's part), ``token_ids``,
+    ``logprobs``, ``top_logprobs``, ``cumulative_logprob`` (their ``math.fsum``; None without
+    ``SamplingParams.logprobs``); ``prompt_logprobs`` / ``prompt_top_logprobs``
+    (``SamplingParams.prompt_logprobs``: known from the sequence's first output on); ``num_cached_tokens``
+    (once finished); ``prompt`` (the prompt's text when it was given as text, else None).
+
+    ``outputs`` is ``[self]``: vLLM's ``AsyncLLM`` streams a request with ``n > 1`` as one output per
+    sequence and step too, each holding that one sequence, so a vLLM loop's ``out.outputs[0].text`` reads
+    this sequence's text so far.
     """
 
     __slots__ = ("request_id", "index", "new_token_ids", "new_text", "new_logprobs", "new_top_logprobs",
@@ -112,8 +120,16 @@ class StreamOutput:
         return self.finish_reason is not None
 
     @property
+    def prompt(self) -> str | None:
+        return self._stream.prompt
+
+    @property
     def prompt_token_ids(self) -> list[int] | None:
         return self._stream.prompt_token_ids
+
+    @property
+    def outputs(self) -> list[StreamOutput]:
+        return [self]
 
     @property
     def text(self) -> str:
@@ -127,6 +143,11 @@ class StreamOutput:
     def logprobs(self) -> list[float] | None:
         values = self._sequence.logprobs
         return None if values is None else values[:self.num_output_tokens]
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        values = self._sequence.logprobs
+        return None if values is None else math.fsum(values[:self.num_output_tokens])
 
     @property
     def top_logprobs(self) -> list[dict[int, float]] | None:
@@ -163,9 +184,10 @@ class RequestStream:
     the next delivery resolves (an ``asyncio.Queue`` costs a few times more per output, on the loop
     that the step thread shares the GIL with)."""
 
-    def __init__(self, owner: AsyncEngine, request_id: str, params: SamplingParams):
+    def __init__(self, owner: AsyncEngine, request_id: str, params: SamplingParams, prompt: str | None = None):
         self.request_id = request_id
         self.params = params
+        self.prompt = prompt  # its text when given as text (request.prompt_text_of)
         self.arrival_time = time.monotonic()
         self.prompt_token_ids: list[int] | None = None  # known from the first output
         self.sequences = [_Sequence(params) for _ in range(params.n)]
