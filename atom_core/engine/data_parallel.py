@@ -353,7 +353,7 @@ class DataParallelEngine:
 
     def _check_request(self, prompt, params) -> tuple[list[int], SamplingParams]:
         params = self.default_sampling_params if params is None else params
-        return self._checks.check(prompt, params), params
+        return self._checks.check(prompt, params)
 
     def add_request(self, prompt, params: SamplingParams | None = None, *, prompt_text: str | None = None) -> int:
         """Queue a prompt on the replica with the fewest outstanding tokens; returns its request id (unique

@@ -419,7 +419,7 @@ class Engine:
 
     def _check_request(self, prompt, params, grammar=None) -> tuple[list[int], SamplingParams]:
         params = self.default_sampling_params if params is None else params
-        return self._checks.check(prompt, params, grammar), params
+        return self._checks.check(prompt, params, grammar)
 
     def compile_structured(self, params: SamplingParams | None) -> CompiledStructuredOutput | None:
         """``params.structured_outputs`` compiled for this engine (None when it asks for none), for

@@ -11,6 +11,7 @@ compilation is then a cache hit), the front only parses it.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -78,12 +79,18 @@ class RequestChecks:
     check_grammar: Callable[[object], None]
     check_compiled: Callable[[object, SamplingParams], None] | None = None
 
-    def check(self, prompt, params: SamplingParams, grammar=None) -> list[int]:
-        """The prompt's token ids; raises (TypeError / ValueError naming the problem) when the prompt or
-        ``params`` are not valid for this model, or the request could never fit in ``max_model_len``."""
+    def check(self, prompt, params: SamplingParams, grammar=None) -> tuple[list[int], SamplingParams]:
+        """The prompt's token ids and the params it runs with (``max_tokens=None`` becomes the room
+        ``max_model_len`` leaves after the prompt); raises (TypeError / ValueError naming the problem) when
+        the prompt or ``params`` are not valid for this model, or the request could never fit."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         token_ids = encode_prompt(prompt, self.tokenizer)
+        if params.max_tokens is None:
+            if len(token_ids) >= self.max_model_len:
+                raise ValueError(f"prompt of {len(token_ids)} tokens leaves no room for output under "
+                                 f"max_model_len={self.max_model_len}")
+            params = dataclasses.replace(params, max_tokens=self.max_model_len - len(token_ids))
         total = len(token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(f"prompt of {len(token_ids)} tokens + max_tokens={params.max_tokens} = {total} "
@@ -94,7 +101,7 @@ class RequestChecks:
             bad = next(t for t in token_ids if not 0 <= t < vocab)
             raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad}")
         self.check_params(params, grammar)
-        return token_ids
+        return token_ids, params
 
     def check_params(self, params: SamplingParams, grammar=None) -> None:
         """What SamplingParams cannot check alone: token ids inside this vocabulary (logit_bias,

@@ -112,7 +112,8 @@ class SamplingParams:
 
     Sampling: temperature 0 is greedy; it must be finite and at most float32's largest value.
     top_k -1 (or 0) keeps the whole vocabulary; top_p 1.0 and min_p 0.0 turn those filters off.
-    ``seed`` (0 <= seed < 2**64) makes the request's draws reproducible whatever its batch mates.
+    ``seed`` (0 <= seed < 2**64) makes the request's draws reproducible whatever its batch mates;
+    -1 is None (vLLM's).
 
     ``n``: sequences made for the prompt (each its own draws; with a seed, sequence i uses
     ``seed + i``). The prompt is computed once: the other sequences start after the first one's
@@ -135,7 +136,8 @@ class SamplingParams:
     (such a request computes its whole prompt: no prefix-cache hit). Log-probabilities are
     ``log_softmax`` of the raw logits, before any processing (vLLM's default).
 
-    Stopping: ``stop``: strings that end the output (not in the text unless
+    Stopping: ``max_tokens`` (default 16): the most output tokens; None: as many as ``max_model_len``
+    leaves after the prompt (vLLM's; ``Engine.add_request`` fills it in). ``stop``: strings that end the output (not in the text unless
     ``include_stop_str_in_output``); ``stop_token_ids``: tokens that end it (the token is in
     ``token_ids``; its text is not unless ``include_stop_str_in_output``, as in vLLM); neither is
     checked before ``min_tokens`` output tokens. ``skip_special_tokens`` (default True) leaves
@@ -150,7 +152,7 @@ class SamplingParams:
     top_k: int = -1
     top_p: float = 1.0
     min_p: float = 0.0
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     ignore_eos: bool = False
     stop: list[str] | tuple[str, ...] | str | None = None
     stop_token_ids: list[int] | tuple[int, ...] | None = None
@@ -209,16 +211,19 @@ class SamplingParams:
                 bad("allowed_token_ids", "must be None or a non-empty list of token ids (ints >= 0)")
             as_type("allowed_token_ids", [int(t) for t in self.allowed_token_ids])
         self._check_bad_words(bad, as_type)
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            bad("max_tokens", "must be an int >= 1")
-        as_type("max_tokens", int(self.max_tokens))
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+        if self.max_tokens is not None:
+            if not _is_int(self.max_tokens) or self.max_tokens < 1:
+                bad("max_tokens", "must be None (the rest of the context) or an int >= 1")
+            as_type("max_tokens", int(self.max_tokens))
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= (self.max_tokens or math.inf):
             bad("min_tokens", f"must be an int in [0, max_tokens={self.max_tokens}]")
         as_type("min_tokens", int(self.min_tokens))
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 bad(name, "must be a bool")
             as_type(name, bool(getattr(self, name)))
+        if _is_int(self.seed) and self.seed == -1:  # vLLM's "no seed"
+            as_type("seed", None)
         if self.seed is not None:
             if not _is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT:
                 bad("seed", "must be None or an int in [0, 2**64)")

@@ -103,6 +103,12 @@ def test_text_stop_strings_logprobs_n_and_seeds_as_one_engine(dp, one):
     assert chat is None or len(chat[0].token_ids) == GREEDY.max_tokens
 
 
+def test_max_tokens_none_runs_to_max_model_len_over_the_front(dp):
+    out = dp.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.token_ids) == ARGS["max_model_len"] - 3 and out.finish_reason == "length"
+    assert all(replica.outstanding == 0 for replica in dp._replicas)
+
+
 def test_routing_takes_the_replica_with_the_fewest_outstanding_tokens(dp):
     big = dp.add_request([5] * 20, SamplingParams(max_tokens=20, ignore_eos=True))  # 40 outstanding
     small = [dp.add_request([6, 7], SamplingParams(max_tokens=4, ignore_eos=True)) for _ in range(7)]  # 6 each

@@ -29,7 +29,7 @@ def assert_idle_and_clean(engine):
     ("temperature", float("nan")), ("temperature", float("inf")), ("temperature", 1e300), ("temperature", -0.5),
     ("temperature", True), ("temperature", "0.5"), ("top_k", 2.0), ("top_k", -2), ("top_k", True),
     ("top_p", float("nan")), ("top_p", 0.0), ("top_p", 1.5), ("min_p", float("nan")), ("min_p", -0.1),
-    ("max_tokens", 0), ("max_tokens", 3.0), ("max_tokens", True), ("seed", 2**64), ("seed", -1), ("seed", 1.0),
+    ("max_tokens", 0), ("max_tokens", 3.0), ("max_tokens", True), ("seed", 2**64), ("seed", -2), ("seed", 1.0),
     ("seed", True), ("logprobs", -1), ("logprobs", True), ("stop", [""]), ("stop", 5), ("stop_token_ids", [-1]),
     ("stop_token_ids", [True]), ("stop_token_ids", 7), ("ignore_eos", "yes"),
 ])
@@ -248,3 +248,20 @@ def test_an_engine_seed_repeats_the_draws_of_unseeded_requests():
     assert run(8) != first
     with pytest.raises(TypeError, match="seed must be an int"):
         Engine.from_pretrained(None, device="cpu", seed="7")
+
+
+def test_max_tokens_none_generates_up_to_max_model_len(tiny_qwen3):
+    """vLLM's max_tokens=None: the output runs until prompt + output fill max_model_len ("length")."""
+    folder, _ = tiny_qwen3
+    with ops.use_backend("torch"):
+        engine = Engine.from_pretrained(folder, device="cpu", dtype=torch.float32, block_size=4, max_model_len=24)
+        params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+        outs = engine.generate([[1, 2, 3], list(range(1, 21))], params, use_tqdm=False)
+        assert [len(o.token_ids) for o in outs] == [21, 4] and {o.finish_reason for o in outs} == {"length"}
+        rid = engine.add_request([1, 2, 3, 4, 5], params)
+        assert engine._requests[rid][0].params.max_tokens == 19 and params.max_tokens is None
+        engine.abort(rid)
+        with pytest.raises(ValueError, match="prompt of 24 tokens leaves no room for output under max_model_len=24"):
+            engine.add_request(list(range(1, 25)), params)
+        with pytest.raises(ValueError, match=r"SamplingParams\.min_tokens=.*max_tokens=4"):
+            engine.add_request(list(range(1, 21)), SamplingParams(max_tokens=None, min_tokens=10))

@@ -20,7 +20,7 @@ def test_defaults_and_greedy():
         ({"top_p": 1.5}, "top_p"),
         ({"min_p": -0.1}, "min_p"),
         ({"max_tokens": 0}, "max_tokens"),
-        ({"seed": -1}, "seed"),
+        ({"seed": -2}, "seed"),
         ({"logprobs": -1}, "logprobs"),
         ({"stop": [""]}, "stop"),
         ({"stop_token_ids": [-3]}, "stop_token_ids"),
@@ -29,6 +29,12 @@ def test_defaults_and_greedy():
 def test_invalid_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field}="):
         SamplingParams(**kwargs)
+
+
+def test_seed_minus_one_is_no_seed_and_max_tokens_none_is_kept_for_the_engine():
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-1) == SamplingParams()
+    p = SamplingParams(max_tokens=None, min_tokens=5)
+    assert p.max_tokens is None and p.min_tokens == 5
 
 
 def test_vllm_fields_defaults_and_normalised_values():
