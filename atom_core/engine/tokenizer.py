@@ -4,7 +4,13 @@ folder's chat templates (``engine.chat_template``)."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
+# What a folder holds when its tokenizer is saved in a slow tokenizer's files only: transformers can load
+# it (and write tokenizer.json: AutoTokenizer.from_pretrained(folder).save_pretrained(folder)); atom_core cannot.
+SLOW_TOKENIZER_FILES = ("tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "spiece.model")
 
 
 def _read_tokenizer_config(file: Path) -> dict:
@@ -70,7 +76,17 @@ class Tokenizer:
 
     @classmethod
     def maybe_from(cls, folder: str | Path) -> Tokenizer | None:
-        return cls(folder) if (Path(folder) / "tokenizer.json").is_file() else None
+        """The folder's tokenizer; None without a tokenizer.json (a warning when the folder has a slow
+        tokenizer's files instead: string prompts and text then fail)."""
+        folder = Path(folder)
+        if (folder / "tokenizer.json").is_file():
+            return cls(folder)
+        slow = [name for name in SLOW_TOKENIZER_FILES if (folder / name).is_file()]
+        if slow:
+            logger.warning("%s has %s but no tokenizer.json, the only tokenizer file atom_core reads: no tokenizer "
+                           "(prompts must be token ids, outputs have no text). transformers writes one: "
+                           "AutoTokenizer.from_pretrained(folder).save_pretrained(folder)", folder, ", ".join(slow))
+        return None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``. With ``add_special_tokens`` (a chat template writes its own): what

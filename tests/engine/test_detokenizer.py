@@ -170,3 +170,18 @@ def test_the_decode_work_per_step_does_not_grow_with_the_output(demo_engine, mon
     # A few tokens per step however long the output (the whole output would be up to 300).
     assert max(decoded_per_step) <= 24 and max(len(step) for step in per_step[1:]) <= 2
     assert max(decoded_per_step[-100:]) <= max(decoded_per_step[:100]) + 8
+
+
+@pytest.mark.parametrize("slow_file", ["vocab.json", "tokenizer.model"])
+def test_a_folder_with_only_a_slow_tokenizers_files_loads_none_and_says_why(tmp_path, slow_file, caplog):
+    (tmp_path / slow_file).write_text("{}")
+    with caplog.at_level("WARNING", logger="atom_core.engine.tokenizer"):
+        assert Tokenizer.maybe_from(tmp_path) is None
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert f"has {slow_file} but no tokenizer.json" in message and "save_pretrained(folder)" in message
+
+
+def test_a_folder_without_tokenizer_files_loads_none_silently(tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="atom_core.engine.tokenizer"):
+        assert Tokenizer.maybe_from(tmp_path) is None
+    assert not caplog.records

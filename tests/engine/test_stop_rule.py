@@ -120,6 +120,25 @@ def test_generation_config_that_is_no_value_or_folder_is_refused_before_loading(
             Engine.from_pretrained(device="cpu", generation_config=value, data_parallel_size=data_parallel_size)
 
 
+def test_generation_config_names_what_transformers_applies_and_the_engine_does_not(tmp_path, caplog):
+    folder = _checkpoint_with(tmp_path, json.dumps({"do_sample": False, "temperature": 0.6, "no_repeat_ngram_size": 3,
+                                                    "num_beams": 1, "bad_words_ids": [[5]], "min_new_tokens": None}))
+    with caplog.at_level("WARNING", logger="atom_core.engine.generation_config"):
+        Engine.from_pretrained(folder, device="cpu", dtype=torch.float32)
+    (message,) = [r.getMessage() for r in caplog.records if r.name == "atom_core.engine.generation_config"]
+    assert "do_sample=False (transformers decodes greedily; here the temperature 0.6 applies" in message
+    assert "no_repeat_ngram_size=3" in message and "bad_words_ids=[[5]]" in message
+    assert "num_beams" not in message and "min_new_tokens" not in message  # their "off" values
+
+
+def test_a_generation_config_transformers_reads_as_ours_logs_nothing(tmp_path, caplog):
+    folder = _checkpoint_with(tmp_path, json.dumps({"do_sample": True, "temperature": 0.6, "top_p": 0.9,
+                                                    "num_beams": 1, "eos_token_id": [7]}))
+    with caplog.at_level("WARNING", logger="atom_core.engine.generation_config"):
+        Engine.from_pretrained(folder, device="cpu", dtype=torch.float32)
+    assert not [r for r in caplog.records if r.name == "atom_core.engine.generation_config"]
+
+
 def test_only_the_models_own_eos_token_has_no_stop_reason(tmp_path, tokenizer):
     """vLLM's stop_reason: None for the tokenizer's eos_token, the id for an EOS id only generation_config.json
     names (vLLM makes those stop token ids)."""
