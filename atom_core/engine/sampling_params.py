@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from atom_core.ops.reference.sampling import GREEDY_BELOW_TEMPERATURE
+
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 INT32_MAX = 2**31 - 1
 SEED_LIMIT = 2**64  # seeds are 64-bit: 0 <= seed < 2**64 (torch.Generator's range)
@@ -116,7 +118,7 @@ class SamplingParams:
     -1 is None (vLLM's).
 
     ``n``: sequences made for the prompt (each its own draws; with a seed, sequence i uses
-    ``seed + i``). The prompt is computed once: the other sequences start after the first one's
+    ``seed + i``); 1 when sampling greedily. The prompt is computed once: the other sequences start after the first one's
     prompt, and take its blocks from the prefix cache.
 
     Logits processing, applied on the device in this order before temperature and the filters
@@ -187,6 +189,9 @@ class SamplingParams:
         if not _is_real(t) or not math.isfinite(t) or not 0 <= t <= FLOAT32_MAX:
             bad("temperature", f"must be a finite number in [0, {FLOAT32_MAX:.4g}] (0 = greedy)")
         as_type("temperature", float(t))
+        if self.n > 1 and t < GREEDY_BELOW_TEMPERATURE:  # vLLM's and transformers' rule
+            bad("n", f"must be 1 when sampling greedily (temperature {t:g} < {GREEDY_BELOW_TEMPERATURE:g}): the n "
+                     f"sequences would be the same")
         if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k not in (-1, 0)):
             bad("top_k", "must be -1 (off) or an int >= 1")
         as_type("top_k", int(self.top_k))

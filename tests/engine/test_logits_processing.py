@@ -174,7 +174,7 @@ def test_prompt_logprobs_equal_hf_and_skip_the_prefix_cache(setup, regime):
         if regime != "async":
             engine.generate([prompt], SamplingParams(max_tokens=2), use_tqdm=False)  # its blocks are now cached
         hits = engine.block_manager.stats.hits
-        out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=3, n=2, prompt_logprobs=2),
+        out = engine.generate([prompt], SamplingParams(temperature=0.5, seed=0, max_tokens=3, n=2, prompt_logprobs=2),
                               use_tqdm=False)[0]
     lp = hf_logprobs(hf_model, prompt)
     assert out.prompt_logprobs[0] is None and out.prompt_top_logprobs[0] is None

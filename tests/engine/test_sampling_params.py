@@ -53,7 +53,8 @@ def test_vllm_fields_defaults_and_normalised_values():
 @pytest.mark.parametrize(
     "kwargs, field",
     [
-        ({"n": 0}, "n"), ({"n": 2.0}, "n"), ({"n": True}, "n"),
+        ({"n": 0}, "n"), ({"n": 2.0}, "n"), ({"n": True}, "n"), ({"n": 2, "temperature": 0}, "n"),
+        ({"n": 3, "temperature": 1e-6}, "n"),
         ({"presence_penalty": 2.5}, "presence_penalty"), ({"presence_penalty": float("nan")}, "presence_penalty"),
         ({"frequency_penalty": -2.1}, "frequency_penalty"), ({"frequency_penalty": "1"}, "frequency_penalty"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"), ({"repetition_penalty": float("inf")}, "repetition_penalty"),

@@ -157,6 +157,13 @@ def test_bad_structured_output_is_a_400_naming_the_field(server, unharmed, path,
     assert message in error["message"]
 
 
+@pytest.mark.parametrize("path, body", [("/v1/completions", completion(n=2, temperature=0)),
+                                        ("/v1/chat/completions", chat(n=3, temperature=0))])
+def test_n_above_one_with_greedy_sampling_is_a_400_naming_n(server, unharmed, path, body):
+    error = assert_error(request(server, "POST", path, body), 400, param="n")
+    assert "must be 1 when sampling greedily" in error["message"]
+
+
 def test_too_long_prompts_are_a_400_context_length_exceeded(server, unharmed):
     long_ids = list(range(1, server.engine.max_model_len + 5))
     assert_error(request(server, "POST", "/v1/completions", completion(prompt=long_ids)), 400, param="prompt",
