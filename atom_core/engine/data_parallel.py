@@ -72,6 +72,7 @@ from atom_core.engine.dp_replica import (
     stop_replicas,
 )
 from atom_core.engine.engine import DEMO_MODEL, Engine
+from atom_core.engine.logprobs import check_logprobs_mode
 from atom_core.engine.outputs import StepOutputs
 from atom_core.engine.request import Request, Status, prompt_text_of
 from atom_core.engine.request_checks import RequestChecks
@@ -139,6 +140,8 @@ class DataParallelEngine:
         if isinstance(step_timeout, bool) or not isinstance(step_timeout, (int, float)) or not step_timeout > 0:
             raise ValueError(f"step_timeout must be a number of seconds > 0, got {step_timeout!r}")
         ep_comm = ep_comm_of(expert_parallel)  # a bad value is refused before any replica starts
+        if "logprobs_mode" in engine_args:  # likewise (each replica's Engine would refuse it at start-up)
+            check_logprobs_mode(engine_args["logprobs_mode"])
         if dp_attention:
             if ep_comm != "all_to_all" or tensor_parallel_size != 1:
                 raise ValueError("dp_attention=True needs expert_parallel='all_to_all' (each replica sends its own "
@@ -205,6 +208,7 @@ class DataParallelEngine:
         info = self._replicas[0].info
         self.max_model_len = info["max_model_len"]
         self.max_logprobs = info["max_logprobs"]
+        self.logprobs_mode = engine_args.get("logprobs_mode", "raw_logprobs")
         self.default_sampling_params = info["default_sampling_params"]
         self.generation_defaults = info["generation_defaults"]
         self._eos_token_ids = info["eos_token_ids"]

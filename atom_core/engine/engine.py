@@ -27,6 +27,7 @@ from atom_core.engine.distributed import WARMUP, StepChannel, WorkerFailedError,
 from atom_core.engine.generation_config import generation_config_of
 from atom_core.engine.kv_pool import plan_pool
 from atom_core.engine.logits_processing import request_processing
+from atom_core.engine.logprobs import check_logprobs_mode
 from atom_core.engine.outputs import RequestOutput, StepOutputs
 from atom_core.engine.request import Request, prompt_text_of
 from atom_core.engine.request_checks import RequestChecks
@@ -69,6 +70,11 @@ class Engine:
     ask for per token (``SamplingParams.logprobs`` / ``prompt_logprobs``). ``seed``: where the draws of
     requests without their own ``SamplingParams.seed`` come from: an int makes them repeat in every process
     that adds the same requests in the same order (vLLM's engine seed); None (default): fresh randomness.
+    ``logprobs_mode`` (vLLM's): what ``logprobs`` / ``prompt_logprobs`` return — ``"raw_logprobs"``
+    (default: ``log_softmax`` of the model's logits), ``"raw_logits"`` (the logits), ``"processed_logprobs"``
+    (``log_softmax`` of the scores the token was drawn from: after the penalties, biases and bans, divided
+    by the temperature, filtered tokens at -inf; HF's ``output_scores``) or ``"processed_logits"`` (those
+    scores); prompt positions are never processed (``engine/logprobs.py``).
 
     A model writes into one KV pool at a time: an engine binds its own pool into the model before
     each step when another engine on the same model has rebound it.
@@ -90,7 +96,8 @@ class Engine:
                  enable_prefix_caching: bool = True, enforce_eager: bool = False, async_scheduling: bool = True,
                  warmup: bool = True, kv_cache_dtype: str | torch.dtype = "auto", max_logprobs: int = 20,
                  step_timeout: float = DEFAULT_STEP_TIMEOUT, seed: int | None = None,
-                 workers: WorkerSet | None = None):
+                 logprobs_mode: str = "raw_logprobs", workers: WorkerSet | None = None):
+        check_logprobs_mode(logprobs_mode)  # refused before any rank or pool is set up
         self.model = model
         self.tokenizer = tokenizer
         self.device = check_device(device) if device is not None else next(model.parameters()).device
@@ -127,13 +134,14 @@ class Engine:
                                    stop_rule=self.stop_rule)
         self.runner = ModelRunner(model, spec, plan, extra_specs=extra_specs, device=self.device, max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
-                                  enforce_eager=enforce_eager, channel=self._channel)
+                                  enforce_eager=enforce_eager, channel=self._channel, logprobs_mode=logprobs_mode)
         # What a request without SamplingParams gets (from_pretrained: the checkpoint's generation_config.json).
         self.default_sampling_params = SamplingParams()
         # The fields generation_config.json gave (SamplingParams names: max_new_tokens is "max_tokens"); a
         # server takes its defaults from here, where a field the checkpoint left out differs from one it set.
         self.generation_defaults: dict = {}
         self.max_logprobs = max_logprobs
+        self.logprobs_mode = logprobs_mode
         engine = weakref.proxy(self)  # (bound methods would keep the engine, and its KV pool, alive: a cycle)
         self._checks = RequestChecks(tokenizer, config.vocab_size, self.max_model_len, max_logprobs,
                                      lambda spec: engine._check_grammar(spec),

@@ -15,9 +15,11 @@ penalty or an allow-list) is kept on the device in launch order: a slot is set b
 first reads it, and each step counts its sampled tokens into it right after sampling, so the next
 step, launched before this one's tokens reach the host, already sees them.
 
-Log-probs are those of the raw logits (before processing and temperature, vLLM's default): the
-chosen token's, the top-N alternatives (``num_top_logprobs``), and prompt log-probs, which need
-every prompt position's hidden state: such a step runs eagerly.
+Log-probs (the chosen token's, the top-N alternatives ``num_top_logprobs``, and prompt log-probs) are
+what ``logprobs_mode`` names (``engine/logprobs.py``): by default those of the raw logits, fused into the
+draw when nothing processes the logits and no top-N is asked; the processed modes recompute the scores
+the draw used, eagerly after it (outside any CUDA graph, as the logits processing and the draw are).
+Prompt log-probs need every prompt position's hidden state: such a step runs eagerly.
 
 Several ranks (``channel``, a ``distributed.StepChannel``): the forward part of ``launch`` is
 ``_forward(StepInputs)``, which every rank runs; rank 0 sends each step's ``StepInputs`` to the
@@ -42,6 +44,7 @@ from atom_core.cache.token_layout import build_decode_layout
 from atom_core.engine.cuda_graphs import StepGraphs, padded_input_ids
 from atom_core.engine.distributed import STEP, StepChannel, StepInputs
 from atom_core.engine.logits_processing import LogitsProcessing
+from atom_core.engine.logprobs import PROCESSED_MODES, check_logprobs_mode, processed_scores, token_logprobs
 from atom_core.engine.step import PromptLogprobsInputs, ScheduledStep
 from atom_core.ops.penalties import apply_penalties_, apply_token_bias_, count_tokens_, init_token_state_
 from atom_core.ops.sampling import sample
@@ -81,8 +84,10 @@ class ModelRunner:
 
     def __init__(self, model, spec: KVCacheSpec, plan: PoolPlan, *, device, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, enforce_eager: bool = False,
-                 extra_specs: dict[str, KVCacheSpec] | None = None, channel: StepChannel | None = None):
+                 extra_specs: dict[str, KVCacheSpec] | None = None, channel: StepChannel | None = None,
+                 logprobs_mode: str = "raw_logprobs"):
         self.model = model
+        self.logprobs_mode = check_logprobs_mode(logprobs_mode)  # what log-probs are (only rank 0 samples)
         self.channel = channel  # several ranks: rank 0's or a worker's link to the others (None: one rank)
         self.device = torch.device(device)
         self.plan = plan
@@ -207,19 +212,25 @@ class ModelRunner:
         prompt_logprobs = None if hidden is None else self._prompt_logprobs(hidden, step.prompt_logprobs)
         s = step.sampling
         put = self._put
+        mode = self.logprobs_mode
+        from_processed = mode in PROCESSED_MODES
         raw = logits[:len(step)]
-        processed = raw if s.processing is None else self._process(raw, s.processing, previous_sampled,
-                                                                   keep_raw=step.want_logprobs)
+        processed = raw if s.processing is None else self._process(
+            raw, s.processing, previous_sampled, keep_raw=step.want_logprobs and not from_processed)
         # Log-probs of the raw logits: fused into the draw when the draw sees the raw logits and no top-N is asked.
-        fused_logprobs = step.want_logprobs and processed is raw and not step.num_top_logprobs
-        result = sample(processed, put(s.temperature), put(s.top_k), put(s.top_p), put(s.min_p),
-                        put(s.seeds), put(s.offsets), return_logprobs=fused_logprobs)
+        fused_logprobs = (step.want_logprobs and mode == "raw_logprobs" and processed is raw
+                          and not step.num_top_logprobs)
+        filters = put(s.temperature), put(s.top_k), put(s.top_p), put(s.min_p)
+        result = sample(processed, *filters, put(s.seeds), put(s.offsets), return_logprobs=fused_logprobs)
         tokens, logprobs = result if fused_logprobs else (result, None)
         if self.channel is not None:  # every rank gathers the next step's pending tokens from these
             self.channel.share_tokens(tokens)
         top_logprobs = None
         if step.want_logprobs and not fused_logprobs:
-            logprobs, top_logprobs = token_logprobs(raw, tokens, step.num_top_logprobs)
+            # The chosen token's value and its top N from the same scores (vLLM's rule).
+            scores = processed_scores(processed, *filters) if from_processed else raw
+            logprobs, top_logprobs = token_logprobs(scores, tokens, step.num_top_logprobs,
+                                                    as_logits=mode.endswith("_logits"))
         if s.processing is not None and s.processing.slots is not None:
             self._count_sampled(step, s.processing.slots, tokens)
         self._last_sampled = tokens
@@ -328,11 +339,13 @@ class ModelRunner:
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inputs: PromptLogprobsInputs) -> tuple:
         """(log-probs [M], top ids [M, N] or None, top log-probs [M, N] or None) of the prompt
-        positions, from the raw logits, PROMPT_LOGPROBS_CHUNK positions at a time."""
+        positions, from the raw logits (their log_softmax, or in a ``*_logits`` mode the logits: no
+        sampling processing applies to a prompt position), PROMPT_LOGPROBS_CHUNK positions at a time."""
         indices, targets = self._put(inputs.token_indices), self._put(inputs.target_ids)
+        as_logits = self.logprobs_mode.endswith("_logits")
         values, top_ids, top_values = [], [], []
         for chunk, logits in self._prompt_logits(hidden, indices):
-            chosen, top = token_logprobs(logits, targets[chunk], inputs.num_top)
+            chosen, top = token_logprobs(logits, targets[chunk], inputs.num_top, as_logits=as_logits)
             values.append(chosen)
             if top is not None:
                 top_ids.append(top[0])
@@ -357,17 +370,6 @@ class ModelRunner:
             prompt = [(values[a:b], None if ids is None else ids[a:b], None if top_values is None else top_values[a:b])
                       for a, b in zip(bounds[:-1], bounds[1:])]
         return StepResult(launched.token_ids.numpy(), logprobs, top, prompt)
-
-
-def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int):
-    """``log_softmax(logits)`` [R, V] at ``token_ids`` [R] (float32 [R]), and its ``num_top`` largest
-    entries ((ids int64 [R, N], log-probs float32 [R, N]), or None when ``num_top`` is 0)."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logprobs.gather(1, token_ids[:, None])[:, 0]
-    if not num_top:
-        return chosen, None
-    top = logprobs.topk(min(num_top, logprobs.shape[1]), dim=-1)
-    return chosen, (top.indices, top.values)
 
 
 def forward_logits(model, input_ids: torch.Tensor, layout: StepLayout) -> torch.Tensor:

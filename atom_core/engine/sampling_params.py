@@ -136,7 +136,8 @@ class SamplingParams:
     the model, plus the N most likely tokens with theirs (``RequestOutput.top_logprobs``);
     ``prompt_logprobs`` (None or N >= 0): the same for each prompt token after the first
     (such a request computes its whole prompt: no prefix-cache hit). Log-probabilities are
-    ``log_softmax`` of the raw logits, before any processing (vLLM's default).
+    ``log_softmax`` of the raw logits, before any processing (vLLM's default; the engine's
+    ``logprobs_mode`` can choose the raw logits or the processed scores instead).
 
     Stopping: ``max_tokens`` (default 16): the most output tokens; None: as many as ``max_model_len``
     leaves after the prompt (vLLM's; ``Engine.add_request`` fills it in). ``stop``: strings that end the output (not in the text unless

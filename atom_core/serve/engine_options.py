@@ -123,6 +123,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, with_path: bool = T
     group.add_argument("--max-logprobs", type=nonnegative_int, default=20,
                        help="the most top alternatives a request may ask per token (logprobs, top_logprobs, "
                             "prompt_logprobs; default 20, vLLM's)")
+    group.add_argument("--logprobs-mode", default="raw_logprobs",
+                       choices=["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"],
+                       help="what logprobs and prompt_logprobs return: the log-probs (or logits) of the model's raw "
+                            "logits (default raw_logprobs), or of the scores sampling drew from (processed_*: after "
+                            "penalties, biases, temperature and top-k/top-p/min-p; prompt positions stay raw); "
+                            "vLLM's flag")
     group.add_argument("--generation-config", default="auto", metavar="{auto,vllm,FOLDER}",
                        help="sampling defaults and extra EOS ids: auto = the checkpoint's generation_config.json "
                             "(default), vllm = no sampling defaults (its EOS ids still end sequences), or a folder "
@@ -219,7 +225,8 @@ def build_engine(args: argparse.Namespace):
             max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_dtype=args.kv_cache_dtype,
             num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
             block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
-            enforce_eager=args.enforce_eager, max_logprobs=args.max_logprobs, seed=getattr(args, "seed", None),
+            enforce_eager=args.enforce_eager, max_logprobs=args.max_logprobs, logprobs_mode=args.logprobs_mode,
+            seed=getattr(args, "seed", None),
             generation_config=args.generation_config, **parallel)
     except ValueError as e:
         raise ValueError(with_flag_names(str(e))) from e
