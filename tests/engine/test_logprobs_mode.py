@@ -290,7 +290,11 @@ def test_an_unknown_logprobs_mode_is_refused_naming_the_four(setup):
 
 @pytest.fixture
 def engine_kwargs(monkeypatch):
-    """What build_engine passes Engine.from_pretrained: {"path": ..., **kwargs} of the last call."""
+    """What build_engine passes Engine.from_pretrained: {"path": ..., **kwargs} of the last call (the engine in
+    this process: on a GPU machine serve would otherwise start it in a process of its own)."""
+    from atom_core.serve import engine_options
+
+    monkeypatch.setattr(engine_options, "engine_process", lambda args: False)
     seen = {}
     monkeypatch.setattr(Engine, "from_pretrained",
                         classmethod(lambda cls, path, **kwargs: seen.update(path=path, **kwargs)))

@@ -31,7 +31,11 @@ def parse(*argv: str):
 
 @pytest.fixture
 def engine_kwargs(monkeypatch):
-    """What build_engine passes Engine.from_pretrained: {"path": ..., **kwargs} of the last call."""
+    """What build_engine passes Engine.from_pretrained: {"path": ..., **kwargs} of the last call (the engine in
+    this process: on a GPU machine serve would otherwise start it in a process of its own)."""
+    from atom_core.serve import engine_options
+
+    monkeypatch.setattr(engine_options, "engine_process", lambda args: False)
     seen = {}
     monkeypatch.setattr(Engine, "from_pretrained",
                         classmethod(lambda cls, path, **kwargs: seen.update(path=path, **kwargs)))

@@ -11,13 +11,15 @@ import shutil
 
 import pytest
 
-from atom_core.engine import Engine, SamplingParams
-from atom_core.engine.engine import DEMO_MODEL
-from atom_core.serve.engine_options import FALLBACK_CHAT_TEMPLATE
-from atom_core.serve.protocol import (IGNORED_FIELDS, REFUSED_FIELDS, ChatCompletionRequest, CompletionRequest,
+pytest.importorskip("pydantic")  # the server's extra (atom_core.serve.protocol): absent, the server tests skip
+
+from atom_core.engine import Engine, SamplingParams  # noqa: E402
+from atom_core.engine.engine import DEMO_MODEL  # noqa: E402
+from atom_core.serve.engine_options import FALLBACK_CHAT_TEMPLATE  # noqa: E402
+from atom_core.serve.protocol import (IGNORED_FIELDS, REFUSED_FIELDS, ChatCompletionRequest, CompletionRequest,  # noqa: E402
                                       RequestError, parse_request)
-from tests.serve.conftest import MODEL, LiveServer
-from tests.serve.test_server_errors import assert_error, request
+from tests.serve.conftest import MODEL, LiveServer  # noqa: E402
+from tests.serve.test_server_errors import assert_error, request  # noqa: E402
 
 PROMPT = "Return the number of"
 CONTINUED = [{"role": "user", "content": "Open a file"}, {"role": "assistant", "content": "Use open("}]
