@@ -71,8 +71,9 @@ from atom_core.engine.dp_replica import (
     start_replica,
     stop_replicas,
 )
-from atom_core.engine.engine import DEMO_MODEL, Engine
+from atom_core.engine.engine import DEMO_MODEL
 from atom_core.engine.logprobs import check_logprobs_mode
+from atom_core.engine.offline import OfflineAPI
 from atom_core.engine.outputs import StepOutputs
 from atom_core.engine.request import Request, Status, prompt_text_of
 from atom_core.engine.request_checks import RequestChecks
@@ -114,7 +115,7 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-class DataParallelEngine:
+class DataParallelEngine(OfflineAPI):
     """M engine replicas behind one front with ``Engine``'s API (see the module docstring).
 
     Built by ``Engine.from_pretrained(path, data_parallel_size=M, ...)`` (or directly with the same
@@ -559,9 +560,3 @@ class DataParallelEngine:
         requests.extend(step_requests)
         tokens.append(new_tokens)
         num_tokens.append(counts)
-
-    # ------------------------------------------------------------------ offline (Engine's own)
-
-    generate = Engine.generate
-    _generate = Engine._generate
-    chat = Engine.chat
