@@ -14,8 +14,6 @@ import torch
 from atom_core import ops
 from atom_core.engine import Engine, SamplingParams
 from atom_core.engine.logprobs import LOGPROBS_MODES
-from atom_core.serve import cli
-from atom_core.serve.engine_options import build_engine
 from tests.engine.test_engine_parity import prompts_for
 
 MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
@@ -283,50 +281,6 @@ def test_an_unknown_logprobs_mode_is_refused_naming_the_four(setup):
 
     with pytest.raises(ValueError, match=allowed):  # in the front, before any replica starts
         DataParallelEngine(folder, data_parallel_size=2, device="cpu", logprobs_mode="logits")
-
-
-# ---- --logprobs-mode
-
-
-@pytest.fixture
-def engine_kwargs(monkeypatch):
-    """What build_engine passes Engine.from_pretrained: {"path": ..., **kwargs} of the last call (the engine in
-    this process: on a GPU machine serve would otherwise start it in a process of its own)."""
-    from atom_core.serve import engine_options
-
-    monkeypatch.setattr(engine_options, "engine_process", lambda args: False)
-    seen = {}
-    monkeypatch.setattr(Engine, "from_pretrained",
-                        classmethod(lambda cls, path, **kwargs: seen.update(path=path, **kwargs)))
-    return seen
-
-
-@pytest.fixture(autouse=True)
-def keep_torch_threads():
-    """The commands set torch's thread count (--threads); put the test session's back."""
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.mark.parametrize("flags, want", [([], "raw_logprobs")] + [(["--logprobs-mode", m], m) for m in MODES])
-def test_logprobs_mode_flag_reaches_the_engine(flags, want, engine_kwargs):
-    build_engine(cli.build_parser().parse_args(["serve", *flags, "--threads", "1"]))
-    assert engine_kwargs["logprobs_mode"] == want
-
-
-def test_the_built_engine_returns_what_the_flag_names():
-    args = cli.build_parser().parse_args(["generate", "--logprobs-mode", "processed_logits", "--device", "cpu",
-                                          "--threads", "1"])
-    engine = build_engine(args)
-    assert engine.logprobs_mode == engine.runner.logprobs_mode == "processed_logits"
-
-
-def test_an_unknown_logprobs_mode_flag_is_a_usage_error(capsys):
-    assert cli.main(["serve", "--logprobs-mode", "processed", "--threads", "1"]) == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "--logprobs-mode" in lines[0]
-    assert "processed_logprobs" in lines[0]  # the choices are named
 
 
 # ---- on a GPU: the processed path after a CUDA graph's logits

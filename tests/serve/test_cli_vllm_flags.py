@@ -13,6 +13,7 @@ import torch
 
 from atom_core.engine import Engine, SamplingParams
 from atom_core.engine.engine import DEMO_MODEL
+from atom_core.engine.logprobs import LOGPROBS_MODES
 from atom_core.serve import cli
 from atom_core.serve.engine_options import build_engine, checkpoint_path
 
@@ -234,3 +235,25 @@ def test_help_says_what_the_no_op_and_refused_flags_do(capsys):
     assert "--trust-remote-code accepted for vLLM command lines and does nothing" in text
     assert "--enable-auto-tool-choice refused: tool-call parsing is not implemented" in text
 
+
+# ---- --logprobs-mode
+
+
+@pytest.mark.parametrize("flags, want", [([], "raw_logprobs")] + [(["--logprobs-mode", m], m) for m in LOGPROBS_MODES])
+def test_logprobs_mode_flag_reaches_the_engine(flags, want, engine_kwargs):
+    build_engine(cli.build_parser().parse_args(["serve", *flags, "--threads", "1"]))
+    assert engine_kwargs["logprobs_mode"] == want
+
+
+def test_the_built_engine_returns_what_the_flag_names():
+    args = cli.build_parser().parse_args(["generate", "--logprobs-mode", "processed_logits", "--device", "cpu",
+                                          "--threads", "1"])
+    engine = build_engine(args)
+    assert engine.logprobs_mode == engine.runner.logprobs_mode == "processed_logits"
+
+
+def test_an_unknown_logprobs_mode_flag_is_a_usage_error(capsys):
+    assert cli.main(["serve", "--logprobs-mode", "processed", "--threads", "1"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "--logprobs-mode" in lines[0]
+    assert "processed_logprobs" in lines[0]  # the choices are named
