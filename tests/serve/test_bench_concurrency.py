@@ -67,12 +67,23 @@ def test_without_max_concurrency_every_request_is_in_flight_at_once(monkeypatch)
 
 
 def test_waiting_for_a_place_is_not_counted_in_ttft(monkeypatch):
-    # One place, ten requests of ~35 ms each: the last is sent ~300 ms after it arrived. vLLM starts a
-    # request's clock once it holds its place, so every TTFT stays near the server's 20 ms.
-    InFlight().install(monkeypatch)
+    """One place, ten requests at once, on a virtual clock the fake server advances: 20 ms to the first chunk,
+    then three 5 ms gaps. vLLM starts a request's clock once it holds its place, so every TTFT is exactly 20 ms
+    (counted from arrival, the last one's would be 9 x 35 + 20 ms)."""
+    clock = [0.0]
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+
+    async def stream(self, path, body):
+        await asyncio.sleep(0)  # let the other requests queue for the place
+        clock[0] += 0.020
+        for _ in range(3):
+            yield json.dumps({"choices": [{"text": "x"}]})
+            clock[0] += 0.005
+
+    monkeypatch.setattr(bench._Endpoint, "stream", stream)
     row = run(bench.make_workload(10, (4, 8), (3, 3), 50, 0, None), math.inf, max_concurrency=1)
-    assert row["seconds"] > 10 * FIRST_CHUNK_S
-    assert row["ttft_p99_ms"] < 5 * FIRST_CHUNK_S * 1000, row
+    assert row["seconds"] == pytest.approx(10 * 0.035)
+    assert row["ttft_p50_ms"] == pytest.approx(20) and row["ttft_p99_ms"] == pytest.approx(20)
 
 
 def test_run_online_refuses_max_concurrency_0():
