@@ -8,9 +8,14 @@ scaled down together, and the scaling is printed.
 Online: requests arrive as a Poisson process at ``--rate`` requests/s (``inf``: all at once),
 each a streamed ``/v1/completions`` request with a token-id prompt (``--endpoint chat`` sends a
 text prompt of as many words to ``/v1/chat/completions`` instead, for servers that take no
-token ids). Per rate it reports throughput and the time to first token, inter-token latency
-(the gaps between streamed chunks) and end-to-end latency, p50 and p99. The HTTP client is a
-small asyncio one written here (HTTP/1.1, plain TCP), so this runs on the base install.
+token ids). ``--max-concurrency N`` caps the requests in flight at N, as ``vllm bench serve``'s
+does: an arrived request waits for a free place before it is sent, and its clock starts when it
+is sent. Per rate it reports throughput and, with ``vllm bench serve``'s definitions, the time to
+first token (TTFT), time per output token after the first (TPOT: (e2e - TTFT) / (output tokens -
+1), over the requests with more than one output token), inter-token latency (ITL: the gaps between
+streamed chunks, all requests' gaps pooled) and end-to-end latency: mean, p50 (the median) and
+p99. The HTTP client is a small asyncio one written here (HTTP/1.1, plain TCP), so this runs on
+the base install.
 """
 
 from __future__ import annotations
@@ -229,10 +234,23 @@ async def _one_request(endpoint: _Endpoint, kind: str, model: str, prompt: list[
 
 async def run_online(url: str, workload: Workload, rate: float, *, model: str, kind: str = "completions",
                      api_key: str | None = None, temperature: float = 0.6, seed: int = 0,
-                     ignore_eos: bool = True) -> dict:
-    """Send the workload at ``rate`` requests/s (Poisson; inf = at once); returns the figures."""
+                     ignore_eos: bool = True, max_concurrency: int | None = None) -> dict:
+    """Send the workload at ``rate`` requests/s (Poisson; inf = at once), at most ``max_concurrency``
+    in flight (None: no limit); returns the figures."""
+    if max_concurrency is not None and max_concurrency < 1:
+        raise ValueError(f"max_concurrency must be >= 1 (or None), got {max_concurrency}")
     endpoint = _Endpoint(url, api_key)
     rng = random.Random(seed)
+    # vLLM's semantics: arrivals keep the --rate schedule; an arrived request then waits here for a
+    # place, and _one_request's clock starts only once it has one (the wait is in no latency).
+    places = asyncio.Semaphore(max_concurrency) if max_concurrency is not None else None
+
+    async def limited(*request_args) -> RequestResult:
+        if places is None:
+            return await _one_request(*request_args)
+        async with places:
+            return await _one_request(*request_args)
+
     tasks = []
     start = time.perf_counter()
     next_time = 0.0
@@ -242,24 +260,36 @@ async def run_online(url: str, workload: Workload, rate: float, *, model: str, k
             delay = start + next_time - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-        tasks.append(asyncio.ensure_future(_one_request(endpoint, kind, model, prompt, max_tokens, temperature,
-                                                        seed + i, ignore_eos)))
+        tasks.append(asyncio.ensure_future(limited(endpoint, kind, model, prompt, max_tokens, temperature, seed + i,
+                                                   ignore_eos)))
     results = await asyncio.gather(*tasks)
     duration = time.perf_counter() - start
-    return summarize(results, duration, rate)
+    return summarize(results, duration, rate, max_concurrency)
 
 
-def summarize(results: list[RequestResult], duration: float, rate: float) -> dict:
+def summarize(results: list[RequestResult], duration: float, rate: float,
+              max_concurrency: int | None = None) -> dict:
+    """One result row. Latencies over the successful requests, in ms, as ``vllm bench serve`` defines
+    them: TTFT per request; TPOT per request with more than one output token, (e2e - ttft) /
+    (output_tokens - 1) (a one-token request has no time per output token after the first); ITL, every
+    gap between streamed chunks of every request pooled; e2e per request. Each as mean, p50 (= the
+    median) and p99 (numpy's linear-interpolated percentiles); NaN where there is no value."""
     ok = [r for r in results if r.ok]
     ms = lambda values, q: float(np.percentile(values, q) * 1000) if len(values) else float("nan")  # noqa: E731
+    mean_ms = lambda values: float(np.mean(values) * 1000) if len(values) else float("nan")  # noqa: E731
     ttft = [r.ttft for r in ok]
+    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     itl = [gap for r in ok for gap in r.itl]
     e2e = [r.e2e for r in ok]
     output_tokens = sum(r.output_tokens for r in ok)
-    return {"rate": rate, "requests": len(results), "failed": len(results) - len(ok), "seconds": duration,
-            "requests_per_s": len(ok) / duration, "output_tokens_per_s": output_tokens / duration,
+    return {"rate": rate, "max_concurrency": max_concurrency, "requests": len(results),
+            "failed": len(results) - len(ok), "seconds": duration, "requests_per_s": len(ok) / duration,
+            "output_tokens_per_s": output_tokens / duration,
             "ttft_p50_ms": ms(ttft, 50), "ttft_p99_ms": ms(ttft, 99), "itl_p50_ms": ms(itl, 50),
             "itl_p99_ms": ms(itl, 99), "e2e_p50_ms": ms(e2e, 50), "e2e_p99_ms": ms(e2e, 99),
+            "tpot_p50_ms": ms(tpot, 50), "tpot_p99_ms": ms(tpot, 99),
+            "ttft_mean_ms": mean_ms(ttft), "tpot_mean_ms": mean_ms(tpot), "itl_mean_ms": mean_ms(itl),
+            "e2e_mean_ms": mean_ms(e2e),
             "first_error": next((r.error for r in results if not r.ok), "")}
 
 
@@ -283,8 +313,11 @@ def print_table(rows: list[dict], columns: list[str]) -> None:
         print("  ".join(cell(row.get(c, "")).rjust(w) for c, w in zip(columns, widths)))
 
 
-ONLINE_COLUMNS = ["rate", "requests", "failed", "seconds", "requests_per_s", "output_tokens_per_s", "ttft_p50_ms",
-                  "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "e2e_p50_ms", "e2e_p99_ms"]
+# The table: p50 and p99 of each latency. The means are in the rows (and the --json file) only: with
+# them the table would be 19 columns, wider than a terminal.
+ONLINE_COLUMNS = ["rate", "max_concurrency", "requests", "failed", "seconds", "requests_per_s", "output_tokens_per_s",
+                  "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "itl_p50_ms", "itl_p99_ms",
+                  "e2e_p50_ms", "e2e_p99_ms"]
 OFFLINE_COLUMNS = ["requests", "input_tokens", "output_tokens", "seconds", "output_tokens_per_s", "total_tokens_per_s"]
 
 

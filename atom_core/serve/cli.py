@@ -89,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--rate", type=float, nargs="+", default=[math_inf()],
                        help="online: request rates (requests/s, Poisson arrivals; inf = all at once); several "
                             "run one after another (default inf)")
+    bench.add_argument("--max-concurrency", type=positive_int, default=None,
+                       help="online: at most this many requests in flight; an arrived request waits for a place, "
+                            "and its latencies count from when it is sent (vLLM's flag and semantics; default: "
+                            "no limit)")
     bench.add_argument("--num-prompts", type=positive_int, default=256, help="(default 256, nano-vllm's)")
     bench.add_argument("--input-len", default="100:1024", help="prompt tokens MIN:MAX, uniform (default 100:1024)")
     bench.add_argument("--output-len", default="100:1024", help="output tokens MIN:MAX, uniform (default 100:1024)")
@@ -344,7 +348,8 @@ def run_bench(args) -> None:
             rows.append(asyncio.run(bench.run_online(args.url, workload, rate, model=args.model or model,
                                                      kind=args.endpoint, api_key=api_key,
                                                      temperature=args.bench_temperature, seed=args.seed,
-                                                     ignore_eos=args.ignore_eos)))
+                                                     ignore_eos=args.ignore_eos,
+                                                     max_concurrency=args.max_concurrency)))
             if args.json:  # after each rate: a run stopped at a later rate keeps the earlier ones
                 Path(args.json).write_text(bench.as_json(rows))
         bench.print_table(rows, bench.ONLINE_COLUMNS)

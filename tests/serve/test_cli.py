@@ -162,7 +162,9 @@ def test_bench_online_against_the_live_server_reports_latencies(server, tmp_path
     for row in rows:
         assert row["requests"] == 8 and row["failed"] == 0, row
         assert row["output_tokens_per_s"] > 0
-        assert all(math.isfinite(row[k]) for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "e2e_p99_ms"))
+        assert all(math.isfinite(row[k]) for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "e2e_p99_ms",
+                                                   "tpot_p50_ms", "tpot_mean_ms", "ttft_mean_ms", "itl_mean_ms"))
+        assert row["max_concurrency"] is None
     server.assert_no_block_leaked()
 
 
