@@ -44,7 +44,8 @@ def naive_filtered_probs(row: list[float], temperature: float, top_k: int, top_p
     scaled = [x / temperature for x in row]
     top = max(scaled)
     weights = [math.exp(s - top) for s in scaled]
-    probs = [w / sum(weights) for w in weights]
+    weight_sum = math.fsum(weights)
+    probs = [w / weight_sum for w in weights]
     kept = sorted(range(vocab), key=lambda v: -row[v])
     if 0 < top_k < vocab:  # the k largest and every token tied with the k-th
         kept = [v for v in kept if row[v] >= row[kept[top_k - 1]]]
@@ -58,8 +59,10 @@ def naive_filtered_probs(row: list[float], temperature: float, top_k: int, top_p
                 break
         kept = prefix
     if min_p > 0.0:
-        kept = [v for v in kept if probs[v] >= min_p * max(probs)]
+        floor = min_p * max(probs)
+        kept = [v for v in kept if probs[v] >= floor]
     total = sum(probs[v] for v in kept)
+    kept = set(kept)
     return [probs[v] / total if v in kept else 0.0 for v in range(vocab)]
 
 
