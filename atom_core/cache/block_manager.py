@@ -19,9 +19,15 @@ block with a hash goes to the tail, so hashed content is evicted least-recently-
 A sequence's blocks are freed tail first, so its tail is evicted before its head (a cached
 head is useful on its own, a cached tail is not). A hit on a free block removes it from the
 list in O(1) (an ``OrderedDict`` keyed by block id).
+
+Reset. ``reset_prefix_cache`` forgets every hash (after a weight update the pool's KV was computed by
+other weights, so no later prompt may take it). As vLLM's block pool does, it refuses (returns False,
+changes nothing) while any block is held by a sequence: a running sequence's blocks would otherwise
+lose the hashes its chain relies on. The caller drains (or aborts) its requests first.
 """
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -31,6 +37,8 @@ import xxhash
 
 from atom_core.cache.pool_sizing import check_fits_in_memory, host_memory_available_bytes
 from atom_core.cache.prefix_hash import ROOT_PARENT_HASH, hash_block_tokens
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["BlockManager", "PrefixCacheStats", "HOST_BYTES_PER_BLOCK"]
 
@@ -417,6 +425,26 @@ class BlockManager:
                 self._free[block_id] = None
                 if self._block_hash[block_id] is None:
                     self._free.move_to_end(block_id, last=False)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every published block, so that no later ``allocate`` is served from the cache.
+
+        For RL loops that update the model's weights between generations (the KV in the pool was
+        computed with the old weights) and for benchmarks. Returns True once done. While any
+        sequence holds blocks it returns False and changes nothing (vLLM's rule: its block pool
+        refuses while blocks other than its null block are in use); free the sequences first.
+        Free blocks stay free, in the same hand-out order; ``stats`` are counters since
+        construction and are not reset (``reset_stats`` does that).
+        """
+        num_used = self._num_blocks - len(self._free)
+        if num_used:
+            logger.warning("prefix cache not reset: %d blocks are still held by %d sequences", num_used,
+                           len(self._seqs))
+            return False
+        self._hash_to_block.clear()
+        self._block_hash = [None] * self._num_blocks
+        self._block_key = [None] * self._num_blocks
+        return True
 
     # ---------------------------------------------------------------- internals
 

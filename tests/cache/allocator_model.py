@@ -9,7 +9,9 @@ It follows the same documented policy, so block tables can be compared id for id
 * a sequence's blocks are freed last block first;
 * a prompt is served from the cache block by block from its start while the prefix is
   published somewhere, never including the block that holds the last prompt token;
-* publishing a prefix that some block already holds leaves the new block without content.
+* publishing a prefix that some block already holds leaves the new block without content;
+* a reset of the prefix cache is refused while any sequence holds blocks; otherwise every block
+  loses its content and the free list keeps its order.
 """
 from __future__ import annotations
 
@@ -104,3 +106,9 @@ class AllocatorModel:
                     self.free_list.append(block)
                 else:
                     self.free_list.insert(0, block)
+
+    def reset_prefix_cache(self) -> bool:
+        if self.tables:
+            return False
+        self.prefix_of.clear()
+        return True

@@ -447,3 +447,54 @@ def test_a_refilled_parent_block_does_not_pass_for_the_content_it_held(monkeypat
     bm.free("b")
     assert bm.allocate("c", [2, 4, 5, 6, 0]) == 2  # (2, 4) only
     bm.check_integrity()
+
+
+# ------------------------------------------------------------------ reset_prefix_cache
+
+
+def test_reset_prefix_cache_forgets_every_hash_so_a_cached_prompt_misses():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    _allocated_and_published(bm, "a", TEN)
+    bm.free("a")
+    assert bm.num_cached_blocks == 2
+    assert bm.reset_prefix_cache() is True
+    assert bm.num_cached_blocks == 0 and bm.num_free_blocks == 10
+    bm.check_integrity()
+    assert bm.allocate("b", TEN) == 0  # it would have hit 8 tokens before the reset
+    bm.check_integrity()
+
+
+def test_reset_prefix_cache_keeps_the_stats_counters_and_the_free_count():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    _allocated_and_published(bm, "a", TEN)
+    bm.allocate("b", TEN)
+    bm.free("a"), bm.free("b")
+    stats, num_free = bm.stats, bm.num_free_blocks
+    assert bm.reset_prefix_cache()
+    assert bm.stats == stats == PrefixCacheStats(queries=4, hits=2, query_tokens=16, hit_tokens=8)
+    assert bm.num_free_blocks == num_free == 10
+    bm.allocate("c", TEN)  # after the reset: counted as queried, not hit
+    assert bm.stats == PrefixCacheStats(queries=6, hits=2, query_tokens=24, hit_tokens=8)
+
+
+def test_reset_prefix_cache_is_refused_while_a_sequence_holds_blocks_and_changes_nothing():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    _allocated_and_published(bm, "a", TEN)
+    _allocated_and_published(bm, "b", list(range(8)))
+    bm.free("b")
+    cached, free, table = bm.num_cached_blocks, bm.num_free_blocks, bm.block_table("a")
+    assert bm.reset_prefix_cache() is False
+    assert (bm.num_cached_blocks, bm.num_free_blocks, bm.block_table("a")) == (cached, free, table)
+    bm.check_integrity()
+    assert bm.allocate("c", list(range(8)) + [9]) == 8  # still served
+    bm.free("a"), bm.free("c")
+    assert bm.reset_prefix_cache() is True
+
+
+def test_reset_prefix_cache_of_an_empty_or_uncached_manager_succeeds():
+    assert BlockManager(num_blocks=3, block_size=2).reset_prefix_cache()
+    bm = BlockManager(num_blocks=3, block_size=2, enable_prefix_caching=False)
+    _allocated_and_published(bm, "a", [1, 2, 3])
+    assert not bm.reset_prefix_cache()
+    bm.free("a")
+    assert bm.reset_prefix_cache()

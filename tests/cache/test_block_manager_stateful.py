@@ -154,6 +154,35 @@ class BlockManagerMachine(RuleBasedStateMachine):
         # A second way out keeps the pool from filling up for good, so allocations can hit.
         self._finish(min(self.seqs))
 
+    @rule()
+    def reset_prefix_cache(self):
+        # Refused while sequences hold blocks (then nothing changes), done once none does.
+        num_free, num_cached, stats = self.bm.num_free_blocks, self.bm.num_cached_blocks, self.bm.stats
+        done = self.bm.reset_prefix_cache()
+        assert done == self.model.reset_prefix_cache() == (not self._running())
+        assert self.bm.num_free_blocks == num_free and self.bm.stats == stats
+        assert self.bm.num_cached_blocks == (0 if done else num_cached)
+
+    @precondition(lambda self: self.seqs)
+    @rule()
+    def drain_and_reset_prefix_cache(self):
+        # A weight update: every sequence leaves (the preempted ones keep their tokens), then the reset,
+        # after which no earlier prompt may hit (the model, which has forgotten every prefix, says so).
+        for seq_id in self._running():
+            self.bm.free(seq_id)
+            self.model.free(seq_id)
+            self.seqs[seq_id].running = False
+            self.seqs[seq_id].num_computed = 0
+        assert self.bm.reset_prefix_cache() and self.model.reset_prefix_cache()
+        assert self.bm.num_cached_blocks == 0 and self.bm.num_free_blocks == self.bm.num_blocks
+        for i, prompt in enumerate(self.past_prompts[-3:]):
+            probe = ("probe", i)
+            got = self.bm.allocate(probe, prompt)
+            assert got == self.model.allocate(probe, prompt) and got in (0, None), f"{prompt} hit {got} tokens"
+            if got is not None:
+                self.bm.free(probe)
+                self.model.free(probe)
+
     def _finish(self, seq_id: int) -> None:
         if self.seqs.pop(seq_id).running:
             self.bm.free(seq_id)
