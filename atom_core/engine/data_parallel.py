@@ -63,6 +63,7 @@ from atom_core.engine.dp_replica import (
     FATAL,
     OUTPUTS,
     READY,
+    RESET_PREFIX_CACHE,
     START_FAILED,
     STATS,
     STEP_ERROR,
@@ -309,15 +310,37 @@ class DataParallelEngine(OfflineAPI):
         calls so far and their time), its ``device`` and ``visible_gpus`` (its CUDA_VISIBLE_DEVICES, None
         on a CPU). Outputs that
         arrive meanwhile are kept for the next ``step()``."""
+        answers = self._ask_every_replica(STATS)
+        for replica, counters in zip(self._replicas, answers):
+            replica.counters = counters
+        return answers
+
+    def reset_prefix_cache(self) -> bool:
+        """``Engine.reset_prefix_cache`` on every replica (one round trip, between its steps); True when every
+        replica reset its cache, False when one or more refused (it holds blocks of unfinished requests; the
+        others did reset). Outputs that arrive meanwhile are kept for the next ``step()``."""
+        return all(self._ask_every_replica(RESET_PREFIX_CACHE))
+
+    def load_weights(self, weights, **kwargs):
+        """Not built: the replicas' models live in their own processes, and their new tensors would have to
+        be sent to each (``Engine.load_weights`` updates a one-process engine)."""
+        raise NotImplementedError("DataParallelEngine.load_weights: the replicas' models live in other processes; "
+                                  "sending them new weights is not built yet (Engine.load_weights updates an engine "
+                                  "in this process)")
+
+    def _ask_every_replica(self, kind: str) -> list:
+        """Send ``(kind,)`` to every replica and return their answers ``(kind, value)``' values in replica order;
+        other messages that arrive meanwhile are held for ``step()``. A replica that does not answer within
+        step_timeout fails the front (ReplicaFailedError)."""
         self._check_usable()
         for replica in self._replicas:
-            replica.conn.send((STATS,))
+            replica.conn.send((kind,))
         asked = time.monotonic()
-        answers: dict[int, dict] = {}
+        answers: dict[int, object] = {}
         while len(answers) < len(self._replicas):
             index, message = self._wait_for_message(owing=set(range(len(self._replicas))) - set(answers), since=asked)
-            if message[0] == STATS:
-                answers[index] = self._replicas[index].counters = message[1]
+            if message[0] == kind:
+                answers[index] = message[1]
             else:
                 self._held.append((index, message))
         return [answers[i] for i in range(len(self._replicas))]

@@ -10,7 +10,7 @@ Front <-> replica: one Unix socket pair per replica (``multiprocessing.connectio
 
 - front -> replica: ``("config", engine arguments)`` once, then ``("add", request id, prompt token ids,
   SamplingParams)``, ``("abort", id)``, ``("stats",)`` (answered with the replica engine's counters),
-  ``("shutdown",)``.
+  ``("reset_prefix_cache",)`` (answered with ``("reset_prefix_cache", its engine's bool)``), ``("shutdown",)``.
 - replica -> front: ``("ready", its limits and counters)`` or ``("start_failed", why)`` once its engine is
   built (or not); then after each of its steps the step's outputs as arrays (sequence ids, new tokens,
   token counts), the finished sequences (reason, stop reason, where the final text ends), for the few
@@ -57,7 +57,8 @@ from atom_core.engine.workers import (
 __all__ = ["ReplicaHandle", "replica_main", "start_replica", "stop_replicas"]
 
 # front -> replica
-CONFIG, ADD, ABORT, STATS, SHUTDOWN = "config", "add", "abort", "stats", "shutdown"
+CONFIG, ADD, ABORT, STATS, RESET_PREFIX_CACHE, SHUTDOWN = "config", "add", "abort", "stats", "reset_prefix_cache", \
+    "shutdown"
 # replica -> front (CLOSED: put by the front's reader thread when the socket closes)
 READY, START_FAILED, OUTPUTS, STEP_ERROR, FATAL, CLOSED = "ready", "start_failed", "outputs", "step_error", "fatal", \
     "closed"
@@ -237,6 +238,8 @@ class _Session:
             _forget_finished(self.watched)
         elif command[0] == STATS:
             conn.send((STATS, self.counters()))
+        elif command[0] == RESET_PREFIX_CACHE:
+            conn.send((RESET_PREFIX_CACHE, engine.reset_prefix_cache()))
         elif command[0] == SHUTDOWN:
             return True
         return False

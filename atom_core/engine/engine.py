@@ -14,7 +14,7 @@ import threading
 import time
 import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -45,6 +45,7 @@ from atom_core.ops.token_mask import apply_token_mask_
 if TYPE_CHECKING:
     from atom_core.engine.data_parallel import DataParallelEngine
     from atom_core.engine.structured_output import CompiledStructuredOutput
+    from atom_core.models.loader import LoadReport
 
 logger = logging.getLogger(__name__)
 
@@ -484,6 +485,46 @@ class Engine(OfflineAPI):
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ weight updates (RL)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every prefix-cache entry, so no later prompt reuses KV computed before now (after a weight
+        update; or between benchmark runs). Returns False and changes nothing while requests hold KV blocks
+        (vLLM's rule: finish or abort them first); waiting requests hold none. The prefix-cache counters
+        (``block_manager.stats``) keep counting. Another engine over the same model keeps its own cache."""
+        return self.block_manager.reset_prefix_cache()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, strict: bool = False,
+                     check_finite: bool = True) -> LoadReport:
+        """New weights for the live model from a trainer, then a prefix-cache reset: vLLM's
+        ``model.load_weights(weights)`` followed by ``llm.reset_prefix_cache()`` in RL loops.
+
+        ``weights``: ``(checkpoint name, tensor)`` pairs, Hugging Face names as ``state_dict()`` gives them
+        (any iterable, a generator included; a subset updates those parameters only). They are copied into
+        the model's parameters in place (``models.loader.load_named_tensors``: same name mapping, shards and
+        online quantization as loading the checkpoint; ``strict`` and ``check_finite`` as there), so CUDA
+        graphs captured over the model read the new values. Returns the ``LoadReport``.
+
+        Raises RuntimeError naming the count while requests are unfinished (a request would mix KV of two
+        weight sets), and NotImplementedError for a model split over several tensor-parallel ranks (the
+        other ranks' shards live in their processes; not built yet).
+        """
+        from atom_core.models.loader import load_named_tensors
+
+        if self._channel is not None:
+            raise NotImplementedError(
+                f"Engine.load_weights: this engine runs over {self.model.parallel.tp_size} tensor-parallel ranks, "
+                "whose shards live in the worker processes; updating them is not built yet (tensor parallelism "
+                "size 1 only)")
+        unfinished = self._num_unfinished()
+        if unfinished:
+            raise RuntimeError(f"Engine.load_weights: {unfinished} requests are unfinished; they would mix KV and "
+                               "tokens of two weight sets: let them finish (or abort them) first")
+        report = load_named_tensors(self.model, weights, strict=strict, check_finite=check_finite)
+        if not self.reset_prefix_cache():  # (no request holds blocks: cannot happen)
+            raise RuntimeError("Engine.load_weights: the weights are loaded but the prefix cache could not be reset")
+        return report
 
     # ------------------------------------------------------------------ stepping
 

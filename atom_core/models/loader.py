@@ -3,6 +3,8 @@
 ``load_weights(model, folder)`` reads each shard memory-mapped (``safetensors.safe_open``),
 maps every checkpoint tensor name to the parameter(s) it fills and hands the full tensor to
 ``param.weight_loader(param, tensor[, shard_id])``, which cuts out the tensor-parallel shard.
+``load_named_tensors(model, pairs)`` does the same for ``(checkpoint name, tensor)`` pairs in memory (a
+trainer's ``state_dict().items()``: RL weight updates), copying into the existing parameters in place.
 
 Name mapping, in order:
 
@@ -230,7 +232,15 @@ def _tied_parameter(model: nn.Module, params: dict[str, nn.Parameter]) -> str | 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 
 
-def _check_dtype(param: nn.Parameter, dtype: torch.dtype, target: _Target, ckpt_name: str, file: Path,
+def _where(file: Path | None, short: bool = False) -> str:
+    """Where a tensor came from, for messages: ``in <shard>`` (its name only when ``short``), or, for
+    ``load_named_tensors`` (``file`` None), ``given to load_named_tensors``."""
+    if file is None:
+        return "given to load_named_tensors"
+    return f"in {file.name if short else file}"
+
+
+def _check_dtype(param: nn.Parameter, dtype: torch.dtype, target: _Target, ckpt_name: str, file: Path | None,
                  model: nn.Module) -> None:
     """A stored dtype (the shard header's) other than the parameter's is cast only from float to float:
     integer or bool data in a float parameter (or the reverse) is a different quantity, not a precision
@@ -242,16 +252,16 @@ def _check_dtype(param: nn.Parameter, dtype: torch.dtype, target: _Target, ckpt_
     if fp8_param and getattr(param, "quantize_on_load", None) is not None:
         if dtype.is_floating_point and not fp8_tensor:
             return
-        raise ValueError(f"checkpoint tensor {ckpt_name!r} in {file}: stored as {dtype}; online quantization "
+        raise ValueError(f"checkpoint tensor {ckpt_name!r} {_where(file)}: stored as {dtype}; online quantization "
                          f"of {target.param_name!r} reads an unquantized floating-point tensor")
     if fp8_tensor and not fp8_param:
-        raise ValueError(f"checkpoint tensor {ckpt_name!r} in {file}: stored as {dtype}, but parameter "
+        raise ValueError(f"checkpoint tensor {ckpt_name!r} {_where(file)}: stored as {dtype}, but parameter "
                          f"{target.param_name!r} is {param.dtype}: FP8 values load only into a quantized layer "
                          f"({_why_unquantized(model, ckpt_name)})")
     if dtype.is_floating_point and param.dtype.is_floating_point and not fp8_param:
         return
     raise ValueError(
-        f"checkpoint tensor {ckpt_name!r} in {file}: stored as {dtype}, but parameter "
+        f"checkpoint tensor {ckpt_name!r} {_where(file)}: stored as {dtype}, but parameter "
         f"{target.param_name!r} is {param.dtype}; only float-to-float casts are made"
         + (" (an FP8 parameter takes FP8 values: the checkpoint does not quantize this layer as the model does)"
            if fp8_param else "")
@@ -300,12 +310,13 @@ def _set_kv_scale(attn: nn.Module, which: str, tensor: torch.Tensor, ckpt_name: 
         setattr(attn, f"checkpoint_{one}_scale", value.to(device))
 
 
-def _load_one(param: nn.Parameter, tensor: torch.Tensor, target: _Target, ckpt_name: str, file: Path) -> None:
+def _load_one(param: nn.Parameter, tensor: torch.Tensor, target: _Target, ckpt_name: str,
+              file: Path | None) -> None:
     if target.rows is not None:
         start, size = target.rows
         if tensor.shape[0] < start + size:
             raise ValueError(
-                f"checkpoint tensor {ckpt_name!r} in {file.name}: shape {tuple(tensor.shape)} has fewer than "
+                f"checkpoint tensor {ckpt_name!r} {_where(file, short=True)}: shape {tuple(tensor.shape)} has fewer than "
                 f"{start + size} rows to split into {target.param_name!r}"
             )
         tensor = tensor.narrow(0, start, size)
@@ -317,7 +328,7 @@ def _load_one(param: nn.Parameter, tensor: torch.Tensor, target: _Target, ckpt_n
             loader(param, tensor, target.shard_id)
     except ValueError as e:
         raise ValueError(
-            f"checkpoint tensor {ckpt_name!r} in {file.name} -> parameter {target.param_name!r} "
+            f"checkpoint tensor {ckpt_name!r} {_where(file, short=True)} -> parameter {target.param_name!r} "
             f"(shape {tuple(param.shape)}): {e}"
         ) from e
 
@@ -341,11 +352,11 @@ def count_non_finite(tensor: torch.Tensor) -> int:
     return bad
 
 
-def _check_finite(tensor: torch.Tensor, ckpt_name: str, file: Path) -> None:
+def _check_finite(tensor: torch.Tensor, ckpt_name: str, file: Path | None) -> None:
     bad = count_non_finite(tensor)
     if bad:
         raise ValueError(
-            f"checkpoint tensor {ckpt_name!r} in {file}: {bad} of {tensor.numel()} values are NaN or Inf "
+            f"checkpoint tensor {ckpt_name!r} {_where(file)}: {bad} of {tensor.numel()} values are NaN or Inf "
             "(a corrupt or diverged checkpoint); check_finite=False loads it anyway"
         )
 
@@ -403,6 +414,73 @@ def _check_quantization(model: nn.Module, folder: Path) -> None:
     check_quantization_supported(quant_config, type(model), source=folder)
 
 
+class _Loading:
+    """One load into ``model``, shared by ``load_weights`` (a folder) and ``load_named_tensors``: where each
+    checkpoint name goes, the tensors loaded into their parameters, and the report."""
+
+    def __init__(self, model: nn.Module, load_extra_layers: bool) -> None:
+        self.model = model
+        self.params = dict(model.named_parameters())
+        self.mapper = _NameMapper(model, self.params, load_extra_layers)
+        self.modules = dict(model.named_modules())
+        self.report = LoadReport()
+        self.loaded: dict[str, set] = {}        # parameter -> shard ids loaded (_WHOLE: in one piece)
+        self.whole_source: dict[str, str] = {}  # parameter -> the checkpoint tensor loaded into it whole
+
+    def route(self, name: str) -> list[_Target] | tuple[nn.Module, str] | None:
+        """Where checkpoint tensor ``name`` goes: its parameter targets, or ``(attention layer, "k" | "v" |
+        "kv")`` for a KV-cache scale; None when nowhere (recorded: ``report.skipped`` with why, or ``unused``)."""
+        mapped = self.mapper.map(name)
+        kv_scale = None if isinstance(mapped, str) else _kv_scale_target(self.mapper.renamed(name), self.modules)
+        if kv_scale is not None:
+            return kv_scale
+        if isinstance(mapped, str):
+            self.report.skipped[name] = mapped
+            return None
+        if not all(t.param_name in self.params for t in mapped):
+            self.report.unused.append(name)
+            return None
+        return mapped
+
+    def check_dtype(self, name: str, targets: list[_Target], dtype: torch.dtype, file: Path | None) -> None:
+        for t in targets:
+            _check_dtype(self.params[t.param_name], dtype, t, name, file, self.model)
+
+    def load(self, name: str, tensor: torch.Tensor, targets: list[_Target], file: Path | None,
+             check_finite: bool) -> None:
+        """``tensor`` into its targets (each parameter's ``weight_loader`` copies it in place)."""
+        if check_finite:
+            _check_finite(tensor, name, file)
+        for target in targets:
+            _load_one(self.params[target.param_name], tensor, target, name, file)
+            self.loaded.setdefault(target.param_name, set()).add(_WHOLE if target.shard_id is None else target.shard_id)
+            if target.shard_id is None and target.rows is None:
+                self.whole_source.setdefault(target.param_name, name)
+
+    def account(self) -> None:
+        """Sort every parameter into ``report.loaded``, ``expected_missing`` or ``missing``."""
+        report, mapper, loaded = self.report, self.mapper, self.loaded
+        expected = getattr(self.model, "expected_missing", None) or set()
+        for pname, param in self.params.items():
+            got = loaded.get(pname, set())
+            needed = mapper.required(pname)
+            sibling = getattr(param, "loaded_with", None)  # filled by a sibling parameter's loader (online quantization)
+            if sibling is not None:
+                got = loaded.get(f"{pname.rpartition('.')[0]}.{sibling}", set())
+            if _WHOLE in got or (got and needed and needed <= got):
+                report.loaded.append(pname)
+            elif _matches(pname, expected):
+                report.expected_missing.append(pname)
+            elif got:
+                report.missing.append(f"{pname} (shards {sorted(map(str, needed - got))} missing)")
+            else:
+                report.missing.append(pname)
+        if report.unused:
+            logger.warning("%d checkpoint tensors matched no parameter and were not loaded: %s%s",
+                           len(report.unused), ", ".join(report.unused[:10]),
+                           " ..." if len(report.unused) > 10 else "")
+
+
 def load_weights(model: nn.Module, path: str | Path, *, strict: bool = True,
                  load_extra_layers: bool = False, check_finite: bool = True) -> LoadReport:
     """Fill ``model``'s parameters from the ``*.safetensors`` files in folder ``path``.
@@ -414,15 +492,14 @@ def load_weights(model: nn.Module, path: str | Path, *, strict: bool = True,
     ``check_finite=False`` skips that pass. Raises ValueError on a corrupt or truncated shard, a
     shape or dtype mismatch, a NaN/Inf (each naming the file and the checkpoint tensor), on an
     index entry outside the folder, and, when ``strict``, on parameters left unloaded.
-    Returns a ``LoadReport``.
+    Returns a ``LoadReport``. (Tensors in memory, a trainer's: ``load_named_tensors``.)
     """
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"checkpoint folder not found: {folder}")
     _check_quantization(model, folder)
-    params = dict(model.named_parameters())
-    mapper = _NameMapper(model, params, load_extra_layers)
-    report = LoadReport()
+    loading = _Loading(model, load_extra_layers)
+    report, params = loading.report, loading.params
 
     # Which file holds each tensor (the first shard that lists it). Every header is checked here,
     # so a corrupt or truncated shard is named before any tensor is loaded.
@@ -444,81 +521,129 @@ def load_weights(model: nn.Module, path: str | Path, *, strict: bool = True,
             file_of[name] = file
             dtype_of[name] = header[name]["dtype"]
 
-    # Plan: into which parameters each tensor goes, grouped by file.
+    # Plan: into which parameters each tensor goes, grouped by file; every dtype checked before any tensor is read.
     plan: dict[Path, list[tuple[str, list[_Target]]]] = {}
-    whole_source: dict[str, str] = {}  # parameter -> the checkpoint tensor loaded into it whole
-    tied_head = None                   # a stored lm_head.weight that the tied head skips
-    modules = dict(model.named_modules())
     kv_scales: list[tuple[str, Path, nn.Module, str]] = []
     for name, file in file_of.items():
-        mapped = mapper.map(name)
-        kv_scale = None if isinstance(mapped, str) else _kv_scale_target(mapper.renamed(name), modules)
-        if kv_scale is not None:
-            kv_scales.append((name, file, *kv_scale))
-            continue
-        if isinstance(mapped, str):
-            report.skipped[name] = mapped
-            tied_head = name if mapped == _TIED_REASON else tied_head
-            continue
-        if not all(t.param_name in params for t in mapped):
-            report.unused.append(name)
-            continue
-        stored = TORCH_DTYPES.get(dtype_of[name])  # checked here, before any tensor is read
-        if stored is not None:
-            for t in mapped:
-                _check_dtype(params[t.param_name], stored, t, name, file, model)
-        plan.setdefault(file, []).append((name, mapped))
-        for t in mapped:
-            if t.shard_id is None and t.rows is None:
-                whole_source.setdefault(t.param_name, name)
+        route = loading.route(name)
+        if isinstance(route, tuple):
+            kv_scales.append((name, file, *route))
+        elif route is not None:
+            stored = TORCH_DTYPES.get(dtype_of[name])
+            if stored is not None:
+                loading.check_dtype(name, route, stored, file)
+            plan.setdefault(file, []).append((name, route))
+    tied_head = next((name for name, why in report.skipped.items() if why == _TIED_REASON), None)
 
-    loaded: dict[str, set] = {}
     for file, entries in plan.items():
         report.files_read.append(str(file))
         with open_shard(file) as f:
             for name, targets in entries:
-                tensor = get_tensor(f, name, file)
-                if check_finite:
-                    _check_finite(tensor, name, file)
-                for target in targets:
-                    _load_one(params[target.param_name], tensor, target, name, file)
-                    loaded.setdefault(target.param_name, set()).add(
-                        _WHOLE if target.shard_id is None else target.shard_id)
+                loading.load(name, get_tensor(f, name, file), targets, file, check_finite)
 
     device = next((p.device for p in params.values()), torch.device("cpu"))
     for name, file, attn, which in kv_scales:
         _set_kv_scale(attn, which, read_tensor(None, None, name, file), name, file, device)
         report.kv_scales.append(name)
 
-    embedding = whole_source.get(_tied_parameter(model, params) or "")
+    embedding = loading.whole_source.get(_tied_parameter(model, params) or "")
     if tied_head is not None and embedding is not None:
         difference = _warn_if_tied_head_differs(tied_head, embedding, file_of)
         if difference is not None:
             report.skipped[tied_head] += f" (and differs from it: {difference})"
 
-    expected = getattr(model, "expected_missing", None) or set()
-    for pname, param in params.items():
-        got = loaded.get(pname, set())
-        needed = mapper.required(pname)
-        sibling = getattr(param, "loaded_with", None)  # filled by a sibling parameter's loader (online quantization)
-        if sibling is not None:
-            got, needed = loaded.get(f"{pname.rpartition('.')[0]}.{sibling}", set()), mapper.required(pname)
-        if _WHOLE in got or (got and needed and needed <= got):
-            report.loaded.append(pname)
-        elif _matches(pname, expected):
-            report.expected_missing.append(pname)
-        elif got:
-            report.missing.append(f"{pname} (shards {sorted(map(str, needed - got))} missing)")
-        else:
-            report.missing.append(pname)
-
-    if report.unused:
-        logger.warning("%d checkpoint tensors matched no parameter and were not loaded: %s%s",
-                       len(report.unused), ", ".join(report.unused[:10]),
-                       " ..." if len(report.unused) > 10 else "")
+    loading.account()
     if report.missing and strict:
         shown = ", ".join(report.missing[:20])
         more = f" (and {len(report.missing) - 20} more)" if len(report.missing) > 20 else ""
         raise ValueError(f"{len(report.missing)} parameters not found in checkpoint {folder}: {shown}{more}")
     process_weights_after_loading(model)
     return report
+
+
+_KV_SCALE_SKIPPED = "KV-cache scale: read when a model is loaded from its checkpoint, not updated"
+
+
+def load_named_tensors(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
+                       strict: bool = False, load_extra_layers: bool = False,
+                       check_finite: bool = True) -> LoadReport:
+    """Copy ``(checkpoint name, tensor)`` pairs into ``model``'s parameters, in place: new weights from a
+    trainer (``hf_model.state_dict().items()``, or any iterable or generator of such pairs, e.g. one layer
+    at a time), as vLLM's ``model.load_weights(weights)`` takes them in RL loops.
+
+    Each tensor goes exactly where the same tensor read from a checkpoint file goes (``load_weights``'
+    name mapping, packed q/k/v and gate/up shards, expert mappings, each parameter's ``weight_loader``
+    with its tensor-parallel cut and, for an online-quantized model, its quantization), and is copied
+    into the existing parameter: no ``Parameter`` is replaced and no buffer that
+    ``process_weights_after_loading`` derives moves (CUDA graphs captured over the model keep reading
+    the same addresses). Tensors may be on any device and of any floating dtype (cast as they are
+    copied). The pairs are read one at a time (a generator's tensors are not all held at once).
+
+    A partial update is allowed: parameters no tensor filled keep their values (``report.missing``
+    lists them). ``strict``: a name that maps to no parameter raises ValueError naming it (otherwise it
+    is listed in ``report.unused``). A shape mismatch, a dtype that cannot be cast, or (``check_finite``)
+    a NaN/Inf raises ValueError naming the tensor and the parameter. An error stops the load at that
+    tensor: the ones before it are loaded (load the full set again). Names the model skips (rotary
+    caches, a tied ``lm_head.weight``, extra layers) and KV-cache scales are listed in
+    ``report.skipped``. ``process_weights_after_loading`` runs afterwards, as after ``load_weights``.
+
+    Unquantized and online-quantized models (``quantization="fp8"`` / ``"fp8_block"``) only: a model
+    built from a quantized checkpoint raises NotImplementedError (its parameters hold the stored format
+    and some are converted once at load: MLA's ``kv_b_proj``).
+    """
+    quant_config = getattr(model, "quant_config", None)
+    if quant_config is not None and not quant_config.online:
+        raise NotImplementedError(
+            f"load_named_tensors: {type(model).__name__} was built from a quantized checkpoint "
+            f"({quant_config.quant_method}); updating it from tensors is not supported (its parameters hold "
+            "the stored format and scales). Build the model unquantized, or with online quantization "
+            "(quantization='fp8'), whose weights take unquantized tensors")
+    loading = _Loading(model, load_extra_layers)
+    params_before = {name: id(param) for name, param in loading.params.items()}
+    with torch.no_grad():
+        for item in named_tensors:
+            if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)
+                    and isinstance(item[1], torch.Tensor)):
+                raise TypeError(f"load_named_tensors takes (name, tensor) pairs, got {_describe(item)}")
+            name, tensor = item
+            route = loading.route(name)
+            if isinstance(route, tuple):
+                loading.report.skipped[name] = _KV_SCALE_SKIPPED
+                continue
+            if route is None:
+                if strict and name not in loading.report.skipped:  # (unused: it maps to no parameter)
+                    raise ValueError(f"load_named_tensors(strict=True): tensor {name!r} matches no parameter of "
+                                     f"{type(model).__name__} (after its name mapping)")
+                continue
+            tensor = tensor.detach()
+            loading.check_dtype(name, route, tensor.dtype, None)
+            loading.load(name, tensor, route, None, check_finite)
+        loading.account()
+        _process_in_place(model)
+    moved = [name for name, param in model.named_parameters() if params_before.get(name) != id(param)]
+    if moved:  # (a module's process_weights_after_loading replaced it: not one this function supports)
+        raise RuntimeError(f"load_named_tensors: parameters were replaced while loading: {moved[:5]}")
+    return loading.report
+
+
+def _describe(item: object) -> str:
+    if isinstance(item, (tuple, list)):
+        return f"a {type(item).__name__} of {len(item)}: ({', '.join(type(x).__name__ for x in item)})"
+    return type(item).__name__
+
+
+def _process_in_place(model: nn.Module) -> None:
+    """``process_weights_after_loading``, keeping every buffer it had before at its address: a buffer that
+    a hook derives anew (a fused layer's per-channel scale, say) is copied into the old tensor."""
+    before = [(module, name, buffer) for module in model.modules()
+              for name, buffer in module.named_buffers(recurse=False)]
+    process_weights_after_loading(model)
+    for module, name, old in before:
+        new = getattr(module, name, None)
+        if new is old or new is None or (new.data_ptr() == old.data_ptr() and new.shape == old.shape):
+            continue
+        if new.shape != old.shape or new.dtype != old.dtype or new.device != old.device:
+            raise RuntimeError(f"load_named_tensors: buffer {name!r} of {type(module).__name__} changed from "
+                               f"{tuple(old.shape)} {old.dtype} to {tuple(new.shape)} {new.dtype} after the update")
+        old.copy_(new)
+        setattr(module, name, old)

@@ -151,6 +151,25 @@ def test_step_streams_every_token_and_abort_goes_to_the_replica_running_the_requ
     assert len(dp.step()) == 0 and not dp.has_unfinished_requests()
 
 
+def test_reset_prefix_cache_asks_every_replica_refused_while_they_run_and_forgets_cached_prompts(dp):
+    prompt = _prompts(lengths=(13,), seed=5)[0]
+    dp.generate([prompt], GREEDY, use_tqdm=False)
+    assert dp.generate([prompt], GREEDY, use_tqdm=False)[0].num_cached_tokens == 12  # (an idle front: replica 0)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ids = [dp.add_request(p, params) for p in _prompts(lengths=(4, 5))]
+    assert {dp.replica_of(i) for i in ids} == {0, 1}
+    streamed = set()
+    while streamed != set(ids):  # both admitted: each replica holds blocks
+        streamed |= {out.request_id for out in dp.step()}
+    assert dp.reset_prefix_cache() is False
+    while dp.has_unfinished_requests():
+        dp.step()
+    assert dp.reset_prefix_cache() is True
+    assert dp.generate([prompt], GREEDY, use_tqdm=False)[0].num_cached_tokens == 0
+    with pytest.raises(NotImplementedError, match="other processes"):
+        dp.load_weights([])
+
+
 def test_async_engine_streams_over_the_front(dp):
     """AsyncEngine's step thread drives the front as it drives an Engine (its statistics read the replicas'
     pools summed)."""

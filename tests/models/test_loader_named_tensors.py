@@ -1,0 +1,70 @@
+"""``load_named_tensors``: (checkpoint name, tensor) pairs in memory go where the same tensors read from the
+checkpoint's files go, in place; what it refuses, by name. (Through an engine: tests/engine/test_weight_update.py.)"""
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import atom_core
+from atom_core.models import build_model, load_model, load_named_tensors
+
+DEMO = Path(atom_core.__file__).parent / "demo_model"
+
+
+def _demo_tensors() -> dict[str, torch.Tensor]:
+    return load_file(DEMO / "model.safetensors")
+
+
+def test_named_tensors_of_a_checkpoint_fill_a_model_exactly_as_loading_its_folder():
+    want = load_model(DEMO, device="cpu", dtype=torch.float32)
+    model = load_model(DEMO, device="cpu", dtype=torch.float32, load_format="zeros")
+    report = load_named_tensors(model, _demo_tensors().items(), strict=True)
+    assert report.missing == [] and report.unused == [] and report.files_read == []
+    for (name, got), (_, expected) in zip(model.named_parameters(), want.named_parameters()):
+        assert torch.equal(got, expected), name
+
+
+def test_named_tensors_are_copied_into_the_existing_parameters():
+    model = load_model(DEMO, device="cpu", dtype=torch.float32, load_format="zeros")
+    before = {name: (param, param.data_ptr()) for name, param in model.named_parameters()}
+    load_named_tensors(model, _demo_tensors().items())
+    for name, param in model.named_parameters():
+        assert before[name][0] is param and before[name][1] == param.data_ptr(), name
+
+
+def test_a_model_built_from_a_quantized_checkpoint_is_refused_naming_why():
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128, "hidden_size": 128,
+              "intermediate_size": 256, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
+              "head_dim": 64, "max_position_embeddings": 64,
+              "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                      "weight_block_size": [128, 128]}}
+    model = build_model(config, device="cpu", dtype=torch.float32)
+    with pytest.raises(NotImplementedError, match="built from a quantized checkpoint"):
+        load_named_tensors(model, [("model.norm.weight", torch.ones(128))])
+
+
+def test_something_other_than_name_tensor_pairs_is_refused_naming_what_it_got():
+    model = load_model(DEMO, device="cpu", dtype=torch.float32, load_format="zeros")
+    with pytest.raises(TypeError, match=r"\(name, tensor\) pairs, got a tuple of 2: \(str, list\)"):
+        load_named_tensors(model, [("model.norm.weight", [1.0])])
+
+
+def test_a_nan_is_refused_naming_the_tensor_unless_check_finite_is_off():
+    model = load_model(DEMO, device="cpu", dtype=torch.float32, load_format="zeros")
+    norm = dict(model.named_parameters())["model.norm.weight"]
+    bad = torch.ones_like(norm)
+    bad[3] = float("nan")
+    with pytest.raises(ValueError, match=r"'model\.norm\.weight' given to load_named_tensors: 1 of"):
+        load_named_tensors(model, [("model.norm.weight", bad)])
+    load_named_tensors(model, [("model.norm.weight", bad)], check_finite=False)
+    assert norm.isnan().sum() == 1
+
+
+def test_kv_cache_scales_and_rotary_caches_are_skipped_with_a_reason():
+    model = load_model(DEMO, device="cpu", dtype=torch.float32, load_format="zeros")
+    report = load_named_tensors(model, [("model.layers.0.self_attn.k_scale", torch.tensor(0.5)),
+                                        ("model.layers.0.self_attn.rotary_emb.inv_freq", torch.ones(4))], strict=True)
+    assert set(report.skipped) == {"model.layers.0.self_attn.k_scale", "model.layers.0.self_attn.rotary_emb.inv_freq"}
+    assert "KV-cache scale" in report.skipped["model.layers.0.self_attn.k_scale"]
