@@ -84,7 +84,8 @@ from atom_core.models.layers.mla import (
     MultiHeadLatentAttention,
 )
 from atom_core.models.layers.mlp import GatedMLP
-from atom_core.models.layers.moe import FusedMoE, expert_params_mapping, moe_ranks, moe_ranks_of
+from atom_core.models.layers.moe import (FusedMoE, expert_params_mapping, moe_ranks, moe_ranks_of,
+                                          stacked_expert_params_mapping)
 from atom_core.models.layers.norm import RMSNorm
 from atom_core.models.layers.rotary import RotaryEmbedding
 from atom_core.models.qwen3_moe import check_silu_experts, config_int
@@ -189,6 +190,7 @@ class DeepseekV2ForCausalLM(MLACaches, CausalLM):
         self.num_experts = config_int(config, "n_routed_experts", default=0)
         # before __init__: the quant config binds it
         self.expert_params_mapping = expert_params_mapping(self.num_experts, scales=True) if self.num_experts else []
+        self.stacked_expert_params_mapping = stacked_expert_params_mapping() if self.num_experts else []
         self.kv_lora_rank = config_int(config, "kv_lora_rank")
         self.qk_rope_head_dim = config_int(config, "qk_rope_head_dim")
         self.qk_nope_head_dim = config_int(config, "qk_nope_head_dim")

@@ -36,7 +36,8 @@ from atom_core import ops
 from atom_core.models.base import QUANTIZED_DENSE_FORMATS, CausalLM, PreNormDecoderLayer
 from atom_core.models.config import ModelConfig
 from atom_core.models.layers.mlp import GatedMLP
-from atom_core.models.layers.moe import FusedMoE, expert_params_mapping, moe_ranks, moe_ranks_of
+from atom_core.models.layers.moe import (FusedMoE, expert_params_mapping, moe_ranks, moe_ranks_of,
+                                          stacked_expert_params_mapping)
 from atom_core.models.layers.norm import RMSNorm
 from atom_core.models.layers.rotary import RotaryEmbedding
 from atom_core.models.llama import LlamaAttention
@@ -130,6 +131,7 @@ class Glm4MoeForCausalLM(CausalLM):
         self.num_experts = config_int(config, "n_routed_experts", "num_local_experts")
         # before __init__: the quant config binds it
         self.expert_params_mapping = expert_params_mapping(self.num_experts, scales=True)
+        self.stacked_expert_params_mapping = stacked_expert_params_mapping()  # a trainer's state_dict
         super().__init__(config, **kwargs)
 
     def make_layer(self, layer_idx: int) -> nn.Module:

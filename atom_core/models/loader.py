@@ -16,8 +16,9 @@ Name mapping, in order:
 3. ``*.weight_scale_inv`` -> ``*.weight_scale`` (block-FP8 checkpoints store inverse-named scales).
 4. ``lm_head.weight`` with ``config.tie_word_embeddings`` and no separate ``lm_head.weight``
    parameter is skipped (the head shares the embedding).
-5. ``model.expert_params_mapping`` (MoE models), a list of ``(checkpoint suffix, parameter
-   suffix, shard_id)`` matched on whole dotted components at the end of the name:
+5. ``model.expert_params_mapping`` (MoE models), then ``model.stacked_expert_params_mapping`` (more
+   triples the quantization rules do not read: transformers 5's in-memory expert stacks), lists of
+   ``(checkpoint suffix, parameter suffix, shard_id)`` matched on whole dotted components at the end of the name:
    ``("experts.3.gate_proj.weight", "experts.w13_weight", (3, "w1"))`` loads
    ``...mlp.experts.3.gate_proj.weight`` into ``...mlp.experts.w13_weight`` with that shard id
    (see ``layers.moe``). A parameter counts as loaded once every non-None shard id the mapping
@@ -112,7 +113,8 @@ _TIED_REASON = "tied to the input embedding"
 
 @dataclass
 class LoadReport:
-    """What ``load_weights`` did; names are parameter names (``model.named_parameters``) or checkpoint names."""
+    """What ``load_weights`` (or ``load_named_tensors``) did; names are parameter names
+    (``model.named_parameters``) or checkpoint names."""
 
     loaded: list[str] = field(default_factory=list)            # parameters fully loaded
     missing: list[str] = field(default_factory=list)           # parameters not (fully) loaded, not expected
@@ -144,7 +146,9 @@ class _NameMapper:
         # Checkpoint name suffix -> (parameter suffix, shard id); parameter suffix -> shard ids it needs.
         self.experts: dict[str, tuple[str, Any]] = {}
         self.expert_required: dict[str, set] = {}
-        for entry in getattr(model, "expert_params_mapping", None) or []:
+        # (stacked_expert_params_mapping: more triples for the loader only, not for the quantization rules)
+        for entry in [*(getattr(model, "expert_params_mapping", None) or []),
+                      *(getattr(model, "stacked_expert_params_mapping", None) or [])]:
             if not (isinstance(entry, (tuple, list)) and len(entry) == 3
                     and isinstance(entry[0], str) and isinstance(entry[1], str)):
                 raise ValueError(f"expert_params_mapping entries must be (checkpoint suffix, parameter suffix, "
@@ -316,8 +320,8 @@ def _load_one(param: nn.Parameter, tensor: torch.Tensor, target: _Target, ckpt_n
         start, size = target.rows
         if tensor.shape[0] < start + size:
             raise ValueError(
-                f"checkpoint tensor {ckpt_name!r} {_where(file, short=True)}: shape {tuple(tensor.shape)} has fewer than "
-                f"{start + size} rows to split into {target.param_name!r}"
+                f"checkpoint tensor {ckpt_name!r} {_where(file, short=True)}: shape {tuple(tensor.shape)} has "
+                f"fewer than {start + size} rows to split into {target.param_name!r}"
             )
         tensor = tensor.narrow(0, start, size)
     loader = getattr(param, "weight_loader", default_weight_loader)
@@ -464,7 +468,7 @@ class _Loading:
         for pname, param in self.params.items():
             got = loaded.get(pname, set())
             needed = mapper.required(pname)
-            sibling = getattr(param, "loaded_with", None)  # filled by a sibling parameter's loader (online quantization)
+            sibling = getattr(param, "loaded_with", None)  # filled by a sibling's loader (online quantization)
             if sibling is not None:
                 got = loaded.get(f"{pname.rpartition('.')[0]}.{sibling}", set())
             if _WHOLE in got or (got and needed and needed <= got):

@@ -25,7 +25,7 @@ from torch import nn
 
 from atom_core.models.base import PreNormDecoderLayer
 from atom_core.models.config import ModelConfig
-from atom_core.models.layers.moe import expert_params_mapping, moe_ranks_of
+from atom_core.models.layers.moe import expert_params_mapping, moe_ranks_of, stacked_expert_params_mapping
 from atom_core.models.layers.norm import RMSNorm
 from atom_core.models.llama import LlamaAttention, LlamaForCausalLM
 from atom_core.models.qwen3_moe import SoftmaxTopKMoE, check_silu_experts, config_int
@@ -42,6 +42,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
         # Before __init__: the quant config binds it.
         self.expert_params_mapping = expert_params_mapping(self.num_experts, gate="w1", up="w3", down="w2",
                                                            scales=True)
+        self.stacked_expert_params_mapping = stacked_expert_params_mapping()  # a trainer's state_dict
         super().__init__(config, **kwargs)
 
     @staticmethod

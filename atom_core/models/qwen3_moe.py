@@ -35,6 +35,7 @@ from atom_core.models.layers.moe import (
     expert_params_mapping,
     moe_ranks,
     moe_ranks_of,
+    stacked_expert_params_mapping,
 )
 from atom_core.models.layers.norm import RMSNorm
 from atom_core.models.quantization.activation import QuantizedActivation
@@ -106,6 +107,7 @@ class Qwen3MoeForCausalLM(CausalLM):
         check_silu_experts(config)
         # before __init__: the quant config binds it
         self.expert_params_mapping = expert_params_mapping(self.num_experts, scales=True)
+        self.stacked_expert_params_mapping = stacked_expert_params_mapping()  # a trainer's state_dict
         super().__init__(config, **kwargs)
 
     def is_sparse_layer(self, layer_idx: int) -> bool:

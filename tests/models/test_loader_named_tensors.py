@@ -68,3 +68,59 @@ def test_kv_cache_scales_and_rotary_caches_are_skipped_with_a_reason():
                                         ("model.layers.0.self_attn.rotary_emb.inv_freq", torch.ones(4))], strict=True)
     assert set(report.skipped) == {"model.layers.0.self_attn.k_scale", "model.layers.0.self_attn.rotary_emb.inv_freq"}
     assert "KV-cache scale" in report.skipped["model.layers.0.self_attn.k_scale"]
+
+
+_BASE = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+             max_position_embeddings=64)
+_MOE = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(intermediate_size=24, num_local_experts=4,
+                                                             num_experts_per_tok=2)),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(intermediate_size=24, moe_intermediate_size=8,
+                                                              n_routed_experts=4, num_experts_per_tok=2,
+                                                              first_k_dense_replace=1, n_group=1, topk_group=1,
+                                                              head_dim=16)),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        intermediate_size=24, moe_intermediate_size=8, n_routed_experts=4, num_experts_per_tok=2,
+        first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=8)),
+}
+
+
+@pytest.mark.parametrize("family", list(_MOE))
+def test_an_in_memory_moe_state_dict_with_stacked_experts_fills_the_model_as_its_saved_checkpoint(family, tmp_path):
+    # transformers 5 keeps the experts stacked in memory (experts.gate_up_proj / down_proj) and writes one
+    # tensor per expert to its files: both must fill the same parameters.
+    transformers = pytest.importorskip("transformers")
+    config_name, model_name, extra = _MOE[family]
+    torch.manual_seed(0)
+    hf = getattr(transformers, model_name)(getattr(transformers, config_name)(**_BASE, **extra))
+    state = hf.state_dict()
+    assert any(name.endswith("experts.gate_up_proj") for name in state), "not the stacked in-memory layout"
+    hf.save_pretrained(tmp_path)
+    want = load_model(tmp_path, device="cpu", dtype=torch.float32)
+    model = load_model(tmp_path, device="cpu", dtype=torch.float32, load_format="zeros")
+    report = load_named_tensors(model, state.items(), strict=True)
+    assert report.missing == []
+    for (name, got), (_, expected) in zip(model.named_parameters(), want.named_parameters()):
+        assert torch.equal(got, expected), name
+
+
+class _Derived(torch.nn.Module):
+    """A parameter and a buffer its process_weights_after_loading derives anew each time (a new tensor)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(3), requires_grad=False)
+        self.register_buffer("doubled", None, persistent=False)
+
+    def process_weights_after_loading(self):
+        self.doubled = self.weight.data * 2
+
+
+def test_a_buffer_derived_after_loading_keeps_its_tensor_and_address_and_gets_the_new_values():
+    model = _Derived()
+    model.process_weights_after_loading()  # (as load_model does once)
+    buffer, address = model.doubled, model.doubled.data_ptr()
+    load_named_tensors(model, [("weight", torch.tensor([1.0, 2.0, 3.0]))], strict=True)
+    assert model.doubled is buffer and buffer.data_ptr() == address
+    assert buffer.tolist() == [2.0, 4.0, 6.0]

@@ -157,14 +157,10 @@ def expert_params_mapping(num_experts: int, *, gate: str = "gate_proj", up: str 
     ``scales`` the FP8 ``.weight_scale`` tensors (``weight_scale_inv`` is renamed so by the loader)
     into ``prefix.w13_weight_scale`` / ``w2_weight_scale`` (used when the experts are quantized).
     Qwen3-MoE / GLM-4-MoE: the defaults; Mixtral: ``gate="w1", up="w3", down="w2"``.
-
-    Also the stacks transformers 5 keeps in memory (what a trainer's ``state_dict()`` holds; its files
-    keep one tensor per expert): ``prefix.gate_up_proj`` ``[E, 2I, H]`` (gate rows, then up rows) and
-    ``prefix.down_proj`` ``[E, H, I]``, this module's own layout (shard id None).
     """
     suffixes = ("weight", "bias") if bias else ("weight",)
     suffixes += ("weight_scale",) if scales else ()
-    mapping = fused_expert_params_mapping(prefix=prefix, transposed=False)
+    mapping = []
     for e in range(num_experts):
         for ckpt_name, fused, proj in ((gate, "w13", "w1"), (up, "w13", "w3"), (down, "w2", "w2")):
             for suffix in suffixes:
@@ -185,6 +181,15 @@ def fused_expert_params_mapping(*, prefix: str = "experts", gate_up: str = "gate
         mapping += [(f"{prefix}.{gate_up}_bias", f"{prefix}.w13_bias", None),
                     (f"{prefix}.{down}_bias", f"{prefix}.w2_bias", None)]
     return mapping
+
+
+def stacked_expert_params_mapping(*, prefix: str = "experts") -> list[tuple[str, str, Any]]:
+    """Loader triples for the expert stacks transformers 5 keeps in memory (what a trainer's ``state_dict()``
+    holds; its files keep one tensor per expert): ``{prefix}.gate_up_proj`` ``[E, 2I, H]`` (gate rows, then up
+    rows) and ``{prefix}.down_proj`` ``[E, H, I]``, this module's own layout (shard id None). A model sets them
+    as ``stacked_expert_params_mapping``, which the loader reads after ``expert_params_mapping`` and the
+    quantization rules do not (no checkpoint file names these modules)."""
+    return fused_expert_params_mapping(prefix=prefix, transposed=False)
 
 
 def mxfp4_expert_params_mapping(*, prefix: str = "experts", gate_up: str = "gate_up_proj",
