@@ -201,3 +201,20 @@ def test_load_weights_of_a_tensor_parallel_engine_raises_not_implemented_naming_
     monkeypatch.setattr(engine, "_channel", object())
     with pytest.raises(NotImplementedError, match="tensor-parallel"):
         engine.load_weights(hf_b.state_dict().items())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("pair", ["tiny_qwen3", "tiny_qwen3_moe"], indirect=True)
+def test_on_a_gpu_captured_cuda_graphs_replay_the_new_weights(pair):
+    """The engine's CUDA graphs (captured at construction, Triton kernels) read the parameters where they
+    are: after the update, a graph replay gives the tokens of an engine built from B."""
+    folder_a, folder_b, hf_b = pair
+    prompts = prompts_for(hf_b.config.vocab_size, LENGTHS)
+    args = dict(device="cuda", dtype=torch.float32, block_size=16, max_model_len=64)
+    with ops.use_backend("auto"):
+        engine = Engine.from_pretrained(folder_a, **args)
+        assert engine.runner.graphs is not None, "the engine must run its steps as CUDA graphs here"
+        want_b = _greedy(Engine.from_pretrained(folder_b, **args), prompts)
+        assert _greedy(engine, prompts) != want_b
+        engine.load_weights(hf_b.state_dict().items(), strict=True)
+        assert _greedy(engine, prompts) == want_b
