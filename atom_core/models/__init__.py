@@ -310,7 +310,11 @@ def load_model(path: str | Path, *, dtype: torch.dtype | str | None = None,
         raise ValueError(f"load_format must be one of {_LOAD_FORMATS}, got {load_format!r}")
     folder = Path(path)
     if not folder.is_dir():
-        raise FileNotFoundError(f"model folder not found: {folder}")
+        hub_id = str(path).count("/") == 1 and not str(path).startswith((".", "/", "~"))
+        raise FileNotFoundError(
+            f"model folder not found: {folder}" + (
+                f" (atom_core loads local folders only; a Hugging Face Hub model downloads to one with "
+                f"`huggingface-cli download {path} --local-dir {folder.name}`)" if hub_id else ""))
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in model folder {folder}")
     config = ModelConfig.from_file(folder / "config.json")

@@ -379,8 +379,12 @@ def test_load_model_end_to_end(tmp_path):
 
 
 def test_load_model_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="model folder not found"):
+    with pytest.raises(FileNotFoundError, match="model folder not found") as missing:
         load_model(tmp_path / "nope")
+    assert "huggingface-cli" not in str(missing.value)  # a path, not a Hub id
+    with pytest.raises(FileNotFoundError, match=r"model folder not found: Org/Model-0\.6B \(atom_core loads local "
+                       r"folders only; .* `huggingface-cli download Org/Model-0\.6B --local-dir Model-0\.6B`"):
+        load_model("Org/Model-0.6B")
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no config.json"):
         load_model(tmp_path / "empty")
