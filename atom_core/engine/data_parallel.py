@@ -323,7 +323,7 @@ class DataParallelEngine(OfflineAPI):
 
     def load_weights(self, weights, **kwargs):
         """Not built: the replicas' models live in their own processes, and their new tensors would have to
-        be sent to each (``Engine.load_weights`` updates a one-process engine)."""
+        be sent to each (``Engine.load_weights`` updates an engine whose TP rank 0 is this process)."""
         raise NotImplementedError("DataParallelEngine.load_weights: the replicas' models live in other processes; "
                                   "sending them new weights is not built yet (Engine.load_weights updates an engine "
                                   "in this process)")

@@ -61,10 +61,12 @@ if TYPE_CHECKING:
 
 __all__ = ["DistributedEngineError", "StepChannel", "StepInputs", "WorkerFailedError"]
 
-STEP, WARMUP, SHUTDOWN, CONFIG = 1, 2, 3, 4
-KIND_NAMES = {STEP: "step", WARMUP: "warmup", SHUTDOWN: "shutdown", CONFIG: "config"}
+STEP, WARMUP, SHUTDOWN, CONFIG, LOAD_WEIGHTS = 1, 2, 3, 4, 5
+KIND_NAMES = {STEP: "step", WARMUP: "warmup", SHUTDOWN: "shutdown", CONFIG: "config", LOAD_WEIGHTS: "load_weights"}
+_PAYLOAD_KINDS = (CONFIG, LOAD_WEIGHTS)  # messages whose body is a pickled payload
 HEADER_FIELDS = 16  # int64 each: kind, B, T, P, N, M, bucket kind, bucket tokens, bucket rows, payload bytes
 HEADER_BYTES = 8 * HEADER_FIELDS
+STATUS_BYTES = 4096  # a rank's status in ``exchange_status`` (utf-8, cut to this)
 INLINE_BYTES = 128 * 1024  # the first broadcast's fixed size: a decode step of 256 rows x 120 pages fits
 ONE_SHOT_ENV = "ATOM_CORE_ONE_SHOT_ALL_REDUCE"  # "1" on every rank: small TP all-reduces on the one-shot kernel
 CONTROL_GROUP_TIMEOUT = datetime.timedelta(days=365)  # a worker waits for the next step as long as rank 0 idles
@@ -147,9 +149,10 @@ def encode(kind: int, inputs: StepInputs | None = None, payload: bytes = b"") ->
 
 
 def decode(header: np.ndarray, body: np.ndarray) -> tuple[int, StepInputs | bytes | None]:
-    """``encode``'s inverse: (kind, StepInputs for a step / the payload bytes for a config / None)."""
+    """``encode``'s inverse: (kind, StepInputs for a step / the payload bytes for a config or a weight load /
+    None)."""
     kind = int(header[0])
-    if kind == CONFIG:
+    if kind in _PAYLOAD_KINDS:
         return kind, body.tobytes()
     if kind != STEP:
         return kind, None
@@ -311,6 +314,26 @@ class StepChannel:
         else:
             work.wait()
         return int(t.item())
+
+    def broadcast_tensor(self, tensor: torch.Tensor) -> None:
+        """Rank 0's ``tensor`` (on this rank's device) into every worker's tensor of the same shape and dtype,
+        over the TP group (``Engine.load_weights``: the new weights' bytes)."""
+        self._dist.broadcast(tensor, self.src, group=self.device_group)
+
+    def exchange_status(self, status: str) -> list[str]:
+        """Every rank's ``status`` (empty: fine; else why it failed, cut to ``STATUS_BYTES``), indexed by TP
+        rank (every rank calls it; rank 0 waits at most ``step_timeout``)."""
+        data = status.encode()[:STATUS_BYTES]
+        mine = torch.zeros(STATUS_BYTES, dtype=torch.uint8)
+        if data:
+            mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        gathered = [torch.zeros_like(mine) for _ in range(self._dist.get_world_size(self.control_group))]
+        work = self._dist.all_gather(gathered, mine, group=self.control_group, async_op=True)
+        if self.is_driver:
+            self.wait_work(work, "the workers' status")
+        else:
+            work.wait()
+        return [bytes(t.numpy()).rstrip(b"\0").decode(errors="replace") for t in gathered]
 
     # ------------------------------------------------------------------ failures
 

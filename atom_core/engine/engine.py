@@ -36,6 +36,7 @@ from atom_core.engine.sampling_params import SEED_LIMIT, SamplingParams
 from atom_core.engine.scheduler import Scheduler
 from atom_core.engine.stop_rule import StopRule
 from atom_core.engine.tokenizer import Tokenizer
+from atom_core.engine.weight_sync import load_weights_driver
 from atom_core.engine.workers import DEFAULT_STEP_TIMEOUT, WorkerSet, run_worker, start_ranks, stop_ranks
 from atom_core.ops.dispatch import preferred_backend
 from atom_core.ops.penalties import apply_penalties_, apply_token_bias_
@@ -506,22 +507,37 @@ class Engine(OfflineAPI):
         online quantization as loading the checkpoint; ``strict`` and ``check_finite`` as there), so CUDA
         graphs captured over the model read the new values. Returns the ``LoadReport``.
 
+        With several tensor-parallel ranks (rank 0 holds the engine) the pairs stream to the worker ranks in
+        bounded batches (``engine.weight_sync``: each tensor broadcast over the TP group, every rank loading
+        its own shard with the same pairs; a generator is still read once, one pair at a time), and the ranks
+        agree on the outcome after each batch: a tensor refused on any rank raises here (rank 0's own error,
+        or ``WeightLoadError`` naming the worker rank and its error), the ranks stay in step and the engine
+        serves on. A worker that dies meanwhile raises ``WorkerFailedError`` and stops the engine.
+
         Raises RuntimeError naming the count while requests are unfinished (a request would mix KV of two
-        weight sets), and NotImplementedError for a model split over several tensor-parallel ranks (the
-        other ranks' shards live in their processes; not built yet).
+        weight sets). A refused tensor stops the load there, the ones before it loaded (load the full set
+        again); the prefix cache is reset whenever the load began, so no KV of the old weights is reused.
         """
         from atom_core.models.loader import load_named_tensors
 
         if self._channel is not None:
-            raise NotImplementedError(
-                f"Engine.load_weights: this engine runs over {self.model.parallel.tp_size} tensor-parallel ranks, "
-                "whose shards live in the worker processes; updating them is not built yet (tensor parallelism "
-                "size 1 only)")
+            self._channel.check_usable()  # DistributedEngineError: the ranks are gone
         unfinished = self._num_unfinished()
         if unfinished:
             raise RuntimeError(f"Engine.load_weights: {unfinished} requests are unfinished; they would mix KV and "
                                "tokens of two weight sets: let them finish (or abort them) first")
-        report = load_named_tensors(self.model, weights, strict=strict, check_finite=check_finite)
+        try:
+            if self._channel is None:
+                report = load_named_tensors(self.model, weights, strict=strict, check_finite=check_finite)
+            else:
+                report = load_weights_driver(self.model, self._channel, weights, strict=strict,
+                                             check_finite=check_finite)
+        except BaseException:
+            if self._channel is not None and self._channel.failure is not None:
+                self.shutdown()  # the ranks are out of step: stop the workers now
+            else:
+                self.reset_prefix_cache()  # (some tensors may be loaded: no old KV is reused either way)
+            raise
         if not self.reset_prefix_cache():  # (no request holds blocks: cannot happen)
             raise RuntimeError("Engine.load_weights: the weights are loaded but the prefix cache could not be reset")
         return report

@@ -45,6 +45,7 @@ import torch
 
 from atom_core.engine.distributed import (
     CONFIG,
+    LOAD_WEIGHTS,
     SHUTDOWN,
     STEP,
     WARMUP,
@@ -411,10 +412,13 @@ def run_worker(model) -> None:
     ``Engine(model_shard, ...)`` at the same time: both sides make the engine's control group, rank 0
     sends the runner's configuration, every rank sizes its KV pool and they agree on the smallest, then
     each step's ``StepInputs`` arrive and this rank runs the same forward and receives the sampled
-    tokens. Returns when rank 0 shuts the engine down; raises when rank 0 dies (its connection closes).
+    tokens; between steps, rank 0's ``Engine.load_weights`` streams new weights into this rank's shard
+    (``engine.weight_sync``). Returns when rank 0 shuts the engine down; raises when rank 0 dies (its
+    connection closes).
     """
     from atom_core.engine.kv_pool import plan_pool
     from atom_core.engine.runner import ModelRunner
+    from atom_core.engine.weight_sync import load_weights_worker
 
     parallel = getattr(model, "parallel", None)
     if parallel is None or parallel.tp_size == 1 or parallel.tp_group is None:
@@ -452,6 +456,8 @@ def run_worker(model) -> None:
             runner.run_worker_step(inputs)
         elif kind == WARMUP:
             runner.warm_forward()
+        elif kind == LOAD_WEIGHTS:  # new weights for this rank's shard (rank 0's Engine.load_weights)
+            load_weights_worker(model, channel, pickle.loads(inputs))
         elif kind == SHUTDOWN:
             channel.release_device_state()  # before the process group goes (see StepChannel.release_device_state)
             return

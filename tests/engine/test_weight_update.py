@@ -193,16 +193,6 @@ def test_fp8_online_quantized_engine_updated_from_b_equals_an_fp8_engine_loaded_
     assert _greedy(engine, prompts) == want_b
 
 
-def test_load_weights_of_a_tensor_parallel_engine_raises_not_implemented_naming_tensor_parallelism(pair, monkeypatch):
-    # A real 2-rank engine costs a worker process; the refusal is decided before anything else, on the channel
-    # to the workers that only a multi-rank engine has.
-    folder_a, _, hf_b = pair
-    engine = Engine.from_pretrained(folder_a, **ARGS)
-    monkeypatch.setattr(engine, "_channel", object())
-    with pytest.raises(NotImplementedError, match="tensor-parallel"):
-        engine.load_weights(hf_b.state_dict().items())
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("pair", ["tiny_qwen3", "tiny_qwen3_moe"], indirect=True)
 def test_on_a_gpu_captured_cuda_graphs_replay_the_new_weights(pair):
