@@ -181,7 +181,8 @@ def run_serve(args) -> None:
     path = checkpoint_path(args)
     engine = build_engine(args)
     name, *aliases = args.served_model_name or [_model_name(path) if path else "atom_core-demo"]
-    config = ServerConfig(model_name=name, model_aliases=tuple(aliases), api_key=args.api_key or os.environ.get("ATOM_CORE_API_KEY") or None,
+    config = ServerConfig(model_name=name, model_aliases=tuple(aliases),
+                          api_key=args.api_key or os.environ.get("ATOM_CORE_API_KEY") or None,
                           max_request_bytes=args.max_request_bytes, max_output_tokens=args.max_output_tokens,
                           chat_template=chat_template_for(engine, args.chat_template),
                           trust_request_chat_template=args.trust_request_chat_template)
