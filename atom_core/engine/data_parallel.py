@@ -210,7 +210,7 @@ class DataParallelEngine(OfflineAPI):
         info = self._replicas[0].info
         self.max_model_len = info["max_model_len"]
         self.max_logprobs = info["max_logprobs"]
-        self.logprobs_mode = engine_args.get("logprobs_mode", "raw_logprobs")
+        self.logprobs_mode = info["logprobs_mode"]
         self.default_sampling_params = info["default_sampling_params"]
         self.generation_defaults = info["generation_defaults"]
         self._eos_token_ids = info["eos_token_ids"]

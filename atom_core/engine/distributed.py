@@ -300,25 +300,26 @@ class StepChannel:
                 f"no answer from the worker ranks within step_timeout={self.step_timeout:g} s while waiting for "
                 f"{what}: a worker hangs or died"))
 
-    def share_tokens(self, tokens: torch.Tensor) -> None:
-        """Broadcast rank 0's sampled tokens (int64 [B], on the device) to the workers, over the TP group
-        (queued on the device stream on a GPU: the host does not wait)."""
-        self._dist.broadcast(tokens, self.src, group=self.device_group)
+    def broadcast_tensor(self, tensor: torch.Tensor) -> None:
+        """Rank 0's ``tensor`` (on this rank's device) into every worker's tensor of the same shape and dtype,
+        over the TP group (queued on the device stream on a GPU: the host does not wait): a step's sampled
+        tokens, or ``Engine.load_weights``' new weights' bytes."""
+        self._dist.broadcast(tensor, self.src, group=self.device_group)
+
+    def _wait_collective(self, work, what: str) -> None:
+        """Rank 0 waits for a control-group collective at most ``step_timeout`` (``wait_work``); a worker as
+        long as it takes."""
+        if self.is_driver:
+            self.wait_work(work, what)
+        else:
+            work.wait()
 
     def agree_min(self, value: int) -> int:
         """The smallest ``value`` over the ranks (every rank calls it): the KV pool's block count."""
         t = torch.tensor([value], dtype=torch.int64)
         work = self._dist.all_reduce(t, op=self._dist.ReduceOp.MIN, group=self.control_group, async_op=True)
-        if self.is_driver:
-            self.wait_work(work, "the workers' KV pool sizes")
-        else:
-            work.wait()
+        self._wait_collective(work, "the workers' KV pool sizes")
         return int(t.item())
-
-    def broadcast_tensor(self, tensor: torch.Tensor) -> None:
-        """Rank 0's ``tensor`` (on this rank's device) into every worker's tensor of the same shape and dtype,
-        over the TP group (``Engine.load_weights``: the new weights' bytes)."""
-        self._dist.broadcast(tensor, self.src, group=self.device_group)
 
     def exchange_status(self, status: str) -> list[str]:
         """Every rank's ``status`` (empty: fine; else why it failed, cut to ``STATUS_BYTES``), indexed by TP
@@ -329,10 +330,7 @@ class StepChannel:
             mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         gathered = [torch.zeros_like(mine) for _ in range(self._dist.get_world_size(self.control_group))]
         work = self._dist.all_gather(gathered, mine, group=self.control_group, async_op=True)
-        if self.is_driver:
-            self.wait_work(work, "the workers' status")
-        else:
-            work.wait()
+        self._wait_collective(work, "the workers' status")
         return [bytes(t.numpy()).rstrip(b"\0").decode(errors="replace") for t in gathered]
 
     # ------------------------------------------------------------------ failures

@@ -184,6 +184,7 @@ def replica_main() -> None:
         finally:
             os._exit(1)
     conn.send((READY, {"max_model_len": engine.max_model_len, "max_logprobs": engine.max_logprobs,
+                       "logprobs_mode": engine.logprobs_mode,
                        "default_sampling_params": engine.default_sampling_params,
                        "generation_defaults": engine.generation_defaults,
                        "eos_token_ids": engine.eos_token_ids, "config": engine.model.config,

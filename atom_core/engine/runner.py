@@ -224,7 +224,7 @@ class ModelRunner:
         result = sample(processed, *filters, put(s.seeds), put(s.offsets), return_logprobs=fused_logprobs)
         tokens, logprobs = result if fused_logprobs else (result, None)
         if self.channel is not None:  # every rank gathers the next step's pending tokens from these
-            self.channel.share_tokens(tokens)
+            self.channel.broadcast_tensor(tokens)
         top_logprobs = None
         if step.want_logprobs and not fused_logprobs:
             # The chosen token's value and its top N from the same scores (vLLM's rule).

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from atom_core.engine.distributed import LOAD_WEIGHTS
+from atom_core.models.loader import named_tensor_pair
 
 if TYPE_CHECKING:
     from atom_core.engine.distributed import StepChannel
@@ -76,10 +77,7 @@ class _Stream:
                 item = next(self.source, _END)
                 if item is _END:
                     break
-                if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)
-                        and isinstance(item[1], torch.Tensor)):
-                    raise TypeError(f"load_weights takes (name, tensor) pairs, got {type(item).__name__} {item!r:.80}")
-                name, tensor = item
+                name, tensor = named_tensor_pair(item, "load_weights")
                 tensor = tensor.detach().to(self.channel.device).contiguous()
                 batch.append((name, tensor))
                 size += tensor.numel() * tensor.element_size()

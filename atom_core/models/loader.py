@@ -606,10 +606,7 @@ def load_named_tensors(model: nn.Module, named_tensors: Iterable[tuple[str, torc
     params_before = {name: id(param) for name, param in loading.params.items()}
     with torch.no_grad():
         for item in named_tensors:
-            if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)
-                    and isinstance(item[1], torch.Tensor)):
-                raise TypeError(f"load_named_tensors takes (name, tensor) pairs, got {_describe(item)}")
-            name, tensor = item
+            name, tensor = named_tensor_pair(item, "load_named_tensors")
             route = loading.route(name)
             if isinstance(route, tuple):
                 loading.report.skipped[name] = _KV_SCALE_SKIPPED
@@ -630,10 +627,14 @@ def load_named_tensors(model: nn.Module, named_tensors: Iterable[tuple[str, torc
     return loading.report
 
 
-def _describe(item: object) -> str:
-    if isinstance(item, (tuple, list)):
-        return f"a {type(item).__name__} of {len(item)}: ({', '.join(type(x).__name__ for x in item)})"
-    return type(item).__name__
+def named_tensor_pair(item: object, caller: str) -> tuple[str, torch.Tensor]:
+    """``item`` as a ``(name, tensor)`` pair; TypeError naming ``caller`` and what ``item`` is otherwise."""
+    if isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str) \
+            and isinstance(item[1], torch.Tensor):
+        return item[0], item[1]
+    what = (f"a {type(item).__name__} of {len(item)}: ({', '.join(type(x).__name__ for x in item)})"
+            if isinstance(item, (tuple, list)) else type(item).__name__)
+    raise TypeError(f"{caller} takes (name, tensor) pairs, got {what}")
 
 
 def _process_in_place(model: nn.Module) -> None:
