@@ -69,7 +69,8 @@ class Engine(OfflineAPI):
     "auto" (the model's dtype) or "fp8" (``float8_e4m3fn``: one byte per element, so the pool holds
     twice the tokens of a bf16 one; the cache holds ``k / k_scale`` with the checkpoint's per-layer
     scales, or 1.0). ``max_logprobs`` (default 20, vLLM's): the most top alternatives a request may
-    ask for per token (``SamplingParams.logprobs`` / ``prompt_logprobs``). ``seed``: where the draws of
+    ask for per token (``SamplingParams.logprobs`` / ``prompt_logprobs``); -1: no limit (the attribute then
+    holds the vocabulary size). ``seed``: where the draws of
     requests without their own ``SamplingParams.seed`` come from: an int makes them repeat in every process
     that adds the same requests in the same order (vLLM's engine seed); None (default): fresh randomness.
     ``logprobs_mode`` (vLLM's): what ``logprobs`` / ``prompt_logprobs`` return — ``"raw_logprobs"``
@@ -116,8 +117,10 @@ class Engine(OfflineAPI):
             logger.warning("max_model_len set to %d on CPU (the model allows %d); pass max_model_len= to change it",
                            max_model_len, limit)
         self.max_model_len = max_model_len or limit
-        if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int) or max_logprobs < 0:
-            raise ValueError(f"max_logprobs must be an int >= 0, got {max_logprobs!r}")
+        if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int) or max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be -1 (no limit) or an int >= 0, got {max_logprobs!r}")
+        if max_logprobs == -1:  # vLLM's "no cap": the whole vocabulary
+            max_logprobs = config.vocab_size
         pool_args = dict(block_size=block_size, num_kv_blocks=num_kv_blocks,
                          gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,

@@ -81,7 +81,8 @@ class RequestChecks:
 
     def check(self, prompt, params: SamplingParams, grammar=None) -> tuple[list[int], SamplingParams]:
         """The prompt's token ids and the params it runs with (``max_tokens=None`` becomes the room
-        ``max_model_len`` leaves after the prompt); raises (TypeError / ValueError naming the problem) when
+        ``max_model_len`` leaves after the prompt, ``logprobs`` / ``prompt_logprobs`` of -1 the vocabulary
+        size); raises (TypeError / ValueError naming the problem) when
         the prompt or ``params`` are not valid for this model, or the request could never fit."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -101,6 +102,9 @@ class RequestChecks:
             bad = next(t for t in token_ids if not 0 <= t < vocab)
             raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad}")
         self.check_params(params, grammar)
+        whole = {name: vocab for name in ("logprobs", "prompt_logprobs") if getattr(params, name) == -1}
+        if whole:  # vLLM's -1: every token of the vocabulary
+            params = dataclasses.replace(params, **whole)
         return token_ids, params
 
     def check_params(self, params: SamplingParams, grammar=None) -> None:
@@ -143,6 +147,8 @@ class RequestChecks:
             self.check_compiled(grammar, params)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
-            if value is not None and value > self.max_logprobs:
-                raise ValueError(f"SamplingParams.{name}={value}: at most max_logprobs={self.max_logprobs} top "
-                                 f"alternatives (Engine(max_logprobs=...))")
+            wanted = vocab if value == -1 else value  # -1: the whole vocabulary
+            if wanted is not None and wanted > self.max_logprobs:
+                whole = f" (the whole vocabulary, {vocab})" if value == -1 else ""
+                raise ValueError(f"SamplingParams.{name}={value}{whole}: at most max_logprobs={self.max_logprobs} "
+                                 f"top alternatives (Engine(max_logprobs=...); -1 there: no limit)")

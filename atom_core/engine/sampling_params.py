@@ -133,8 +133,9 @@ class SamplingParams:
     the token's occurrences in the output).
 
     What comes back: ``logprobs`` (None, or N >= 0): each output token's log-probability under
-    the model, plus the N most likely tokens with theirs (``RequestOutput.top_logprobs``);
-    ``prompt_logprobs`` (None or N >= 0): the same for each prompt token after the first
+    the model, plus the N most likely tokens with theirs (``RequestOutput.top_logprobs``; N = -1:
+    every token of the vocabulary, vLLM's); ``prompt_logprobs`` (None, -1 or N >= 0): the same for each
+    prompt token after the first
     (such a request computes its whole prompt: no prefix-cache hit). Log-probabilities are
     ``log_softmax`` of the raw logits, before any processing (vLLM's default; the engine's
     ``logprobs_mode`` can choose the raw logits or the processed scores instead).
@@ -237,8 +238,9 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
-                if not _is_int(value) or value < 0:
-                    bad(name, "must be None or an int >= 0 (the number of top alternatives)")
+                if not _is_int(value) or value < -1:
+                    bad(name, "must be None, -1 (the whole vocabulary) or an int >= 0 (the number of top "
+                              "alternatives)")
                 as_type(name, int(value))
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if stop is not None and not isinstance(stop, (list, tuple)):

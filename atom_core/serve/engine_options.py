@@ -117,9 +117,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, with_path: bool = T
                        help="the prefix cache (default on; vLLM's flag)")
     group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=True,
                        help="turn the prefix cache off (= --no-enable-prefix-caching)")
-    group.add_argument("--max-logprobs", type=nonnegative_int, default=20,
+    group.add_argument("--max-logprobs", type=int_at_least(-1), default=20,
                        help="the most top alternatives a request may ask per token (logprobs, top_logprobs, "
-                            "prompt_logprobs; default 20, vLLM's)")
+                            "prompt_logprobs; default 20, vLLM's; -1: no limit)")
     group.add_argument("--logprobs-mode", default="raw_logprobs",
                        choices=["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"],
                        help="what logprobs and prompt_logprobs return: the log-probs (or logits) of the model's raw "

@@ -228,6 +228,7 @@ def test_abort_takes_every_sequence_of_a_prompt(setup):
     (SamplingParams(stop="word"), "stop strings need a tokenizer"),
     (SamplingParams(logprobs=21), "at most max_logprobs=20"),
     (SamplingParams(prompt_logprobs=30), "prompt_logprobs=30: at most max_logprobs=20"),
+    (SamplingParams(logprobs=-1), r"logprobs=-1 \(the whole vocabulary, 96\): at most max_logprobs=20"),
 ])
 def test_parameters_the_model_cannot_serve_are_refused_by_name(setup, params, message):
     folder, _, prompts, _ = setup

@@ -303,3 +303,20 @@ def test_cuda_graphs_on_and_off_give_the_same_values(setup, mode):
         assert [list(d) for d in a.top_logprobs] == [list(d) for d in b.top_logprobs]
         if mode.startswith("processed"):
             assert all(math.isfinite(v) for v in b.logprobs)
+
+
+def test_logprobs_minus_one_gives_every_token_under_max_logprobs_minus_one(setup):
+    """vLLM's -1: ``Engine(max_logprobs=-1)`` has no limit (it reads as the vocabulary size) and
+    ``logprobs=-1`` / ``prompt_logprobs=-1`` return the whole vocabulary's log-probs, HF's log_softmax."""
+    folder, hf_model, vocab, prompts = setup
+    params = SamplingParams(seed=2, temperature=0.8, max_tokens=3, ignore_eos=True, logprobs=-1, prompt_logprobs=-1)
+    with ops.use_backend("torch"):
+        engine = Engine.from_pretrained(folder, device="cpu", dtype=torch.float32, block_size=4, max_logprobs=-1)
+        assert engine.max_logprobs == vocab
+        out = engine.generate(prompts[:1], params, use_tqdm=False)[0]
+    prompt, seq = prompts[0], out.outputs[0]
+    want = torch.log_softmax(hf_logits(hf_model, prompt + seq.token_ids), -1)
+    for k in range(len(seq.token_ids)):
+        torch.testing.assert_close(full(seq.top_logprobs[k], vocab), want[len(prompt) - 1 + k], atol=1e-4, rtol=1e-4)
+    for k in range(1, len(prompt)):
+        torch.testing.assert_close(full(out.prompt_top_logprobs[k], vocab), want[k - 1], atol=1e-4, rtol=1e-4)

@@ -91,7 +91,8 @@ def test_prefix_caching_flags_set_enable_prefix_caching(flags, want, engine_kwar
     assert engine_kwargs["enable_prefix_caching"] is want
 
 
-@pytest.mark.parametrize("flags, want", [([], 20), (["--max-logprobs", "3"], 3), (["--max-logprobs", "0"], 0)])
+@pytest.mark.parametrize("flags, want", [([], 20), (["--max-logprobs", "3"], 3), (["--max-logprobs", "0"], 0),
+                                         (["--max-logprobs", "-1"], -1)])
 def test_max_logprobs_flag_reaches_the_engine(flags, want, engine_kwargs):
     build_engine(parse("generate", *flags, "--threads", "1"))
     assert engine_kwargs["max_logprobs"] == want
@@ -104,8 +105,8 @@ def test_max_logprobs_is_the_limit_the_built_engine_enforces():
         engine.add_request([1, 2, 3], SamplingParams(max_tokens=1, logprobs=3))
 
 
-def test_a_negative_max_logprobs_is_a_usage_error(capsys):
-    assert cli.main(["serve", "--max-logprobs", "-1"]) == 2
+def test_max_logprobs_below_minus_one_is_a_usage_error(capsys):
+    assert cli.main(["serve", "--max-logprobs", "-2"]) == 2
     assert "--max-logprobs" in one_error_line(capsys)
 
 
