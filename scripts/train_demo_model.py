@@ -173,6 +173,18 @@ def train_tokenizer(docstrings: list[str], vocab_size: int):
     return tokenizer
 
 
+def save_tokenizer(tokenizer, path: Path, eos_id: int) -> None:
+    """``tokenizer`` written to ``path`` with a post-processor that puts EOS (the BOS) before every encoded
+    text, as in training: transformers (5 reads only tokenizer.json for this), vLLM and atom_core then all
+    start a prompt with it."""
+    from tokenizers import Tokenizer, processors
+
+    saved = Tokenizer.from_str(tokenizer.to_str())
+    saved.post_processor = processors.TemplateProcessing(
+        single=f"{EOS_TOKEN} $A", pair=f"{EOS_TOKEN} $A {EOS_TOKEN}:1 $B:1", special_tokens=[(EOS_TOKEN, eos_id)])
+    path.write_text(saved.to_str(pretty=True))
+
+
 def token_stream(tokenizer, docstrings: list[str], eos_id: int) -> torch.Tensor:
     """int64 [N]: every docstring preceded by EOS (which doubles as BOS), then one final EOS."""
     ids: list[int] = []
@@ -276,7 +288,8 @@ atom_core is Apache-2.0.
   `config.json` also carries the older key names `torch_dtype` and `rope_theta` (same values
   as `dtype` and `rope_parameters`) so that transformers 4.x reads it too.
 - `model.safetensors`: the weights (the output projection is tied to `model.embed_tokens.weight`).
-- `tokenizer.json`: a `tokenizers` tokenizer with a ByteLevel decoder;
+- `tokenizer.json`: a `tokenizers` tokenizer with a ByteLevel decoder and a post-processor that
+  puts `{EOS_TOKEN}` before every encoded text (the BOS, as in training);
   `tokenizer_config.json` lets transformers' `AutoTokenizer` load it too.
 
 ## Rebuild
@@ -401,7 +414,7 @@ def main() -> None:
     config_json.setdefault("torch_dtype", "bfloat16")
     config_json.setdefault("rope_theta", config_json.get("rope_parameters", {}).get("rope_theta", 10000.0))
     config_path.write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
-    tokenizer.save(str(out_dir / "tokenizer.json"))
+    save_tokenizer(tokenizer, out_dir / "tokenizer.json", eos_id)
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": EOS_TOKEN,

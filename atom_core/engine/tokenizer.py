@@ -29,8 +29,13 @@ class Tokenizer:
     ``apply_chat_template(messages) -> ids``.
 
     A ``tokenizer.json`` the ``tokenizers`` library cannot parse, or a ``tokenizer_config.json`` that
-    is not a JSON object (or whose ``add_bos_token``/``bos_token`` cannot be used), raises ValueError
-    naming the file.
+    is not a JSON object, raises ValueError naming the file.
+
+    Special tokens around a prompt come from ``tokenizer.json``'s post-processor alone (Llama-3's BOS):
+    transformers 5 drops ``tokenizer_config.json``'s ``add_bos_token`` / ``add_eos_token`` whenever a
+    ``tokenizer.json`` is present, for every tokenizer class, and so does atom_core (a warning says so
+    where the key asks for a BOS the post-processor does not add: transformers 4's Llama and Gemma classes
+    added one there).
     """
 
     def __init__(self, path: str | Path):
@@ -44,7 +49,6 @@ class Tokenizer:
             self._tok = HFTokenizer.from_file(str(file))
         except Exception as e:  # tokenizers raises a bare Exception for every parse error
             raise ValueError(f"{file}: not a tokenizer the tokenizers library can read ({e})") from e
-        self.add_bos_token = False
         self.bos_token_id = None
         self.eos_token_id = None  # tokenizer_config.json's eos_token, where it names a token of the vocabulary
         self.chat_templates: dict[str, str] = {}  # name -> Jinja source ("default" for a single one)
@@ -57,16 +61,21 @@ class Tokenizer:
             self.chat_templates = read_chat_templates(file.parent, settings)
             self.special_tokens = special_tokens_of(settings)
         if settings:
-            add_bos = settings.get("add_bos_token", False)
-            if not isinstance(add_bos, bool) and add_bos is not None:
-                raise ValueError(f"{config}: add_bos_token must be true or false, got {add_bos!r}")
-            self.add_bos_token = bool(add_bos)
             self.bos_token_id = self._token_id(settings.get("bos_token"))
             self.eos_token_id = self._token_id(settings.get("eos_token"))
-            bos = settings.get("bos_token")
-            if self.add_bos_token and self.bos_token_id is None:
-                # Prompts would silently lose the token the model was trained to see first.
-                raise ValueError(f"{config}: add_bos_token is true, but bos_token {bos!r} is not a token of {file}")
+            if settings.get("add_bos_token") is True and not self._post_processor_adds_bos():
+                logger.warning("%s sets add_bos_token, but %s's post-processor adds no BOS: prompts get none "
+                               "(transformers 5 ignores the key when tokenizer.json is present, and so does "
+                               "atom_core; transformers 4's Llama / Gemma tokenizers added one). Add a "
+                               "TemplateProcessing post-processor to tokenizer.json if the model expects it",
+                               config, file.name)
+
+    def _post_processor_adds_bos(self) -> bool:
+        """Whether encoding text with special tokens puts the BOS token first (False without a BOS token)."""
+        if self.bos_token_id is None:
+            return False
+        encoding = self._tok.encode("a", add_special_tokens=True)
+        return bool(encoding.ids) and encoding.ids[0] == self.bos_token_id and bool(encoding.special_tokens_mask[0])
 
     def _token_id(self, token) -> int | None:
         """The id of a tokenizer_config.json special token entry (a string or {"content": ...}), or None."""
@@ -89,17 +98,10 @@ class Tokenizer:
         return None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``. With ``add_special_tokens`` (a chat template writes its own): what
-        tokenizer.json's post-processor adds (Llama-3's BOS), and the BOS token first when tokenizer_config.json
-        says ``add_bos_token`` and the post-processor has not put it there, as transformers' Llama and Gemma
-        tokenizers do (its generic fast tokenizer ignores the key: docs/sampling.md, "Prompts and the BOS
-        token")."""
-        encoding = self._tok.encode(text, add_special_tokens=add_special_tokens)
-        ids = encoding.ids
-        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None and not (
-                ids and ids[0] == self.bos_token_id and encoding.special_tokens_mask[0]):
-            ids = [self.bos_token_id] + ids
-        return ids
+        """Token ids of ``text``, with what tokenizer.json's post-processor adds (Llama-3's BOS) when
+        ``add_special_tokens`` (a chat template writes its own): transformers' ``encode``
+        (docs/sampling.md, "Prompts and the BOS token")."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)

@@ -169,15 +169,16 @@ def test_rendering_and_tokens_equal_transformers_apply_chat_template(folders, st
 @pytest.mark.parametrize("post_processor, config", [
     (True, {"bos_token": "<|begin_of_text|>"}),                          # Llama-3: the post-processor adds BOS
     (True, {"bos_token": "<|begin_of_text|>", "add_bos_token": True}),   # both: one BOS
-    (False, {"bos_token": "<|begin_of_text|>", "add_bos_token": True}),  # the config alone (Llama-2 style)
+    (False, {"bos_token": "<|begin_of_text|>", "add_bos_token": True}),  # the config alone: no BOS
     (False, {"bos_token": None}),                                        # no BOS (Qwen)
 ], ids=["post_processor", "both", "add_bos_token", "none"])
-def test_plain_text_token_ids_equal_transformers_encode(tmp_path, post_processor, config):
+@pytest.mark.parametrize("tokenizer_class", ["PreTrainedTokenizerFast", "LlamaTokenizerFast"])
+def test_plain_text_token_ids_equal_transformers_encode(tmp_path, post_processor, config, tokenizer_class):
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import processors
     from transformers import AutoTokenizer
 
-    folder = _tokenizer_folder(tmp_path / "tok", config)
+    folder = _tokenizer_folder(tmp_path / "tok", {**config, "tokenizer_class": tokenizer_class})
     if post_processor:
         tok = HFTokenizer.from_file(str(folder / "tokenizer.json"))
         bos = tok.token_to_id("<|begin_of_text|>")
@@ -187,12 +188,10 @@ def test_plain_text_token_ids_equal_transformers_encode(tmp_path, post_processor
             single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A $B", special_tokens=[("<|begin_of_text|>", bos)])
         tok.save(str(folder / "tokenizer.json"))
     ours, theirs = Tokenizer(folder), AutoTokenizer.from_pretrained(folder)
-    # add_bos_token is honoured for every tokenizer class, as transformers' LlamaTokenizerFast does (its generic
-    # PreTrainedTokenizerFast, used here, ignores the key): without a post-processor that BOS is the difference.
-    bos = [ours.bos_token_id] if config.get("add_bos_token") and not post_processor else []
     for text in ["Return the number of", "<|begin_of_text|>Hello", " leading space"]:
-        assert ours.encode(text) == bos + theirs.encode(text)
+        assert ours.encode(text) == theirs.encode(text)
         assert ours.encode(text, add_special_tokens=False) == theirs.encode(text, add_special_tokens=False)
+    assert (ours.encode("Return")[0] == ours.bos_token_id) is post_processor  # only the post-processor adds it
 
 
 def test_named_templates_and_the_template_argument(tmp_path):

@@ -30,7 +30,7 @@ def assert_idle_and_clean(engine):
     ("temperature", True), ("temperature", "0.5"), ("top_k", 2.0), ("top_k", -2), ("top_k", True),
     ("top_p", float("nan")), ("top_p", 0.0), ("top_p", 1.5), ("min_p", float("nan")), ("min_p", -0.1),
     ("max_tokens", 0), ("max_tokens", 3.0), ("max_tokens", True), ("seed", 2**64), ("seed", -2), ("seed", 1.0),
-    ("seed", True), ("logprobs", -1), ("logprobs", True), ("stop", [""]), ("stop", 5), ("stop_token_ids", [-1]),
+    ("seed", True), ("logprobs", -2), ("logprobs", True), ("stop", [""]), ("stop", 5), ("stop_token_ids", [-1]),
     ("stop_token_ids", [True]), ("stop_token_ids", 7), ("ignore_eos", "yes"),
 ])
 def test_sampling_params_refuse_values_a_step_could_not_run(field, value):

@@ -20,8 +20,7 @@ def tokenizer():
 
 def ids(tokenizer, text):
     """The text's token ids without the BOS token the tokenizer adds to prompts."""
-    token_ids = tokenizer.encode(text)
-    return token_ids[1:] if tokenizer.add_bos_token else token_ids
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def finished_text(tokenizer, output, **params):

@@ -52,19 +52,32 @@ def test_corrupt_tokenizer_config_json_names_the_file(tokenizer_folder, content,
     assert str(tokenizer_folder / "tokenizer_config.json") in str(err.value)
 
 
-@pytest.mark.parametrize("settings,match", [({"add_bos_token": "yes", "bos_token": "<|endoftext|>"},
-                                             "add_bos_token must be true or false, got 'yes'"),
-                                            ({"add_bos_token": True, "bos_token": "<no-such-token>"},
-                                             "bos_token '<no-such-token>' is not a token of")])
-def test_unusable_bos_settings_name_the_tokenizer_config(tokenizer_folder, settings, match):
-    (tokenizer_folder / "tokenizer_config.json").write_text(json.dumps(settings))
-    with pytest.raises(ValueError, match=match) as err:
-        Tokenizer(tokenizer_folder)
-    assert str(tokenizer_folder / "tokenizer_config.json") in str(err.value)
+def _without_post_processor(folder: Path) -> None:
+    settings = json.loads((folder / "tokenizer.json").read_text())
+    settings["post_processor"] = None
+    (folder / "tokenizer.json").write_text(json.dumps(settings))
 
 
-def test_bos_given_as_an_added_token_dict_is_used(tokenizer_folder):
-    settings = {"add_bos_token": True, "bos_token": {"content": "<|endoftext|>", "special": True}}
+@pytest.mark.parametrize("add_bos_token", [True, "yes"])
+def test_add_bos_token_adds_no_bos_as_in_transformers_5_and_warns_when_true(tokenizer_folder, caplog, add_bos_token):
+    from transformers import AutoTokenizer
+
+    _without_post_processor(tokenizer_folder)
+    settings = {"add_bos_token": add_bos_token, "bos_token": "<|endoftext|>"}
     (tokenizer_folder / "tokenizer_config.json").write_text(json.dumps(settings))
-    tokenizer = Tokenizer(tokenizer_folder)
-    assert tokenizer.encode("hi")[0] == tokenizer.bos_token_id is not None
+    with caplog.at_level("WARNING", logger="atom_core.engine.tokenizer"):
+        tokenizer = Tokenizer(tokenizer_folder)
+    assert tokenizer.bos_token_id == 0
+    assert tokenizer.encode("hi") == AutoTokenizer.from_pretrained(tokenizer_folder).encode("hi")
+    assert tokenizer.encode("hi")[0] != tokenizer.bos_token_id
+    warned = [r.getMessage() for r in caplog.records if "add_bos_token" in r.getMessage()]
+    assert len(warned) == (add_bos_token is True) and all("post-processor adds no BOS" in w for w in warned)
+
+
+def test_no_warning_where_the_post_processor_adds_the_bos(tokenizer_folder, caplog):
+    settings = {"add_bos_token": True, "bos_token": {"content": "<|endoftext|>", "special": True}}  # (a dict too)
+    (tokenizer_folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    with caplog.at_level("WARNING", logger="atom_core.engine.tokenizer"):
+        tokenizer = Tokenizer(tokenizer_folder)
+    assert tokenizer.encode("hi")[0] == tokenizer.bos_token_id == 0
+    assert not [r for r in caplog.records if "add_bos_token" in r.getMessage()]

@@ -118,20 +118,33 @@ def test_tokenizer_vocab_and_special_tokens_match_the_config():
     tok_cfg = json.loads((DEMO_DIR / "tokenizer_config.json").read_text())
     assert tok_cfg["eos_token"] == tok_cfg["bos_token"] == EOS_TOKEN
     # The special token is one id, not spelled out in bytes.
-    assert tok.encode(f"a{EOS_TOKEN}b").ids.count(eos_id) == 1
+    assert tok.encode(f"a{EOS_TOKEN}b", add_special_tokens=False).ids.count(eos_id) == 1
+
+
+def test_prompts_start_with_the_bos_in_atom_core_and_transformers():
+    """tokenizer.json's post-processor puts <|endoftext|> first, as in training: the only place transformers 5
+    (and so vLLM) and atom_core read that from."""
+    from transformers import AutoTokenizer
+
+    from atom_core.engine.tokenizer import Tokenizer as EngineTokenizer
+
+    text = ROUND_TRIP_TEXTS[0]
+    plain = _tokenizer().encode(text, add_special_tokens=False).ids
+    want = [_config()["bos_token_id"]] + plain
+    assert EngineTokenizer(DEMO_DIR).encode(text) == AutoTokenizer.from_pretrained(DEMO_DIR).encode(text) == want
 
 
 @pytest.mark.parametrize("text", ROUND_TRIP_TEXTS)
 def test_tokenizer_round_trips_text(text):
     tok = _tokenizer()
-    assert tok.decode(tok.encode(text).ids, skip_special_tokens=False) == text
+    assert tok.decode(tok.encode(text, add_special_tokens=False).ids, skip_special_tokens=False) == text
 
 
 @settings(max_examples=40, deadline=None)
 @given(st.text(max_size=60))
 def test_tokenizer_round_trips_any_text(text):
     tok = _tokenizer()
-    assert tok.decode(tok.encode(text).ids, skip_special_tokens=False) == text
+    assert tok.decode(tok.encode(text, add_special_tokens=False).ids, skip_special_tokens=False) == text
 
 
 def test_tokenizer_packs_english_into_whole_word_tokens():
