@@ -450,7 +450,10 @@ class AsyncEngine:
                     prompt_token_ids=list(out.prompt_token_ids) if first else None,
                     num_cached_tokens=out.num_cached_tokens if finished else 0,
                     prompt_logprobs=out.prompt_logprobs if first and params.prompt_logprobs is not None else None,
-                    prompt_top_logprobs=out.prompt_top_logprobs if first and params.prompt_logprobs else None)
+                    prompt_top_logprobs=out.prompt_top_logprobs if first and params.prompt_logprobs else None,
+                    new_logprob_ranks=out.logprob_ranks[-k:] if params.logprobs is not None else None,
+                    prompt_logprob_ranks=(out.prompt_logprob_ranks if first and params.prompt_logprobs is not None
+                                          else None))
                 if finished:
                     live.finished_indices.add(delta.index)
                     if len(live.finished_indices) == params.n:

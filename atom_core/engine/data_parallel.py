@@ -553,16 +553,17 @@ class DataParallelEngine(OfflineAPI):
         if len(keep) != len(sequence_ids):
             new_tokens, counts = new_tokens[keep], counts[keep]
         replica.outstanding -= len(step_requests)
-        for sequence_id, (logprob, top, prompt_logprobs, num_cached_tokens) in extras.items():
+        for sequence_id, (logprob, rank, top, prompt_logprobs, num_cached_tokens) in extras.items():
             request = sequences.get(sequence_id)
             if request is None:
                 continue
             if logprob is not None and request.logprobs is not None:
                 request.logprobs.append(logprob)
+                request.logprob_ranks.append(rank)
                 if top is not None and request.top_logprobs is not None:
                     request.top_logprobs.append(top)
             if prompt_logprobs is not None:
-                request.prompt_logprobs, request.prompt_top_logprobs = prompt_logprobs
+                request.prompt_logprobs, request.prompt_logprob_ranks, request.prompt_top_logprobs = prompt_logprobs
             if num_cached_tokens is not None:
                 request.num_cached_tokens = num_cached_tokens
             if request.group_id in self._prompt_pending:  # its first token: the prompt is prefilled

@@ -365,9 +365,9 @@ def _counters(engine: Engine, timing: dict | None = None) -> dict:
 
 def _outputs_message(outputs: StepOutputs, watched: dict[int, Request]) -> tuple:
     """One step's outputs for the front: (OUTPUTS, sequence ids, new tokens int64 [K], token counts int64
-    [K], extras {sequence id: (log-prob, top log-probs, (prompt log-probs, prompt top) or None, prefix-cache
-    hits or None)} for the watched sequences (a first token, or log-probs asked for), finishes [(sequence
-    id, reason, stop reason, final text tokens, final text chars, prefix-cache hits)])."""
+    [K], extras {sequence id: (log-prob, its rank, top log-probs, (prompt log-probs, their ranks, prompt top)
+    or None, prefix-cache hits or None)} for the watched sequences (a first token, or log-probs asked for),
+    finishes [(sequence id, reason, stop reason, final text tokens, final text chars, prefix-cache hits)])."""
     requests = outputs._requests
     sequence_ids = [r.request_id for r in requests]
     extras = {}
@@ -378,15 +378,15 @@ def _outputs_message(outputs: StepOutputs, watched: dict[int, Request]) -> tuple
                 continue
             num_output = int(outputs._num_tokens[i]) - request.num_prompt_tokens
             first = num_output == 1
-            logprob = top = None
+            logprob = rank = top = None
             if request.logprobs is not None:
-                logprob = request.logprobs[num_output - 1]
+                logprob, rank = request.logprobs[num_output - 1], request.logprob_ranks[num_output - 1]
                 top = None if request.top_logprobs is None else request.top_logprobs[num_output - 1]
             prompt = None
             if first and request.prompt_logprobs is not None:
-                prompt = (list(request.prompt_logprobs),
+                prompt = (list(request.prompt_logprobs), list(request.prompt_logprob_ranks),
                           None if request.prompt_top_logprobs is None else list(request.prompt_top_logprobs))
-            extras[sequence_id] = (logprob, top, prompt, request.num_cached_tokens if first else None)
+            extras[sequence_id] = (logprob, rank, top, prompt, request.num_cached_tokens if first else None)
             if request.logprobs is None:
                 del watched[sequence_id]
     finishes = []

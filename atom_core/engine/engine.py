@@ -421,6 +421,7 @@ class Engine(OfflineAPI):
                 request.grammar = grammar.compiler.new_state(grammar)
             if index and params.prompt_logprobs is not None:  # computed once, by the first sequence
                 request.prompt_logprobs = requests[0].prompt_logprobs
+                request.prompt_logprob_ranks = requests[0].prompt_logprob_ranks
                 request.prompt_top_logprobs = requests[0].prompt_top_logprobs
                 request.num_prompt_logprobs_scheduled = len(token_ids) - 1
             self._next_id += 1
@@ -589,7 +590,7 @@ class Engine(OfflineAPI):
                 self._in_flight = self._launch_next(scheduled)
             result = self.runner.collect(current)
             record = self.scheduler.record(current.step, result.tokens, result.logprobs, result.top_logprobs,
-                                           result.prompt_logprobs)
+                                           result.prompt_logprobs, result.logprob_ranks)
         except BaseException:
             self._fail(scheduled)
             if self._channel is not None and self._channel.failure is not None:

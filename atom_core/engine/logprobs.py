@@ -22,6 +22,11 @@ sampling processing, so ``processed_*`` gives what ``raw_*`` gives there (vLLM's
 ``compute_prompt_logprobs_with_chunking`` in ``vllm/v1/worker/gpu/sample/prompt_logprob.py``, and its
 ``--logprobs-mode`` help).
 
+Each chosen token also gets vLLM's rank (``token_ranks``): how many tokens of its row score at least as
+high as it does, itself included, so 1 for the most likely and, among equal values, the last of their
+places (vLLM's ``batched_count_greater_than``, which counts ``>=``). The top-N alternatives are ranked
+1..N by their place, as vLLM ranks them.
+
 Legend: R = rows (sampled rows or prompt positions), V = vocabulary, N = top alternatives.
 """
 
@@ -57,14 +62,31 @@ def processed_scores(logits: torch.Tensor, temperature: torch.Tensor, top_k: tor
     return scores
 
 
+def token_ranks(scores: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """vLLM's rank of ``token_ids`` [R] in their rows of ``scores`` [R, V]: int64 [R], the number of entries
+    of the row at least as large as the token's own (itself included: 1 for the row's largest). Ties: every
+    token of equal value counts, so a token tied with others gets the last of their places (vLLM's
+    ``batched_count_greater_than(logprobs, token_logprobs)``, which is ``(x >= value).sum(-1)``).
+
+    ``scores`` are the values the log-probs are taken from (raw logits or processed scores): their
+    ``log_softmax`` shifts each row by one constant, which keeps the order, so the rank of a log-prob is
+    the rank of its logit, and the fused draw, which forms no log-prob row, ranks the same way. (Where
+    float32 rounding of that shift makes two different logits' log-probs equal, vLLM, which compares the
+    log-probs, counts the lower one too; the logits here do not.) One comparison and sum over the row, in
+    ``scores``' own dtype (a bf16 row compares as its float32 values would)."""
+    chosen = scores.gather(1, token_ids[:, None])
+    return (scores >= chosen).sum(dim=-1)
+
+
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int, *, as_logits: bool = False):
-    """``log_softmax(logits)`` [R, V] at ``token_ids`` [R] (float32 [R]), and its ``num_top`` largest
-    entries ((ids int64 [R, N], values float32 [R, N]), or None when ``num_top`` is 0). ``as_logits``:
-    the float32 logits themselves instead of their ``log_softmax`` (the same top ids: the softmax keeps
-    the order)."""
+    """``log_softmax(logits)`` [R, V] at ``token_ids`` [R] (float32 [R]), the tokens' ranks (``token_ranks``,
+    int64 [R]), and the ``num_top`` largest entries ((ids int64 [R, N], values float32 [R, N]), or None
+    when ``num_top`` is 0). ``as_logits``: the float32 logits themselves instead of their ``log_softmax``
+    (the same top ids and ranks: the softmax keeps the order)."""
     values = logits.float() if as_logits else torch.log_softmax(logits.float(), dim=-1)
     chosen = values.gather(1, token_ids[:, None])[:, 0]
+    ranks = token_ranks(logits, token_ids)
     if not num_top:
-        return chosen, None
+        return chosen, ranks, None
     top = values.topk(min(num_top, values.shape[1]), dim=-1)
-    return chosen, (top.indices, top.values)
+    return chosen, ranks, (top.indices, top.values)

@@ -52,12 +52,18 @@ class RequestOutput:
         new_text: the characters this step added to ``text``: the ``new_text`` of every step of a
             sequence, concatenated, is its final ``text``.
         logprobs: one log-prob per output token (``SamplingParams.logprobs`` set), else None.
+        logprob_ranks: with ``logprobs``, each output token's rank by the same values (vLLM's
+            ``Logprob.rank``): how many tokens of the vocabulary have a value at least its own, itself
+            included (1 for the most likely; a token tied with others gets the last of their places, as
+            vLLM counts ``>=``). A sampled token outside ``top_logprobs`` ranks above their number.
+            None without ``logprobs``.
         cumulative_logprob: the sum (``math.fsum``) of ``logprobs``; None when they are (vLLM V1's rule).
         top_logprobs: per output token, {token id: log-prob} of the ``logprobs`` most likely
             tokens, most likely first (None unless ``logprobs > 0``).
         prompt_logprobs: per prompt token, its log-prob given the tokens before it (None for the
-            first); prompt_top_logprobs: the ``prompt_logprobs`` most likely tokens there. None
-            unless asked for (``SamplingParams.prompt_logprobs``).
+            first); prompt_logprob_ranks: each one's rank (as ``logprob_ranks``; None for the first);
+            prompt_top_logprobs: the ``prompt_logprobs`` most likely tokens there. None unless asked for
+            (``SamplingParams.prompt_logprobs``).
         outputs: the prompt's sequences, in index order (see the module docstring).
         num_cached_tokens: prompt tokens its first admission took from the prefix cache (as vLLM
             reports it: a recompute after a preemption does not change it).
@@ -131,6 +137,11 @@ class RequestOutput:
         return None if logprobs is None else math.fsum(logprobs[:self.num_output_tokens])
 
     @property
+    def logprob_ranks(self) -> list[int] | None:
+        ranks = self._request.logprob_ranks
+        return None if ranks is None else ranks[:self.num_output_tokens]
+
+    @property
     def top_logprobs(self) -> list[dict[int, float]] | None:
         top = self._request.top_logprobs
         return None if top is None else top[:self.num_output_tokens]
@@ -139,6 +150,11 @@ class RequestOutput:
     def prompt_logprobs(self) -> list[float | None] | None:
         values = self._request.prompt_logprobs
         return None if values is None else list(values)
+
+    @property
+    def prompt_logprob_ranks(self) -> list[int | None] | None:
+        ranks = self._request.prompt_logprob_ranks
+        return None if ranks is None else list(ranks)
 
     @property
     def prompt_top_logprobs(self) -> list[dict[int, float] | None] | None:

@@ -52,9 +52,11 @@ class Request:
         status, finish_reason ("stop", "length", "abort", "error" once finished), stop_reason (the
             stop string or stop token id that ended it, else None).
         detokenizer: its ``Detokenizer`` (None without a tokenizer); ``text``: the decoded output.
-        logprobs: one float per output token when asked for; top_logprobs: one {token id:
+        logprobs: one float per output token when asked for; logprob_ranks: each one's rank among the
+            vocabulary (``engine.logprobs.token_ranks``), with them; top_logprobs: one {token id:
             log-prob} of the ``params.logprobs`` most likely tokens per output token (when > 0).
-        prompt_logprobs, prompt_top_logprobs: the same per prompt token (None for the first).
+        prompt_logprobs, prompt_logprob_ranks, prompt_top_logprobs: the same per prompt token (None for
+            the first).
         num_prompt_logprobs_scheduled: prompt positions whose log-probs a launched step computes.
         processing: what it adds to its logits (``logits_processing.RequestProcessing``) or None.
         grammar: its structured output's ``GrammarState`` (``engine.structured_output``) while it
@@ -65,9 +67,10 @@ class Request:
     """
 
     __slots__ = ("request_id", "group_id", "index", "prompt", "prompt_token_ids", "token_ids", "params", "seed",
-                 "length_limit", "status", "finish_reason", "stop_reason", "logprobs", "top_logprobs",
-                 "prompt_logprobs", "prompt_top_logprobs", "num_prompt_logprobs_scheduled", "detokenizer", "processing",
-                 "grammar", "num_cached_tokens", "num_preemptions", "row", "_output_view")
+                 "length_limit", "status", "finish_reason", "stop_reason", "logprobs", "logprob_ranks",
+                 "top_logprobs", "prompt_logprobs", "prompt_logprob_ranks", "prompt_top_logprobs",
+                 "num_prompt_logprobs_scheduled", "detokenizer", "processing", "grammar", "num_cached_tokens",
+                 "num_preemptions", "row", "_output_view")
 
     def __init__(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams, seed: int, *,
                  group_id: int | None = None, index: int = 0, tokenizer=None, prompt: str | None = None):
@@ -84,11 +87,14 @@ class Request:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.logprobs: list[float] | None = [] if params.logprobs is not None else None
+        self.logprob_ranks: list[int] | None = [] if params.logprobs is not None else None
         self.top_logprobs: list[dict[int, float]] | None = [] if params.logprobs else None
         self.prompt_logprobs: list[float | None] | None = None
+        self.prompt_logprob_ranks: list[int | None] | None = None
         self.prompt_top_logprobs: list[dict[int, float] | None] | None = None
         if params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]  # the first prompt token has no log-prob
+            self.prompt_logprob_ranks = [None]
             self.prompt_top_logprobs = [None] if params.prompt_logprobs else None
         self.num_prompt_logprobs_scheduled = 0
         self.detokenizer = None if tokenizer is None else self.make_detokenizer(tokenizer)

@@ -44,21 +44,25 @@ class _Delta:
     num_cached_tokens: int  # its finishing output only
     prompt_logprobs: list | None  # a sequence's first output, when asked for
     prompt_top_logprobs: list | None
+    new_logprob_ranks: list[int] | None = None  # with new_logprobs
+    prompt_logprob_ranks: list | None = None  # with prompt_logprobs
 
 
 class _Sequence:
     """One sequence's outputs so far, kept on the loop side (appended to only)."""
 
-    __slots__ = ("pieces", "token_ids", "logprobs", "top_logprobs", "num_cached_tokens", "prompt_logprobs",
-                 "prompt_top_logprobs", "first_time", "last_time", "finished")
+    __slots__ = ("pieces", "token_ids", "logprobs", "logprob_ranks", "top_logprobs", "num_cached_tokens",
+                 "prompt_logprobs", "prompt_logprob_ranks", "prompt_top_logprobs", "first_time", "last_time",
+                 "finished")
 
     def __init__(self, params: SamplingParams):
         self.pieces: list[str] = []
         self.token_ids: list[int] = []
         self.logprobs: list[float] | None = [] if params.logprobs is not None else None
+        self.logprob_ranks: list[int] | None = [] if params.logprobs is not None else None
         self.top_logprobs: list[dict[int, float]] | None = [] if params.logprobs else None
         self.num_cached_tokens = 0
-        self.prompt_logprobs = self.prompt_top_logprobs = None
+        self.prompt_logprobs = self.prompt_logprob_ranks = self.prompt_top_logprobs = None
         self.first_time: float | None = None
         self.last_time: float | None = None
         self.finished = False
@@ -73,7 +77,8 @@ class StreamOutput:
         index: which of the request's ``n`` sequences (0..n-1).
         new_token_ids, new_text: what this step added (the ``new_text`` of a sequence's outputs,
             concatenated, is its final ``text``).
-        new_logprobs, new_top_logprobs: the log-probs of the new tokens (``SamplingParams.logprobs``).
+        new_logprobs, new_logprob_ranks, new_top_logprobs: the log-probs of the new tokens, their ranks
+            and top alternatives (``SamplingParams.logprobs``; ``RequestOutput`` says what a rank is).
         num_output_tokens: tokens generated so far.
         finish_reason: None while running, else "stop" or "length" ("abort" and "error" end the
             stream instead of reaching it).
@@ -84,19 +89,19 @@ class StreamOutput:
 
     Read when accessed (a snapshot of this step): ``text`` (cumulative: the whole text so far, as vLLM's
     default ``RequestOutputKind.CUMULATIVE`` gives it; ``new_text`` is this step's part), ``token_ids``,
-    ``logprobs``, ``top_logprobs``, ``cumulative_logprob`` (their ``math.fsum``; None without
-    ``SamplingParams.logprobs``); ``prompt_logprobs`` / ``prompt_top_logprobs``
-    (``SamplingParams.prompt_logprobs``: known from the sequence's first output on); ``num_cached_tokens``
-    (once finished); ``prompt`` (the prompt's text when it was given as text, else None).
+    ``logprobs``, ``logprob_ranks``, ``top_logprobs``, ``cumulative_logprob`` (their ``math.fsum``; None
+    without ``SamplingParams.logprobs``); ``prompt_logprobs`` / ``prompt_logprob_ranks`` /
+    ``prompt_top_logprobs`` (``SamplingParams.prompt_logprobs``: known from the sequence's first output on);
+    ``num_cached_tokens`` (once finished); ``prompt`` (the prompt's text when it was given as text, else None).
 
     ``outputs`` is ``[self]``: vLLM's ``AsyncLLM`` streams a request with ``n > 1`` as one output per
     sequence and step too, each holding that one sequence, so a vLLM loop's ``out.outputs[0].text`` reads
     this sequence's text so far.
     """
 
-    __slots__ = ("request_id", "index", "new_token_ids", "new_text", "new_logprobs", "new_top_logprobs",
-                 "num_output_tokens", "finish_reason", "stop_reason", "time", "first_time", "previous_time", "_stream",
-                 "_sequence", "_num_pieces")
+    __slots__ = ("request_id", "index", "new_token_ids", "new_text", "new_logprobs", "new_logprob_ranks",
+                 "new_top_logprobs", "num_output_tokens", "finish_reason", "stop_reason", "time", "first_time",
+                 "previous_time", "_stream", "_sequence", "_num_pieces")
 
     def __init__(self, stream: RequestStream, sequence: _Sequence, delta: _Delta, previous_time: float | None):
         self.request_id = stream.request_id
@@ -104,6 +109,7 @@ class StreamOutput:
         self.new_token_ids = delta.new_token_ids
         self.new_text = delta.new_text
         self.new_logprobs = delta.new_logprobs
+        self.new_logprob_ranks = delta.new_logprob_ranks
         self.new_top_logprobs = delta.new_top_logprobs
         self.num_output_tokens = delta.num_output_tokens
         self.finish_reason = delta.finish_reason
@@ -150,6 +156,11 @@ class StreamOutput:
         return None if values is None else math.fsum(values[:self.num_output_tokens])
 
     @property
+    def logprob_ranks(self) -> list[int] | None:
+        values = self._sequence.logprob_ranks
+        return None if values is None else values[:self.num_output_tokens]
+
+    @property
     def top_logprobs(self) -> list[dict[int, float]] | None:
         values = self._sequence.top_logprobs
         return None if values is None else values[:self.num_output_tokens]
@@ -161,6 +172,10 @@ class StreamOutput:
     @property
     def prompt_logprobs(self) -> list | None:
         return self._sequence.prompt_logprobs
+
+    @property
+    def prompt_logprob_ranks(self) -> list | None:
+        return self._sequence.prompt_logprob_ranks
 
     @property
     def prompt_top_logprobs(self) -> list | None:
@@ -269,10 +284,12 @@ class RequestStream:
         sequence.token_ids.extend(delta.new_token_ids)
         if sequence.logprobs is not None and delta.new_logprobs is not None:
             sequence.logprobs.extend(delta.new_logprobs)
+            sequence.logprob_ranks.extend(delta.new_logprob_ranks)
         if sequence.top_logprobs is not None and delta.new_top_logprobs is not None:
             sequence.top_logprobs.extend(delta.new_top_logprobs)
         if delta.prompt_logprobs is not None:
             sequence.prompt_logprobs = delta.prompt_logprobs
+            sequence.prompt_logprob_ranks = delta.prompt_logprob_ranks
             sequence.prompt_top_logprobs = delta.prompt_top_logprobs
         if delta.finish_reason is not None:
             sequence.finished = True

@@ -19,6 +19,8 @@ Log-probs (the chosen token's, the top-N alternatives ``num_top_logprobs``, and 
 what ``logprobs_mode`` names (``engine/logprobs.py``): by default those of the raw logits, fused into the
 draw when nothing processes the logits and no top-N is asked; the processed modes recompute the scores
 the draw used, eagerly after it (outside any CUDA graph, as the logits processing and the draw are).
+Each chosen (or prompt) token's rank comes with its log-prob, from the same scores (``token_ranks``),
+and goes to the host in the same copy.
 Prompt log-probs need every prompt position's hidden state: such a step runs eagerly.
 
 Several ranks (``channel``, a ``distributed.StepChannel``): the forward part of ``launch`` is
@@ -44,7 +46,13 @@ from atom_core.cache.token_layout import build_decode_layout
 from atom_core.engine.cuda_graphs import StepGraphs, padded_input_ids
 from atom_core.engine.distributed import STEP, StepChannel, StepInputs
 from atom_core.engine.logits_processing import LogitsProcessing
-from atom_core.engine.logprobs import PROCESSED_MODES, check_logprobs_mode, processed_scores, token_logprobs
+from atom_core.engine.logprobs import (
+    PROCESSED_MODES,
+    check_logprobs_mode,
+    processed_scores,
+    token_logprobs,
+    token_ranks,
+)
 from atom_core.engine.step import PromptLogprobsInputs, ScheduledStep
 from atom_core.ops.penalties import apply_penalties_, apply_token_bias_, count_tokens_, init_token_state_
 from atom_core.ops.sampling import sample
@@ -64,19 +72,23 @@ class LaunchedStep:
     logprobs: torch.Tensor | None  # float32 [B], host
     ready: torch.cuda.Event | None
     top_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids int64 [B, N], log-probs f32 [B, N]), host
-    prompt_logprobs: tuple[torch.Tensor, ...] | None = None  # (log-probs [M], top ids [M, N], top [M, N]), host
+    # (log-probs [M], ranks int64 [M], top ids [M, N] or None, top [M, N] or None), host
+    prompt_logprobs: tuple[torch.Tensor, ...] | None = None
     wait: Callable[[torch.cuda.Event], None] | None = None  # waits for ``ready`` (bounded, with several ranks)
+    logprob_ranks: torch.Tensor | None = None  # int64 [B], host: each chosen token's rank (with ``logprobs``)
 
 
 class StepResult(NamedTuple):
     """What ``collect`` returns (numpy): token ids int64 [B]; log-probs float32 [B] or None;
     top_logprobs (ids [B, N], log-probs [B, N]) or None; prompt_logprobs: per request of the
-    step's ``prompt_logprobs``, (log-probs [m], top ids [m, N] or None, top log-probs or None)."""
+    step's ``prompt_logprobs``, (log-probs [m], ranks int64 [m], top ids [m, N] or None, top log-probs
+    or None); logprob_ranks: int64 [B], each chosen token's rank, whenever there are log-probs."""
 
     tokens: np.ndarray
     logprobs: np.ndarray | None
     top_logprobs: tuple[np.ndarray, np.ndarray] | None
     prompt_logprobs: list | None
+    logprob_ranks: np.ndarray | None = None
 
 
 class ModelRunner:
@@ -225,28 +237,30 @@ class ModelRunner:
         tokens, logprobs = result if fused_logprobs else (result, None)
         if self.channel is not None:  # every rank gathers the next step's pending tokens from these
             self.channel.broadcast_tensor(tokens)
-        top_logprobs = None
-        if step.want_logprobs and not fused_logprobs:
-            # The chosen token's value and its top N from the same scores (vLLM's rule).
+        top_logprobs = ranks = None
+        if fused_logprobs:  # the draw's log-probs are of the raw logits: so are the ranks
+            ranks = token_ranks(raw, tokens)
+        elif step.want_logprobs:
+            # The chosen token's value, its rank and its top N from the same scores (vLLM's rule).
             scores = processed_scores(processed, *filters) if from_processed else raw
-            logprobs, top_logprobs = token_logprobs(scores, tokens, step.num_top_logprobs,
-                                                    as_logits=mode.endswith("_logits"))
+            logprobs, ranks, top_logprobs = token_logprobs(scores, tokens, step.num_top_logprobs,
+                                                           as_logits=mode.endswith("_logits"))
         if s.processing is not None and s.processing.slots is not None:
             self._count_sampled(step, s.processing.slots, tokens)
         self._last_sampled = tokens
         if dev.type != "cuda":
-            return LaunchedStep(step, tokens, logprobs, None, top_logprobs, prompt_logprobs)
+            return LaunchedStep(step, tokens, logprobs, None, top_logprobs, prompt_logprobs, logprob_ranks=ranks)
 
         def to_host(t):
             return None if t is None else t.to("cpu", non_blocking=True)
 
         ready = torch.cuda.Event()
-        host_tokens, host_logprobs = to_host(tokens), to_host(logprobs)
+        host_tokens, host_logprobs, host_ranks = to_host(tokens), to_host(logprobs), to_host(ranks)
         host_top = None if top_logprobs is None else tuple(map(to_host, top_logprobs))
         host_prompt = None if prompt_logprobs is None else tuple(map(to_host, prompt_logprobs))
         ready.record()
         wait = None if self.channel is None else self.channel.wait_event
-        return LaunchedStep(step, host_tokens, host_logprobs, ready, host_top, host_prompt, wait)
+        return LaunchedStep(step, host_tokens, host_logprobs, ready, host_top, host_prompt, wait, host_ranks)
 
     @torch.inference_mode()
     def run_worker_step(self, inputs: StepInputs) -> None:
@@ -338,21 +352,22 @@ class ModelRunner:
             yield chunk, self.model.compute_logits(hidden[indices[chunk]])
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inputs: PromptLogprobsInputs) -> tuple:
-        """(log-probs [M], top ids [M, N] or None, top log-probs [M, N] or None) of the prompt
-        positions, from the raw logits (their log_softmax, or in a ``*_logits`` mode the logits: no
+        """(log-probs [M], ranks int64 [M], top ids [M, N] or None, top log-probs [M, N] or None) of the
+        prompt positions, from the raw logits (their log_softmax, or in a ``*_logits`` mode the logits: no
         sampling processing applies to a prompt position), PROMPT_LOGPROBS_CHUNK positions at a time."""
         indices, targets = self._put(inputs.token_indices), self._put(inputs.target_ids)
         as_logits = self.logprobs_mode.endswith("_logits")
-        values, top_ids, top_values = [], [], []
+        values, ranks, top_ids, top_values = [], [], [], []
         for chunk, logits in self._prompt_logits(hidden, indices):
-            chosen, top = token_logprobs(logits, targets[chunk], inputs.num_top, as_logits=as_logits)
+            chosen, chosen_ranks, top = token_logprobs(logits, targets[chunk], inputs.num_top, as_logits=as_logits)
             values.append(chosen)
+            ranks.append(chosen_ranks)
             if top is not None:
                 top_ids.append(top[0])
                 top_values.append(top[1])
         if not inputs.num_top:
-            return torch.cat(values), None, None
-        return torch.cat(values), torch.cat(top_ids), torch.cat(top_values)
+            return torch.cat(values), torch.cat(ranks), None, None
+        return torch.cat(values), torch.cat(ranks), torch.cat(top_ids), torch.cat(top_values)
 
     @staticmethod
     def collect(launched: LaunchedStep) -> StepResult:
@@ -362,14 +377,14 @@ class ModelRunner:
         elif launched.ready is not None:
             launched.ready.synchronize()
         logprobs = None if launched.logprobs is None else launched.logprobs.numpy()
+        ranks = None if launched.logprob_ranks is None else launched.logprob_ranks.numpy()
         top = None if launched.top_logprobs is None else tuple(t.numpy() for t in launched.top_logprobs)
         prompt = None
         if launched.prompt_logprobs is not None:
-            values, ids, top_values = (None if t is None else t.numpy() for t in launched.prompt_logprobs)
+            arrays = [None if t is None else t.numpy() for t in launched.prompt_logprobs]
             bounds = np.cumsum([0] + launched.step.prompt_logprobs.counts)
-            prompt = [(values[a:b], None if ids is None else ids[a:b], None if top_values is None else top_values[a:b])
-                      for a, b in zip(bounds[:-1], bounds[1:])]
-        return StepResult(launched.token_ids.numpy(), logprobs, top, prompt)
+            prompt = [tuple(None if x is None else x[a:b] for x in arrays) for a, b in zip(bounds[:-1], bounds[1:])]
+        return StepResult(launched.token_ids.numpy(), logprobs, top, prompt, ranks)
 
 
 def forward_logits(model, input_ids: torch.Tensor, layout: StepLayout) -> torch.Tensor:

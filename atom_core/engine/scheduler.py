@@ -412,12 +412,12 @@ class Scheduler:
 
     def record(self, step: ScheduledStep, sampled: np.ndarray, logprobs: np.ndarray | None = None,
                top_logprobs: tuple[np.ndarray, np.ndarray] | None = None,
-               prompt_logprobs: list | None = None) -> StepRecord:
-        """Read a step's sampled tokens (int [B], one per row; log-probs float [B] when asked for;
-        ``top_logprobs``: (token ids int [B, N], log-probs float [B, N]) when the step has
-        ``num_top_logprobs = N``; ``prompt_logprobs``: per request of ``step.prompt_logprobs``,
-        (log-probs [M], top ids [M, N] or None, top log-probs [M, N] or None)): each row that
-        produced appends its token, and the ones that stop are finished.
+               prompt_logprobs: list | None = None, logprob_ranks: np.ndarray | None = None) -> StepRecord:
+        """Read a step's sampled tokens (int [B], one per row; log-probs float [B] when asked for, with
+        ``logprob_ranks`` int [B], each token's rank; ``top_logprobs``: (token ids int [B, N], log-probs
+        float [B, N]) when the step has ``num_top_logprobs = N``; ``prompt_logprobs``: per request of
+        ``step.prompt_logprobs``, (log-probs [M], ranks [M], top ids [M, N] or None, top log-probs [M, N]
+        or None)): each row that produced appends its token, and the ones that stop are finished.
 
         A request finished (or aborted) since the step was scheduled gets nothing; a preempted
         one still gets its token (it is part of the tokens it recomputes).
@@ -446,6 +446,7 @@ class Scheduler:
             for request, i in zip(requests, produces.tolist()):
                 if request.logprobs is not None:
                     request.logprobs.append(float(logprobs[i]))
+                    request.logprob_ranks.append(int(logprob_ranks[i]))
                     if request.top_logprobs is not None and top_logprobs is not None:
                         n = request.params.logprobs
                         request.top_logprobs.append(dict(zip(top_logprobs[0][i, :n].tolist(),
@@ -558,10 +559,11 @@ class Scheduler:
 
 def _record_prompt_logprobs(inputs: PromptLogprobsInputs, results: list) -> None:
     """Append each request's prompt log-probs (a finished or aborted request gets nothing)."""
-    for request, (values, top_ids, top_values) in zip(inputs.requests, results):
+    for request, (values, ranks, top_ids, top_values) in zip(inputs.requests, results):
         if request.finished:
             continue
         request.prompt_logprobs.extend(values.tolist())
+        request.prompt_logprob_ranks.extend(ranks.tolist())
         if request.prompt_top_logprobs is not None:
             n = request.params.prompt_logprobs
             request.prompt_top_logprobs.extend(dict(zip(ids, lps)) for ids, lps

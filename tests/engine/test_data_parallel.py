@@ -85,7 +85,7 @@ def test_two_replicas_give_one_engines_greedy_tokens_and_both_do_work(dp, one):
 def test_text_stop_strings_logprobs_n_and_seeds_as_one_engine(dp, one):
     prompts = ["The function returns", "Return the value of", "This module provides"]
     params = [SamplingParams(temperature=0, max_tokens=16, stop=[" the"], logprobs=2, prompt_logprobs=1),
-              SamplingParams(temperature=0.8, seed=7, n=2, max_tokens=10),
+              SamplingParams(temperature=0.8, seed=7, n=2, max_tokens=10, logprobs=0, prompt_logprobs=0),
               SamplingParams(temperature=0, max_tokens=8, include_stop_str_in_output=True, stop=["."])]
     with ops.use_backend("torch"):
         want = one.generate(prompts, params, use_tqdm=False)
@@ -97,6 +97,12 @@ def test_text_stop_strings_logprobs_n_and_seeds_as_one_engine(dp, one):
     np.testing.assert_allclose(got[0].logprobs, want[0].logprobs, rtol=1e-4, atol=1e-5)
     assert [list(d) for d in got[0].top_logprobs] == [list(d) for d in want[0].top_logprobs]
     np.testing.assert_allclose(got[0].prompt_logprobs[1:], want[0].prompt_logprobs[1:], rtol=1e-4, atol=1e-5)
+    # ranks: greedy (with top N) and sampled (the draw's fused log-probs), n sequences sharing the prompt's
+    for g, w in zip(got[:2], want[:2]):
+        assert [(o.logprob_ranks, o.prompt_logprob_ranks) for o in g.outputs] == \
+            [(o.logprob_ranks, o.prompt_logprob_ranks) for o in w.outputs]
+    assert got[0].logprob_ranks == [1] * len(got[0].token_ids) and got[2].logprob_ranks is None
+    assert any(rank > 1 for o in got[1].outputs for rank in o.logprob_ranks)
     # chat: Engine's own, over the front
     chat = dp.chat([{"role": "user", "content": "Return the value"}], GREEDY, use_tqdm=False) \
         if dp.tokenizer.chat_templates else None

@@ -65,7 +65,7 @@ def test_concurrent_streams_equal_offline_generate_and_new_text_adds_up_to_text(
 
 
 def test_n_sequences_with_a_seed_equal_offline_generate_by_index(engine):
-    params = SamplingParams(n=3, seed=11, temperature=1.0, max_tokens=10, logprobs=2)
+    params = SamplingParams(n=3, seed=11, temperature=1.0, max_tokens=10, logprobs=2, prompt_logprobs=1)
     want = engine.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs
 
     async def main():
@@ -81,6 +81,8 @@ def test_n_sequences_with_a_seed_equal_offline_generate_by_index(engine):
         assert got.logprobs == pytest.approx(ref.logprobs) and got.top_logprobs == ref.top_logprobs
         pieces = [o for o in outs if o.index == ref.index]
         assert [lp for o in pieces for lp in o.new_logprobs] == got.logprobs
+        assert got.logprob_ranks == ref.logprob_ranks and got.prompt_logprob_ranks == ref.prompt_logprob_ranks
+        assert [rank for o in pieces for rank in o.new_logprob_ranks] == got.logprob_ranks
     assert_idle_and_clean(engine)
 
 
