@@ -40,15 +40,17 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import queue
 import socket
 import subprocess
 import time
 import weakref
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Self
+from typing import TYPE_CHECKING, Self
 
 import numpy as np
 import torch
@@ -61,12 +63,14 @@ from atom_core.engine.dp_replica import (
     ADD,
     CLOSED,
     FATAL,
+    LOAD_WEIGHTS,
     OUTPUTS,
     READY,
     RESET_PREFIX_CACHE,
     START_FAILED,
     STATS,
     STEP_ERROR,
+    WEIGHTS,
     ReplicaHandle,
     replica_main,
     start_replica,
@@ -80,8 +84,12 @@ from atom_core.engine.request import Request, Status, prompt_text_of
 from atom_core.engine.request_checks import RequestChecks
 from atom_core.engine.sampling_params import SamplingParams
 from atom_core.engine.tokenizer import Tokenizer
+from atom_core.engine.weight_sync import WeightLoadError, next_batch
 from atom_core.engine.workers import DEFAULT_STEP_TIMEOUT, STARTUP_TIMEOUT, STOP_TIMEOUT
 from atom_core.models.parallel import ep_comm_of
+
+if TYPE_CHECKING:
+    from atom_core.models.loader import LoadReport
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +117,26 @@ class PoolSummary:
     stats: PrefixCacheStats
 
 
+def _round_payload(batch: list[tuple[str, torch.Tensor]]) -> bytes | None:
+    """One round of new weights for the replicas, pickled once for all (None for an empty batch: the end).
+    Plain ``pickle`` (``dp_replica``'s module docstring says why); a view is copied first, as pickling it
+    would send its whole storage."""
+    if not batch:
+        return None
+    pairs = [(name, tensor if tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+              else tensor.clone()) for name, tensor in batch]
+    return pickle.dumps((WEIGHTS, {"batch": pairs}), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _replica_load_error(failed: dict[int, str]) -> WeightLoadError:
+    """The error for replicas whose load failed (``{index: error text}``), naming the first."""
+    index, *others = sorted(failed)
+    also = f"; replica{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} too" if others else ""
+    return WeightLoadError(f"DataParallelEngine.load_weights: replica {index} failed to load the weights "
+                           f"({failed[index]}){also}; every replica stopped at that round (the ones before it "
+                           "are loaded) and serves on: load the full set again")
+
+
 def _free_port() -> int:
     """A TCP port on the loopback no process listens on now (the DP-attention replicas' rendezvous)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
@@ -127,7 +155,8 @@ class DataParallelEngine(OfflineAPI):
 
     API: ``add_request``, ``step``, ``generate``, ``chat``, ``abort``, ``has_unfinished_requests``,
     ``shutdown`` and the context manager, as ``Engine``'s (and ``model.config``: the replicas' model config,
-    no module); ``replica_of(request_id)`` says where a request runs, ``requests_per_replica`` how many each got.
+    no module); ``reset_prefix_cache`` and ``load_weights`` run ``Engine``'s on every replica;
+    ``replica_of(request_id)`` says where a request runs, ``requests_per_replica`` how many each got.
     """
 
     def __init__(self, path: str | Path | None = None, *, data_parallel_size: int, tensor_parallel_size: int = 1,
@@ -321,29 +350,118 @@ class DataParallelEngine(OfflineAPI):
         others did reset). Outputs that arrive meanwhile are kept for the next ``step()``."""
         return all(self._ask_every_replica(RESET_PREFIX_CACHE))
 
-    def load_weights(self, weights, **kwargs):
-        """Not built: the replicas' models live in their own processes, and their new tensors would have to
-        be sent to each (``Engine.load_weights`` updates an engine whose TP rank 0 is this process)."""
-        raise NotImplementedError("DataParallelEngine.load_weights: the replicas' models live in other processes; "
-                                  "sending them new weights is not built yet (Engine.load_weights updates an engine "
-                                  "in this process)")
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, strict: bool = False,
+                     check_finite: bool = True) -> list[LoadReport]:
+        """``Engine.load_weights`` on every replica, with the same pairs: new weights from a trainer, then each
+        replica's prefix-cache reset (vLLM's RL convention). Returns the replicas' ``LoadReport``s, one per
+        replica, in replica order (their engines load the same pairs into the same model: the reports agree).
+
+        ``weights``: ``(checkpoint name, tensor)`` pairs, as ``Engine.load_weights`` takes them (any iterable, a
+        generator included). It is read once, one pair at a time, in rounds of ``weight_sync.BATCH_BYTES``
+        (``weight_sync.next_batch``): each round's tensors, on the CPU, are pickled once and sent to every
+        replica, whose one ``Engine.load_weights`` call reads the rounds as they come (one report, one
+        ``process_weights_after_loading`` and one prefix-cache reset per replica; with TP workers its engine
+        streams them on to its ranks). The front holds one round at a time (and its pickled bytes).
+
+        Every replica answers every round; a round refused by any replica ends the load at that round on
+        all of them and raises ``weight_sync.WeightLoadError`` naming the replica and its error (the rounds
+        before it are loaded; each engine serves on, its prefix cache reset: load the full set again). An
+        iterable that raises midway (or gives something that is not a pair) ends every replica's load
+        cleanly and its error is raised here; the engine serves on. A replica that dies or does not answer
+        a round within ``step_timeout`` raises ``ReplicaFailedError`` and stops the replicas, as in a step.
+        Outputs that arrive meanwhile are kept for the next ``step()``.
+
+        Raises RuntimeError naming the count, before sending anything, while requests are unfinished (they
+        would mix KV of two weight sets). With ``dp_attention`` the replicas load too: each takes the load
+        at its next agreement with its peers, outside the lock step (``engine/dp_replica.py``).
+        """
+        self._check_usable()
+        unfinished = self._num_unfinished()
+        if unfinished:
+            raise RuntimeError(f"DataParallelEngine.load_weights: {unfinished} requests are unfinished; they would "
+                               "mix KV and tokens of two weight sets: let them finish (or abort them) first")
+        source = iter(weights)
+        start = pickle.dumps((LOAD_WEIGHTS, {"strict": strict, "check_finite": check_finite}))
+        try:
+            self._send_to(range(len(self._replicas)), start)
+            ends, caller_error = self._stream_rounds(source)  # (every replica's load has ended)
+        except ReplicaFailedError:
+            raise  # (the replicas are stopped)
+        except BaseException as error:  # an interrupt mid-round: where each replica's load stands is unknown
+            self._failure = f"load_weights was interrupted while the replicas loaded ({type(error).__name__})"
+            self._finalizer()
+            raise
+        if caller_error is not None:
+            raise caller_error
+        failed = {index: error for index, (_, _, error) in ends.items() if error}
+        if failed:
+            raise _replica_load_error(failed)
+        return [ends[index][1] for index in range(len(self._replicas))]
+
+    def _stream_rounds(self, source: Iterator) -> tuple[dict[int, tuple], BaseException | None]:
+        """Send ``source``'s rounds to every replica until its end, a replica's refusal, or its error, and end
+        every replica's load there. Returns (the end-of-load answers ``(LOAD_WEIGHTS, report, error text)``
+        by replica index: every replica's after the last round, the refusing replicas' only after a refusal,
+        none after an error of ``source``; what ``source`` raised, or None)."""
+        everyone = range(len(self._replicas))
+        while True:
+            try:
+                payload = _round_payload(next_batch(source, "cpu", "DataParallelEngine.load_weights"))
+            except BaseException as error:  # noqa: BLE001 - the caller's iterable: loads stop, load_weights raises it
+                self._end_loads(everyone, {"abort": f"the caller's weights raised {type(error).__name__}: {error}"})
+                return {}, error
+            if payload is None:
+                return self._end_loads(everyone, {"end": True}), None
+            self._send_to(everyone, payload)
+            del payload  # (sent: not held while the next round is read)
+            answers = self._collect((WEIGHTS, LOAD_WEIGHTS), everyone)
+            refused = {index: answer for index, answer in answers.items() if answer[0] == LOAD_WEIGHTS}
+            if refused:  # (a replica answers a round with its load's end only when the load failed)
+                self._end_loads([i for i in everyone if i not in refused],
+                                {"abort": f"replica {min(refused)} refused this round"})
+                return refused, None
+
+    def _end_loads(self, indices: Iterable[int], message: dict) -> dict[int, tuple]:
+        """Send ``(WEIGHTS, message)`` (``end`` or ``abort``) to the replicas of ``indices`` and return their
+        end-of-load answers by index."""
+        self._send_to(indices, pickle.dumps((WEIGHTS, message)))
+        return self._collect((LOAD_WEIGHTS,), indices)
+
+    def _send_to(self, indices: Iterable[int], payload: bytes) -> None:
+        """Send one pickled message to each replica of ``indices``; one that cannot take it (its process is
+        gone) fails the front (ReplicaFailedError)."""
+        for index in indices:
+            replica = self._replicas[index]
+            try:
+                replica.conn.send_bytes(payload)
+            except (OSError, ValueError):
+                replica.reap()
+                raise self._fail(replica, ReplicaFailedError(f"{replica.describe_exit()}: it could not take a "
+                                                             "message")) from None
 
     def _ask_every_replica(self, kind: str) -> list:
-        """Send ``(kind,)`` to every replica and return their answers ``(kind, value)``' values in replica order;
-        other messages that arrive meanwhile are held for ``step()``. A replica that does not answer within
-        step_timeout fails the front (ReplicaFailedError)."""
+        """Send ``(kind,)`` to every replica and return their answers ``(kind, value)``' values in replica order
+        (``_collect``)."""
         self._check_usable()
         for replica in self._replicas:
             replica.conn.send((kind,))
-        asked = time.monotonic()
-        answers: dict[int, object] = {}
-        while len(answers) < len(self._replicas):
-            index, message = self._wait_for_message(owing=set(range(len(self._replicas))) - set(answers), since=asked)
-            if message[0] == kind:
-                answers[index] = message[1]
+        answers = self._collect((kind,), range(len(self._replicas)))
+        return [answers[i][1] for i in range(len(self._replicas))]
+
+    def _collect(self, kinds: tuple[str, ...], indices: Iterable[int]) -> dict[int, tuple]:
+        """The next message of one of ``kinds`` from each replica of ``indices`` (just asked), by index; other
+        messages that arrive meanwhile are held for ``step()``. A replica that does not answer within
+        step_timeout, or dies, fails the front (ReplicaFailedError)."""
+        owing, asked = set(indices), time.monotonic()
+        answers: dict[int, tuple] = {}
+        while owing:
+            index, message = self._wait_for_message(owing=owing, since=asked)
+            if index in owing and message[0] in kinds:
+                answers[index] = message
+                owing.discard(index)
             else:
                 self._held.append((index, message))
-        return [answers[i] for i in range(len(self._replicas))]
+        return answers
 
     def check_health(self) -> None:
         """Raise ``DistributedEngineError`` naming why the replicas can no longer step: one of their processes

@@ -6,11 +6,12 @@ Legend: M = DP ranks (replicas), r = this replica's rank.
 
 Every MoE layer exchanges the ranks' tokens (an all-to-all over the world), so the M ranks must run their
 forwards in lock step, whatever work each has. Before each step the ranks agree, with one all-reduce (MAX)
-of [has work, leaving] over a gloo group of their own (``LockStep.agree``): nobody works → nobody steps;
-somebody works → every rank runs exactly one forward, its own step or, with no sequences, a forward of one
-padding token that touches no KV slot and samples nothing (``ModelRunner.idle_forward``); somebody leaves
-(the front's shutdown) → every rank leaves. What differs per rank (its sequences, its pool, its sampling)
-stays its own, as in a replica.
+of [has work, leaving, loading] over a gloo group of their own (``LockStep.agree``): nobody works → nobody
+steps; somebody works → every rank runs exactly one forward, its own step or, with no sequences, a forward of
+one padding token that touches no KV slot and samples nothing (``ModelRunner.idle_forward``); somebody leaves
+(the front's shutdown) → every rank leaves; somebody was told to load new weights
+(``DataParallelEngine.load_weights``) → every rank loads them, outside any collective. What differs per rank
+(its sequences, its pool, its sampling) stays its own, as in a replica.
 
 What this layout costs and does not do yet (docs/architecture.md, "DP attention"): each step waits for the
 slowest rank; the steps run eagerly and without async scheduling (the exact exchange reads its row counts
@@ -54,13 +55,14 @@ class LockStep:
         self.group = group
         self.idle_forwards = 0  # forwards of a padding token run for the peers' sake
 
-    def agree(self, busy: bool, leaving: bool) -> tuple[bool, bool]:
-        """(does any rank have work, is any rank leaving): every rank calls it once per round."""
+    def agree(self, busy: bool, leaving: bool, loading: bool) -> tuple[bool, bool, bool]:
+        """(does any rank have work, is any rank leaving, has any rank been told to load new weights): every
+        rank calls it once per round."""
         import torch.distributed as dist
 
-        flags = torch.tensor([int(busy), int(leaving)], dtype=torch.int64)
+        flags = torch.tensor([int(busy), int(leaving), int(loading)], dtype=torch.int64)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(flags[0]), bool(flags[1])
+        return bool(flags[0]), bool(flags[1]), bool(flags[2])
 
     def idle(self, engine) -> None:
         """This rank's forward in a step where it has no sequences."""

@@ -10,7 +10,13 @@ Front <-> replica: one Unix socket pair per replica (``multiprocessing.connectio
 
 - front -> replica: ``("config", engine arguments)`` once, then ``("add", request id, prompt token ids,
   SamplingParams)``, ``("abort", id)``, ``("stats",)`` (answered with the replica engine's counters),
-  ``("reset_prefix_cache",)`` (answered with ``("reset_prefix_cache", its engine's bool)``), ``("shutdown",)``.
+  ``("reset_prefix_cache",)`` (answered with ``("reset_prefix_cache", its engine's bool)``), ``("shutdown",)``;
+  new weights (``DataParallelEngine.load_weights``): ``("load_weights", {"strict", "check_finite"})`` starts
+  one ``Engine.load_weights`` call over the rounds that follow, ``("weights", {"batch": [(name, CPU tensor)]})``
+  each (pickled by the front with plain ``pickle``: torch's multiprocessing pickler would pass tensors as
+  shared-memory handles, which a process the front did not fork cannot open), until ``("weights", {"end":
+  True})`` or ``("weights", {"abort": why})``; each round taken is answered with ``("weights",)``, and the
+  load's end with ``("load_weights", LoadReport or None, error text or "")`` (``_WeightRounds``).
 - replica -> front: ``("ready", its limits and counters)`` or ``("start_failed", why)`` once its engine is
   built (or not); then after each of its steps the step's outputs as arrays (sequence ids, new tokens,
   token counts), the finished sequences (reason, stop reason, where the final text ends), for the few
@@ -36,7 +42,9 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -54,11 +62,16 @@ from atom_core.engine.workers import (
     watch_parent,
 )
 
+if TYPE_CHECKING:
+    from atom_core.models.loader import LoadReport
+
 __all__ = ["ReplicaHandle", "replica_main", "start_replica", "stop_replicas"]
 
 # front -> replica
 CONFIG, ADD, ABORT, STATS, RESET_PREFIX_CACHE, SHUTDOWN = "config", "add", "abort", "stats", "reset_prefix_cache", \
     "shutdown"
+# front -> replica, and its answers (DataParallelEngine.load_weights; see the module docstring)
+LOAD_WEIGHTS, WEIGHTS = "load_weights", "weights"
 # replica -> front (CLOSED: put by the front's reader thread when the socket closes)
 READY, START_FAILED, OUTPUTS, STEP_ERROR, FATAL, CLOSED = "ready", "start_failed", "outputs", "step_error", "fatal", \
     "closed"
@@ -241,6 +254,12 @@ class _Session:
             conn.send((STATS, self.counters()))
         elif command[0] == RESET_PREFIX_CACHE:
             conn.send((RESET_PREFIX_CACHE, engine.reset_prefix_cache()))
+        elif command[0] == LOAD_WEIGHTS:
+            rounds = _WeightRounds(conn)
+            conn.send((LOAD_WEIGHTS, *rounds.load(engine, command[1])))
+            return rounds.shutdown
+        elif command[0] == WEIGHTS:
+            pass  # a round sent before the front heard that this replica's load had ended (refused): dropped
         elif command[0] == SHUTDOWN:
             return True
         return False
@@ -293,6 +312,51 @@ class _Session:
         return True
 
 
+class _LoadStopped(Exception):
+    """The front stopped this replica's weight load: another replica refused a round, or the caller's
+    iterable failed (``{"abort": why}``), or the front shut down."""
+
+
+class _WeightRounds:
+    """A replica's side of ``DataParallelEngine.load_weights``: ``pairs()`` is the generator its one
+    ``Engine.load_weights`` call reads (so its report, ``process_weights_after_loading`` and prefix-cache reset
+    cover every round), taking the front's rounds one at a time: it holds one round's tensors at most."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.shutdown = False  # the front said shutdown during the load: the replica leaves after it
+
+    def load(self, engine: Engine, options: dict) -> tuple[LoadReport | None, str]:
+        """``engine.load_weights`` over the rounds: (its report, "") or (None, the error's text). The engine
+        serves on either way (a refused tensor stops the load there, as ``Engine.load_weights`` does)."""
+        try:
+            return engine.load_weights(self.pairs(), **options), ""
+        except Exception as error:  # noqa: BLE001 - the front raises it, naming this replica
+            return None, f"{type(error).__name__}: {error}"[:2000]
+
+    def pairs(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The front's pairs, round after round, until its end (return) or its abort (_LoadStopped)."""
+        while True:
+            command = self.conn.recv()
+            if command[0] == SHUTDOWN:
+                self.shutdown = True
+                raise _LoadStopped("the front shut down")
+            if command[0] != WEIGHTS:
+                raise RuntimeError(f"a replica loading weights got a {command[0]!r} message")
+            message = command[1]
+            del command
+            if "abort" in message:
+                raise _LoadStopped(message["abort"])
+            if "end" in message:
+                return
+            batch = message.pop("batch")
+            yield from batch
+            del batch  # (before the next round arrives)
+            # Every pair of the round is taken (loaded; or, with TP workers, in the engine's own stream to
+            # them, which reports a refusal in a later round or at the end): the front may send the next.
+            self.conn.send((WEIGHTS,))
+
+
 def _serve(engine: Engine, conn: Connection) -> bool:
     """The replica's loop: take the front's commands (without waiting while requests run), step, send the
     step's outputs. Returns True when the front said shutdown, False when the engine can no longer run. While
@@ -315,24 +379,37 @@ def _serve(engine: Engine, conn: Connection) -> bool:
 
 def _serve_in_lock_step(engine: Engine, conn: Connection, lock_step: LockStep) -> bool:
     """``_serve`` for a DP-attention rank (``engine/dp_attention.py``): between the front's commands the ranks
-    agree; every rank steps when any has work (its own step, or an idle forward), and all leave together."""
+    agree; every rank steps when any has work (its own step, or an idle forward), and all leave together.
+
+    A weight load (``LOAD_WEIGHTS``) waits for the next agreement and runs on every rank after it: a rank that
+    loaded at once could keep its peer waiting in the agreement while the front waits for that peer's answer
+    to a round. The load itself has no collective (each rank keeps its own experts' tensors)."""
     session = _Session(engine, conn, lock_step)
-    leaving, anyone_busy = False, False
+    leaving, anyone_busy, load = False, False, None
     last_health = time.monotonic()
     while True:
         wait = 0.0 if anyone_busy or engine.has_unfinished_requests() else IDLE_WAIT_S
-        while not leaving and conn.poll(wait):
-            leaving = session.handle(conn.recv())
+        while not leaving and load is None and conn.poll(wait):
+            command = conn.recv()
+            if command[0] == LOAD_WEIGHTS:
+                load = command  # carried out after the agreement (see above)
+            else:
+                leaving = session.handle(command)
             wait = 0.0
         busy = engine.has_unfinished_requests()
         try:
-            anyone_busy, anyone_leaving = lock_step.agree(busy, leaving)
+            anyone_busy, anyone_leaving, anyone_loading = lock_step.agree(busy, leaving, load is not None)
         except Exception as error:  # noqa: BLE001 - a peer is gone or out of step: this world cannot go on
             conn.send((FATAL, f"DP attention: the replicas' agreement before a step failed, a peer replica is gone "
                               f"or hung ({type(error).__name__}: {error})"[:2000]))
             return False
         if anyone_leaving:
             return True
+        if anyone_loading:  # every rank: the front sent the load to each
+            load = load or _next_load(session, conn)
+            leaving = load is None or session.handle(load)
+            load = None
+            continue
         if not anyone_busy:
             if time.monotonic() - last_health >= HEALTH_EVERY_S:
                 if not session.healthy():
@@ -343,6 +420,17 @@ def _serve_in_lock_step(engine: Engine, conn: Connection, lock_step: LockStep) -
             lock_step.idle(engine)
         elif not session.step():
             return False
+
+
+def _next_load(session: _Session, conn: Connection) -> tuple | None:
+    """This rank's ``LOAD_WEIGHTS`` command, once a peer has one (the front sends it to every replica),
+    carrying out the front's commands that come before it; None if the front says shutdown first."""
+    while True:
+        command = conn.recv()
+        if command[0] == LOAD_WEIGHTS:
+            return command
+        if session.handle(command):
+            return None
 
 
 def _forget_finished(watched: dict[int, Request]) -> None:

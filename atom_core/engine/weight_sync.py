@@ -1,8 +1,9 @@
 """New weights for a model split over a TP group: rank 0 streams ``(name, tensor)`` pairs to its workers and
 every rank loads them into its own shard (``Engine.load_weights`` with several ranks).
 
-The pairs go in rounds of a bounded batch (``BATCH_BYTES``, at least one tensor), so that no rank holds
-more than one batch of full tensors at once and a generator on rank 0 is read once, one pair at a time.
+The pairs go in rounds of a bounded batch (``BATCH_BYTES``, at least one tensor: ``next_batch``, which the
+data-parallel front's ``load_weights`` reads its rounds with too), so that no rank holds more than one batch
+of full tensors at once and a generator on rank 0 is read once, one pair at a time.
 Each round, on every rank:
 
 1. rank 0 takes the next pairs from the caller's iterable and sends a ``LOAD_WEIGHTS`` message over the
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
     from atom_core.engine.distributed import StepChannel
     from atom_core.models.loader import LoadReport
 
-__all__ = ["BATCH_BYTES", "WeightLoadError", "load_weights_driver", "load_weights_worker"]
+__all__ = ["BATCH_BYTES", "WeightLoadError", "load_weights_driver", "load_weights_worker", "next_batch"]
 
 BATCH_BYTES = 256 * 1024 * 1024  # the full (unsharded) tensors a rank holds at once, besides a larger single one
 
@@ -45,7 +46,25 @@ _END = object()  # the caller's iterable is exhausted
 
 
 class WeightLoadError(RuntimeError):
-    """A worker rank refused a tensor (or failed to finish the load); the message names the rank and says why."""
+    """A worker rank, or a data-parallel replica, refused a tensor (or failed to finish the load); the message
+    names the rank (or replica) and says why."""
+
+
+def next_batch(source: Iterator, device: torch.device | str, caller: str) -> list[tuple[str, torch.Tensor]]:
+    """One round's pairs, read from ``source`` one at a time until they hold ``BATCH_BYTES`` (so at least one
+    tensor: a tensor over the bound ends its round); empty once ``source`` is exhausted. Each item is checked
+    to be a ``(name, tensor)`` pair (TypeError naming ``caller`` otherwise) and its tensor detached, moved to
+    ``device`` and made contiguous. What ``source`` raises propagates (nothing of the round is kept)."""
+    batch, size = [], 0
+    while size < BATCH_BYTES:
+        item = next(source, _END)
+        if item is _END:
+            break
+        name, tensor = named_tensor_pair(item, caller)
+        tensor = tensor.detach().to(device).contiguous()
+        batch.append((name, tensor))
+        size += tensor.numel() * tensor.element_size()
+    return batch
 
 
 class _Stopped(Exception):
@@ -71,16 +90,8 @@ class _Stream:
             if kind != LOAD_WEIGHTS:
                 raise RuntimeError(f"a worker loading weights got message kind {kind}")
             return pickle.loads(payload)
-        batch, size = [], 0
         try:
-            while size < BATCH_BYTES:
-                item = next(self.source, _END)
-                if item is _END:
-                    break
-                name, tensor = named_tensor_pair(item, "load_weights")
-                tensor = tensor.detach().to(self.channel.device).contiguous()
-                batch.append((name, tensor))
-                size += tensor.numel() * tensor.element_size()
+            batch = next_batch(self.source, self.channel.device, "load_weights")
         except BaseException as error:
             self.aborted = True
             self.channel.send(LOAD_WEIGHTS, payload=pickle.dumps({"abort": f"{type(error).__name__}: {error}"}))

@@ -172,8 +172,6 @@ def test_reset_prefix_cache_asks_every_replica_refused_while_they_run_and_forget
         dp.step()
     assert dp.reset_prefix_cache() is True
     assert dp.generate([prompt], GREEDY, use_tqdm=False)[0].num_cached_tokens == 0
-    with pytest.raises(NotImplementedError, match="other processes"):
-        dp.load_weights([])
 
 
 def test_async_engine_streams_over_the_front(dp):
