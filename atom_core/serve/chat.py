@@ -153,8 +153,8 @@ class ChatJob:
         if self.num_prompt_top is not None and finals:  # vLLM's: the response's, not a choice's
             out = finals[min(finals)]
             response["prompt_logprobs"] = prompt_logprobs_json(self.prompt, out.prompt_logprobs,
-                                                               out.prompt_top_logprobs, self.num_prompt_top,
-                                                               self.ctx.token_text)
+                                                               out.prompt_logprob_ranks, out.prompt_top_logprobs,
+                                                               self.num_prompt_top, self.ctx.token_text)
         return response
 
     def delta_chunk(self, index: int, content: str, logprobs: dict | None, finish_reason: str | None,

@@ -316,11 +316,11 @@ def token_id_text(token_id: int) -> str:
     return f"token_id:{token_id}"
 
 
-def prompt_logprobs_json(token_ids, values, tops, num_top: int, token_text) -> list:
+def prompt_logprobs_json(token_ids, values, ranks, tops, num_top: int, token_text) -> list:
     """vLLM's ``prompt_logprobs``: None for the first token, then per prompt token ``{token id: {"logprob",
-    "rank", "decoded_token"}}`` for the token itself and the ``num_top`` most likely there (ranks 1..num_top).
-    The token's own rank is known when its log-prob reaches the smallest of those (the engine gives the
-    top ones only): else it is None."""
+    "rank", "decoded_token"}}`` for the token itself (its rank over the vocabulary: the engine's
+    ``prompt_logprob_ranks``) and the ``num_top`` most likely there (ranks 1..num_top, which a token among
+    them takes, as in vLLM's dict)."""
     result = []
     for k, token_id in enumerate(token_ids):
         value = None if values is None else values[k]
@@ -328,8 +328,7 @@ def prompt_logprobs_json(token_ids, values, tops, num_top: int, token_text) -> l
             result.append(None)
             continue
         top = list((tops[k] or {}).items())[:num_top] if tops is not None else []
-        rank = 1 + sum(v > value for _, v in top) if top and value >= top[-1][1] else None
-        entry = {str(token_id): {"logprob": logprob(value), "rank": rank, "decoded_token": token_text(token_id)}}
+        entry = {str(token_id): {"logprob": logprob(value), "rank": ranks[k], "decoded_token": token_text(token_id)}}
         for i, (t, v) in enumerate(top):
             entry[str(t)] = {"logprob": logprob(v), "rank": i + 1, "decoded_token": token_text(t)}
         result.append(entry)

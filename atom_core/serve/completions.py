@@ -137,8 +137,8 @@ class CompletionJob:
 
     def _vllm_prompt_logprobs(self, i: int, out) -> list:
         """The choice's ``prompt_logprobs`` (vLLM's shape: ``prompt_logprobs_json``)."""
-        return prompt_logprobs_json(self.prompts[i].token_ids, out.prompt_logprobs, out.prompt_top_logprobs,
-                                    self.num_prompt_top, self.ctx.token_text)
+        return prompt_logprobs_json(self.prompts[i].token_ids, out.prompt_logprobs, out.prompt_logprob_ranks,
+                                    out.prompt_top_logprobs, self.num_prompt_top, self.ctx.token_text)
 
     @staticmethod
     def _join(a: dict | None, b: dict) -> dict:
