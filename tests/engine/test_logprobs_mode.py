@@ -287,10 +287,11 @@ def test_an_unknown_logprobs_mode_is_refused_naming_the_four(setup):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("mode", ["processed_logprobs", "raw_logits"])
-def test_cuda_graphs_on_and_off_give_the_same_values(setup, mode):
+@pytest.mark.parametrize("mode, num_top", [("processed_logprobs", 5), ("raw_logits", 5), ("raw_logprobs", 0)])
+def test_cuda_graphs_on_and_off_give_the_same_values_and_ranks(setup, mode, num_top):
+    """(raw_logprobs without top-N: the log-probs fused into the draw, the ranks counted beside it)"""
     folder, _, vocab, prompts = setup
-    params = SamplingParams(logprobs=5, **SAMPLED)
+    params = SamplingParams(logprobs=num_top, **SAMPLED)
     outs = {}
     for eager in (True, False):
         engine = Engine.from_pretrained(folder, device="cuda", dtype=torch.float32, max_num_seqs=16, num_kv_blocks=256,
@@ -300,7 +301,9 @@ def test_cuda_graphs_on_and_off_give_the_same_values(setup, mode):
     for a, b in zip(outs[True], outs[False]):
         assert a.token_ids == b.token_ids
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=1e-4)
-        assert [list(d) for d in a.top_logprobs] == [list(d) for d in b.top_logprobs]
+        assert a.logprob_ranks == b.logprob_ranks and all(r >= 1 for r in b.logprob_ranks)
+        assert (a.top_logprobs is None) == (num_top == 0)
+        assert [list(d) for d in a.top_logprobs or ()] == [list(d) for d in b.top_logprobs or ()]
         if mode.startswith("processed"):
             assert all(math.isfinite(v) for v in b.logprobs)
 
