@@ -585,7 +585,8 @@ def load_named_tensors(model: nn.Module, named_tensors: Iterable[tuple[str, torc
 
     A partial update is allowed: parameters no tensor filled keep their values (``report.missing``
     lists them). ``strict``: a name that maps to no parameter raises ValueError naming it (otherwise it
-    is listed in ``report.unused``). A shape mismatch, a dtype that cannot be cast, or (``check_finite``)
+    is listed in ``report.unused``); when not one name maps to a parameter, ValueError all the same (the
+    update would silently be no update: a training wrapper's prefix, say, which the message names). A shape mismatch, a dtype that cannot be cast, or (``check_finite``)
     a NaN/Inf raises ValueError naming the tensor and the parameter. An error stops the load at that
     tensor: the ones before it are loaded (load the full set again). Names the model skips (rotary
     caches, a tied ``lm_head.weight``, extra layers) and KV-cache scales are listed in
@@ -604,6 +605,7 @@ def load_named_tensors(model: nn.Module, named_tensors: Iterable[tuple[str, torc
             "(quantization='fp8'), whose weights take unquantized tensors")
     loading = _Loading(model, load_extra_layers)
     params_before = {name: id(param) for name, param in loading.params.items()}
+    routed = 0
     with torch.no_grad():
         for item in named_tensors:
             name, tensor = named_tensor_pair(item, "load_named_tensors")
@@ -614,17 +616,45 @@ def load_named_tensors(model: nn.Module, named_tensors: Iterable[tuple[str, torc
             if route is None:
                 if strict and name not in loading.report.skipped:  # (unused: it maps to no parameter)
                     raise ValueError(f"load_named_tensors(strict=True): tensor {name!r} matches no parameter of "
-                                     f"{type(model).__name__} (after its name mapping)")
+                                     f"{type(model).__name__} (after its name mapping){_prefix_hint(loading, name)}")
                 continue
             tensor = tensor.detach()
             loading.check_dtype(name, route, tensor.dtype, None)
             loading.load(name, tensor, route, None, check_finite)
+            routed += 1
+        if not routed and loading.report.unused:  # every name unknown: a wrapper's prefix, most likely
+            unused = loading.report.unused
+            raise ValueError(f"load_named_tensors: none of the tensors matches a parameter of {type(model).__name__} "
+                             f"({len(unused)} unused, the first {unused[0]!r}); nothing was loaded. Names are "
+                             f"Hugging Face checkpoint names (model.layers.0.self_attn.q_proj.weight)"
+                             f"{_prefix_hint(loading, unused[0])}")
         loading.account()
         _process_in_place(model)
     moved = [name for name, param in model.named_parameters() if params_before.get(name) != id(param)]
     if moved:  # (a module's process_weights_after_loading replaced it: not one this function supports)
         raise RuntimeError(f"load_named_tensors: parameters were replaced while loading: {moved[:5]}")
     return loading.report
+
+
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "base_model.model.", "model.")
+
+
+def _prefix_hint(loading: _Loading, name: str) -> str:
+    """", without its 'P' prefix (...)" where dropping a leading prefix that training wrappers add (DDP's
+    ``module.``, torch.compile's ``_orig_mod.``, FSDP's, PEFT's ``base_model.model.``) makes ``name`` one the
+    model loads; else ""."""
+    rest, dropped = name, ""
+    for _ in range(4):
+        prefix = next((p for p in _WRAPPER_PREFIXES if rest.startswith(p)), None)
+        if prefix is None:
+            return ""
+        rest, dropped = rest[len(prefix):], dropped + prefix
+        targets = loading.mapper.map(rest)
+        if isinstance(targets, list) and all(t.param_name in loading.params for t in targets):
+            return (f"; without its {dropped!r} prefix it is {rest!r}, which the model loads: strip the prefix "
+                    "the training wrapper adds (DDP's module., torch.compile's _orig_mod., PEFT's "
+                    "base_model.model.) before passing the names")
+    return ""
 
 
 def named_tensor_pair(item: object, caller: str) -> tuple[str, torch.Tensor]:

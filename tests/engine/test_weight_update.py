@@ -136,7 +136,10 @@ def test_strict_load_names_a_tensor_that_matches_no_parameter(pair):
     unknown = "model.layers.0.mlp.not_a_projection.weight"
     with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.not_a_projection\.weight' matches no parameter"):
         engine.load_weights([(unknown, torch.zeros(4))], strict=True)
-    assert engine.load_weights([(unknown, torch.zeros(4))]).unused == [unknown]  # not strict: listed
+    norm = ("model.norm.weight", torch.ones(engine.model.config.hidden_size))
+    assert engine.load_weights([norm, (unknown, torch.zeros(4))]).unused == [unknown]  # not strict: listed
+    with pytest.raises(ValueError, match="none of the tensors matches"):  # ... unless nothing loads at all
+        engine.load_weights([(unknown, torch.zeros(4))])
 
 
 def test_a_tensor_of_the_wrong_shape_is_refused_naming_it_and_its_parameter(pair):

@@ -124,3 +124,21 @@ def test_a_buffer_derived_after_loading_keeps_its_tensor_and_address_and_gets_th
     load_named_tensors(model, [("weight", torch.tensor([1.0, 2.0, 3.0]))], strict=True)
     assert model.doubled is buffer and buffer.data_ptr() == address
     assert buffer.tolist() == [2.0, 4.0, 6.0]
+
+
+@pytest.mark.parametrize("prefix", ["module.", "_orig_mod.", "base_model.model.", "module._orig_mod."])
+def test_names_under_a_training_wrappers_prefix_load_nothing_and_raise_naming_the_prefix(prefix):
+    model = load_model(DEMO, device="cpu", dtype=torch.float32, load_format="zeros")
+    wrapped = [(prefix + name, tensor) for name, tensor in _demo_tensors().items()]
+    with pytest.raises(ValueError, match=rf"none of the tensors matches.*without its {prefix!r} prefix"):
+        load_named_tensors(model, wrapped)
+    assert all(not param.any() for param in model.parameters())  # nothing was loaded
+    with pytest.raises(ValueError, match=rf"strict=True.*without its {prefix!r} prefix"):
+        load_named_tensors(model, wrapped, strict=True)
+
+
+def test_some_unknown_names_beside_known_ones_are_listed_as_unused_not_refused():
+    model = load_model(DEMO, device="cpu", dtype=torch.float32, load_format="zeros")
+    report = load_named_tensors(model, [("model.norm.weight", torch.ones(model.config.hidden_size)),
+                                        ("no.such.tensor", torch.ones(3))])
+    assert report.unused == ["no.such.tensor"] and bool(model.model.norm.weight.eq(1).all())
