@@ -27,6 +27,7 @@ __all__ = [
     "InsufficientMemoryError",
     "KVCacheSpec",
     "PoolPlan",
+    "budget_for_instance",
     "budget_from_memory",
     "check_fits_in_memory",
     "host_memory_available_bytes",
@@ -277,6 +278,33 @@ def budget_from_memory(total_bytes: int, used_bytes: int, gpu_memory_utilization
             f"no memory left for the KV pool: gpu_memory_utilization={gpu_memory_utilization} of "
             f"total_bytes={total_bytes} allows {allowed} bytes, but used_bytes={used_bytes} are "
             "already in use; raise gpu_memory_utilization or use less memory elsewhere"
+        )
+    return budget
+
+
+def budget_for_instance(total_bytes: int, free_bytes: int, own_bytes: int, activation_bytes: int,
+                        gpu_memory_utilization: float) -> int:
+    """Bytes for one engine's KV pool by vLLM V1's rule: ``gpu_memory_utilization`` is this engine's share
+    of the device, whatever else holds memory there (a trainer in the same process, another engine):
+    ``floor(total_bytes * gpu_memory_utilization) - own_bytes - activation_bytes``, where ``own_bytes`` is
+    what this engine already holds (its weights) and ``activation_bytes`` one step's activations.
+
+    ``free_bytes``: device memory free now (after the weights were loaded). Raises ValueError, with the
+    numbers, when that share is not free (vLLM refuses to start then too: its pool would take memory
+    someone else counts on), or when the share leaves nothing for the pool.
+    """
+    _check_int("free_bytes", free_bytes, 0)
+    _check_int("own_bytes", own_bytes, 0)
+    _check_int("activation_bytes", activation_bytes, 0)
+    budget = budget_from_memory(total_bytes, own_bytes + activation_bytes, gpu_memory_utilization)
+    if budget + activation_bytes > free_bytes:
+        gib = 2 ** 30
+        raise ValueError(
+            f"gpu_memory_utilization={gpu_memory_utilization} gives this engine {total_bytes * gpu_memory_utilization / gib:.2f} "
+            f"GiB of the device's {total_bytes / gib:.2f} GiB, of which its weights hold {own_bytes / gib:.2f} and a "
+            f"step's activations need {activation_bytes / gib:.2f}, but only {free_bytes / gib:.2f} GiB are free "
+            f"(other processes or tensors hold {(total_bytes - free_bytes - own_bytes) / gib:.2f} GiB): lower "
+            "gpu_memory_utilization, or free memory elsewhere"
         )
     return budget
 

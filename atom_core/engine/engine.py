@@ -60,6 +60,11 @@ class Engine(OfflineAPI):
     Build with :meth:`from_pretrained` (a checkpoint folder) or directly from a model that follows
     the ``atom_core.models`` contract. Prompts are strings (needs a tokenizer) or token-id lists.
 
+    ``gpu_memory_utilization`` (default 0.9): this engine's share of the GPU, for its weights, a step's
+    activations and the KV pool (vLLM V1's rule: memory a trainer or another engine holds on the device is
+    not counted against it, but the share must be free when the pool is planned, else ValueError with the
+    numbers).
+
     ``async_scheduling`` (default on) schedules and launches step N+1 while the device runs step
     N, feeding it step N's tokens from the device; ``step()`` still returns each step's outputs in
     order, the first call included. A request that stops on EOS or a stop string costs one more

@@ -7,11 +7,12 @@ smallest; ``workers.py``).
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import torch
 
-from atom_core.cache import budget_from_memory, plan_kv_pool
+from atom_core.cache import budget_for_instance, plan_kv_pool
 from atom_core.cache.pool_sizing import check_fits_in_memory, host_memory_available_bytes
 from atom_core.models.config import cuda_memory_info
 from atom_core.models.layers.mla import EXPANDED_MAX_SLOTS_PER_TOKEN
@@ -82,7 +83,8 @@ def plan_pool(model, device: torch.device, *, block_size: int, num_kv_blocks: in
     """The KV pool of ``model`` on ``device``: (spec, extra cache specs, plan). ``num_kv_blocks`` None: sized
     from memory (a CPU pool holds CPU_DEFAULT_POOL_SEQS requests of max_model_len, within
     CPU_POOL_MEMORY_SHARE of the host memory available; a GPU pool takes ``gpu_memory_utilization`` of the
-    GPU less one step's activations); given: refused before allocating when it cannot fit."""
+    GPU less the model's weights and one step's activations, vLLM V1's per-instance share: memory others hold
+    is not counted, but the share must be free); given: refused before allocating when it cannot fit."""
     pool_dtype = kv_cache_torch_dtype(kv_cache_dtype)
     spec = model.kv_cache_spec(pool_dtype)
     # Caches some models keep beside the KV pool over the same blocks (DSA's indexer keys, fp8 with their
@@ -123,6 +125,11 @@ def _cpu_budget(block_bytes: int, block_size: int, max_model_len: int) -> int:
 
 
 def _gpu_budget(model, device: torch.device, utilization: float, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+    """``utilization`` of the GPU for this engine (vLLM V1's per-instance rule, ``budget_for_instance``): less
+    its weights and a step's activations; memory others hold (a trainer beside it) is not counted against it."""
     free, total = cuda_memory_info(device)  # a dropped engine's cached pool counts as free
     activations = step_activation_bytes(model.config, max_num_batched_tokens, max_num_seqs)
-    return budget_from_memory(total, total - free + activations, utilization)
+    index = torch.cuda.current_device() if device.index is None else device.index
+    own = sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers())
+              if t.is_cuda and t.device.index == index)
+    return budget_for_instance(total, free, own, activations, utilization)

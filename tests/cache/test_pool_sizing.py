@@ -12,6 +12,7 @@ from atom_core.cache.pool_sizing import (
     InsufficientMemoryError,
     KVCacheSpec,
     PoolPlan,
+    budget_for_instance,
     budget_from_memory,
     check_fits_in_memory,
     host_memory_available_bytes,
@@ -322,3 +323,32 @@ def test_check_fits_in_memory_refusal_names_what_both_sizes_in_gib_and_where():
 def test_check_fits_in_memory_passes_when_it_fits_or_the_memory_is_unknown():
     check_fits_in_memory("x", 1 << 30, 1 << 30, where="host memory")  # equal: fits
     check_fits_in_memory("x", 1 << 60, None, where="host memory")     # unknown: no check
+
+
+# ------------------------------------------------------------------ budget_for_instance (vLLM V1's per-engine share)
+
+
+@settings(max_examples=200, deadline=None)
+@given(total=st.integers(1 << 20, 1 << 40), free_share=st.floats(0.0, 1.0), own_share=st.floats(0.0, 0.5),
+       act_share=st.floats(0.0, 0.2), utilization=st.floats(0.01, 1.0))
+def test_an_instance_budget_is_its_share_less_its_own_bytes_and_never_more_than_is_free(
+        total, free_share, own_share, act_share, utilization):
+    own, act = int(total * own_share), int(total * act_share)
+    free = min(int(total * free_share), total - own)
+    try:
+        budget = budget_for_instance(total, free, own, act, utilization)
+    except ValueError as e:  # the share is not free, or leaves nothing: refused, with the numbers
+        assert int(total * utilization) - own - act <= 0 or int(total * utilization) - own > free, e
+        return
+    assert budget == int(total * utilization) - own - act > 0
+    assert budget + act <= free
+
+
+def test_memory_others_hold_does_not_shrink_an_instances_budget():
+    """TRL's colocated layout: a trainer holds 30 of 80 GiB; gpu_memory_utilization=0.3 gives the engine 24 GiB
+    of which its 1 GiB of weights and 1 GiB of activations leave 22 for the pool (the older rule, which
+    counted the trainer's memory, refused it)."""
+    gib = 1 << 30
+    assert budget_for_instance(80 * gib, 49 * gib, gib, gib, 0.3) == int(80 * gib * 0.3) - 2 * gib
+    with pytest.raises(ValueError, match="only 10.00 GiB are free"):  # the share is not free: refused
+        budget_for_instance(80 * gib, 10 * gib, gib, gib, 0.3)

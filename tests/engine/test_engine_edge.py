@@ -207,6 +207,27 @@ def test_a_gpu_pool_is_sized_with_a_dropped_engines_cached_memory_counted_as_fre
     assert kv_pool.plan_pool(model, torch.device("cuda:0"), **sizing | {"num_kv_blocks": fresh})[2].num_blocks == fresh
 
 
+def test_a_gpu_pool_takes_its_share_whatever_a_trainer_beside_it_holds_and_refuses_a_share_not_free(monkeypatch):
+    """vLLM V1's gpu_memory_utilization: the engine's own share of the device (TRL's colocated layout: a trainer
+    holds memory in the same process or another). No GPU is needed (mem_get_info is replaced)."""
+    from atom_core.engine import kv_pool
+
+    model = _qwen3_06b_shapes_model()
+    sizing = dict(block_size=16, num_kv_blocks=None, gpu_memory_utilization=0.3, max_num_seqs=8,
+                  max_num_batched_tokens=256, max_model_len=1024, kv_cache_dtype="auto")
+    total = 80 << 30
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+
+    def blocks(trainer_bytes: int) -> int:
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total - trainer_bytes, total))
+        return kv_pool.plan_pool(model, torch.device("cuda:0"), **sizing)[2].num_blocks
+
+    assert blocks(30 << 30) == blocks(0) > 0
+    with pytest.raises(ValueError, match="gpu_memory_utilization=0.3 gives this engine 24.00 GiB.*only 20.00 GiB "
+                                         "are free"):
+        blocks(60 << 30)
+
+
 def test_a_launch_that_raises_while_a_step_is_in_flight_publishes_nothing_it_did_not_read(tiny_qwen3):
     """Found by test_hostile_inputs: with a 1-token prompt, the third launch raising (the second still
     in flight, its token unread) made the error path publish more tokens than the request held."""
