@@ -314,9 +314,11 @@ class Engine(OfflineAPI):
         """Stop the worker ranks (several ranks: they leave, or are killed after a grace period; the process
         group the engine made is destroyed) after leaving the weight-update group, if one is open. Idempotent;
         a one-rank engine has nothing to stop. The engine cannot step afterwards."""
-        self.destroy_weight_update_group()
-        if self._finalizer is not None:
-            self._finalizer()
+        try:
+            self.destroy_weight_update_group()
+        finally:
+            if self._finalizer is not None:
+                self._finalizer()
 
     def check_health(self) -> None:
         """Raise ``DistributedEngineError`` naming why this engine can no longer step: a worker rank's process
@@ -584,9 +586,10 @@ class Engine(OfflineAPI):
         Every engine rank joins: this process as rank ``rank_offset``, TP rank r (a worker, told over the
         control channel) as ``rank_offset + r``. ``backend``: None picks "nccl" on CUDA (the tensors arrive
         on each rank's GPU), "gloo" on the CPU. ``timeout`` (a ``timedelta`` or seconds): the longest a member
-        waits, to join and in each broadcast. Blocks until every member has joined (the trainer joins with
-        ``engine.weight_group.WeightUpdateGroup(..., rank=0, ...)``); the engine's ranks are all members or
-        none is (RuntimeError naming a worker rank that could not join).
+        waits, to join and in each broadcast. With gloo it blocks until every member has joined (the trainer
+        joins with ``engine.weight_group.WeightUpdateGroup(..., rank=0, ...)``; with NCCL the communicator is
+        made at the first broadcast); the engine's ranks are all members or none is (RuntimeError naming a
+        worker rank that could not join).
 
         The group is built on its own store, not on ``torch.distributed``'s default group. ValueError naming
         the argument that makes no sense, or naming the group already open (one at a time:

@@ -62,7 +62,8 @@ class WeightUpdateGroup:
         timeout: the longest a member waits for the others, when joining and in each broadcast
             (a ``timedelta`` or seconds).
 
-    Joining blocks until every member has joined (or ``timeout`` passes: an error).
+    With gloo, joining blocks until every member has joined (or ``timeout`` passes: an error); with NCCL it
+    only connects to the store, and the communicator is made at the first broadcast, by every member.
     """
 
     def __init__(self, master_address: str, master_port: int, rank: int, world_size: int, *,
@@ -108,7 +109,7 @@ class WeightUpdateGroup:
     def close(self) -> None:
         """Leave the group (this member's communicator shut down, the store released). Idempotent."""
         group, self._group, self._store = self._group, None, None
-        if group is not None and hasattr(group, "shutdown"):
+        if group is not None:
             group.shutdown()
 
 
@@ -273,10 +274,10 @@ def join_all(channel: StepChannel | None, args: dict, device: torch.device) -> W
 
 
 def close_all(channel: StepChannel | None, member: WeightUpdateGroup) -> None:
-    """Rank 0: every engine rank leaves the group (the workers told, when they still listen)."""
+    """Rank 0: every engine rank leaves the group (this one first; the workers told, when they still listen)."""
+    member.close()
     if channel is not None and channel.failure is None:
         channel.send(WEIGHT_GROUP, payload=pickle.dumps({"close": True}))
-    member.close()
 
 
 def _try_join(args: dict, tp_rank: int, device) -> tuple[WeightUpdateGroup | None, BaseException | None]:
