@@ -17,6 +17,7 @@ any collective), the rounds of the tensors to receive, and joining / closing on 
 from __future__ import annotations
 
 import datetime
+import numbers
 import pickle
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -97,11 +98,14 @@ class WeightUpdateGroup:
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """``src``'s ``tensor`` into every member's tensor of the same shape and dtype, in place; waits for it
-        (on a GPU: the current stream waits for NCCL's). ``tensor`` is contiguous, on this member's device."""
+        (on a GPU: the current stream waits for NCCL's). ``tensor`` is contiguous, on this member's device; any
+        dtype (over gloo, float8 crosses as its bytes)."""
         import torch.distributed as dist
 
         if self._group is None:
             raise RuntimeError(f"weight-update group {self.group_name!r} is closed")
+        if self.backend == "gloo" and tensor.is_floating_point() and tensor.element_size() == 1:
+            tensor = tensor.view(torch.uint8)  # gloo has no float8 types: their bytes cross (on every member alike)
         options = dist.BroadcastOptions()
         options.rootRank, options.rootTensor = src, 0
         self._group.broadcast([tensor], options).wait()
@@ -224,9 +228,9 @@ def _dtype(i: int, name: str, dtype) -> torch.dtype:
 
 
 def _shape(i: int, name: str, shape) -> tuple[int, ...]:
-    if isinstance(shape, (Sequence, torch.Size)) and not isinstance(shape, (str, bytes)) and all(
-            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
-        return tuple(shape)
+    if isinstance(shape, Sequence) and not isinstance(shape, (str, bytes)) and all(
+            isinstance(n, numbers.Integral) and not isinstance(n, bool) and n >= 0 for n in shape):
+        return tuple(int(n) for n in shape)
     raise ValueError(f"shapes[{i}] (tensor {name!r}) must be a list of ints >= 0, got {shape!r}")
 
 

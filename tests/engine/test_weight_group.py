@@ -101,6 +101,35 @@ def _update(engine, trainer: Trainer, state: dict, **kwargs):
                                                   [list(t.shape) for t in state.values()], **kwargs)
 
 
+def test_two_group_members_broadcast_tensors_of_every_dtype_bit_for_bit_and_refuse_once_closed():
+    port, got = _free_port(), {}
+    sent = [torch.randn(3, 4).to(dtype) for dtype in (torch.float32, torch.bfloat16, torch.float8_e4m3fn)]
+    sent += [torch.arange(5), torch.tensor([True, False]), torch.empty(0, 2)]
+
+    def member(rank):
+        group = WeightUpdateGroup("127.0.0.1", port, rank, 2, timeout=TIMEOUT)
+        tensors = sent if rank == 0 else [torch.zeros_like(t) for t in sent]
+        for tensor in tensors:
+            group.broadcast(tensor, src=0)
+        group.close()
+        group.close()
+        try:
+            group.broadcast(tensors[0], src=0)
+            refused = None
+        except RuntimeError as error:
+            refused = str(error)
+        got[rank] = (tensors, refused)
+
+    other = threading.Thread(target=member, args=(1,))
+    other.start()
+    member(0)
+    other.join(TIMEOUT)
+    received, refused = got[1]
+    assert refused == "weight-update group 'weight_update' is closed" and len(received) == len(sent)
+    for want, tensor in zip(sent, received):
+        assert want.dtype == tensor.dtype and torch.equal(want.view(torch.uint8), tensor.view(torch.uint8))
+
+
 def test_one_rank_engine_updated_by_a_trainer_broadcast_holds_b_bit_for_bit_generates_as_b_and_forgets_its_cache(
         pair, tokens):  # noqa: F811
     folder_a, folder_b, hf_b = pair
@@ -110,6 +139,7 @@ def test_one_rank_engine_updated_by_a_trainer_broadcast_holds_b_bit_for_bit_gene
     cached = prompts[2]
     assert engine.generate([cached], GREEDY, use_tqdm=False)[0].num_cached_tokens == 12  # the cache works
     trainer = _join(engine, world_size=2)
+    assert not torch.distributed.is_initialized()  # the group is built on its own store, not the default group
     state = hf_b.state_dict()
     report = _update(engine, trainer, state, strict=True)
     engine.destroy_weight_update_group()
