@@ -144,6 +144,10 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
+_NO_WEIGHT_GROUP = ("DataParallelEngine: a weight-update group is not built for data-parallel replicas (each replica "
+                    "would need its own rank range in the trainer's group); use load_weights")
+
+
 class DataParallelEngine(OfflineAPI):
     """M engine replicas behind one front with ``Engine``'s API (see the module docstring).
 
@@ -349,6 +353,14 @@ class DataParallelEngine(OfflineAPI):
         replica reset its cache, False when one or more refused (it holds blocks of unfinished requests; the
         others did reset). Outputs that arrive meanwhile are kept for the next ``step()``."""
         return all(self._ask_every_replica(RESET_PREFIX_CACHE))
+
+    def init_weight_update_group(self, *args, **kwargs) -> None:
+        """Not built for data-parallel replicas (``Engine.init_weight_update_group`` on one engine)."""
+        raise NotImplementedError(_NO_WEIGHT_GROUP)
+
+    def update_weights_from_distributed(self, *args, **kwargs) -> list[LoadReport]:
+        """Not built for data-parallel replicas (``load_weights`` sends the same pairs to every replica)."""
+        raise NotImplementedError(_NO_WEIGHT_GROUP)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, strict: bool = False,
                      check_finite: bool = True) -> list[LoadReport]:

@@ -36,7 +36,16 @@ from atom_core.engine.sampling_params import SEED_LIMIT, SamplingParams
 from atom_core.engine.scheduler import Scheduler
 from atom_core.engine.stop_rule import StopRule
 from atom_core.engine.tokenizer import Tokenizer
-from atom_core.engine.weight_sync import load_weights_driver
+from atom_core.engine.weight_group import (
+    DEFAULT_TIMEOUT,
+    check_src,
+    close_all,
+    group_args,
+    join_all,
+    plan_rounds,
+    tensor_specs,
+)
+from atom_core.engine.weight_sync import load_from_group_driver, load_weights_driver
 from atom_core.engine.workers import DEFAULT_STEP_TIMEOUT, WorkerSet, run_worker, start_ranks, stop_ranks
 from atom_core.ops.dispatch import preferred_backend
 from atom_core.ops.penalties import apply_penalties_, apply_token_bias_
@@ -106,6 +115,7 @@ class Engine(OfflineAPI):
                  step_timeout: float = DEFAULT_STEP_TIMEOUT, seed: int | None = None,
                  logprobs_mode: str = "raw_logprobs", workers: WorkerSet | None = None):
         check_logprobs_mode(logprobs_mode)  # refused before any rank or pool is set up
+        self._weight_group = None  # this rank's member of a trainer's weight-update group, while one is open
         self.model = model
         self.tokenizer = tokenizer
         self.device = check_device(device) if device is not None else next(model.parameters()).device
@@ -307,10 +317,13 @@ class Engine(OfflineAPI):
 
     def shutdown(self) -> None:
         """Stop the worker ranks (several ranks: they leave, or are killed after a grace period; the process
-        group the engine made is destroyed). Idempotent; a one-rank engine has nothing to stop. The engine
-        cannot step afterwards."""
-        if self._finalizer is not None:
-            self._finalizer()
+        group the engine made is destroyed) after leaving the weight-update group, if one is open. Idempotent;
+        a one-rank engine has nothing to stop. The engine cannot step afterwards."""
+        try:
+            self.destroy_weight_update_group()
+        finally:
+            if self._finalizer is not None:
+                self._finalizer()
 
     def check_health(self) -> None:
         """Raise ``DistributedEngineError`` naming why this engine can no longer step: a worker rank's process
@@ -529,18 +542,29 @@ class Engine(OfflineAPI):
         """
         from atom_core.models.loader import load_named_tensors
 
+        def load() -> LoadReport:
+            if self._channel is None:
+                return load_named_tensors(self.model, weights, strict=strict, check_finite=check_finite)
+            return load_weights_driver(self.model, self._channel, weights, strict=strict, check_finite=check_finite)
+
+        self._check_weight_update("Engine.load_weights")
+        return self._update_weights("Engine.load_weights", load)
+
+    def _check_weight_update(self, caller: str) -> None:
+        """Refuse a weight update (before anything is read or received): the ranks are gone
+        (``DistributedEngineError``), requests are unfinished (RuntimeError naming the count)."""
         if self._channel is not None:
-            self._channel.check_usable()  # DistributedEngineError: the ranks are gone
+            self._channel.check_usable()
         unfinished = self._num_unfinished()
         if unfinished:
-            raise RuntimeError(f"Engine.load_weights: {unfinished} requests are unfinished; they would mix KV and "
-                               "tokens of two weight sets: let them finish (or abort them) first")
+            raise RuntimeError(f"{caller}: {unfinished} requests are unfinished; they would mix KV and tokens of two "
+                               "weight sets: let them finish (or abort them) first")
+
+    def _update_weights(self, caller: str, load) -> LoadReport:
+        """``load()`` (every rank's load of new weights), then the prefix-cache reset, also when it fails (some
+        tensors may be loaded); ranks out of step after a failure are stopped."""
         try:
-            if self._channel is None:
-                report = load_named_tensors(self.model, weights, strict=strict, check_finite=check_finite)
-            else:
-                report = load_weights_driver(self.model, self._channel, weights, strict=strict,
-                                             check_finite=check_finite)
+            report = load()
         except BaseException:
             if self._channel is not None and self._channel.failure is not None:
                 self.shutdown()  # the ranks are out of step: stop the workers now
@@ -548,8 +572,89 @@ class Engine(OfflineAPI):
                 self.reset_prefix_cache()  # (some tensors may be loaded: no old KV is reused either way)
             raise
         if not self.reset_prefix_cache():  # (no request holds blocks: cannot happen)
-            raise RuntimeError("Engine.load_weights: the weights are loaded but the prefix cache could not be reset")
+            raise RuntimeError(f"{caller}: the weights are loaded but the prefix cache could not be reset")
         return report
+
+    # ------------------------------------------------------------------ weight-update group (RL)
+
+    @property
+    def _tp_size(self) -> int:
+        return 1 if self._channel is None else self._channel.parallel.tp_size
+
+    def init_weight_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int, *,
+                                 backend: str | None = None, group_name: str = "weight_update",
+                                 timeout=DEFAULT_TIMEOUT) -> None:
+        """Join a trainer's weight-update group (SGLang's ``init_weights_update_group``; vLLM's RLHF example): a
+        process group of ``world_size`` members, the trainer's rank 0 among them (it hosts the group's store at
+        ``master_address:master_port``), which ``update_weights_from_distributed`` receives new weights over.
+
+        Every engine rank joins: this process as rank ``rank_offset``, TP rank r (a worker, told over the
+        control channel) as ``rank_offset + r``. ``backend``: None picks "nccl" on CUDA (the tensors arrive
+        on each rank's GPU), "gloo" on the CPU. ``timeout`` (a ``timedelta`` or seconds): the longest a member
+        waits, to join and in each broadcast. With gloo it blocks until every member has joined (the trainer
+        joins with ``engine.weight_group.WeightUpdateGroup(..., rank=0, ...)``; with NCCL the communicator is
+        made at the first broadcast); the engine's ranks are all members or none is (RuntimeError naming a
+        worker rank that could not join).
+
+        The group is built on its own store, not on ``torch.distributed``'s default group. ValueError naming
+        the argument that makes no sense, or naming the group already open (one at a time:
+        ``destroy_weight_update_group`` first).
+        """
+        if self._weight_group is not None:
+            raise ValueError(f"Engine.init_weight_update_group: weight-update group {self._weight_group.group_name!r}"
+                             " is open; destroy_weight_update_group() first")
+        args = group_args(master_address, master_port, rank_offset, world_size, backend=backend,
+                          group_name=group_name, timeout=timeout, tp_size=self._tp_size, device=self.device)
+        if self._channel is not None:
+            self._channel.check_usable()
+        self._weight_group = join_all(self._channel, args, self.device)
+
+    def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence, shapes: Sequence[Sequence[int]],
+                                        *, src: int = 0, strict: bool = False, check_finite: bool = True) -> LoadReport:
+        """New weights broadcast by the trainer (group rank ``src``) over the weight-update group, then a
+        prefix-cache reset: SGLang's ``update_weights_from_distributed``; ``load_weights``' rules otherwise.
+
+        ``names``, ``dtypes``, ``shapes``: one entry per tensor the trainer broadcasts, in its order (Hugging
+        Face names as ``state_dict()`` gives them; ``torch.dtype`` or its name, "bfloat16" or
+        "torch.bfloat16"; full, unsharded shapes). Every engine rank allocates each full tensor (on its GPU for
+        nccl, on the CPU for gloo), receives it by broadcast from ``src``, and one ``load_named_tensors`` call
+        per rank loads them all (each rank cutting its own shard), in rounds of ``weight_sync.BATCH_BYTES`` so
+        that a rank holds one round of full tensors at most; the ranks agree on the outcome after each round,
+        as in ``load_weights``. Returns rank 0's ``LoadReport``.
+
+        The trainer must broadcast exactly these tensors, in this order, while this call runs (in an RL loop
+        the engine call is remote or on another thread: start it, then broadcast). A tensor refused on any
+        rank (a wrong shape: ValueError naming it; ``weight_sync.WeightLoadError`` naming a worker rank) stops
+        the load there; the later tensors are still received and dropped, so the trainer's broadcasts complete
+        and the engine serves on (load the full set again). A broadcast that fails (the trainer gone, the
+        group's timeout) raises; destroy the group and make a new one.
+
+        Refused before any tensor is received, with nothing received (so the trainer must not broadcast:
+        its broadcasts would wait for the group's timeout): lists that do not match or hold no dtype or shape
+        (ValueError naming the entry), ``src`` not a trainer rank (ValueError), no group open (RuntimeError),
+        unfinished requests (RuntimeError naming the count), a model from a quantized checkpoint
+        (NotImplementedError).
+        """
+        from atom_core.models.loader import check_updatable
+
+        specs = tensor_specs(names, dtypes, shapes)
+        member = self._weight_group
+        if member is None:
+            raise RuntimeError("Engine.update_weights_from_distributed: no weight-update group is open "
+                               "(init_weight_update_group first)")
+        check_src(src, member, self._tp_size)
+        self._check_weight_update("Engine.update_weights_from_distributed")
+        check_updatable(self.model)
+        rounds = plan_rounds(specs)
+        return self._update_weights("Engine.update_weights_from_distributed", lambda: load_from_group_driver(
+            self.model, self._channel, member, rounds, src=src, strict=strict, check_finite=check_finite))
+
+    def destroy_weight_update_group(self) -> None:
+        """Every engine rank leaves the weight-update group (the trainer closes its own member). Idempotent:
+        nothing happens without a group."""
+        member, self._weight_group = self._weight_group, None
+        if member is not None:
+            close_all(self._channel, member)
 
     # ------------------------------------------------------------------ stepping
 

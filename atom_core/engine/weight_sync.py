@@ -20,6 +20,14 @@ Each round, on every rank:
 After the last round the ranks exchange a final status (``process_weights_after_loading`` can fail too).
 A refused tensor leaves the ranks in step (the engine serves on; the tensors before it are loaded, as on
 one rank); a collective that fails (a worker died) marks the engine broken as a failed step does.
+
+``Engine.update_weights_from_distributed`` runs the same rounds with another source of bytes
+(``load_from_group_driver`` / ``load_from_group_worker``): every rank knows the ``(name, shape, dtype)``
+list from the start (rank 0 sends the rounds once), and in each round every engine rank receives each
+tensor by a broadcast from the trainer over the weight-update group (``engine.weight_group``) instead of
+from rank 0. The status exchanges are the same (with one rank there is nothing to exchange). A load that
+stops early still receives the rest of the declared tensors on every rank, discarding them, so that the
+trainer's broadcasts complete and the group stays usable.
 """
 
 from __future__ import annotations
@@ -30,14 +38,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from atom_core.engine.distributed import LOAD_WEIGHTS
+from atom_core.engine.distributed import LOAD_WEIGHTS, WEIGHT_GROUP
 from atom_core.models.loader import named_tensor_pair
 
 if TYPE_CHECKING:
     from atom_core.engine.distributed import StepChannel
+    from atom_core.engine.weight_group import TensorSpec, WeightUpdateGroup
     from atom_core.models.loader import LoadReport
 
-__all__ = ["BATCH_BYTES", "WeightLoadError", "load_weights_driver", "load_weights_worker", "next_batch"]
+__all__ = ["BATCH_BYTES", "WeightLoadError", "load_from_group_driver", "load_from_group_worker",
+           "load_weights_driver", "load_weights_worker", "next_batch"]
 
 BATCH_BYTES = 256 * 1024 * 1024  # the full (unsharded) tensors a rank holds at once, besides a larger single one
 
@@ -74,14 +84,18 @@ class _Stopped(Exception):
 class _Stream:
     """One rank's side of the rounds; ``pairs()`` is the generator its ``load_named_tensors`` reads."""
 
-    def __init__(self, channel: StepChannel, source: Iterator | None):
-        self.channel = channel
+    def __init__(self, channel: StepChannel | None, source: Iterator | None):
+        self.channel = channel  # None: a one-rank engine's update from a weight-update group
         self.source = source  # rank 0: the caller's pairs; a worker: None
         self.owed = False     # a batch was handed out: this rank owes the round's status exchange
         self.finished = False  # the end came: the final status exchange is owed
         self.aborted = False  # rank 0: its iterable failed (the workers were told)
         self.statuses: list[str] = []  # the last failed exchange's statuses, one per rank
         self._tensors: list[torch.Tensor] = []  # rank 0: the batch being sent
+
+    def finish(self) -> None:
+        """What this rank does after its load, stopped early or not: nothing here (a ``_GroupStream`` receives
+        the tensors it did not)."""
 
     # ---- step 1: the batch's description
     def _next_message(self) -> dict:
@@ -126,7 +140,11 @@ class _Stream:
             del tensors
             self.owed = False
             # step 4: every rank loaded the batch; go on only if all did
-            self.check(self.channel.exchange_status(""))
+            self.check(self.exchange_status(""))
+
+    def exchange_status(self, status: str) -> list[str]:
+        """Every rank's status (``StepChannel.exchange_status``); with one rank (no channel) its own."""
+        return [status] if self.channel is None else self.channel.exchange_status(status)
 
     def check(self, statuses: list[str]) -> None:
         if any(statuses):
@@ -149,7 +167,7 @@ def _run(model, stream: _Stream, options: dict) -> tuple[LoadReport | None, Base
             raise  # the rounds themselves failed (or rank 0's iterable): see the callers
         report, error = None, caught
     status = "" if error is None else f"{type(error).__name__}: {error}"
-    return report, error, stream.channel.exchange_status(status)
+    return report, error, stream.exchange_status(status)
 
 
 def load_weights_driver(model, channel: StepChannel, weights: Iterable, *, strict: bool,
@@ -159,19 +177,25 @@ def load_weights_driver(model, channel: StepChannel, weights: Iterable, *, stric
     the worker rank that failed; the ranks stay in step either way."""
     options = {"strict": strict, "check_finite": check_finite}
     channel.send(LOAD_WEIGHTS, payload=pickle.dumps({"start": options}))
-    stream = _Stream(channel, iter(weights))
+    return _drive(model, _Stream(channel, iter(weights)), options, "Engine.load_weights")
+
+
+def _drive(model, stream: _Stream, options: dict, caller: str) -> LoadReport:
+    """Rank 0's load over ``stream`` (its workers already told): its report, or the error of the rank that
+    failed (this rank's own, or ``WeightLoadError`` naming a worker rank)."""
     try:
         report, error, statuses = _run(model, stream, options)
     except BaseException as failure:
-        if stream.aborted:  # the caller's iterable failed: the workers were told, the ranks are in step
+        if stream.aborted or stream.channel is None:  # the ranks are in step (or there is one)
             raise
-        raise channel.fail(failure) from failure  # a collective failed (or an interrupt): out of step
+        raise stream.channel.fail(failure) from failure  # a collective failed (or an interrupt): out of step
+    stream.finish()
     if error is not None:
         raise error
     failed = [(rank, status) for rank, status in enumerate(statuses) if status]
     if failed:
         rank, status = failed[0]
-        raise WeightLoadError(f"Engine.load_weights: tensor-parallel rank {rank} failed to load the weights "
+        raise WeightLoadError(f"{caller}: tensor-parallel rank {rank} failed to load the weights "
                               f"({status}); the tensors before it are loaded on every rank")
     return report
 
@@ -181,3 +205,72 @@ def load_weights_worker(model, channel: StepChannel, start: dict) -> None:
     rank's shard. A refused tensor is reported to rank 0 (which raises it); returns either way."""
     stream = _Stream(channel, None)
     _run(model, stream, start["start"])
+
+
+# ---- the bytes from a weight-update group ----------------------------------------------------------------------------
+
+class _GroupStream(_Stream):
+    """One rank's side of ``update_weights_from_distributed``: the rounds are known from the start, and each
+    tensor comes from the trainer (``src``) over the weight-update group ``member``.
+
+    A failed receive (the trainer gone, a timeout) is this rank's load error, shared at the round's status
+    exchange like a refused tensor: the engine's ranks stay in step (the group itself may be unusable then).
+    """
+
+    def __init__(self, channel: StepChannel | None, member: WeightUpdateGroup, rounds: list[list[TensorSpec]],
+                 src: int):
+        super().__init__(channel, None)
+        self.member, self.src = member, src
+        self.rounds = iter(rounds)
+        self.receive_failed = False
+
+    def _next_message(self) -> dict:
+        batch = next(self.rounds, None)
+        return {"end": True} if batch is None else {"batch": batch}
+
+    def _broadcast(self, meta: list) -> list[torch.Tensor]:
+        self.owed = True  # (set before the bytes: a failed receive is shared at the status exchange)
+        tensors = []
+        for _, shape, dtype in meta:
+            tensors.append(self._receive(shape, dtype))
+        return tensors
+
+    def _receive(self, shape, dtype) -> torch.Tensor:
+        tensor = torch.empty(shape, dtype=dtype, device=self.member.device)
+        try:
+            self.member.broadcast(tensor, self.src)
+        except BaseException:
+            self.receive_failed = True
+            raise
+        return tensor
+
+    def finish(self) -> None:
+        """Receive and drop the tensors of the rounds not received (a load that stopped early): the trainer
+        broadcasts every declared tensor, and each broadcast needs every member. Not after a failed receive
+        (the group is broken: the trainer's broadcasts fail too)."""
+        if self.receive_failed:
+            return
+        for batch in self.rounds:
+            for _, shape, dtype in batch:
+                self._receive(shape, dtype)
+
+
+def load_from_group_driver(model, channel: StepChannel | None, member: WeightUpdateGroup,
+                           rounds: list[list[TensorSpec]], *, src: int, strict: bool,
+                           check_finite: bool) -> LoadReport:
+    """Rank 0 (or the only rank): receive ``rounds`` of tensors from ``src`` over ``member``'s group and load
+    them, the workers doing the same (told here); errors as ``load_weights_driver``'s."""
+    options = {"strict": strict, "check_finite": check_finite}
+    if channel is not None:
+        channel.send(WEIGHT_GROUP, payload=pickle.dumps({"update": {"rounds": rounds, "src": src,
+                                                                    "options": options}}))
+    return _drive(model, _GroupStream(channel, member, rounds, src), options,
+                  "Engine.update_weights_from_distributed")
+
+
+def load_from_group_worker(model, channel: StepChannel, member: WeightUpdateGroup, update: dict) -> None:
+    """A worker rank, after rank 0's ``update`` message: receive and load the tensors into this rank's shard.
+    A refused tensor is reported to rank 0 (which raises it); returns either way."""
+    stream = _GroupStream(channel, member, update["rounds"], update["src"])
+    _run(model, stream, update["options"])
+    stream.finish()

@@ -49,6 +49,7 @@ from atom_core.engine.distributed import (
     SHUTDOWN,
     STEP,
     WARMUP,
+    WEIGHT_GROUP,
     StepChannel,
     WorkerFailedError,
     control_group_for,
@@ -413,12 +414,13 @@ def run_worker(model) -> None:
     sends the runner's configuration, every rank sizes its KV pool and they agree on the smallest, then
     each step's ``StepInputs`` arrive and this rank runs the same forward and receives the sampled
     tokens; between steps, rank 0's ``Engine.load_weights`` streams new weights into this rank's shard
-    (``engine.weight_sync``). Returns when rank 0 shuts the engine down; raises when rank 0 dies (its
-    connection closes).
+    (``engine.weight_sync``), and its weight-update group calls make this rank join a trainer's group and
+    receive new weights from it (``engine.weight_group``). Returns when rank 0 shuts the engine down; raises
+    when rank 0 dies (its connection closes).
     """
     from atom_core.engine.kv_pool import plan_pool
     from atom_core.engine.runner import ModelRunner
-    from atom_core.engine.weight_sync import load_weights_worker
+    from atom_core.engine.weight_group import WeightGroupWorker
 
     parallel = getattr(model, "parallel", None)
     if parallel is None or parallel.tp_size == 1 or parallel.tp_group is None:
@@ -450,6 +452,17 @@ def run_worker(model) -> None:
                          max_num_batched_tokens=pool["max_num_batched_tokens"], max_model_len=pool["max_model_len"],
                          enforce_eager=config["enforce_eager"], channel=channel)
     logger.info("worker rank %d: %s, KV pool of %d blocks", parallel.tp_rank, parallel.describe(), plan.num_blocks)
+    weight_group = WeightGroupWorker(model, channel)
+    try:
+        _serve(model, channel, runner, weight_group)
+    finally:
+        weight_group.close()
+
+
+def _serve(model, channel: StepChannel, runner, weight_group) -> None:
+    """``run_worker``'s loop: each message of rank 0 until its shutdown."""
+    from atom_core.engine.weight_sync import load_weights_worker
+
     while True:
         kind, inputs = channel.recv()
         if kind == STEP:
@@ -458,6 +471,8 @@ def run_worker(model) -> None:
             runner.warm_forward()
         elif kind == LOAD_WEIGHTS:  # new weights for this rank's shard (rank 0's Engine.load_weights)
             load_weights_worker(model, channel, pickle.loads(inputs))
+        elif kind == WEIGHT_GROUP:  # join, update from, or leave a trainer's weight-update group
+            weight_group.handle(pickle.loads(inputs))
         elif kind == SHUTDOWN:
             channel.release_device_state()  # before the process group goes (see StepChannel.release_device_state)
             return

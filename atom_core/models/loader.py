@@ -596,13 +596,7 @@ def load_named_tensors(model: nn.Module, named_tensors: Iterable[tuple[str, torc
     built from a quantized checkpoint raises NotImplementedError (its parameters hold the stored format
     and some are converted once at load: MLA's ``kv_b_proj``).
     """
-    quant_config = getattr(model, "quant_config", None)
-    if quant_config is not None and not quant_config.online:
-        raise NotImplementedError(
-            f"load_named_tensors: {type(model).__name__} was built from a quantized checkpoint "
-            f"({quant_config.quant_method}); updating it from tensors is not supported (its parameters hold "
-            "the stored format and scales). Build the model unquantized, or with online quantization "
-            "(quantization='fp8'), whose weights take unquantized tensors")
+    check_updatable(model)
     loading = _Loading(model, load_extra_layers)
     params_before = {name: id(param) for name, param in loading.params.items()}
     routed = 0
@@ -655,6 +649,18 @@ def _prefix_hint(loading: _Loading, name: str) -> str:
                     "the training wrapper adds (DDP's module., torch.compile's _orig_mod., PEFT's "
                     "base_model.model.) before passing the names")
     return ""
+
+
+def check_updatable(model: nn.Module) -> None:
+    """Raise NotImplementedError when ``load_named_tensors`` cannot update ``model``: one built from a quantized
+    checkpoint (a caller that must refuse before receiving any tensor asks first)."""
+    quant_config = getattr(model, "quant_config", None)
+    if quant_config is not None and not quant_config.online:
+        raise NotImplementedError(
+            f"load_named_tensors: {type(model).__name__} was built from a quantized checkpoint "
+            f"({quant_config.quant_method}); updating it from tensors is not supported (its parameters hold "
+            "the stored format and scales). Build the model unquantized, or with online quantization "
+            "(quantization='fp8'), whose weights take unquantized tensors")
 
 
 def named_tensor_pair(item: object, caller: str) -> tuple[str, torch.Tensor]:
