@@ -83,6 +83,7 @@ from atom_core.engine.outputs import StepOutputs
 from atom_core.engine.request import Request, Status, prompt_text_of
 from atom_core.engine.request_checks import RequestChecks
 from atom_core.engine.sampling_params import SamplingParams
+from atom_core.engine.shared_round import remove_round, write_round
 from atom_core.engine.tokenizer import Tokenizer
 from atom_core.engine.weight_sync import WeightLoadError, next_batch
 from atom_core.engine.workers import DEFAULT_STEP_TIMEOUT, STARTUP_TIMEOUT, STOP_TIMEOUT
@@ -115,17 +116,6 @@ class PoolSummary:
     num_blocks: int
     num_free_blocks: int
     stats: PrefixCacheStats
-
-
-def _round_payload(batch: list[tuple[str, torch.Tensor]]) -> bytes | None:
-    """One round of new weights for the replicas, pickled once for all (None for an empty batch: the end).
-    Plain ``pickle`` (``dp_replica``'s module docstring says why); a view is copied first, as pickling it
-    would send its whole storage."""
-    if not batch:
-        return None
-    pairs = [(name, tensor if tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
-              else tensor.clone()) for name, tensor in batch]
-    return pickle.dumps((WEIGHTS, {"batch": pairs}), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _replica_load_error(failed: dict[int, str]) -> WeightLoadError:
@@ -370,16 +360,19 @@ class DataParallelEngine(OfflineAPI):
 
         ``weights``: ``(checkpoint name, tensor)`` pairs, as ``Engine.load_weights`` takes them (any iterable, a
         generator included). It is read once, one pair at a time, in rounds of ``weight_sync.BATCH_BYTES``
-        (``weight_sync.next_batch``): each round's tensors, on the CPU, are pickled once and sent to every
-        replica, whose one ``Engine.load_weights`` call reads the rounds as they come (one report, one
-        ``process_weights_after_loading`` and one prefix-cache reset per replica; with TP workers its engine
-        streams them on to its ranks). The front holds one round at a time (and its pickled bytes).
+        (``weight_sync.next_batch``): each round's tensors, on the CPU, are written once into one shared-memory
+        file (``engine/shared_round.py``: /dev/shm) that every replica maps, and the replicas are sent only where
+        each tensor lies in it; each replica's one ``Engine.load_weights`` call reads the rounds as they come
+        (one report, one ``process_weights_after_loading`` and one prefix-cache reset per replica; with TP
+        workers its engine streams them on to its ranks). The front holds one round at a time (and its file,
+        removed once every replica has answered the round, or the load failed).
 
         Every replica answers every round; a round refused by any replica ends the load at that round on
         all of them and raises ``weight_sync.WeightLoadError`` naming the replica and its error (the rounds
         before it are loaded; each engine serves on, its prefix cache reset: load the full set again). An
         iterable that raises midway (or gives something that is not a pair) ends every replica's load
-        cleanly and its error is raised here; the engine serves on. A replica that dies or does not answer
+        cleanly and its error is raised here; the engine serves on (so does a round the front cannot write:
+        OSError, no room in /dev/shm nor the temporary directory). A replica that dies or does not answer
         a round within ``step_timeout`` raises ``ReplicaFailedError`` and stops the replicas, as in a step.
         Outputs that arrive meanwhile are kept for the next ``step()``.
 
@@ -414,19 +407,27 @@ class DataParallelEngine(OfflineAPI):
         """Send ``source``'s rounds to every replica until its end, a replica's refusal, or its error, and end
         every replica's load there. Returns (the end-of-load answers ``(LOAD_WEIGHTS, report, error text)``
         by replica index: every replica's after the last round, the refusing replicas' only after a refusal,
-        none after an error of ``source``; what ``source`` raised, or None)."""
+        none after an error of ``source`` or of writing a round; what it raised, or None)."""
         everyone = range(len(self._replicas))
         while True:
             try:
-                payload = _round_payload(next_batch(source, "cpu", "DataParallelEngine.load_weights"))
+                batch = next_batch(source, "cpu", "DataParallelEngine.load_weights")
             except BaseException as error:  # noqa: BLE001 - the caller's iterable: loads stop, load_weights raises it
                 self._end_loads(everyone, {"abort": f"the caller's weights raised {type(error).__name__}: {error}"})
                 return {}, error
-            if payload is None:
+            if not batch:
                 return self._end_loads(everyone, {"end": True}), None
-            self._send_to(everyone, payload)
-            del payload  # (sent: not held while the next round is read)
-            answers = self._collect((WEIGHTS, LOAD_WEIGHTS), everyone)
+            try:
+                shared = write_round(batch)
+            except BaseException as error:  # noqa: BLE001 - no room for the round (OSError): loads stop, it is raised
+                self._end_loads(everyone, {"abort": f"the front could not write the round ({type(error).__name__})"})
+                return {}, error
+            del batch  # (written: not held while the next round is read)
+            try:
+                self._send_to(everyone, pickle.dumps((WEIGHTS, shared), protocol=pickle.HIGHEST_PROTOCOL))
+                answers = self._collect((WEIGHTS, LOAD_WEIGHTS), everyone)
+            finally:  # every replica answered the round (or one failed, or an interrupt): no file is left behind
+                remove_round(shared)
             refused = {index: answer for index, answer in answers.items() if answer[0] == LOAD_WEIGHTS}
             if refused:  # (a replica answers a round with its load's end only when the load failed)
                 self._end_loads([i for i in everyone if i not in refused],

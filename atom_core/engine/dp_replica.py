@@ -12,11 +12,13 @@ Front <-> replica: one Unix socket pair per replica (``multiprocessing.connectio
   SamplingParams)``, ``("abort", id)``, ``("stats",)`` (answered with the replica engine's counters),
   ``("reset_prefix_cache",)`` (answered with ``("reset_prefix_cache", its engine's bool)``), ``("shutdown",)``;
   new weights (``DataParallelEngine.load_weights``): ``("load_weights", {"strict", "check_finite"})`` starts
-  one ``Engine.load_weights`` call over the rounds that follow, ``("weights", {"batch": [(name, CPU tensor)]})``
-  each (pickled by the front with plain ``pickle``: torch's multiprocessing pickler would pass tensors as
-  shared-memory handles, which a process the front did not fork cannot open), until ``("weights", {"end":
-  True})`` or ``("weights", {"abort": why})``; each round taken is answered with ``("weights",)``, and the
-  load's end with ``("load_weights", LoadReport or None, error text or "")`` (``_WeightRounds``).
+  one ``Engine.load_weights`` call over the rounds that follow, ``("weights", {"file": path, "nbytes": its size,
+  "tensors": [(name, dtype, shape, byte offset)]})`` each: the round's tensors are not in the message but in
+  one shared-memory file the front wrote once for all replicas, which each maps and reads its tensors from as
+  views (``engine/shared_round.py``; torch's multiprocessing tensor handles cannot be used: a process the front
+  did not fork cannot open them), until ``("weights", {"end": True})`` or ``("weights", {"abort": why})``; each
+  round taken is answered with ``("weights",)`` (the front then removes the round's file), and the load's end
+  with ``("load_weights", LoadReport or None, error text or "")`` (``_WeightRounds``).
 - replica -> front: ``("ready", its limits and counters)`` or ``("start_failed", why)`` once its engine is
   built (or not); then after each of its steps the step's outputs as arrays (sequence ids, new tokens,
   token counts), the finished sequences (reason, stop reason, where the final text ends), for the few
@@ -54,6 +56,7 @@ from atom_core.engine.dp_attention import IDLE_WAIT_S, LockStep, join_world
 from atom_core.engine.engine import Engine
 from atom_core.engine.outputs import StepOutputs
 from atom_core.engine.request import Request
+from atom_core.engine.shared_round import read_round
 from atom_core.engine.workers import (
     STOP_TIMEOUT,
     exit_status,
@@ -320,7 +323,8 @@ class _LoadStopped(Exception):
 class _WeightRounds:
     """A replica's side of ``DataParallelEngine.load_weights``: ``pairs()`` is the generator its one
     ``Engine.load_weights`` call reads (so its report, ``process_weights_after_loading`` and prefix-cache reset
-    cover every round), taking the front's rounds one at a time: it holds one round's tensors at most."""
+    cover every round), taking the front's rounds one at a time: it holds one round's tensors at most (views into
+    that round's shared file: ``load_named_tensors`` copies them into the model)."""
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
@@ -349,7 +353,8 @@ class _WeightRounds:
                 raise _LoadStopped(message["abort"])
             if "end" in message:
                 return
-            batch = message.pop("batch")
+            batch = read_round(message)  # views into the round's file, mapped here (the mapping lives with them)
+            del message
             yield from batch
             del batch  # (before the next round arrives)
             # Every pair of the round is taken (loaded; or, with TP workers, in the engine's own stream to

@@ -4,7 +4,10 @@ one-process engine loaded from B and forgets every replica's prefix cache; a ref
 iterable raises in the front and every replica serves on; unfinished requests refuse the load before
 anything is read; a replica killed during the load gives ``ReplicaFailedError`` and leaves no process;
 replicas of two TP ranks each and DP-attention replicas (each holding half of the experts) load too, and
-one DP-attention replica's refusal stops both.
+one DP-attention replica's refusal stops both. Each round travels through one shared-memory file
+(``engine/shared_round.py``): its tensors arrive bit-exact in every dtype (pure-function tests, no engine), and
+no file is left behind after a load that succeeds, is refused, meets a raising iterable or a round the front
+cannot write, or loses a replica.
 
 A and B are ``test_weight_update``'s tiny random checkpoints (same config, other seed), fp32. The module
 shares one plain front and one DP-attention front; each test first loads the weights it starts from. The
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import os
 import signal
+import tempfile
 import time
 from contextlib import contextmanager
 
@@ -22,7 +26,14 @@ import pytest
 import torch
 
 from atom_core import ops
-from atom_core.engine import Engine, ReplicaFailedError, SamplingParams, weight_sync
+from atom_core.engine import (
+    Engine,
+    ReplicaFailedError,
+    SamplingParams,
+    data_parallel,
+    shared_round,
+    weight_sync,
+)
 from tests.engine.test_engine_parity import prompts_for
 from tests.engine.test_multi_rank import _live_children, _pid_exists
 from tests.engine.test_weight_update import _checkpoint_b
@@ -77,6 +88,24 @@ def _pairs(state, taken):
     for name, tensor in state.items():
         taken.append(name)
         yield name, tensor
+
+
+@pytest.fixture
+def shared_dir(tmp_path, monkeypatch):
+    """The rounds' files go to an empty folder of this test; returns (the folder, the paths of the files written,
+    recorded as they are written)."""
+    folder = tmp_path / "shm"
+    folder.mkdir()
+    monkeypatch.setattr(shared_round, "SHARED_DIR", str(folder))  # (read by the front alone)
+    written = []
+
+    def recording(batch):
+        message = shared_round.write_round(batch)
+        written.append(message["file"])
+        return message
+
+    monkeypatch.setattr(data_parallel, "write_round", recording)
+    return folder, written
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +211,7 @@ def test_load_weights_is_refused_naming_the_count_while_requests_are_unfinished_
 
 
 def test_a_replica_killed_during_the_load_raises_replica_failed_error_naming_it_and_leaves_no_process(
-        tiny_qwen3, qwen3, monkeypatch):
+        tiny_qwen3, qwen3, shared_dir, monkeypatch):
     _, _, state_b, _, _ = qwen3
     monkeypatch.setattr(weight_sync, "BATCH_BYTES", 1)
     children = _live_children()
@@ -203,6 +232,113 @@ def test_a_replica_killed_during_the_load_raises_replica_failed_error_naming_it_
     pids = [p.pid for p in engine.processes]
     engine.shutdown()
     assert _live_children() <= children and not any(map(_pid_exists, pids))
+    folder, written = shared_dir
+    assert len(written) == 4 and list(folder.iterdir()) == []  # (the fourth round's file too)
+
+
+def test_no_round_file_is_left_after_a_load_that_succeeds_is_refused_or_meets_a_raising_iterable(
+        front, qwen3, shared_dir, monkeypatch):
+    prompts, _, state_b, _, want_b = qwen3
+    folder, written = shared_dir
+    monkeypatch.setattr(weight_sync, "BATCH_BYTES", 1)  # one file per tensor
+    front.load_weights(state_b.items())
+    assert len(written) == len(state_b) and all(os.path.dirname(p) == str(folder) for p in written)
+    assert len(set(written)) == len(written) and list(folder.iterdir()) == []
+    del written[:]
+    with pytest.raises(weight_sync.WeightLoadError, match="replica 0 failed"):
+        front.load_weights([("model.norm.weight", state_b["model.norm.weight"]),
+                            ("model.layers.1.self_attn.q_proj.weight", torch.zeros(3, 5))])
+    assert len(written) == 2 and list(folder.iterdir()) == []
+    del written[:]
+
+    def broken():
+        yield from list(state_b.items())[:2]
+        raise OSError("the trainer's gather failed")
+
+    with pytest.raises(OSError, match="the trainer's gather failed"):
+        front.load_weights(broken())
+    assert len(written) == 2 and list(folder.iterdir()) == []
+    front.load_weights(state_b.items())
+    assert _greedy_by_replica(front, prompts)[0] == want_b and list(folder.iterdir()) == []
+
+
+def test_a_round_the_front_cannot_write_raises_its_os_error_leaves_no_file_and_every_replica_serves_on(
+        front, qwen3, shared_dir, monkeypatch):
+    prompts, state_a, state_b, want_a, _ = qwen3
+    folder, written = shared_dir
+    front.load_weights(state_a.items())
+    monkeypatch.setattr(weight_sync, "BATCH_BYTES", 1)
+    recording = data_parallel.write_round
+
+    def full(batch):
+        if len(written) == 2:
+            raise OSError("could not write a round of new weights: No space left on device")
+        return recording(batch)
+
+    monkeypatch.setattr(data_parallel, "write_round", full)
+    with pytest.raises(OSError, match="No space left on device"):
+        front.load_weights(state_b.items())
+    assert list(folder.iterdir()) == []
+    front.check_health()
+    monkeypatch.setattr(data_parallel, "write_round", recording)
+    front.load_weights(state_a.items())
+    assert _greedy_by_replica(front, prompts)[0] == want_a
+
+
+# ---- the round's file: write_round / read_round alone ---------------------------------------------------------------
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2, torch.float64,
+          torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool, torch.complex64]
+SHAPES = [(), (0,), (0, 5), (1,), (3,), (7, 13), (2, 3, 5)]
+
+
+def _random(shape, dtype, generator):
+    """A tensor of ``shape`` and ``dtype`` with random bytes (any bit pattern: NaNs of every kind included)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (*shape, size), dtype=torch.uint8, generator=generator)
+    if dtype == torch.bool:
+        raw &= 1  # (a bool byte is 0 or 1)
+    return raw.view(dtype).reshape(shape)
+
+
+def _bytes(tensor):
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def test_write_round_then_read_round_gives_every_tensor_bit_exact_in_every_dtype_and_shape(tmp_path, monkeypatch):
+    monkeypatch.setattr(shared_round, "SHARED_DIR", str(tmp_path))
+    monkeypatch.setattr(shared_round, "_WRITE_CHUNK", 7)  # (a tensor's bytes in several writes, as over 1 GiB)
+    generator = torch.Generator().manual_seed(0)
+    batch = [(f"t{i}.{j}", _random(shape, dtype, generator))
+             for i, dtype in enumerate(DTYPES) for j, shape in enumerate(SHAPES)]
+    whole = _random((6, 10), torch.bfloat16, generator)
+    batch += [("a.view", whole[2:5]), ("a.transposed", whole.t()), ("empty.last", torch.empty(0, 3))]
+    message = shared_round.write_round(batch)
+    assert os.path.dirname(message["file"]) == str(tmp_path)
+    assert all(offset % shared_round.ALIGN == 0 for *_, offset in message["tensors"])
+    got = shared_round.read_round(message)
+    shared_round.remove_round(message)
+    assert list(tmp_path.iterdir()) == []
+    assert [name for name, _ in got] == [name for name, _ in batch]
+    for (name, want), (_, tensor) in zip(batch, got):  # (read after the file was removed: the mapping lives)
+        assert tensor.dtype == want.dtype and tensor.shape == want.shape, name
+        assert torch.equal(_bytes(tensor), _bytes(want.contiguous())), name
+
+
+def test_a_round_of_empty_tensors_only_reads_back_and_a_full_shared_folder_falls_back_to_the_temporary_one(
+        tmp_path, monkeypatch):
+    monkeypatch.setattr(shared_round, "SHARED_DIR", str(tmp_path / "missing"))  # (mkstemp fails there)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    message = shared_round.write_round([("e", torch.empty(0, 4, dtype=torch.bfloat16)), ("z", torch.empty(0))])
+    assert os.path.dirname(message["file"]) == str(tmp_path) and message["nbytes"] == 0
+    got = shared_round.read_round(message)
+    assert [(n, t.dtype, t.shape) for n, t in got] == [("e", torch.bfloat16, (0, 4)), ("z", torch.float32, (0,))]
+    shared_round.remove_round(message)
+    shared_round.remove_round(message)  # (twice: nothing to remove)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "missing too"))
+    with pytest.raises(OSError, match="could not write a round of new weights"):
+        shared_round.write_round([("x", torch.ones(3))])
 
 
 # ---- DP attention: each replica holds half of every MoE layer's experts ------------------------------------------
