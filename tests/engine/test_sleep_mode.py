@@ -123,6 +123,25 @@ def test_level_2_keeps_the_buffers_values(tiny_qwen3):
         assert torch.equal(buffer, buffers[name]), name
 
 
+def test_a_dsa_model_gets_its_indexer_caches_freed_and_back_and_generates_the_same_tokens(tmp_path):
+    pytest.importorskip("transformers")
+    from tests.models.moe_parity import build_moe_pair
+    from tests.models.test_parity_deepseek_v32 import V32_SPARSE
+
+    pair = build_moe_pair(V32_SPARSE, tmp_path)
+    prompts = prompts_for(pair.hf_model.config.vocab_size, (17, 1, 9))
+    engine = Engine.from_pretrained(pair.path, **ARGS)
+    assert engine.runner.extra_pools, "the model must have caches beside the pool for this test to mean anything"
+    want = _greedy(engine, prompts)
+    shapes = {name: pool.shape for name, pool in engine.runner.extra_pools.items()}
+
+    engine.sleep(level=1)
+    assert all(pool.numel() == 0 for pool in engine.runner.extra_pools.values())
+    engine.wake_up()
+    assert {name: pool.shape for name, pool in engine.runner.extra_pools.items()} == shapes
+    assert _greedy(engine, prompts) == want
+
+
 def test_stepping_with_only_the_weights_awake_raises_naming_the_kv_cache_and_works_once_it_is_awake(tiny_qwen3):
     folder, _ = tiny_qwen3
     prompts = _prompts(tiny_qwen3)
