@@ -75,10 +75,19 @@ def restore(saved: OffloadedTensor) -> None:
 
 def offload_weights(model: torch.nn.Module, level: int, pin: bool) -> list[OffloadedTensor]:
     """Every parameter and buffer of ``model`` (each object once: a tied weight is one parameter) offloaded:
-    level 1 keeps every value on the host, level 2 keeps the buffers' values only."""
+    level 1 keeps every value on the host, level 2 keeps the buffers' values only. When one fails (no host
+    memory left), those offloaded before it are restored and the error raised: the model is as it was."""
     params = [(p, level == 1) for p in model.parameters()]
     buffers = [(b, True) for b in model.buffers()]
-    return [offload(t, keep, pin) for t, keep in params + buffers]
+    done = []
+    try:
+        for tensor, keep in params + buffers:
+            done.append(offload(tensor, keep, pin))
+    except BaseException:
+        for saved in done:  # (a failure can only come from a host copy: every one done so far kept its values)
+            restore(saved)
+        raise
+    return done
 
 
 def wake_tags(tags: Iterable[str] | None) -> set[str]:
@@ -132,10 +141,15 @@ class SleepMode:
                                "finish (or abort them) first")
         while self._in_flight is not None:  # a step launched ahead of its outputs: run it out (it produces nothing)
             self.step()
-        self.reset_prefix_cache()
+        if not self.reset_prefix_cache():  # (no request holds blocks: cannot happen)
+            raise RuntimeError("Engine.sleep: the prefix cache could not be reset")
         state = SleepState(level, recapture=self.runner.drop_graphs() > 0)
         self.runner.release_pool()
-        state.weights = offload_weights(self.model, level, pin=self.device.type == "cuda")
+        try:
+            state.weights = offload_weights(self.model, level, pin=self.device.type == "cuda")
+        except BaseException:
+            self.runner.allocate_pool()  # awake again (the CUDA graphs are captured as steps need them)
+            raise
         self._sleep = state
         self._return_memory()
 
@@ -167,9 +181,10 @@ class SleepMode:
             for saved in state.weights:
                 restore(saved)
             state.weights = []
-        if "kv_cache" in tags:
+            state.asleep.discard("weights")
+        if "kv_cache" in tags:  # (out of memory here: the weights stay awake, call wake_up(["kv_cache"]) again)
             self.runner.allocate_pool()
-        state.asleep -= tags
+            state.asleep.discard("kv_cache")
         if state.asleep:
             return
         self._sleep = None

@@ -201,6 +201,33 @@ def test_sleep_runs_out_the_step_launched_ahead_of_a_request_that_stopped_on_a_s
     assert _greedy(engine, prompts) == want
 
 
+def test_a_sleep_that_fails_copying_the_weights_leaves_the_engine_awake_with_its_weights(tiny_qwen3, monkeypatch):
+    from atom_core.engine import sleep_mode
+
+    folder, _ = tiny_qwen3
+    prompts = _prompts(tiny_qwen3)
+    engine = Engine.from_pretrained(folder, **ARGS)
+    want = _greedy(engine, prompts)
+    values = {name: p.detach().clone() for name, p in engine.model.named_parameters()}
+    calls = []
+
+    def offload_until_the_host_is_full(tensor, keep_values, pin):
+        calls.append(tensor)
+        if len(calls) == 3:
+            raise MemoryError("host memory exhausted")
+        return real_offload(tensor, keep_values, pin)
+
+    real_offload = sleep_mode.offload
+    monkeypatch.setattr(sleep_mode, "offload", offload_until_the_host_is_full)
+    with pytest.raises(MemoryError):
+        engine.sleep(level=1)
+    monkeypatch.undo()
+    assert not engine.is_sleeping and engine.runner.has_pool and engine.runner.is_bound
+    for name, param in engine.model.named_parameters():
+        assert torch.equal(param, values[name]), name
+    assert _greedy(engine, prompts) == want
+
+
 def test_sleep_and_wake_up_are_refused_without_enable_sleep_mode(tiny_qwen3):
     folder, _ = tiny_qwen3
     engine = Engine.from_pretrained(folder, **ARGS | {"enable_sleep_mode": False})
@@ -246,14 +273,18 @@ def test_sleeping_twice_and_waking_an_awake_tag_change_nothing(tiny_qwen3, caplo
     assert _greedy(engine, prompts) == want
 
 
+def _gpu_engine(folder):
+    return Engine.from_pretrained(folder, dtype=torch.bfloat16, device="cuda", block_size=16, max_model_len=64,
+                                  num_kv_blocks=4096, max_num_seqs=8, max_num_batched_tokens=256,
+                                  enable_sleep_mode=True)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_level_1_sleep_on_a_gpu_frees_the_pool_and_weights_and_wake_up_recaptures_the_graphs(tiny_qwen3):
     folder, _ = tiny_qwen3
     prompts = _prompts(tiny_qwen3)
     with ops.use_backend(None):  # the GPU backends (the autouse fixture prefers the reference ops, run eagerly)
-        engine = Engine.from_pretrained(folder, dtype=torch.bfloat16, device="cuda", block_size=16,
-                                        max_model_len=64, num_kv_blocks=4096, max_num_seqs=8,
-                                        max_num_batched_tokens=256, enable_sleep_mode=True)
+        engine = _gpu_engine(folder)
         assert engine.runner.graphs is not None and engine.runner.graphs.num_captured > 0
         want = _greedy(engine, prompts)
         weight_bytes = sum(t.numel() * t.element_size() for t in engine.model.parameters())
@@ -268,5 +299,22 @@ def test_level_1_sleep_on_a_gpu_frees_the_pool_and_weights_and_wake_up_recapture
         assert engine.runner.graphs.num_captured == 0
 
         engine.wake_up()
+        assert engine.runner.graphs is not None and engine.runner.graphs.num_captured > 0
+        assert _greedy(engine, prompts) == want
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_level_2_on_a_gpu_then_load_weights_generates_as_before_with_the_graphs_captured_again(tiny_qwen3):
+    folder, hf = tiny_qwen3
+    prompts = _prompts(tiny_qwen3)
+    with ops.use_backend(None):
+        engine = _gpu_engine(folder)
+        want = _greedy(engine, prompts)
+        params = dict(engine.model.named_parameters())
+        engine.sleep(level=2)
+        engine.wake_up(["weights"])
+        assert all(p.is_cuda and p is params[name] for name, p in engine.model.named_parameters())
+        engine.load_weights(hf.state_dict().items(), strict=True)
+        engine.wake_up(["kv_cache"])
         assert engine.runner.graphs is not None and engine.runner.graphs.num_captured > 0
         assert _greedy(engine, prompts) == want
