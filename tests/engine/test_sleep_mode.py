@@ -318,3 +318,17 @@ def test_level_2_on_a_gpu_then_load_weights_generates_as_before_with_the_graphs_
         engine.wake_up(["kv_cache"])
         assert engine.runner.graphs is not None and engine.runner.graphs.num_captured > 0
         assert _greedy(engine, prompts) == want
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not available")
+def test_sleep_over_two_tensor_parallel_ranks_is_refused_naming_them_and_the_engine_serves_on(tiny_qwen3,
+                                                                                             monkeypatch):
+    monkeypatch.setenv("ATOM_CORE_BACKEND", "torch")  # (the worker reads it at import)
+    folder, _ = tiny_qwen3
+    prompts = _prompts(tiny_qwen3)
+    want = _greedy(Engine.from_pretrained(folder, **ARGS), prompts)
+    with Engine.from_pretrained(folder, tensor_parallel_size=2, step_timeout=60.0, **ARGS) as engine:
+        with pytest.raises(NotImplementedError, match="several tensor-parallel ranks"):
+            engine.sleep(level=1)
+        assert not engine.is_sleeping
+        assert _greedy(engine, prompts) == want
