@@ -133,10 +133,12 @@ class StepGraphs:
     def release(self) -> None:
         """Destroy every captured graph now (the static buffers stay). NCCL frees a communicator only once
         the graphs that captured its collectives are gone: a multi-rank engine calls this before its process
-        group is destroyed or aborted. A later ``run`` captures again."""
+        group is destroyed or aborted. The graphs' memory pool goes with them (its memory returns to the
+        caching allocator). A later ``run`` captures again, in a new pool."""
         for captured in self._graphs.values():
             captured.graph.reset()
         self._graphs.clear()
+        self._pool = None
 
     def static_layout(self, bucket: Bucket) -> StepLayout:
         """The static buffers' view of ``bucket``'s shape (what the graph was captured on)."""

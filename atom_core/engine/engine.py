@@ -34,6 +34,7 @@ from atom_core.engine.request_checks import RequestChecks
 from atom_core.engine.runner import LaunchedStep, ModelRunner
 from atom_core.engine.sampling_params import SEED_LIMIT, SamplingParams
 from atom_core.engine.scheduler import Scheduler
+from atom_core.engine.sleep_mode import SleepMode
 from atom_core.engine.stop_rule import StopRule
 from atom_core.engine.tokenizer import Tokenizer
 from atom_core.engine.weight_updates import WeightUpdates
@@ -53,7 +54,7 @@ DEMO_MODEL = Path(__file__).resolve().parent.parent / "demo_model"
 CPU_MAX_MODEL_LEN = 4096  # on CPU, max_model_len defaults to no more than this (a CPU is slow past it anyway)
 
 
-class Engine(OfflineAPI, WeightUpdates):
+class Engine(OfflineAPI, WeightUpdates, SleepMode):
     """Continuous-batching generation over a paged KV pool.
 
     Build with :meth:`from_pretrained` (a checkpoint folder) or directly from a model that follows
@@ -81,7 +82,9 @@ class Engine(OfflineAPI, WeightUpdates):
     (default: ``log_softmax`` of the model's logits), ``"raw_logits"`` (the logits), ``"processed_logprobs"``
     (``log_softmax`` of the scores the token was drawn from: after the penalties, biases and bans, divided
     by the temperature, filtered tokens at -inf; HF's ``output_scores``) or ``"processed_logits"`` (those
-    scores); prompt positions are never processed (``engine/logprobs.py``).
+    scores); prompt positions are never processed (``engine/logprobs.py``). ``enable_sleep_mode`` (vLLM's flag,
+    default off): allow :meth:`sleep` / :meth:`wake_up`, which free and take back the engine's GPU memory
+    (``engine/sleep_mode.py``).
 
     A model writes into one KV pool at a time: an engine binds its own pool into the model before
     each step when another engine on the same model has rebound it.
@@ -103,9 +106,12 @@ class Engine(OfflineAPI, WeightUpdates):
                  enable_prefix_caching: bool = True, enforce_eager: bool = False, async_scheduling: bool = True,
                  warmup: bool = True, kv_cache_dtype: str | torch.dtype = "auto", max_logprobs: int = 20,
                  step_timeout: float = DEFAULT_STEP_TIMEOUT, seed: int | None = None,
-                 logprobs_mode: str = "raw_logprobs", workers: WorkerSet | None = None):
+                 logprobs_mode: str = "raw_logprobs", workers: WorkerSet | None = None,
+                 enable_sleep_mode: bool = False):
         check_logprobs_mode(logprobs_mode)  # refused before any rank or pool is set up
         self._weight_group = None  # this rank's member of a trainer's weight-update group, while one is open
+        self.enable_sleep_mode = bool(enable_sleep_mode)
+        self._sleep = None  # sleep_mode.SleepState while asleep
         self.model = model
         self.tokenizer = tokenizer
         self.device = check_device(device) if device is not None else next(model.parameters()).device
@@ -343,6 +349,7 @@ class Engine(OfflineAPI, WeightUpdates):
         cache (``TRITON_CACHE_DIR``, default ``~/.triton/cache``), so a later process skips the
         compilation and pays only the captures. On the CPU there is nothing to compile.
         """
+        self._check_awake("Engine.warmup")
         if self.device.type != "cuda":
             return 0.0
         if self._channel is not None:
@@ -406,7 +413,8 @@ class Engine(OfflineAPI, WeightUpdates):
 
         ``prompt_text``: the prompt's text, kept as its outputs' ``prompt`` (vLLM's ``RequestOutput.prompt``):
         for a prompt of token ids whose text is known (``chat`` passes the rendered conversation). Default:
-        the prompt itself when it is text, else None."""
+        the prompt itself when it is text, else None. RuntimeError while the engine is asleep."""
+        self._check_awake("Engine.add_request")
         if self._channel is not None:
             self._channel.check_usable()  # DistributedEngineError: the ranks are gone, no step would run it
         token_ids, params = self._check_request(prompt, params, grammar)
@@ -518,8 +526,10 @@ class Engine(OfflineAPI, WeightUpdates):
         """Run one step; returns an output for every request that got a new token in it.
 
         With ``async_scheduling`` the next step is scheduled and launched before this one's tokens
-        are read, so the device never waits for the host between steps.
+        are read, so the device never waits for the host between steps. RuntimeError while the engine is
+        asleep (``wake_up`` first).
         """
+        self._check_awake("Engine.step")
         if self._channel is not None:
             try:
                 self._channel.check_usable()

@@ -104,19 +104,12 @@ class ModelRunner:
         self.device = torch.device(device)
         self.plan = plan
         self.max_pages = -(-max_model_len // plan.block_size)
-        # One allocation for the whole pool: [layers, 2 (K, V), num_blocks, block_size, Hk, D], or for
-        # MLA [layers, 1 (the latent row), num_blocks, block_size, ...]; each layer gets its tensors.
-        self.kv_pool = torch.zeros((spec.num_layers, spec.num_kv_tensors_per_layer, *plan.kv_shape), dtype=spec.dtype,
-                                   device=self.device)
-        self._kv_caches = [tuple(self.kv_pool[i].unbind(0)) for i in range(spec.num_layers)]
-        # Extra per-token caches over the same blocks (``model.extra_kv_cache_specs()``, e.g. DSA's indexer keys).
-        self.extra_pools = {name: torch.zeros((extra.num_layers, *extra.kv_shape(plan.num_blocks, plan.block_size)),
-                                              dtype=extra.dtype, device=self.device)
-                            for name, extra in (extra_specs or {}).items()}
-        self._extra_caches = {name: list(pool.unbind(0)) for name, pool in self.extra_pools.items()}
-        if spec.dtype.itemsize == 1:  # an FP8 pool: each layer's scales, the checkpoint's or 1.0
-            self._kv_caches = [(*caches, *self._scales(scales)) for caches, scales
-                               in zip(self._kv_caches, model.kv_cache_scales())]
+        self.spec = spec
+        self.extra_specs = dict(extra_specs or {})
+        # An FP8 pool: each layer's scales, the checkpoint's or 1.0 (kept across reallocations of the pool).
+        self._kv_scales = ([self._scales(scales) for scales in model.kv_cache_scales()] if spec.dtype.itemsize == 1
+                           else None)
+        self._allocate(plan.num_blocks)
         self.bind()
         self._last_sampled: torch.Tensor | None = None  # the previous launch's tokens, on the device
         self.num_forwards = 0  # model forwards begun (a lock-stepped DP rank checks a step ran one)
@@ -131,6 +124,23 @@ class ModelRunner:
                                      max_model_len=max_model_len, block_size=plan.block_size)
             if channel is not None:
                 channel.graphs = self.graphs  # released before the ranks' communicator is torn down
+
+    def _allocate(self, num_blocks: int) -> None:
+        """A zeroed pool of ``num_blocks`` blocks and the per-layer views the model is bound to (not bound here).
+
+        One allocation for the whole pool: [layers, 2 (K, V), num_blocks, block_size, Hk, D], or for MLA
+        [layers, 1 (the latent row), num_blocks, block_size, ...]; each layer gets its tensors. Extra
+        per-token caches (``model.extra_kv_cache_specs()``, e.g. DSA's indexer keys) cover the same blocks."""
+        spec, block_size = self.spec, self.plan.block_size
+        self.kv_pool = torch.zeros((spec.num_layers, spec.num_kv_tensors_per_layer,
+                                    *spec.kv_shape(num_blocks, block_size)), dtype=spec.dtype, device=self.device)
+        self._kv_caches = [tuple(self.kv_pool[i].unbind(0)) for i in range(spec.num_layers)]
+        if self._kv_scales is not None:
+            self._kv_caches = [(*caches, *scales) for caches, scales in zip(self._kv_caches, self._kv_scales)]
+        self.extra_pools = {name: torch.zeros((extra.num_layers, *extra.kv_shape(num_blocks, block_size)),
+                                              dtype=extra.dtype, device=self.device)
+                            for name, extra in self.extra_specs.items()}
+        self._extra_caches = {name: list(pool.unbind(0)) for name, pool in self.extra_pools.items()}
 
     def _scales(self, checkpoint_scales) -> tuple[torch.Tensor, torch.Tensor]:
         return tuple(torch.ones(1, dtype=torch.float32, device=self.device) if scale is None
@@ -152,6 +162,37 @@ class ModelRunner:
         self.model.bind_kv_cache(self._kv_caches)
         if self.extra_pools:
             self.model.bind_extra_kv_caches(self._extra_caches)
+
+    # ------------------------------------------------------------------ sleep mode
+
+    @property
+    def has_pool(self) -> bool:
+        """Whether the pool holds the plan's blocks (False between ``release_pool`` and ``allocate_pool``)."""
+        return self.kv_pool.shape[2] == self.plan.num_blocks
+
+    def release_pool(self) -> None:
+        """Free the KV pool, the extra caches and the token state (sleep mode; no step may be in flight).
+
+        The model is bound to an empty pool of the same layout (0 blocks, no memory), so that no attention
+        layer keeps the freed memory alive; nothing may step until ``allocate_pool``."""
+        self._allocate(0)
+        self.bind()
+        self.token_state = None  # made again on first use; every request sets its own slot before reading it
+        self._last_sampled = None
+
+    def allocate_pool(self) -> None:
+        """A zeroed pool of the plan's blocks (the same shape as before ``release_pool``), bound to the model."""
+        self._allocate(self.plan.num_blocks)
+        self.bind()
+
+    def drop_graphs(self) -> int:
+        """Destroy the captured CUDA graphs and their memory pool (they hold the pool's and the weights'
+        addresses); returns how many there were. ``warm_forward`` (or the next step) captures them again."""
+        if self.graphs is None:
+            return 0
+        num_captured = self.graphs.num_captured
+        self.graphs.release()
+        return num_captured
 
     # ------------------------------------------------------------------ one step
 

@@ -5,7 +5,7 @@ process, streamed to the TP workers by ``engine.weight_sync``), the trainer's we
 
 What they use of the engine: ``model``, ``device``, ``block_manager``, ``_channel`` (the TP ranks' control
 channel, None with one rank), ``_weight_group`` (this rank's member of an open group, else None),
-``_num_unfinished()`` and ``shutdown()``.
+``_num_unfinished()``, ``shutdown()`` and ``_check_awake`` (sleep mode: the weights must be awake).
 """
 
 from __future__ import annotations
@@ -61,7 +61,8 @@ class WeightUpdates:
         serves on. A worker that dies meanwhile raises ``WorkerFailedError`` and stops the engine.
 
         Raises RuntimeError naming the count while requests are unfinished (a request would mix KV of two
-        weight sets). A refused tensor stops the load there, the ones before it loaded (load the full set
+        weight sets), and while the weights are asleep (``Engine.sleep``; wake_up(["weights"]) first). A
+        refused tensor stops the load there, the ones before it loaded (load the full set
         again); the prefix cache is reset whenever the load began, so no KV of the old weights is reused.
         """
         from atom_core.models.loader import load_named_tensors
@@ -76,7 +77,10 @@ class WeightUpdates:
 
     def _check_weight_update(self, caller: str) -> None:
         """Refuse a weight update (before anything is read or received): the ranks are gone
-        (``DistributedEngineError``), requests are unfinished (RuntimeError naming the count)."""
+        (``DistributedEngineError``), the weights are asleep or requests are unfinished (RuntimeError naming
+        what). With the KV pool asleep and the weights awake an update is allowed (vLLM's ``wake_up(["weights"])``,
+        load, then ``wake_up(["kv_cache"])``)."""
+        self._check_awake(caller, needs=("weights",))
         if self._channel is not None:
             self._channel.check_usable()
         unfinished = self._num_unfinished()

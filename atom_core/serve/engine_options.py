@@ -134,6 +134,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, with_path: bool = T
                        help="accepted for vLLM command lines and does nothing: atom_core never runs code from a "
                             "checkpoint (its architectures are built in)")
     group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    group.add_argument("--enable-sleep-mode", action="store_true",
+                       help="allow Engine.sleep / wake_up, which free and take back the engine's GPU memory (KV "
+                            "pool, CUDA graphs, weights) for a trainer beside it; vLLM's flag")
     group.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy", "zeros"],
                        help="dummy: random weights of the config's shapes (benchmarks)")
     group.add_argument("--quantization", default=None, choices=["fp8", "fp8_block"],
@@ -223,7 +226,7 @@ def build_engine(args: argparse.Namespace):
             num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
             block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
             enforce_eager=args.enforce_eager, max_logprobs=args.max_logprobs, logprobs_mode=args.logprobs_mode,
-            seed=getattr(args, "seed", None),
+            seed=getattr(args, "seed", None), enable_sleep_mode=args.enable_sleep_mode,
             generation_config=args.generation_config, **parallel)
     except ValueError as e:
         raise ValueError(with_flag_names(str(e))) from e

@@ -237,6 +237,18 @@ def test_help_says_what_the_no_op_and_refused_flags_do(capsys):
     assert "--enable-auto-tool-choice refused: tool-call parsing is not implemented" in text
 
 
+@pytest.mark.parametrize("flags, want", [([], False), (["--enable-sleep-mode"], True)])
+def test_enable_sleep_mode_flag_reaches_the_engine(flags, want, engine_kwargs):
+    build_engine(parse("serve", *flags, "--threads", "1"))
+    assert engine_kwargs["enable_sleep_mode"] is want
+
+
+def test_the_built_engine_sleeps_with_enable_sleep_mode():
+    engine = build_engine(parse("generate", "--enable-sleep-mode", "--device", "cpu", "--threads", "1"))
+    engine.sleep(level=1)
+    assert engine.is_sleeping
+
+
 # ---- --logprobs-mode
 
 
