@@ -170,6 +170,11 @@ class StepGraphs:
         self.cu_seqlens_q[rows:] = bucket.num_tokens
         self.context_lens.zero_()
         self.slot_mapping.fill_(-1)
+        # Steps run before (a capture again, after Engine.wake_up) leave their values: indices past this bucket's
+        # tokens would gather out of bounds.
+        self.logits_indices.zero_()
+        self.input_ids.zero_()
+        self.positions.zero_()
         torch.arange(self.row_order.shape[0], out=self.row_order)  # each bucket's first rows: a permutation of them
         ids = self.input_ids[:bucket.num_tokens]
         for _ in range(2):  # warm up: Triton compiles and lazy initialisation happen outside the graph
