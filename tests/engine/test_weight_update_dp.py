@@ -30,7 +30,7 @@ from atom_core.engine import (
     Engine,
     ReplicaFailedError,
     SamplingParams,
-    data_parallel,
+    dp_weights,
     shared_round,
     weight_sync,
 )
@@ -104,7 +104,7 @@ def shared_dir(tmp_path, monkeypatch):
         written.append(message["file"])
         return message
 
-    monkeypatch.setattr(data_parallel, "write_round", recording)
+    monkeypatch.setattr(dp_weights, "write_round", recording)
     return folder, written
 
 
@@ -268,19 +268,19 @@ def test_a_round_the_front_cannot_write_raises_its_os_error_leaves_no_file_and_e
     folder, written = shared_dir
     front.load_weights(state_a.items())
     monkeypatch.setattr(weight_sync, "BATCH_BYTES", 1)
-    recording = data_parallel.write_round
+    recording = dp_weights.write_round
 
     def full(batch):
         if len(written) == 2:
             raise OSError("could not write a round of new weights: No space left on device")
         return recording(batch)
 
-    monkeypatch.setattr(data_parallel, "write_round", full)
+    monkeypatch.setattr(dp_weights, "write_round", full)
     with pytest.raises(OSError, match="No space left on device"):
         front.load_weights(state_b.items())
     assert list(folder.iterdir()) == []
     front.check_health()
-    monkeypatch.setattr(data_parallel, "write_round", recording)
+    monkeypatch.setattr(dp_weights, "write_round", recording)
     front.load_weights(state_a.items())
     assert _greedy_by_replica(front, prompts)[0] == want_a
 
