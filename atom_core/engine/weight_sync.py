@@ -11,7 +11,7 @@ Each round, on every rank:
    pairs; or ``abort``: rank 0's iterable raised or gave something that is not a pair);
 2. each tensor's bytes are broadcast from rank 0 over the TP group (the model's device group: NCCL on a
    GPU, gloo on the CPU; rank 0's tensors moved to its device first);
-3. every rank hands the batch's pairs to its own ``models.loader.load_named_tensors`` (ONE call per rank
+3. every rank hands the batch's pairs to its own ``models.named_tensors.load_named_tensors`` (ONE call per rank
    over the whole stream: its report, accounting and ``process_weights_after_loading`` cover it all), which
    cuts each rank's shard;
 4. the ranks exchange a status (empty: fine, else the error) over the control group; one failed rank
@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from atom_core.engine.distributed import LOAD_WEIGHTS, WEIGHT_GROUP
-from atom_core.models.loader import named_tensor_pair
+from atom_core.models.named_tensors import named_tensor_pair
 
 if TYPE_CHECKING:
     from atom_core.engine.distributed import StepChannel
@@ -155,7 +155,7 @@ class _Stream:
 def _run(model, stream: _Stream, options: dict) -> tuple[LoadReport | None, BaseException | None, list[str]]:
     """This rank's ``load_named_tensors`` over the stream; returns (report, this rank's error, the ranks'
     statuses). A failure of the rounds themselves (a collective, rank 0's iterable) is raised."""
-    from atom_core.models.loader import load_named_tensors
+    from atom_core.models.named_tensors import load_named_tensors
 
     try:
         report = load_named_tensors(model, stream.pairs(), **options)

@@ -49,7 +49,7 @@ class WeightUpdates:
 
         ``weights``: ``(checkpoint name, tensor)`` pairs, Hugging Face names as ``state_dict()`` gives them
         (any iterable, a generator included; a subset updates those parameters only). They are copied into
-        the model's parameters in place (``models.loader.load_named_tensors``: same name mapping, shards and
+        the model's parameters in place (``models.named_tensors.load_named_tensors``: same name mapping, shards and
         online quantization as loading the checkpoint; ``strict`` and ``check_finite`` as there), so CUDA
         graphs captured over the model read the new values. Returns the ``LoadReport``.
 
@@ -65,7 +65,7 @@ class WeightUpdates:
         refused tensor stops the load there, the ones before it loaded (load the full set
         again); the prefix cache is reset whenever the load began, so no KV of the old weights is reused.
         """
-        from atom_core.models.loader import load_named_tensors
+        from atom_core.models.named_tensors import load_named_tensors
 
         def load() -> LoadReport:
             if self._channel is None:
@@ -163,7 +163,7 @@ class WeightUpdates:
         unfinished requests (RuntimeError naming the count), a model from a quantized checkpoint
         (NotImplementedError).
         """
-        from atom_core.models.loader import check_updatable
+        from atom_core.models.named_tensors import check_updatable
 
         specs = tensor_specs(names, dtypes, shapes)
         member = self._weight_group

@@ -32,7 +32,8 @@ from atom_core.models.quantization import (
 )
 from atom_core.models.config import ModelConfig, available_memory_bytes, memory_name, parse_dtype
 from atom_core.models.dummy_weights import initialize_dummy_weights, initialize_zero_weights
-from atom_core.models.loader import LoadReport, load_named_tensors, load_weights, process_weights_after_loading
+from atom_core.models.loader import LoadReport, load_weights, process_weights_after_loading
+from atom_core.models.named_tensors import load_named_tensors
 from atom_core.models.parallel import MissingProcessGroupError, ParallelContext, resolve_parallel
 from atom_core.models.registry import (
     get_model_class,
