@@ -17,7 +17,7 @@ import torch
 
 from atom_core.engine.dp_replica import LOAD_WEIGHTS, WEIGHTS
 from atom_core.engine.shared_round import remove_round, write_round
-from atom_core.engine.weight_sync import WeightLoadError, next_batch
+from atom_core.engine.weight_sync import WeightLoadError, error_status, next_batch
 
 if TYPE_CHECKING:
     from atom_core.models.loader import LoadReport
@@ -111,7 +111,7 @@ class ReplicaWeightUpdates:
             try:
                 batch = next_batch(source, "cpu", "DataParallelEngine.load_weights")
             except BaseException as error:  # noqa: BLE001 - the caller's iterable: loads stop, load_weights raises it
-                self._end_loads(everyone, {"abort": f"the caller's weights raised {type(error).__name__}: {error}"})
+                self._end_loads(everyone, {"abort": f"the caller's weights raised {error_status(error)}"})
                 return {}, error
             if not batch:
                 return self._end_loads(everyone, {"end": True}), None

@@ -237,14 +237,9 @@ def _shape(i: int, name: str, shape) -> tuple[int, ...]:
 def plan_rounds(specs: list[TensorSpec]) -> list[list[TensorSpec]]:
     """``specs`` cut into rounds of about ``weight_sync.BATCH_BYTES`` of full tensors (at least one tensor a
     round), as ``weight_sync.next_batch`` cuts a stream of pairs: no rank holds more at once."""
-    rounds, size = [], weight_sync.BATCH_BYTES
-    for spec in specs:
-        if size >= weight_sync.BATCH_BYTES:
-            rounds.append([])
-            size = 0
-        rounds[-1].append(spec)
-        _, shape, dtype = spec
-        size += torch.Size(shape).numel() * dtype.itemsize
+    remaining, rounds = iter(specs), []
+    while batch := weight_sync.take_round(remaining, lambda spec: torch.Size(spec[1]).numel() * spec[2].itemsize):
+        rounds.append(batch)
     return rounds
 
 
@@ -265,7 +260,7 @@ def join_all(channel: StepChannel | None, args: dict, device: torch.device) -> W
         return join(args, 0, device)
     channel.send(WEIGHT_GROUP, payload=pickle.dumps({"join": args}))
     member, error = _try_join(args, 0, device)
-    statuses = channel.exchange_status(_status(error))
+    statuses = channel.exchange_status(weight_sync.error_status(error))
     if error is not None:
         raise error
     failed = [(rank, status) for rank, status in enumerate(statuses) if status]
@@ -291,10 +286,6 @@ def _try_join(args: dict, tp_rank: int, device) -> tuple[WeightUpdateGroup | Non
         return None, error
 
 
-def _status(error: BaseException | None) -> str:
-    return "" if error is None else f"{type(error).__name__}: {error}"
-
-
 class WeightGroupWorker:
     """A worker rank's side of ``WEIGHT_GROUP`` messages: join, receive an update, close."""
 
@@ -305,7 +296,7 @@ class WeightGroupWorker:
     def handle(self, message: dict) -> None:
         if "join" in message:
             member, error = _try_join(message["join"], self.channel.parallel.tp_rank, self.channel.device)
-            statuses = self.channel.exchange_status(_status(error))
+            statuses = self.channel.exchange_status(weight_sync.error_status(error))
             if any(statuses) and member is not None:
                 member.close()  # another rank could not join: none is a member
             elif member is not None:

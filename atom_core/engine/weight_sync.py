@@ -33,8 +33,8 @@ trainer's broadcasts complete and the group stays usable.
 from __future__ import annotations
 
 import pickle
-from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -47,12 +47,13 @@ if TYPE_CHECKING:
     from atom_core.models.loader import LoadReport
 
 __all__ = ["BATCH_BYTES", "WeightLoadError", "load_from_group_driver", "load_from_group_worker",
-           "load_weights_driver", "load_weights_worker", "next_batch"]
+           "load_weights_driver", "load_weights_worker", "next_batch", "take_round"]
 
 BATCH_BYTES = 256 * 1024 * 1024  # the full (unsharded) tensors a rank holds at once, besides a larger single one
 
 
 _END = object()  # the caller's iterable is exhausted
+T = TypeVar("T")
 
 
 class WeightLoadError(RuntimeError):
@@ -60,21 +61,34 @@ class WeightLoadError(RuntimeError):
     names the rank (or replica) and says why."""
 
 
-def next_batch(source: Iterator, device: torch.device | str, caller: str) -> list[tuple[str, torch.Tensor]]:
-    """One round's pairs, read from ``source`` one at a time until they hold ``BATCH_BYTES`` (so at least one
-    tensor: a tensor over the bound ends its round); empty once ``source`` is exhausted. Each item is checked
-    to be a ``(name, tensor)`` pair (TypeError naming ``caller`` otherwise) and its tensor detached, moved to
-    ``device`` and made contiguous. What ``source`` raises propagates (nothing of the round is kept)."""
+def error_status(error: BaseException | None) -> str:
+    """A rank's status in a status exchange: "" when it did its part, else its error's type and message."""
+    return "" if error is None else f"{type(error).__name__}: {error}"
+
+
+def take_round(items: Iterator[T], nbytes: Callable[[T], int]) -> list[T]:
+    """The next round of ``items``, read one at a time until the round holds ``BATCH_BYTES`` (by ``nbytes`` of
+    each: so at least one item, and an item over the bound ends its round); empty once ``items`` is exhausted.
+    The one rule every weight stream cuts its rounds by."""
     batch, size = [], 0
     while size < BATCH_BYTES:
-        item = next(source, _END)
+        item = next(items, _END)
         if item is _END:
             break
-        name, tensor = named_tensor_pair(item, caller)
-        tensor = tensor.detach().to(device).contiguous()
-        batch.append((name, tensor))
-        size += tensor.numel() * tensor.element_size()
+        batch.append(item)
+        size += nbytes(item)
     return batch
+
+
+def next_batch(source: Iterator, device: torch.device | str, caller: str) -> list[tuple[str, torch.Tensor]]:
+    """One round's pairs from ``source`` (``take_round``). Each item is checked to be a ``(name, tensor)``
+    pair (TypeError naming ``caller`` otherwise) and its tensor detached, moved to ``device`` and made
+    contiguous. What ``source`` raises propagates (nothing of the round is kept)."""
+    def prepared(item) -> tuple[str, torch.Tensor]:
+        name, tensor = named_tensor_pair(item, caller)
+        return name, tensor.detach().to(device).contiguous()
+
+    return take_round(map(prepared, source), lambda pair: pair[1].numel() * pair[1].element_size())
 
 
 class _Stopped(Exception):
@@ -108,7 +122,7 @@ class _Stream:
             batch = next_batch(self.source, self.channel.device, "load_weights")
         except BaseException as error:
             self.aborted = True
-            self.channel.send(LOAD_WEIGHTS, payload=pickle.dumps({"abort": f"{type(error).__name__}: {error}"}))
+            self.channel.send(LOAD_WEIGHTS, payload=pickle.dumps({"abort": error_status(error)}))
             raise
         message = {"batch": [(n, tuple(t.shape), t.dtype) for n, t in batch]} if batch else {"end": True}
         self.channel.send(LOAD_WEIGHTS, payload=pickle.dumps(message))
@@ -166,8 +180,7 @@ def _run(model, stream: _Stream, options: dict) -> tuple[LoadReport | None, Base
         if not (stream.owed or stream.finished):
             raise  # the rounds themselves failed (or rank 0's iterable): see the callers
         report, error = None, caught
-    status = "" if error is None else f"{type(error).__name__}: {error}"
-    return report, error, stream.exchange_status(status)
+    return report, error, stream.exchange_status(error_status(error))
 
 
 def load_weights_driver(model, channel: StepChannel, weights: Iterable, *, strict: bool,
