@@ -1,5 +1,5 @@
 """Triton lightning indexer (``indexer_topk``, DSA): index scores over each row's paged key cache by a Triton
-kernel, then the top-k positions by ``torch.topk`` (a first version: no sort of our own).
+kernel, then the top-k positions by radix select over many programs a row (triton/topk_select.py).
 
 1. ``_index_scores_kernel``, one program per (query token, chunk of ``keys_per_program`` positions:
    :func:`keys_per_program`, from the grid's size against the SM count):
@@ -9,14 +9,16 @@ kernel, then the top-k positions by ``torch.topk`` (a first version: no sort of 
    in the program, its scales folded into w, an e4m3 x e4m3 dot, the sum times the key's scale), written
    to an fp32 buffer ``scores [T, W]``,
    ``W = max_seqlen_k``. Positions the token may not see (``j > p``, or past the row's context) get -inf
-   without their keys being read; every column of the buffer is written (no memset).
-2. ``torch.topk(scores, min(K, W))``: a position scored -inf was not visible, so it becomes -1, as do the
-   columns past W; sorted, so the -1 entries come last. Which of exactly tied positions is kept and the
-   order of the kept ones are unspecified (op contract).
+   without their keys being read; every column of the buffer is written (no memset). The first program of
+   each token also zeroes the token's row of the top-k's state.
+2. ``topk_select.topk_positions(scores, min(K, W))``: exact, -inf (not visible) never chosen; the kept
+   positions in position order (those above the K-th score, then the tied ones), then -1, as also past W.
+   Which of exactly tied positions is kept and the order of the kept ones are unspecified by the op's
+   contract (this backend keeps the earliest).
 
 The buffer is ``T x W`` fp32 (32k context: 128 KiB per query token); tokens go through in chunks so that
 it stays under ``SCORE_BUFFER_BYTES``. Everything is sized from shapes and ``max_seqlen_k`` (CUDA-graph
-capturable). A later version can fuse a per-program partial top-k (radix select) into the kernel.
+capturable).
 
 Legend: T = query tokens, B = rows, Hi = indexer heads, Di = indexer head dim, K = top-k, W = score
 columns, BS = block size.
@@ -31,6 +33,7 @@ import triton
 import triton.language as tl
 
 from atom_core.ops.dispatch import triton_interpret
+from atom_core.ops.triton import topk_select
 from atom_core.ops.triton.attention_unified import _tile_rows, dot_options
 from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2, num_sms, unit_stride
 from atom_core.ops.triton.mla_decode import row_of_token
@@ -44,15 +47,20 @@ PROGRAMS_PER_SM = 4
 @triton.jit
 def _index_scores_kernel(
     q_ptr, w_ptr, cache_ptr, key_scale_ptr, scores_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
-    first_token, num_rows, num_heads, width, keys_per_program,
+    state_ptr, first_token, num_rows, num_heads, width, keys_per_program, state_ints,
     stride_qt, stride_qh, stride_wt, stride_wh, stride_cb, stride_cs, stride_ksb, stride_kss, stride_bt, stride_st,
-    scale,
+    stride_state, scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEADS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, HAS_KEY_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
     t_local = tl.program_id(0)
     t = first_token + t_local
     chunk_start = tl.program_id(1) * keys_per_program
+    if tl.program_id(1) == 0:  # the top-k's state row of this token, zeroed (triton/topk_select.py)
+        state_row = state_ptr + t_local.to(tl.int64) * stride_state
+        for start in range(0, state_ints, BLOCK_N):
+            offs = start + tl.arange(0, BLOCK_N)
+            tl.store(state_row + offs, tl.zeros([BLOCK_N], tl.int32), mask=offs < state_ints)
     row = row_of_token(cu_seqlens_q_ptr, t, num_rows)
     q_start = tl.load(cu_seqlens_q_ptr + row)
     q_len = tl.load(cu_seqlens_q_ptr + row + 1) - q_start
@@ -132,21 +140,24 @@ def keys_per_program(num_tokens: int, width: int, block_n: int, sms: int) -> int
 
 
 def index_scores(q, weights, indexer_cache, indexer_scale, block_tables, cu_seqlens_q, context_lens, width, scale,
-                 first_token, num_tokens, scores):
+                 first_token, num_tokens, scores, state=None):
     """Write ``scores[i, j]`` (fp32 [>= num_tokens, >= width]) = I[first_token + i, j], -inf where not visible.
-    indexer_scale: fp32 [NB, BS] per-key scales of an fp8 cache, or None."""
+    indexer_scale: fp32 [NB, BS] per-key scales of an fp8 cache, or None. state: int32 [>= num_tokens, S], rows
+    0 .. num_tokens-1 zeroed on the way (the top-k's, which needs them zero), or None."""
     constexprs, options = _launch_params(q.shape[1], q.shape[2], indexer_cache.shape[1], q.dtype,
                                          triton_interpret(), indexer_scale is not None)
     sms = num_sms(q.device.index or 0) if q.is_cuda else 1  # the interpreter: a few programs, several chunks
     keys = keys_per_program(num_tokens, width, constexprs["BLOCK_N"], sms)
     has_key_scale = indexer_scale is not None
     key_scale = indexer_scale if has_key_scale else weights  # unread without HAS_KEY_SCALE
+    state_ints = state.shape[1] if state is not None else 0
     _index_scores_kernel[(num_tokens, cdiv(width, keys))](
         q, weights, indexer_cache, key_scale, scores, block_tables, cu_seqlens_q, context_lens,
-        first_token, block_tables.shape[0], q.shape[1], width, keys,
-        q.stride(0), q.stride(1), weights.stride(0), weights.stride(1), indexer_cache.stride(0),
+        state if state is not None else scores, first_token, block_tables.shape[0], q.shape[1], width, keys,
+        state_ints, q.stride(0), q.stride(1), weights.stride(0), weights.stride(1), indexer_cache.stride(0),
         indexer_cache.stride(1), key_scale.stride(0), key_scale.stride(1), block_tables.stride(0), scores.stride(0),
-        float(scale), HAS_KEY_SCALE=has_key_scale, **constexprs, **options,
+        state.stride(0) if state is not None else 0, float(scale), HAS_KEY_SCALE=has_key_scale, **constexprs,
+        **options,
     )
 
 
@@ -165,10 +176,12 @@ def indexer_topk(q, weights, indexer_cache, block_tables, cu_seqlens_q, context_
         return
     block_tables, cu_seqlens_q, context_lens = unit_stride(block_tables, cu_seqlens_q, context_lens)
     chunk = max(1, min(num_tokens, SCORE_BUFFER_BYTES // (4 * width)))
+    sms = num_sms(q.device.index or 0) if q.is_cuda else 1
     scores = torch.empty(chunk, width, dtype=torch.float32, device=q.device)
+    select_chunk = topk_select.chunk_size(chunk, width, sms)
+    state = torch.empty(chunk, topk_select.state_width(width, select_chunk), dtype=torch.int32, device=q.device)
     for first in range(0, num_tokens, chunk):
         count = min(chunk, num_tokens - first)
         index_scores(q, weights, indexer_cache, indexer_scale, block_tables, cu_seqlens_q, context_lens, width, scale,
-                     first, count, scores)
-        values, positions = torch.topk(scores[:count], keep, dim=1)
-        out[first:first + count, :keep] = torch.where(values == float("-inf"), -1, positions).to(torch.int32)
+                     first, count, scores, state)
+        topk_select.topk_positions(scores[:count], state[:count], out[first:first + count], keep, select_chunk)

@@ -1,0 +1,105 @@
+"""The radix-select top-k of score rows (triton/topk_select.py, the DSA indexer's top-k).
+
+Each output row is held to a statement of its contract computed here with torch (not the kernel's passes):
+the positions above the ``keep``-th largest visible score in increasing order, then the positions tied with it,
+earliest first, as many as fill ``keep``, then -1; -inf (not visible) never chosen. Rows come with heavy ties
+(scores drawn from a few integers), negative scores, all-invisible rows, widths that are not a multiple of the
+chunk, and several chunks a row. The CPU interpreter runs it here; on a GPU the same tests and DeepSeek-V3.2's
+shape (32k positions, K = 2048) against ``torch.topk``.
+
+Legend: T rows, W width, K = keep.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.ops.conftest import DEVICE, needs_gpu, needs_triton
+
+pytestmark = needs_triton
+
+
+def expected_positions(row: torch.Tensor, keep: int) -> list[int]:
+    """The contract for one row: positions above the K-th largest visible score (ascending), the tied ones
+    (earliest first) up to ``keep``, then -1."""
+    visible = (row != float("-inf")).nonzero().flatten()
+    take = min(keep, len(visible))
+    if take == 0:
+        return [-1] * keep
+    kth = row[visible].sort(descending=True).values[take - 1]
+    above = [j for j in range(len(row)) if row[j] > kth]
+    tied = [j for j in range(len(row)) if row[j] == kth][:take - len(above)]
+    return above + tied + [-1] * (keep - take)
+
+
+def run_topk(scores: torch.Tensor, keep: int, chunk: int) -> torch.Tensor:
+    from atom_core.ops.triton import topk_select
+
+    rows, width = scores.shape
+    state = torch.zeros(rows, topk_select.state_width(width, chunk), dtype=torch.int32, device=scores.device)
+    out = torch.full((rows, keep), 12345, dtype=torch.int32, device=scores.device)
+    topk_select.topk_positions(scores, state, out, keep, chunk)
+    return out.cpu()
+
+
+@st.composite
+def score_rows(draw):
+    rows = draw(st.integers(1, 3))
+    width = draw(st.integers(1, 200))
+    keep = draw(st.integers(1, width))
+    seed = draw(st.integers(0, 2**16))
+    g = torch.Generator().manual_seed(seed)
+    kind = draw(st.sampled_from(["normal", "few values", "tiny"]))
+    if kind == "normal":
+        scores = torch.randn(rows, width, generator=g)
+    elif kind == "few values":  # ties at the threshold, negatives and zeros
+        scores = torch.randint(-3, 4, (rows, width), generator=g).float()
+    else:  # subnormals and exponents that share a top byte
+        scores = torch.randn(rows, width, generator=g) * 1e-40
+    hidden = torch.rand(rows, width, generator=g) < draw(st.sampled_from([0.0, 0.3, 0.9, 1.0]))
+    scores[hidden] = float("-inf")
+    return scores, keep, draw(st.sampled_from([16, 32, 64]))
+
+
+@settings(max_examples=25, deadline=None)
+@given(case=score_rows())
+def test_topk_positions_keep_the_largest_visible_scores_in_the_stated_order(case):
+    scores, keep, chunk = case
+    got = run_topk(scores.to(DEVICE), keep, chunk)
+    for t in range(scores.shape[0]):
+        assert got[t].tolist() == expected_positions(scores[t], keep)
+
+
+def test_index_scores_zeroes_the_state_rows_of_its_tokens_only():
+    from atom_core.ops.triton.dsa_indexer import index_scores
+    from tests.ops.test_dsa import DSABatch
+
+    batch = DSABatch([3, 1], [5, 9], seed=3)
+    lay = batch.layout
+    width = lay.max_seqlen_k
+    scores = torch.empty(4, width, device=DEVICE)
+    state = torch.full((5, 40), 7, dtype=torch.int32, device=DEVICE)
+    index_scores(batch.index_q.to(DEVICE), batch.index_w.to(DEVICE), batch.index_cache.to(DEVICE), None,
+                 lay.block_tables.to(DEVICE), lay.cu_seqlens_q.to(DEVICE), lay.context_lens.to(DEVICE), width,
+                 batch.index_scale, 0, 4, scores, state)
+    assert (state[:4] == 0).all() and (state[4] == 7).all()
+
+
+@needs_gpu
+@pytest.mark.parametrize("rows", [1, 64])
+def test_topk_positions_choose_what_torch_topk_chooses_at_deepseek_v32_shape(rows):
+    from atom_core.ops.triton import topk_select
+    from atom_core.ops.triton.launch import num_sms
+
+    width, keep = 32768, 2048
+    g = torch.Generator(device="cuda").manual_seed(0)
+    scores = torch.randn(rows, width, device="cuda", generator=g).relu()  # relu'd head sums: many exact zeros
+    scores[:, 30000:] = float("-inf")
+    got = run_topk(scores, keep, topk_select.chunk_size(rows, width, num_sms(0)))
+    values = torch.topk(scores, keep, dim=1).values.cpu()
+    chosen = torch.gather(scores.cpu(), 1, got.long())
+    assert torch.equal(chosen.sort(dim=1, descending=True).values, values)
+    assert all(len(set(r.tolist())) == keep for r in got)
