@@ -16,7 +16,8 @@ The indexer cache is in the model's dtype, or float8_e4m3fn with one fp32 scale 
 (``indexer_scale`` [NB, BS]: written by ``store_indexer_k_``, read by ``indexer_topk``).
 
 Backends: ``torch`` (the reference twins: dense-masked); ``triton`` (``ops/triton/mla_cache.py``: the key write;
-``dsa_indexer.py``: index scores by a Triton kernel into a ``[T, max_seqlen_k]`` buffer, then ``torch.topk``;
+``dsa_indexer.py``: index scores by a Triton kernel into a ``[T, max_seqlen_k]`` buffer, then an exact top-k
+by radix select over many programs a row, ``topk_select.py``;
 ``dsa_sparse.py``: absorbed MLA reading only the K selected latent rows per query, split-K, between two torch
 ``bmm`` calls). No ``aiter`` backend: the AITER version the adapters follow (tests/ops/aiter_signatures.txt)
 has no indexer or sparse-MLA kernel.
