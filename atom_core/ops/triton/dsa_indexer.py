@@ -9,8 +9,7 @@ kernel, then the top-k positions by radix select over many programs a row (trito
    in the program, its scales folded into w, an e4m3 x e4m3 dot, the sum times the key's scale), written
    to an fp32 buffer ``scores [T, W]``,
    ``W = max_seqlen_k``. Positions the token may not see (``j > p``, or past the row's context) get -inf
-   without their keys being read; every column of the buffer is written (no memset). The first program of
-   each token also zeroes the token's row of the top-k's state.
+   without their keys being read; every column of the buffer is written (no memset).
 2. ``topk_select.topk_positions(scores, min(K, W))``: exact, -inf (not visible) never chosen; the kept
    positions in position order (those above the K-th score, then the tied ones), then -1, as also past W.
    Which of exactly tied positions is kept and the order of the kept ones are unspecified by the op's
@@ -47,20 +46,15 @@ PROGRAMS_PER_SM = 4
 @triton.jit
 def _index_scores_kernel(
     q_ptr, w_ptr, cache_ptr, key_scale_ptr, scores_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
-    state_ptr, first_token, num_rows, num_heads, width, keys_per_program, state_ints,
+    first_token, num_rows, num_heads, width, keys_per_program,
     stride_qt, stride_qh, stride_wt, stride_wh, stride_cb, stride_cs, stride_ksb, stride_kss, stride_bt, stride_st,
-    stride_state, scale,
+    scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEADS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, HAS_KEY_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
     t_local = tl.program_id(0)
     t = first_token + t_local
     chunk_start = tl.program_id(1) * keys_per_program
-    if tl.program_id(1) == 0:  # the top-k's state row of this token, zeroed (triton/topk_select.py)
-        state_row = state_ptr + t_local.to(tl.int64) * stride_state
-        for start in range(0, state_ints, BLOCK_N):
-            offs = start + tl.arange(0, BLOCK_N)
-            tl.store(state_row + offs, tl.zeros([BLOCK_N], tl.int32), mask=offs < state_ints)
     row = row_of_token(cu_seqlens_q_ptr, t, num_rows)
     q_start = tl.load(cu_seqlens_q_ptr + row)
     q_len = tl.load(cu_seqlens_q_ptr + row + 1) - q_start
@@ -140,24 +134,21 @@ def keys_per_program(num_tokens: int, width: int, block_n: int, sms: int) -> int
 
 
 def index_scores(q, weights, indexer_cache, indexer_scale, block_tables, cu_seqlens_q, context_lens, width, scale,
-                 first_token, num_tokens, scores, state=None):
+                 first_token, num_tokens, scores):
     """Write ``scores[i, j]`` (fp32 [>= num_tokens, >= width]) = I[first_token + i, j], -inf where not visible.
-    indexer_scale: fp32 [NB, BS] per-key scales of an fp8 cache, or None. state: int32 [>= num_tokens, S], rows
-    0 .. num_tokens-1 zeroed on the way (the top-k's, which needs them zero), or None."""
+    indexer_scale: fp32 [NB, BS] per-key scales of an fp8 cache, or None."""
     constexprs, options = _launch_params(q.shape[1], q.shape[2], indexer_cache.shape[1], q.dtype,
                                          triton_interpret(), indexer_scale is not None)
     sms = num_sms(q.device.index or 0) if q.is_cuda else 1  # the interpreter: a few programs, several chunks
     keys = keys_per_program(num_tokens, width, constexprs["BLOCK_N"], sms)
     has_key_scale = indexer_scale is not None
     key_scale = indexer_scale if has_key_scale else weights  # unread without HAS_KEY_SCALE
-    state_ints = state.shape[1] if state is not None else 0
     _index_scores_kernel[(num_tokens, cdiv(width, keys))](
         q, weights, indexer_cache, key_scale, scores, block_tables, cu_seqlens_q, context_lens,
-        state if state is not None else scores, first_token, block_tables.shape[0], q.shape[1], width, keys,
-        state_ints, q.stride(0), q.stride(1), weights.stride(0), weights.stride(1), indexer_cache.stride(0),
+        first_token, block_tables.shape[0], q.shape[1], width, keys,
+        q.stride(0), q.stride(1), weights.stride(0), weights.stride(1), indexer_cache.stride(0),
         indexer_cache.stride(1), key_scale.stride(0), key_scale.stride(1), block_tables.stride(0), scores.stride(0),
-        state.stride(0) if state is not None else 0, float(scale), HAS_KEY_SCALE=has_key_scale, **constexprs,
-        **options,
+        float(scale), HAS_KEY_SCALE=has_key_scale, **constexprs, **options,
     )
 
 
@@ -183,5 +174,6 @@ def indexer_topk(q, weights, indexer_cache, block_tables, cu_seqlens_q, context_
     for first in range(0, num_tokens, chunk):
         count = min(chunk, num_tokens - first)
         index_scores(q, weights, indexer_cache, indexer_scale, block_tables, cu_seqlens_q, context_lens, width, scale,
-                     first, count, scores, state)
+                     first, count, scores)
+        state[:count].zero_()
         topk_select.topk_positions(scores[:count], state[:count], out[first:first + count], keep, select_chunk)

@@ -21,7 +21,7 @@ So the choice is exact (no score below a left-out one), ties at the threshold go
 positions, and the output is the same from run to run: the positions above the threshold in increasing
 order, then the tied ones taken, in increasing order, then -1.
 Everything is sized from the row width and the token count (CUDA-graph capturable). ``state`` must be
-zero when the first pass starts (the score kernel clears it: triton/dsa_indexer.py).
+zero when the first pass starts.
 
 Legend: T = score rows (query tokens), W = row width, K = top-k, P = chunks a row.
 """
@@ -128,7 +128,7 @@ def _count_kernel(scores_ptr, state_ptr, width, stride_s, stride_state, K,
 
 
 @triton.jit
-def _select_kernel(scores_ptr, state_ptr, out_ptr, width, keep, stride_s, stride_state, stride_o, K,
+def _select_kernel(scores_ptr, state_ptr, out_ptr, width, keep, stride_s, stride_state, stride_o, stride_ok, K,
                    CHUNK: tl.constexpr, CHUNKS_PAD: tl.constexpr, PDL: tl.constexpr):
     wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -143,11 +143,11 @@ def _select_kernel(scores_ptr, state_ptr, out_ptr, width, keep, stride_s, stride
     is_equal = visible & (keys == threshold)
     out_row = out_ptr + row * stride_o
     slot = above_before + tl.cumsum(is_above.to(tl.int32), axis=0) - 1
-    tl.store(out_row + slot, offs, mask=is_above)
+    tl.store(out_row + slot * stride_ok, offs, mask=is_above)
     rank = equal_before + tl.cumsum(is_equal.to(tl.int32), axis=0) - 1
-    tl.store(out_row + above + rank, offs, mask=is_equal & (rank < wanted))
+    tl.store(out_row + (above + rank) * stride_ok, offs, mask=is_equal & (rank < wanted))
     # -1 in the slots past the selection (this chunk's share of [above + wanted, keep))
-    tl.store(out_row + offs, tl.full([CHUNK], -1, tl.int32), mask=(offs >= above + wanted) & (offs < keep))
+    tl.store(out_row + offs * stride_ok, tl.full([CHUNK], -1, tl.int32), mask=(offs >= above + wanted) & (offs < keep))
 
 
 def topk_positions(scores: torch.Tensor, state: torch.Tensor, out: torch.Tensor, keep: int, chunk: int) -> None:
@@ -164,5 +164,6 @@ def topk_positions(scores: torch.Tensor, state: torch.Tensor, out: torch.Tensor,
     for d in range(PASSES):
         _histogram_kernel[grid](*args, PASS=d, CHUNK=chunk, num_warps=4, **pdl)
     _count_kernel[grid](*args, CHUNK=chunk, num_warps=4, **pdl)
-    _select_kernel[grid](scores, state, out, width, keep, scores.stride(0), state.stride(0), out.stride(0), keep,
+    _select_kernel[grid](scores, state, out, width, keep, scores.stride(0), state.stride(0), out.stride(0),
+                         out.stride(1), keep,
                          CHUNK=chunk, CHUNKS_PAD=next_power_of_2(chunks), num_warps=4, **pdl)
