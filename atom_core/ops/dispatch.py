@@ -54,8 +54,6 @@ ENV_VAR = "ATOM_CORE_BACKEND"
 _CACHE_LIMIT = 4096
 
 _CUDA_AVAILABLE = torch.cuda.is_available()  # read once: the call is not free and the answer does not change
-# Read once: an environment lookup costs about a microsecond, and the choice cache assumes a fixed default.
-_default_backend: str | None = os.environ.get(ENV_VAR) or None
 _preferred: contextvars.ContextVar[str | None] = contextvars.ContextVar("atom_core_backend", default=None)
 _trace: contextvars.ContextVar[list | None] = contextvars.ContextVar("atom_core_backend_trace", default=None)
 OPS: dict[str, "Op"] = {}  # every op by name (for tests and tools that walk all ops)
@@ -75,6 +73,18 @@ def _check_name(name: str) -> str:
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; choose one of {BACKENDS}")
     return name
+
+
+def _backend_from_env() -> str | None:
+    """``ATOM_CORE_BACKEND``, checked: a name that is not a backend fails at import, naming the variable."""
+    name = os.environ.get(ENV_VAR) or None
+    if name is not None and name not in BACKENDS:
+        raise ValueError(f"{ENV_VAR}={name!r} is not a backend; choose one of {BACKENDS} or unset it (auto)")
+    return name
+
+
+# Read once: an environment lookup costs about a microsecond, and the choice cache assumes a fixed default.
+_default_backend: str | None = _backend_from_env()
 
 
 def set_default_backend(name: str | None) -> None:

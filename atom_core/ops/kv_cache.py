@@ -113,6 +113,16 @@ def _check_store_kv_args(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         _check_scale("v_scale", v_scale, k.device)
 
 
+def pool_scales(k_cache: Tensor, k_scale: Tensor | None, v_scale: Tensor | None):
+    """(k_scale, v_scale) as a store into ``k_cache`` takes them: None for a pool in the model's dtype; required
+    for an fp8 pool (always on: the kernels divide by them)."""
+    if k_cache.dtype != FP8_DTYPE:
+        return None, None
+    if k_scale is None or v_scale is None:
+        raise ValueError("an fp8 cache needs k_scale and v_scale (fp32 [1] each; torch.ones(1) stores unscaled)")
+    return k_scale, v_scale
+
+
 def store_kv_(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor, *,
               k_scale: Tensor | None = None, v_scale: Tensor | None = None, backend: str | None = None) -> None:
     """Write each token's keys and values into its slot of the paged pool, in place.
@@ -131,6 +141,5 @@ def store_kv_(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappi
         # Always on: a short slot_mapping would make the kernel read slot ids past its end and
         # write whole rows to whatever slots those name.
         raise ValueError(f"slot_mapping must have one slot per token ({k.shape[0]}), got {slot_mapping.shape[0]}")
-    if k_cache.dtype != FP8_DTYPE:
-        k_scale = v_scale = None
+    k_scale, v_scale = pool_scales(k_cache, k_scale, v_scale)
     call_op("store_kv_", k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, backend)

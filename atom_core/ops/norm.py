@@ -145,6 +145,12 @@ def _check_norm_args(x, weight, bias, eps, residual, out, residual_out):
     check_out("residual_out", residual_out, x.shape, x.dtype, x.device)
 
 
+def _check_rows(x) -> None:
+    """Always on (one ``dim()``): every backend reads x as [T, D]; the twin would take more dims, Triton not."""
+    if x.dim() != 2:
+        raise ValueError(f"x must have 2 dims ([T, D]), got shape {tuple(x.shape)}: pass x.reshape(-1, x.shape[-1])")
+
+
 def _check_residual_out(residual, residual_out) -> None:
     """Always on, like the out shapes: without a residual there is no residual stream to write."""
     if residual is None and residual_out is not None:
@@ -160,6 +166,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, *, residual: Tensor |
     Returns out [T, D] (x's dtype); with a residual, ``(out, residual_out)`` where
     ``residual_out = x + residual`` (the new residual stream) and ``out = norm(residual_out)``.
     """
+    _check_rows(x)
     if debug_enabled():
         _check_norm_args(x, weight, None, eps, residual, out, residual_out)
     elif out is not None or residual_out is not None:  # always on (see check_out_shape)
@@ -179,6 +186,7 @@ def layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float = 1e-5
 
     Shapes and the residual convention as in :func:`rms_norm`.
     """
+    _check_rows(x)
     if debug_enabled():
         _check_norm_args(x, weight, bias, eps, residual, out, residual_out)
     elif out is not None or residual_out is not None:  # always on (see check_out_shape)

@@ -14,7 +14,6 @@ from torch import Tensor
 from atom_core.ops import kv_cache, rope
 from atom_core.ops.dispatch import Op, call_op, custom_op
 from atom_core.ops.reference import rope_kv as reference_rope_kv
-from atom_core.ops.reference.kv_cache import FP8_DTYPE
 from atom_core.ops.validation import debug_enabled
 
 ROPE_STORE_KV = Op("rope_store_kv_")
@@ -87,7 +86,6 @@ def rope_store_kv_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos_sin_c
         kv_cache._check_store_kv_args(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     elif slot_mapping.shape[0] != k.shape[0]:  # always on, as in store_kv_
         raise ValueError(f"slot_mapping must have one slot per token ({k.shape[0]}), got {slot_mapping.shape[0]}")
-    if k_cache.dtype != FP8_DTYPE:
-        k_scale = v_scale = None
+    k_scale, v_scale = kv_cache.pool_scales(k_cache, k_scale, v_scale)
     call_op("rope_store_kv_", q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, bool(is_neox),
             k_scale, v_scale, backend)

@@ -89,10 +89,14 @@ def test_env_var_is_read_once_at_import_and_set_default_backend_replaces_it():
     assert out.stdout.split() == ["torch", "None", "torch"]
 
 
-def test_unknown_env_backend_raises_on_the_call(all_available, restore_default_backend):
-    dispatch._default_backend = "cuda"  # as if ATOM_CORE_BACKEND=cuda at import
-    with pytest.raises(ValueError, match="unknown backend 'cuda'"):
-        make_op({"torch": None})(torch.zeros(1))
+def test_unknown_env_backend_fails_the_import_naming_the_variable():
+    import subprocess
+    import sys
+
+    env = {**os.environ, dispatch.ENV_VAR: "cuda"}
+    out = subprocess.run([sys.executable, "-c", "import atom_core.ops"], capture_output=True, text=True, env=env)
+    assert out.returncode != 0
+    assert "ATOM_CORE_BACKEND='cuda' is not a backend" in out.stderr
 
 
 def test_rules_run_once_per_signature_and_preference(all_available):

@@ -5,6 +5,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from atom_core import ops
 from atom_core.ops import kv_cache as kv_cache_module
 from atom_core.ops.dispatch import BackendUnavailable, backend_available, trace_backends
 from atom_core.ops.kv_cache import store_kv_
@@ -334,3 +335,18 @@ def test_aiter_refuses_layouts_it_cannot_index(monkeypatch):
     monkeypatch.setattr(kv_cache_module, "_aiter_fp8_is_e4m3fn", lambda device: False)
     fp8_caches = [c.to(FP8) for c in caches]
     assert "e4m3fnuz" in supports(k, k, *fp8_caches, slots, torch.ones(1), torch.ones(1))
+
+
+@pytest.mark.parametrize("op", ["store_kv_", "rope_store_kv_"])
+def test_a_store_into_an_fp8_pool_without_both_scales_is_refused_with_checks_off(op):
+    from atom_core.ops.validation import debug_checks
+
+    k, v = torch.randn(2, 1, 8), torch.randn(2, 1, 8)
+    caches = [torch.zeros(4, 2, 1, 8, dtype=torch.float8_e4m3fn) for _ in range(2)]
+    slots = torch.tensor([0, 3])
+    args = (k, v, *caches, slots)
+    if op == "rope_store_kv_":
+        cos_sin = torch.randn(16, 8)
+        args = (torch.randn(2, 2, 8), k, v, torch.tensor([0, 1]), cos_sin, *caches, slots)
+    with debug_checks(False), pytest.raises(ValueError, match="fp8 cache needs k_scale and v_scale"):
+        getattr(ops, op)(*args, k_scale=torch.ones(1))

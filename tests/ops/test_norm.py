@@ -124,3 +124,14 @@ def test_aiter_adapter_argument_mapping(monkeypatch):
     torch.testing.assert_close(out, reference.layer_norm(x, w, b, 1e-5))
     assert [name for name, _ in fake.calls] == ["rmsnorm2d_fwd", "rmsnorm2d_fwd_with_add", "layernorm2d_fwd"]
     assert fake.calls[1][1]["residual_in"] is r and fake.calls[1][1]["epsilon"] == 1e-6
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("norm", ["rms_norm", "layer_norm"])
+def test_rows_of_more_than_two_dims_are_refused_on_every_backend_with_checks_off(norm, backend):
+    from atom_core.ops.validation import debug_checks
+
+    x, w = torch.randn(2, 3, 8, device=DEVICE), torch.randn(8, device=DEVICE)
+    args = (x, w) if norm == "rms_norm" else (x, w, None)
+    with debug_checks(False), pytest.raises(ValueError, match=r"x must have 2 dims .*reshape\(-1, x.shape\[-1\]\)"):
+        getattr(ops, norm)(*args, backend=backend)
