@@ -23,8 +23,11 @@ pytestmark = needs_triton
 
 
 def expected_positions(row: torch.Tensor, keep: int) -> list[int]:
-    """The contract for one row: positions above the K-th largest visible score (ascending), the tied ones
-    (earliest first) up to ``keep``, then -1."""
+    """The contract for one row, in slots s of position order: positions above the K-th largest visible score
+    (ascending), then the tied ones (earliest first) up to ``keep``; a row that keeps ``keep`` stores slot s at
+    (s * spread) % keep, one that keeps fewer in order, then -1."""
+    from atom_core.ops.triton.topk_select import spread_for
+
     visible = (row != float("-inf")).nonzero().flatten()
     take = min(keep, len(visible))
     if take == 0:
@@ -32,7 +35,21 @@ def expected_positions(row: torch.Tensor, keep: int) -> list[int]:
     kth = row[visible].sort(descending=True).values[take - 1]
     above = [j for j in range(len(row)) if row[j] > kth]
     tied = [j for j in range(len(row)) if row[j] == kth][:take - len(above)]
-    return above + tied + [-1] * (keep - take)
+    in_order = above + tied
+    if take < keep:
+        return in_order + [-1] * (keep - take)
+    spread, out = spread_for(keep), [None] * keep
+    for s, position in enumerate(in_order):
+        out[s * spread % keep] = position
+    return out
+
+
+@given(keep=st.integers(1, 5000))
+def test_spread_fills_every_slot_of_a_full_row_once(keep):
+    from atom_core.ops.triton.topk_select import spread_for
+
+    spread = spread_for(keep)
+    assert sorted(s * spread % keep for s in range(keep)) == list(range(keep))
 
 
 def run_topk(scores: torch.Tensor, keep: int, chunk: int) -> torch.Tensor:

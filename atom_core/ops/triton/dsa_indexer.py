@@ -10,10 +10,10 @@ kernel, then the top-k positions by radix select over many programs a row (trito
    to an fp32 buffer ``scores [T, W]``,
    ``W = max_seqlen_k``. Positions the token may not see (``j > p``, or past the row's context) get -inf
    without their keys being read; every column of the buffer is written (no memset).
-2. ``topk_select.topk_positions(scores, min(K, W))``: exact, -inf (not visible) never chosen; the kept
-   positions in position order (those above the K-th score, then the tied ones), then -1, as also past W.
-   Which of exactly tied positions is kept and the order of the kept ones are unspecified by the op's
-   contract (this backend keeps the earliest).
+2. ``topk_select.topk_positions(scores, min(K, W))``: exact, -inf (not visible) never chosen; a row that
+   sees fewer than K positions gets them in position order, then -1 (as also past W); a full row gets its
+   K in a fixed spread order (that module's docstring). Which of exactly tied positions is kept and the
+   order of the kept ones are unspecified by the op's contract (this backend keeps the earliest).
 
 The buffer is ``T x W`` fp32 (32k context: 128 KiB per query token); tokens go through in chunks so that
 it stays under ``SCORE_BUFFER_BYTES``. Everything is sized from shapes and ``max_seqlen_k`` (CUDA-graph

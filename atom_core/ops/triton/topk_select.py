@@ -13,13 +13,17 @@ chunks of CHUNK scores, one program a chunk, and the K-th largest score is found
    reaches the number still wanted. After four passes the prefix is the K-th largest key itself
    (``threshold``), with ``above`` keys greater than it and ``wanted`` of the keys equal to it to take.
 3. A count pass (``_count_kernel``) stores each chunk's number of keys above and equal to the threshold.
-4. The select pass (``_select_kernel``) writes each chunk's positions at the offset its chunk's
-   predecessors' counts give: the keys above the threshold in ``out[:above]``, the first ``wanted`` equal
-   ones (in position order) after them, and -1 in the rest of the row.
+4. The select pass (``_select_kernel``) gives each kept position its slot s in position order, from the
+   counts of the chunks before it: the keys above the threshold in slots [0, above), the first ``wanted``
+   equal ones (in position order) after them. A row that keeps K positions stores slot s at
+   ``(s * spread) % K`` (``spread_for``: coprime with K, so every slot is filled once); a row that keeps
+   fewer stores them in order and -1 after them.
 
 So the choice is exact (no score below a left-out one), ties at the threshold go to the earliest
-positions, and the output is the same from run to run: the positions above the threshold in increasing
-order, then the tied ones taken, in increasing order, then -1.
+positions, and the output is the same from run to run. Why the spread: the sparse attention reads the
+selection in its order, 64 entries a tile, and at bs 64 × 32k took 0.2450 ms on position order against
+0.2314 on this spread (0.2298 on a random shuffle, 0.2288 on ``torch.topk``'s score order; an H200,
+docs/benchmarks.md).
 Everything is sized from the row width and the token count (CUDA-graph capturable). ``state`` must be
 zero when the first pass starts.
 
@@ -29,6 +33,7 @@ Legend: T = score rows (query tokens), W = row width, K = top-k, P = chunks a ro
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
@@ -44,11 +49,23 @@ HISTOGRAM_INTS = PASSES * BINS  # a state row: the pass histograms, then (above,
 MAX_CHUNK = 4096
 MIN_CHUNK = 512
 PROGRAMS_PER_SM = 2
+SPREAD = 45  # consecutive slots of a full row hold positions ~45 slots apart in position order (module docstring)
 
 
 def state_width(width: int, chunk: int) -> int:
     """int32 values of one row's state: the histograms, then two counts a chunk."""
     return HISTOGRAM_INTS + 2 * cdiv(width, chunk)
+
+
+@functools.lru_cache(maxsize=LAUNCH_CACHE_SIZE)
+def spread_for(keep: int) -> int:
+    """The stride of a full row's slots: the first integer from ``SPREAD`` coprime with ``keep`` (1 for keep <= 2)."""
+    if keep <= 2:
+        return 1
+    spread = SPREAD % keep or 1
+    while math.gcd(spread, keep) != 1:
+        spread += 1
+    return spread
 
 
 @functools.lru_cache(maxsize=LAUNCH_CACHE_SIZE)
@@ -128,7 +145,7 @@ def _count_kernel(scores_ptr, state_ptr, width, stride_s, stride_state, K,
 
 
 @triton.jit
-def _select_kernel(scores_ptr, state_ptr, out_ptr, width, keep, stride_s, stride_state, stride_o, stride_ok, K,
+def _select_kernel(scores_ptr, state_ptr, out_ptr, width, keep, spread, stride_s, stride_state, stride_o, stride_ok, K,
                    CHUNK: tl.constexpr, CHUNKS_PAD: tl.constexpr, PDL: tl.constexpr):
     wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -142,10 +159,11 @@ def _select_kernel(scores_ptr, state_ptr, out_ptr, width, keep, stride_s, stride
     is_above = visible & (keys > threshold)
     is_equal = visible & (keys == threshold)
     out_row = out_ptr + row * stride_o
+    stride = tl.where(above + wanted == keep, spread, 1).to(tl.int64)  # a full row: its slots spread
     slot = above_before + tl.cumsum(is_above.to(tl.int32), axis=0) - 1
-    tl.store(out_row + slot * stride_ok, offs, mask=is_above)
+    tl.store(out_row + (slot * stride % keep) * stride_ok, offs, mask=is_above)
     rank = equal_before + tl.cumsum(is_equal.to(tl.int32), axis=0) - 1
-    tl.store(out_row + (above + rank) * stride_ok, offs, mask=is_equal & (rank < wanted))
+    tl.store(out_row + ((above + rank) * stride % keep) * stride_ok, offs, mask=is_equal & (rank < wanted))
     # -1 in the slots past the selection (this chunk's share of [above + wanted, keep))
     tl.store(out_row + offs * stride_ok, tl.full([CHUNK], -1, tl.int32), mask=(offs >= above + wanted) & (offs < keep))
 
@@ -164,6 +182,5 @@ def topk_positions(scores: torch.Tensor, state: torch.Tensor, out: torch.Tensor,
     for d in range(PASSES):
         _histogram_kernel[grid](*args, PASS=d, CHUNK=chunk, num_warps=4, **pdl)
     _count_kernel[grid](*args, CHUNK=chunk, num_warps=4, **pdl)
-    _select_kernel[grid](scores, state, out, width, keep, scores.stride(0), state.stride(0), out.stride(0),
-                         out.stride(1), keep,
-                         CHUNK=chunk, CHUNKS_PAD=next_power_of_2(chunks), num_warps=4, **pdl)
+    _select_kernel[grid](scores, state, out, width, keep, spread_for(keep), scores.stride(0), state.stride(0),
+                         out.stride(0), out.stride(1), keep, CHUNK=chunk, CHUNKS_PAD=next_power_of_2(chunks), num_warps=4, **pdl)
