@@ -60,6 +60,9 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
                "tie_word_embeddings": True, "head_dim": 256, "sliding_window": 4096,
                "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
                "query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
+    # (Phi-3 has no attention_bias / mlp_bias keys: its projections never have a bias)
+    "phi3": {"rope_theta": 10000.0, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+             "partial_rotary_factor": 1.0},
     "qwen3_moe": {"rope_theta": 10000.0, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
                   "norm_topk_prob": False, "num_experts_per_tok": 8},
     "mixtral": {"rope_theta": 1e6, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
@@ -89,6 +92,7 @@ ARCH_FOR_MODEL_TYPE: dict[str, str] = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
@@ -392,7 +396,7 @@ class ModelConfig:
             if entry["rope_scaling"] == {"rope_type": "default"}:
                 entry["rope_scaling"] = None
         # transformers: the scaled types' pretraining length is the dict's, else max_position_embeddings (a
-        # top-level key wins only for the classes that declare it, Phi-3's, which atom_core does not serve).
+        # top-level key wins only for the classes that declare it, Phi-3's, whose longrope atom_core does not implement).
         for scaling in [cfg.rope_scaling] + [e["rope_scaling"] for e in (rope_by_layer_type or {}).values()]:
             if scaling is not None and scaling.get("rope_type") in ("llama3", "yarn", "longrope"):
                 scaling.setdefault("original_max_position_embeddings", cfg.max_position_embeddings)

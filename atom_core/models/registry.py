@@ -24,6 +24,7 @@ MODEL_MODULES: dict[str, str] = {
     "Qwen2ForCausalLM": "atom_core.models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "atom_core.models.qwen3:Qwen3ForCausalLM",
     "Gemma2ForCausalLM": "atom_core.models.gemma2:Gemma2ForCausalLM",
+    "Phi3ForCausalLM": "atom_core.models.phi3:Phi3ForCausalLM",
     "Qwen3MoeForCausalLM": "atom_core.models.qwen3_moe:Qwen3MoeForCausalLM",
     "MixtralForCausalLM": "atom_core.models.mixtral:MixtralForCausalLM",
     "Glm4MoeForCausalLM": "atom_core.models.glm4_moe:Glm4MoeForCausalLM",

@@ -64,6 +64,7 @@ _HF_CLASSES = {
     "ministral": ("MinistralConfig", "MinistralForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
 }
 
 

@@ -231,11 +231,11 @@ def _hf_rope(hf) -> tuple[float, dict | None]:
     return params["rope_theta"], None if scaling == {"rope_type": "default"} else scaling
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "gemma2", "qwen3_moe", "mixtral", "glm4_moe",
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "gemma2", "phi3", "qwen3_moe", "mixtral", "glm4_moe",
                                         "gpt_oss", "deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa"])
 def test_a_config_of_the_required_keys_only_takes_transformers_defaults(model_type):
     transformers = pytest.importorskip("transformers")
-    d = {**_MINIMAL, **(_MOE_KEYS if model_type not in ("llama", "qwen2", "qwen3", "gemma2") else {})}
+    d = {**_MINIMAL, **(_MOE_KEYS if model_type not in ("llama", "qwen2", "qwen3", "gemma2", "phi3") else {})}
     hf = transformers.AutoConfig.for_model(model_type, **d)
     ours = ModelConfig.from_dict({**d, "model_type": model_type})
     assert (ours.rope_theta, ours.rope_scaling) == _hf_rope(hf)

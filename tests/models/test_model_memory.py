@@ -27,6 +27,7 @@ ARCHITECTURES = {
     "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama"),
     "qwen3_tied": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", tie_word_embeddings=True),
     "gemma2_tied_by_default": dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2"),
+    "phi3": dict(architectures=["Phi3ForCausalLM"], model_type="phi3"),
     "qwen3_moe_step2_mlp_only": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=8,
                                      num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=2,
                                      mlp_only_layers=[3]),

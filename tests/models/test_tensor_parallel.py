@@ -35,6 +35,7 @@ from tests.models import (  # noqa: E402
     test_parity_gpt_oss,
     test_parity_llama,
     test_parity_mixtral,
+    test_parity_phi3,
     test_parity_qwen2,
     test_parity_qwen3,
     test_parity_qwen3_moe,
@@ -55,6 +56,8 @@ DENSE_CASES = [
     test_parity_qwen3.CASES[2],          # MQA (a replicated KV head), intermediate 100, hidden 48
     test_parity_gemma2.CASES[1],         # MQA, the embedding scale after the all-reduce, capped gathered logits
     test_parity_qwen2.CASES[0],          # q/k/v biases split with the heads, o_proj without one
+    test_parity_phi3.CASES[0],           # fused qkv_proj / gate_up_proj checkpoint tensors cut per rank
+    test_parity_phi3.CASES[2],           # MQA (the KV head replicated out of the fused qkv), partial rotary
 ]
 MOE_CASES = [
     test_parity_qwen3_moe.CASES[1],      # a dense layer and sparse ones, tied head
