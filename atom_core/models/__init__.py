@@ -112,7 +112,8 @@ def estimate_model_bytes(config: ModelConfig, dtype: torch.dtype, *, tp_size: in
     Parameters in ``dtype`` (E hidden, V vocabulary, L layers, H/Hk heads, D head dim, I intermediate,
     X experts): embedding ``V E``, LM head ``V E`` (none when tied), per layer attention
     ``E (H + 2 Hk) D + H D E`` (MLA: ``E H (Dn + R)`` or ``E Qr + Qr H (Dn + R)`` with a q LoRA rank Qr,
-    plus ``E (Lr + R) + Lr H (Dn + Dv) + H Dv E`` for latent rank Lr), MLP ``3 E I`` or, in a sparse layer, ``X`` experts of
+    plus ``E (Lr + R) + Lr H (Dn + Dv) + H Dv E`` for latent rank Lr; a DSA layer that runs its indexer adds
+    ``Qr Hi Di + E Di`` and the fp32 ``E Hi``, replicated on every rank), MLP ``3 E I`` or, in a sparse layer, ``X`` experts of
     ``3 E I_moe`` plus the router ``E X`` and shared experts; all divided by ``tp_size`` (norms and
     biases are left out: a lower bound, so a refusal means the model cannot fit). Plus the fp32 rotary
     cos/sin table(s), ``max_position_embeddings x rotary dim``, one per rope layer type.
@@ -141,10 +142,15 @@ def estimate_model_bytes(config: ModelConfig, dtype: torch.dtype, *, tp_size: in
         attention = q + e * (kv_lora + rope) + h * v_dim * e
         kv_b = kv_lora * h * (nope + v_dim)
         rotary_dim = rope
+    indexer_heads = _extra_count(config, "index_n_heads")
+    indexers = _indexer_layers(config) if kv_lora and indexer_heads else 0
+    index_dim, q_lora = _extra_count(config, "index_head_dim"), _extra_count(config, "q_lora_rank")
     parts = {
         "embedding": v * e * per_param,
         "lm head": 0 if config.tie_word_embeddings else v * e * per_param,
         f"{layers} layers' attention": layers * (attention * per_param + kv_b * per_kv_b_param),
+        f"{indexers} DSA indexers": indexers * ((q_lora * indexer_heads * index_dim + e * index_dim) * dtype.itemsize
+                                                + e * indexer_heads * 4),
         f"{layers - sparse} dense MLPs": (layers - sparse) * 3 * e * inter * per_param,
         f"{sparse} x {experts} experts": sparse * (experts * 3 * e * moe_inter * per_expert_param
                                                     + (e * experts + shared * 3 * e * moe_inter) * per_param),
@@ -157,6 +163,13 @@ def estimate_model_bytes(config: ModelConfig, dtype: torch.dtype, *, tp_size: in
     # The parts that make up at least 1% of the total, largest first: they name the field to look at.
     large = sorted(((size, name) for name, size in parts.items() if size >= total / 100), reverse=True)
     return total, f"{dtype}: " + ", ".join(f"{name} {size / GIB:.2f} GiB" for size, name in large)
+
+
+def _indexer_layers(config: ModelConfig) -> int:
+    """How many decoder layers of a DSA model run their own indexer (the others reuse an earlier layer's top-k)."""
+    _, cls = resolve_architecture(config.architectures)
+    resolve = getattr(cls, "resolve_indexer_types", None)
+    return config.num_hidden_layers if resolve is None else resolve(config).count("full")
 
 
 def _estimate_args(quant_config: QuantConfig | None, dtype: torch.dtype) -> dict:

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from atom_core.cache.pool_sizing import host_memory_available_bytes
+from atom_core.ops.reference.rope import ROPE_TYPES
 
 logger = logging.getLogger(__name__)
 
@@ -396,10 +397,14 @@ class ModelConfig:
             if entry["rope_scaling"] == {"rope_type": "default"}:
                 entry["rope_scaling"] = None
         # transformers: the scaled types' pretraining length is the dict's, else max_position_embeddings (a
-        # top-level key wins only for the classes that declare it, Phi-3's, whose longrope atom_core does not implement).
+        # top-level key wins only for the classes that declare it: Phi-3's, whose longrope is refused below).
         for scaling in [cfg.rope_scaling] + [e["rope_scaling"] for e in (rope_by_layer_type or {}).values()]:
-            if scaling is not None and scaling.get("rope_type") in ("llama3", "yarn", "longrope"):
+            if scaling is not None and scaling.get("rope_type") in ("llama3", "yarn"):
                 scaling.setdefault("original_max_position_embeddings", cfg.max_position_embeddings)
+        for scaling in [cfg.rope_scaling] + [e["rope_scaling"] for e in (rope_by_layer_type or {}).values()]:
+            if scaling is not None and scaling["rope_type"] not in ROPE_TYPES:
+                raise ValueError(f"model_type {model_type!r}: rope_type {scaling['rope_type']!r} is not implemented "
+                                 f"(supported: {', '.join(ROPE_TYPES)})")
         if use_sliding_window is not None:
             cfg.extra["use_sliding_window"] = use_sliding_window
         for key, value in defaults.items():  # the family's defaults of keys that are not fields
@@ -407,8 +412,8 @@ class ModelConfig:
                 cfg.extra.setdefault(key, copy.deepcopy(value))
         if assumed and model_type:
             logger.warning("config.json of model_type %r, whose family's defaults atom_core does not know, leaves "
-                           "out %s: taking %s (Llama's); a family whose defaults differ must write them into its "
-                           "config",
+                           "out %s: taking %s (Llama's); if the family's defaults differ, add them to "
+                           "atom_core.models.config.ARCH_DEFAULTS (or write them into config.json)",
                            model_type, ", ".join(assumed),
                            ", ".join(f"{k}={getattr(cfg, k, None) if k == 'layer_types' else defaults[k]!r}"
                                      for k in assumed))

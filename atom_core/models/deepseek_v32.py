@@ -71,7 +71,8 @@ class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
         self.topk_share = TopkShare() if "shared" in self.indexer_types else None
         super().__init__(config, **kwargs)
 
-    def resolve_indexer_types(self, config: ModelConfig) -> list[str]:
+    @classmethod
+    def resolve_indexer_types(cls, config: ModelConfig) -> list[str]:
         """One entry per decoder layer; V3.2: every layer ``"full"``."""
         return ["full"] * config.num_hidden_layers
 
@@ -114,7 +115,8 @@ class GlmMoeDsaForCausalLM(DeepseekV32ForCausalLM):
     model_types = ("glm_moe_dsa",)
     default_indexer_rope_interleave = True
 
-    def resolve_indexer_types(self, config: ModelConfig) -> list[str]:
+    @classmethod
+    def resolve_indexer_types(cls, config: ModelConfig) -> list[str]:
         """``indexer_types``, else ``index_topk_pattern`` ("F"/"S" per layer), else transformers' schedule: layer i
         is full when ``max(i - offset + 1, 0) % freq == 0`` (``index_topk_freq``, default 1;
         ``index_skip_topk_offset``, default 2)."""

@@ -10,8 +10,9 @@ transformers' ``modeling_phi3.py`` differs from Llama only in its parameter layo
   whole (``shard_id=None``) and each rank cuts out its heads / columns.
 - no biases anywhere (Phi-3 has no ``attention_bias`` / ``mlp_bias`` keys);
 - ``sliding_window`` (when not null) applies to every layer, as Mistral's;
-- ``partial_rotary_factor`` (Phi-4-mini: 0.75) in ``rope_parameters``; ``longrope`` scaling
-  (the 128k releases) is not implemented.
+- ``partial_rotary_factor`` in ``rope_parameters``; ``longrope`` scaling (Phi-3-mini-128k, Phi-3.5-mini,
+  Phi-4-mini) is not implemented: ``ModelConfig`` refuses it by name. The 4k releases (Phi-3-mini-4k,
+  Phi-3-medium-4k) load.
 
 Parameter names are HF's, unchanged::
 
@@ -34,7 +35,5 @@ from atom_core.models.registry import register_model
 
 @register_model("Phi3ForCausalLM")
 class Phi3ForCausalLM(LlamaForCausalLM):
-    """Phi-3 / Phi-3.5-mini / Phi-4-mini. Llama's layers; the fused checkpoint tensors load whole."""
-
-    # The checkpoint already stores the fused tensors under the fused names; no q/k/v or gate/up to pack.
-    # (Kept as Llama's mapping so a quantization config naming q_proj/k_proj/... still resolves.)
+    """Phi-3 (the releases without longrope). Llama's layers and ``packed_modules_mapping``; the checkpoint's
+    fused tensors load whole under their own names."""

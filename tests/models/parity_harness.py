@@ -138,6 +138,11 @@ def build_pair(case: ParityCase, folder: Path, *, seed: int = 0) -> ModelPair:
                        f"(config class, model class) names to parity_harness._HF_CLASSES")
     config_name, model_name = _HF_CLASSES[case.hf_family]
     config = getattr(transformers, config_name)(**case.hf_config_kwargs())
+    # A family's special-token defaults past the tiny vocabulary (Phi-3: pad and eos 32000) would fail HF's
+    # embedding and ModelConfig's check: Llama's ids instead (no padding row).
+    for name, small in (("pad_token_id", None), ("bos_token_id", 1), ("eos_token_id", 2)):
+        if isinstance(getattr(config, name, None), int) and getattr(config, name) >= config.vocab_size:
+            setattr(config, name, small)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     hf_model = getattr(transformers, model_name)(config).float().eval()

@@ -46,6 +46,17 @@ ARCHITECTURES = {
                                    kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8,
                                    v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                                    n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1),
+    "deepseek_v32_dsa_indexer": dict(architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32",
+                                     kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                                     v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+                                     moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+                                     n_group=2, topk_group=1, index_n_heads=4, index_head_dim=16, index_topk=8),
+    "glm_moe_dsa": dict(architectures=["GlmMoeDsaForCausalLM"], model_type="glm_moe_dsa",
+                        kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                        first_k_dense_replace=1, n_group=2, topk_group=1, index_n_heads=4, index_head_dim=16,
+                        index_topk=8),
+    "qwen2_qkv_bias": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2"),
 }
 LLAMA = {**BASE, **ARCHITECTURES["llama"]}
 GIB = 1 << 30

@@ -33,17 +33,15 @@ from tests.models.parity_harness import (  # noqa: E402,F401  (single_thread_tor
 )
 
 PHI3 = "Phi3ForCausalLM"
-# Phi3Config's special-token defaults (pad/eos 32000) lie outside the harness's vocabulary of 101.
-TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 CASES = [
-    ParityCase("gqa2", "phi3", PHI3, {"num_key_value_heads": 2, **TOKENS}),
+    ParityCase("gqa2", "phi3", PHI3, {"num_key_value_heads": 2}),
     ParityCase("mha_tied_sliding", "phi3", PHI3,
-               {"num_key_value_heads": 4, "sliding_window": 5, "tie_word_embeddings": True, **TOKENS}),
+               {"num_key_value_heads": 4, "sliding_window": 5, "tie_word_embeddings": True}),
     ParityCase("partial_rotary_mqa", "phi3", PHI3,
-               {"num_key_value_heads": 1, **TOKENS,
+               {"num_key_value_heads": 1,
                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}}),
     # a file without the keys equal to Phi-3's defaults: ModelConfig must supply rms_norm_eps 1e-5
-    ParityCase("defaults_eps", "phi3", PHI3, {"rms_norm_eps": 1e-5, **TOKENS}, saved_without=("rms_norm_eps",)),
+    ParityCase("defaults_eps", "phi3", PHI3, {"rms_norm_eps": 1e-5}, saved_without=("rms_norm_eps",)),
 ]
 
 pair = parity_pair_fixture(CASES)
@@ -68,7 +66,7 @@ def test_longrope_is_refused_by_name(tmp_path):
     from atom_core.models import load_model
     from tests.models.parity_harness import build_pair
 
-    case = ParityCase("longrope", "phi3", PHI3, {**TOKENS, "max_position_embeddings": 256,
+    case = ParityCase("longrope", "phi3", PHI3, {"max_position_embeddings": 256,
                                                  "original_max_position_embeddings": 128,
                                                  "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
                                                                      "short_factor": [1.0] * 8,
