@@ -80,6 +80,8 @@ class _SeqBlocks:
     # (duplicate content), because the next block's hash chains on it.
     block_hashes: list[int]
     block_digests: list[bytes]  # the prefix digests of the same blocks
+    # Held through a ``reset_prefix_cache(keep_held=True)``: its KV mixes two weight sets, so it publishes nothing.
+    unpublishable: bool = False
 
 
 # The prefix digest chained before a sequence's first block; block i's digest is
@@ -310,7 +312,7 @@ class BlockManager:
                 f"num_computed_tokens={num_computed_tokens} exceeds the {capacity} slots of "
                 f"seq_id {seq_id!r}'s blocks"
             )
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.unpublishable:
             return
         bs = self._block_size
         num_full = num_computed_tokens // bs
@@ -387,6 +389,10 @@ class BlockManager:
             raise ValueError(f"seq_id {e.args[0]!r} has no blocks allocated") from None
         if not self.enable_prefix_caching:
             return  # nothing is ever published (as in ``publish``)
+        kept = [k for k, seq in enumerate(seqs) if not seq.unpublishable]
+        if len(kept) < len(seqs):  # (sequences held through a reset publish nothing)
+            seq_ids, seqs, block_indices = ([x[k] for k in kept] for x in (seq_ids, seqs, block_indices))
+            array = array[kept]
         indices = [int(i) for i in block_indices]
         next_index: dict[Hashable, int] = {}
         for seq_id, seq, index in zip(seq_ids, seqs, indices):
@@ -426,18 +432,23 @@ class BlockManager:
                 if self._block_hash[block_id] is None:
                     self._free.move_to_end(block_id, last=False)
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, *, keep_held: bool = False) -> bool:
         """Forget every published block, so that no later ``allocate`` is served from the cache.
 
         For RL loops that update the model's weights between generations (the KV in the pool was
         computed with the old weights) and for benchmarks. Returns True once done. While any
         sequence holds blocks it returns False and changes nothing (vLLM's rule: its block pool
         refuses while blocks other than its null block are in use); free the sequences first.
+        ``keep_held=True`` resets anyway (an update while requests run on): the sequences that hold
+        blocks keep them, and publish nothing from now on, since their KV mixes the two weight sets.
         Free blocks stay free, in the same hand-out order; ``stats`` are counters since
         construction and are not reset (``reset_stats`` does that).
         """
         num_used = self._num_blocks - len(self._free)
-        if num_used:
+        if keep_held:
+            for seq in self._seqs.values():
+                seq.unpublishable = True
+        elif num_used:
             logger.warning("prefix cache not reset: %d blocks are still held by %d sequences", num_used,
                            len(self._seqs))
             return False

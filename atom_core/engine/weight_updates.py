@@ -5,7 +5,8 @@ process, streamed to the TP workers by ``engine.weight_sync``), the trainer's we
 
 What they use of the engine: ``model``, ``device``, ``block_manager``, ``_channel`` (the TP ranks' control
 channel, None with one rank), ``_weight_group`` (this rank's member of an open group, else None),
-``_num_unfinished()``, ``shutdown()`` and ``_check_awake`` (sleep mode: the weights must be awake).
+``_num_unfinished()``, ``_requests`` and ``abort`` (an ``unfinished="abort"`` update), ``shutdown()`` and
+``_check_awake`` (sleep mode: the weights must be awake).
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from atom_core.engine.weight_sync import load_from_group_driver, load_weights_dr
 if TYPE_CHECKING:
     from atom_core.models.loader import LoadReport
 
-__all__ = ["WeightUpdates"]
+__all__ = ["UNFINISHED", "WeightUpdates"]
+
+UNFINISHED = ("refuse", "abort", "keep")  # what a weight update does with unfinished requests (load_weights)
 
 
 class WeightUpdates:
@@ -43,7 +46,7 @@ class WeightUpdates:
         return self.block_manager.reset_prefix_cache()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, strict: bool = False,
-                     check_finite: bool = True) -> LoadReport:
+                     check_finite: bool = True, unfinished: str = "refuse") -> LoadReport:
         """New weights for the live model from a trainer, then a prefix-cache reset: vLLM's
         ``model.load_weights(weights)`` followed by ``llm.reset_prefix_cache()`` in RL loops.
 
@@ -60,8 +63,17 @@ class WeightUpdates:
         or ``WeightLoadError`` naming the worker rank and its error), the ranks stay in step and the engine
         serves on. A worker that dies meanwhile raises ``WorkerFailedError`` and stops the engine.
 
-        Raises RuntimeError naming the count while requests are unfinished (a request would mix KV of two
-        weight sets), and while the weights are asleep (``Engine.sleep``; wake_up(["weights"]) first). A
+        ``unfinished``: what happens to requests not finished when the update comes (``UNFINISHED``):
+        - ``"refuse"`` (the default): RuntimeError naming the count, nothing loaded (a request would mix KV
+          and tokens of two weight sets);
+        - ``"abort"`` (SGLang's ``abort_all_requests``): each is aborted first, as ``Engine.abort`` does (no
+          further output for it), then the update runs;
+        - ``"keep"`` (in-flight updates, as async RL loops run vLLM): they go on with the new weights over the KV
+          already computed with the old ones; waiting requests hold no KV and start on the new weights. The
+          prefix cache is reset all the same, and a request that held KV through the update publishes none of
+          its blocks, so no later prompt reuses KV of the old weights.
+
+        Raises RuntimeError while the weights are asleep (``Engine.sleep``; wake_up(["weights"]) first). A
         refused tensor stops the load there, the ones before it loaded (load the full set
         again); the prefix cache is reset whenever the load began, so no KV of the old weights is reused.
         """
@@ -72,35 +84,42 @@ class WeightUpdates:
                 return load_named_tensors(self.model, weights, strict=strict, check_finite=check_finite)
             return load_weights_driver(self.model, self._channel, weights, strict=strict, check_finite=check_finite)
 
-        self._check_weight_update("Engine.load_weights")
+        self._check_weight_update("Engine.load_weights", unfinished)
         return self._update_weights("Engine.load_weights", load)
 
-    def _check_weight_update(self, caller: str) -> None:
+    def _check_weight_update(self, caller: str, unfinished: str) -> None:
         """Refuse a weight update (before anything is read or received): the ranks are gone
-        (``DistributedEngineError``), the weights are asleep or requests are unfinished (RuntimeError naming
-        what). With the KV pool asleep and the weights awake an update is allowed (vLLM's ``wake_up(["weights"])``,
-        load, then ``wake_up(["kv_cache"])``)."""
+        (``DistributedEngineError``), the weights are asleep, ``unfinished`` is not one of ``UNFINISHED`` (ValueError),
+        or requests are unfinished under ``"refuse"`` (RuntimeError naming the count); under ``"abort"`` abort them.
+        With the KV pool asleep and the weights awake an update is allowed (vLLM's ``wake_up(["weights"])``, load,
+        then ``wake_up(["kv_cache"])``)."""
+        if unfinished not in UNFINISHED:
+            raise ValueError(f"{caller}: unfinished must be one of {UNFINISHED}, got {unfinished!r}")
         self._check_awake(caller, needs=("weights",))
         if self._channel is not None:
             self._channel.check_usable()
-        unfinished = self._num_unfinished()
-        if unfinished:
-            raise RuntimeError(f"{caller}: {unfinished} requests are unfinished; they would mix KV and tokens of two "
-                               "weight sets: let them finish (or abort them) first")
+        count = self._num_unfinished()
+        if count and unfinished == "refuse":
+            raise RuntimeError(f"{caller}: {count} requests are unfinished; they would mix KV and tokens of two "
+                               "weight sets: let them finish first, or pass unfinished='abort' (abort them) or "
+                               "'keep' (they go on with the new weights)")
+        if count and unfinished == "abort":
+            for request_id in list(self._requests):
+                self.abort(request_id)
 
     def _update_weights(self, caller: str, load) -> LoadReport:
         """``load()`` (every rank's load of new weights), then the prefix-cache reset, also when it fails (some
-        tensors may be loaded); ranks out of step after a failure are stopped."""
+        tensors may be loaded); ranks out of step after a failure are stopped. Requests still running (an
+        ``unfinished="keep"`` update) keep their blocks and publish none of them (``reset_prefix_cache``)."""
         try:
             report = load()
         except BaseException:
             if self._channel is not None and self._channel.failure is not None:
                 self.shutdown()  # the ranks are out of step: stop the workers now
             else:
-                self.reset_prefix_cache()  # (some tensors may be loaded: no old KV is reused either way)
+                self.block_manager.reset_prefix_cache(keep_held=True)  # (some tensors may be loaded)
             raise
-        if not self.reset_prefix_cache():  # (no request holds blocks: cannot happen)
-            raise RuntimeError(f"{caller}: the weights are loaded but the prefix cache could not be reset")
+        self.block_manager.reset_prefix_cache(keep_held=True)
         return report
 
     # ------------------------------------------------------------------ weight-update group (RL)
@@ -138,7 +157,8 @@ class WeightUpdates:
         self._weight_group = join_all(self._channel, args, self.device)
 
     def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence, shapes: Sequence[Sequence[int]],
-                                        *, src: int = 0, strict: bool = False, check_finite: bool = True) -> LoadReport:
+                                        *, src: int = 0, strict: bool = False, check_finite: bool = True,
+                                        unfinished: str = "refuse") -> LoadReport:
         """New weights broadcast by the trainer (group rank ``src``) over the weight-update group, then a
         prefix-cache reset: SGLang's ``update_weights_from_distributed``; ``load_weights``' rules otherwise.
 
@@ -160,8 +180,8 @@ class WeightUpdates:
         Refused before any tensor is received, with nothing received (so the trainer must not broadcast:
         its broadcasts would wait for the group's timeout): lists that do not match or hold no dtype or shape
         (ValueError naming the entry), ``src`` not a trainer rank (ValueError), no group open (RuntimeError),
-        unfinished requests (RuntimeError naming the count), a model from a quantized checkpoint
-        (NotImplementedError).
+        unfinished requests under ``unfinished="refuse"`` (RuntimeError naming the count; ``"abort"`` and
+        ``"keep"`` as in ``load_weights``), a model from a quantized checkpoint (NotImplementedError).
         """
         from atom_core.models.named_tensors import check_updatable
 
@@ -171,7 +191,7 @@ class WeightUpdates:
             raise RuntimeError("Engine.update_weights_from_distributed: no weight-update group is open "
                                "(init_weight_update_group first)")
         check_src(src, member, self._tp_size)
-        self._check_weight_update("Engine.update_weights_from_distributed")
+        self._check_weight_update("Engine.update_weights_from_distributed", unfinished)
         check_updatable(self.model)
         rounds = plan_rounds(specs)
         return self._update_weights("Engine.update_weights_from_distributed", lambda: load_from_group_driver(

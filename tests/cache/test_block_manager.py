@@ -491,6 +491,30 @@ def test_reset_prefix_cache_is_refused_while_a_sequence_holds_blocks_and_changes
     assert bm.reset_prefix_cache() is True
 
 
+def test_reset_keeping_held_blocks_forgets_every_hash_and_the_holders_publish_nothing_after():
+    bm = BlockManager(num_blocks=12, block_size=4)
+    _allocated_and_published(bm, "a", TEN)         # held through the reset
+    bm.allocate("b", list(range(8)))                # held, nothing published yet
+    _allocated_and_published(bm, "old", [7] * 8)
+    bm.free("old")
+    table_a = bm.block_table("a")
+    assert bm.reset_prefix_cache(keep_held=True) is True
+    assert bm.num_cached_blocks == 0 and bm.block_table("a") == table_a
+    bm.check_integrity()
+    bm.publish("b", list(range(8)), 8)              # computed partly on the old weights: not published
+    bm.publish_blocks(["a"], [2], np.array([[1, 2, 3, 4]]))  # (the bulk form likewise; no order check)
+    assert bm.num_cached_blocks == 0
+    assert bm.allocate("c", list(range(8))) == 0 and bm.allocate("d", TEN) == 0  # nothing served from before
+    _allocated_and_published(bm, "e", [5] * 8)      # a sequence allocated after the reset publishes as usual
+    bm.publish_blocks(["b", "c"], [0, 0], np.array([[0, 1, 2, 3], [0, 1, 2, 3]]))  # held b skipped, c published
+    assert bm.num_cached_blocks == 3
+    for seq_id in ("a", "b"):
+        bm.free(seq_id)
+    bm.check_integrity()
+    assert bm.num_cached_blocks == 3                # the held sequences' blocks come back uncached
+    assert bm.allocate("f", [5] * 8 + [9]) == 8 and bm.allocate("g", [0, 1, 2, 3, 9]) == 4
+
+
 def test_reset_prefix_cache_of_an_empty_or_uncached_manager_succeeds():
     assert BlockManager(num_blocks=3, block_size=2).reset_prefix_cache()
     bm = BlockManager(num_blocks=3, block_size=2, enable_prefix_caching=False)

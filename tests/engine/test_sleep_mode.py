@@ -14,7 +14,7 @@ import torch
 from atom_core import ops
 from atom_core.engine import Engine, SamplingParams
 from tests.engine.test_engine_parity import prompts_for
-from tests.engine.test_weight_update import _checkpoint_b
+from tests.engine.conftest import _checkpoint_b
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 ARGS = dict(device="cpu", dtype=torch.float32, block_size=4, max_model_len=64, enable_sleep_mode=True)

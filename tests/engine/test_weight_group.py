@@ -19,7 +19,6 @@ from atom_core import ops
 from atom_core.engine import DataParallelEngine, Engine, SamplingParams
 from atom_core.engine.weight_group import WeightUpdateGroup
 from tests.engine.test_engine_parity import prompts_for
-from tests.engine.test_weight_update import pair  # noqa: F401 - the fixture (A's folder, B's folder, B's HF model)
 from tests.engine.test_weight_update_tp import tokens  # noqa: F401 - (prompts, A's and B's greedy tokens, one rank)
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not available")
@@ -131,7 +130,7 @@ def test_two_group_members_broadcast_tensors_of_every_dtype_bit_for_bit_and_refu
 
 
 def test_one_rank_engine_updated_by_a_trainer_broadcast_holds_b_bit_for_bit_generates_as_b_and_forgets_its_cache(
-        pair, tokens):  # noqa: F811
+        pair, tokens):  # noqa: F811 (tokens: a fixture)
     folder_a, folder_b, hf_b = pair
     prompts, want_a, want_b = tokens
     engine = Engine.from_pretrained(folder_a, **ARGS)
@@ -154,7 +153,7 @@ def test_one_rank_engine_updated_by_a_trainer_broadcast_holds_b_bit_for_bit_gene
 
 # 1: every tensor is a round of its own (a status exchange between the ranks after each).
 @pytest.mark.parametrize("batch_bytes", [1, None])
-def test_two_rank_engine_updated_by_a_trainer_broadcast_generates_as_b_and_forgets_its_cache(pair, tokens,  # noqa: F811
+def test_two_rank_engine_updated_by_a_trainer_broadcast_generates_as_b_and_forgets_its_cache(pair, tokens,  # noqa: F811 (tokens: a fixture)
                                                                                            batch_bytes, monkeypatch):
     from atom_core.engine import weight_sync
 
@@ -178,7 +177,7 @@ def test_two_rank_engine_updated_by_a_trainer_broadcast_generates_as_b_and_forge
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_a_declared_shape_that_does_not_fit_raises_naming_the_tensor_and_the_group_and_engine_serve_on(
-        pair, tokens, tp, monkeypatch):  # noqa: F811
+        pair, tokens, tp, monkeypatch):  # noqa: F811 (tokens: a fixture)
     from atom_core.engine import weight_sync
 
     monkeypatch.setattr(weight_sync, "BATCH_BYTES", 1)  # a round a tensor: the load stops before the last one
@@ -206,7 +205,7 @@ def test_a_declared_shape_that_does_not_fit_raises_naming_the_tensor_and_the_gro
     ([Q_PROJ], ["torch.float32"], [[64, -1]], r"shapes\[0\] .* ints >= 0"),
     (Q_PROJ, ["float32"], [[64, 64]], "names must be a list"),
 ])
-def test_bad_lists_raise_value_error_before_any_collective(pair, names, dtypes, shapes, message):  # noqa: F811
+def test_bad_lists_raise_value_error_before_any_collective(pair, names, dtypes, shapes, message):
     folder_a, _, hf_b = pair
     engine = Engine.from_pretrained(folder_a, **ARGS)
     trainer = _join(engine, world_size=2)
@@ -221,7 +220,7 @@ def test_bad_lists_raise_value_error_before_any_collective(pair, names, dtypes, 
     assert torch.equal(engine.model.model.norm.weight, norm)
 
 
-def test_an_update_is_refused_before_any_collective_without_a_group_from_an_engine_rank_quantized_or_busy(pair):  # noqa: F811
+def test_an_update_is_refused_before_any_collective_without_a_group_from_an_engine_rank_quantized_or_busy(pair):
     folder_a, _, hf_b = pair
     engine = Engine.from_pretrained(folder_a, **ARGS)
     spec = (["model.norm.weight"], [torch.float32], [[64]])
@@ -241,7 +240,7 @@ def test_an_update_is_refused_before_any_collective_without_a_group_from_an_engi
     assert engine._weight_group is None and trainer.broadcast == 0
 
 
-def test_a_second_group_is_refused_naming_the_open_one_and_destroy_then_init_again_works(pair):  # noqa: F811
+def test_a_second_group_is_refused_naming_the_open_one_and_destroy_then_init_again_works(pair):
     folder_a, _, hf_b = pair
     engine = Engine.from_pretrained(folder_a, **ARGS)
     first = _join(engine, world_size=2, group_name="first")
@@ -268,7 +267,7 @@ def test_a_second_group_is_refused_naming_the_open_one_and_destroy_then_init_aga
     (dict(timeout=0), "timeout must be"),
     (dict(group_name=""), "group_name must be a non-empty string"),
 ])
-def test_init_refuses_arguments_that_make_no_sense_by_name_and_opens_no_group(pair, args, message):  # noqa: F811
+def test_init_refuses_arguments_that_make_no_sense_by_name_and_opens_no_group(pair, args, message):
     engine = Engine.from_pretrained(pair[0], **ARGS)
     call = dict(master_address="127.0.0.1", master_port=_free_port(), rank_offset=1, world_size=2) | args
     with pytest.raises(ValueError, match=message):

@@ -26,29 +26,6 @@ def _torch_ops():
         yield
 
 
-_B_CACHE: dict[str, tuple] = {}
-
-
-def _checkpoint_b(name: str, hf_a, tmp_path_factory):
-    """(folder, HF model) of B: A's class and config, seed 1; saved once per session."""
-    if name not in _B_CACHE:
-        torch.manual_seed(1)
-        hf_b = type(hf_a)(hf_a.config).eval()
-        folder = tmp_path_factory.mktemp(f"{name}_b")
-        hf_b.save_pretrained(folder)
-        _B_CACHE[name] = (folder, hf_b)
-    return _B_CACHE[name]
-
-
-@pytest.fixture
-def pair(request, tmp_path_factory):
-    """(A's folder, B's folder, B's HF model) for the fixture named by the parameter (default tiny_qwen3)."""
-    name = getattr(request, "param", "tiny_qwen3")
-    folder_a, hf_a = request.getfixturevalue(name)
-    folder_b, hf_b = _checkpoint_b(name, hf_a, tmp_path_factory)
-    return folder_a, folder_b, hf_b
-
-
 def _greedy(engine, prompts):
     return [out.token_ids for out in engine.generate(prompts, GREEDY, use_tqdm=False)]
 

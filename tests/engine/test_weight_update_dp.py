@@ -36,7 +36,7 @@ from atom_core.engine import (
 )
 from tests.engine.test_engine_parity import prompts_for
 from tests.engine.test_multi_rank import _live_children, _pid_exists
-from tests.engine.test_weight_update import _checkpoint_b
+from tests.engine.conftest import _checkpoint_b
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 ARGS = {"device": "cpu", "dtype": torch.float32, "block_size": 4, "max_model_len": 64}

@@ -13,7 +13,6 @@ import torch
 from atom_core import ops
 from atom_core.engine import Engine, SamplingParams, weight_sync
 from tests.engine.test_engine_parity import prompts_for
-from tests.engine.test_weight_update import pair  # noqa: F401 - the fixture (A's folder, B's folder, B's HF model)
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not available")
 
@@ -39,7 +38,7 @@ def _two_ranks(folder):
 
 
 @pytest.fixture
-def tokens(pair):  # noqa: F811 - the imported fixture
+def tokens(pair):
     """(prompts, A's greedy tokens, B's greedy tokens) of one-rank engines."""
     folder_a, folder_b, hf_b = pair
     prompts = prompts_for(hf_b.config.vocab_size, LENGTHS)
@@ -51,7 +50,7 @@ def tokens(pair):  # noqa: F811 - the imported fixture
 
 # 1: a batch per round holds one tensor (many rounds); the default: the whole tiny model in one round.
 @pytest.mark.parametrize("batch_bytes", [1, weight_sync.BATCH_BYTES])
-def test_two_rank_engine_updated_with_b_generates_as_one_rank_engine_loaded_from_b(pair, tokens, batch_bytes,  # noqa: F811
+def test_two_rank_engine_updated_with_b_generates_as_one_rank_engine_loaded_from_b(pair, tokens, batch_bytes,
                                                                                    monkeypatch):
     folder_a, _, hf_b = pair
     prompts, want_a, want_b = tokens
@@ -72,7 +71,7 @@ def test_two_rank_engine_updated_with_b_generates_as_one_rank_engine_loaded_from
         engine.check_health()
 
 
-def test_a_tensor_of_the_wrong_shape_raises_on_rank_0_naming_it_and_the_engine_serves_on(pair, tokens):  # noqa: F811
+def test_a_tensor_of_the_wrong_shape_raises_on_rank_0_naming_it_and_the_engine_serves_on(pair, tokens):
     folder_a, _, hf_b = pair
     prompts, _, want_b = tokens
     state = hf_b.state_dict()
@@ -88,7 +87,7 @@ def test_a_tensor_of_the_wrong_shape_raises_on_rank_0_naming_it_and_the_engine_s
         assert _greedy(engine, prompts) == want_b
 
 
-def test_an_iterable_that_raises_midway_raises_on_rank_0_and_the_engine_serves_on(pair, tokens, monkeypatch):  # noqa: F811
+def test_an_iterable_that_raises_midway_raises_on_rank_0_and_the_engine_serves_on(pair, tokens, monkeypatch):
     folder_a, _, hf_b = pair
     prompts, _, want_b = tokens
     monkeypatch.setattr(weight_sync, "BATCH_BYTES", 1)  # the failure comes after rounds already loaded
@@ -136,7 +135,7 @@ class _ScriptedChannel:
         raise AssertionError(f"the ranks stay in step, got {error!r}")
 
 
-def test_a_worker_that_fails_a_round_stops_the_load_there_and_rank_0_raises_naming_it(pair, monkeypatch):  # noqa: F811
+def test_a_worker_that_fails_a_round_stops_the_load_there_and_rank_0_raises_naming_it(pair, monkeypatch):
     folder_a, _, hf_b = pair
     monkeypatch.setattr(weight_sync, "BATCH_BYTES", 1)  # one tensor a round
     model = Engine.from_pretrained(folder_a, **ARGS).model
