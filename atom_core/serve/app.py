@@ -6,7 +6,8 @@
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, vLLM's
 ``POST /tokenize`` and ``POST /detokenize`` (these five behind ``Authorization: Bearer <api_key>`` when
 the server has a key), ``GET /health``, vLLM's ``GET|POST /ping`` (SageMaker's liveness probe: /health's
-answer) and ``GET /version``, ``GET /metrics`` (these four open, as vLLM leaves them). Bodies are read up
+answer) and ``GET /version``, ``GET /metrics`` (these four open, as vLLM leaves them); with ``enable_rl_endpoints`` the RL
+routes of ``atom_core.serve.rl_routes`` (behind the key). Bodies are read up
 to ``max_request_bytes`` (413 past it) and parsed here (not by FastAPI), so every refusal is an OpenAI error
 body ``{"error": {"message", "type", "param", "code"}}``: 400 malformed JSON / wrong types / bad values /
 too-long prompt, 401 missing or wrong key, 404 unknown model or route, 413 body too large, 503 waiting queue
@@ -38,6 +39,7 @@ from atom_core.serve.completions import CompletionJob
 from atom_core.serve.metrics import CONTENT_TYPE, ServerMetrics
 from atom_core.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, RequestError,
                                       TokenizeChatRequest, TokenizeCompletionRequest, parse_request)
+from atom_core.serve.rl_routes import add_rl_routes
 
 logger = logging.getLogger(__name__)
 
@@ -262,4 +264,6 @@ def create_app(async_engine: AsyncEngine, config: ServerConfig | None = None) ->
     async def prometheus_metrics():
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    if config.enable_rl_endpoints:
+        add_rl_routes(app, ctx, authorize)
     return app

@@ -52,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the most max_tokens a request may ask (default: max_model_len)")
     serve.add_argument("--chat-template", default=None, help="a chat template file (or the template text) to use "
                                                              "instead of the model's")
+    serve.add_argument("--enable-rl-endpoints", action="store_true",
+                       help="the routes RL loops drive (vLLM's /sleep, /wake_up, /is_sleeping, /reset_prefix_cache; "
+                            "SGLang's /update_weights_from_disk and weight-update group routes), behind the API key: "
+                            "docs/serving.md")
     serve.add_argument("--trust-request-chat-template", action="store_true",
                        help="let a chat request bring its own chat_template (vLLM's flag; refused without it: the "
                             "template runs on the server)")
@@ -185,7 +189,8 @@ def run_serve(args) -> None:
                           api_key=args.api_key or os.environ.get("ATOM_CORE_API_KEY") or None,
                           max_request_bytes=args.max_request_bytes, max_output_tokens=args.max_output_tokens,
                           chat_template=chat_template_for(engine, args.chat_template),
-                          trust_request_chat_template=args.trust_request_chat_template)
+                          trust_request_chat_template=args.trust_request_chat_template,
+                          enable_rl_endpoints=args.enable_rl_endpoints)
     app = create_app(AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests), config)
     print(f"serving {name!r} (max_model_len {engine.max_model_len}, device {engine.device}) on "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)

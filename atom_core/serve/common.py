@@ -62,6 +62,7 @@ class ServerConfig:
     ``--trust-request-chat-template``; refused otherwise: the template runs on the server).
     ``model_aliases``: more names a request may give for the model (vLLM's ``--served-model-name a b``:
     ``a`` is ``model_name``, the one responses give); /v1/models lists them after it.
+    ``enable_rl_endpoints``: the routes of ``atom_core.serve.rl_routes`` (weight updates, sleep mode).
     """
 
     model_name: str = "atom_core"
@@ -71,6 +72,7 @@ class ServerConfig:
     max_output_tokens: int | None = None
     chat_template: str | None = None
     trust_request_chat_template: bool = False
+    enable_rl_endpoints: bool = False
 
 
 @dataclass

@@ -265,11 +265,14 @@ def engine_process(args: argparse.Namespace) -> bool:
     else on a GPU yes (the server's event loop and detokenization would share the GIL with the engine's steps:
     0.72x the offline throughput at saturation on an H200, 0.95x in a process of its own; docs/benchmarks.md)
     and on the CPU no (the steps dominate; a second process would only add its start-up). Also no by default for
-    a numbered GPU (``cuda:1``: the replica's process takes its GPUs from CUDA_VISIBLE_DEVICES) and under torchrun.
-    Other commands: no."""
+    a numbered GPU (``cuda:1``: the replica's process takes its GPUs from CUDA_VISIBLE_DEVICES), under torchrun and
+    with ``--enable-rl-endpoints`` (its routes call the ``Engine``'s own methods: sleep mode, the weight-update
+    group). Other commands: no."""
     chosen = getattr(args, "engine_process", False)
     if chosen is not None:
         return chosen
+    if getattr(args, "enable_rl_endpoints", False):
+        return False
     import torch
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -401,3 +401,16 @@ def test_bench_sends_ignore_eos_unless_told_not_to(monkeypatch, ignore_eos):
                                        ignore_eos=ignore_eos))
     assert row["failed"] == 0 and len(bodies) == 2
     assert all(("ignore_eos" in b) == ignore_eos for b in bodies)
+
+
+def test_a_gpu_server_keeps_its_engine_in_process_with_the_rl_endpoints_unless_told_otherwise():
+    import argparse
+
+    from atom_core.serve.engine_options import engine_process
+
+    def args(**kw):
+        return argparse.Namespace(**{"engine_process": None, "device": "cuda", "enable_rl_endpoints": False, **kw})
+
+    assert engine_process(args()) is True  # a GPU's default: the engine in a process of its own
+    assert engine_process(args(enable_rl_endpoints=True)) is False  # its routes call the Engine's own methods
+    assert engine_process(args(enable_rl_endpoints=True, engine_process=True)) is True  # the flag wins
