@@ -61,10 +61,11 @@ if TYPE_CHECKING:
 
 __all__ = ["DistributedEngineError", "StepChannel", "StepInputs", "WorkerFailedError"]
 
-STEP, WARMUP, SHUTDOWN, CONFIG, LOAD_WEIGHTS, WEIGHT_GROUP = 1, 2, 3, 4, 5, 6
+STEP, WARMUP, SHUTDOWN, CONFIG, LOAD_WEIGHTS, WEIGHT_GROUP, SLEEP = 1, 2, 3, 4, 5, 6, 7
 KIND_NAMES = {STEP: "step", WARMUP: "warmup", SHUTDOWN: "shutdown", CONFIG: "config", LOAD_WEIGHTS: "load_weights",
-              WEIGHT_GROUP: "weight_group"}  # WEIGHT_GROUP: join / update from / close a weight-update group
-_PAYLOAD_KINDS = (CONFIG, LOAD_WEIGHTS, WEIGHT_GROUP)  # messages whose body is a pickled payload
+              WEIGHT_GROUP: "weight_group",  # join / update from / close a weight-update group
+              SLEEP: "sleep"}  # sleep mode: sleep at a level, or wake tags (engine.sleep_mode)
+_PAYLOAD_KINDS = (CONFIG, LOAD_WEIGHTS, WEIGHT_GROUP, SLEEP)  # messages whose body is a pickled payload
 HEADER_FIELDS = 16  # int64 each: kind, B, T, P, N, M, bucket kind, bucket tokens, bucket rows, payload bytes
 HEADER_BYTES = 8 * HEADER_FIELDS
 STATUS_BYTES = 4096  # a rank's status in ``exchange_status`` (utf-8, cut to this)

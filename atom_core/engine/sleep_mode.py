@@ -10,19 +10,23 @@ the weights into the same tensor objects (``.data`` reassigned, so ``load_weight
 parameter keep working), the pool with the same plan, and the CUDA graphs once both are back.
 
 What they use of the engine: ``model``, ``device``, ``runner``, ``enable_sleep_mode``, ``_sleep`` (the
-``SleepState`` while asleep, else None), ``_channel`` (None with one rank), ``_in_flight``, ``_num_unfinished()``,
-``step()``, ``reset_prefix_cache()`` and ``warmup()``.
+``SleepState`` while asleep, else None), ``_channel`` (None with one rank; else the worker ranks sleep and wake with
+this one: ``SleepWorker``), ``_in_flight``, ``_num_unfinished()``, ``step()``, ``reset_prefix_cache()`` and
+``warmup()``.
 """
 
 from __future__ import annotations
 
 import logging
+import pickle
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["SLEEP_LEVELS", "WAKE_TAGS", "SleepMode", "SleepState"]
+from atom_core.engine.distributed import SLEEP
+
+__all__ = ["SLEEP_LEVELS", "WAKE_TAGS", "SleepMode", "SleepState", "SleepWorker"]
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +94,65 @@ def offload_weights(model: torch.nn.Module, level: int, pin: bool) -> list[Offlo
     return done
 
 
+def sleep_rank(runner, model: torch.nn.Module, level: int, device: torch.device) -> SleepState:
+    """One rank's part of ``sleep``: its CUDA graphs, KV pool and weights freed; the rank as it was when the
+    weights cannot be offloaded (the error raised)."""
+    state = SleepState(level, recapture=runner.drop_graphs() > 0)
+    runner.release_pool()
+    try:
+        state.weights = offload_weights(model, level, pin=device.type == "cuda")
+    except BaseException:
+        runner.allocate_pool()  # awake again (the CUDA graphs are captured as steps need them)
+        raise
+    return state
+
+
+def wake_rank(state: SleepState, tags: set[str], runner) -> None:
+    """One rank's part of ``wake_up``: the tags of ``tags`` still asleep brought back (the others left as they are);
+    out of memory for the pool leaves "kv_cache" asleep, to be woken again."""
+    if "weights" in tags & state.asleep:
+        for saved in state.weights:
+            restore(saved)
+        state.weights = []
+        state.asleep.discard("weights")
+    if "kv_cache" in tags & state.asleep:
+        runner.allocate_pool()
+        state.asleep.discard("kv_cache")
+
+
+def return_memory(device: torch.device) -> None:
+    """Give the freed device memory back to the driver (the caching allocator would keep it for this process)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+class SleepWorker:
+    """A worker rank's side of ``SLEEP`` messages (``{"sleep": level}``, ``{"wake": tags}``): this rank's part, then
+    a status exchange with the other ranks (rank 0 raises naming a rank that failed)."""
+
+    def __init__(self, model, runner, channel) -> None:
+        self.model, self.runner, self.channel = model, runner, channel
+        self.state: SleepState | None = None
+
+    def handle(self, message: dict) -> None:
+        from atom_core.engine.weight_sync import error_status
+
+        error = None
+        try:
+            if "sleep" in message:
+                if self.state is None:
+                    self.state = sleep_rank(self.runner, self.model, message["sleep"], self.channel.device)
+                    return_memory(self.channel.device)
+            elif self.state is not None:
+                wake_rank(self.state, set(message["wake"]), self.runner)
+                if not self.state.asleep:
+                    self.state = None
+        except Exception as e:  # noqa: BLE001 - shared with rank 0 by the status exchange
+            error = e
+        self.channel.exchange_status(error_status(error))
+
+
 def wake_tags(tags: Iterable[str] | None) -> set[str]:
     """The tags ``wake_up`` brings back: None = all of WAKE_TAGS; ValueError naming a tag that is not one (or
     none given); TypeError for a bare string (a list of one tag is meant)."""
@@ -120,9 +183,13 @@ class SleepMode:
         ``torch.cuda.empty_cache()`` returns the memory to the driver. On the CPU the same happens in host memory.
 
         Needs ``Engine(enable_sleep_mode=True)`` (RuntimeError otherwise, as vLLM refuses). Refused, changing
-        nothing: a level other than 1 or 2 (ValueError), unfinished requests (RuntimeError naming the count),
-        several tensor-parallel ranks (NotImplementedError). An engine already asleep logs a warning and stays
-        as it is (vLLM's rule).
+        nothing: a level other than 1 or 2 (ValueError), unfinished requests (RuntimeError naming the count). An
+        engine already asleep logs a warning and stays as it is (vLLM's rule).
+
+        Over several tensor-parallel ranks every rank does the same with its own pool, graphs and weight shard
+        (a ``SLEEP`` message to the workers, then a status exchange); if one cannot, the ranks that slept wake
+        again and this raises naming the rank. ``wake_up`` likewise: a rank that could not wake is named, and
+        calling ``wake_up`` again with the same tags retries it on every rank.
         """
         self._check_sleep_mode("Engine.sleep")
         if isinstance(level, bool) or level not in SLEEP_LEVELS:
@@ -132,9 +199,7 @@ class SleepMode:
             logger.warning("Engine.sleep: the engine is already asleep (%s)", ", ".join(sorted(self._sleep.asleep)))
             return
         if self._channel is not None:
-            raise NotImplementedError("Engine.sleep: not built for an engine over several tensor-parallel ranks (the "
-                                      "worker ranks hold their own pools, graphs and weight shards and would have "
-                                      "to sleep and wake with rank 0 over the control channel)")
+            self._channel.check_usable()
         unfinished = self._num_unfinished()
         if unfinished:
             raise RuntimeError(f"Engine.sleep: {unfinished} requests are unfinished; their KV would be freed: let them "
@@ -143,15 +208,24 @@ class SleepMode:
             self.step()
         if not self.reset_prefix_cache():  # (no request holds blocks: cannot happen)
             raise RuntimeError("Engine.sleep: the prefix cache could not be reset")
-        state = SleepState(level, recapture=self.runner.drop_graphs() > 0)
-        self.runner.release_pool()
-        try:
-            state.weights = offload_weights(self.model, level, pin=self.device.type == "cuda")
-        except BaseException:
-            self.runner.allocate_pool()  # awake again (the CUDA graphs are captured as steps need them)
-            raise
-        self._sleep = state
-        self._return_memory()
+        if self._channel is None:
+            self._sleep = sleep_rank(self.runner, self.model, level, self.device)
+        else:  # every rank sleeps; when one cannot, those that did wake again and this raises
+            self._channel.send(SLEEP, payload=pickle.dumps({"sleep": level}))
+            state, error = None, None
+            try:
+                state = sleep_rank(self.runner, self.model, level, self.device)
+            except Exception as e:  # noqa: BLE001 - shared with the workers by the status exchange
+                error = e
+            failed = self._ranks_failed(error)
+            if failed:
+                self._channel.send(SLEEP, payload=pickle.dumps({"wake": list(WAKE_TAGS)}))
+                if state is not None:
+                    wake_rank(state, set(WAKE_TAGS), self.runner)
+                self._ranks_failed(None)
+                raise error or RuntimeError(f"Engine.sleep: {failed}; every rank is awake again")
+            self._sleep = state
+        return_memory(self.device)
 
     def wake_up(self, tags: Iterable[str] | None = None) -> None:
         """Bring back what ``sleep`` took (vLLM's ``llm.wake_up(tags)``): ``tags`` a list of "weights" and
@@ -177,14 +251,20 @@ class SleepMode:
             logger.warning("Engine.wake_up: %s already awake (asleep: %s); nothing done", ", ".join(awake),
                            ", ".join(sorted(state.asleep)) or "nothing")
             return
-        if "weights" in tags:
-            for saved in state.weights:
-                restore(saved)
-            state.weights = []
-            state.asleep.discard("weights")
-        if "kv_cache" in tags:  # (out of memory here: the weights stay awake, call wake_up(["kv_cache"]) again)
-            self.runner.allocate_pool()
-            state.asleep.discard("kv_cache")
+        if self._channel is None:  # (out of memory for the pool: the weights stay awake; wake "kv_cache" again)
+            wake_rank(state, tags, self.runner)
+        else:  # every rank wakes the tags it still has asleep; a rank that could not is named
+            self._channel.check_usable()
+            self._channel.send(SLEEP, payload=pickle.dumps({"wake": sorted(tags)}))
+            error = None
+            try:
+                wake_rank(state, tags, self.runner)
+            except Exception as e:  # noqa: BLE001 - shared with the workers by the status exchange
+                error = e
+            failed = self._ranks_failed(error)
+            if failed:  # asleep again here too, so that the next wake_up reaches every rank (redoing it is harmless)
+                state.asleep |= tags
+                raise error or RuntimeError(f"Engine.wake_up: {failed}; call wake_up({sorted(tags)!r}) again")
         if state.asleep:
             return
         self._sleep = None
@@ -203,8 +283,9 @@ class SleepMode:
             raise RuntimeError(f"{caller}: the engine is asleep ({', '.join(repr(t) for t in asleep)} asleep): "
                                f"wake_up({asleep!r}) first")
 
-    def _return_memory(self) -> None:
-        """Give the freed device memory back to the driver (the caching allocator would keep it for this process)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()
+    def _ranks_failed(self, error: BaseException | None) -> str:
+        """The status exchange after a ``SLEEP`` message: "" when every rank did its part, else which failed."""
+        from atom_core.engine.weight_sync import error_status
+
+        statuses = self._channel.exchange_status(error_status(error))
+        return "; ".join(f"tensor-parallel rank {rank}: {status}" for rank, status in enumerate(statuses) if status)

@@ -47,6 +47,7 @@ from atom_core.engine.distributed import (
     CONFIG,
     LOAD_WEIGHTS,
     SHUTDOWN,
+    SLEEP,
     STEP,
     WARMUP,
     WEIGHT_GROUP,
@@ -461,8 +462,10 @@ def run_worker(model) -> None:
 
 def _serve(model, channel: StepChannel, runner, weight_group) -> None:
     """``run_worker``'s loop: each message of rank 0 until its shutdown."""
+    from atom_core.engine.sleep_mode import SleepWorker
     from atom_core.engine.weight_sync import load_weights_worker
 
+    sleep = SleepWorker(model, runner, channel)
     while True:
         kind, inputs = channel.recv()
         if kind == STEP:
@@ -473,6 +476,8 @@ def _serve(model, channel: StepChannel, runner, weight_group) -> None:
             load_weights_worker(model, channel, pickle.loads(inputs))
         elif kind == WEIGHT_GROUP:  # join, update from, or leave a trainer's weight-update group
             weight_group.handle(pickle.loads(inputs))
+        elif kind == SLEEP:  # sleep mode: this rank's pool, graphs and weight shard (rank 0's Engine.sleep / wake_up)
+            sleep.handle(pickle.loads(inputs))
         elif kind == SHUTDOWN:
             channel.release_device_state()  # before the process group goes (see StepChannel.release_device_state)
             return

@@ -321,14 +321,117 @@ def test_level_2_on_a_gpu_then_load_weights_generates_as_before_with_the_graphs_
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not available")
-def test_sleep_over_two_tensor_parallel_ranks_is_refused_naming_them_and_the_engine_serves_on(tiny_qwen3,
-                                                                                             monkeypatch):
+def test_a_two_rank_engine_generates_as_before_after_sleep_1_and_as_b_after_sleep_2_and_load_weights(
+        tiny_qwen3, tmp_path_factory, monkeypatch):
+    """The protocol end to end: rank 0 and its worker (a process of its own) sleep and wake over the control
+    channel without hanging, and generate right after (what the worker's part does: the SleepWorker tests)."""
     monkeypatch.setenv("ATOM_CORE_BACKEND", "torch")  # (the worker reads it at import)
-    folder, _ = tiny_qwen3
+    folder, hf_a = tiny_qwen3
+    folder_b, hf_b = _checkpoint_b("tiny_qwen3", hf_a, tmp_path_factory)
     prompts = _prompts(tiny_qwen3)
-    want = _greedy(Engine.from_pretrained(folder, **ARGS), prompts)
+    want_b = _greedy(Engine.from_pretrained(folder_b, **ARGS), prompts)
     with Engine.from_pretrained(folder, tensor_parallel_size=2, step_timeout=60.0, **ARGS) as engine:
-        with pytest.raises(NotImplementedError, match="several tensor-parallel ranks"):
-            engine.sleep(level=1)
+        want = _greedy(engine, prompts)
+        engine.sleep(level=1)
+        assert engine.is_sleeping
+        with pytest.raises(RuntimeError, match="asleep"):
+            engine.add_request(prompts[0], GREEDY)
+        engine.wake_up(["weights"])
+        engine.wake_up(["kv_cache"])
         assert not engine.is_sleeping
         assert _greedy(engine, prompts) == want
+
+        engine.sleep(level=2)
+        engine.wake_up(["weights"])
+        engine.load_weights(hf_b.state_dict().items(), strict=True)
+        engine.wake_up(["kv_cache"])
+        assert _greedy(engine, prompts) == want_b
+
+
+class _Channel:
+    """A worker's control channel as SleepWorker uses it: its device and the status exchange (recorded)."""
+
+    def __init__(self):
+        self.device, self.statuses = torch.device("cpu"), []
+
+    def exchange_status(self, status):
+        self.statuses.append(status)
+        return [status]
+
+
+def test_a_worker_frees_its_pool_and_weights_on_sleep_and_brings_them_back_on_wake(tiny_qwen3):
+    from atom_core.engine.sleep_mode import SleepWorker
+
+    folder, _ = tiny_qwen3
+    engine = Engine.from_pretrained(folder, **ARGS)  # (its model and runner stand in for a worker's)
+    values = {name: p.detach().clone() for name, p in engine.model.named_parameters()}
+    worker = SleepWorker(engine.model, engine.runner, _Channel())
+    channel = worker.channel
+    worker.handle({"sleep": 2})
+    assert not engine.runner.has_pool
+    assert all(p.numel() == 0 for p in engine.model.parameters())  # level 2: the values discarded
+    worker.handle({"wake": ["weights"]})
+    assert all(p.shape == values[name].shape for name, p in engine.model.named_parameters())
+    assert not engine.runner.has_pool and worker.state is not None
+    worker.handle({"wake": ["kv_cache"]})
+    assert engine.runner.has_pool and worker.state is None
+    assert channel.statuses == ["", "", ""]
+
+
+def test_a_worker_that_cannot_offload_reports_it_and_keeps_its_pool(tiny_qwen3, monkeypatch):
+    from atom_core.engine import sleep_mode
+
+    def no_host_memory(*args, **kwargs):
+        raise MemoryError("no pinned memory left")
+
+    folder, _ = tiny_qwen3
+    engine = Engine.from_pretrained(folder, **ARGS)
+    worker = sleep_mode.SleepWorker(engine.model, engine.runner, _Channel())
+    monkeypatch.setattr(sleep_mode, "offload_weights", no_host_memory)
+    worker.handle({"sleep": 1})
+    assert worker.channel.statuses == ["MemoryError: no pinned memory left"]
+    assert engine.runner.has_pool and worker.state is None
+    worker.handle({"wake": ["weights", "kv_cache"]})  # (rank 0's undo: nothing asleep here)
+    assert worker.channel.statuses[-1] == ""
+
+
+class _RankZeroChannel(_Channel):
+    """Rank 0's control channel with a worker (rank 1) that answers each status exchange with ``worker_status``."""
+
+    def __init__(self, worker_status):
+        super().__init__()
+        self.worker_status, self.sent = worker_status, []
+
+    def check_usable(self):
+        pass
+
+    def send(self, kind, payload=b""):
+        import pickle
+
+        self.sent.append(pickle.loads(payload))
+
+    def exchange_status(self, status):
+        self.statuses.append(status)
+        return [status, self.worker_status]
+
+
+def test_when_a_worker_cannot_sleep_rank_0_wakes_every_rank_and_raises_naming_it(tiny_qwen3):
+    folder, _ = tiny_qwen3
+    prompts = _prompts(tiny_qwen3)
+    engine = Engine.from_pretrained(folder, **ARGS)
+    want = _greedy(engine, prompts)
+    channel = engine._channel = _RankZeroChannel("MemoryError: no pinned memory left")
+    with pytest.raises(RuntimeError, match="tensor-parallel rank 1: MemoryError: no pinned memory left; every rank"):
+        engine.sleep(level=1)
+    assert channel.sent == [{"sleep": 1}, {"wake": ["weights", "kv_cache"]}]  # the undo reaches the workers
+    assert not engine.is_sleeping and engine.runner.has_pool
+    channel.worker_status = ""
+    with pytest.raises(RuntimeError, match="wake_up\\(\\['kv_cache'\\]\\) again"):
+        engine.sleep(level=1)
+        channel.worker_status = "OutOfMemoryError: the pool"
+        engine.wake_up(["kv_cache"])
+    assert engine.is_sleeping  # (rank 0 woke its pool, but keeps the tag asleep so that the retry reaches rank 1)
+    channel.worker_status = ""
+    engine.wake_up(["weights", "kv_cache"])
+    engine._channel = None
+    assert not engine.is_sleeping and _greedy(engine, prompts) == want
