@@ -46,6 +46,7 @@ BITS = 8  # key bits a histogram pass decides
 BINS = 1 << BITS
 PASSES = 32 // BITS
 HISTOGRAM_INTS = PASSES * BINS  # a state row: the pass histograms, then (above, equal) a chunk
+_COUNTS_AT = tl.constexpr(HISTOGRAM_INTS)  # (the kernels' name for it)
 MAX_CHUNK = 4096
 MIN_CHUNK = 512
 PROGRAMS_PER_SM = 2
@@ -132,32 +133,38 @@ def _histogram_kernel(scores_ptr, state_ptr, width, stride_s, stride_state, K,
 
 
 @triton.jit
+def _split_at_threshold(scores_ptr, state_ptr, width, stride_s, stride_state, K, CHUNK: tl.constexpr):
+    """This program's chunk against the row's K-th largest key: (the row's state, the chunk's positions, which are
+    above it, which equal it, how many keys of the row are above it, how many equal ones are wanted)."""
+    row = tl.program_id(0).to(tl.int64)
+    state_row = state_ptr + row * stride_state
+    offs, keys, visible = _load_chunk(scores_ptr, row, tl.program_id(1), width, stride_s, CHUNK)
+    threshold, above, wanted = _decided(state_row, K, 4)
+    return state_row, offs, visible & (keys > threshold), visible & (keys == threshold), above, wanted
+
+
+@triton.jit
 def _count_kernel(scores_ptr, state_ptr, width, stride_s, stride_state, K,
                   CHUNK: tl.constexpr, PDL: tl.constexpr):
     wait_for_inputs(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    state_row = state_ptr + row * stride_state
-    _, keys, visible = _load_chunk(scores_ptr, row, chunk, width, stride_s, CHUNK)
-    threshold, _, _ = _decided(state_row, K, 4)
-    tl.store(state_row + 1024 + 2 * chunk, tl.sum((visible & (keys > threshold)).to(tl.int32), axis=0))
-    tl.store(state_row + 1025 + 2 * chunk, tl.sum((visible & (keys == threshold)).to(tl.int32), axis=0))
+    state_row, _, is_above, is_equal, _, _ = _split_at_threshold(scores_ptr, state_ptr, width, stride_s,
+                                                                 stride_state, K, CHUNK)
+    counts = state_row + _COUNTS_AT + 2 * tl.program_id(1)  # (above, equal) of this chunk
+    tl.store(counts, tl.sum(is_above.to(tl.int32), axis=0))
+    tl.store(counts + 1, tl.sum(is_equal.to(tl.int32), axis=0))
 
 
 @triton.jit
 def _select_kernel(scores_ptr, state_ptr, out_ptr, width, keep, spread, stride_s, stride_state, stride_o, stride_ok, K,
                    CHUNK: tl.constexpr, CHUNKS_PAD: tl.constexpr, PDL: tl.constexpr):
     wait_for_inputs(PDL)
+    state_row, offs, is_above, is_equal, above, wanted = _split_at_threshold(scores_ptr, state_ptr, width, stride_s,
+                                                                             stride_state, K, CHUNK)
+    chunks = tl.arange(0, CHUNKS_PAD)
+    before = chunks < tl.program_id(1)  # the counts of the chunks before this one
+    above_before = tl.sum(tl.load(state_row + _COUNTS_AT + 2 * chunks, mask=before, other=0), axis=0)
+    equal_before = tl.sum(tl.load(state_row + _COUNTS_AT + 1 + 2 * chunks, mask=before, other=0), axis=0)
     row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    state_row = state_ptr + row * stride_state
-    offs, keys, visible = _load_chunk(scores_ptr, row, chunk, width, stride_s, CHUNK)
-    threshold, above, wanted = _decided(state_row, K, 4)
-    before = tl.arange(0, CHUNKS_PAD) < chunk
-    above_before = tl.sum(tl.load(state_row + 1024 + 2 * tl.arange(0, CHUNKS_PAD), mask=before, other=0), axis=0)
-    equal_before = tl.sum(tl.load(state_row + 1025 + 2 * tl.arange(0, CHUNKS_PAD), mask=before, other=0), axis=0)
-    is_above = visible & (keys > threshold)
-    is_equal = visible & (keys == threshold)
     out_row = out_ptr + row * stride_o
     stride = tl.where(above + wanted == keep, spread, 1).to(tl.int64)  # a full row: its slots spread
     slot = above_before + tl.cumsum(is_above.to(tl.int32), axis=0) - 1
@@ -170,8 +177,8 @@ def _select_kernel(scores_ptr, state_ptr, out_ptr, width, keep, spread, stride_s
 
 def topk_positions(scores: torch.Tensor, state: torch.Tensor, out: torch.Tensor, keep: int, chunk: int) -> None:
     """out[t, :keep] = the positions of the ``keep`` largest scores of ``scores[t]`` (fp32 [T, W], -inf: not
-    visible; in the order of the module docstring), then -1 where fewer are visible. state: int32 [T, ``state_width(W, chunk)``],
-    zero on entry (left holding the histograms and counts). keep <= W."""
+    visible; in the order of the module docstring), then -1 where fewer are visible. state: int32
+    [T, ``state_width(W, chunk)``], zero on entry (left holding the histograms and counts). keep <= W."""
     rows, width = scores.shape
     if rows == 0:
         return
@@ -183,4 +190,5 @@ def topk_positions(scores: torch.Tensor, state: torch.Tensor, out: torch.Tensor,
         _histogram_kernel[grid](*args, PASS=d, CHUNK=chunk, num_warps=4, **pdl)
     _count_kernel[grid](*args, CHUNK=chunk, num_warps=4, **pdl)
     _select_kernel[grid](scores, state, out, width, keep, spread_for(keep), scores.stride(0), state.stride(0),
-                         out.stride(0), out.stride(1), keep, CHUNK=chunk, CHUNKS_PAD=next_power_of_2(chunks), num_warps=4, **pdl)
+                         out.stride(0), out.stride(1), keep, CHUNK=chunk, CHUNKS_PAD=next_power_of_2(chunks),
+                         num_warps=4, **pdl)
