@@ -75,6 +75,7 @@ from atom_core.engine.dp_replica import (
 )
 from atom_core.engine.engine import DEMO_MODEL
 from atom_core.engine.logprobs import check_logprobs_mode
+from atom_core.engine.dp_sleep import ReplicaSleepMode
 from atom_core.engine.dp_weights import ReplicaWeightUpdates
 from atom_core.engine.offline import OfflineAPI
 from atom_core.engine.outputs import StepOutputs
@@ -122,7 +123,7 @@ def _free_port() -> int:
 
 
 
-class DataParallelEngine(OfflineAPI, ReplicaWeightUpdates):
+class DataParallelEngine(OfflineAPI, ReplicaWeightUpdates, ReplicaSleepMode):
     """M engine replicas behind one front with ``Engine``'s API (see the module docstring).
 
     Built by ``Engine.from_pretrained(path, data_parallel_size=M, ...)`` (or directly with the same
@@ -133,7 +134,8 @@ class DataParallelEngine(OfflineAPI, ReplicaWeightUpdates):
 
     API: ``add_request``, ``step``, ``generate``, ``chat``, ``abort``, ``has_unfinished_requests``,
     ``shutdown`` and the context manager, as ``Engine``'s (and ``model.config``: the replicas' model config,
-    no module); ``reset_prefix_cache`` and ``load_weights`` run ``Engine``'s on every replica;
+    no module); ``reset_prefix_cache``, ``load_weights``, ``sleep`` and ``wake_up`` run ``Engine``'s on every replica
+    (``engine/dp_weights.py``, ``engine/dp_sleep.py``);
     ``replica_of(request_id)`` says where a request runs, ``requests_per_replica`` how many each got.
     """
 
@@ -409,6 +411,9 @@ class DataParallelEngine(OfflineAPI, ReplicaWeightUpdates):
         token_ids, params = self._check_request(prompt, params)
         prompt_text = prompt_text_of(prompt, prompt_text)
         self._check_usable()
+        if self.is_sleeping:
+            raise RuntimeError(f"DataParallelEngine.add_request: the replicas are asleep ({sorted(self._asleep)} "
+                               "asleep): wake_up() first")
         replica = min(self._replicas, key=lambda r: (r.outstanding, r.index))
         group_id = self._next_id
         try:

@@ -75,6 +75,8 @@ CONFIG, ADD, ABORT, STATS, RESET_PREFIX_CACHE, SHUTDOWN = "config", "add", "abor
     "shutdown"
 # front -> replica, and its answers (DataParallelEngine.load_weights; see the module docstring)
 LOAD_WEIGHTS, WEIGHTS = "load_weights", "weights"
+# front -> replica: ("sleep", {"sleep": level} or {"wake": tags}), answered ("sleep", "" or why it failed)
+SLEEP = "sleep"
 # replica -> front (CLOSED: put by the front's reader thread when the socket closes)
 READY, START_FAILED, OUTPUTS, STEP_ERROR, FATAL, CLOSED = "ready", "start_failed", "outputs", "step_error", "fatal", \
     "closed"
@@ -228,6 +230,20 @@ def replica_main() -> None:
     os._exit(code)
 
 
+def _sleep_or_wake(engine: Engine, message: dict) -> str:
+    """The engine's ``sleep(level)`` or ``wake_up(tags)`` of ``message``; "" when done, else why it failed."""
+    from atom_core.engine.weight_sync import error_status
+
+    try:
+        if "sleep" in message:
+            engine.sleep(message["sleep"])
+        elif engine.is_sleeping:
+            engine.wake_up(message["wake"])
+    except Exception as error:  # noqa: BLE001 - told to the front, which names this replica
+        return error_status(error)
+    return ""
+
+
 class _Session:
     """What the replica's loop keeps between commands and steps."""
 
@@ -263,6 +279,8 @@ class _Session:
             return rounds.shutdown
         elif command[0] == WEIGHTS:
             pass  # a round sent before the front heard that this replica's load had ended (refused): dropped
+        elif command[0] == SLEEP:  # DataParallelEngine.sleep / wake_up (engine/dp_sleep.py)
+            conn.send((SLEEP, _sleep_or_wake(engine, command[1])))
         elif command[0] == SHUTDOWN:
             return True
         return False
