@@ -191,8 +191,8 @@ class WeightUpdates:
             raise RuntimeError("Engine.update_weights_from_distributed: no weight-update group is open "
                                "(init_weight_update_group first)")
         check_src(src, member, self._tp_size)
+        check_updatable(self.model)  # (before any request is aborted)
         self._check_weight_update("Engine.update_weights_from_distributed", unfinished)
-        check_updatable(self.model)
         rounds = plan_rounds(specs)
         return self._update_weights("Engine.update_weights_from_distributed", lambda: load_from_group_driver(
             self.model, self._channel, member, rounds, src=src, strict=strict, check_finite=check_finite))

@@ -229,10 +229,13 @@ def test_an_update_is_refused_before_any_collective_without_a_group_from_an_engi
     trainer = _join(engine, world_size=2)
     with pytest.raises(ValueError, match=r"src must be a rank .* outside the engine's ranks 1\.\.1"):
         engine.update_weights_from_distributed(*spec, src=1)
-    engine.model.quant_config = SimpleNamespace(online=False, quant_method="fp8")  # as if from an FP8 checkpoint
-    with pytest.raises(NotImplementedError, match="built from a quantized checkpoint"):
-        engine.update_weights_from_distributed(*spec)
     engine.add_request(prompts_for(hf_b.config.vocab_size, [5])[0], GREEDY)
+    quant_config, engine.model.quant_config = engine.model.quant_config, SimpleNamespace(online=False,
+                                                                                         quant_method="fp8")
+    with pytest.raises(NotImplementedError, match="built from a quantized checkpoint"):  # (as if from an FP8 file)
+        engine.update_weights_from_distributed(*spec, unfinished="abort")
+    assert engine.has_unfinished_requests()  # refused before any request was aborted
+    engine.model.quant_config = quant_config
     with pytest.raises(RuntimeError, match="1 requests are unfinished"):
         engine.update_weights_from_distributed(*spec)
     engine.shutdown()  # closes the group
