@@ -6,11 +6,13 @@ from atom_core.engine.data_parallel import DataParallelEngine, ReplicaFailedErro
 from atom_core.engine.engine import Engine
 from atom_core.engine.outputs import RequestOutput, StepOutputs
 from atom_core.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from atom_core.engine.sleep_mode import EngineAsleepError
 from atom_core.engine.scheduler import Scheduler
 from atom_core.engine.step import ScheduledStep
 from atom_core.engine.distributed import DistributedEngineError, WorkerFailedError
 from atom_core.engine.workers import run_worker
 
-__all__ = ["AsyncEngine", "DataParallelEngine", "DistributedEngineError", "Engine", "ReplicaFailedError",
+__all__ = ["AsyncEngine", "DataParallelEngine", "DistributedEngineError", "Engine", "EngineAsleepError",
+           "ReplicaFailedError",
            "ReplicaStepError", "RequestOutput", "SamplingParams", "ScheduledStep",
            "Scheduler", "StepOutputs", "StructuredOutputsParams", "WorkerFailedError", "run_worker"]

@@ -322,6 +322,14 @@ class AsyncEngine:
             if kind == "accepted":
                 if not stream._accepted.done():
                     stream._accepted.set_result(None)
+            elif kind == "aborted":  # the engine dropped it (_end_requests_the_engine_dropped)
+                if state == "waiting":
+                    self._num_waiting -= 1
+                else:
+                    self._num_running -= 1
+                stream.state = "done"
+                self._streams.pop(stream.request_id, None)
+                stream._end_aborted(time.monotonic())
             elif kind == "delta":
                 stream.state = "running"
                 self._num_waiting -= 1
@@ -409,6 +417,17 @@ class AsyncEngine:
                     future.set_result(fn(self.engine))
                 except BaseException as e:
                     future.set_exception(e)
+                finally:
+                    self._end_requests_the_engine_dropped()
+
+    def _end_requests_the_engine_dropped(self) -> None:
+        """After a function ran on the engine: streams whose requests it aborted (``load_weights(...,
+        unfinished="abort")`` aborts every one; the engine gives them no further output) end with finish reason
+        "abort" instead of waiting forever."""
+        if self._live and not self.engine.has_unfinished_requests():
+            for live in self._live.values():
+                self._outbox.append((live.stream, "aborted", None))
+            self._live.clear()
 
     def _step(self) -> None:
         try:

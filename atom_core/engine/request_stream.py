@@ -270,6 +270,14 @@ class RequestStream:
         """Forget the outputs delivered but not read yet (an abort: iteration ends at once)."""
         self._items.clear()
 
+    def _end_aborted(self, now: float) -> None:
+        """Finish every sequence not finished yet with reason "abort" and no new token (the engine dropped the
+        request: ``AsyncEngine._end_requests_the_engine_dropped``)."""
+        for index, sequence in enumerate(self.sequences):
+            if not sequence.finished:
+                self._on_delta(_Delta(index, [], "", None, None, len(sequence.token_ids), "abort", None, now, None, 0,
+                                      None, None))
+
     def _on_delta(self, delta: _Delta) -> bool:
         """Record one sequence's step; returns True when this completed the request."""
         if delta.prompt_token_ids is not None and self.prompt_token_ids is None:

@@ -26,12 +26,16 @@ import torch
 
 from atom_core.engine.distributed import SLEEP
 
-__all__ = ["SLEEP_LEVELS", "WAKE_TAGS", "SleepMode", "SleepState", "SleepWorker"]
+__all__ = ["SLEEP_LEVELS", "WAKE_TAGS", "EngineAsleepError", "SleepMode", "SleepState", "SleepWorker"]
 
 logger = logging.getLogger(__name__)
 
 SLEEP_LEVELS = (1, 2)
 WAKE_TAGS = ("weights", "kv_cache")  # vLLM's names of what wake_up brings back
+
+
+class EngineAsleepError(RuntimeError):
+    """What a call needs is asleep (``Engine.sleep``): ``wake_up`` first. (A server answers 503: retry later.)"""
 
 
 @dataclass
@@ -280,7 +284,7 @@ class SleepMode:
         """RuntimeError naming what is asleep when ``caller`` needs any of ``needs``."""
         asleep = sorted(set(needs) & self._sleep.asleep) if self._sleep is not None else []
         if asleep:
-            raise RuntimeError(f"{caller}: the engine is asleep ({', '.join(repr(t) for t in asleep)} asleep): "
+            raise EngineAsleepError(f"{caller}: the engine is asleep ({', '.join(repr(t) for t in asleep)} asleep): "
                                f"wake_up({asleep!r}) first")
 
     def _ranks_failed(self, error: BaseException | None) -> str:

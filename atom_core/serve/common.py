@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from atom_core.engine.async_engine import AsyncEngine, EngineClosedError, EngineStepError, QueueFullError
+from atom_core.engine.sleep_mode import EngineAsleepError
 from atom_core.engine.distributed import DistributedEngineError
 from atom_core.engine.request_stream import RequestStream, StreamOutput
 from atom_core.engine.sampling_params import SamplingParams
@@ -185,6 +186,8 @@ class ServerContext:
                 raise APIError(503, str(e), code="queue_full") from None
             if isinstance(e, EngineClosedError):
                 raise APIError(503, str(e), code="shutting_down") from None
+            if isinstance(e, EngineAsleepError):  # (an RL loop's trainer holds the GPU: retry after /wake_up)
+                raise APIError(503, str(e), code="engine_asleep") from None
             if isinstance(e, DistributedEngineError):  # a worker rank or replica failed: nothing runs any more
                 raise APIError(503, str(e), code="engine_failed") from None
             if isinstance(e, (ValueError, TypeError)):

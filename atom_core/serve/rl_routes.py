@@ -34,7 +34,17 @@ from atom_core.serve.common import APIError, ServerContext
 
 # What an update route takes beside its own fields. SGLang's ``flush_cache`` and ``group_name`` are accepted: the
 # prefix cache is reset after every update, and an engine has one group.
-UPDATE_OPTIONS = {"unfinished": str, "abort_all_requests": bool, "flush_cache": bool, "group_name": str}
+UPDATE_OPTIONS = {"unfinished": str, "abort_all_requests": bool, "flush_cache": bool, "group_name": str,
+                  "weight_version": (str, type(None)), "load_format": (str, type(None))}
+LOAD_FORMATS = (None, "auto", "safetensors")  # /update_weights_from_disk reads *.safetensors files
+
+
+class RLError(APIError):
+    """A refusal of these routes: the server's error body, with SGLang's ``success`` and ``message`` beside it (its
+    clients read ``result["success"]``)."""
+
+    def body(self) -> dict:
+        return {"success": False, "message": self.message, **super().body()}
 
 
 def checkpoint_tensors(folder: Path) -> Iterator[tuple[str, Any]]:
@@ -47,6 +57,11 @@ def checkpoint_tensors(folder: Path) -> Iterator[tuple[str, Any]]:
                 yield name, handle.get_tensor(name)
 
 
+def _loaded(report) -> int:
+    """Parameters loaded by one engine's ``LoadReport`` (a ``DataParallelEngine``'s list: each replica's, the same)."""
+    return len((report[0] if isinstance(report, list) else report).loaded)
+
+
 def _unfinished(body: dict) -> str:
     """``Engine.load_weights``' ``unfinished`` from ``unfinished`` or SGLang's ``abort_all_requests``."""
     return body.get("unfinished", "abort" if body.get("abort_all_requests") else "refuse")
@@ -57,13 +72,15 @@ def _fields(body: dict, required: dict[str, type], optional: dict[str, type]) ->
     known = {**required, **optional}
     for name in body:
         if name not in known:
-            raise APIError(400, f"unknown field {name!r}; this route takes {sorted(known)}", param=name)
+            raise RLError(400, f"unknown field {name!r}; this route takes {sorted(known)}", param=name)
     for name, kind in known.items():
         if name not in body:
             if name in required:
-                raise APIError(400, f"missing field {name!r}", param=name)
+                raise RLError(400, f"missing field {name!r}", param=name)
         elif not isinstance(body[name], kind) or (kind is int and isinstance(body[name], bool)):
-            raise APIError(400, f"{name} must be {kind.__name__}, got {type(body[name]).__name__}", param=name)
+            expected = " or ".join("null" if k is type(None) else k.__name__ for k in
+                                   (kind if isinstance(kind, tuple) else (kind,)))
+            raise RLError(400, f"{name} must be {expected}, got {type(body[name]).__name__}", param=name)
     return body
 
 
@@ -75,7 +92,7 @@ def add_rl_routes(app: FastAPI, ctx: ServerContext, authorize: Callable[[Request
         """``engine.<name>(*args, **kwargs)`` (a property: its value) on the step thread; the engine's refusals as
         the server's errors."""
         if not hasattr(type(async_engine.engine), name):
-            raise APIError(501, f"this server's engine ({type(async_engine.engine).__name__}: replicas in processes of "
+            raise RLError(501, f"this server's engine ({type(async_engine.engine).__name__}: replicas in processes of "
                                 f"their own) has no {name}; serve one engine in the server's process "
                                 f"(--data-parallel-size 1, --no-engine-process)", code="not_implemented")
 
@@ -86,11 +103,16 @@ def add_rl_routes(app: FastAPI, ctx: ServerContext, authorize: Callable[[Request
         try:
             return await async_engine.run_on_engine(run)
         except NotImplementedError as e:
-            raise APIError(501, str(e), code="not_implemented") from None
+            raise RLError(501, str(e), code="not_implemented") from None
         except (ValueError, TypeError) as e:
-            raise APIError(400, str(e)) from None
+            raise RLError(400, str(e)) from None
         except RuntimeError as e:
-            raise APIError(409, str(e), code="conflict") from None
+            raise RLError(409, str(e), code="conflict") from None
+
+    def check_sleep_mode() -> None:
+        if getattr(async_engine.engine, "enable_sleep_mode", True) is False:
+            raise RLError(501, "this server's engine was started without sleep mode (--enable-sleep-mode)",
+                          code="not_implemented")
 
     async def json_body(request: Request) -> dict:
         authorize(request)
@@ -98,9 +120,9 @@ def add_rl_routes(app: FastAPI, ctx: ServerContext, authorize: Callable[[Request
         try:
             body = json.loads(raw) if raw.strip() else {}
         except ValueError as e:
-            raise APIError(400, f"the body is not JSON: {e}") from None
+            raise RLError(400, f"the body is not JSON: {e}") from None
         if not isinstance(body, dict):
-            raise APIError(400, f"the body must be a JSON object, got {type(body).__name__}")
+            raise RLError(400, f"the body must be a JSON object, got {type(body).__name__}")
         return body
 
     def done(message: str = "") -> dict:
@@ -115,15 +137,17 @@ def add_rl_routes(app: FastAPI, ctx: ServerContext, authorize: Callable[[Request
     @app.post("/sleep")
     async def sleep(request: Request):
         authorize(request)
+        check_sleep_mode()
         level = request.query_params.get("level", "1")
         if not level.isdigit():
-            raise APIError(400, f"level must be 1 or 2, got {level!r}", param="level")
+            raise RLError(400, f"level must be 1 or 2, got {level!r}", param="level")
         await call("sleep", int(level))
         return done(f"asleep at level {level}")
 
     @app.post("/wake_up")
     async def wake_up(request: Request):
         authorize(request)
+        check_sleep_mode()
         tags = request.query_params.getlist("tags") or None
         await call("wake_up", tags)
         return done()
@@ -131,6 +155,7 @@ def add_rl_routes(app: FastAPI, ctx: ServerContext, authorize: Callable[[Request
     @app.get("/is_sleeping")
     async def is_sleeping(request: Request):
         authorize(request)
+        check_sleep_mode()
         return {"is_sleeping": bool(await call("is_sleeping"))}
 
     @app.post("/update_weights_from_disk")
@@ -138,17 +163,20 @@ def add_rl_routes(app: FastAPI, ctx: ServerContext, authorize: Callable[[Request
         body = await json_body(request)
         folder = Path(_fields(body, {"model_path": str}, UPDATE_OPTIONS)["model_path"])
         if not folder.is_dir() or not any(folder.glob("*.safetensors")):
-            raise APIError(400, f"model_path {str(folder)!r} is not a folder holding *.safetensors files",
+            raise RLError(400, f"model_path {str(folder)!r} is not a folder holding *.safetensors files",
                            param="model_path")
         mode = _unfinished(body)
         if mode != "refuse" and "unfinished" not in inspect.signature(async_engine.engine.load_weights).parameters:
-            raise APIError(501, f"this server's engine ({type(async_engine.engine).__name__}) refuses updates while "
+            raise RLError(501, f"this server's engine ({type(async_engine.engine).__name__}) refuses updates while "
                                 "requests are unfinished; serve one engine in the server's process "
                                 "(--data-parallel-size 1, --no-engine-process) for 'abort' or 'keep'",
                            param="unfinished", code="not_implemented")
+        if body.get("load_format") not in LOAD_FORMATS:
+            raise RLError(400, f"load_format must be one of {LOAD_FORMATS}, got {body['load_format']!r}",
+                           param="load_format")
         report = await call("load_weights", checkpoint_tensors(folder), **({} if mode == "refuse" else
                                                                            {"unfinished": mode}))
-        return done(f"loaded {len(report.loaded)} tensors from {folder}")
+        return done(f"loaded {_loaded(report)} tensors from {folder}")
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(request: Request):
@@ -165,7 +193,7 @@ def add_rl_routes(app: FastAPI, ctx: ServerContext, authorize: Callable[[Request
         args = _fields(body, {"names": list, "dtypes": list, "shapes": list}, UPDATE_OPTIONS)
         report = await call("update_weights_from_distributed", args["names"], args["dtypes"], args["shapes"],
                             unfinished=_unfinished(body))
-        return done(f"loaded {len(report.loaded)} tensors")
+        return done(f"loaded {_loaded(report)} tensors")
 
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(request: Request):

@@ -334,3 +334,33 @@ def test_a_finished_stream_has_no_outputs_ready_though_its_end_stays_queued(engi
     assert ready_after_end == 0
     assert again == []
     assert_idle_and_clean(engine)
+
+
+def test_requests_a_function_on_the_engine_aborted_end_with_reason_abort_instead_of_hanging(engine):
+    """``load_weights(..., unfinished="abort")`` run on the step thread aborts every request; the engine gives them no
+    further output, so their streams end here with finish reason "abort" (one running, one waiting, n = 2)."""
+    async def main():
+        async with AsyncEngine(engine) as async_engine:
+            first = asyncio.Event()
+            ends = {}
+
+            async def consume(prompt, params):
+                outs = []
+                async for out in async_engine.generate(prompt, params):
+                    outs.append(out)
+                    first.set()
+                ends[prompt] = sorted((out.index, out.finish_reason) for out in outs if out.finished)
+
+            running = asyncio.create_task(consume(PROMPTS[0], LONG))
+            await first.wait()
+            waiting = asyncio.create_task(consume(PROMPTS[1], replace(LONG, n=2, temperature=1.0, seed=0)))
+            await asyncio.sleep(0)
+            pairs = list(engine.model.state_dict().items())
+            await async_engine.run_on_engine(lambda e: e.load_weights(pairs, unfinished="abort"))
+            await asyncio.wait_for(asyncio.gather(running, waiting), timeout=60)
+            return ends, async_engine.stats()
+
+    ends, stats = asyncio.run(main())
+    assert ends == {PROMPTS[0]: [(0, "abort")], PROMPTS[1]: [(0, "abort"), (1, "abort")]}
+    assert stats.num_running == stats.num_waiting == 0
+    assert_idle_and_clean(engine)

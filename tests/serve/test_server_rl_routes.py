@@ -25,6 +25,14 @@ def rl_server():
 LONG_PROMPT = "Return the number of apples in the basket, " * 6  # several full KV blocks
 
 
+def rl_error(status_and_body, status: int, param: str | None = "__any__") -> dict:
+    """A refusal of an RL route: the server's error body, with SGLang's ``success: false`` and ``message`` beside it."""
+    got, body = status_and_body
+    assert got == status, body
+    assert body["success"] is False and body["message"] == body["error"]["message"], body
+    return assert_error((got, {"error": body["error"]}), status, param=param)
+
+
 def greedy_text(server) -> str:
     status, body = request(server, "POST", "/v1/completions",
                            completion(prompt=LONG_PROMPT, max_tokens=8, temperature=0))
@@ -54,6 +62,16 @@ def test_sleep_and_wake_up_drive_the_engine_and_generation_resumes_unchanged(rl_
     assert greedy_text(rl_server) == before
 
 
+def test_a_request_while_asleep_is_a_503_naming_it_and_serves_after_wake_up(rl_server):
+    assert request(rl_server, "POST", "/sleep?level=1")[0] == 200
+    try:
+        error = assert_error(request(rl_server, "POST", "/v1/completions", completion()), 503, code="engine_asleep")
+        assert "asleep" in error["message"]
+    finally:
+        assert request(rl_server, "POST", "/wake_up") == (200, OK)
+    greedy_text(rl_server)
+
+
 def test_reset_prefix_cache_empties_the_cache(rl_server):
     greedy_text(rl_server)
     assert rl_server.submit(lambda e: e.block_manager.num_cached_blocks) > 0
@@ -61,7 +79,8 @@ def test_reset_prefix_cache_empties_the_cache(rl_server):
     assert rl_server.submit(lambda e: e.block_manager.num_cached_blocks) == 0
 
 
-@pytest.mark.parametrize("extra", [{}, {"unfinished": "keep"}, {"abort_all_requests": True, "flush_cache": True}])
+@pytest.mark.parametrize("extra", [{}, {"unfinished": "keep"}, {"abort_all_requests": True, "flush_cache": True},
+                                   {"load_format": None, "weight_version": "v2"}, {"load_format": "safetensors"}])
 def test_update_weights_from_disk_loads_every_tensor_of_the_folder(rl_server, extra):
     before = greedy_text(rl_server)
     status, body = request(rl_server, "POST", "/update_weights_from_disk", {"model_path": str(DEMO_MODEL), **extra})
@@ -74,34 +93,36 @@ def test_update_weights_from_disk_loads_every_tensor_of_the_folder(rl_server, ex
                                          ({"model_path": "/nonexistent"}, "model_path"),
                                          ({"model_path": str(DEMO_MODEL), "load_format": "pt"}, "load_format")])
 def test_update_weights_from_disk_names_a_bad_field(rl_server, body, param):
-    assert_error(request(rl_server, "POST", "/update_weights_from_disk", body), 400, param=param)
+    rl_error(request(rl_server, "POST", "/update_weights_from_disk", body), 400, param=param)
 
 
 def test_an_unknown_unfinished_mode_is_a_400_naming_the_modes(rl_server):
-    error = assert_error(request(rl_server, "POST", "/update_weights_from_disk",
-                                 {"model_path": str(DEMO_MODEL), "unfinished": "wait"}), 400)
+    error = rl_error(request(rl_server, "POST", "/update_weights_from_disk",
+                             {"model_path": str(DEMO_MODEL), "unfinished": "wait"}), 400)
     assert "'refuse', 'abort', 'keep'" in error["message"]
 
 
 def test_the_group_routes_check_their_fields_and_destroy_without_a_group_is_a_no_op(rl_server):
-    assert_error(request(rl_server, "POST", "/init_weights_update_group", {"master_address": "127.0.0.1"}), 400,
-                 param="master_port")
-    assert_error(request(rl_server, "POST", "/init_weights_update_group",
-                         {"master_address": "127.0.0.1", "master_port": True, "rank_offset": 1, "world_size": 2}),
-                 400, param="master_port")
-    error = assert_error(request(rl_server, "POST", "/update_weights_from_distributed",
-                                 {"names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[2, 2]]}), 409)
+    rl_error(request(rl_server, "POST", "/init_weights_update_group", {"master_address": "127.0.0.1"}), 400,
+             param="master_port")
+    rl_error(request(rl_server, "POST", "/init_weights_update_group",
+                     {"master_address": "127.0.0.1", "master_port": True, "rank_offset": 1, "world_size": 2}),
+             400, param="master_port")
+    error = rl_error(request(rl_server, "POST", "/update_weights_from_distributed",
+                             {"names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[2, 2]],
+                              "weight_version": "v7"}), 409)
     assert "no weight-update group is open" in error["message"]
     assert request(rl_server, "POST", "/destroy_weights_update_group") == (200, OK)
 
 
 def test_sleep_level_must_be_a_number_and_sleep_mode_must_be_on(rl_server, server):
-    assert_error(request(rl_server, "POST", "/sleep?level=deep"), 400, param="level")
-    assert_error(request(rl_server, "POST", "/sleep?level=3"), 400)
+    rl_error(request(rl_server, "POST", "/sleep?level=deep"), 400, param="level")
+    rl_error(request(rl_server, "POST", "/sleep?level=3"), 400)
     with_routes_no_sleep = LiveServer(demo_engine(), enable_rl_endpoints=True).start()
     try:
-        error = assert_error(request(with_routes_no_sleep, "POST", "/sleep"), 409)
-        assert "enable_sleep_mode" in error["message"]
+        for method, path in [("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping")]:
+            error = rl_error(request(with_routes_no_sleep, method, path), 501)
+            assert "--enable-sleep-mode" in error["message"]
     finally:
         with_routes_no_sleep.stop()
     assert request(rl_server, "GET", "/v1/models")[1]["data"][0]["id"] == MODEL
