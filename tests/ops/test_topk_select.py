@@ -72,8 +72,9 @@ def score_rows(draw):
     kind = draw(st.sampled_from(["normal", "few values", "tiny"]))
     if kind == "normal":
         scores = torch.randn(rows, width, generator=g)
-    elif kind == "few values":  # ties at the threshold, negatives and zeros
+    elif kind == "few values":  # ties at the threshold, negatives and zeros of both signs (equal: a tie)
         scores = torch.randint(-3, 4, (rows, width), generator=g).float()
+        scores[(scores == 0) & (torch.rand(rows, width, generator=g) < 0.5)] = -0.0
     else:  # subnormals and exponents that share a top byte
         scores = torch.randn(rows, width, generator=g) * 1e-40
     hidden = torch.rand(rows, width, generator=g) < draw(st.sampled_from([0.0, 0.3, 0.9, 1.0]))
@@ -105,3 +106,8 @@ def test_topk_positions_choose_what_torch_topk_chooses_at_deepseek_v32_shape(row
     chosen = torch.gather(scores.cpu(), 1, got.long())
     assert torch.equal(chosen.sort(dim=1, descending=True).values, values)
     assert all(len(set(r.tolist())) == keep for r in got)
+
+
+def test_a_nan_of_either_sign_ranks_above_every_number_as_torch_topk_ranks_it():
+    scores = torch.tensor([[1.0, float("inf"), -float("nan"), 2.0, float("nan"), -float("inf")]])
+    assert run_topk(scores.to(DEVICE), 3, 16)[0].tolist() == [2, 4, 1]

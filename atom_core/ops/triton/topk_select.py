@@ -81,7 +81,9 @@ def chunk_size(num_rows: int, width: int, sms: int) -> int:
 
 @triton.jit
 def _keys(x):
-    """fp32 -> uint32 in the same order (negatives: all bits flipped; the rest: the sign bit set)."""
+    """fp32 -> uint32 in the same order (negatives: all bits flipped; the rest: the sign bit set). -0.0 becomes
+    +0.0 (equal scores, equal keys: a tie) and every NaN a positive one (above +inf, as ``torch.topk`` ranks it)."""
+    x = tl.where(x == 0.0, 0.0, tl.where(x != x, float("nan"), x))
     bits = x.to(tl.uint32, bitcast=True)
     flip = tl.where((bits >> 31) != 0, tl.full(x.shape, 0xFFFFFFFF, tl.uint32), tl.full(x.shape, 0x80000000, tl.uint32))
     return bits ^ flip
@@ -182,6 +184,8 @@ def topk_positions(scores: torch.Tensor, state: torch.Tensor, out: torch.Tensor,
     rows, width = scores.shape
     if rows == 0:
         return
+    if scores.stride(1) != 1:
+        raise ValueError(f"topk_positions reads score rows at unit stride, got strides {scores.stride()}")
     chunks = cdiv(width, chunk)
     grid = (rows, chunks)
     args = (scores, state, width, scores.stride(0), state.stride(0), keep)
