@@ -93,8 +93,8 @@ def add_rl_routes(app: FastAPI, ctx: ServerContext, authorize: Callable[[Request
         the server's errors."""
         if not hasattr(type(async_engine.engine), name):
             raise RLError(501, f"this server's engine ({type(async_engine.engine).__name__}: replicas in processes of "
-                                f"their own) has no {name}; serve one engine in the server's process "
-                                f"(--data-parallel-size 1, --no-engine-process)", code="not_implemented")
+                               f"their own) has no {name}; serve one engine in the server's process "
+                               f"(--data-parallel-size 1, --no-engine-process)", code="not_implemented")
 
         def run(engine):
             attribute = getattr(engine, name)
@@ -164,16 +164,16 @@ def add_rl_routes(app: FastAPI, ctx: ServerContext, authorize: Callable[[Request
         folder = Path(_fields(body, {"model_path": str}, UPDATE_OPTIONS)["model_path"])
         if not folder.is_dir() or not any(folder.glob("*.safetensors")):
             raise RLError(400, f"model_path {str(folder)!r} is not a folder holding *.safetensors files",
-                           param="model_path")
+                          param="model_path")
         mode = _unfinished(body)
         if mode != "refuse" and "unfinished" not in inspect.signature(async_engine.engine.load_weights).parameters:
             raise RLError(501, f"this server's engine ({type(async_engine.engine).__name__}) refuses updates while "
-                                "requests are unfinished; serve one engine in the server's process "
-                                "(--data-parallel-size 1, --no-engine-process) for 'abort' or 'keep'",
-                           param="unfinished", code="not_implemented")
+                               "requests are unfinished; serve one engine in the server's process "
+                               "(--data-parallel-size 1, --no-engine-process) for 'abort' or 'keep'",
+                          param="unfinished", code="not_implemented")
         if body.get("load_format") not in LOAD_FORMATS:
             raise RLError(400, f"load_format must be one of {LOAD_FORMATS}, got {body['load_format']!r}",
-                           param="load_format")
+                          param="load_format")
         report = await call("load_weights", checkpoint_tensors(folder), **({} if mode == "refuse" else
                                                                            {"unfinished": mode}))
         return done(f"loaded {_loaded(report)} tensors from {folder}")
