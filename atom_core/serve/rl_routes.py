@@ -4,7 +4,8 @@ bodies the RL frameworks already send:
 
 - vLLM's (its development-mode routes): ``POST /reset_prefix_cache``, ``POST /sleep?level=1``,
   ``POST /wake_up`` (``?tags=weights&tags=kv_cache``, none: both), ``GET /is_sleeping``;
-- SGLang's: ``POST /update_weights_from_disk`` ``{"model_path"}`` (every ``*.safetensors`` tensor of the
+- SGLang's: ``GET|POST /flush_cache``, ``POST /release_memory_occupation`` / ``/resume_memory_occupation``
+  (``{"tags"?}``: sleep at level 1 and wake up), ``POST /update_weights_from_disk`` ``{"model_path"}`` (every ``*.safetensors`` tensor of the
   folder, Hugging Face names, read one at a time), ``POST /init_weights_update_group`` ``{"master_address",
   "master_port", "rank_offset", "world_size", "group_name"?, "backend"?}``, ``POST
   /update_weights_from_distributed`` ``{"names", "dtypes", "shapes"}``, ``POST /destroy_weights_update_group``.
@@ -30,6 +31,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
+from atom_core.engine.sleep_mode import WAKE_TAGS
 from atom_core.serve.common import APIError, ServerContext
 
 # What an update route takes beside its own fields. SGLang's ``flush_cache`` and ``group_name`` are accepted: the
@@ -55,6 +57,17 @@ def checkpoint_tensors(folder: Path) -> Iterator[tuple[str, Any]]:
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():
                 yield name, handle.get_tensor(name)
+
+
+def _memory_tags(tags: list | None) -> set[str]:
+    """SGLang's memory tags as ``wake_up``'s: None = all; "cuda_graph" dropped (the graphs go with the other two and
+    are captured again once both are awake); 400 for another."""
+    if tags is None:
+        return set(WAKE_TAGS)
+    unknown = [tag for tag in tags if tag not in (*WAKE_TAGS, "cuda_graph")]
+    if unknown:
+        raise RLError(400, f"tags must name 'weights', 'kv_cache' or 'cuda_graph', got {unknown!r}", param="tags")
+    return {tag for tag in tags if tag != "cuda_graph"}
 
 
 def _loaded(report) -> int:
@@ -157,6 +170,38 @@ def add_rl_routes(app: FastAPI, ctx: ServerContext, authorize: Callable[[Request
         authorize(request)
         check_sleep_mode()
         return {"is_sleeping": bool(await call("is_sleeping"))}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache(request: Request):
+        """SGLang's: 200 once reset; 409 while requests hold KV blocks (its clients retry until a 200)."""
+        authorize(request)
+        if not await call("reset_prefix_cache"):
+            raise RLError(409, "requests hold KV blocks: nothing was reset", code="conflict")
+        return done("cache flushed")
+
+    @app.post("/release_memory_occupation")
+    async def release_memory_occupation(request: Request):
+        """SGLang's: everything at once (``sleep(1)``: the weights kept on the host); ``tags`` naming only some of
+        "weights" / "kv_cache" / "cuda_graph" is not built (501)."""
+        body = _fields(await json_body(request), {}, {"tags": (list, type(None))})
+        check_sleep_mode()
+        tags = _memory_tags(body.get("tags"))
+        if tags != set(WAKE_TAGS):
+            raise RLError(501, f"releasing only {sorted(tags)} is not built: sleep frees the weights and the KV "
+                               "cache together (tags null or all of them)", param="tags", code="not_implemented")
+        await call("sleep", 1)
+        return done()
+
+    @app.post("/resume_memory_occupation")
+    async def resume_memory_occupation(request: Request):
+        """SGLang's: ``wake_up`` of each of ``tags`` still asleep (null: all; "cuda_graph" is captured again once
+        both are awake), the weights first."""
+        body = _fields(await json_body(request), {}, {"tags": (list, type(None))})
+        check_sleep_mode()
+        tags = _memory_tags(body.get("tags"))
+        for tag in (tag for tag in WAKE_TAGS if tag in tags):  # (a tag already awake: wake_up does nothing)
+            await call("wake_up", [tag])
+        return done()
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request):

@@ -126,3 +126,23 @@ def test_sleep_level_must_be_a_number_and_sleep_mode_must_be_on(rl_server, serve
     finally:
         with_routes_no_sleep.stop()
     assert request(rl_server, "GET", "/v1/models")[1]["data"][0]["id"] == MODEL
+
+
+def test_sglangs_memory_routes_sleep_and_wake_and_flush_cache_answers_200_once_reset(rl_server):
+    before = greedy_text(rl_server)
+    for method in ("GET", "POST"):
+        assert request(rl_server, method, "/flush_cache") == (200, {"success": True, "message": "cache flushed"})
+    assert request(rl_server, "POST", "/release_memory_occupation", {}) == (200, OK)
+    assert rl_server.submit(lambda e: e.is_sleeping)
+    assert request(rl_server, "POST", "/resume_memory_occupation", {"tags": ["weights", "cuda_graph"]}) == (200, OK)
+    assert rl_server.submit(lambda e: e.is_sleeping)  # (the pool still asleep)
+    assert request(rl_server, "POST", "/resume_memory_occupation", {"tags": None}) == (200, OK)
+    assert not rl_server.submit(lambda e: e.is_sleeping)
+    assert greedy_text(rl_server) == before
+
+
+@pytest.mark.parametrize("body, status", [({"tags": ["kv_cache"]}, 501), ({"tags": ["cuda_graph"]}, 501),
+                                          ({"tags": ["activations"]}, 400), ({"tags": "weights"}, 400)])
+def test_releasing_part_of_the_memory_is_refused_naming_the_tags(rl_server, body, status):
+    rl_error(request(rl_server, "POST", "/release_memory_occupation", body), status, param="tags")
+    assert not rl_server.submit(lambda e: e.is_sleeping)
