@@ -76,7 +76,6 @@ from atom_core.engine.dp_replica import (
 from atom_core.engine.engine import DEMO_MODEL
 from atom_core.engine.logprobs import check_logprobs_mode
 from atom_core.engine.dp_sleep import ReplicaSleepMode
-from atom_core.engine.sleep_mode import EngineAsleepError
 from atom_core.engine.dp_weights import ReplicaWeightUpdates
 from atom_core.engine.offline import OfflineAPI
 from atom_core.engine.outputs import StepOutputs
@@ -412,9 +411,7 @@ class DataParallelEngine(OfflineAPI, ReplicaWeightUpdates, ReplicaSleepMode):
         token_ids, params = self._check_request(prompt, params)
         prompt_text = prompt_text_of(prompt, prompt_text)
         self._check_usable()
-        if self.is_sleeping:
-            raise EngineAsleepError(f"DataParallelEngine.add_request: the replicas are asleep ({sorted(self._asleep)} "
-                               "asleep): wake_up() first")
+        self._check_awake("DataParallelEngine.add_request")
         replica = min(self._replicas, key=lambda r: (r.outstanding, r.index))
         group_id = self._next_id
         try:

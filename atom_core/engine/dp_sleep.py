@@ -14,7 +14,7 @@ import pickle
 from collections.abc import Iterable
 
 from atom_core.engine.dp_replica import SLEEP
-from atom_core.engine.sleep_mode import SLEEP_LEVELS, WAKE_TAGS, wake_tags
+from atom_core.engine.sleep_mode import SLEEP_LEVELS, WAKE_TAGS, EngineAsleepError, wake_tags
 
 __all__ = ["ReplicaSleepMode"]
 
@@ -60,6 +60,12 @@ class ReplicaSleepMode:
         if failed:
             raise RuntimeError(f"DataParallelEngine.wake_up: {failed}; call wake_up({sorted(tags)!r}) again")
         self._asleep = self._asleep - tags
+
+    def _check_awake(self, caller: str) -> None:
+        """``EngineAsleepError`` naming what is asleep on the replicas (``Engine._check_awake``'s rule)."""
+        if self._asleep:
+            raise EngineAsleepError(f"{caller}: the replicas are asleep ({sorted(self._asleep)} asleep): wake_up() "
+                                    "first")
 
     def _on_every_replica(self, message: dict) -> str:
         """Send one ``SLEEP`` command to every replica and wait for all; "" when each did its part, else which
