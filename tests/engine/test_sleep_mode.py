@@ -13,22 +13,12 @@ import torch
 
 from atom_core import ops
 from atom_core.engine import Engine, SamplingParams
-from tests.engine.test_engine_parity import prompts_for
 from tests.engine.conftest import _checkpoint_b
+from tests.engine.test_engine_parity import prompts_for
+from tests.engine.test_weight_update import ARGS as UPDATE_ARGS
+from tests.engine.test_weight_update import GREEDY, LENGTHS, _greedy, _torch_ops  # noqa: F401 (_torch_ops: autouse)
 
-GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-ARGS = dict(device="cpu", dtype=torch.float32, block_size=4, max_model_len=64, enable_sleep_mode=True)
-LENGTHS = (7, 1, 13, 20)
-
-
-@pytest.fixture(autouse=True)
-def _torch_ops():
-    with ops.use_backend("torch"):
-        yield
-
-
-def _greedy(engine, prompts):
-    return [out.token_ids for out in engine.generate(prompts, GREEDY, use_tqdm=False)]
+ARGS = dict(UPDATE_ARGS, enable_sleep_mode=True)
 
 
 def _prompts(folder_and_hf):
