@@ -2,7 +2,7 @@
 
 Slot s goes to block s // BS, offset s % BS; s < 0 (padding) is masked out, so its rows are not even
 read. All offsets are int64 (block * block stride passes 2**31 on large pools). For an fp8 cache the
-value ``clamp(x / scale, -448, 448)`` (the IEEE quotient, by ``quant.divide``) is rounded to the e4m3
+value ``clamp(x / scale, -448, 448)`` (the IEEE quotient, by ``quant.divide_by_static``) is rounded to the e4m3
 grid, to nearest even (``quant.round_to_format``), so every Triton target, the CPU interpreter included,
 stores the same bits as the twin's ``torch.Tensor.to(torch.float8_e4m3fn)``.
 """
@@ -17,7 +17,7 @@ import triton.language as tl
 from atom_core.ops.reference.kv_cache import FP8_DTYPE
 from atom_core.ops.triton.dependent_launch import launch_kwargs, wait_for_inputs
 from atom_core.ops.triton.launch import LAUNCH_CACHE_SIZE, cdiv, next_power_of_2
-from atom_core.ops.triton.quant import TL_FP8_MAX, divide, round_to_format
+from atom_core.ops.triton.quant import TL_FP8_MAX, divide_by_static, round_to_format
 
 _TILE = 2048  # elements of K (and of V) per program
 
@@ -38,7 +38,7 @@ def _store_rows(src_ptr, dst_ptr, scale_ptr, stride_t, stride_h, stride_b, strid
             # branch to its slow path) came between the two loads, and a token's store waited for both in turn.
             scale = tl.load(scale_ptr).to(tl.float32)
             inverse = tl.div_rn(1.0, scale)
-            x = round_to_format(divide(x.to(tl.float32), scale, inverse), TL_FP8_MAX, False)  # to +-448, ties to even
+            x = round_to_format(divide_by_static(x.to(tl.float32), scale, inverse), TL_FP8_MAX, False)  # to +-448, ties to even
         tl.store(dst_ptr + dst_base + heads[None, :, None] * stride_hc + dims[None, None, :],
                  x.to(dst_ptr.dtype.element_ty), mask=mask)
 
