@@ -49,7 +49,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Self
+from typing import Self
 
 import numpy as np
 import torch
@@ -57,22 +57,8 @@ import torch
 from atom_core.cache.block_manager import PrefixCacheStats
 from atom_core.engine import structured_output
 from atom_core.engine.distributed import DistributedEngineError, WorkerFailedError
-from atom_core.engine.dp_replica import (
-    ABORT,
-    ADD,
-    CLOSED,
-    FATAL,
-    OUTPUTS,
-    READY,
-    RESET_PREFIX_CACHE,
-    START_FAILED,
-    STATS,
-    STEP_ERROR,
-    ReplicaHandle,
-    replica_main,
-    start_replica,
-    stop_replicas,
-)
+from atom_core.engine.dp_replica import (ABORT, ADD, CLOSED, FATAL, OUTPUTS, READY, RESET_PREFIX_CACHE, START_FAILED,
+                                        STATS, STEP_ERROR, ReplicaHandle, replica_main, start_replica, stop_replicas)
 from atom_core.engine.engine import DEMO_MODEL
 from atom_core.engine.logprobs import check_logprobs_mode
 from atom_core.engine.dp_sleep import ReplicaSleepMode
@@ -85,9 +71,6 @@ from atom_core.engine.sampling_params import SamplingParams
 from atom_core.engine.tokenizer import Tokenizer
 from atom_core.engine.workers import DEFAULT_STEP_TIMEOUT, STARTUP_TIMEOUT, STOP_TIMEOUT
 from atom_core.models.parallel import ep_comm_of
-
-if TYPE_CHECKING:
-    pass
 
 logger = logging.getLogger(__name__)
 
