@@ -147,6 +147,7 @@ class _NameMapper:
         # Checkpoint name suffix -> (parameter suffix, shard id); parameter suffix -> shard ids it needs.
         self.experts: dict[str, tuple[str, Any]] = {}
         self.expert_required: dict[str, set] = {}
+        self.expert_sources: dict[tuple[str, Any], str] = {}  # (parameter suffix, shard id) -> checkpoint suffix
         # (stacked_expert_params_mapping: more triples for the loader only, not for the quantization rules)
         for entry in [*(getattr(model, "expert_params_mapping", None) or []),
                       *(getattr(model, "stacked_expert_params_mapping", None) or [])]:
@@ -159,6 +160,7 @@ class _NameMapper:
             needed = self.expert_required.setdefault(param_suffix, set())
             if shard_id is not None:
                 needed.add(shard_id)
+                self.expert_sources.setdefault((param_suffix, shard_id), ckpt_suffix)
         # Fused module name -> shard ids its parameters need before they count as loaded.
         self.required_shards: dict[str, set] = {}
         for key, value in self.packed.items():
@@ -212,6 +214,20 @@ class _NameMapper:
                 start += rows
             return targets
         return [_Target(name)]
+
+    def checkpoint_names(self, param_name: str, shard_ids: set) -> list[str] | None:
+        """The checkpoint names (after ``checkpoint_renames``) of the tensors that fill ``shard_ids`` of stacked
+        expert parameter ``param_name``, in expert order; None for another parameter."""
+        for param_suffix in self.expert_required:
+            if param_name == param_suffix or param_name.endswith("." + param_suffix):
+                prefix = param_name[: len(param_name) - len(param_suffix)]
+                try:
+                    ordered = sorted(shard_ids)  # (expert, projection)
+                except TypeError:
+                    ordered = sorted(shard_ids, key=str)
+                sources = [self.expert_sources.get((param_suffix, shard)) for shard in ordered]
+                return None if None in sources else [prefix + source for source in sources]
+        return None
 
     def required(self, param_name: str) -> set:
         """Shard ids a fused parameter needs (empty for a plain parameter)."""
@@ -267,9 +283,9 @@ def _check_dtype(param: nn.Parameter, dtype: torch.dtype, target: _Target, ckpt_
         return
     raise ValueError(
         f"checkpoint tensor {ckpt_name!r} {_where(file)}: stored as {dtype}, but parameter "
-        f"{target.param_name!r} is {param.dtype}; only float-to-float casts are made"
-        + (" (an FP8 parameter takes FP8 values: the checkpoint does not quantize this layer as the model does)"
-           if fp8_param else "")
+        f"{target.param_name!r} is {param.dtype}; "
+        + ("an FP8 parameter takes FP8 values only: the checkpoint does not quantize this layer as the model does"
+           if fp8_param else "only casts between non-FP8 floating-point dtypes are made")
     )
 
 
@@ -313,6 +329,50 @@ def _set_kv_scale(attn: nn.Module, which: str, tensor: torch.Tensor, ckpt_name: 
                          f"> 0, got shape {tuple(tensor.shape)}" + (f" value {value.item()}" if value.numel() == 1 else ""))
     for one in ("k", "v") if which == "kv" else (which,):
         setattr(attn, f"checkpoint_{one}_scale", value.to(device))
+
+
+# Parameters that hold quantization scales (``weight_scale``: the stored values' multipliers; ``input_scale``: a
+# static activation scale, divided by): a checkpoint's must be > 0 (float dtypes only: e8m0 codes are bytes).
+_WEIGHT_SCALE_SUFFIX = "weight_scale"
+_INPUT_SCALE_SUFFIX = "input_scale"
+
+
+def _check_quant_scales(param_name: str, tensor: torch.Tensor, ckpt_name: str, file: Path | None) -> None:
+    """A negative weight scale flips its values' sign and an input scale <= 0 makes the activations NaN or
+    infinite: refused, naming the tensor. A zero weight scale is warned about (it zeroes its values: right
+    only for an all-zero block, which some quantizers store that way)."""
+    if not tensor.is_floating_point():
+        return
+    is_input = param_name.endswith(_INPUT_SCALE_SUFFIX)
+    if not is_input and not param_name.endswith(_WEIGHT_SCALE_SUFFIX):
+        return
+    values = tensor.detach().float()
+    bad = int((values <= 0).sum()) if is_input else int((values < 0).sum())
+    if bad:
+        raise ValueError(
+            f"checkpoint tensor {ckpt_name!r} {_where(file)}: {bad} of {values.numel()} "
+            + ("input scales are <= 0 (a static activation scale divides the activations: it must be > 0)"
+               if is_input else "weight scales are negative (a scale multiplies the stored values: it must be "
+               ">= 0)") + f"; smallest {values.min().item()}")
+    zeros = int((values == 0).sum()) if not is_input else 0
+    if zeros:
+        logger.warning("checkpoint tensor %r %s: %d of %d weight scales are 0 (their blocks or rows compute 0)",
+                       ckpt_name, _where(file), zeros, values.numel())
+
+
+def _warn_missing_kv_scales(model: nn.Module) -> None:
+    """A config that declares an FP8 KV cache (``kv_cache_scheme``, quark's ``kv_cache_quant_config``) but
+    leaves some attention layers without their KV-cache scales: warned, naming them (an FP8 pool uses 1.0
+    there, vLLM's fallback)."""
+    quant_config = getattr(model, "quant_config", None)
+    if quant_config is None or quant_config.kv_cache is None or not hasattr(model, "kv_cache_scales"):
+        return
+    missing = [i for i, scales in enumerate(model.kv_cache_scales()) if any(s is None for s in scales)]
+    if missing:
+        shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
+        logger.warning("the checkpoint's quantization_config declares an FP8 KV cache, but %d of %d attention "
+                       "layers have no KV-cache scale (layers %s): an FP8 pool uses 1.0 there",
+                       len(missing), len(model.kv_cache_scales()), shown)
 
 
 def _load_one(param: nn.Parameter, tensor: torch.Tensor, target: _Target, ckpt_name: str,
@@ -457,6 +517,7 @@ class _Loading:
         if check_finite:
             _check_finite(tensor, name, file)
         for target in targets:
+            _check_quant_scales(target.param_name, tensor, name, file)
             _load_one(self.params[target.param_name], tensor, target, name, file)
             self.loaded.setdefault(target.param_name, set()).add(_WHOLE if target.shard_id is None else target.shard_id)
             if target.shard_id is None and target.rows is None:
@@ -477,7 +538,9 @@ class _Loading:
             elif _matches(pname, expected):
                 report.expected_missing.append(pname)
             elif got:
-                report.missing.append(f"{pname} (shards {sorted(map(str, needed - got))} missing)")
+                names = mapper.checkpoint_names(pname, needed - got)
+                report.missing.append(f"{pname} (shards {sorted(map(str, needed - got))} missing)" if names is None
+                                      else f"{pname} (checkpoint tensors {', '.join(names)} missing)")
             else:
                 report.missing.append(pname)
         if report.unused:
@@ -550,6 +613,7 @@ def load_weights(model: nn.Module, path: str | Path, *, strict: bool = True,
     for name, file, attn, which in kv_scales:
         _set_kv_scale(attn, which, read_tensor(None, None, name, file), name, file, device)
         report.kv_scales.append(name)
+    _warn_missing_kv_scales(model)
 
     embedding = loading.whole_source.get(_tied_parameter(model, params) or "")
     if tied_head is not None and embedding is not None:

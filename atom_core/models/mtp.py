@@ -45,6 +45,7 @@ quantization.
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -181,7 +182,8 @@ def load_mtp_module(path: str | Path, target: nn.Module, *, check_finite: bool =
                 raise ValueError(f"checkpoint {path} holds no tensor of MTP layer {index} (model.layers.{index}.*), "
                                  f"which config.json's num_nextn_predict_layers = {len(module.layers)} announces: "
                                  f"this checkpoint has no draft layers")
-        shown = ", ".join(f"{module.checkpoint_name(name)}{gap}{shards}" for name, gap, shards in missing[:20])
+        as_stored = functools.partial(re.sub, r"layers\.\d+\.[\w.]+", lambda m: module.checkpoint_name(m.group(0)))
+        shown = ", ".join(f"{module.checkpoint_name(name)}{gap}{as_stored(shards)}" for name, gap, shards in missing[:20])
         more = f" (and {len(missing) - 20} more)" if len(missing) > 20 else ""
         raise ValueError(f"{len(missing)} MTP tensors not found in checkpoint {path}: {shown}{more}")
     return module.eval()

@@ -253,6 +253,18 @@ def _copy_without(mtp_pair, folder, drop) -> None:
             (folder / file.name).write_bytes(file.read_bytes())
 
 
+def test_a_checkpoint_missing_an_mtp_expert_is_refused_naming_its_tensors_as_the_checkpoint_does(mtp_pair, loaded,
+                                                                                               tmp_path):
+    target, _ = loaded
+    prefix = f"model.layers.{mtp_pair.num_layers}.mlp.experts.1."
+    _copy_without(mtp_pair, tmp_path, lambda k: k.startswith(prefix + "gate_proj.") or k == prefix + "down_proj.weight")
+    with pytest.raises(ValueError) as refused:
+        load_mtp_module(tmp_path, target)
+    message = str(refused.value)
+    assert f"{prefix}gate_proj.weight" in message and f"{prefix}down_proj.weight" in message
+    assert "shards" not in message and "w13_weight (" in message
+
+
 def test_a_checkpoint_missing_an_mtp_tensor_is_refused_naming_it_as_the_checkpoint_does(mtp_pair, loaded, tmp_path):
     target, _ = loaded
     name = f"model.layers.{mtp_pair.num_layers}.hnorm.weight"

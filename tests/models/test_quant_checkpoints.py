@@ -38,8 +38,10 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import math
 import re
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -359,6 +361,69 @@ def test_online_quantization_equals_the_checkpoint_quantized_offline_by_the_same
     for name, param in online.named_parameters():
         assert param.dtype == offline_params[name].dtype and torch.equal(param, offline_params[name]), name
     assert torch.equal(model_logits(online), model_logits(offline))
+
+
+@pytest.fixture(scope="module")
+def static_fp8_kv_checkpoint(tmp_path_factory) -> Path:
+    """compressed-tensors FP8 (static per-tensor activations: an ``input_scale`` per layer) with KV scales."""
+    pytest.importorskip("compressed_tensors")
+    folder = tmp_path_factory.mktemp("static_fp8_kv")
+    return qc.ct_checkpoint(qc.hf_model("qwen3", qc.ALIGNED), folder / "q", "FP8", architecture="Qwen3ForCausalLM",
+                            kv_cache=True)
+
+
+def _edited_copy(source: Path, folder: Path, edit) -> Path:
+    """A copy of checkpoint ``source`` whose tensors ``edit`` (a function of the name -> tensor dict) changed."""
+    shutil.copytree(source, folder)
+    tensors = stored(folder)
+    edit(tensors)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+@pytest.mark.parametrize("name, factor, message", [
+    ("model.layers.1.mlp.down_proj.input_scale", 0.0, "1 of 1 input scales are <= 0"),
+    ("model.layers.1.self_attn.o_proj.input_scale", -1.0, "1 of 1 input scales are <= 0"),
+    ("model.layers.1.mlp.down_proj.weight_scale", -1.0, "1 of 1 weight scales are negative"),
+])
+def test_a_scale_that_would_make_nan_or_flip_signs_is_refused_naming_the_tensor(static_fp8_kv_checkpoint, tmp_path,
+                                                                                 name, factor, message):
+    def edit(tensors):
+        tensors[name] = tensors[name] * factor
+
+    bad = _edited_copy(static_fp8_kv_checkpoint, tmp_path / "bad", edit)
+    with pytest.raises(ValueError, match=rf"^checkpoint tensor '{re.escape(name)}' in .*: {message}"):
+        load_model(bad, dtype=torch.float32, device="cpu")
+
+
+def test_a_zero_weight_scale_loads_with_a_warning_naming_the_tensor(static_fp8_kv_checkpoint, tmp_path, caplog):
+    name = "model.layers.0.self_attn.o_proj.weight_scale"
+
+    def edit(tensors):
+        tensors[name] = torch.zeros_like(tensors[name])
+
+    path = _edited_copy(static_fp8_kv_checkpoint, tmp_path / "zero", edit)
+    with caplog.at_level(logging.WARNING, logger="atom_core.models.loader"):
+        model = load_model(path, dtype=torch.float32, device="cpu")
+    assert re.search(rf"'{re.escape(name)}' in .*: 1 of 1 weight scales are 0", caplog.text)
+    assert torch.count_nonzero(model.model.layers[0].self_attn.o_proj.weight_scale) == 0
+
+
+def test_a_declared_fp8_kv_cache_with_layers_missing_scales_is_warned_naming_them(static_fp8_kv_checkpoint, tmp_path,
+                                                                                  caplog):
+    with caplog.at_level(logging.WARNING, logger="atom_core.models.loader"):
+        load_model(static_fp8_kv_checkpoint, dtype=torch.float32, device="cpu")
+    assert "FP8 KV cache" not in caplog.text  # every layer has its scales
+    caplog.clear()
+
+    def edit(tensors):
+        del tensors["model.layers.1.self_attn.k_scale"], tensors["model.layers.1.self_attn.v_scale"]
+
+    path = _edited_copy(static_fp8_kv_checkpoint, tmp_path / "partial", edit)
+    with caplog.at_level(logging.WARNING, logger="atom_core.models.loader"):
+        model = load_model(path, dtype=torch.float32, device="cpu")
+    assert "declares an FP8 KV cache, but 1 of 2 attention layers have no KV-cache scale (layers 1)" in caplog.text
+    assert model.kv_cache_scales()[1] == (None, None) and model.kv_cache_scales()[0][0] is not None
 
 
 def test_online_quantization_of_a_quantized_checkpoint_or_an_unknown_name_is_refused(bf16_checkpoint, tmp_path):

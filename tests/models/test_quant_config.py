@@ -119,10 +119,10 @@ def ct_preset(name, targets=("Linear",)):
     return _ct().preset_name_to_scheme(name, list(targets))
 
 
-def ct_written(groups, *, ignore=(), kv_cache=None, fmt="float-quantized") -> dict:
+def ct_written(groups, *, ignore=(), kv_cache=None, fmt="float-quantized", status="compressed") -> dict:
     """``quantization_config`` exactly as compressed-tensors writes it into config.json."""
     qc = _ct().QuantizationConfig(config_groups=groups, ignore=list(ignore), kv_cache_scheme=kv_cache, format=fmt,
-                                  quantization_status="compressed")
+                                  quantization_status=status)
     from compressed_tensors.compressors import ModelCompressor
     with tempfile.TemporaryDirectory() as folder:
         ModelCompressor(quantization_config=qc).update_config(folder)
@@ -226,6 +226,8 @@ CT_REFUSED = {
                      "'Qwen3MoeSparseMoeBlock' \\(a module class\\)"),
     "dense-format": (lambda: ct_written({"group_0": ct_preset("FP8_DYNAMIC")}, fmt="dense"), "format 'dense'"),
     "sparsity": (_sparse, "sparsity_config: not supported: sparsity"),
+    "uncompressed-export": (lambda: ct_written({"group_0": ct_preset("FP8_DYNAMIC")}, status="frozen"),
+                            "quantization_status: not supported: status 'frozen'.*saved uncompressed"),
 }
 
 

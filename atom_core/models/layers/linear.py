@@ -68,11 +68,13 @@ def _shape(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(t.shape)
 
 
-def check_shape(label: str, loaded: torch.Tensor, expected: Sequence[int]) -> None:
-    """Raise ValueError naming ``label`` and both shapes unless ``loaded.shape == expected``."""
+def check_shape(label: str, loaded: torch.Tensor, expected: Sequence[int], stored: torch.Tensor | None = None) -> None:
+    """Raise ValueError naming ``label`` and both shapes unless ``loaded.shape == expected`` (``stored``: the
+    checkpoint's tensor where ``loaded`` is a view of it in the parameter's layout; its shape is the one named)."""
     if _shape(loaded) != tuple(expected):
         raise ValueError(
-            f"{label}: checkpoint tensor has shape {_shape(loaded)}, expected {tuple(expected)}"
+            f"{label}: checkpoint tensor has shape {_shape(loaded if stored is None else stored)}, "
+            f"expected {tuple(expected)}"
         )
 
 
@@ -246,9 +248,9 @@ class ReplicatedLinear(_Linear):
             copy_into(param.data, q)
             copy_into(self.weight_scale.data, scale)
             return
-        loaded_weight = _as_rows(loaded_weight, param)
-        check_shape(param.label, loaded_weight, param.shape)
-        copy_into(param.data, loaded_weight)
+        rows = _as_rows(loaded_weight, param)
+        check_shape(param.label, rows, param.shape, stored=loaded_weight)
+        copy_into(param.data, rows)
 
 
 class ColumnParallelLinear(_Linear):
@@ -301,8 +303,9 @@ class ColumnParallelLinear(_Linear):
         if block > 1 and any(p.full_rows % block for p in pieces[:-1]):
             raise ValueError(f"{param.label}: a fused checkpoint tensor's block scales cannot be split into parts "
                              f"of {[p.full_rows for p in pieces]} rows (not whole 128-blocks)")
-        loaded = _as_rows(loaded, param)
-        check_shape(param.label, loaded, (sum(full), *param.shape[1:]))
+        rows = _as_rows(loaded, param)
+        check_shape(param.label, rows, (sum(full), *param.shape[1:]), stored=loaded)
+        loaded = rows
         offset = 0
         for i, (piece, rows) in enumerate(zip(pieces, full)):
             self._load_piece(param, loaded.narrow(0, offset, rows), i, piece, f"{param.label}[{piece.name}]")
@@ -320,14 +323,14 @@ class ColumnParallelLinear(_Linear):
             dst = piece.dst_offset // (self.weight_scale.block_size or 1)
             copy_into(self.weight_scale.data.narrow(0, dst, scale.shape[0]), scale)
             return
-        loaded = _as_rows(loaded, param)
+        stored, loaded = loaded, _as_rows(loaded, param)
         block = getattr(param, "block_size", None)
         if block:  # rows counted in 128-blocks (alignment checked when the layer was built)
             full, src = _cdiv(piece.full_rows, block), piece.src_start // block
             size, dst = _cdiv(piece.src_start + piece.size, block) - src, piece.dst_offset // block
         else:
             full, src, size, dst = piece.full_rows, piece.src_start, piece.size, piece.dst_offset
-        check_shape(label, loaded, (full, *param.shape[1:]))
+        check_shape(label, loaded, (full, *param.shape[1:]), stored=stored)
         copy_into(param.data.narrow(0, dst, size), loaded.narrow(0, src, size))
 
 
@@ -453,9 +456,9 @@ class RowParallelLinear(_Linear):
             _load_scalar(param, loaded_weight, None, param.label)
             return
         if getattr(param, "input_dim", 1) is None:  # bias, per-channel scale: whole on every rank
-            loaded_weight = _as_rows(loaded_weight, param)
-            check_shape(param.label, loaded_weight, param.shape)
-            copy_into(param.data, loaded_weight)
+            rows = _as_rows(loaded_weight, param)
+            check_shape(param.label, rows, param.shape, stored=loaded_weight)
+            copy_into(param.data, rows)
             return
         start, size = shard_range(self.input_size, self.tp_rank, self.tp_size)
         fmt = getattr(param, "quantize_on_load", None)

@@ -25,8 +25,8 @@ What maps to what:
 Refused by name: other bit widths (int4, NVFP4/MXFP4 packing), asymmetric, group or tensor-group
 weights, INT8 per-tensor weights, weight-only FP8/INT8, static per-token or per-channel
 activations, ``dynamic: "local"``, output activations, class targets other than ``Linear``,
-sparsity, transforms, MoE sparsity, a ``dense`` (fake-quant) or packed format, per-head or
-dynamic or int8 KV caches.
+sparsity, transforms, MoE sparsity, a ``dense`` (fake-quant) or packed format, a ``quantization_status``
+other than ``compressed`` (an uncompressed export), per-head or dynamic or int8 KV caches.
 """
 
 from __future__ import annotations
@@ -190,6 +190,12 @@ def parse_compressed_tensors(qc: dict, where: str) -> ParsedRules:
     if quantized and qc.get("format") not in (None, "mixed-precision", *_FORMATS):
         raise _refuse(f"{where}.format", f"format {qc.get('format')!r} (weights not stored as plain quantized values)",
                       f"expected one of {list(_FORMATS)}")
+    status = qc.get("quantization_status")
+    if quantized and status not in (None, "compressed"):
+        raise _refuse(f"{where}.quantization_status", f"status {status!r} (the weights were saved uncompressed: "
+                      "float values beside their scales, a fake-quant export)",
+                      "save the model compressed (quantization_status 'compressed'), or load its float weights "
+                      "without this quantization_config")
     ignore = []
     for entry in string_list(qc.get("ignore"), f"{where}.ignore"):
         match, pattern = ("regex", entry[3:]) if entry.startswith("re:") else ("exact", entry)
