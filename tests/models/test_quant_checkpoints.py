@@ -396,6 +396,19 @@ def test_a_scale_that_would_make_nan_or_flip_signs_is_refused_naming_the_tensor(
         load_model(bad, dtype=torch.float32, device="cpu")
 
 
+def test_a_per_channel_scale_of_the_wrong_shape_is_reported_with_its_stored_shape(bf16_checkpoint, tmp_path):
+    quantized = _offline_copy(bf16_checkpoint, tmp_path / "q", "FP8_DYNAMIC", FP8_PER_CHANNEL)
+    name = "model.layers.0.mlp.down_proj.weight_scale"
+
+    def edit(tensors):
+        tensors[name] = tensors[name][:1, 0].contiguous()  # one value, stored [1]
+
+    bad = _edited_copy(quantized, tmp_path / "bad", edit)
+    with pytest.raises(ValueError, match=rf"'{re.escape(name)}'.*checkpoint tensor has shape \(1,\), "
+                                         rf"expected \(256, 1\)"):
+        load_model(bad, dtype=torch.float32, device="cpu")
+
+
 def test_a_zero_weight_scale_loads_with_a_warning_naming_the_tensor(static_fp8_kv_checkpoint, tmp_path, caplog):
     name = "model.layers.0.self_attn.o_proj.weight_scale"
 
