@@ -30,7 +30,9 @@ transformers only reads ``first_k_dense_replace``); other layers keep a dense Sw
 
 then divided by their sum when ``norm_topk_prob`` and times ``routed_scaling_factor``. Defaults:
 V2 greedy / softmax / no renormalisation; V3 noaux_tc / sigmoid / renormalised. (transformers' V2
-never renormalises; every released V2 sets ``norm_topk_prob: false``, so the two agree on them.)
+never renormalises; every released V2 sets ``norm_topk_prob: false``, so the two agree on them. V2 routing
+with ``norm_topk_prob`` true and a scaling factor other than 1 is refused: DeepSeek's V2 code, transformers
+and vLLM compute three different things there. ``noaux_tc`` takes sigmoid scores only.)
 
 Checkpoint names are HF's (``self_attn.{q_proj | q_a_proj, q_a_layernorm, q_b_proj}``,
 ``self_attn.{kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj}``, ``mlp.experts.{e}.*``,
@@ -139,6 +141,11 @@ class DeepseekMoE(nn.Module):
             if num_experts % self.num_expert_group or not 1 <= self.topk_group <= self.num_expert_group:
                 raise ValueError(f"n_group={self.num_expert_group} must divide n_routed_experts={num_experts} and "
                                  f"topk_group={self.topk_group} lie in [1, n_group]")
+            eligible = self.topk_group * (num_experts // self.num_expert_group)
+            if self.top_k > eligible:
+                raise ValueError(f"num_experts_per_tok={self.top_k} exceeds the {eligible} experts its "
+                                 f"topk_group={self.topk_group} of n_group={self.num_expert_group} groups hold "
+                                 f"(n_routed_experts={num_experts})")
         tp = {"tp_rank": tp_rank, "tp_size": tp_size, "tp_group": tp_group, "dtype": dtype}
         self.gate = DeepseekRouter(num_experts, config.hidden_size, correction_bias=topk_method == "noaux_tc")
         self.experts = FusedMoE(num_experts, config.hidden_size, inter, activation="silu", dtype=dtype,
@@ -185,8 +192,18 @@ class DeepseekV2ForCausalLM(MLACaches, CausalLM):
             raise ValueError(f"topk_method {self.topk_method!r} is not supported; expected one of {TOPK_METHODS}")
         if self.scoring not in SCORING_FUNCS:
             raise ValueError(f"scoring_func {self.scoring!r} is not supported; expected one of {SCORING_FUNCS}")
+        if self.topk_method == "noaux_tc" and self.scoring != "sigmoid":
+            raise ValueError(f"topk_method 'noaux_tc' routes on sigmoid scores (DeepSeek-V3, as transformers and "
+                             f"DeepSeek's code compute it); scoring_func {self.scoring!r} is not supported with it")
         norm = config.get("norm_topk_prob")
         self.renormalize = self.default_norm_topk_prob if norm is None else bool(norm)
+        scaling = float(config.get("routed_scaling_factor", 1.0))
+        if self.renormalize and self.topk_method != "noaux_tc" and scaling != 1.0:
+            raise ValueError(f"topk_method {self.topk_method!r} with norm_topk_prob true and routed_scaling_factor "
+                             f"{scaling}: the references disagree (DeepSeek-V2's code renormalises instead of "
+                             "scaling, transformers scales without renormalising, vLLM does both), and no released "
+                             "checkpoint sets it; set norm_topk_prob false (every DeepSeek-V2 release) or "
+                             "routed_scaling_factor 1.0")
         self.num_experts = config_int(config, "n_routed_experts", default=0)
         # before __init__: the quant config binds it
         self.expert_params_mapping = expert_params_mapping(self.num_experts, scales=True) if self.num_experts else []

@@ -239,6 +239,21 @@ def test_an_unknown_model_type_under_deepseek_v3_is_refused_by_name(v3_pair):
 
 
 
+@pytest.mark.parametrize("edit, message", [
+    ({"scoring_func": "softmax"}, "topk_method 'noaux_tc' routes on sigmoid scores.*scoring_func 'softmax'"),
+    ({"n_group": 4, "topk_group": 1, "num_experts_per_tok": 3},
+     "num_experts_per_tok=3 exceeds the 2 experts its topk_group=1 of n_group=4 groups hold"),
+    ({"topk_method": "group_limited_greedy", "scoring_func": "softmax", "norm_topk_prob": True,
+      "routed_scaling_factor": 2.0}, "norm_topk_prob true and routed_scaling_factor 2.0: the references disagree"),
+])
+def test_a_routing_config_the_references_do_not_define_is_refused_by_name(v3_pair, edit, message):
+    from atom_core.models import ModelConfig, build_model
+
+    config = {**json.loads((v3_pair.path / "config.json").read_text()), "n_routed_experts": 8, **edit}
+    with pytest.raises(ValueError, match=message):
+        build_model(ModelConfig.from_dict(config), device="cpu", dtype=torch.float32)
+
+
 def test_engine_with_an_fp8_latent_pool_allocates_one_byte_per_latent_number_and_generates(v3_pair):
     pair = v3_pair
     from atom_core.engine import Engine, SamplingParams
