@@ -396,10 +396,18 @@ class ModelConfig:
         for entry in (rope_by_layer_type or {}).values():
             if entry["rope_scaling"] == {"rope_type": "default"}:
                 entry["rope_scaling"] = None
-        # transformers: the scaled types' pretraining length is the dict's, else max_position_embeddings (a
-        # top-level key wins only for the classes that declare it: Phi-3's, whose longrope is refused below).
+        # transformers: the scaled types' pretraining length is the dict's, else max_position_embeddings; a
+        # top-level key wins for the classes that declare it: Phi-3's (default 4096), whose config also reads
+        # its older rope type names "su" and "yarn" as longrope.
         for scaling in [cfg.rope_scaling] + [e["rope_scaling"] for e in (rope_by_layer_type or {}).values()]:
-            if scaling is not None and scaling.get("rope_type") in ("llama3", "yarn"):
+            if scaling is None:
+                continue
+            if model_type == "phi3" and scaling.get("rope_type") in ("su", "yarn"):
+                scaling["rope_type"] = "longrope"
+            if model_type == "phi3" and scaling.get("rope_type") in ("llama3", "yarn", "longrope"):
+                scaling["original_max_position_embeddings"] = _as_int(
+                    d.get("original_max_position_embeddings", 4096), "original_max_position_embeddings")
+            elif scaling.get("rope_type") in ("llama3", "yarn", "longrope"):
                 scaling.setdefault("original_max_position_embeddings", cfg.max_position_embeddings)
         for scaling in [cfg.rope_scaling] + [e["rope_scaling"] for e in (rope_by_layer_type or {}).values()]:
             if scaling is not None and scaling["rope_type"] not in ROPE_TYPES:

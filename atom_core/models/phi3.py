@@ -11,8 +11,10 @@ transformers' ``modeling_phi3.py`` differs from Llama only in its parameter layo
 - no biases anywhere (Phi-3 has no ``attention_bias`` / ``mlp_bias`` keys);
 - ``sliding_window`` (when not null) applies to every layer, as Mistral's;
 - ``partial_rotary_factor`` in ``rope_parameters``; ``longrope`` scaling (Phi-3-mini-128k, Phi-3.5-mini,
-  Phi-4-mini) is not implemented: ``ModelConfig`` refuses it by name. The 4k releases (Phi-3-mini-4k,
-  Phi-3-medium-4k) load.
+  Phi-4-mini): the long factors for the whole rotary table when ``max_position_embeddings`` passes
+  ``original_max_position_embeddings``, else the short ones (vLLM's choice; transformers picks per forward,
+  ``ops.rope_cos_sin_cache``); ``ModelConfig`` reads Phi-3's older names ``su`` / ``yarn`` as longrope and its
+  top-level ``original_max_position_embeddings`` (default 4096), as ``Phi3Config`` does.
 
 Parameter names are HF's, unchanged::
 
@@ -35,5 +37,5 @@ from atom_core.models.registry import register_model
 
 @register_model("Phi3ForCausalLM")
 class Phi3ForCausalLM(LlamaForCausalLM):
-    """Phi-3 (the releases without longrope). Llama's layers and ``packed_modules_mapping``; the checkpoint's
+    """Phi-3, Phi-3.5-mini and Phi-4-mini. Llama's layers and ``packed_modules_mapping``; the checkpoint's
     fused tensors load whole under their own names."""

@@ -127,7 +127,10 @@ def rope_cos_sin_cache(rotary_dim: int, max_position: int, base: float, scaling:
     ``rope_type`` (or the older ``type``): "default"; "linear" (factor); "llama3" (factor,
     low_freq_factor, high_freq_factor, original_max_position_embeddings); "yarn" (factor,
     original_max_position_embeddings, and optionally beta_fast, beta_slow, mscale, mscale_all_dim,
-    attention_factor, truncate). ``s`` is yarn's attention factor (its mscale), 1.0 for the others;
+    attention_factor, truncate); "longrope" (short_factor, long_factor, original_max_position_embeddings, and
+    optionally factor, attention_factor: ``long_factor`` when ``max_position`` exceeds the pretraining length,
+    else ``short_factor``, for every row, as vLLM chooses). ``s`` is yarn's attention factor (its mscale) or
+    longrope's, 1.0 for the others;
     it is already folded into the table, and returned so callers can see it. Other keys
     (``rope_theta``, ``partial_rotary_factor``) are ignored: ``base`` and ``rotary_dim`` say them.
     Built in fp32 on the CPU like HF transformers' rotary embedding, then cast to ``dtype``.

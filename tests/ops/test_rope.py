@@ -80,6 +80,36 @@ def test_cache_matches_hf_rotary_embedding(scaling, rotary_dim):
     torch.testing.assert_close(hf_cos[0, :, half:], hf_cos[0, :, :half])  # HF's layout: the halves repeat
 
 
+@pytest.mark.parametrize("original", [1024, 256], ids=["short_factors", "long_factors"])
+@pytest.mark.parametrize("attention_factor", [None, 1.25])
+def test_longrope_cache_matches_hf_phi3_rotary_embedding_over_a_forward_of_every_position(original, attention_factor):
+    """transformers picks a forward's factors by its longest position: over all 1,024 positions of the table,
+    long when the table passes the pretraining length, short when it does not, as the table's rule."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    rotary_dim, max_position, base = 32, 1024, 10000.0
+    gen = torch.Generator().manual_seed(0)
+    short, long = (1 + 3 * torch.rand(rotary_dim // 2, generator=gen)).tolist(), \
+        (1 + 30 * torch.rand(rotary_dim // 2, generator=gen)).tolist()
+    scaling = {"rope_type": "longrope", "short_factor": short, "long_factor": long,
+               "original_max_position_embeddings": original,
+               **({} if attention_factor is None else {"attention_factor": attention_factor})}
+    config = transformers.Phi3Config(hidden_size=4 * rotary_dim, num_attention_heads=4, vocab_size=64,
+                                     max_position_embeddings=max_position, original_max_position_embeddings=original,
+                                     pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                     rope_parameters={**scaling, "rope_theta": base})
+    hf = Phi3RotaryEmbedding(config)
+    hf_cos, hf_sin = hf(torch.zeros(1, max_position, rotary_dim), torch.arange(max_position)[None])
+
+    cache, attention_scale = rope_cos_sin_cache(rotary_dim, max_position, base, scaling)
+    half = rotary_dim // 2
+    assert attention_scale == pytest.approx(hf.attention_scaling)
+    assert (attention_scale == 1.25) if attention_factor else (attention_scale > 1.0) == (original < max_position)
+    torch.testing.assert_close(cache[:, :half], hf_cos[0, :, :half])
+    torch.testing.assert_close(cache[:, half:], hf_sin[0, :, :half])
+
+
 def test_cache_dtype_and_device():
     cache, _ = rope_cos_sin_cache(8, 5, 10000.0, dtype=torch.bfloat16, device=DEVICE)
     assert cache.dtype == torch.bfloat16 and cache.device.type == torch.device(DEVICE).type

@@ -3,7 +3,8 @@
 Legend: T = tokens, H = heads, D = head size, R = rotary dim (<= D, even), P = cached positions.
 
 The cache row of position p is ``[cos(p * inv_freq) * a, sin(p * inv_freq) * a]`` with
-``inv_freq`` of length R/2 and ``a`` the attention scale (yarn's mscale, 1.0 otherwise); this is
+``inv_freq`` of length R/2 and ``a`` the attention scale (yarn's mscale, longrope's attention factor,
+1.0 otherwise); this is
 the layout vLLM and ATOM use. The frequencies follow HF transformers' ``modeling_rope_utils``
 formulas, computed in fp32 as transformers does, so the cache equals HF's cos/sin.
 """
@@ -14,7 +15,7 @@ import math
 
 import torch
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 def default_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
@@ -110,8 +111,39 @@ def rope_type_of(scaling: dict | None) -> str:
     return scaling.get("rope_type", scaling.get("type", "default"))
 
 
-def inv_freq_and_attention_scale(rotary_dim: int, base: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
-    """fp32 inv_freq [R/2] and the attention scale for an HF scaling dict (None = default rope)."""
+def longrope_inv_freq_and_attention_scale(rotary_dim: int, base: float, scaling: dict,
+                                          max_position: int) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3's long-context releases): per-frequency rescale factors, ``long_factor`` for a table
+    longer than the pretraining length (``max_position > original_max_position_embeddings``), else
+    ``short_factor``, chosen once for the whole table as vLLM does (transformers picks per forward by the
+    longest position in it: the two agree on every sequence when the table is no longer than the pretraining
+    length, and on sequences longer than it otherwise). The attention scale: ``attention_factor``, else
+    ``sqrt(1 + ln(factor) / ln(original))`` for ``factor`` (default ``max_position / original``) above 1."""
+    original = int(_get(scaling, "original_max_position_embeddings", "longrope"))
+    use_long = max_position > original
+    key = "long_factor" if use_long else "short_factor"
+    factors = _get(scaling, key, "longrope")
+    if not isinstance(factors, (list, tuple)) or len(factors) != rotary_dim // 2:
+        raise ValueError(f"scaling[{key!r}] must hold rotary_dim / 2 = {rotary_dim // 2} numbers (one a frequency), "
+                         f"got {len(factors) if isinstance(factors, (list, tuple)) else factors!r}")
+    for extra in ("short_mscale", "long_mscale"):
+        if scaling.get(extra) is not None:
+            raise ValueError(f"scaling[{extra!r}] is not supported for rope_type 'longrope' (transformers' Phi-3 "
+                             "ignores it and vLLM applies it: the two disagree)")
+    factor = scaling.get("factor")
+    factor = max_position / original if factor is None else float(factor)
+    attention_scale = scaling.get("attention_factor")
+    if attention_scale is None:
+        attention_scale = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    inv_freq = 1.0 / (torch.tensor(factors, dtype=torch.float32) * base ** exponents)
+    return inv_freq, float(attention_scale)
+
+
+def inv_freq_and_attention_scale(rotary_dim: int, base: float, scaling: dict | None,
+                                 max_position: int | None = None) -> tuple[torch.Tensor, float]:
+    """fp32 inv_freq [R/2] and the attention scale for an HF scaling dict (None = default rope);
+    ``max_position`` (the table's rows) is needed by longrope only."""
     rope_type = rope_type_of(scaling)
     if rope_type == "default":
         return default_inv_freq(rotary_dim, base), 1.0
@@ -139,14 +171,19 @@ def inv_freq_and_attention_scale(rotary_dim: int, base: float, scaling: dict | N
         if attention_scale is None:
             attention_scale = yarn_attention_scale(factor, scaling.get("mscale"), scaling.get("mscale_all_dim"))
         return inv_freq, float(attention_scale)
+    if rope_type == "longrope":
+        if max_position is None:
+            raise ValueError("rope_type 'longrope' needs max_position (its factors depend on the table's length)")
+        return longrope_inv_freq_and_attention_scale(rotary_dim, base, scaling, max_position)
     raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {ROPE_TYPES}")
 
 
 def rope_cos_sin_cache(rotary_dim: int, max_position: int, base: float, scaling: dict | None = None, *,
                        dtype: torch.dtype = torch.float32, device=None) -> tuple[torch.Tensor, float]:
     """The cos/sin cache [max_position, R] (cos in columns [0, R/2), sin in [R/2, R)) and the
-    attention scale already folded into it (yarn's mscale; 1.0 for the other types)."""
-    inv_freq, attention_scale = inv_freq_and_attention_scale(rotary_dim, base, scaling)
+    attention scale already folded into it (yarn's mscale, longrope's attention factor; 1.0 for the other
+    types)."""
+    inv_freq, attention_scale = inv_freq_and_attention_scale(rotary_dim, base, scaling, max_position)
     positions = torch.arange(max_position, dtype=torch.int64).to(torch.float32)
     angles = positions[:, None] * inv_freq[None, :]  # fp32 [P, R/2], one rounding per product as in HF
     cache = torch.cat([angles.cos() * attention_scale, angles.sin() * attention_scale], dim=-1)
