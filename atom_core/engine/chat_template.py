@@ -9,9 +9,10 @@ Where a checkpoint keeps its template (transformers' rules, ``PreTrainedTokenize
 Rendering is transformers' ``render_jinja_template``: jinja2's ``ImmutableSandboxedEnvironment``
 (a template is untrusted code from the Hub: no attribute starting with ``_``, no mutation of the
 inputs) with ``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols`` extension and a
-``{% generation %}`` tag that renders its body; ``raise_exception(msg)``, ``strftime_now(fmt)``,
-a ``tojson`` filter that does not escape HTML, and ``dict`` / ``namespace`` that refuse dunder
-names. The template sees ``messages`` (message dicts, keys with a None value dropped, every value
+``{% generation %}`` tag that renders its body, and ``*`` / ``**`` bounded (``MAX_REPEAT_ITEMS``,
+``MAX_POWER_EXPONENT``: a request's own template could otherwise render gigabytes); ``raise_exception(msg)``,
+``strftime_now(fmt)``, a ``tojson`` filter that does not escape HTML, and ``dict`` / ``namespace`` that refuse
+dunder names. The template sees ``messages`` (message dicts, keys with a None value dropped, every value
 rebuilt from plain JSON types), ``tools``, ``documents``, ``add_generation_prompt``, the
 tokenizer's named special tokens (``bos_token``, ``eos_token``, ...) and any extra keyword. The
 rendered text is tokenized without adding special tokens (the template writes them).
@@ -231,10 +232,34 @@ class _TemplateNamespace(jinja2.utils.Namespace):
                                                   f"namespace, got {name!r}")
 
 
+# The longest string or list a template's ``*`` may make, and the largest power its ``**`` may take.
+MAX_REPEAT_ITEMS = 1 << 20
+MAX_POWER_EXPONENT = 4096
+
+
+class _BoundedEnvironment(ImmutableSandboxedEnvironment):
+    """The sandbox, with ``*`` and ``**`` bounded: ``{{ 'a' * 100000000 }}`` (a template a request may bring,
+    with the server's ``--trust-request-chat-template``) would render 100 MB and take gigabytes to tokenize.
+    jinja2's own sandbox bounds ``range`` only."""
+
+    intercepted_binops = frozenset(["*", "**"])
+
+    def call_binop(self, context, operator, left, right):
+        if operator == "*":
+            for seq, count in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(count, int) and len(seq) * count > MAX_REPEAT_ITEMS:
+                    raise jinja2.exceptions.SecurityError(f"a repetition of {len(seq) * count} items "
+                                                          f"(at most {MAX_REPEAT_ITEMS})")
+        if operator == "**" and isinstance(right, (int, float)) and abs(right) > MAX_POWER_EXPONENT:
+            raise jinja2.exceptions.SecurityError(f"a power of exponent {right} (at most "
+                                                  f"{MAX_POWER_EXPONENT})")
+        return super().call_binop(context, operator, left, right)
+
+
 @functools.lru_cache(maxsize=1)
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env = _BoundedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                              extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from contextlib import asynccontextmanager, suppress
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -117,6 +118,10 @@ def create_app(async_engine: AsyncEngine, config: ServerConfig | None = None) ->
         await async_engine.shutdown()
 
     app = FastAPI(title="atom_core", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # Browsers' cross-origin requests (a preflight OPTIONS is answered here, before any route or API key).
+    app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
+                       allow_methods=list(config.allowed_methods), allow_headers=list(config.allowed_headers),
+                       allow_credentials=config.allow_credentials)
     ctx = ServerContext(async_engine, config, metrics)
     app.state.ctx = ctx
 
@@ -179,7 +184,9 @@ def create_app(async_engine: AsyncEngine, config: ServerConfig | None = None) ->
         authorize(request)
         req = parse(model, await read_body(request))
         try:
-            job = job_class(ctx, req)
+            # Off the event loop: tokenizing (and rendering a chat template) a long prompt takes seconds, during
+            # which the loop would answer no other request (the tokenizer releases the interpreter lock).
+            job = await asyncio.to_thread(job_class, ctx, req)
         except RequestError as e:  # (what building the sampling parameters refuses)
             raise invalid(e) from None
         except APIError as e:
@@ -229,8 +236,8 @@ def create_app(async_engine: AsyncEngine, config: ServerConfig | None = None) ->
             is_chat = False  # parse() names the JSON error
         req = parse(TokenizeChatRequest if is_chat else TokenizeCompletionRequest, body)
         ctx.check_model(req.model)
-        tokens = chat_prompt(ctx, req) if is_chat else ctx.encode(req.prompt,
-                                                                  add_special_tokens=req.add_special_tokens)
+        tokens = await asyncio.to_thread(chat_prompt, ctx, req) if is_chat else \
+            await asyncio.to_thread(ctx.encode, req.prompt, add_special_tokens=req.add_special_tokens)
         strs = [ctx.tokenizer.backend.id_to_token(t) for t in tokens] if req.return_token_strs else None
         return {"count": len(tokens), "max_model_len": ctx.max_model_len, "tokens": tokens, "token_strs": strs}
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import io
+import json
 import os
 import sys
 from pathlib import Path
@@ -59,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--trust-request-chat-template", action="store_true",
                        help="let a chat request bring its own chat_template (vLLM's flag; refused without it: the "
                             "template runs on the server)")
+    for flag, what in (("--allowed-origins", "origins"), ("--allowed-methods", "methods"),
+                       ("--allowed-headers", "headers")):
+        serve.add_argument(flag, type=json_string_list, default=("*",), metavar="JSON",
+                           help=f"CORS: the {what} browsers may use, a JSON list (vLLM's flag; default [\"*\"])")
+    serve.add_argument("--allow-credentials", action="store_true",
+                       help="CORS: let browsers send credentials (vLLM's flag; not with origin \"*\")")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     serve.add_argument("--enable-log-requests", dest="log_requests", action="store_true", default=True,
                        help="a log line per HTTP request (uvicorn's access log, at --log-level info; the default). "
@@ -148,6 +155,17 @@ def port_number(text: str) -> int:
     return value
 
 
+def json_string_list(text: str) -> list[str]:
+    """--allowed-origins and the like: a JSON list of strings, as vLLM takes them (``'["*"]'``)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings such as '[\"*\"]', got {text!r}")
+    return value
+
+
 def seed_value(text: str) -> int:
     """--seed: an int in [0, 2**64), what SamplingParams takes."""
     try:
@@ -190,7 +208,9 @@ def run_serve(args) -> None:
                           max_request_bytes=args.max_request_bytes, max_output_tokens=args.max_output_tokens,
                           chat_template=chat_template_for(engine, args.chat_template),
                           trust_request_chat_template=args.trust_request_chat_template,
-                          enable_rl_endpoints=args.enable_rl_endpoints)
+                          enable_rl_endpoints=args.enable_rl_endpoints, allowed_origins=tuple(args.allowed_origins),
+                          allowed_methods=tuple(args.allowed_methods), allowed_headers=tuple(args.allowed_headers),
+                          allow_credentials=args.allow_credentials)
     app = create_app(AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests), config)
     print(f"serving {name!r} (max_model_len {engine.max_model_len}, device {engine.device}) on "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)

@@ -64,6 +64,8 @@ class ServerConfig:
     ``model_aliases``: more names a request may give for the model (vLLM's ``--served-model-name a b``:
     ``a`` is ``model_name``, the one responses give); /v1/models lists them after it.
     ``enable_rl_endpoints``: the routes of ``atom_core.serve.rl_routes`` (weight updates, sleep mode).
+    ``allowed_origins`` / ``allowed_methods`` / ``allowed_headers`` / ``allow_credentials``: the CORS answer to
+    browsers (vLLM's flags and defaults: every origin, method and header; no credentials).
     """
 
     model_name: str = "atom_core"
@@ -74,6 +76,10 @@ class ServerConfig:
     chat_template: str | None = None
     trust_request_chat_template: bool = False
     enable_rl_endpoints: bool = False
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
 
 
 @dataclass

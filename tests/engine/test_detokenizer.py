@@ -185,3 +185,17 @@ def test_a_folder_without_tokenizer_files_loads_none_silently(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="atom_core.engine.tokenizer"):
         assert Tokenizer.maybe_from(tmp_path) is None
     assert not caplog.records
+
+
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+def test_a_text_past_the_gil_free_length_encodes_to_the_ids_of_the_plain_encode(demo_tokenizer, add_special_tokens):
+    """Texts longer than GIL_FREE_CHARS go through the tokenizers library's encode_batch (which lets other
+    threads run); the ids must be those of its encode, at the boundary and past it."""
+    from atom_core.engine.tokenizer import GIL_FREE_CHARS
+
+    rng = random.Random(3)
+    words = ["hello", " world", ",", " the", " number", " of", "\n", " 42", " émigré", " 🙂", "  "]
+    text = "".join(rng.choice(words) for _ in range(GIL_FREE_CHARS))
+    for cut in (GIL_FREE_CHARS, GIL_FREE_CHARS + 1, len(text)):
+        expected = demo_tokenizer._tok.encode(text[:cut], add_special_tokens=add_special_tokens).ids
+        assert demo_tokenizer.encode(text[:cut], add_special_tokens=add_special_tokens) == expected
