@@ -49,7 +49,8 @@ def _check_model_folder(model: str | None) -> None:
         raise UsageError(f"{model!r} is not a local folder, and atom_core loads only local checkpoint folders; "
                          f"download it first (huggingface-cli download {model} --local-dir {folder}) "
                          f"and pass --model {folder}")
-    raise UsageError(f"--model {model!r}: no such folder (expected a checkpoint folder with config.json, "
+    what = "not a folder" if Path(model).exists() else "no such folder"
+    raise UsageError(f"--model {model!r}: {what} (expected a checkpoint folder with config.json, "
                      f"*.safetensors and tokenizer.json)")
 
 

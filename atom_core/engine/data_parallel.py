@@ -49,7 +49,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Self
 
 import numpy as np
 import torch
@@ -253,7 +252,7 @@ class DataParallelEngine(OfflineAPI, ReplicaWeightUpdates, ReplicaSleepMode):
         self._failure = self._failure or "the engine was shut down"
         self._finalizer()
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> DataParallelEngine:
         return self
 
     def __exit__(self, *exc_info) -> None:

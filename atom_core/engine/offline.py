@@ -18,6 +18,9 @@ from atom_core.engine.outputs import RequestOutput
 from atom_core.engine.request import prompt_text_of
 from atom_core.engine.sampling_params import SamplingParams
 
+# chat_template_kwargs that chat cannot take: what apply_chat_template and the renderer fill themselves.
+_RESERVED_TEMPLATE_KEYS = frozenset({"conversation", "messages", "tokenize", "template", "special_tokens"})
+
 
 class OfflineAPI:
     """``generate`` and ``chat`` (module docstring)."""
@@ -95,7 +98,8 @@ class OfflineAPI:
         template name or a template itself (default: the checkpoint's). ``add_generation_prompt`` opens the
         assistant's turn; ``continue_final_message`` (with ``add_generation_prompt=False``) leaves the final
         message open for the model to go on writing it. ``tools`` and ``chat_template_kwargs`` (further
-        variables, e.g. ``{"enable_thinking": False}``) are passed to the template. Returns one output per
+        variables, e.g. ``{"enable_thinking": False}``) are passed to the template; as in vLLM, an entry of
+        ``chat_template_kwargs`` named like one of the arguments above takes its place. Returns one output per
         conversation. Raises ``ChatTemplateError`` (a ValueError) when a template is missing or refuses a
         conversation, before anything is queued.
         """
@@ -106,11 +110,18 @@ class OfflineAPI:
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
             raise TypeError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
         conversations = list(messages) if isinstance(messages[0], (list, tuple)) else [messages]
+        # vLLM's LLM.chat: the named arguments, then chat_template_kwargs over them (its entries win).
+        arguments = {"chat_template": chat_template, "add_generation_prompt": add_generation_prompt,
+                     "continue_final_message": continue_final_message, "tools": tools,
+                     **(chat_template_kwargs or {})}
+        reserved = sorted(set(arguments) & _RESERVED_TEMPLATE_KEYS)
+        if reserved:
+            from atom_core.engine.chat_template import ChatTemplateError
+
+            raise ChatTemplateError(f"chat_template_kwargs: {', '.join(map(repr, reserved))} cannot be set (chat "
+                                    "renders the conversations it is given, to text, then tokenizes it)")
         # Rendered to text, then encoded as apply_chat_template(tokenize=True) does: the text is the outputs' prompt.
-        texts = [self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                                    continue_final_message=continue_final_message,
-                                                    chat_template=chat_template, tools=tools, tokenize=False,
-                                                    **(chat_template_kwargs or {}))
+        texts = [self.tokenizer.apply_chat_template(conversation, tokenize=False, **arguments)
                  for conversation in conversations]
         prompts = [self.tokenizer.encode(text, add_special_tokens=False) for text in texts]
         return self._generate(prompts, texts, sampling_params, use_tqdm)

@@ -133,7 +133,7 @@ def parse_dtype(value: Any, *, what: str = "dtype") -> torch.dtype | None:
             return _DTYPES[key]
         if key == "auto":
             return None
-    raise ValueError(f"{what}: unsupported dtype {value!r}; expected one of {sorted(_DTYPES)}")
+    raise ValueError(f"{what}: unsupported dtype {value!r}; expected 'auto' or one of {sorted(_DTYPES)}")
 
 
 def normalize_rope_scaling(scaling: dict | None, *, what: str = "rope_scaling") -> tuple[float | None, dict | None]:

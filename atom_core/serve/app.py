@@ -26,7 +26,11 @@ import logging
 from collections.abc import Callable
 from contextlib import asynccontextmanager, suppress
 
-from fastapi import FastAPI, Request
+try:
+    from fastapi import FastAPI, Request
+except ImportError as e:  # the base install: say which extra, not a bare ModuleNotFoundError
+    raise ImportError(f'atom_core.serve.app needs the serve extra ({e.name} is not installed): '
+                      f'pip install "atom_core[serve]"') from e
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException

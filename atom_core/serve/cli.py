@@ -1,6 +1,6 @@
 """atom-core: serve a model over an OpenAI-compatible HTTP API, generate text, chat, benchmark.
 
-    atom-core serve [PATH] --host 127.0.0.1 --port 8000     # needs: pip install atom_core[serve]
+    atom-core serve [PATH] --host 127.0.0.1 --port 8000     # needs: pip install "atom_core[serve]"
     atom-core generate [PATH] --prompt "Return the number of"
     atom-core chat [PATH]                                    # an interactive chat in the terminal
     atom-core bench --offline [PATH]                         # the engine's throughput
@@ -20,6 +20,7 @@ import os
 import sys
 from pathlib import Path
 
+from atom_core import __version__
 from atom_core.serve.engine_options import (DEFAULT_PROMPTS, Parser, UsageError, add_engine_arguments,
                                             build_engine, chat_template_for, checkpoint_path, clean_text,
                                             finite_float, generate_and_print, positive_int)
@@ -30,6 +31,7 @@ PROG = "atom-core"
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog=PROG, description=__doc__.splitlines()[0].split(": ", 1)[1],
                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     commands.required = True
 
@@ -183,7 +185,8 @@ def _add_sampling_arguments(parser, *, max_tokens: int, temperature: float) -> N
     parser.add_argument("--temperature", type=finite_float(0.0, 100.0), default=temperature,
                         help=f"0 = greedy (default {temperature})")
     parser.add_argument("--top-p", type=finite_float(0.0, 1.0, low_open=True), default=0.9, help="(default 0.9)")
-    parser.add_argument("--seed", type=seed_value, default=None, help="seed (generate: prompt i uses seed + i)")
+    parser.add_argument("--seed", type=seed_value, default=None,
+                        help="the sampling seed (generate: prompt i uses seed + i; default: fresh randomness)")
 
 
 # ------------------------------------------------------------------------------------------ commands
@@ -195,7 +198,7 @@ def run_serve(args) -> None:
         import uvicorn
     except ImportError as e:
         raise UsageError(f"atom-core serve needs the serve extra ({e.name or e} is not installed): "
-                         f"pip install atom_core[serve]") from None
+                         'pip install "atom_core[serve]"') from None
     from atom_core.engine.async_engine import AsyncEngine
     from atom_core.serve.app import create_app
     from atom_core.serve.common import ServerConfig
@@ -334,6 +337,18 @@ def _fit_context(engine, messages: list[dict], opening: list[dict], template: st
         del messages[len(opening):len(opening) + 2]  # the oldest user message after the system one, and its reply
 
 
+def _refuse_online_flags(args) -> None:
+    """An offline run given a flag that only an online run reads: a usage error naming it (``--model`` names the
+    served model online; offline, the checkpoint is PATH)."""
+    given = [flag for flag, value, default in (
+        ("--model", args.model, None), ("--api-key", args.api_key, None), ("--rate", args.rate, [math_inf()]),
+        ("--max-concurrency", args.max_concurrency, None), ("--no-ignore-eos", args.ignore_eos, True),
+        ("--endpoint", args.endpoint, "completions")) if value != default]
+    if given:
+        hint = " (the served model's name; offline, give the checkpoint as PATH)" if "--model" in given else ""
+        raise UsageError(f"{', '.join(given)}: online only (with --url), not with --offline{hint}")
+
+
 def run_bench(args) -> None:
     from atom_core.serve import bench
 
@@ -347,6 +362,7 @@ def run_bench(args) -> None:
         _check_writable(args.json)
     rows = []
     if args.offline:
+        _refuse_online_flags(args)
         engine = build_engine(args)
         try:
             vocab = min(args.vocab, engine.model.config.vocab_size)

@@ -185,7 +185,8 @@ def model_folder(path: str | None, load_format: str) -> str | None:
     if not p.exists() and HUB_ID.match(path):
         raise UsageError(f"{path!r} is not a local folder, and atom_core loads only local checkpoint folders; "
                          f"download it first (huggingface-cli download {path} --local-dir {path.rsplit('/', 1)[1]})")
-    raise UsageError(f"{path!r}: no such folder (expected a checkpoint folder with config.json, *.safetensors and "
+    what = "not a folder" if p.exists() else "no such folder"
+    raise UsageError(f"{path!r}: {what} (expected a checkpoint folder with config.json, *.safetensors and "
                      f"tokenizer.json)")
 
 
@@ -311,5 +312,6 @@ def generate_and_print(engine, prompts: list[str], params, note: str = "") -> No
     for prompt, out in zip(prompts, outputs):
         print(f"--- {prompt!r}\n{prompt}{out.text}\n")
     generated = sum(len(o.token_ids) for o in outputs)
-    print(f"{generated} tokens in {elapsed:.2f} s: {generated / elapsed:.1f} tokens/s ({len(prompts)} prompts, "
+    count = f"{len(prompts)} prompt" + ("s" if len(prompts) != 1 else "")
+    print(f"{generated} tokens in {elapsed:.2f} s: {generated / elapsed:.1f} tokens/s ({count}, "
           f"device {engine.device}{note})")

@@ -339,3 +339,27 @@ def test_engine_chat_takes_llm_chat_keywords_and_refuses_others(chat_engine):
     with pytest.raises(TypeError, match="chat_template_kwargs must be a dict"):
         engine.chat(conversation, chat_template_kwargs=["shout"], use_tqdm=False)
     assert not engine.has_unfinished_requests()
+
+
+def test_engine_chat_template_kwargs_take_the_place_of_the_named_arguments_as_in_vllm(chat_engine):
+    """vLLM's ``LLM.chat`` updates its named template arguments with ``chat_template_kwargs``: the dict's
+    ``add_generation_prompt`` / ``chat_template`` win. Keys chat fills itself are refused by name."""
+    folder, engine = chat_engine
+    template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}" \
+               "assistant:{% endif %}"
+    conversation = [{"role": "user", "content": "Return the"}]
+    greedy = SamplingParams(temperature=0, max_tokens=2)
+    with ops.use_backend("torch"):
+        by_dict = engine.chat(conversation, greedy, chat_template="{{ raise_exception('not this one') }}",
+                              chat_template_kwargs={"chat_template": template, "add_generation_prompt": False},
+                              use_tqdm=False)[0]
+        named = engine.chat(conversation, greedy, chat_template=template, add_generation_prompt=False,
+                            use_tqdm=False)[0]
+    assert by_dict.prompt_token_ids == named.prompt_token_ids == engine.tokenizer.encode(
+        "user: Return the\n", add_special_tokens=False)
+    assert by_dict.token_ids == named.token_ids
+    for key in ("tokenize", "messages", "conversation"):
+        with pytest.raises(ChatTemplateError, match=f"chat_template_kwargs: '{key}' cannot be set"):
+            engine.chat(conversation, greedy, chat_template=template, chat_template_kwargs={key: True},
+                        use_tqdm=False)
+    assert not engine.has_unfinished_requests()

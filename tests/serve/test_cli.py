@@ -168,6 +168,18 @@ def test_bench_online_against_the_live_server_reports_latencies(server, tmp_path
     server.assert_no_block_leaked()
 
 
+@pytest.mark.parametrize("flags, named", [
+    (["--model", "/some/checkpoint"], "--model: online only"),
+    (["--rate", "4", "--endpoint", "chat"], "--rate, --endpoint: online only"),
+    (["--api-key", "k", "--max-concurrency", "2", "--no-ignore-eos"], "--api-key, --max-concurrency, --no-ignore-eos"),
+])
+def test_bench_offline_refuses_the_online_only_flags_by_name(flags, named, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "build_engine", lambda args: pytest.fail("an engine was built"))
+    assert cli.main(["bench", "--offline", "--num-prompts", "2", *flags]) == 2
+    err = capsys.readouterr().err
+    assert named in err and "not with --offline" in err
+
+
 def test_bench_scales_lengths_that_do_not_fit_the_context():
     from atom_core.serve.bench import make_workload
 
@@ -188,8 +200,18 @@ def test_bench_against_a_server_listing_no_model_asks_for_model(monkeypatch, cap
     assert "lists no model; name one with --model" in capsys.readouterr().err
 
 
+def test_version_prints_the_package_version(capsys):
+    from atom_core import __version__
+
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"atom-core {__version__}"
+
+
 @pytest.mark.parametrize("argv, says", [
     (["generate", "/no/such/folder"], "no such folder"),
+    (["generate", __file__], "not a folder"),
+    (["generate", "--dtype", "fp13"], "expected 'auto' or one of"),
     (["generate", "Qwen/Qwen3-0.6B"], "huggingface-cli download Qwen/Qwen3-0.6B"),
     (["generate", "--max-tokens", "0"], "--max-tokens"),
     (["chat", "--temperature", "nan"], "--temperature"),
@@ -285,7 +307,7 @@ print(json.dumps({{"codes": codes, "loaded": loaded}}))
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report == {"codes": [0, 0, 0, 2], "loaded": []}, result.stderr
     assert "assistant:" in result.stdout and "tokens/s" in result.stdout
-    assert "pip install atom_core[serve]" in result.stderr.strip().splitlines()[-1]
+    assert 'pip install "atom_core[serve]"' in result.stderr.strip().splitlines()[-1]
 
 
 def test_the_console_script_is_declared():
