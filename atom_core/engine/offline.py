@@ -86,6 +86,11 @@ class OfflineAPI:
             results.append(group[0])
         return results
 
+    def get_tokenizer(self):
+        """The engine's ``Tokenizer`` (``encode``, ``decode``, ``apply_chat_template``; None without
+        tokenizer.json): vLLM's ``LLM.get_tokenizer``."""
+        return self.tokenizer
+
     def chat(self, messages: Sequence[Mapping] | Sequence[Sequence[Mapping]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,

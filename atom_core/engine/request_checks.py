@@ -87,6 +87,9 @@ class RequestChecks:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         token_ids = encode_prompt(prompt, self.tokenizer)
+        if params.truncate_prompt_tokens is not None:  # vLLM's: the last k tokens (-1: max_model_len)
+            keep = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+            token_ids = token_ids[-keep:]
         if params.max_tokens is None:
             if len(token_ids) >= self.max_model_len:
                 raise ValueError(f"prompt of {len(token_ids)} tokens leaves no room for output under "

@@ -147,9 +147,13 @@ class SamplingParams:
     checked before ``min_tokens`` output tokens. ``skip_special_tokens`` (default True) leaves
     special tokens out of the text. Ints may be Python or numpy ints; bools are refused everywhere.
 
-    Structured output: ``structured_outputs`` (a ``StructuredOutputsParams``, or a dict of its fields):
-    the output matches a JSON schema, a regex, one of a list of strings or a grammar; a sequence
-    whose grammar is complete finishes with "stop". Needs the ``structured`` extra (xgrammar).
+    Structured output: ``structured_outputs`` (a ``StructuredOutputsParams``, or a dict of its fields;
+    ``guided_decoding``, vLLM's older name, is read into it): the output matches a JSON schema, a regex, one
+    of a list of strings or a grammar; a sequence whose grammar is complete finishes with "stop". Needs the
+    ``structured`` extra (xgrammar).
+
+    ``truncate_prompt_tokens`` (vLLM's): keep only the prompt's last k tokens (-1: the last
+    ``max_model_len``), cut before the length checks.
     """
 
     temperature: float = 1.0
@@ -175,6 +179,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | dict | None = None
+    truncate_prompt_tokens: int | None = None
+    # vLLM's older name of structured_outputs: read into it, then None (so dataclasses.replace keeps working)
+    guided_decoding: StructuredOutputsParams | dict | None = field(default=None, repr=False, compare=False)
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -254,6 +261,17 @@ class SamplingParams:
         if ids is not None:
             as_type("stop_token_ids", [int(t) for t in ids])
         object.__setattr__(self, "stop_strings", stop)
+        k = self.truncate_prompt_tokens
+        if k is not None and (not _is_int(k) or (k < 1 and k != -1)):
+            bad("truncate_prompt_tokens", "must be None, -1 (max_model_len) or an int >= 1")
+        if k is not None:
+            as_type("truncate_prompt_tokens", int(k))
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                bad("guided_decoding", "and structured_outputs are the same field (guided_decoding is vLLM's older "
+                                       "name): give one")
+            as_type("structured_outputs", self.guided_decoding)
+            as_type("guided_decoding", None)
         structured = self.structured_outputs
         if isinstance(structured, dict):
             try:

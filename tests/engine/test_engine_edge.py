@@ -1,6 +1,8 @@
 """Bad input is refused at the API edge, naming the problem, and nothing is queued or leaked; a
 step that raises finishes its requests with reason "error" and the engine keeps working."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -64,6 +66,24 @@ def test_numpy_and_tensor_token_ids_are_prompts(engine):
                        tuple(ids)):
             assert engine.generate([prompt], GREEDY, use_tqdm=False)[0].token_ids == want
         assert engine.generate(np.array(ids), GREEDY, use_tqdm=False)[0].token_ids == want  # one bare prompt
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens_as_vllm(engine):
+    """``truncate_prompt_tokens=k`` runs the prompt's last k tokens (-1: the last max_model_len), the same tokens
+    as a prompt of those k; a prompt too long for max_model_len runs once cut to fit."""
+    prompt = list(range(5, 25))
+    with ops.use_backend("torch"):
+        cut = engine.generate([prompt], dataclasses.replace(GREEDY, truncate_prompt_tokens=7), use_tqdm=False)[0]
+        plain = engine.generate([prompt[-7:]], GREEDY, use_tqdm=False)[0]
+        assert cut.prompt_token_ids == prompt[-7:] and cut.token_ids == plain.token_ids
+        long = [5 + i % 80 for i in range(engine.max_model_len + 10)]
+        with pytest.raises(ValueError, match="exceeds max_model_len"):
+            engine.generate([long], GREEDY, use_tqdm=False)
+        keep = engine.max_model_len - GREEDY.max_tokens
+        fitted = engine.generate([long], dataclasses.replace(GREEDY, truncate_prompt_tokens=keep), use_tqdm=False)[0]
+    assert fitted.prompt_token_ids == long[-keep:] and len(fitted.token_ids) == GREEDY.max_tokens
+    assert engine.get_tokenizer() is engine.tokenizer
+    assert_idle_and_clean(engine)
 
 
 def test_a_bare_string_is_one_prompt():

@@ -71,6 +71,10 @@ def test_vllm_fields_defaults_and_normalised_values():
         ({"prompt_logprobs": -2}, "prompt_logprobs"), ({"prompt_logprobs": 1.0}, "prompt_logprobs"),
         ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
         ({"skip_special_tokens": "no"}, "skip_special_tokens"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"), ({"truncate_prompt_tokens": -2},
+                                                                    "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": True}, "truncate_prompt_tokens"),
+        ({"guided_decoding": {"regex": "a+"}, "structured_outputs": {"regex": "b+"}}, "guided_decoding"),
     ],
 )
 def test_invalid_vllm_fields_name_the_field(kwargs, field):
@@ -82,3 +86,14 @@ def test_a_top_p_that_float32_rounds_to_zero_is_refused():
     with pytest.raises(ValueError, match=r"SamplingParams\.top_p=.*float32's smallest"):
         SamplingParams(top_p=6e-144)  # the sampling op takes float32: it would be 0 there
     assert SamplingParams(top_p=1e-40).top_p == 1e-40  # a float32 subnormal: still > 0
+
+
+def test_guided_decoding_is_read_into_structured_outputs_and_replace_keeps_working():
+    import dataclasses
+
+    from atom_core.engine.sampling_params import GuidedDecodingParams
+
+    p = SamplingParams(guided_decoding=GuidedDecodingParams(regex="a+"))
+    assert p.structured_outputs == GuidedDecodingParams(regex="a+") and p.guided_decoding is None
+    assert p == SamplingParams(structured_outputs={"regex": "a+"})
+    assert dataclasses.replace(p, structured_outputs={"choice": ["x"]}).structured_outputs.choice == ["x"]
