@@ -161,6 +161,15 @@ def normalize_rope_scaling(scaling: dict | None, *, what: str = "rope_scaling") 
     return theta, out
 
 
+def _may_load(architectures) -> bool:
+    """Whether some name of ``architectures`` is one atom_core loads (or none is given): the assumed-defaults
+    warning is for those; a config of an architecture it refuses would only warn before the refusal."""
+    from atom_core.models.registry import is_supported_architecture
+
+    names = list(architectures or ())
+    return not names or any(is_supported_architecture(name) for name in names)
+
+
 def _as_float(value: Any, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"{what} must be a finite number, got {value!r}")
@@ -418,7 +427,7 @@ class ModelConfig:
         for key, value in defaults.items():  # the family's defaults of keys that are not fields
             if key not in _FIELD_DEFAULTS and key not in d:
                 cfg.extra.setdefault(key, copy.deepcopy(value))
-        if assumed and model_type:
+        if assumed and model_type and _may_load(cfg.architectures):
             logger.warning("config.json of model_type %r, whose family's defaults atom_core does not know, leaves "
                            "out %s: taking %s (Llama's); if the family's defaults differ, add them to "
                            "atom_core.models.config.ARCH_DEFAULTS (or write them into config.json)",

@@ -105,11 +105,16 @@ def get_model_class(arch: str) -> type:
     return cls
 
 
+def is_supported_architecture(name: str) -> bool:
+    """Whether ``get_model_class(name)`` finds a class (shipped, registered or a plugin's), without importing it."""
+    return name in _registered or name in MODEL_MODULES or name in plugin_modules()
+
+
 def resolve_architecture(architectures: Iterable[str]) -> tuple[str, type]:
     """First name in ``architectures`` that is supported, with its class; ValueError if none is."""
     names = list(architectures)
     for name in names:
-        if name in _registered or name in MODEL_MODULES or name in plugin_modules():
+        if is_supported_architecture(name):
             return name, get_model_class(name)
     if not names:
         raise ValueError(

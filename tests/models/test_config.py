@@ -325,4 +325,9 @@ def test_a_family_without_known_defaults_is_warned_of_each_key_taken_from_llamas
                                "tie_word_embeddings": True, "max_position_embeddings": 8192, "rms_norm_eps": 1e-6,
                                "attention_bias": False, "mlp_bias": False,
                                "layer_types": ["sliding_attention", "full_attention"]})  # all written out
+        # an architecture atom_core does not load: the load refuses it, so no warning about defaults first
+        ModelConfig.from_dict({**base, "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"]})
     assert caplog.records == []
+    with caplog.at_level(logging.WARNING, logger="atom_core.models.config"):
+        ModelConfig.from_dict({**base, "model_type": "my_llama", "architectures": ["LlamaForCausalLM"]})
+    assert "model_type 'my_llama'" in caplog.text  # one it loads: warned
