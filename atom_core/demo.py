@@ -68,6 +68,9 @@ def run(args: argparse.Namespace) -> None:
             raise UsageError(f"--device {args.device!r}: expected cpu, cuda or cuda:N") from None
     engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
                                     max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=args.max_model_len)
+    if engine.tokenizer is None:
+        raise UsageError(f"--model {args.model!r}: the demo needs a model with a tokenizer (tokenizer.json); "
+                         "atom-core bench --offline runs one without")
     prompts = [clean_text(p) for p in args.prompt] if args.prompt else DEFAULT_PROMPTS
     params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                              seed=args.seed + i) for i in range(len(prompts))]

@@ -160,3 +160,13 @@ def test_demo_prints_every_prompt_and_the_token_rate(capsys, keep_torch_threads)
     out = capsys.readouterr().out
     assert all(f"--- {p!r}\n{p}" in out for p in prompts)
     assert re.search(r"^\d+ tokens in [\d.]+ s: [\d.]+ tokens/s \(2 prompts, device \S+, 1 CPU thread", out, re.M)
+
+
+def test_the_demo_on_a_model_without_a_tokenizer_says_what_it_needs(tmp_path, capsys, keep_torch_threads):
+    import shutil
+
+    from atom_core.engine.engine import DEMO_MODEL
+
+    shutil.copytree(DEMO_MODEL, tmp_path / "m", ignore=shutil.ignore_patterns("tokenizer*"))
+    assert demo.main(["--model", str(tmp_path / "m")]) == 2
+    assert "the demo needs a model with a tokenizer (tokenizer.json)" in capsys.readouterr().err
