@@ -80,25 +80,24 @@ class RequestChecks:
     check_compiled: Callable[[object, SamplingParams], None] | None = None
 
     def check(self, prompt, params: SamplingParams, grammar=None) -> tuple[list[int], SamplingParams]:
-        """The prompt's token ids and the params it runs with (``max_tokens=None`` becomes the room
-        ``max_model_len`` leaves after the prompt, ``logprobs`` / ``prompt_logprobs`` of -1 the vocabulary
-        size); raises (TypeError / ValueError naming the problem) when
-        the prompt or ``params`` are not valid for this model, or the request could never fit."""
+        """The prompt's token ids and the params it runs with (``max_tokens`` None or beyond the room
+        ``max_model_len`` leaves after the prompt becomes that room, as vLLM stops a sequence at
+        ``max_model_len``; ``logprobs`` / ``prompt_logprobs`` of -1 the vocabulary size); raises (TypeError /
+        ValueError naming the problem) when the prompt or ``params`` are not valid for this model, or the
+        prompt leaves no room for output."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         token_ids = encode_prompt(prompt, self.tokenizer)
         if params.truncate_prompt_tokens is not None:  # vLLM's: the last k tokens (-1: max_model_len)
             keep = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
             token_ids = token_ids[-keep:]
-        if params.max_tokens is None:
-            if len(token_ids) >= self.max_model_len:
-                raise ValueError(f"prompt of {len(token_ids)} tokens leaves no room for output under "
-                                 f"max_model_len={self.max_model_len}")
-            params = dataclasses.replace(params, max_tokens=self.max_model_len - len(token_ids))
-        total = len(token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(f"prompt of {len(token_ids)} tokens + max_tokens={params.max_tokens} = {total} "
-                             f"exceeds max_model_len={self.max_model_len}")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(token_ids)} tokens leaves no room for output under "
+                             f"max_model_len={self.max_model_len}")
+        room = self.max_model_len - len(token_ids)
+        if params.max_tokens is None or params.max_tokens > room:
+            # vLLM's: a sequence stops at max_model_len (finish_reason "length"), whatever max_tokens asked
+            params = dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
         # (The pool always holds one request of max_model_len: plan_kv_pool refuses smaller pools.)
         vocab = self.vocab_size
         if not all(0 <= t < vocab for t in token_ids):

@@ -222,7 +222,7 @@ def test_a_step_that_raises_in_a_replica_fails_its_requests_only(dp):
 
 
 def test_requests_are_checked_in_the_front_as_one_engine_checks_them(dp, one):
-    for prompt, params in [([], None), ([1, 5000], None), ([1] * 60, SamplingParams(max_tokens=9)),
+    for prompt, params in [([], None), ([1, 5000], None), ([1] * 64, SamplingParams(max_tokens=9)),
                            ("text", SamplingParams(logprobs=50)), ([1], SamplingParams(stop_token_ids=[5000]))]:
         with pytest.raises((ValueError, TypeError)) as ours:
             dp.add_request(prompt, params)

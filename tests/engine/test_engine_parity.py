@@ -179,12 +179,29 @@ def test_abort_mid_generation_frees_everything(tiny_qwen3):
     engine.block_manager.check_integrity()
 
 
+def test_max_tokens_beyond_the_room_stop_at_max_model_len_with_length_as_vllm(tiny_qwen3):
+    """vLLM stops a sequence when it reaches max_model_len (finish_reason "length") whatever max_tokens asked;
+    min_tokens beyond the room cannot be met and is capped with it."""
+    folder, _ = tiny_qwen3
+    engine = Engine.from_pretrained(folder, device="cpu", dtype=torch.float32, block_size=4, num_kv_blocks=64,
+                                    max_model_len=40)
+    prompt = [1 + i % 90 for i in range(31)]
+    with ops.use_backend("torch"):
+        out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=1000, min_tokens=20, ignore_eos=True),
+                              use_tqdm=False)[0]
+        fits = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+                               use_tqdm=False)[0]
+    assert len(out.token_ids) == 40 - 31 and out.finish_reason == "length"
+    assert out.token_ids == fits.token_ids
+    assert not engine.has_unfinished_requests()
+
+
 def test_requests_that_can_never_fit_are_rejected(tiny_qwen3):
     folder, _ = tiny_qwen3
     engine = Engine.from_pretrained(folder, device="cpu", dtype=torch.float32, block_size=4, num_kv_blocks=64,
                                     max_model_len=200)
-    with pytest.raises(ValueError, match="exceeds max_model_len=200"):
-        engine.add_request(list(range(1, 90)) * 2, SamplingParams(max_tokens=30))
+    with pytest.raises(ValueError, match="prompt of 200 tokens leaves no room for output under max_model_len=200"):
+        engine.add_request([1 + i % 90 for i in range(200)], SamplingParams(max_tokens=1))
     # A pool that cannot hold one request of max_model_len is refused when the engine is built.
     with pytest.raises(ValueError, match="smallest budget that works"):
         Engine.from_pretrained(folder, device="cpu", dtype=torch.float32, block_size=4, num_kv_blocks=49,
