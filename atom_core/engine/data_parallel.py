@@ -151,6 +151,9 @@ class DataParallelEngine(OfflineAPI, ReplicaWeightUpdates, ReplicaSleepMode):
             raise ValueError("data_parallel_size > 1 starts its replicas itself; it does not run under torchrun "
                              "(run the script with python)")
         path = Path(path) if path is not None else DEMO_MODEL
+        if not (path / "config.json").is_file():  # as load_model says it, before any replica starts
+            raise FileNotFoundError(f"model folder not found: {path}" if not path.is_dir()
+                                    else f"no config.json in model folder {path}")
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         device = torch.device(device)

@@ -182,6 +182,9 @@ def replica_main() -> None:
     watch_parent(int(os.environ[FRONT_ENV]))  # the front is gone: nothing is left to serve
     try:
         _, config = conn.recv()
+    except (EOFError, OSError):  # the front is gone before it sent the engine's arguments
+        os._exit(1)
+    try:
         if config["device"] == "cpu":
             torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         lock_step, parallel = None, None
@@ -193,12 +196,12 @@ def replica_main() -> None:
                                         expert_parallel=config["expert_parallel"],
                                         step_timeout=config["step_timeout"], parallel=parallel,
                                         **config["engine_args"])
-    except (EOFError, OSError):
-        os._exit(1)
-    except BaseException as error:  # noqa: BLE001 - reported to the front, then the process ends
+    except BaseException as error:  # noqa: BLE001 - reported to the front (a missing file too), then the process ends
         traceback.print_exc()
         try:
             conn.send((START_FAILED, f"{type(error).__name__}: {error}"[:2000]))
+        except (OSError, ValueError):  # the front is gone: nobody to tell
+            pass
         finally:
             os._exit(1)
     conn.send((READY, {"max_model_len": engine.max_model_len, "max_logprobs": engine.max_logprobs,

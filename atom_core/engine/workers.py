@@ -72,6 +72,11 @@ _ERROR_KEY = "atom_core/error/{rank}"
 _ENTRY = "from atom_core.engine.workers import worker_main; worker_main()"
 
 
+# The WorkerSet of the world this process's engine created (rank 0 of its own ranks), while it lives: another
+# multi-rank engine here is refused instead of joining a world whose ranks serve the first.
+_engine_world: WorkerSet | None = None
+
+
 @dataclass
 class WorkerSet:
     """Rank 0's handle on the other ranks: the worker processes it started (none under ``torchrun``) and
@@ -117,6 +122,9 @@ class WorkerSet:
         self.destroy_world()
 
     def destroy_world(self) -> None:
+        global _engine_world
+        if _engine_world is self:
+            _engine_world = None
         if self.owns_world:
             import torch.distributed as dist
 
@@ -287,6 +295,11 @@ def start_ranks(*, tensor_parallel_size: int, expert_parallel: bool | str, devic
     device_type = torch.device(device).type
     workers = WorkerSet()
     env = _world_env()
+    if dist.is_initialized() and _engine_world is not None:
+        # That world is another engine's, whose ranks serve it: joining it would wait for them forever.
+        raise RuntimeError("one multi-rank engine per process at a time: this process already runs one (its "
+                           "tensor-parallel world); shut it down (engine.shutdown(), or leave its with block) "
+                           "before building another, or use data_parallel_size for several")
     if dist.is_initialized():
         rank, world, local_rank = dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0"))
     elif env is not None:
@@ -342,7 +355,9 @@ def _spawn_workers(world: int, device_type: str, step_timeout: float, worker_arg
 
     store = dist.TCPStore("127.0.0.1", 0, world, True, datetime.timedelta(seconds=STARTUP_TIMEOUT),
                           wait_for_workers=False)
+    global _engine_world
     workers = WorkerSet(store=store, owns_world=True)
+    _engine_world = workers
     base_env = os.environ | {
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "WORLD_SIZE": str(world),
         "LOCAL_WORLD_SIZE": str(world), PARENT_ENV: str(os.getpid()),

@@ -29,6 +29,7 @@ from atom_core.engine import (
     SamplingParams,
     WorkerFailedError,
 )
+from atom_core.engine.engine import DEMO_MODEL
 from tests.engine.test_multi_rank import _live_children, _pid_exists
 
 # Chunked prefill (prompts of up to 20 tokens, 8 per step) and a pool of 32 blocks of 2 slots per replica
@@ -284,6 +285,23 @@ def test_bad_arguments_are_refused_before_any_replica_starts(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="torchrun"):
         Engine.from_pretrained(None, data_parallel_size=2, device="cpu")
+    assert _live_children() <= children
+
+
+def test_a_missing_checkpoint_is_named_in_the_front_and_a_replicas_load_error_reaches_it(tmp_path, monkeypatch):
+    """A folder that is not there, or has no config.json, is refused before any replica starts, as load_model
+    words it. A replica whose load fails on a file (here no *.safetensors) reports that error, not only its exit."""
+    import shutil
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    children = _live_children()
+    with pytest.raises(FileNotFoundError, match="model folder not found"):
+        Engine.from_pretrained(tmp_path / "none", data_parallel_size=2, device="cpu")
+    with pytest.raises(FileNotFoundError, match="no config.json in model folder"):
+        Engine.from_pretrained(tmp_path, data_parallel_size=2, device="cpu")
+    shutil.copytree(DEMO_MODEL, tmp_path / "m", ignore=shutil.ignore_patterns("*.safetensors"))
+    with pytest.raises(ReplicaFailedError, match=r"FileNotFoundError: no \*\.safetensors"):
+        Engine.from_pretrained(tmp_path / "m", data_parallel_size=2, device="cpu", dtype=torch.float32)
     assert _live_children() <= children
 
 

@@ -328,6 +328,22 @@ def test_shutdown_and_the_context_manager_stop_every_worker(tiny_qwen3):
         assert worker.returncode == 0 and _live_children() <= children
 
 
+def test_a_second_multi_rank_engine_while_the_first_runs_is_refused_and_one_after_it_starts(tiny_qwen3):
+    """Its world is the first engine's, whose ranks serve that engine: joining it waited forever. Refused at
+    once, naming the rule; once the first has shut down, the next one starts."""
+    folder, _ = tiny_qwen3
+    children = _live_children()
+    with ops.use_backend("torch"):
+        first = _running_engine(folder, step_timeout=60)
+        with pytest.raises(RuntimeError, match="one multi-rank engine per process at a time"):
+            Engine.from_pretrained(folder, device="cpu", dtype=torch.float32, tensor_parallel_size=2)
+        first.step()  # the first still serves
+        first.shutdown()
+        with Engine.from_pretrained(folder, device="cpu", dtype=torch.float32, tensor_parallel_size=2) as second:
+            assert _generate(second, [[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3))
+    assert _live_children() <= children
+
+
 def test_an_engine_dropped_without_shutdown_stops_its_workers(tiny_qwen3):
     folder, _ = tiny_qwen3
     children = _live_children()
