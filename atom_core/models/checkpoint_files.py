@@ -38,6 +38,14 @@ TORCH_DTYPES = {
 }
 
 
+def tensor_source(file: Path | None, short: bool = False) -> str:
+    """Where a tensor came from, for messages: ``in <shard>`` (its name only when ``short``), or, for
+    ``load_named_tensors`` (``file`` None), ``given to load_named_tensors``."""
+    if file is None:
+        return "given to load_named_tensors"
+    return f"in {file.name if short else file}"
+
+
 def read_safetensors_header(path: str | Path) -> dict[str, dict]:
     """Tensor entries of a ``.safetensors`` file's JSON header (name -> {dtype, shape, data_offsets}).
 

@@ -99,7 +99,9 @@ import torch
 from torch import nn
 
 from atom_core.models.checkpoint_files import (INDEX_FILE, TORCH_DTYPES, checkpoint_files, get_tensor, open_shard,
-                                               read_safetensors_header, read_tensor)
+                                               read_safetensors_header, read_tensor, tensor_source)
+from atom_core.models.checkpoint_scales import (check_quant_scales, kv_scale_target, set_kv_scale,
+                                                warn_missing_kv_scales)
 from atom_core.models.config import ModelConfig
 from atom_core.models.layers.linear import default_weight_loader
 from atom_core.models.quantization import check_quantization_supported, parse_quant_config
@@ -253,14 +255,6 @@ def _tied_parameter(model: nn.Module, params: dict[str, nn.Parameter]) -> str | 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 
 
-def _where(file: Path | None, short: bool = False) -> str:
-    """Where a tensor came from, for messages: ``in <shard>`` (its name only when ``short``), or, for
-    ``load_named_tensors`` (``file`` None), ``given to load_named_tensors``."""
-    if file is None:
-        return "given to load_named_tensors"
-    return f"in {file.name if short else file}"
-
-
 def _check_dtype(param: nn.Parameter, dtype: torch.dtype, target: _Target, ckpt_name: str, file: Path | None,
                  model: nn.Module) -> None:
     """A stored dtype (the shard header's) other than the parameter's is cast only from float to float:
@@ -273,16 +267,16 @@ def _check_dtype(param: nn.Parameter, dtype: torch.dtype, target: _Target, ckpt_
     if fp8_param and getattr(param, "quantize_on_load", None) is not None:
         if dtype.is_floating_point and not fp8_tensor:
             return
-        raise ValueError(f"checkpoint tensor {ckpt_name!r} {_where(file)}: stored as {dtype}; online quantization "
+        raise ValueError(f"checkpoint tensor {ckpt_name!r} {tensor_source(file)}: stored as {dtype}; online quantization "
                          f"of {target.param_name!r} reads an unquantized floating-point tensor")
     if fp8_tensor and not fp8_param:
-        raise ValueError(f"checkpoint tensor {ckpt_name!r} {_where(file)}: stored as {dtype}, but parameter "
+        raise ValueError(f"checkpoint tensor {ckpt_name!r} {tensor_source(file)}: stored as {dtype}, but parameter "
                          f"{target.param_name!r} is {param.dtype}: FP8 values load only into a quantized layer "
                          f"({_why_unquantized(model, ckpt_name)})")
     if dtype.is_floating_point and param.dtype.is_floating_point and not fp8_param:
         return
     raise ValueError(
-        f"checkpoint tensor {ckpt_name!r} {_where(file)}: stored as {dtype}, but parameter "
+        f"checkpoint tensor {ckpt_name!r} {tensor_source(file)}: stored as {dtype}, but parameter "
         f"{target.param_name!r} is {param.dtype}; "
         + ("an FP8 parameter takes FP8 values only: the checkpoint does not quantize this layer as the model does"
            if fp8_param else "only casts between non-FP8 floating-point dtypes are made")
@@ -302,86 +296,13 @@ def _why_unquantized(model: nn.Module, ckpt_name: str) -> str:
             "use a checkpoint whose config leaves this layer out (compressed-tensors' ignore, quark's exclude)")
 
 
-# Checkpoint names of per-layer FP8 KV-cache scales -> (attention module prefix, "k" or "v"):
-# compressed-tensors ``...self_attn.k_scale`` (older: one ``kv_scale`` for both), Quark
-# ``...self_attn.k_proj.output_scale``.
-_KV_SCALE_NAMES = (re.compile(r"^(?P<attn>.+)\.(?P<kv>kv|k|v)_scale$"),
-                   re.compile(r"^(?P<attn>.+)\.(?P<kv>[kv])_proj\.output_scale$"))
-
-
-def _kv_scale_target(name: str, modules: dict[str, nn.Module]) -> tuple[nn.Module, str] | None:
-    """The attention layer (a module with ``checkpoint_k_scale``, at ``<attn>.attn``) and ``"k"``, ``"v"`` or
-    ``"kv"`` (both) that checkpoint tensor ``name`` is a KV-cache scale of, or None."""
-    for pattern in _KV_SCALE_NAMES:
-        m = pattern.match(name)
-        if m is not None:
-            attn = modules.get(m.group("attn") + ".attn")
-            if attn is not None and hasattr(attn, "checkpoint_k_scale"):
-                return attn, m.group("kv")
-    return None
-
-
-def _set_kv_scale(attn: nn.Module, which: str, tensor: torch.Tensor, ckpt_name: str, file: Path,
-                  device: torch.device) -> None:
-    value = tensor.detach().float().reshape(-1)
-    if value.numel() != 1 or not math.isfinite(value.item()) or value.item() <= 0:
-        raise ValueError(f"checkpoint tensor {ckpt_name!r} in {file}: a KV-cache scale must be one finite value "
-                         f"> 0, got shape {tuple(tensor.shape)}" + (f" value {value.item()}" if value.numel() == 1 else ""))
-    for one in ("k", "v") if which == "kv" else (which,):
-        setattr(attn, f"checkpoint_{one}_scale", value.to(device))
-
-
-# Parameters that hold quantization scales (``weight_scale``: the stored values' multipliers; ``input_scale``: a
-# static activation scale, divided by): a checkpoint's must be > 0 (float dtypes only: e8m0 codes are bytes).
-_WEIGHT_SCALE_SUFFIX = "weight_scale"
-_INPUT_SCALE_SUFFIX = "input_scale"
-
-
-def _check_quant_scales(param_name: str, tensor: torch.Tensor, ckpt_name: str, file: Path | None) -> None:
-    """A negative weight scale flips its values' sign and an input scale <= 0 makes the activations NaN or
-    infinite: refused, naming the tensor. A zero weight scale is warned about (it zeroes its values: right
-    only for an all-zero block, which some quantizers store that way)."""
-    if not tensor.is_floating_point():
-        return
-    is_input = param_name.endswith(_INPUT_SCALE_SUFFIX)
-    if not is_input and not param_name.endswith(_WEIGHT_SCALE_SUFFIX):
-        return
-    values = tensor.detach().float()
-    bad = int((values <= 0).sum()) if is_input else int((values < 0).sum())
-    if bad:
-        raise ValueError(
-            f"checkpoint tensor {ckpt_name!r} {_where(file)}: {bad} of {values.numel()} "
-            + ("input scales are <= 0 (a static activation scale divides the activations: it must be > 0)"
-               if is_input else "weight scales are negative (a scale multiplies the stored values: it must be "
-               ">= 0)") + f"; smallest {values.min().item()}")
-    zeros = int((values == 0).sum()) if not is_input else 0
-    if zeros:
-        logger.warning("checkpoint tensor %r %s: %d of %d weight scales are 0 (their blocks or rows compute 0)",
-                       ckpt_name, _where(file), zeros, values.numel())
-
-
-def _warn_missing_kv_scales(model: nn.Module) -> None:
-    """A config that declares an FP8 KV cache (``kv_cache_scheme``, quark's ``kv_cache_quant_config``) but
-    leaves some attention layers without their KV-cache scales: warned, naming them (an FP8 pool uses 1.0
-    there, vLLM's fallback)."""
-    quant_config = getattr(model, "quant_config", None)
-    if quant_config is None or quant_config.kv_cache is None or not hasattr(model, "kv_cache_scales"):
-        return
-    missing = [i for i, scales in enumerate(model.kv_cache_scales()) if any(s is None for s in scales)]
-    if missing:
-        shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
-        logger.warning("the checkpoint's quantization_config declares an FP8 KV cache, but %d of %d attention "
-                       "layers have no KV-cache scale (layers %s): an FP8 pool uses 1.0 there",
-                       len(missing), len(model.kv_cache_scales()), shown)
-
-
 def _load_one(param: nn.Parameter, tensor: torch.Tensor, target: _Target, ckpt_name: str,
               file: Path | None) -> None:
     if target.rows is not None:
         start, size = target.rows
         if tensor.shape[0] < start + size:
             raise ValueError(
-                f"checkpoint tensor {ckpt_name!r} {_where(file, short=True)}: shape {tuple(tensor.shape)} has "
+                f"checkpoint tensor {ckpt_name!r} {tensor_source(file, short=True)}: shape {tuple(tensor.shape)} has "
                 f"fewer than {start + size} rows to split into {target.param_name!r}"
             )
         tensor = tensor.narrow(0, start, size)
@@ -393,7 +314,7 @@ def _load_one(param: nn.Parameter, tensor: torch.Tensor, target: _Target, ckpt_n
             loader(param, tensor, target.shard_id)
     except ValueError as e:
         raise ValueError(
-            f"checkpoint tensor {ckpt_name!r} {_where(file, short=True)} -> parameter {target.param_name!r} "
+            f"checkpoint tensor {ckpt_name!r} {tensor_source(file, short=True)} -> parameter {target.param_name!r} "
             f"(shape {tuple(param.shape)}): {e}"
         ) from e
 
@@ -421,7 +342,7 @@ def _check_finite(tensor: torch.Tensor, ckpt_name: str, file: Path | None) -> No
     bad = count_non_finite(tensor)
     if bad:
         raise ValueError(
-            f"checkpoint tensor {ckpt_name!r} {_where(file)}: {bad} of {tensor.numel()} values are NaN or Inf "
+            f"checkpoint tensor {ckpt_name!r} {tensor_source(file)}: {bad} of {tensor.numel()} values are NaN or Inf "
             "(a corrupt or diverged checkpoint); check_finite=False loads it anyway"
         )
 
@@ -496,7 +417,7 @@ class _Loading:
         """Where checkpoint tensor ``name`` goes: its parameter targets, or ``(attention layer, "k" | "v" |
         "kv")`` for a KV-cache scale; None when nowhere (recorded: ``report.skipped`` with why, or ``unused``)."""
         mapped = self.mapper.map(name)
-        kv_scale = None if isinstance(mapped, str) else _kv_scale_target(self.mapper.renamed(name), self.modules)
+        kv_scale = None if isinstance(mapped, str) else kv_scale_target(self.mapper.renamed(name), self.modules)
         if kv_scale is not None:
             return kv_scale
         if isinstance(mapped, str):
@@ -517,7 +438,7 @@ class _Loading:
         if check_finite:
             _check_finite(tensor, name, file)
         for target in targets:
-            _check_quant_scales(target.param_name, tensor, name, file)
+            check_quant_scales(target.param_name, tensor, name, file)
             _load_one(self.params[target.param_name], tensor, target, name, file)
             self.loaded.setdefault(target.param_name, set()).add(_WHOLE if target.shard_id is None else target.shard_id)
             if target.shard_id is None and target.rows is None:
@@ -611,9 +532,9 @@ def load_weights(model: nn.Module, path: str | Path, *, strict: bool = True,
 
     device = next((p.device for p in params.values()), torch.device("cpu"))
     for name, file, attn, which in kv_scales:
-        _set_kv_scale(attn, which, read_tensor(None, None, name, file), name, file, device)
+        set_kv_scale(attn, which, read_tensor(None, None, name, file), name, file, device)
         report.kv_scales.append(name)
-    _warn_missing_kv_scales(model)
+    warn_missing_kv_scales(model)
 
     embedding = loading.whole_source.get(_tied_parameter(model, params) or "")
     if tied_head is not None and embedding is not None:

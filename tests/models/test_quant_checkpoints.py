@@ -416,7 +416,7 @@ def test_a_zero_weight_scale_loads_with_a_warning_naming_the_tensor(static_fp8_k
         tensors[name] = torch.zeros_like(tensors[name])
 
     path = _edited_copy(static_fp8_kv_checkpoint, tmp_path / "zero", edit)
-    with caplog.at_level(logging.WARNING, logger="atom_core.models.loader"):
+    with caplog.at_level(logging.WARNING, logger="atom_core.models.checkpoint_scales"):
         model = load_model(path, dtype=torch.float32, device="cpu")
     assert re.search(rf"'{re.escape(name)}' in .*: 1 of 1 weight scales are 0", caplog.text)
     assert torch.count_nonzero(model.model.layers[0].self_attn.o_proj.weight_scale) == 0
@@ -424,7 +424,7 @@ def test_a_zero_weight_scale_loads_with_a_warning_naming_the_tensor(static_fp8_k
 
 def test_a_declared_fp8_kv_cache_with_layers_missing_scales_is_warned_naming_them(static_fp8_kv_checkpoint, tmp_path,
                                                                                   caplog):
-    with caplog.at_level(logging.WARNING, logger="atom_core.models.loader"):
+    with caplog.at_level(logging.WARNING, logger="atom_core.models.checkpoint_scales"):
         load_model(static_fp8_kv_checkpoint, dtype=torch.float32, device="cpu")
     assert "FP8 KV cache" not in caplog.text  # every layer has its scales
     caplog.clear()
@@ -433,7 +433,7 @@ def test_a_declared_fp8_kv_cache_with_layers_missing_scales_is_warned_naming_the
         del tensors["model.layers.1.self_attn.k_scale"], tensors["model.layers.1.self_attn.v_scale"]
 
     path = _edited_copy(static_fp8_kv_checkpoint, tmp_path / "partial", edit)
-    with caplog.at_level(logging.WARNING, logger="atom_core.models.loader"):
+    with caplog.at_level(logging.WARNING, logger="atom_core.models.checkpoint_scales"):
         model = load_model(path, dtype=torch.float32, device="cpu")
     assert "declares an FP8 KV cache, but 1 of 2 attention layers have no KV-cache scale (layers 1)" in caplog.text
     assert model.kv_cache_scales()[1] == (None, None) and model.kv_cache_scales()[0][0] is not None
