@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import json
 from collections.abc import Mapping
 from datetime import datetime
@@ -100,6 +101,20 @@ def choose_template(templates: dict[str, str], chat_template: str | None, tools)
         return templates["default"]
     raise ChatTemplateError(f"this tokenizer has several chat templates and no default: pass chat_template= one "
                             f"of {sorted(templates)}")
+
+
+@functools.cache
+def template_call_arguments() -> frozenset[str]:
+    """The names a template's extra variables (``chat_template_kwargs``) cannot take as variables: the parameters
+    of ``Tokenizer.apply_chat_template`` and :func:`render` (each would reach its function twice) and
+    ``messages`` (what the template reads)."""
+    from atom_core.engine.tokenizer import Tokenizer
+
+    names = {"messages"}
+    for function in (Tokenizer.apply_chat_template, render):
+        names.update(name for name, p in inspect.signature(function).parameters.items()
+                     if p.kind is not inspect.Parameter.VAR_KEYWORD)
+    return frozenset(names)
 
 
 def render(template: str, conversation: list, *, add_generation_prompt: bool, continue_final_message: bool = False,

@@ -18,8 +18,10 @@ from atom_core.engine.outputs import RequestOutput
 from atom_core.engine.request import prompt_text_of
 from atom_core.engine.sampling_params import SamplingParams
 
-# chat_template_kwargs that chat cannot take: what apply_chat_template and the renderer fill themselves.
-_RESERVED_TEMPLATE_KEYS = frozenset({"conversation", "messages", "tokenize", "template", "special_tokens"})
+# chat's template arguments that chat_template_kwargs may replace (vLLM's LLM.chat); the other names of
+# chat_template.template_call_arguments() are what apply_chat_template and the renderer fill themselves.
+_REPLACEABLE_TEMPLATE_ARGUMENTS = frozenset({"chat_template", "add_generation_prompt", "continue_final_message",
+                                             "tools", "documents"})
 
 
 class OfflineAPI:
@@ -119,10 +121,10 @@ class OfflineAPI:
         arguments = {"chat_template": chat_template, "add_generation_prompt": add_generation_prompt,
                      "continue_final_message": continue_final_message, "tools": tools,
                      **(chat_template_kwargs or {})}
-        reserved = sorted(set(arguments) & _RESERVED_TEMPLATE_KEYS)
-        if reserved:
-            from atom_core.engine.chat_template import ChatTemplateError
+        from atom_core.engine.chat_template import ChatTemplateError, template_call_arguments
 
+        reserved = sorted(set(arguments) & (template_call_arguments() - _REPLACEABLE_TEMPLATE_ARGUMENTS))
+        if reserved:
             raise ChatTemplateError(f"chat_template_kwargs: {', '.join(map(repr, reserved))} cannot be set (chat "
                                     "renders the conversations it is given, to text, then tokenizes it)")
         # Rendered to text, then encoded as apply_chat_template(tokenize=True) does: the text is the outputs' prompt.

@@ -285,7 +285,7 @@ class SleepMode:
         asleep = sorted(set(needs) & self._sleep.asleep) if self._sleep is not None else []
         if asleep:
             raise EngineAsleepError(f"{caller}: the engine is asleep ({', '.join(repr(t) for t in asleep)} asleep): "
-                               f"wake_up({asleep!r}) first")
+                                    f"wake_up({asleep!r}) first")
 
     def _ranks_failed(self, error: BaseException | None) -> str:
         """The status exchange after a ``SLEEP`` message: "" when every rank did its part, else which failed."""

@@ -18,8 +18,6 @@ or with ``add_generation_prompt: false`` the last message's role (vLLM's rule: t
 
 from __future__ import annotations
 
-import functools
-import inspect
 from collections.abc import AsyncIterator
 
 from atom_core.engine.async_engine import EngineClosedError, EngineStepError
@@ -34,7 +32,7 @@ def chat_prompt(ctx: ServerContext, req: ChatCompletionRequest, truncate: tuple[
     """The token ids of ``req``'s conversation as the chat template writes it (the request's template where the
     server trusts it, else the server's, else the checkpoint's), ``truncate`` as ``ServerContext.encode`` takes
     it; a 400 naming the field for what the template or the request's fields refuse. (/tokenize reads it too.)"""
-    from atom_core.engine.chat_template import ChatTemplateError
+    from atom_core.engine.chat_template import ChatTemplateError, template_call_arguments
 
     if ctx.tokenizer is None:
         raise APIError(400, "this model has no tokenizer (tokenizer.json): chat needs one", param="messages")
@@ -47,7 +45,7 @@ def chat_prompt(ctx: ServerContext, req: ChatCompletionRequest, truncate: tuple[
                             "(add_generation_prompt defaults to true: send add_generation_prompt=false)",
                        param="continue_final_message")
     kwargs = dict(req.chat_template_kwargs or {})
-    reserved = _reserved_template_kwargs() & kwargs.keys()
+    reserved = template_call_arguments() & kwargs.keys()
     if reserved:
         raise APIError(400, f"chat_template_kwargs may not set {sorted(reserved)}", param="chat_template_kwargs")
     if req.reasoning_effort is not None:  # vLLM's: the template reads it, and enable_thinking unless given
@@ -192,17 +190,3 @@ class ChatJob:
         except (EngineStepError, EngineClosedError) as e:
             yield "".join(pending) + stream_error_event(e)
         yield SSE_DONE
-
-
-@functools.cache
-def _reserved_template_kwargs() -> frozenset[str]:
-    """Names chat_template_kwargs may not use: the parameters of ``Tokenizer.apply_chat_template`` and
-    ``chat_template.render`` (each would reach its function twice) and ``messages`` (what the template reads)."""
-    from atom_core.engine.chat_template import render
-    from atom_core.engine.tokenizer import Tokenizer
-
-    names = {"messages"}
-    for function in (Tokenizer.apply_chat_template, render):
-        names.update(name for name, p in inspect.signature(function).parameters.items()
-                     if p.kind is not inspect.Parameter.VAR_KEYWORD)
-    return frozenset(names)
