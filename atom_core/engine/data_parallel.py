@@ -150,10 +150,15 @@ class DataParallelEngine(OfflineAPI, ReplicaWeightUpdates, ReplicaSleepMode):
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             raise ValueError("data_parallel_size > 1 starts its replicas itself; it does not run under torchrun "
                              "(run the script with python)")
+        from atom_core.models import ParallelContext, check_buildable
+
         path = Path(path) if path is not None else DEMO_MODEL
-        if not (path / "config.json").is_file():  # as load_model says it, before any replica starts
-            raise FileNotFoundError(f"model folder not found: {path}" if not path.is_dir()
-                                    else f"no config.json in model folder {path}")
+        # a missing folder or config.json, or sizes a replica's ranks cannot split: refused here rather than by
+        # every replica after it starts
+        check_buildable(path, ParallelContext(dp_size=data_parallel_size, dp_attention=True, expert_parallel=ep_comm)
+                        if dp_attention else ParallelContext(tp_size=tensor_parallel_size,
+                                                             expert_parallel=expert_parallel),
+                        quantization=quantization)
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         device = torch.device(device)

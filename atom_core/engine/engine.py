@@ -201,8 +201,7 @@ class Engine(OfflineAPI, WeightUpdates, SleepMode, Warmup):
         ``SamplingParams`` come from (vLLM's values): ``"auto"`` the checkpoint's generation_config.json,
         ``"vllm"`` its EOS ids only, or a folder whose generation_config.json is read instead.
         """
-        from atom_core.models import load_model
-        from atom_core.models.parallel import ep_comm_of
+        from atom_core.models import ParallelContext, check_buildable, load_model
 
         # refused (a bad value, a folder without the file) before any process starts
         eos_token_ids, defaults = generation_config_of(path if path is not None else DEMO_MODEL, generation_config)
@@ -230,7 +229,9 @@ class Engine(OfflineAPI, WeightUpdates, SleepMode, Warmup):
             model = load_model(path, device=device, parallel=parallel, **load_args)
             engine = cls(model, Tokenizer.maybe_from(path), device=device, **engine_args)
         else:
-            ep_comm_of(expert_parallel)  # a bad value is refused before any rank starts
+            # a bad value, or sizes the ranks cannot split, refused before any rank starts
+            check_buildable(path, ParallelContext(tp_size=tensor_parallel_size, expert_parallel=expert_parallel),
+                            quantization=quantization)
             step_timeout = engine_args.get("step_timeout", DEFAULT_STEP_TIMEOUT)
             worker_args = dict(path=str(path), dtype=None if dtype is None else str(dtype).removeprefix("torch."),
                                load_format=load_format, quantization=quantization, device=torch.device(device).type,

@@ -49,6 +49,7 @@ __all__ = [
     "ModelConfig",
     "ParallelContext",
     "build_model",
+    "check_buildable",
     "estimate_model_bytes",
     "get_model_class",
     "load_model",
@@ -295,6 +296,34 @@ def _quant_config_of(config: ModelConfig, cls: type, quantization: str | None, c
     return quant
 
 
+def _model_folder(path: str | Path) -> Path:
+    """``path`` as a folder holding a config.json; FileNotFoundError naming what is missing."""
+    folder = Path(path)
+    if not folder.is_dir():
+        hub_id = str(path).count("/") == 1 and not str(path).startswith((".", "/", "~"))
+        raise FileNotFoundError(
+            f"model folder not found: {folder}" + (
+                f" (atom_core loads local folders only; a Hugging Face Hub model downloads to one with "
+                f"`huggingface-cli download {path} --local-dir {folder.name}`)" if hub_id else ""))
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in model folder {folder}")
+    return folder
+
+
+def check_buildable(path: str | Path, parallel: ParallelContext, *, quantization: str | None = None) -> None:
+    """Raise what building ``path``'s model as rank 0 of ``parallel`` would raise for its sizes and quantization
+    (heads or intermediate sizes a tensor-parallel size does not divide, experts an expert-parallel size does not
+    split, a quantization format that cannot be cut so), without reading a weight or touching a device: the
+    model is built on the meta device. An engine calls it before it starts its ranks or replicas, whose every
+    process would otherwise start, join its group and then fail on the same error."""
+    folder = _model_folder(path)
+    config = ModelConfig.from_file(folder / "config.json")
+    _, cls = resolve_architecture(config.architectures)
+    quant_config = _quant_config_of(config, cls, quantization, folder / "config.json", folder)
+    _instantiate(config, _default_dtype(config, None, torch.device("cuda")), torch.device("meta"), parallel,
+                 quant_config)
+
+
 def load_model(path: str | Path, *, dtype: torch.dtype | str | None = None,
                device: str | torch.device | None = None, load_format: str = "auto",
                parallel: ParallelContext | None = None, tp_rank: int = 0, tp_size: int = 1,
@@ -322,15 +351,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype | str | None = None,
     """
     if load_format not in _LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {_LOAD_FORMATS}, got {load_format!r}")
-    folder = Path(path)
-    if not folder.is_dir():
-        hub_id = str(path).count("/") == 1 and not str(path).startswith((".", "/", "~"))
-        raise FileNotFoundError(
-            f"model folder not found: {folder}" + (
-                f" (atom_core loads local folders only; a Hugging Face Hub model downloads to one with "
-                f"`huggingface-cli download {path} --local-dir {folder.name}`)" if hub_id else ""))
-    if not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"no config.json in model folder {folder}")
+    folder = _model_folder(path)
     config = ModelConfig.from_file(folder / "config.json")
     _, cls = resolve_architecture(config.architectures)  # unsupported architecture: fail before anything is built
     parallel = resolve_parallel(parallel, tp_rank, tp_size, expert_parallel)

@@ -288,6 +288,17 @@ def test_bad_arguments_are_refused_before_any_replica_starts(monkeypatch):
     assert _live_children() <= children
 
 
+def test_sizes_a_replicas_ranks_cannot_split_are_refused_before_any_replica_starts(monkeypatch):
+    import atom_core.engine.data_parallel as dp_module
+
+    monkeypatch.setattr(dp_module, "start_replica", lambda *_: pytest.fail("a replica was started"))
+    with pytest.raises(ValueError, match="num_attention_heads.*is not divisible by tp_size=3"):
+        Engine.from_pretrained(None, data_parallel_size=2, tensor_parallel_size=3, device="cpu")
+    with pytest.raises(ValueError, match="Qwen3ForCausalLM has no experts to split"):
+        Engine.from_pretrained(None, data_parallel_size=3, dp_attention=True, expert_parallel="all_to_all",
+                               device="cpu")
+
+
 def test_a_missing_checkpoint_is_named_in_the_front_and_a_replicas_load_error_reaches_it(tmp_path, monkeypatch):
     """A folder that is not there, or has no config.json, is refused before any replica starts, as load_model
     words it. A replica whose load fails on a file (here no *.safetensors) reports that error, not only its exit."""

@@ -344,6 +344,17 @@ def test_a_second_multi_rank_engine_while_the_first_runs_is_refused_and_one_afte
     assert _live_children() <= children
 
 
+def test_a_tensor_parallel_size_that_does_not_split_the_heads_is_refused_before_any_rank_starts(tiny_qwen3,
+                                                                                                 monkeypatch):
+    """Every rank used to start, join its group and then fail on the same division; now the front refuses it."""
+    import atom_core.engine.engine as engine_module
+
+    folder, _ = tiny_qwen3
+    monkeypatch.setattr(engine_module, "start_ranks", lambda **_: pytest.fail("a rank was started"))
+    with pytest.raises(ValueError, match="num_attention_heads.*is not divisible by tp_size=3"):
+        Engine.from_pretrained(folder, device="cpu", dtype=torch.float32, tensor_parallel_size=3)
+
+
 def test_an_engine_dropped_without_shutdown_stops_its_workers(tiny_qwen3):
     folder, _ = tiny_qwen3
     children = _live_children()
