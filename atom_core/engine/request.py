@@ -51,7 +51,8 @@ class Request:
             stops for length (set by the scheduler at ``add``).
         status, finish_reason ("stop", "length", "abort", "error" once finished), stop_reason (the
             stop string or stop token id that ended it, else None).
-        detokenizer: its ``Detokenizer`` (None without a tokenizer); ``text``: the decoded output.
+        detokenizer: its ``Detokenizer`` (None without a tokenizer, or with ``detokenize=False``); ``text``: the
+            decoded output.
         logprobs: one float per output token when asked for; logprob_ranks: each one's rank among the
             vocabulary (``engine.logprobs.token_ranks``), with them; top_logprobs: one {token id:
             log-prob} of the ``params.logprobs`` most likely tokens per output token (when > 0).
@@ -105,8 +106,11 @@ class Request:
         self.row: int | None = None
         self._output_view = None
 
-    def make_detokenizer(self, tokenizer) -> Detokenizer:
+    def make_detokenizer(self, tokenizer) -> Detokenizer | None:
+        """Its ``Detokenizer`` over ``tokenizer``; None when its parameters ask for token ids only (``detokenize``)."""
         params = self.params
+        if not params.detokenize:
+            return None
         return Detokenizer(tokenizer, self.prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
                            stop_strings=params.stop_strings,
                            include_stop_str_in_output=params.include_stop_str_in_output)

@@ -145,7 +145,10 @@ class SamplingParams:
     ``include_stop_str_in_output``); ``stop_token_ids``: tokens that end it (the token is in
     ``token_ids``; its text is not unless ``include_stop_str_in_output``, as in vLLM); neither is
     checked before ``min_tokens`` output tokens. ``skip_special_tokens`` (default True) leaves
-    special tokens out of the text. Ints may be Python or numpy ints; bools are refused everywhere.
+    special tokens out of the text. ``detokenize=False`` (vLLM's): token ids only, the text stays "" and no
+    decoding is paid for (stop strings need the text: refused with it). ``spaces_between_special_tokens``
+    (vLLM's) is taken and changes nothing: only slow tokenizers insert such spaces, as in vLLM, and atom_core's
+    are fast (tokenizer.json). Ints may be Python or numpy ints; bools are refused everywhere.
 
     Structured output: ``structured_outputs`` (a ``StructuredOutputsParams``, or a dict of its fields;
     ``guided_decoding``, vLLM's older name, is read into it): the output matches a JSON schema, a regex, one
@@ -180,6 +183,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | dict | None = None
     truncate_prompt_tokens: int | None = None
+    detokenize: bool = True
+    spaces_between_special_tokens: bool = True
     # vLLM's older name of structured_outputs: read into it, then None (so dataclasses.replace keeps working)
     guided_decoding: StructuredOutputsParams | dict | None = field(default=None, repr=False, compare=False)
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
@@ -232,7 +237,8 @@ class SamplingParams:
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= (self.max_tokens or math.inf):
             bad("min_tokens", f"must be an int in [0, max_tokens={self.max_tokens}]")
         as_type("min_tokens", int(self.min_tokens))
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize",
+                     "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 bad(name, "must be a bool")
             as_type(name, bool(getattr(self, name)))
@@ -261,6 +267,8 @@ class SamplingParams:
         if ids is not None:
             as_type("stop_token_ids", [int(t) for t in ids])
         object.__setattr__(self, "stop_strings", stop)
+        if stop and not self.detokenize:
+            bad("stop", "stop strings are matched in the text: they need detokenize=True")
         k = self.truncate_prompt_tokens
         if k is not None and (not _is_int(k) or (k < 1 and k != -1)):
             bad("truncate_prompt_tokens", "must be None, -1 (max_model_len) or an int >= 1")

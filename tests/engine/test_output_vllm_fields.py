@@ -111,6 +111,17 @@ def test_a_mid_stream_output_has_the_cumulative_logprob_of_its_step(engine):
     assert outs[2].cumulative_logprob != final.cumulative_logprob
 
 
+def test_detokenize_false_gives_the_same_token_ids_with_an_empty_text(engine):
+    with ops.use_backend("torch"):
+        decoded, = engine.generate([PROMPT], GREEDY)
+        ids_only, = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=6, detokenize=False))
+        outs = run_streaming(engine, PROMPT, SamplingParams(temperature=0, max_tokens=6, detokenize=False))
+    assert decoded.outputs[0].text and ids_only.outputs[0].text == ""
+    assert ids_only.outputs[0].token_ids == decoded.outputs[0].token_ids
+    assert [out.outputs[0].text for out in outs] == [""] * len(outs)
+    assert outs[-1].outputs[0].token_ids == decoded.outputs[0].token_ids
+
+
 def test_metrics_is_none(engine):
     out = engine.generate(PROMPT, GREEDY, use_tqdm=False)[0]
     assert out.metrics is None and out.outputs[0].metrics is None

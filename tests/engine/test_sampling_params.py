@@ -71,6 +71,8 @@ def test_vllm_fields_defaults_and_normalised_values():
         ({"prompt_logprobs": -2}, "prompt_logprobs"), ({"prompt_logprobs": 1.0}, "prompt_logprobs"),
         ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
         ({"skip_special_tokens": "no"}, "skip_special_tokens"),
+        ({"detokenize": 0}, "detokenize"), ({"spaces_between_special_tokens": None}, "spaces_between_special_tokens"),
+        ({"detokenize": False, "stop": "x"}, "stop"),
         ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"), ({"truncate_prompt_tokens": -2},
                                                                     "truncate_prompt_tokens"),
         ({"truncate_prompt_tokens": True}, "truncate_prompt_tokens"),
