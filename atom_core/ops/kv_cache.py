@@ -13,7 +13,7 @@ from atom_core.ops.dispatch import Op, call_op, custom_op
 from atom_core.ops.reference import kv_cache as reference_kv_cache
 from atom_core.ops.reference.kv_cache import FP8_DTYPE
 from atom_core.ops.validation import FLOAT_DTYPES, check_same_device, check_shape, check_tensor, debug_enabled
-from atom_core.ops.value_checks import check_slots
+from atom_core.ops.value_checks import check_slots, check_static_scale
 
 STORE_KV = Op("store_kv_")
 
@@ -92,6 +92,7 @@ def _check_scale(name: str, scale, device) -> None:
         raise ValueError(f"{name} must hold one per-tensor scale (shape [1]), got shape {tuple(scale.shape)}")
     if scale.device != device:
         raise ValueError(f"{name} must be on {device}, got {scale.device}")
+    check_static_scale(name, scale)
 
 
 def _check_store_kv_args(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> None:

@@ -27,6 +27,7 @@ from atom_core.ops.dispatch import Op, call_op, custom_op
 from atom_core.ops.reference import quant as reference_quant
 from atom_core.ops.reference.quant import FP8_DTYPE, GROUP_SIZE, INT8_DTYPE, QUANT_DTYPES
 from atom_core.ops.validation import FLOAT_DTYPES, check_tensor, debug_enabled
+from atom_core.ops.value_checks import check_static_scale
 
 PER_TENSOR_QUANT = Op("per_tensor_quant")
 PER_TOKEN_QUANT = Op("per_token_quant")
@@ -180,6 +181,7 @@ def per_tensor_quant(x: Tensor, *, dtype: torch.dtype = FP8_DTYPE, scale: Tensor
             if scale.numel() != 1 or scale.device != x.device:
                 raise ValueError(f"scale must be one fp32 element on {x.device}, got shape {tuple(scale.shape)} "
                                  f"on {scale.device}")
+            check_static_scale("scale", scale)
     q = torch.empty(x.shape, dtype=dtype, device=x.device)
     out_scale = torch.empty(1, dtype=torch.float32, device=x.device)
     call_op("per_tensor_quant", x, scale, q, out_scale, backend)

@@ -137,6 +137,16 @@ def check_no_nan(name: str, values: Tensor) -> None:
         raise ValueError(f"{_at(name, index)} is NaN")
 
 
+def check_static_scale(name: str, scale: Tensor) -> None:
+    """A static quantization scale (values are stored as x / scale): finite and > 0. A negative one flips the
+    stored values' signs, a zero one makes them NaN (the twin) or the format's extreme (Triton)."""
+    if not contents_readable(scale):
+        return
+    index = first_true(~(scale.isfinite() & (scale > 0)))
+    if index is not None:
+        raise ValueError(f"{_at(name, index)} = {float(scale[index])}: a static scale must be finite and > 0")
+
+
 def check_logits(logits: Tensor) -> None:
     """logits [B, V]: no NaN, and every row has a finite or +inf entry (something to draw)."""
     if not contents_readable(logits):

@@ -28,6 +28,13 @@ def store(slots, backend="torch"):
     return k_cache
 
 
+def store_fp8(k_scale=1.0, v_scale=1.0):
+    k_cache = torch.zeros(NB, BS, 1, DH, device=DEVICE, dtype=torch.float8_e4m3fn)
+    k = torch.ones(2, 1, DH, device=DEVICE)
+    ops.store_kv_(k, k, k_cache, k_cache.clone(), torch.tensor([0, 1], device=DEVICE),
+                  k_scale=torch.tensor([k_scale], device=DEVICE), v_scale=torch.tensor([v_scale], device=DEVICE))
+
+
 def attend(block_tables, cu_seqlens_q, context_lens, max_seqlen_q=None, max_seqlen_k=None, backend="torch"):
     """paged_attention of T query tokens over a pool of NB blocks of BS slots (one kv head); out starts
     as 7.0, so unwritten tokens show."""
@@ -102,6 +109,14 @@ CASES = {
                                          r"max_seqlen_q = 1 is below row 0's 2 query tokens"),
     "attention max_seqlen_k too small": (lambda: attend(OK_TABLE, [0, 2, 3], [5, 2], max_seqlen_k=4),
                                          r"max_seqlen_k = 4 is below context_lens\[0\] = 5"),
+    "per_tensor_quant scale < 0": (lambda: ops.per_tensor_quant(X, scale=torch.tensor([-1.0], device=DEVICE)),
+                                   r"scale\[0\] = -1\.0: a static scale must be finite and > 0"),
+    "per_tensor_quant scale 0": (lambda: ops.per_tensor_quant(X, scale=torch.zeros(1, device=DEVICE)),
+                                 r"scale\[0\] = 0\.0: a static scale"),
+    "per_tensor_quant scale nan": (lambda: ops.per_tensor_quant(X, scale=torch.full((1,), math.nan, device=DEVICE)),
+                                   r"scale\[0\] = nan: a static scale"),
+    "store_kv fp8 k_scale 0": (lambda: store_fp8(k_scale=0.0), r"k_scale\[0\] = 0\.0: a static scale"),
+    "store_kv fp8 v_scale inf": (lambda: store_fp8(v_scale=math.inf), r"v_scale\[0\] = inf: a static scale"),
     "sample NaN logit": (lambda: draw(logits_with(x1_3=math.nan, x2_0=math.nan)), r"logits\[1, 3\] is NaN"),
     "sample all -inf row": (lambda: draw(all_minus_inf_row(2)), r"logits row 2 is all -inf"),
 }
