@@ -238,7 +238,8 @@ class AsyncEngine:
     def submit(self, fn: Callable[[Engine], Any]) -> concurrent.futures.Future:
         """Run ``fn(engine)`` on the step thread between two steps (from any thread); returns a
         ``concurrent.futures.Future`` of its result. The way to read or change the engine while
-        the async engine runs."""
+        the async engine runs. Before the step thread has started (``start``, the first ``add_request`` or
+        ``run_on_engine``) the function waits for it; ``shutdown`` fails it if none starts."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         if self._dead is not None:
             raise EngineClosedError(f"the step thread died: {self._dead!r}")
@@ -250,7 +251,8 @@ class AsyncEngine:
         return future
 
     async def run_on_engine(self, fn: Callable[[Engine], Any]) -> Any:
-        """``await`` form of ``submit``."""
+        """``await`` form of ``submit`` (starting the step thread, as ``add_request`` does)."""
+        self.start()
         return await asyncio.wrap_future(self.submit(fn))
 
     async def shutdown(self) -> None:
@@ -262,6 +264,11 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
             await asyncio.sleep(0)  # deliveries the thread posted before it stopped
+        with self._cond:  # functions submitted before any step thread ran them (none was started)
+            commands, self._commands = self._commands, []
+        for command in commands:
+            if command[0] == "call" and command[2].set_running_or_notify_cancel():
+                command[2].set_exception(EngineClosedError("the AsyncEngine shut down before this function ran"))
         for stream in list(self._streams.values()):
             self._finish_stream(stream, EngineClosedError("the AsyncEngine shut down before this request finished"))
 
@@ -424,10 +431,8 @@ class AsyncEngine:
         """After a function ran on the engine: streams whose requests it aborted (``load_weights(...,
         unfinished="abort")`` aborts every one; the engine gives them no further output) end with finish reason
         "abort" instead of waiting forever."""
-        if self._live and not self.engine.has_unfinished_requests():
-            for live in self._live.values():
-                self._outbox.append((live.stream, "aborted", None))
-            self._live.clear()
+        for engine_id in [engine_id for engine_id in self._live if not self.engine.is_unfinished(engine_id)]:
+            self._outbox.append((self._live.pop(engine_id).stream, "aborted", None))
 
     def _step(self) -> None:
         try:

@@ -114,7 +114,7 @@ class DataParallelEngine(OfflineAPI, ReplicaWeightUpdates, ReplicaSleepMode):
     ``dp_attention=True`` (a MoE model, ``expert_parallel="all_to_all"``): the replicas split the experts and
     step in lock step (``engine/dp_attention.py``).
 
-    API: ``add_request``, ``step``, ``generate``, ``chat``, ``abort``, ``has_unfinished_requests``,
+    API: ``add_request``, ``step``, ``generate``, ``chat``, ``abort``, ``has_unfinished_requests``, ``is_unfinished``,
     ``shutdown`` and the context manager, as ``Engine``'s (and ``model.config``: the replicas' model config,
     no module); ``reset_prefix_cache``, ``load_weights``, ``sleep`` and ``wake_up`` run ``Engine``'s on every replica
     (``engine/dp_weights.py``, ``engine/dp_sleep.py``);
@@ -443,6 +443,10 @@ class DataParallelEngine(OfflineAPI, ReplicaWeightUpdates, ReplicaSleepMode):
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
+
+    def is_unfinished(self, request_id: int) -> bool:
+        """Whether the request (what ``add_request`` returned) has a sequence still to finish."""
+        return request_id in self._groups
 
     def _num_unfinished(self) -> int:
         return len(self._sequences)

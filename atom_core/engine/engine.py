@@ -445,6 +445,10 @@ class Engine(OfflineAPI, WeightUpdates, SleepMode, Warmup):
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def is_unfinished(self, request_id: int) -> bool:
+        """Whether the request (what ``add_request`` returned) has a sequence still to finish."""
+        return any(not request.finished for request in self._requests.get(request_id, ()))
+
     # ------------------------------------------------------------------ stepping
 
     @property
@@ -515,20 +519,18 @@ class Engine(OfflineAPI, WeightUpdates, SleepMode, Warmup):
         return self.runner.launch(step)
 
     def _fail(self, steps: list) -> None:
-        """A step raised: finish every request of the steps in play with reason "error" (freeing
-        their blocks), so the engine is consistent and the next request runs. ``failed_request_ids``
+        """A step raised: finish every request of the steps in play with reason "error" (all its ``n`` sequences,
+        freeing their blocks), so the engine is consistent and the next request runs. ``failed_request_ids``
         then lists their ids (what ``add_request`` returned), for a caller that streams outputs."""
         self._in_flight = None
-        failed = set()
-        for request in self.scheduler.failed_requests:  # finished by the scheduler: a step's masks failed
-            self._forget_if_done(request.group_id)
-            failed.add(request.group_id)
-        for step in steps:
-            for request in step.requests:
+        # finished by the scheduler (a step's masks failed), or unfinished in a step in play
+        failed = {request.group_id for request in self.scheduler.failed_requests}
+        failed.update(request.group_id for step in steps for request in step.requests if not request.finished)
+        for group_id in failed:  # every sequence of the request: one the steps did not run would go on alone
+            for request in self._requests.get(group_id, ()):
                 if not request.finished:
                     self.scheduler.finish(request, "error")
-                    self._forget_if_done(request.group_id)
-                    failed.add(request.group_id)
+            self._forget_if_done(group_id)
         self.failed_request_ids = sorted(failed)
 
     def _fail_all(self, also=()) -> None:

@@ -165,6 +165,25 @@ def test_a_step_that_raises_finishes_its_requests_names_them_and_the_engine_keep
     assert_idle_and_clean(engine)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_failed_step_finishes_every_sequence_of_an_n_request_even_those_it_did_not_run(tiny_qwen3,
+                                                                                        async_scheduling):
+    """Sequences 1.. wait for sequence 0's prompt; the step that fails runs only sequence 0. They used to run on
+    after the request was reported failed, with prompt_logprobs never filled."""
+    folder, _ = tiny_qwen3
+    with ops.use_backend("torch"):
+        engine = Engine.from_pretrained(folder, device="cpu", dtype=torch.float32, block_size=4,
+                                        async_scheduling=async_scheduling)
+        rid = engine.add_request([1, 2, 3, 4, 5], SamplingParams(n=3, seed=0, max_tokens=4, prompt_logprobs=1))
+        engine.model.forward = RaisesOnCall(engine.model, 1)
+        with pytest.raises(RuntimeError, match="injected failure"):
+            engine.step()
+        del engine.model.forward
+        assert engine.failed_request_ids == [rid] and not engine.has_unfinished_requests()
+        assert len(engine.step()) == 0
+    assert_idle_and_clean(engine)
+
+
 def _qwen3_06b_shapes_model():
     import json
     from pathlib import Path

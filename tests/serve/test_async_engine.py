@@ -364,3 +364,42 @@ def test_requests_a_function_on_the_engine_aborted_end_with_reason_abort_instead
     assert ends == {PROMPTS[0]: [(0, "abort")], PROMPTS[1]: [(0, "abort"), (1, "abort")]}
     assert stats.num_running == stats.num_waiting == 0
     assert_idle_and_clean(engine)
+
+
+def test_a_request_a_function_aborted_ends_while_another_request_keeps_running(engine):
+    """Only the function's request is dropped: its stream ends with "abort" while the other one runs on (the
+    streams used to end only once the engine had nothing unfinished, so this one waited forever)."""
+    async def main():
+        async with AsyncEngine(engine) as async_engine:
+            aborted = await async_engine.add_request(PROMPTS[0], LONG)
+            running = await async_engine.add_request(PROMPTS[1], replace(LONG, max_tokens=40))
+            await aborted.__anext__()
+            await async_engine.run_on_engine(lambda e: e.abort(aborted.engine_id))
+            aborted_outs = await asyncio.wait_for(collect_stream(aborted), timeout=30)
+            running_outs = await asyncio.wait_for(collect_stream(running), timeout=60)
+            return aborted_outs, running_outs, async_engine.stats()
+
+    async def collect_stream(stream):
+        return [out async for out in stream]
+
+    aborted_outs, running_outs, stats = asyncio.run(main())
+    assert aborted_outs[-1].finish_reason == "abort"
+    assert running_outs[-1].finish_reason == "length" and running_outs[-1].num_output_tokens == 40
+    assert stats.num_running == stats.num_waiting == 0
+    assert_idle_and_clean(engine)
+
+
+def test_run_on_engine_starts_the_step_thread_and_shutdown_fails_functions_no_thread_ran(engine):
+    async def main():
+        async_engine = AsyncEngine(engine)
+        ran = await asyncio.wait_for(async_engine.run_on_engine(lambda e: e.has_unfinished_requests()), timeout=30)
+        await async_engine.shutdown()
+        never_started = AsyncEngine(engine)
+        pending = never_started.submit(lambda e: 42)
+        await never_started.shutdown()
+        return ran, pending
+
+    ran, pending = asyncio.run(main())
+    assert ran is False
+    with pytest.raises(EngineClosedError, match="shut down before this function ran"):
+        pending.result(timeout=0)
