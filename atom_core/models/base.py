@@ -161,6 +161,9 @@ class CausalLM(nn.Module):
     supported_quantization: tuple[str, ...] = ()      # quant_methods load_model builds this class for
     # FusedMoE weight formats this class's experts load (per-expert FP8 checkpoints; gpt-oss adds MXFP4)
     supported_expert_formats: tuple[str, ...] = ("fp8_block", "fp8_channel")
+    # whether transformers' model of this family rotates only head_dim * partial_rotary_factor dims; the others
+    # rotate the whole head whatever the factor (and fail with a scaled rope type), so a factor below 1 is refused
+    partial_rotary: bool = False
 
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, parallel: ParallelContext | None = None,
@@ -250,6 +253,12 @@ class CausalLM(nn.Module):
         """The rotary embedding for heads of ``head_dim`` in layers of ``layer_type``, built once."""
         key_type = layer_type if self.config.rope_by_layer_type else None
         key = (head_dim, key_type)
+        factor = self.config.get("partial_rotary_factor")
+        if not self.partial_rotary and factor is not None and factor != 1:
+            raise ValueError(f"partial_rotary_factor={factor!r}: transformers' {type(self).__name__} rotates the whole "
+                             "head whatever this factor (and fails with a scaled rope type), vLLM rotates part of it; "
+                             "refused rather than pick one (remove the key to rotate the whole head, as transformers "
+                             "does)")
         if key not in self._rotary:
             self._rotary[key] = RotaryEmbedding.from_config(self.config, head_dim, layer_type=key_type,
                                                             device=self._build_device)

@@ -405,18 +405,22 @@ class ModelConfig:
         for entry in (rope_by_layer_type or {}).values():
             if entry["rope_scaling"] == {"rope_type": "default"}:
                 entry["rope_scaling"] = None
-        # transformers: the scaled types' pretraining length is the dict's, else max_position_embeddings; a
-        # top-level key wins for the classes that declare it: Phi-3's (default 4096), whose config also reads
+        # transformers: the scaled types' pretraining length is a top-level original_max_position_embeddings
+        # when the config has one (Phi-3's class always does: 4096 by default), else the dict's, else
+        # max_position_embeddings; per-layer-type dicts never take the top-level key. Phi-3's config also reads
         # its older rope type names "su" and "yarn" as longrope.
-        for scaling in [cfg.rope_scaling] + [e["rope_scaling"] for e in (rope_by_layer_type or {}).values()]:
+        top_level = d.get("original_max_position_embeddings", 4096 if model_type == "phi3" else None)
+        for scaling, per_layer_type in [(cfg.rope_scaling, False)] + [
+                (e["rope_scaling"], True) for e in (rope_by_layer_type or {}).values()]:
             if scaling is None:
                 continue
             if model_type == "phi3" and scaling.get("rope_type") in ("su", "yarn"):
                 scaling["rope_type"] = "longrope"
-            if model_type == "phi3" and scaling.get("rope_type") in ("llama3", "yarn", "longrope"):
-                scaling["original_max_position_embeddings"] = _as_int(
-                    d.get("original_max_position_embeddings", 4096), "original_max_position_embeddings")
-            elif scaling.get("rope_type") in ("llama3", "yarn", "longrope"):
+            if scaling.get("rope_type") not in ("llama3", "yarn", "longrope"):
+                continue
+            if top_level is not None and not per_layer_type:
+                scaling["original_max_position_embeddings"] = _as_int(top_level, "original_max_position_embeddings")
+            else:
                 scaling.setdefault("original_max_position_embeddings", cfg.max_position_embeddings)
         for scaling in [cfg.rope_scaling] + [e["rope_scaling"] for e in (rope_by_layer_type or {}).values()]:
             if scaling is not None and scaling["rope_type"] not in ROPE_TYPES:

@@ -122,6 +122,8 @@ class Glm4MoeSparseBlock(nn.Module):
 class Glm4MoeForCausalLM(CausalLM):
     """GLM-4.5 / GLM-4.6 (and -Air) decoder-only MoE LM."""
 
+    partial_rotary = True  # transformers' model rotates head_dim * partial_rotary_factor dims
+
     supported_quantization = QUANTIZED_DENSE_FORMATS  # dense layers, shared and routed experts
 
     def __init__(self, config: ModelConfig, **kwargs) -> None:

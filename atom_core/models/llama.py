@@ -4,8 +4,8 @@ Legend: T = tokens, D = hidden size, H / Hk = query / KV heads on this rank, Dh 
 
 Covers the Llama 1-3.x family and look-alikes saved under this name: optional explicit
 ``head_dim`` (``!= D / heads``), ``attention_bias`` (q, k, v and o), ``mlp_bias``, RoPE scaling
-(``linear``, ``llama3``, ``yarn``) and ``partial_rotary_factor``, and per-layer sliding windows
-from ``layer_types`` (``"sliding_attention"`` layers attend over the last
+(``linear``, ``llama3``, ``yarn``; ``partial_rotary_factor`` below 1 refused: ``CausalLM.partial_rotary``), and
+per-layer sliding windows from ``layer_types`` (``"sliding_attention"`` layers attend over the last
 ``config.sliding_window`` positions, as Ministral does).
 
 Parameter names follow the HF checkpoint, with q/k/v fused into ``qkv_proj`` and gate/up

@@ -39,3 +39,5 @@ from atom_core.models.registry import register_model
 class Phi3ForCausalLM(LlamaForCausalLM):
     """Phi-3, Phi-3.5-mini and Phi-4-mini. Llama's layers and ``packed_modules_mapping``; the checkpoint's
     fused tensors load whole under their own names."""
+
+    partial_rotary = True  # transformers' model rotates head_dim * partial_rotary_factor dims

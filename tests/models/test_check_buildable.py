@@ -58,3 +58,21 @@ def test_a_missing_folder_or_config_is_named(tmp_path):
         check_buildable(tmp_path / "none", ParallelContext(tp_size=2))
     with pytest.raises(FileNotFoundError, match="no config.json in model folder"):
         check_buildable(tmp_path, ParallelContext(tp_size=2))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_tied", "gemma2_tied_by_default", "mixtral", "gpt_oss"])
+def test_partial_rotary_factor_is_refused_where_transformers_rotates_the_whole_head(arch):
+    config = ModelConfig.from_dict({**BASE, **ARCHITECTURES[arch], "partial_rotary_factor": 0.5})
+    with pytest.raises(ValueError, match=r"partial_rotary_factor=0\.5: transformers' \w+ForCausalLM rotates the "
+                                         "whole head"):
+        build_model(config, device="cpu", load_format="zeros")
+    whole = ModelConfig.from_dict({**BASE, **ARCHITECTURES[arch], "partial_rotary_factor": 1.0})
+    build_model(whole, device="cpu", load_format="zeros")
+
+
+def test_partial_rotary_factor_rotates_part_of_the_head_for_phi3_and_glm4_moe():
+    for arch in ("phi3", "glm4_moe_dense_first_shared"):
+        model = build_model(ModelConfig.from_dict({**BASE, **ARCHITECTURES[arch], "partial_rotary_factor": 0.5}),
+                            device="cpu", load_format="zeros")
+        (rotary,) = {m for m in model.modules() if type(m).__name__ == "RotaryEmbedding"}
+        assert rotary.rotary_dim == BASE["head_dim"] // 2

@@ -299,12 +299,21 @@ def test_layer_types_without_the_key_are_what_transformers_derives(model_type, e
     dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}),
     dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}, max_position_embeddings=4096),  # length: max_pos
     dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
-         original_max_position_embeddings=2048),  # the dict's length (a top-level one wins only for Phi-3)
+         original_max_position_embeddings=2048),  # a top-level pretraining length wins over the dict's
+    dict(rope_scaling={"rope_type": "llama3", **LLAMA3_SCALING}, original_max_position_embeddings=512),
 ])
-def test_rope_scaling_beside_rope_parameters_is_read_as_transformers_reads_it(file):
+@pytest.mark.parametrize("model_type", ["qwen3", "llama"])
+def test_rope_scaling_beside_rope_parameters_is_read_as_transformers_models_read_it(file, model_type):
+    """As the model reads them: building its rotary embedding re-reads the config's rope parameters, and then a
+    top-level original_max_position_embeddings replaces the dict's (the config object alone still shows the
+    dict's)."""
     transformers = pytest.importorskip("transformers")
-    hf = transformers.AutoConfig.for_model("qwen3", **_MINIMAL, **copy.deepcopy(file))  # (it edits the dicts)
-    ours = ModelConfig.from_dict({**_MINIMAL, "model_type": "qwen3", **file})
+    import importlib
+
+    hf = transformers.AutoConfig.for_model(model_type, **_MINIMAL, **copy.deepcopy(file))  # (it edits the dicts)
+    modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    getattr(modeling, f"{'Qwen3' if model_type == 'qwen3' else 'Llama'}RotaryEmbedding")(hf)
+    ours = ModelConfig.from_dict({**_MINIMAL, "model_type": model_type, **file})
     assert (ours.rope_theta, ours.rope_scaling) == _hf_rope(hf)
 
 

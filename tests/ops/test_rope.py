@@ -129,6 +129,18 @@ def test_cache_dtype_and_device():
         (dict(rotary_dim=8, max_position=4, base=1e4, scaling={"rope_type": "llama3", "factor": 8.0}),
          r"scaling\['low_freq_factor'\]"),
         (dict(rotary_dim=8, max_position=4, base=1e4, dtype=torch.int32), "dtype must be a floating"),
+        (dict(rotary_dim=8, max_position=4, base=1e4, scaling={"rope_type": "linear", "factor": 0}),
+         r"scaling\['factor'\] must be a finite number > 0 for rope_type 'linear', got 0"),
+        (dict(rotary_dim=8, max_position=4, base=1e4, scaling={"rope_type": "yarn", "factor": -2.0,
+                                                                 "original_max_position_embeddings": 2}),
+         r"scaling\['factor'\] must be a finite number > 0"),
+        (dict(rotary_dim=8, max_position=4, base=1e4, scaling={"rope_type": "yarn", "factor": 2.0,
+                                                                 "original_max_position_embeddings": 0}),
+         r"scaling\['original_max_position_embeddings'\] must be a finite number > 0"),
+        (dict(rotary_dim=8, max_position=4, base=1e4, scaling={"rope_type": "longrope", "long_factor": [1.0] * 4,
+                                                                 "short_factor": [1.0, 0.0, 1.0, 1.0],
+                                                                 "original_max_position_embeddings": 8}),
+         r"scaling\['short_factor'\] must hold finite numbers > 0"),
     ],
 )
 def test_cache_bad_arguments_are_named(kwargs, match):

@@ -104,6 +104,27 @@ def _get(scaling: dict, key: str, rope_type: str):
     return scaling[key]
 
 
+_POSITIVE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
+                  "attention_factor")
+
+
+def _check_positive(scaling: dict, rope_type: str) -> None:
+    """The scaling's numbers that divide or scale (when given): finite and > 0. A zero factor made every angle
+    NaN, a negative one a table of other positions (transformers only warns)."""
+    for key in _POSITIVE_KEYS:
+        value = scaling.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value <= 0):
+            raise ValueError(f"scaling[{key!r}] must be a finite number > 0 for rope_type {rope_type!r}, "
+                             f"got {value!r}")
+    for key in ("short_factor", "long_factor"):
+        values = scaling.get(key)
+        if isinstance(values, (list, tuple)) and not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+                for v in values):
+            raise ValueError(f"scaling[{key!r}] must hold finite numbers > 0 for rope_type {rope_type!r}")
+
+
 def rope_type_of(scaling: dict | None) -> str:
     """The rope type named by an HF ``rope_scaling`` / ``rope_parameters`` dict (``type`` is the old key)."""
     if not scaling:
@@ -147,6 +168,7 @@ def inv_freq_and_attention_scale(rotary_dim: int, base: float, scaling: dict | N
     rope_type = rope_type_of(scaling)
     if rope_type == "default":
         return default_inv_freq(rotary_dim, base), 1.0
+    _check_positive(scaling, rope_type)
     if rope_type == "linear":
         return linear_inv_freq(rotary_dim, base, float(_get(scaling, "factor", rope_type))), 1.0
     if rope_type == "llama3":
