@@ -126,6 +126,9 @@ class Engine(OfflineAPI, WeightUpdates, SleepMode, Warmup):
         self.max_model_len = max_model_len or limit
         if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int) or max_logprobs < -1:
             raise ValueError(f"max_logprobs must be -1 (no limit) or an int >= 0, got {max_logprobs!r}")
+        if isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, (int, float)) \
+                or not 0.0 < gpu_memory_utilization <= 1.0:  # (read on a GPU only; refused everywhere, as vLLM)
+            raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {gpu_memory_utilization!r}")
         if max_logprobs == -1:  # vLLM's "no cap": the whole vocabulary
             max_logprobs = config.vocab_size
         pool_args = dict(block_size=block_size, num_kv_blocks=num_kv_blocks,

@@ -120,6 +120,13 @@ def test_max_model_len_must_be_a_positive_int(tiny_qwen3, max_model_len):
         Engine.from_pretrained(folder, device="cpu", dtype=torch.float32, max_model_len=max_model_len)
 
 
+@pytest.mark.parametrize("utilization", [0.0, 1.5, -0.1, True, "0.9"])
+def test_gpu_memory_utilization_outside_0_1_is_refused_on_every_device(tiny_qwen3, utilization):
+    folder, _ = tiny_qwen3
+    with pytest.raises(ValueError, match="gpu_memory_utilization must be a number in"):
+        Engine.from_pretrained(folder, device="cpu", dtype=torch.float32, gpu_memory_utilization=utilization)
+
+
 def test_a_device_this_machine_cannot_use_is_refused_by_name(tiny_qwen3):
     folder, _ = tiny_qwen3
     with pytest.raises(ValueError, match="device 'mps:0': the engine runs on 'cuda' or 'cpu'"):
