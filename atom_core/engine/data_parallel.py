@@ -64,7 +64,7 @@ from atom_core.engine.dp_sleep import ReplicaSleepMode
 from atom_core.engine.dp_weights import ReplicaWeightUpdates
 from atom_core.engine.offline import OfflineAPI
 from atom_core.engine.outputs import StepOutputs
-from atom_core.engine.request import Request, Status, prompt_text_of
+from atom_core.engine.request import Request, Status, prompt_text_of, request_ids_of
 from atom_core.engine.request_checks import RequestChecks
 from atom_core.engine.sampling_params import SamplingParams
 from atom_core.engine.tokenizer import Tokenizer
@@ -425,9 +425,13 @@ class DataParallelEngine(OfflineAPI, ReplicaWeightUpdates, ReplicaSleepMode):
         replica.num_requests += 1
         return group_id
 
-    def abort(self, request_id: int) -> None:
-        """Stop a request (all its ``n`` sequences) now; unknown or finished ids are ignored. Outputs its
-        replica made before it read the abort are dropped."""
+    def abort(self, request_id: int | Iterable[int]) -> None:
+        """Stop a request (all its ``n`` sequences) now, or each of an iterable of ids, as ``Engine.abort``;
+        unknown or finished ids are ignored. Outputs its replica made before it read the abort are dropped."""
+        for one in request_ids_of(request_id):
+            self._abort_one(one)
+
+    def _abort_one(self, request_id: int) -> None:
         entry = self._groups.get(request_id)
         if entry is None:
             return

@@ -12,6 +12,7 @@ import logging
 import random
 import threading
 import weakref
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
@@ -27,7 +28,7 @@ from atom_core.engine.logits_processing import request_processing
 from atom_core.engine.logprobs import check_logprobs_mode
 from atom_core.engine.offline import OfflineAPI
 from atom_core.engine.outputs import StepOutputs
-from atom_core.engine.request import Request, prompt_text_of
+from atom_core.engine.request import Request, prompt_text_of, request_ids_of
 from atom_core.engine.request_checks import RequestChecks
 from atom_core.engine.runner import LaunchedStep, ModelRunner
 from atom_core.engine.sampling_params import SEED_LIMIT, SamplingParams
@@ -438,12 +439,14 @@ class Engine(OfflineAPI, WeightUpdates, SleepMode, Warmup):
                                                              self.eos_token_ids)
         return self._grammar_compiler
 
-    def abort(self, request_id: int) -> None:
-        """Stop a request (all its ``n`` sequences) now and free its blocks. Unknown or finished ids
-        are ignored."""
-        for request in self._requests.pop(request_id, ()):
-            if not request.finished:
-                self.scheduler.finish(request, "abort")
+    def abort(self, request_id: int | Iterable[int]) -> None:
+        """Stop a request (all its ``n`` sequences) now and free its blocks; an iterable of ids stops each (as
+        vLLM's ``abort_request``). Unknown or finished ids are ignored; an id that is not an int (a vLLM-style
+        string) is refused, since it can name no request here."""
+        for request_id in request_ids_of(request_id):
+            for request in self._requests.pop(request_id, ()):
+                if not request.finished:
+                    self.scheduler.finish(request, "abort")
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -10,7 +10,8 @@ once it ends, why. ``prompt_text_of`` says what text a prompt was given as (the 
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+import numbers
+from collections.abc import Iterable, Mapping
 
 from atom_core.engine.detokenizer import Detokenizer, OutputTokens
 from atom_core.engine.sampling_params import SamplingParams
@@ -158,3 +159,18 @@ class Request:
 
     def __repr__(self) -> str:
         return f"Request(id={self.request_id}, status={self.status.value}, tokens={self.num_tokens})"
+
+
+def request_ids_of(request_id: int | Iterable[int]) -> list[int]:
+    """``abort``'s argument as ids: an int (Python or numpy, not a bool), or an iterable of them. Anything else
+    (a vLLM-style string id) raises TypeError: it can name no request of an engine, whose ids are ints."""
+    def is_id(value) -> bool:
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+    if is_id(request_id):
+        return [int(request_id)]
+    ids = list(request_id) if isinstance(request_id, Iterable) and not isinstance(request_id, (str, bytes)) else None
+    if ids is None or not all(is_id(i) for i in ids):
+        raise TypeError(f"request_id must be an int that add_request returned, or an iterable of them; got "
+                        f"{request_id!r}")
+    return [int(i) for i in ids]

@@ -139,8 +139,10 @@ def test_step_streams_every_token_and_abort_goes_to_the_replica_running_the_requ
             streamed[out.request_id] += out.new_token_ids
             assert out.token_ids == streamed[out.request_id]
     victim = ids[0]
-    dp.abort(victim)
-    assert dp.replica_of(victim) is None
+    with pytest.raises(TypeError, match="request_id must be an int"):
+        dp.abort(str(victim))  # a vLLM-style string id names no request here
+    dp.abort([victim])  # an iterable of ids, as vLLM's abort_request takes
+    assert dp.replica_of(victim) is None and not dp.is_unfinished(victim) and dp.is_unfinished(ids[1])
     stats = dp.replica_stats()  # answered between the replicas' steps, after the abort
     assert victim not in stats[replicas[victim]]["unfinished_ids"]
     others = [i for i in ids[1:] if replicas[i] == replicas[victim]]

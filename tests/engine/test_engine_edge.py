@@ -127,6 +127,22 @@ def test_gpu_memory_utilization_outside_0_1_is_refused_on_every_device(tiny_qwen
         Engine.from_pretrained(folder, device="cpu", dtype=torch.float32, gpu_memory_utilization=utilization)
 
 
+def test_abort_takes_an_id_or_an_iterable_of_ids_and_refuses_a_string(tiny_qwen3):
+    folder, _ = tiny_qwen3
+    with ops.use_backend("torch"):
+        engine = Engine.from_pretrained(folder, device="cpu", dtype=torch.float32)
+        ids = [engine.add_request([1, 2, 3], GREEDY) for _ in range(3)]
+        with pytest.raises(TypeError, match="request_id must be an int that add_request returned"):
+            engine.abort(str(ids[0]))
+        assert all(engine.is_unfinished(i) for i in ids)
+        engine.abort(ids[:2])
+        assert [engine.is_unfinished(i) for i in ids] == [False, False, True]
+        engine.abort(np.int64(ids[2]))
+        engine.abort(ids)  # finished ids: ignored
+        assert not engine.has_unfinished_requests()
+    assert_idle_and_clean(engine)
+
+
 def test_a_device_this_machine_cannot_use_is_refused_by_name(tiny_qwen3):
     folder, _ = tiny_qwen3
     with pytest.raises(ValueError, match="device 'mps:0': the engine runs on 'cuda' or 'cpu'"):
