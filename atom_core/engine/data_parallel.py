@@ -116,8 +116,8 @@ class DataParallelEngine(OfflineAPI, ReplicaWeightUpdates, ReplicaSleepMode):
 
     API: ``add_request``, ``step``, ``generate``, ``chat``, ``abort``, ``has_unfinished_requests``, ``is_unfinished``,
     ``shutdown`` and the context manager, as ``Engine``'s (and ``model.config``: the replicas' model config,
-    no module); ``reset_prefix_cache``, ``load_weights``, ``sleep`` and ``wake_up`` run ``Engine``'s on every replica
-    (``engine/dp_weights.py``, ``engine/dp_sleep.py``);
+    no module); ``reset_prefix_cache``, ``load_weights``, the weight-update group's methods, ``sleep`` and
+    ``wake_up`` run ``Engine``'s on every replica (``engine/dp_weights.py``, ``engine/dp_sleep.py``);
     ``replica_of(request_id)`` says where a request runs, ``requests_per_replica`` how many each got.
     """
 

@@ -77,6 +77,10 @@ CONFIG, ADD, ABORT, STATS, RESET_PREFIX_CACHE, SHUTDOWN = "config", "add", "abor
 LOAD_WEIGHTS, WEIGHTS = "load_weights", "weights"
 # front -> replica: ("sleep", {"sleep": level} or {"wake": tags}), answered ("sleep", "" or why it failed)
 SLEEP = "sleep"
+# front -> replica: ("weight_group", (method, kwargs)), one of the engine's weight-update group methods, answered
+# ("weight_group", its result, "" or why it failed) (engine/dp_weights.py)
+WEIGHT_GROUP = "weight_group"
+WEIGHT_GROUP_METHODS = ("init_weight_update_group", "update_weights_from_distributed", "destroy_weight_update_group")
 # replica -> front (CLOSED: put by the front's reader thread when the socket closes)
 READY, START_FAILED, OUTPUTS, STEP_ERROR, FATAL, CLOSED = "ready", "start_failed", "outputs", "step_error", "fatal", \
     "closed"
@@ -233,6 +237,19 @@ def replica_main() -> None:
     os._exit(code)
 
 
+def _weight_group_call(engine: Engine, method: str, kwargs: dict) -> tuple[LoadReport | None, str]:
+    """The engine's weight-update group ``method`` (one of ``WEIGHT_GROUP_METHODS``) with ``kwargs``: (its result,
+    "" when done, else why it failed)."""
+    from atom_core.engine.weight_sync import error_status
+
+    if method not in WEIGHT_GROUP_METHODS:
+        return None, f"ValueError: no weight-group method {method!r}"
+    try:
+        return getattr(engine, method)(**kwargs), ""
+    except Exception as error:  # noqa: BLE001 - told to the front, which names this replica
+        return None, error_status(error)
+
+
 def _sleep_or_wake(engine: Engine, message: dict) -> str:
     """The engine's ``sleep(level)`` or ``wake_up(tags)`` of ``message``; "" when done, else why it failed."""
     from atom_core.engine.weight_sync import error_status
@@ -284,6 +301,8 @@ class _Session:
             pass  # a round sent before the front heard that this replica's load had ended (refused): dropped
         elif command[0] == SLEEP:  # DataParallelEngine.sleep / wake_up (engine/dp_sleep.py)
             conn.send((SLEEP, _sleep_or_wake(engine, command[1])))
+        elif command[0] == WEIGHT_GROUP:  # DataParallelEngine's weight-update group (engine/dp_weights.py)
+            conn.send((WEIGHT_GROUP, *_weight_group_call(engine, *command[1])))
         elif command[0] == SHUTDOWN:
             return True
         return False

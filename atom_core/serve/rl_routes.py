@@ -15,7 +15,7 @@ bodies the RL frameworks already send:
 Answers: ``{"success": true, "message": ...}`` (SGLang's shape; ``/is_sleeping`` ``{"is_sleeping"}``,
 ``/reset_prefix_cache`` ``{"success": false}`` while requests hold KV blocks). Refusals are the server's
 error bodies: 400 for a bad body or value, 409 for what the engine's state refuses (unfinished requests, asleep,
-no group open), 501 for what the engine does not do (a data-parallel server's replicas: no sleep mode or group).
+no group open), 501 for what the engine does not do (a method it lacks, sleep mode not enabled).
 
 ``/update_weights_from_distributed`` holds the step thread until the trainer's broadcasts arrive (the trainer
 broadcasts after sending the request, as with SGLang); no request steps meanwhile.

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from atom_core import ops
-from atom_core.engine import DataParallelEngine, Engine, SamplingParams
+from atom_core.engine import Engine, SamplingParams
 from atom_core.engine.weight_group import WeightUpdateGroup
 from tests.engine.test_engine_parity import prompts_for
 from tests.engine.test_weight_update_tp import tokens  # noqa: F401 - (prompts, A's and B's greedy tokens, one rank)
@@ -278,7 +278,29 @@ def test_init_refuses_arguments_that_make_no_sense_by_name_and_opens_no_group(pa
     assert engine._weight_group is None
 
 
-def test_data_parallel_engine_says_the_weight_group_is_not_built_for_replicas():
-    for method in (DataParallelEngine.init_weight_update_group, DataParallelEngine.update_weights_from_distributed):
-        with pytest.raises(NotImplementedError, match="each replica would need its own rank range"):
-            method(object.__new__(DataParallelEngine))
+def test_data_parallel_replicas_updated_by_one_trainer_broadcast_generate_as_b(pair, tokens, monkeypatch):  # noqa: F811
+    """Replica i's rank joins as group rank 1 + i: each of the trainer's broadcasts reaches both replicas."""
+    folder_a, _, hf_b = pair
+    prompts, want_a, want_b = tokens
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    with Engine.from_pretrained(folder_a, data_parallel_size=2, step_timeout=TIMEOUT, **ARGS) as engine:
+        assert _greedy(engine, prompts) == want_a
+        with pytest.raises(RuntimeError, match="no weight-update group is open"):
+            engine.update_weights_from_distributed(["model.norm.weight"], ["float32"], [[64]])
+        with pytest.raises(ValueError, match=r"rank_offset=2 \+ the engine's 2 ranks do not fit in world_size=3"):
+            engine.init_weight_update_group("127.0.0.1", _free_port(), 2, 3, backend="gloo")
+        trainer = _join(engine, world_size=3)
+        with pytest.raises(ValueError, match=r"src must be a rank .* outside the engine's ranks 1\.\.2"):
+            engine.update_weights_from_distributed(["model.norm.weight"], ["float32"], [[64]], src=2)
+        engine.add_request(prompts[0], GREEDY)
+        with pytest.raises(RuntimeError, match="1 requests are unfinished"):
+            engine.update_weights_from_distributed(["model.norm.weight"], ["float32"], [[64]])
+        state = hf_b.state_dict()
+        reports = _update(engine, trainer, state, strict=True, unfinished="abort")
+        assert not engine.has_unfinished_requests()
+        engine.destroy_weight_update_group()
+        engine.destroy_weight_update_group()  # idempotent
+        trainer.close()
+        assert trainer.broadcast == len(state) and [r.missing for r in reports] == [[], []]
+        assert _greedy(engine, prompts) == want_b
+        engine.check_health()
