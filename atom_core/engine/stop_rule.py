@@ -29,15 +29,17 @@ from atom_core.engine.request import Request
 class StopRule:
     """The stop conditions of one engine: its EOS ids, ``max_model_len`` and tokenizer (or None).
 
-    The model's own EOS token (its stop_reason is None) is the tokenizer's ``eos_token`` where the
-    tokenizer names one, else each of the EOS ids given here; EOS ids added later report their id.
+    The EOS ids: those given here (config.json's) and the tokenizer's ``eos_token``, which vLLM stops on. The
+    model's own EOS token (its stop_reason is None) is the tokenizer's ``eos_token`` where the tokenizer names
+    one, else each of the EOS ids given here; EOS ids added later report their id.
     """
 
     def __init__(self, eos_token_ids, max_model_len: int, tokenizer=None):
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
-        self.eos_token_ids = eos_token_ids
         named = getattr(tokenizer, "eos_token_id", None)
+        # vLLM stops on the tokenizer's eos_token whatever config.json names (a chat fine-tune's <|im_end|>)
+        self.eos_token_ids = set(eos_token_ids) | ({named} if named is not None else set())
         self.model_eos_token_ids = frozenset({named} if named is not None else self._eos_token_ids)
 
     @property

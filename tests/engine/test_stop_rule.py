@@ -164,3 +164,21 @@ def test_without_a_named_eos_token_the_model_configs_eos_ids_have_no_stop_reason
         request.token_ids.append(eos)
         reasons.append((rule.finish_reason(request), request.stop_reason))
     assert reasons == [("stop", None), ("stop", None), ("stop", 8)]
+
+
+def test_the_tokenizers_eos_token_stops_though_config_json_names_another(tmp_path, tokenizer):
+    """A chat fine-tune whose config.json still names the base model's EOS: vLLM stops on the tokenizer's
+    eos_token (here the demo tokenizer's, with config.json naming token 7 only)."""
+    folder = _checkpoint_with(tmp_path, json.dumps({}))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"eos_token_id": 7}))
+    own = tokenizer.eos_token_id
+    assert own not in (7, None)
+    engine = Engine.from_pretrained(folder, device="cpu", dtype=torch.float32)
+    assert engine.eos_token_ids == {7, own}
+    out, = engine.generate([[5, 6]], SamplingParams(temperature=0, max_tokens=8, logit_bias={own: 100.0}),
+                           use_tqdm=False)
+    assert (out.token_ids, out.finish_reason, out.stop_reason) == ([own], "stop", None)
+    out, = engine.generate([[5, 6]], SamplingParams(temperature=0, max_tokens=3, min_tokens=2,
+                                                    logit_bias={own: 100.0}), use_tqdm=False)
+    assert out.token_ids[-1] == own and len(out.token_ids) == 3 and own not in out.token_ids[:2]
