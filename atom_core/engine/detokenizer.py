@@ -4,16 +4,20 @@ Each token costs one decode of a small window, never of the whole output (the of
 ``tokenizers``' ``DecodeStream`` and vLLM's detokenizers):
 
     window  = the tokens of the last emitted piece (context) + the tokens since (pending)
-    text    = decode(window)
-    if text is longer than decode(context) and does not end in U+FFFD:
-        emit text[len(decode(context)):]      (the new characters)
+    text    = decode(window), less a trailing run of U+FFFD (a character whose bytes are incomplete)
+    start   = the length of the prefix text shares with decode(context)
+    if text is longer than start:
+        emit text[start:]                      (the new characters)
         window = the tokens since the context (they become the next context)
 
 So bytes of a character split over several tokens wait in the window until the character is
-complete (a byte-level tokenizer decodes an incomplete character as U+FFFD), a token whose text
-depends on its left neighbour (sentencepiece's leading space) is decoded next to it, and the
-window holds a few tokens. The first window is a short suffix of the prompt, so the output's
-first token is decoded in context (as vLLM does): its leading space is kept.
+complete (a byte-level tokenizer decodes an incomplete character as U+FFFD), while the complete
+characters before them are emitted; a token whose text depends on its left neighbour
+(sentencepiece's leading space) is decoded next to it; and the window holds a few tokens. The first
+window is a short suffix of the prompt, so the output's first token is decoded in context (as vLLM
+does): its leading space is kept. That suffix is the shortest of 4..24 tokens that decodes without
+U+FFFD, else the longest: where the prompt ends inside a character, the character belongs to the
+output that completes it (``start`` stops before the context's U+FFFD).
 
 Stop strings are searched in the new characters plus the ``max(len(stop)) - 1`` characters before
 them (a stop string may span tokens); while a request runs, its visible text holds back that many
@@ -29,6 +33,7 @@ from bisect import bisect_right
 
 INCOMPLETE_CHARACTER = "\ufffd"  # what decoding gives for the bytes of a character not yet complete
 PROMPT_CONTEXT = (4, 24)  # the first window: the shortest prompt suffix of 4..24 tokens that decodes cleanly
+                         # (else the longest)
 
 
 class Detokenizer:
@@ -76,9 +81,10 @@ class Detokenizer:
     def _prime(self) -> None:
         prompt, self._prompt = list(self._prompt), None
         shortest, longest = PROMPT_CONTEXT
-        for size in range(min(shortest, len(prompt)), min(longest, len(prompt)) + 1):
+        sizes = range(min(shortest, len(prompt)), min(longest, len(prompt)) + 1)
+        for size in sizes:
             text = self._decode(prompt[-size:]) if size else ""
-            if INCOMPLETE_CHARACTER not in text:
+            if INCOMPLETE_CHARACTER not in text or size == sizes[-1]:
                 self._window, self._context_text = prompt[-size:] if size else [], text
                 self._context_len = len(self._window)
                 return
@@ -101,10 +107,12 @@ class Detokenizer:
             self._prime()
         window = self._window
         window.append(token_id)
-        text = self._decode(window)
+        text = self._decode(window).rstrip(INCOMPLETE_CHARACTER)
+        context = self._context_text
+        start = len(context) if text.startswith(context) else _shared_prefix_len(text, context)
         piece = ""
-        if len(text) > len(self._context_text) and not text.endswith(INCOMPLETE_CHARACTER):
-            piece = text[len(self._context_text):]
+        if len(text) > start:
+            piece = text[start:]
             self._window = window = window[self._context_len:]  # the new tokens are the next context
             self._context_len = len(window)
             self._context_text = self._decode(window)
@@ -190,3 +198,12 @@ class OutputTokens:
 
     def __getitem__(self, k: int) -> int:
         return self._token_ids[self._offset + k]
+
+
+def _shared_prefix_len(a: str, b: str) -> int:
+    """The length of the longest common prefix of ``a`` and ``b``."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -102,6 +102,40 @@ def test_characters_split_over_tokens_come_out_whole(demo_tokenizer):
     assert detokenizer.text(detokenizer.num_chars) == before_euro
 
 
+class BytesTokenizer:
+    """Tokens that are byte strings; a sequence decodes as its bytes joined (invalid UTF-8 as U+FFFD), less one
+    leading space (a sentencepiece decoder's rule), so a token's text may depend on what precedes it."""
+
+    def __init__(self, *tokens: bytes):
+        self.tokens = tokens
+
+    def decode(self, token_ids, skip_special_tokens=True):
+        return b"".join(self.tokens[i] for i in token_ids).decode("utf-8", errors="replace").removeprefix(" ")
+
+
+def test_a_character_the_prompt_starts_belongs_to_the_output_that_completes_it():
+    """Every prompt suffix decodes with U+FFFD (the prompt ends inside 語): the first window is the longest suffix,
+    and the output's text starts with the character it completes, with no U+FFFD."""
+    tok = BytesTokenizer(b"Say", b" \xe6\x97\xa5\xe6\x9c\xac", b"\xe8", b"\xaa\x9e", b" now")
+    detokenizer = Detokenizer(tok, [0, 1, 2])
+    assert tok.decode([0, 1, 2]) == "Say 日本" + INCOMPLETE_CHARACTER
+    assert [detokenizer.add(t) for t in (3, 4)] == ["語", " now"]
+
+
+def test_a_literal_replacement_character_ending_the_prompt_keeps_the_first_tokens_leading_space():
+    tok = BytesTokenizer(b"Replace", b" \xef\xbf\xbd", b" hello", b" world")  # U+FFFD itself, whole
+    detokenizer = Detokenizer(tok, [0, 1])
+    assert "".join(detokenizer.add(t) for t in (2, 3)) == " hello world"
+
+
+def test_a_token_with_whole_characters_and_the_first_byte_of_another_gives_the_whole_ones_at_once():
+    tok = BytesTokenizer(b"Say", b" \xe6\x97\xa5\xe6\x9c\xac\xe8", b"\xaa\x9e")  # " 日本" + 語's first byte
+    detokenizer = Detokenizer(tok, [0])
+    assert detokenizer.add(1) == " 日本"
+    assert detokenizer.text(detokenizer.num_chars) == " 日本"  # an output cut here ends with them
+    assert detokenizer.add(2) == "語"
+
+
 def test_the_first_output_token_is_decoded_next_to_the_prompt(metaspace_tokenizer):
     tok = metaspace_tokenizer
     full = tok.encode("the quick brown fox")
