@@ -136,6 +136,8 @@ def render(template: str, conversation: list, *, add_generation_prompt: bool, co
             raise ChatTemplateError(f"chat messages are dicts, got {type(message).__name__}: {message!r}")
         messages.append({key: value for key, value in message.items() if value is not None})
     messages = _alias_reasoning(_plain(messages))  # (fresh copies: the caller's messages are never changed)
+    if not iterates_content(template):
+        messages = [_join_text_parts(message) for message in messages]
     final_text = _mark_final_message(messages[-1]) if continue_final_message else ""
     variables = _plain({**(special_tokens or {}), **kwargs})
     try:
@@ -146,6 +148,40 @@ def render(template: str, conversation: list, *, add_generation_prompt: bool, co
     except (TypeError, ValueError, LookupError, ArithmeticError) as e:  # the template's own code failed on its inputs
         raise ChatTemplateError(f"chat template: {type(e).__name__}: {e}") from e
     return _cut_at_mark(text, final_text) if continue_final_message else text
+
+
+@functools.lru_cache(maxsize=64)
+def iterates_content(template: str) -> bool:
+    """Whether ``template`` loops over a message's content (``{% for part in message['content'] %}``): vLLM's
+    "openai" content format, where a list of content parts reaches the template as a list. Any other template
+    (vLLM's "string" format) gets a list of text parts joined by newlines, as vLLM joins them. A template that
+    does not compile counts as not looping (``render`` raises its error)."""
+    try:
+        tree = _environment().parse(template)
+    except jinja2.TemplateSyntaxError:
+        return False
+    for loop in tree.find_all(jinja2.nodes.For):
+        source = loop.iter
+        while isinstance(source, jinja2.nodes.Filter):  # message['content'] | selectattr(...)
+            source = source.node
+        if isinstance(source, jinja2.nodes.Getitem) and isinstance(source.arg, jinja2.nodes.Const) \
+                and source.arg.value == "content":
+            return True
+        if isinstance(source, jinja2.nodes.Getattr) and source.attr == "content":
+            return True
+    return False
+
+
+def _join_text_parts(message: dict) -> dict:
+    """``message`` with a content of text parts (``[{"type": "text", "text": ...}, ...]``) as their texts joined by
+    newlines; other parts are refused (only text is supported)."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+               for part in content):
+        raise ChatTemplateError("content parts must be {'type': 'text', 'text': str} (only text is supported)")
+    return message | {"content": "\n".join(part["text"] for part in content)}
 
 
 # continue_final_message: the final message's text gets this mark, and the rendered text ends where the mark is.

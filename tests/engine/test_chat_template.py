@@ -269,14 +269,37 @@ def test_continue_final_message_equals_transformers(folders, style):
             conversation, tokenize=True, return_dict=False, **kwargs)
 
 
+PARTS = [{"type": "text", "text": "part one"}, {"type": "text", "text": "part two"}]
+PARTS_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{% if m.content is string %}{{ m.content }}{% else %}"
+                  "{% for p in m['content'] %}[{{ p.text }}]{% endfor %}{% endif %}{% endfor %}")
+
+
+def test_text_parts_are_joined_for_a_string_template_and_kept_for_one_that_loops_over_them():
+    """vLLM's content formats: a template that never loops over a message's content ("string") gets the text
+    parts joined by newlines (transformers would concatenate a list to a string and fail); one that does
+    ("openai") gets the parts."""
+    from atom_core.engine.chat_template import iterates_content, render
+
+    conversation = [{"role": "user", "content": PARTS}]
+    string_template = "{% for m in messages %}[INST] {{ m['content'] + ' [/INST]' }}{% endfor %}"
+    assert not iterates_content(string_template) and iterates_content(PARTS_TEMPLATE)
+    assert render(string_template, conversation, add_generation_prompt=False) == "[INST] part one\npart two [/INST]"
+    assert render(PARTS_TEMPLATE, conversation, add_generation_prompt=False) == "<user>[part one][part two]"
+    assert iterates_content("{% for m in messages %}{% for p in m.content | selectattr('type') %}{% endfor %}"
+                            "{% endfor %}")
+    with pytest.raises(ChatTemplateError, match="only text is supported"):
+        render(string_template, [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+               add_generation_prompt=False)
+
+
 def test_continue_final_message_refusals():
     template = "{% for m in messages %}{{ m.role }}: {{ m.content | upper }}\n{% endfor %}"
     with pytest.raises(ChatTemplateError, match="exclude each other"):
         render(template, OPEN_ENDED[0], add_generation_prompt=True, continue_final_message=True)
     with pytest.raises(ChatTemplateError, match="does not write the final message's content as given"):
         render(template, OPEN_ENDED[0], add_generation_prompt=False, continue_final_message=True)
-    with pytest.raises(ChatTemplateError, match="final message with text content"):
-        render(template, [{"role": "assistant", "content": [{"type": "image"}]}], add_generation_prompt=False,
+    with pytest.raises(ChatTemplateError, match="final message with text content"):  # (a template given the parts)
+        render(PARTS_TEMPLATE, [{"role": "assistant", "content": [{"type": "image"}]}], add_generation_prompt=False,
                continue_final_message=True)
 
 
