@@ -469,7 +469,8 @@ class Scheduler:
             may_stop |= structured_output.advance(requests, token_list)
         for i in np.flatnonzero(may_stop).tolist():
             reason = self.stop_rule.finish_reason(requests[i])
-            if reason is None and requests[i].grammar is not None and requests[i].grammar.done:
+            # a grammar complete at the length limit: "stop" (what the grammar decided), not "length"
+            if reason in (None, "length") and requests[i].grammar is not None and requests[i].grammar.done:
                 reason = self._grammar_finish(requests[i])
             if reason is not None:
                 self.finish(requests[i], reason)

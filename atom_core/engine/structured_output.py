@@ -120,6 +120,11 @@ class GrammarCompiler:
         for token, i in backend.get_vocab(with_added_tokens=True).items():
             if i < vocab_size:
                 encoded[i] = token
+        # Special tokens and the stop ids carry no text: given their literal text ("<|endoftext|>"), a grammar
+        # that may end after those characters would allow EOS there, and accepting it ends the grammar early.
+        for i in {i for i, added in backend.get_added_tokens_decoder().items() if added.special} | set(stop_token_ids):
+            if 0 <= i < vocab_size:
+                encoded[i] = ""
         # xgrammar reads the vocabulary's encoding (byte-level, byte-fallback or raw) and whether a
         # leading space is added from the tokenizer.json, as its own from_huggingface does.
         metadata = xgr.TokenizerInfo._detect_metadata_from_hf(backend.to_str())

@@ -4,6 +4,7 @@ object, with async scheduling on and off, beside plain requests that must not no
 grammar finishes the request ("stop", also with ignore_eos); preemption keeps the matcher in step;
 abort and finish free it and async scheduling resumes; refusals before anything is queued."""
 
+import dataclasses
 import gc
 import json
 import re
@@ -125,6 +126,25 @@ def test_a_complete_grammar_finishes_the_request_even_with_ignore_eos(engine):
     assert out.finish_reason == "stop" and out.text in CHOICES
     assert out.token_ids[-1] in engine.eos_token_ids  # the stop token the grammar asked for ends it
     assert len(out.token_ids) < 50
+
+
+def test_a_grammar_complete_at_max_tokens_finishes_with_stop_not_length(engine):
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True, structured_outputs={"choice": ["yes"]})
+    full = engine.generate("Note that the", params, use_tqdm=False)[0]
+    exact = engine.generate("Note that the", dataclasses.replace(params, max_tokens=len(full.token_ids)),
+                            use_tqdm=False)[0]
+    assert (exact.text, exact.finish_reason, exact.token_ids) == ("yes", "stop", full.token_ids)
+
+
+@pytest.mark.parametrize("regex", [r"\S+", r".{1,30}", r"[ -~]{3,60}"])
+def test_eos_is_allowed_only_where_the_grammar_is_complete_not_after_its_literal_text(engine, regex):
+    """The EOS token's literal text ("<|endoftext|>") matches these regexes; it used to be allowed as that text,
+    ending the grammar (and the request, with "stop") before any character was written."""
+    eos = engine.tokenizer.eos_token_id
+    params = SamplingParams(temperature=0, max_tokens=30, logit_bias={eos: 100.0},
+                            structured_outputs={"regex": regex})
+    out = engine.generate("Hi", params, use_tqdm=False)[0]
+    assert out.token_ids[0] != eos and re.fullmatch(regex, out.text), (out.token_ids, out.text)
 
 
 def test_a_choice_with_a_character_outside_the_bmp_is_generated_as_written(engine):
