@@ -67,6 +67,8 @@ class StructuredOutputsParams:
         def bad(name, why):
             raise ValueError(f"SamplingParams.structured_outputs.{name}={getattr(self, name)!r}: {why}")
 
+        if self.json is False:  # (a valid JSON Schema, but no output could follow it)
+            bad("json", "the schema false matches no value: nothing could be generated")
         given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             raise ValueError(f"SamplingParams.structured_outputs: exactly one of {', '.join(STRUCTURED_KINDS)} "

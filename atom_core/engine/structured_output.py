@@ -74,6 +74,55 @@ def _library_message(error: Exception) -> str:
     return _XGRAMMAR_LOG_PREFIX.sub("", str(error).strip())
 
 
+# JSON Schema keywords xgrammar accepts without enforcing them (outputs broke them, measured with xgrammar 0.2):
+# refused by name rather than generating output that breaks the schema. "oneOf" is enforced as "anyOf" (a
+# value matching several branches may come out), "allOf" only with one schema.
+UNENFORCED_KEYWORDS = {
+    "not": "'not'", "if": "'if' / 'then' / 'else'", "then": "'if' / 'then' / 'else'", "else": "'if' / 'then' / 'else'",
+    "contains": "'contains'", "minContains": "'minContains'", "maxContains": "'maxContains'",
+    "dependentRequired": "'dependentRequired'",
+}
+_SUBSCHEMA = ("items", "additionalProperties", "additionalItems", "propertyNames", "unevaluatedProperties",
+              "unevaluatedItems", "contains", "not", "if", "then", "else")
+_SUBSCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf", "items")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def unenforced_keyword(schema, path: str = "#") -> str | None:
+    """Where ``schema`` uses a keyword the grammar library would not enforce, and which: "path: why"; None if
+    none does."""
+    if not isinstance(schema, dict):
+        return None
+    for key, what in UNENFORCED_KEYWORDS.items():
+        if key in schema:
+            return f"{path}: {what} is not enforced by the grammar library (xgrammar)"
+    if schema.get("uniqueItems") is True:
+        return f"{path}: 'uniqueItems' is not enforced by the grammar library (xgrammar)"
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        return f"{path}: 'allOf' of several schemas is not enforced by the grammar library (xgrammar); merge them"
+    step = schema.get("multipleOf")
+    if step is not None and (schema.get("type") != "integer" or not float(step).is_integer()):
+        return f"{path}: 'multipleOf' is enforced on integers by a whole step only (xgrammar), got {step!r}"
+    children = [(f"{path}/{key}", schema[key]) for key in _SUBSCHEMA if isinstance(schema.get(key), dict)]
+    children += [(f"{path}/{key}/{i}", sub) for key in _SUBSCHEMA_LISTS if isinstance(schema.get(key), list)
+                 for i, sub in enumerate(schema[key])]
+    children += [(f"{path}/{key}/{name}", sub) for key in _SUBSCHEMA_MAPS if isinstance(schema.get(key), dict)
+                 for name, sub in schema[key].items()]
+    for child_path, child in children:
+        found = unenforced_keyword(child, child_path)
+        if found is not None:
+            return found
+    return None
+
+
+def _check_enforceable(spec: StructuredOutputsParams) -> None:
+    if spec.kind == "json":
+        found = unenforced_keyword(json.loads(spec.json_schema_text))
+        if found is not None:
+            raise ValueError(f"SamplingParams.structured_outputs.json: {found}: refused rather than generate output "
+                             "that breaks the schema")
+
+
 def check_grammar(spec: StructuredOutputsParams) -> None:
     """Refuse a constraint that would not compile, without a vocabulary: its schema, regex or grammar is
     only parsed into xgrammar's grammar (``xgr.Grammar.from_*``), not compiled over the tokens, so no
@@ -82,6 +131,7 @@ def check_grammar(spec: StructuredOutputsParams) -> None:
     first; each refusal of the tests is a parse error). The data-parallel front checks with it: the
     replica compiles, and a constraint refused by its compile alone fails there, as a step error."""
     xgr = import_xgrammar()
+    _check_enforceable(spec)
     kind = spec.kind
     whitespace = not spec.disable_any_whitespace
     try:
@@ -141,6 +191,7 @@ class GrammarCompiler:
         """``spec`` compiled over this vocabulary (cached by xgrammar); ValueError naming the field and why.
         Safe from several threads at once (xgrammar's compiler guards its cache; the compile itself runs
         without the GIL)."""
+        _check_enforceable(spec)
         kind = spec.kind
         whitespace = not spec.disable_any_whitespace
         try:

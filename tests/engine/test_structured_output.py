@@ -263,6 +263,19 @@ def test_a_mask_that_raises_fails_its_request_once_and_the_engine_goes_on(engine
     ({"regex": "a", "choice": ["b"]}, "exactly one of json, regex, choice, grammar, json_object"),
     ({"choice": []}, r"structured_outputs\.choice=\[\]: must be a non-empty list"),
     ({"jsn": {}}, "not StructuredOutputsParams fields"),
+    ({"json": False}, r"structured_outputs\.json=False: the schema false matches no value"),
+    # keywords the grammar library takes without enforcing them (outputs broke each one)
+    ({"json": {"type": "array", "items": {"enum": ["a", "b"]}, "uniqueItems": True}},
+     r"structured_outputs\.json: #: 'uniqueItems' is not enforced"),
+    ({"json": {"type": "object", "properties": {"a": {"type": "string", "not": {"const": "x"}}}}},
+     r"json: #/properties/a: 'not' is not enforced"),
+    ({"json": {"$defs": {"x": {"if": {"minLength": 1}, "then": {"maxLength": 2}}}, "$ref": "#/$defs/x"}},
+     r"json: #/\$defs/x: 'if' / 'then' / 'else'"),
+    ({"json": {"anyOf": [{"allOf": [{"type": "integer"}, {"minimum": 3}]}, {"type": "null"}]}},
+     r"json: #/anyOf/0: 'allOf' of several schemas"),
+    ({"json": {"type": "array", "prefixItems": [{"type": "number", "multipleOf": 0.5}]}},
+     r"json: #/prefixItems/0: 'multipleOf' is enforced on integers by a whole step only"),
+    ({"json": {"type": "array", "contains": {"type": "integer"}}}, r"json: #: 'contains'"),
 ])
 def test_bad_constraints_are_refused_by_name_before_anything_is_queued(engine, structured, match):
     with pytest.raises(ValueError, match=match):
@@ -273,6 +286,17 @@ def test_bad_constraints_are_refused_by_name_before_anything_is_queued(engine, s
     assert not engine.has_unfinished_requests()
     with pytest.raises(ValueError, match=match):  # the data-parallel front's check: the same refusal
         front_checks(engine).check("Return the", SamplingParams(structured_outputs=structured))
+
+
+def test_the_keywords_the_grammar_library_enforces_are_taken(engine):
+    schema = {"type": "object", "required": ["a", "b"], "additionalProperties": False, "properties": {
+        "a": {"allOf": [{"type": "integer", "minimum": 0, "maximum": 99}]},
+        "b": {"type": "integer", "multipleOf": 3, "minimum": 0, "maximum": 30}}}
+    params = SamplingParams(temperature=1.0, seed=0, max_tokens=60, structured_outputs={"json": schema})
+    for seed in range(3):
+        out = engine.generate("Return the", dataclasses.replace(params, seed=seed), use_tqdm=False)[0]
+        value = json.loads(out.text)
+        assert out.finish_reason == "stop" and 0 <= value["a"] <= 99 and value["b"] % 3 == 0 <= value["b"] <= 30
 
 
 def front_checks(engine):
