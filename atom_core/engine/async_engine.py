@@ -22,11 +22,13 @@ added it (``ValueError`` / ``TypeError`` from ``Engine.add_request`` are raised 
 freed before the next step). A step that raises finishes the requests it ran with reason
 "error" (``Engine.step``); their streams raise ``EngineStepError`` and the loop goes on serving.
 
-Structured output: a request's grammar is compiled before its add is queued, on a worker thread
-(``asyncio.to_thread``; ``Engine.compile_structured``), and handed to ``Engine.add_request``: a new
-schema (tens of milliseconds at a 150k vocabulary; the first one also builds the compiler over the
-vocabulary) never holds up the steps of the running requests. A constraint that does not compile
-raises its ``ValueError`` from ``add_request`` as before.
+Structured output: a request's grammar is compiled before its add is queued, on one of
+``COMPILE_THREADS`` threads of the async engine's own (``Engine.compile_structured``), and handed to
+``Engine.add_request``: a new schema (tens of milliseconds at a 150k vocabulary; the first one also
+builds the compiler over the vocabulary; a schema of a thousand optional properties, seconds) never
+holds up the steps of the running requests, nor, on threads apart from asyncio's default executor, the
+work other requests do there (a server's tokenization). A constraint that does not compile raises its
+``ValueError`` from ``add_request`` as before.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from atom_core.engine.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_WAITING_REQUESTS = 1024
+COMPILE_THREADS = 2  # grammar compiles at once (each may take seconds: a schema of many optional properties)
 
 
 class QueueFullError(RuntimeError):
@@ -138,6 +141,7 @@ class AsyncEngine:
         self._num_steps = 0
         self._num_step_errors = 0
         self._engine_snapshot = self._read_engine_snapshot()  # replaced whole by the step thread
+        self._compile_pool: concurrent.futures.ThreadPoolExecutor | None = None  # made at the first grammar
 
     # ------------------------------------------------------------------ the loop side
 
@@ -264,6 +268,8 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
             await asyncio.sleep(0)  # deliveries the thread posted before it stopped
+        if self._compile_pool is not None:
+            self._compile_pool.shutdown(wait=False, cancel_futures=True)
         with self._cond:  # functions submitted before any step thread ran them (none was started)
             commands, self._commands = self._commands, []
         for command in commands:
@@ -281,11 +287,14 @@ class AsyncEngine:
 
     async def _compile_structured(self, params: SamplingParams):
         """The request's compiled grammar (None without structured output, or for an engine that compiles
-        in its own ``add_request``), compiled on a worker thread, never on the step thread."""
+        in its own ``add_request``), compiled on the compile threads, never on the step thread."""
         compile_structured = getattr(self.engine, "compile_structured", None)
         if params.structured_outputs is None or compile_structured is None:
             return None
-        return await asyncio.to_thread(compile_structured, params)
+        if self._compile_pool is None:
+            self._compile_pool = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS,
+                                                                       thread_name_prefix="atom_core-compile")
+        return await asyncio.get_running_loop().run_in_executor(self._compile_pool, compile_structured, params)
 
     def _send(self, command: tuple) -> None:
         with self._cond:

@@ -80,3 +80,17 @@ def test_completions_guided_regex_streamed_and_guided_choice(server):
                                     seed=4, extra_body={"guided_choice": choices})
     assert [c.text in choices for c in got.choices] == [True] * 3
     server.assert_no_block_leaked()
+
+
+def test_the_server_builds_the_grammar_compiler_before_it_serves():
+    """Built at the first structured request, importing the grammar library held the interpreter lock for most
+    of a second, stalling every running stream; the server's start-up does it instead."""
+    from tests.serve.conftest import LiveServer, demo_engine
+
+    engine = demo_engine()
+    assert engine._grammar_compiler is None
+    live = LiveServer(engine).start()
+    try:
+        assert engine._grammar_compiler is not None
+    finally:
+        live.stop()
