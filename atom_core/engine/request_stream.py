@@ -80,8 +80,9 @@ class StreamOutput:
         new_logprobs, new_logprob_ranks, new_top_logprobs: the log-probs of the new tokens, their ranks
             and top alternatives (``SamplingParams.logprobs``; ``RequestOutput`` says what a rank is).
         num_output_tokens: tokens generated so far.
-        finish_reason: None while running, else "stop" or "length" ("abort" and "error" end the
-            stream instead of reaching it).
+        finish_reason: None while running, else "stop", "length", or "error" where the request's rules together
+            allowed no next token (``stop_rule``); an abort, and a step that failed, end the stream instead
+            of reaching it.
         stop_reason: the stop string or stop token id that ended it (None otherwise).
         time: ``time.monotonic()`` when the step thread read this step's tokens.
         first_time: ``time`` of the sequence's first output (time to first token = ``first_time -

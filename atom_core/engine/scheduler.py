@@ -468,10 +468,14 @@ class Scheduler:
         if self.num_structured:  # advance the grammars; one that is complete finishes its request
             may_stop |= structured_output.advance(requests, token_list)
         for i in np.flatnonzero(may_stop).tolist():
-            reason = self.stop_rule.finish_reason(requests[i])
-            # a grammar complete at the length limit: "stop" (what the grammar decided), not "length"
-            if reason in (None, "length") and requests[i].grammar is not None and requests[i].grammar.done:
-                reason = self._grammar_finish(requests[i])
+            grammar = requests[i].grammar
+            if grammar is not None and grammar.refused:  # (whatever the token: the sampler's answer to no token)
+                reason = self.stop_rule.no_token_allowed(requests[i])
+            else:
+                reason = self.stop_rule.finish_reason(requests[i])
+                # a grammar complete at the length limit: "stop" (what the grammar decided), not "length"
+                if reason in (None, "length") and grammar is not None and grammar.done:
+                    reason = self._grammar_finish(requests[i])
             if reason is not None:
                 self.finish(requests[i], reason)
                 finish_reasons[i] = reason
@@ -479,7 +483,8 @@ class Scheduler:
 
     def _grammar_finish(self, request: Request) -> str:
         """A request whose grammar is complete (its last token a stop token the grammar accepted, whose
-        text is left out, as EOS's) or refused a token: "stop"."""
+        text is left out, as EOS's): "stop". (One whose grammar refused a token finishes with "error":
+        ``StopRule.no_token_allowed``.)"""
         detokenizer, num_output = request.detokenizer, request.num_output_tokens
         is_stop_token = request.token_ids[-1] in self.stop_rule.eos_token_ids
         if detokenizer is not None:

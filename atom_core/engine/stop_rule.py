@@ -9,7 +9,10 @@ A request stops after a token when:
 - its decoded output contains one of its stop strings -> "stop" (the text ends before it, or
   after it with ``include_stop_str_in_output``; not checked before ``min_tokens`` tokens);
 - it has ``max_tokens`` output tokens or ``max_model_len`` tokens in all -> "length"
-  (``length_limit``: known in advance, so the scheduler never computes past it).
+  (``length_limit``: known in advance, so the scheduler never computes past it);
+- its rules together allowed no token (a grammar and ``allowed_token_ids`` / ``bad_words`` / ``min_tokens``
+  that exclude each other; the sampler then gives token 0) -> "error", the text without that token: seen as
+  an EOS or stop token inside ``min_tokens``, or a token its grammar refused.
 
 The engine checks every new token of every row at once for EOS and the length limit; only rows
 that may stop, or that have stop strings, stop token ids or logprobs, are looked at in Python.
@@ -24,6 +27,9 @@ import numpy as np
 
 from atom_core.engine.detokenizer import INCOMPLETE_CHARACTER  # noqa: F401 (re-exported)
 from atom_core.engine.request import Request
+
+
+NO_TOKEN_ALLOWED = "error"  # the finish reason of a request whose rules together allowed no next token
 
 
 class StopRule:
@@ -66,6 +72,17 @@ class StopRule:
             maybe |= is_eos & stops_at_eos
         return maybe
 
+    def no_token_allowed(self, request: Request) -> str:
+        """``request``'s last token was drawn from a row where its rules (a grammar, ``allowed_token_ids``,
+        ``bad_words``, ``min_tokens``) together allowed no token, which the sampler answers with token 0: it
+        finishes with "error", its text without that token."""
+        detokenizer = request.detokenizer
+        if detokenizer is None and self.tokenizer is not None:
+            detokenizer = request.detokenizer = request.make_detokenizer(self.tokenizer)
+        if detokenizer is not None:
+            detokenizer.finish(request.num_output_tokens - 1)
+        return NO_TOKEN_ALLOWED
+
     def finish_reason(self, request: Request) -> str | None:
         """Why ``request`` stops after its last token, or None; when it stops, its detokenizer is
         told where the final text ends (decoded when read).
@@ -81,6 +98,8 @@ class StopRule:
         num_output = request.num_output_tokens
         is_eos = not params.ignore_eos and token in self._eos_token_ids
         if is_eos or token in (params.stop_token_ids or ()):
+            if num_output <= params.min_tokens:  # min_tokens banned it: every token was banned (NO_TOKEN_ALLOWED)
+                return self.no_token_allowed(request)
             request.stop_reason = None if is_eos and token in self.model_eos_token_ids else token
             if detokenizer is not None:
                 detokenizer.finish(num_output if params.include_stop_str_in_output else num_output - 1)

@@ -17,6 +17,7 @@ from atom_core.engine import Engine, SamplingParams
 from tests.engine.conftest import assert_batch_mirrors_block_manager
 
 VOCAB = 96  # tiny_qwen3's
+MAX_MODEL_LEN = 64
 
 params_kwargs = st.fixed_dictionaries({}, optional={
     "temperature": st.one_of(st.sampled_from([0.0, 0.0, 0.7, 1.0]), st.floats(allow_nan=True, allow_infinity=True),
@@ -60,7 +61,9 @@ def solo(tiny_qwen3):
         key = (tuple(prompt), params.max_tokens, tuple(params.stop_token_ids or ()), params.ignore_eos)
         if key not in cache:
             with ops.use_backend("torch"):
-                engine = Engine.from_pretrained(folder, device="cpu", dtype=torch.float32, block_size=4)
+                # (the max_model_len of the engines compared: max_tokens beyond it is capped to the room it leaves)
+                engine = Engine.from_pretrained(folder, device="cpu", dtype=torch.float32, block_size=4,
+                                                max_model_len=MAX_MODEL_LEN)
                 cache[key] = engine.generate([prompt], params, use_tqdm=False)[0].token_ids
         return cache[key]
 
@@ -76,7 +79,7 @@ def test_random_use_leaks_nothing_and_greedy_outputs_match_solo_runs(tiny_qwen3,
     folder, _ = tiny_qwen3
     with ops.use_backend("torch"):
         engine = Engine.from_pretrained(folder, device="cpu", dtype=torch.float32, block_size=block_size,
-                                        num_kv_blocks=max(num_blocks, 64 // block_size), max_model_len=64,
+                                        num_kv_blocks=max(num_blocks, 64 // block_size), max_model_len=MAX_MODEL_LEN,
                                         max_num_seqs=4, max_num_batched_tokens=16, async_scheduling=async_scheduling)
         added, finished, aborted = {}, {}, set()
 

@@ -147,6 +147,30 @@ def test_eos_is_allowed_only_where_the_grammar_is_complete_not_after_its_literal
     assert out.token_ids[0] != eos and re.fullmatch(regex, out.text), (out.token_ids, out.text)
 
 
+OBJECT_A = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize("params, text", [
+    (dict(allowed_token_ids="{", structured_outputs={"json": OBJECT_A}), "{"),  # only '{' allowed: then nothing
+    (dict(bad_words=[str(d) for d in range(10)], structured_outputs={"regex": "ab[0-9]"}), "ab"),
+    (dict(min_tokens=10, structured_outputs={"choice": ["yes", "no"]}), None),  # complete, but EOS is banned
+    (dict(min_tokens=3, allowed_token_ids=[]), ""),  # only EOS allowed, and min_tokens bans it
+], ids=["allowed_token_ids", "bad_words", "min_tokens", "min_tokens_alone"])
+def test_rules_that_together_allow_no_token_finish_the_request_with_error(engine, params, text):
+    """The sampler answers a row with no allowed token with token 0 (EOS here): that used to finish with
+    "stop", as if the constraint were met. (With the debug checks on, the all -inf row is refused in the step.)"""
+    tokenizer = engine.tokenizer
+    if params.get("allowed_token_ids") == "{":
+        params["allowed_token_ids"] = tokenizer.encode("{", add_special_tokens=False)
+    if params.get("allowed_token_ids") == []:
+        params["allowed_token_ids"] = [tokenizer.eos_token_id]
+    with ops.debug_checks(False):
+        out = engine.generate("Hi", SamplingParams(temperature=0, max_tokens=20, **params), use_tqdm=False)[0]
+    assert (out.finish_reason, out.stop_reason) == ("error", None)
+    assert out.token_ids[-1] == 0 and (text is None or out.text == text)
+    assert engine.scheduler.num_structured == 0
+
+
 def test_a_choice_with_a_character_outside_the_bmp_is_generated_as_written(engine):
     # (JSON's ASCII escapes write such a character as two surrogate escapes, which the grammar
     # would read as two separate, unencodable code points.)
