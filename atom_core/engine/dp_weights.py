@@ -85,7 +85,7 @@ class ReplicaWeightUpdates:
         first, ``"keep"`` lets them go on with the new weights). A tensor a replica refuses raises
         ``WeightLoadError`` naming the replica and its error; every replica still receives the rest, so the
         trainer's broadcasts complete and the group stays usable."""
-        from atom_core.engine.weight_updates import UNFINISHED
+        from atom_core.engine.weight_updates import UNFINISHED, aborts_unfinished
 
         caller = "DataParallelEngine.update_weights_from_distributed"
         tensor_specs(names, dtypes, shapes)  # (each replica checks them again: the same rules)
@@ -100,12 +100,7 @@ class ReplicaWeightUpdates:
         if unfinished not in UNFINISHED:
             raise ValueError(f"{caller}: unfinished must be one of {UNFINISHED}, got {unfinished!r}")
         self._check_awake(caller)
-        count = self._num_unfinished()
-        if count and unfinished == "refuse":
-            raise RuntimeError(f"{caller}: {count} requests are unfinished; they would mix KV and tokens of two "
-                               "weight sets: let them finish first, or pass unfinished='abort' (abort them) or "
-                               "'keep' (they go on with the new weights)")
-        if count and unfinished == "abort":
+        if aborts_unfinished(caller, unfinished, self._num_unfinished()):
             self.abort(list(self._groups))  # (each replica reads the aborts before the update)
         kwargs = dict(names=list(names), dtypes=list(dtypes), shapes=[list(shape) for shape in shapes], src=src,
                       strict=strict, check_finite=check_finite, unfinished=unfinished)

@@ -35,6 +35,16 @@ __all__ = ["UNFINISHED", "WeightUpdates"]
 UNFINISHED = ("refuse", "abort", "keep")  # what a weight update does with unfinished requests (load_weights)
 
 
+def aborts_unfinished(caller: str, unfinished: str, count: int) -> bool:
+    """A weight update's rule for ``count`` unfinished requests under ``unfinished`` (one of ``UNFINISHED``):
+    RuntimeError naming the count under "refuse"; True when they are to be aborted first."""
+    if count and unfinished == "refuse":
+        raise RuntimeError(f"{caller}: {count} requests are unfinished; they would mix KV and tokens of two "
+                           "weight sets: let them finish first, or pass unfinished='abort' (abort them) or "
+                           "'keep' (they go on with the new weights)")
+    return bool(count) and unfinished == "abort"
+
+
 class WeightUpdates:
     """The weight-update methods of ``Engine`` (see the module docstring for what they read of it)."""
 
@@ -98,14 +108,8 @@ class WeightUpdates:
         self._check_awake(caller, needs=("weights",))
         if self._channel is not None:
             self._channel.check_usable()
-        count = self._num_unfinished()
-        if count and unfinished == "refuse":
-            raise RuntimeError(f"{caller}: {count} requests are unfinished; they would mix KV and tokens of two "
-                               "weight sets: let them finish first, or pass unfinished='abort' (abort them) or "
-                               "'keep' (they go on with the new weights)")
-        if count and unfinished == "abort":
-            for request_id in list(self._requests):
-                self.abort(request_id)
+        if aborts_unfinished(caller, unfinished, self._num_unfinished()):
+            self.abort(list(self._requests))
 
     def _update_weights(self, caller: str, load) -> LoadReport:
         """``load()`` (every rank's load of new weights), then the prefix-cache reset, also when it fails (some
