@@ -61,7 +61,8 @@ def _ragged_to_padded(rows: Sequence) -> np.ndarray:
     if len(rows) and isinstance(rows[0], (np.ndarray, torch.Tensor)):
         flat = np.concatenate([as_int_vector("block_tables row", row) for row in rows])
     else:
-        flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=int(row_lens.sum()))
+        # (checked as one vector: a float or string id is refused, not truncated into another block's id)
+        flat = as_int_vector("block_tables", list(itertools.chain.from_iterable(rows)))
     padded = np.full((len(rows), width), PAD_BLOCK_ID, dtype=np.int64)
     # Row-major boolean assignment fills row 0's pages, then row 1's, ...: the order of `flat`.
     padded[np.arange(width) < row_lens[:, None]] = flat

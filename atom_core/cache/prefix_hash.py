@@ -12,6 +12,7 @@ machines and runs, e.g. for a cache shared between processes.
 """
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 import numpy as np
@@ -36,6 +37,9 @@ def hash_block_tokens(parent_hash: int, token_ids: Sequence[int] | np.ndarray) -
         ``xxh64(parent_hash as 8 little-endian bytes ‖ token ids as little-endian int64 bytes)``
         as an int in [0, 2**64).
     """
+    if isinstance(parent_hash, bool) or not isinstance(parent_hash, numbers.Integral):
+        raise TypeError(f"parent_hash must be an int, got {type(parent_hash).__name__}")
+    parent_hash = int(parent_hash)  # (a numpy uint64 from a framework's array of hashes)
     if not 0 <= parent_hash < _UINT64_LIMIT:
         raise ValueError(f"parent_hash must be in [0, 2**64), got {parent_hash}")
     tokens = np.asarray(token_ids, dtype="<i8")

@@ -32,6 +32,14 @@ def test_hash_is_xxh64_of_parent_and_int64_tokens():
     assert hash_block_tokens(12345, tokens) == xxhash.xxh64(data).intdigest()
 
 
+def test_a_numpy_parent_hash_hashes_as_its_int_and_a_non_integer_one_is_refused():
+    parent = np.array([2**63 + 5], dtype=np.uint64)[0]  # (a framework keeping its hashes in a uint64 array)
+    assert hash_block_tokens(parent, [1, 2]) == hash_block_tokens(2**63 + 5, [1, 2])
+    for bad in (5.0, True, "5"):
+        with pytest.raises(TypeError, match="parent_hash must be an int"):
+            hash_block_tokens(bad, [1, 2])
+
+
 def test_hash_chains_on_the_parent():
     first = xxhash.xxh64(struct.pack("<Q", ROOT_PARENT_HASH) + struct.pack("<2q", 7, 8)).intdigest()
     second = xxhash.xxh64(struct.pack("<Q", first) + struct.pack("<2q", 9, 10)).intdigest()

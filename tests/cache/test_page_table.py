@@ -150,3 +150,6 @@ def test_block_table_of_wrong_type_is_rejected():
         padded_block_table(7)
     with pytest.raises(TypeError, match="block_tables"):
         padded_block_table(np.zeros((1, 2), dtype=np.float32))
+    for bad in ([[1.7]], [["3"]], [[True]]):  # lists: refused as the arrays are, not truncated to other ids
+        with pytest.raises(TypeError, match="block_tables must hold integers"):
+            padded_block_table(bad)
