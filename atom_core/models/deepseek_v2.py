@@ -198,12 +198,11 @@ class DeepseekV2ForCausalLM(MLACaches, CausalLM):
         norm = config.get("norm_topk_prob")
         self.renormalize = self.default_norm_topk_prob if norm is None else bool(norm)
         scaling = float(config.get("routed_scaling_factor", 1.0))
-        if self.renormalize and self.topk_method != "noaux_tc" and scaling != 1.0:
-            raise ValueError(f"topk_method {self.topk_method!r} with norm_topk_prob true and routed_scaling_factor "
-                             f"{scaling}: the references disagree (DeepSeek-V2's code renormalises instead of "
-                             "scaling, transformers scales without renormalising, vLLM does both), and no released "
-                             "checkpoint sets it; set norm_topk_prob false (every DeepSeek-V2 release) or "
-                             "routed_scaling_factor 1.0")
+        if self.renormalize and self.topk_method != "noaux_tc":
+            raise ValueError(f"topk_method {self.topk_method!r} with norm_topk_prob true (routed_scaling_factor "
+                             f"{scaling}): the references disagree (transformers' DeepSeek-V2 never renormalises; "
+                             "DeepSeek-V2's code renormalises instead of scaling, vLLM renormalises and scales), and "
+                             "no released checkpoint sets it; set norm_topk_prob false (every DeepSeek-V2 release)")
         self.num_experts = config_int(config, "n_routed_experts", default=0)
         # before __init__: the quant config binds it
         self.expert_params_mapping = expert_params_mapping(self.num_experts, scales=True) if self.num_experts else []
