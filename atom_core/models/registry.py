@@ -7,6 +7,8 @@ itself with ``@register_model("MyArchForCausalLM")``, in the process that import
 package reaches every process (worker ranks, the server's engine process, the CLI) through an entry
 point of group ``atom_core.models``, named for the architecture, its value ``"module:ClassName"``
 (in pyproject.toml: ``[project.entry-points."atom_core.models"]``, ``MyArchForCausalLM = "my_pkg.model:MyArch"``).
+A class of one's own registered under a shipped architecture's name replaces the shipped class in that process
+(a warning says so), whatever was loaded before; two classes of one's own under one name are refused.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import logging
 from collections.abc import Callable, Iterable
 from importlib.metadata import entry_points
 
@@ -36,6 +39,7 @@ MODEL_MODULES: dict[str, str] = {
 }
 
 ENTRY_POINT_GROUP = "atom_core.models"
+logger = logging.getLogger(__name__)
 
 _registered: dict[str, type] = {}
 
@@ -64,8 +68,9 @@ _REGISTER_HINT = ("; a model class of your own registers with atom_core.models.r
 def register_model(arch_name: str) -> Callable[[type], type]:
     """Class decorator: make ``get_model_class(arch_name)`` return the class.
 
-    Registering a different class under a taken name raises ValueError (re-registering the same
-    class, e.g. on module reload, is allowed).
+    Registering a different class under a name another class of one's own holds raises ValueError
+    (re-registering the same class, e.g. on module reload, is allowed); under a shipped architecture's name
+    it replaces the shipped class (module docstring).
     """
     if not isinstance(arch_name, str) or not arch_name:
         raise ValueError(f"arch_name must be a non-empty string, got {arch_name!r}")
@@ -73,13 +78,24 @@ def register_model(arch_name: str) -> Callable[[type], type]:
     def decorator(cls: type) -> type:
         old = _registered.get(arch_name)
         if old is not None and not _same_class(old, cls):
-            raise ValueError(
-                f"architecture {arch_name!r} is already registered to {old.__module__}.{old.__qualname__}"
-            )
+            if _is_shipped(arch_name, cls):  # its module imported after a class of one's own took the name
+                return cls
+            if not _is_shipped(arch_name, old):
+                raise ValueError(
+                    f"architecture {arch_name!r} is already registered to {old.__module__}.{old.__qualname__}"
+                )
+        if arch_name in MODEL_MODULES and not _is_shipped(arch_name, cls):
+            logger.warning("architecture %r: %s.%s replaces atom_core's %s in this process", arch_name,
+                           cls.__module__, cls.__qualname__, MODEL_MODULES[arch_name])
         _registered[arch_name] = cls
         return cls
 
     return decorator
+
+
+def _is_shipped(arch_name: str, cls: type) -> bool:
+    """Whether ``cls`` is the class atom_core ships for ``arch_name``."""
+    return MODEL_MODULES.get(arch_name) == f"{cls.__module__}:{cls.__qualname__}"
 
 
 def supported_architectures() -> list[str]:

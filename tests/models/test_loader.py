@@ -465,3 +465,31 @@ def test_one_class_file_imported_under_two_module_names_registers_without_error_
         classes.append(module.Twice)
     # the latest definition serves, as after a module reload
     assert classes[0] is not classes[1] and get_model_class("AtomTwiceImportedForCausalLM") is classes[1]
+
+
+@pytest.mark.parametrize("looked_up_first", [False, True])
+def test_a_class_registered_under_a_shipped_name_replaces_it_whatever_was_looked_up_before(monkeypatch, caplog,
+                                                                                          looked_up_first):
+    """It used to work in a fresh process and raise once a checkpoint of that architecture had loaded."""
+    from atom_core.models import registry
+    from atom_core.models.llama import LlamaForCausalLM
+
+    monkeypatch.setattr(registry, "_registered", dict(registry._registered))  # (undone after the test)
+    if looked_up_first:
+        assert registry.get_model_class("MistralForCausalLM") is LlamaForCausalLM
+
+    class MyLlama(LlamaForCausalLM):
+        pass
+
+    with caplog.at_level("WARNING", logger="atom_core.models.registry"):
+        register_model("MistralForCausalLM")(MyLlama)
+    assert registry.get_model_class("MistralForCausalLM") is MyLlama
+    assert "replaces atom_core's atom_core.models.llama:LlamaForCausalLM" in caplog.text
+    register_model("MistralForCausalLM")(LlamaForCausalLM)  # the shipped class again (its module re-imported)
+    assert registry.get_model_class("MistralForCausalLM") is MyLlama
+
+    class Other(LlamaForCausalLM):
+        pass
+
+    with pytest.raises(ValueError, match="already registered to .*MyLlama"):
+        register_model("MistralForCausalLM")(Other)
