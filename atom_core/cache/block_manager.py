@@ -372,7 +372,9 @@ class BlockManager:
             block_token_ids: int [N, block_size], the tokens of those blocks (whose KV is computed).
 
         Same effect as ``publish(seq_ids[i], tokens, (block_indices[i] + 1) * block_size)`` for each
-        i in order. Raises ValueError (nothing changed) for a bad shape or a block out of order.
+        i in order. Raises ValueError (nothing changed) for a bad shape or a block out of order. With
+        prefix caching off nothing is published, so the order is not checked (no block is ever next);
+        likewise for the blocks of a sequence held through ``reset_prefix_cache(keep_held=True)``.
         """
         bs = self._block_size
         array = np.asarray(block_token_ids)
