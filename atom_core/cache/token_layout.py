@@ -252,7 +252,9 @@ def build_decode_layout(
             written at position ``cached_lens[r]``.
         block_tables: int [B, P] numpy array or tensor, padded with -1, taken as given: P is its
             width (no trailing padding column is dropped) and only the page each token writes
-            to, ``cached_lens[r] // block_size``, is checked to hold a block.
+            to, ``cached_lens[r] // block_size``, is checked to hold a block. Block ids must be below
+            2**31 (the int32 table the kernels read), which is not checked here: ``build_step_layout``
+            refuses larger ones.
         block_size, pad_rows_to, pad_pages_to: as in ``build_step_layout``.
 
     Returns the layout ``build_step_layout([1] * B, cached_lens, block_tables, block_size, ...)``
