@@ -26,6 +26,7 @@ import argparse
 import datetime
 import functools
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -210,7 +211,7 @@ def run(args) -> None:
         print_table([r for r in rows if r["section"] == "all_reduce"])
         print_table([r for r in rows if r["section"] == "moe"])
         if args.json:
-            write_json(rows, args.json)
+            write_json(rows, args.json, command=getattr(args, "command", None))
     # Every rank leaves together: a gloo rank that tore its group down while another still used it was
     # aborted ("terminate called without an active exception").
     dist.barrier(group=control)
@@ -268,6 +269,8 @@ def main(argv=None) -> None:
             dist.destroy_process_group()
         return
     import torch.multiprocessing as mp
+
+    args.command = shlex.join(getattr(sys, "orig_argv", sys.argv))  # (rank 0 writes the results: a spawned child)
 
     with tempfile.TemporaryDirectory() as tmp:
         # spawned on the CPU too: a rank forked from a process that has used CUDA could not read the GPU's name

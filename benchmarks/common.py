@@ -274,10 +274,14 @@ def print_table(rows: list[dict], columns: list[str] | None = None) -> None:
         print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
 
 
-def write_json(rows: list[dict], path: str) -> None:
-    """Write ``{"meta": run_metadata(), "rows": rows}`` to ``path`` (see ``run_metadata``)."""
+def write_json(rows: list[dict], path: str, *, command: str | None = None) -> None:
+    """Write ``{"meta": run_metadata(), "rows": rows}`` to ``path`` (see ``run_metadata``), its folder made if
+    missing (a run must not end in a FileNotFoundError after its timings). ``command``: the command line to
+    record when this process is not the one the user started (a spawned rank)."""
+    meta = run_metadata() | ({"command": command} if command is not None else {})
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
-        json.dump({"meta": run_metadata(), "rows": rows}, f, indent=1)
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
 
 def _fmt(v) -> str:

@@ -2,7 +2,7 @@
 (``Engine.from_pretrained(..., data_parallel_size=M)``), in the same run.
 
     python -m benchmarks.engine_dp                                   # 2 GPUs: Qwen3-0.6B shapes, 1 vs 2 replicas
-    python -m benchmarks.engine_dp --data-parallel-size 2 --json results/h200x2_engine_dp.json
+    python -m benchmarks.engine_dp --data-parallel-size 2 --json benchmarks/results/h200x2_engine_dp.json
     python -m benchmarks.engine_dp --model qwen3-30b-a3b --tensor-parallel-size 2 --data-parallel-size 2  # 4 GPUs
     python -m benchmarks.engine_dp --device cpu --smoke              # a check of the script on a CPU
 

@@ -8,7 +8,6 @@ runs and the bf16 dense-matmul rate measured on this machine type (8192^3 torch.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from benchmarks.to_markdown import load_result
@@ -53,7 +52,12 @@ def main():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out = sys.argv[1] if len(sys.argv) > 1 else str(Path(__file__).resolve().parent.parent / "docs" / "roofline.png")
+    import argparse
+
+    parser = argparse.ArgumentParser(description="The roofline plot of the H200 result files.")
+    parser.add_argument("out", nargs="?", default=str(Path(__file__).resolve().parent.parent / "docs" / "roofline.png"),
+                        help="the PNG to write (default: docs/roofline.png)")
+    out = parser.parse_args().out
     xs = [10 ** (k / 10) for k in range(-10, 41)]
     fig, ax = plt.subplots(figsize=(8, 5.5))
     ax.loglog(xs, [min(MATMUL_TFLOPS, x * COPY_TBS) for x in xs], "k-", label="roofline (copy BW, bf16 matmul)")

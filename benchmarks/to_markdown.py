@@ -7,7 +7,6 @@ meta becomes a one-line caption under the table, and the older bare list of rows
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 
@@ -73,4 +72,10 @@ def render(path, columns: list[str] | None = None) -> str:
 
 
 if __name__ == "__main__":
-    print(render(sys.argv[1], sys.argv[2:] or None))
+    import argparse
+
+    parser = argparse.ArgumentParser(description="A result file (--json of a benchmark) as a Markdown table.")
+    parser.add_argument("path", help="the result file")
+    parser.add_argument("columns", nargs="*", help="the columns to show, in order (default: every column)")
+    args = parser.parse_args()
+    print(render(args.path, args.columns or None))
