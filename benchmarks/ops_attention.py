@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from atom_core.cache.token_layout import longest_first
-from benchmarks.common import adaptive_timer, guarded, kernel_backend, ratio
+from benchmarks.common import adaptive_timing, guarded, kernel_backend, ms_of, ratio, timing_column
 
 FULL = dict(q_heads=32, kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16,
             decode=[(b, s) for b in (1, 64, 256) for s in (512, 4096, 32768)],
@@ -140,10 +140,12 @@ def _decode_row(rows, context, sizes, device, smoke, timed, copy_gbs, twin_basel
     p = make_problem(rows, 1, context, sizes, device)
     scale = sizes["head_dim"] ** -0.5
     out = torch.empty_like(p.q)
-    ms = timed(lambda: paged_attention(*p.args(), scale=scale, out=out, row_order=p.row_order, backend=backend))
+    main = timed(lambda: paged_attention(*p.args(), scale=scale, out=out, row_order=p.row_order, backend=backend))
+    ms = main.ms
     # Rows of uneven context: the same launch in row order (without the engine's longest-first row_order).
-    in_row_order_ms = None if p.even else timed(
+    in_row_order = None if p.even else timed(
         lambda: paged_attention(*p.args(), scale=scale, out=out, backend=backend))
+    in_row_order_ms = ms_of(in_row_order)
     elt = p.q.element_size()
     kv_bytes = 2 * sum(p.contexts) * sizes["kv_heads"] * sizes["head_dim"] * p.k_cache.element_size()
     nbytes = kv_bytes + 2 * p.q.numel() * elt  # K and V read once; q read, out written
@@ -156,14 +158,15 @@ def _decode_row(rows, context, sizes, device, smoke, timed, copy_gbs, twin_basel
         dense["k"], dense["v"] = gather_dense(p, p.k_cache), gather_dense(p, p.v_cache)
         return lambda: _sdpa(q4, dense["k"], dense["v"], scale, False)
 
-    sdpa_ms = guarded(timed, pre_gathered) if p.even else None
+    sdpa = guarded(timed, pre_gathered) if p.even else None
     dense.clear()
-    sdpa_gather_ms = guarded(timed, lambda: lambda: _sdpa(q4, gather_dense(p, p.k_cache), gather_dense(p, p.v_cache),
-                                                           scale, False)) if p.even else None
-    twin_ms = None if not twin_baselines else guarded(
+    sdpa_gather = guarded(timed, lambda: lambda: _sdpa(q4, gather_dense(p, p.k_cache), gather_dense(p, p.v_cache),
+                                                        scale, False)) if p.even else None
+    twin_t = None if not twin_baselines else guarded(
         timed, lambda: lambda: twin.paged_attention(*p.args(), scale=scale), graph=False)
-    compile_ms = None if smoke or not twin_baselines else guarded(
+    compiled = None if smoke or not twin_baselines else guarded(
         timed, lambda: (lambda f: lambda: f(*p.args(), scale=scale))(torch.compile(twin.paged_attention)), graph=False)
+    sdpa_ms, sdpa_gather_ms, twin_ms, compile_ms = map(ms_of, (sdpa, sdpa_gather, twin_t, compiled))
     split_k = uses_split_k_decode(1, sizes["q_heads"], sizes["kv_heads"])
     return {
         "case": "decode", "batch": rows, "context": context_label(context), "backend": backend,
@@ -175,6 +178,8 @@ def _decode_row(rows, context, sizes, device, smoke, timed, copy_gbs, twin_basel
         "sdpa+gather_ms": sdpa_gather_ms, "x_sdpa+gather": ratio(sdpa_gather_ms, ms),
         "twin_ms": twin_ms, "x_twin": ratio(twin_ms, ms),
         "compile_ms": compile_ms, "x_compile": ratio(compile_ms, ms),
+        "timing": timing_column({"ms": main, "in_row_order_ms": in_row_order, "sdpa_ms": sdpa,
+                                 "sdpa+gather_ms": sdpa_gather, "twin_ms": twin_t, "compile_ms": compiled}),
     }
 
 
@@ -188,16 +193,19 @@ def _fp8_pool_row(rows, context, sizes, device, timed, copy_gbs, bf16_row):
     p.v_cache = (p.v_cache.float() / v_scale).to(torch.float8_e4m3fn)
     scale = sizes["head_dim"] ** -0.5
     out = torch.empty_like(p.q)
-    ms = timed(lambda: paged_attention(*p.args(), scale=scale, k_scale=k_scale, v_scale=v_scale, out=out,
-                                       row_order=p.row_order, backend=bf16_row["backend"]))
-    in_row_order_ms = None if p.even else timed(lambda: paged_attention(
+    main = timed(lambda: paged_attention(*p.args(), scale=scale, k_scale=k_scale, v_scale=v_scale, out=out,
+                                         row_order=p.row_order, backend=bf16_row["backend"]))
+    ms = main.ms
+    in_row_order = None if p.even else timed(lambda: paged_attention(
         *p.args(), scale=scale, k_scale=k_scale, v_scale=v_scale, out=out, backend=bf16_row["backend"]))
+    in_row_order_ms = ms_of(in_row_order)
     nbytes = 2 * sum(p.contexts) * sizes["kv_heads"] * sizes["head_dim"] + 2 * p.q.numel() * p.q.element_size()
     gbs = nbytes / (ms * 1e-3) / 1e9
     return {**{k: bf16_row[k] for k in ("batch", "context", "backend", "path", "splits")},
             "case": "decode (fp8 pool)", "ms": ms, "GB/s": gbs, "%copy": 100 * gbs / copy_gbs,
             "in_row_order_ms": in_row_order_ms, "x_in_row_order": ratio(in_row_order_ms, ms),
-            "bf16_pool_ms": bf16_row["ms"], "x_bf16_pool": ratio(bf16_row["ms"], ms)}
+            "bf16_pool_ms": bf16_row["ms"], "x_bf16_pool": ratio(bf16_row["ms"], ms),
+            "timing": timing_column({"ms": main, "in_row_order_ms": in_row_order})}
 
 
 def _flash_backend(device):
@@ -216,7 +224,8 @@ def _prefill_row(rows, length, sizes, device, smoke, timed, copy_gbs, twin_basel
     p = make_problem(rows, length, length, sizes, device)
     scale = sizes["head_dim"] ** -0.5
     out = torch.empty_like(p.q)
-    ms = timed(lambda: paged_attention(*p.args(), scale=scale, out=out, backend=backend))
+    main = timed(lambda: paged_attention(*p.args(), scale=scale, out=out, backend=backend))
+    ms = main.ms
     pairs = rows * length * (length + 1) // 2  # (query, visible key) pairs under the causal mask
     flops = 4 * pairs * sizes["q_heads"] * sizes["head_dim"]
     group = sizes["q_heads"] // sizes["kv_heads"]
@@ -228,11 +237,12 @@ def _prefill_row(rows, length, sizes, device, smoke, timed, copy_gbs, twin_basel
         with _flash_backend(device):
             return F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale)
 
-    sdpa_ms = guarded(timed, lambda: flash)
-    twin_ms = None if not twin_baselines else guarded(
+    sdpa = guarded(timed, lambda: flash)
+    twin_t = None if not twin_baselines else guarded(
         timed, lambda: lambda: twin.paged_attention(*p.args(), scale=scale), graph=False)
-    compile_ms = None if smoke or not twin_baselines else guarded(
+    compiled = None if smoke or not twin_baselines else guarded(
         timed, lambda: (lambda f: lambda: f(*p.args(), scale=scale))(torch.compile(twin.paged_attention)), graph=False)
+    sdpa_ms, twin_ms, compile_ms = map(ms_of, (sdpa, twin_t, compiled))
     return {
         "case": "prefill", "batch": rows, "context": length, "backend": backend, "path": "unified", "splits": 1,
         "ms": ms, "GB/s": None, "%copy": None, "TFLOP/s": flops / (ms * 1e-3) / 1e12,
@@ -240,6 +250,7 @@ def _prefill_row(rows, length, sizes, device, smoke, timed, copy_gbs, twin_basel
         "sdpa_TFLOP/s": None if sdpa_ms is None else flops / (sdpa_ms * 1e-3) / 1e12,
         "twin_ms": twin_ms, "x_twin": ratio(twin_ms, ms),
         "compile_ms": compile_ms, "x_compile": ratio(compile_ms, ms),
+        "timing": timing_column({"ms": main, "sdpa_ms": sdpa, "twin_ms": twin_t, "compile_ms": compiled}),
     }
 
 
@@ -253,7 +264,7 @@ def run(device: str = "cuda", smoke: bool = False, twin_baselines: bool = True, 
         sizes["kv_heads"] = kv_heads
     if decode:
         sizes["decode"] = decode
-    timed = adaptive_timer(device, smoke)
+    timed = adaptive_timing(device, smoke)
     copy_gbs = copy_bandwidth_gbs(device, nbytes=1 << 20 if smoke else 2 << 30)
     rows = []
     for batch, context in sizes["decode"]:
@@ -272,7 +283,7 @@ def run(device: str = "cuda", smoke: bool = False, twin_baselines: bool = True, 
 
 
 COLUMNS = ["case", "batch", "context", "backend", "path", "splits", "ms", "GB/s", "%copy", "TFLOP/s", "x_sdpa",
-           "x_sdpa+gather", "sdpa_TFLOP/s", "x_twin", "x_compile", "x_bf16_pool", "x_in_row_order"]
+           "x_sdpa+gather", "sdpa_TFLOP/s", "x_twin", "x_compile", "x_bf16_pool", "x_in_row_order", "timing"]
 
 
 def _flags(parser) -> None:

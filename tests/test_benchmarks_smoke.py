@@ -40,7 +40,7 @@ META_KEYS = {"gpu", "cuda", "hip", "torch", "triton", "transformers", "python", 
     (ops_sampling, {"op", "rows", "vocab", "backend", "ms", "GB/s", "%copy", "eager_ms", "x_eager", "timing"}),
     (ops_moe, {"op", "tokens", "backend", "ms", "x_twin", "timing"}),
     (ops_scaled_mm, {"format", "M", "N", "K", "backend", "ms", "TFLOP/s", "%copy", "x_bf16", "timing"}),
-    (ops_attention, {"case", "batch", "ms"}),  # owned elsewhere: adopts ``timing`` on its own schedule
+    (ops_attention, {"case", "batch", "ms", "x_sdpa", "x_twin", "timing"}),
     (ops_mla, {"case", "batch", "context", "topk", "backend", "ms", "MB_read", "GB/s", "%copy", "x_sdpa", "x_twin",
                "x_dense", "timing"}),
 ], ids=lambda v: getattr(v, "__name__", "").rpartition(".")[2])
