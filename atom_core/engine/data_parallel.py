@@ -41,7 +41,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import socket
 import subprocess
 import time
 import weakref
@@ -56,6 +55,7 @@ import torch
 from atom_core.cache.block_manager import PrefixCacheStats
 from atom_core.engine import structured_output
 from atom_core.engine.distributed import DistributedEngineError, WorkerFailedError
+from atom_core.engine.dp_attention import new_world
 from atom_core.engine.dp_replica import (ABORT, ADD, CLOSED, FATAL, OUTPUTS, READY, RESET_PREFIX_CACHE, START_FAILED,
                                         STATS, STEP_ERROR, ReplicaHandle, replica_main, start_replica, stop_replicas)
 from atom_core.engine.engine import DEMO_MODEL
@@ -95,13 +95,6 @@ class PoolSummary:
     num_blocks: int
     num_free_blocks: int
     stats: PrefixCacheStats
-
-
-def _free_port() -> int:
-    """A TCP port on the loopback no process listens on now (the DP-attention replicas' rendezvous)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 
@@ -189,7 +182,7 @@ class DataParallelEngine(OfflineAPI, ReplicaWeightUpdates, ReplicaSleepMode):
                   "tensor_parallel_size": tensor_parallel_size, "expert_parallel": expert_parallel,
                   "step_timeout": step_timeout, "engine_args": engine_args}
         self.dp_attention = bool(dp_attention)
-        world = {"size": data_parallel_size, "init_method": f"tcp://127.0.0.1:{_free_port()}"} if dp_attention else None
+        world = new_world(data_parallel_size) if dp_attention else None
         self._finalizer = weakref.finalize(self, stop_replicas, self._replicas, self._state)
         try:
             for index in range(data_parallel_size):
@@ -429,21 +422,15 @@ class DataParallelEngine(OfflineAPI, ReplicaWeightUpdates, ReplicaSleepMode):
         """Stop a request (all its ``n`` sequences) now, or each of an iterable of ids, as ``Engine.abort``;
         unknown or finished ids are ignored. Outputs its replica made before it read the abort are dropped."""
         for one in request_ids_of(request_id):
-            self._abort_one(one)
-
-    def _abort_one(self, request_id: int) -> None:
-        entry = self._groups.get(request_id)
-        if entry is None:
-            return
-        replica, group = entry
-        if self._failure is None:
-            try:
-                replica.conn.send((ABORT, request_id))
-            except (OSError, ValueError):  # a dead replica: step() says so
-                pass
-        for request in group:
-            if not request.finished:
-                self._finish(replica, request, "abort")
+            replica, group = self._groups.get(one, (None, ()))
+            if replica is not None and self._failure is None:
+                try:
+                    replica.conn.send((ABORT, one))
+                except (OSError, ValueError):  # a dead replica: step() says so
+                    pass
+            for request in group:
+                if not request.finished:
+                    self._finish(replica, request, "abort")
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)

@@ -23,14 +23,23 @@ tensor-parallel groups (tp > 1 per DP rank) is not built.
 from __future__ import annotations
 
 import datetime
+import socket
 
 import torch
 
 from atom_core.models.parallel import ParallelContext
 
-__all__ = ["LockStep", "join_world"]
+__all__ = ["LockStep", "join_world", "new_world"]
 
 IDLE_WAIT_S = 0.02  # how long a rank waits for the front's next command between agreements while nobody works
+
+
+def new_world(size: int) -> dict:
+    """The spec of a world of ``size`` replicas the front starts (each joins it with ``join_world``, its
+    ``"rank"`` added): a rendezvous on a loopback TCP port no process listens on now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return {"size": size, "init_method": f"tcp://127.0.0.1:{probe.getsockname()[1]}"}
 
 
 def join_world(spec: dict, device_type: str, timeout_s: float) -> tuple[ParallelContext, LockStep]:
