@@ -29,6 +29,7 @@ Legend: k = output tokens decoded; chars = characters of decoded text.
 
 from __future__ import annotations
 
+import os
 from bisect import bisect_right
 
 INCOMPLETE_CHARACTER = "\ufffd"  # what decoding gives for the bytes of a character not yet complete
@@ -109,7 +110,7 @@ class Detokenizer:
         window.append(token_id)
         text = self._decode(window).rstrip(INCOMPLETE_CHARACTER)
         context = self._context_text
-        start = len(context) if text.startswith(context) else _shared_prefix_len(text, context)
+        start = len(context) if text.startswith(context) else len(os.path.commonprefix((text, context)))
         piece = ""
         if len(text) > start:
             piece = text[start:]
@@ -198,12 +199,3 @@ class OutputTokens:
 
     def __getitem__(self, k: int) -> int:
         return self._token_ids[self._offset + k]
-
-
-def _shared_prefix_len(a: str, b: str) -> int:
-    """The length of the longest common prefix of ``a`` and ``b``."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

@@ -10,11 +10,10 @@ once it ends, why. ``prompt_text_of`` says what text a prompt was given as (the 
 from __future__ import annotations
 
 import enum
-import numbers
 from collections.abc import Iterable, Mapping
 
 from atom_core.engine.detokenizer import Detokenizer, OutputTokens
-from atom_core.engine.sampling_params import SamplingParams
+from atom_core.engine.sampling_params import SamplingParams, _is_int
 
 
 def prompt_text_of(prompt, prompt_text: str | None = None) -> str | None:
@@ -164,13 +163,10 @@ class Request:
 def request_ids_of(request_id: int | Iterable[int]) -> list[int]:
     """``abort``'s argument as ids: an int (Python or numpy, not a bool), or an iterable of them. Anything else
     (a vLLM-style string id) raises TypeError: it can name no request of an engine, whose ids are ints."""
-    def is_id(value) -> bool:
-        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-    if is_id(request_id):
+    if _is_int(request_id):
         return [int(request_id)]
     ids = list(request_id) if isinstance(request_id, Iterable) and not isinstance(request_id, (str, bytes)) else None
-    if ids is None or not all(is_id(i) for i in ids):
+    if ids is None or not all(_is_int(i) for i in ids):
         raise TypeError(f"request_id must be an int that add_request returned, or an iterable of them; got "
                         f"{request_id!r}")
     return [int(i) for i in ids]

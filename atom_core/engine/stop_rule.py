@@ -76,12 +76,17 @@ class StopRule:
         """``request``'s last token was drawn from a row where its rules (a grammar, ``allowed_token_ids``,
         ``bad_words``, ``min_tokens``) together allowed no token, which the sampler answers with token 0: it
         finishes with "error", its text without that token."""
-        detokenizer = request.detokenizer
-        if detokenizer is None and self.tokenizer is not None:
-            detokenizer = request.detokenizer = request.make_detokenizer(self.tokenizer)
+        detokenizer = self._detokenizer_of(request)
         if detokenizer is not None:
             detokenizer.finish(request.num_output_tokens - 1)
         return NO_TOKEN_ALLOWED
+
+    def _detokenizer_of(self, request: Request):
+        """``request``'s detokenizer, made here for a request made outside the engine (None without a tokenizer,
+        or with ``detokenize=False``)."""
+        if request.detokenizer is None and self.tokenizer is not None:
+            request.detokenizer = request.make_detokenizer(self.tokenizer)
+        return request.detokenizer
 
     def finish_reason(self, request: Request) -> str | None:
         """Why ``request`` stops after its last token, or None; when it stops, its detokenizer is
@@ -92,9 +97,7 @@ class StopRule:
         last character whose UTF-8 bytes the output has not completed.
         """
         params, token = request.params, request.token_ids[-1]
-        detokenizer = request.detokenizer
-        if detokenizer is None and self.tokenizer is not None:  # a request made outside the engine
-            detokenizer = request.detokenizer = request.make_detokenizer(self.tokenizer)
+        detokenizer = self._detokenizer_of(request)
         num_output = request.num_output_tokens
         is_eos = not params.ignore_eos and token in self._eos_token_ids
         if is_eos or token in (params.stop_token_ids or ()):
